@@ -1,0 +1,175 @@
+"""Memory of a training step: the analytic model and its measured counterpart.
+
+Four consumers share a GPU: parameters, gradients, optimizer states and activations.
+The analytic half predicts their bytes from a config (precision, recomputation, ZeRO
+stage, TP/PP degrees); the measured half counts the real bytes of a small model, on
+CPU through autograd's saved-tensor hooks, on GPU through the CUDA caching allocator.
+Sizes are in bytes; GB means 1e9 bytes, as in the book's tables.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from .model import RECOMPUTE_MODES, count_params
+
+GB = 1e9
+GiB = 2 ** 30
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+# --------------------------------------------------------------------------- model states
+def model_state_bytes(n_params: int, mixed_precision: bool = True, fp32_grad_accum: bool = False) -> dict:
+    """Bytes of parameters, gradients and Adam states for `n_params` parameters.
+
+    Full precision: fp32 weights (4) and gradients (4), Adam momentum and variance (4 + 4).
+    BF16 mixed precision: bf16 weights (2) and gradients (2) for compute, an fp32 "master"
+    copy of the weights (4) that the optimizer updates, and the same Adam states (4 + 4).
+    Both total 16 bytes per parameter. Accumulating gradients in fp32 (as nanotron does)
+    adds an fp32 gradient buffer: 20 bytes per parameter.
+    """
+    n = n_params
+    if not mixed_precision:
+        return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+    states = {"params": 2 * n, "grads": 2 * n, "master_params": 4 * n, "optimizer": 8 * n}
+    if fp32_grad_accum:
+        states["fp32_grads"] = 4 * n
+    return states
+
+
+def zero_bytes_per_rank(n_params, stage: int, dp: int, k: float = 12, param_bytes: float = 2,
+                        grad_bytes: float = 2) -> dict:
+    """Per-rank model-state bytes under ZeRO with data-parallel degree `dp`.
+
+    k is the optimizer bytes per parameter including the fp32 master weights (12 for Adam
+    in mixed precision). Each stage shards one more kind of state across the dp ranks:
+      stage 0: 2Ψ + 2Ψ + kΨ         stage 1: 2Ψ + 2Ψ + kΨ/Nd
+      stage 2: 2Ψ + (2Ψ + kΨ)/Nd    stage 3: (2Ψ + 2Ψ + kΨ)/Nd
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    if dp < 1:
+        raise ValueError(f"data-parallel degree must be >= 1, got {dp}")
+    shard = lambda sharded: dp if sharded else 1   # noqa: E731
+    return {"parameters": param_bytes * n_params / shard(stage >= 3),
+            "gradients": grad_bytes * n_params / shard(stage >= 2),
+            "optimizer states": k * n_params / shard(stage >= 1)}
+
+
+# --------------------------------------------------------------------------- activations
+def activation_bytes(config, seq: int, micro_batch: int = 1, recompute: str = "none") -> int:
+    """Activation bytes kept for backward by the transformer layers (16-bit activations).
+
+    none:      L*seq*bs*h*(34 + 5*a*seq/h)  (Korthikanti et al.; the 5as/h term is the
+               seq x seq attention scores, softmax and its dropout, quadratic in seq)
+    selective: L*seq*bs*h*34  (recompute only the attention scores in backward)
+    full:      L*2*seq*bs*h   (keep only each layer's bf16 input; the one layer being
+               recomputed in backward briefly needs its full activations again, which
+               we leave out so that the three modes compare what is stored across the step)
+    Embedding and logits activations are not counted, as in the formula.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
+    L, h, a = config.layers, config.hidden, config.heads
+    tokens = seq * micro_batch
+    if recompute == "full":
+        return L * 2 * tokens * h
+    quadratic = 0 if recompute == "selective" else 5 * a * seq * tokens
+    return L * (34 * tokens * h + quadratic)
+
+
+# --------------------------------------------------------------------------- one rank
+def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_grad_accum=False,
+              recompute="none", zero_stage=0, tp=1, dp=1, pp=1, optimizer_bytes=None) -> dict:
+    """Bytes held by one GPU, by consumer: what the memory widget draws.
+
+    A simple model of the parallel degrees:
+    - TP and PP split the weights, so parameters, gradients and optimizer states divide by
+      tp*pp (ignoring that embeddings and norms split less evenly);
+    - ZeRO then shards those states across the dp ranks (zero_bytes_per_rank);
+    - TP with sequence parallelism splits every activation, so activations divide by tp;
+    - PP gives a stage ceil(L/pp) layers, but with a 1F1B schedule the first stage holds
+      pp micro-batches in flight, so its activations stay about those of L layers;
+    - DP does not shrink activations: each rank runs its own micro-batch.
+    optimizer_bytes (k) defaults to 12 in mixed precision (fp32 master + Adam m, v), 8 in fp32.
+    """
+    for name, degree in (("tp", tp), ("dp", dp), ("pp", pp)):
+        if degree < 1:
+            raise ValueError(f"{name} must be >= 1, got {degree}")
+    seq = seq or config.seq_len
+    if mixed_precision:
+        p_bytes, g_bytes, k = 2, 2 + (4 if fp32_grad_accum else 0), 12
+    else:
+        p_bytes, g_bytes, k = 4, 4, 8
+    k = k if optimizer_bytes is None else optimizer_bytes
+    n_local = count_params(config) / (tp * pp)
+    result = zero_bytes_per_rank(n_local, zero_stage, dp, k, p_bytes, g_bytes)
+    per_layer = activation_bytes(config, seq, micro_batch, recompute) / config.layers
+    stage_layers = math.ceil(config.layers / pp)
+    act = per_layer * stage_layers * pp / tp
+    result["activations"] = act if mixed_precision else 2 * act   # fp32 activations: twice the bytes
+    return result
+
+
+# --------------------------------------------------------------------------- measurement
+def saved_activation_bytes(model, batch, autocast_dtype=None) -> int:
+    """Bytes of the tensors autograd saves for backward during one forward of `model(batch)`.
+
+    Tensors are counted by storage: q, k and v are views of one qkv output, and a tensor
+    saved by two operations is one allocation, so each storage (keyed by its data_ptr)
+    counts once with its full size. Parameters are left out: they exist with or without a
+    forward. Every saved tensor stays referenced by the graph until we return, so no
+    address is reused by another tensor while we count. Under autocast, the low-precision
+    copies of the weights are saved too: they do not depend on batch or sequence length,
+    so they show up as a constant.
+    """
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in param_ptrs:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    autocast = (torch.autocast(batch.device.type, dtype=autocast_dtype) if autocast_dtype
+                else contextlib.nullcontext())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        out = model(batch)
+    total = sum(storages.values())
+    del out   # the graph, and with it the saved tensors, is freed only now
+    return total
+
+
+def _unique_bytes(tensors) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def state_bytes(model, optimizer=None) -> dict:
+    """Exact bytes of parameters, gradients and optimizer states (tied weights count once)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = []
+    if optimizer is not None:
+        states = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
+            "optimizer": _unique_bytes(states)}
+
+
+def cuda_peak_bytes(fn, *args, device=None, **kwargs) -> int:
+    """Peak bytes allocated by the CUDA caching allocator while `fn(*args, **kwargs)` runs.
+
+    This counts tensors only: the CUDA context and kernels (1-2 GB) and the allocator's
+    cached-but-free blocks are not included; nvidia-smi shows those too.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_peak_bytes needs a CUDA GPU; on CPU use saved_activation_bytes "
+                           "and state_bytes instead")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn(*args, **kwargs)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)

@@ -1,0 +1,212 @@
+"""The memory model: the book's tables, ZeRO, activations, and measurement on a tiny model."""
+import numpy as np
+import pytest
+import torch
+
+from ultrascale.memory import (GB, GiB, activation_bytes, breakdown, cuda_peak_bytes, model_state_bytes,
+                               saved_activation_bytes, state_bytes, zero_bytes_per_rank)
+from ultrascale.model import GPT, LLAMA3_8B, LLAMA_TINY, GPTConfig, Llama, count_params
+
+torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------------ analytic
+@pytest.mark.parametrize("billions,plain_gb,fp32_accum_gb", [
+    (1, 16, 20), (7, 112, 140), (70, 1120, 1400), (405, 6480, 8100)])
+def test_book_table_of_model_states(billions, plain_gb, fp32_accum_gb):
+    n = billions * 10**9
+    assert sum(model_state_bytes(n, mixed_precision=False).values()) / GB == plain_gb
+    assert sum(model_state_bytes(n, mixed_precision=True).values()) / GB == plain_gb
+    assert sum(model_state_bytes(n, True, fp32_grad_accum=True).values()) / GB == fp32_accum_gb
+
+
+def test_mixed_precision_parts():
+    parts = model_state_bytes(1, mixed_precision=True)
+    assert parts == {"params": 2, "grads": 2, "master_params": 4, "optimizer": 8}
+
+
+def test_zero_stages_derived_numbers():
+    psi, k, nd = 7.5e9, 12, 64
+    totals = [sum(zero_bytes_per_rank(psi, stage, nd, k).values()) / GB for stage in range(4)]
+    assert totals == pytest.approx([120, 31.40625, 16.640625, 1.875])
+    assert [round(t, 2) for t in totals] == [120, 31.41, 16.64, 1.88]
+
+
+def test_zero_rejects_bad_stage():
+    with pytest.raises(ValueError, match="stage"):
+        zero_bytes_per_rank(1e9, 4, 8)
+
+
+def test_activation_formula_example():
+    """h=4096, L=32, a=32, seq=4096, bs=1: 32*4096*4096*(34 + 160) bytes."""
+    none = activation_bytes(LLAMA3_8B, seq=4096, micro_batch=1)
+    assert none == 32 * 4096 * 4096 * 194
+    assert none / 1e11 == pytest.approx(1.04, abs=0.005)
+    assert none / GiB == pytest.approx(97, abs=0.1)
+    assert activation_bytes(LLAMA3_8B, 4096, 1, "selective") == 32 * 4096 * 4096 * 34
+    assert activation_bytes(LLAMA3_8B, 4096, 1, "full") == 32 * 2 * 4096 * 4096
+
+
+def test_activation_scaling():
+    a = lambda seq, bs: activation_bytes(LLAMA3_8B, seq, bs)   # noqa: E731
+    assert a(1024, 4) == 4 * a(1024, 1)                         # linear in batch
+    assert a(2048, 1) > 2 * a(1024, 1)                          # more than linear in seq
+    # second difference in seq is constant: a pure quadratic term, 5*a*L*bs bytes per seq^2
+    assert a(3000, 1) - 2 * a(2000, 1) + a(1000, 1) == 2 * 5 * 32 * 32 * 1000**2
+
+
+def test_breakdown_single_gpu_matches_parts():
+    n = count_params(LLAMA3_8B)
+    parts = breakdown(LLAMA3_8B, seq=4096, micro_batch=1)
+    assert parts["parameters"] == 2 * n
+    assert parts["gradients"] == 2 * n
+    assert parts["optimizer states"] == 12 * n
+    assert parts["activations"] == activation_bytes(LLAMA3_8B, 4096, 1)
+    fp32 = breakdown(LLAMA3_8B, seq=4096, mixed_precision=False)
+    assert fp32["parameters"] + fp32["gradients"] + fp32["optimizer states"] == 16 * n
+    accum = breakdown(LLAMA3_8B, seq=4096, fp32_grad_accum=True)
+    assert accum["gradients"] == 6 * n
+
+
+def test_breakdown_parallel_degrees():
+    base = breakdown(LLAMA3_8B, seq=4096)
+    tp = breakdown(LLAMA3_8B, seq=4096, tp=4)
+    assert tp["parameters"] == pytest.approx(base["parameters"] / 4)
+    assert tp["activations"] == pytest.approx(base["activations"] / 4)
+    pp = breakdown(LLAMA3_8B, seq=4096, pp=4)
+    assert pp["optimizer states"] == pytest.approx(base["optimizer states"] / 4)
+    assert pp["activations"] == pytest.approx(base["activations"])   # 1F1B: pp micro-batches in flight
+    dp = breakdown(LLAMA3_8B, seq=4096, dp=8)
+    assert dp == base                                                # DP alone replicates everything
+    z3 = breakdown(LLAMA3_8B, seq=4096, dp=8, zero_stage=3)
+    assert z3["parameters"] == pytest.approx(base["parameters"] / 8)
+    assert breakdown(LLAMA3_8B, seq=4096, optimizer_bytes=4)["optimizer states"] == 4 * count_params(LLAMA3_8B)
+
+
+# ------------------------------------------------------------------------ measured
+def train_one_step(model, optimizer, idx):
+    model.loss(idx, idx).backward()
+    optimizer.step()
+
+
+def test_state_bytes_match_prediction_fp32_adam():
+    model = GPT(GPTConfig())
+    optimizer = torch.optim.Adam(model.parameters())
+    train_one_step(model, optimizer, torch.randint(0, 256, (2, 16)))
+    n = count_params(model.config)
+    measured, predicted = state_bytes(model, optimizer), model_state_bytes(n, mixed_precision=False)
+    assert measured["params"] == predicted["params"]        # the tied weight counts once
+    assert measured["grads"] == predicted["grads"]
+    # Adam also keeps a 4-byte step counter per parameter tensor; apart from it, exact
+    step_counters = 4 * len(list(model.parameters()))
+    assert measured["optimizer"] == predicted["optimizer"] + step_counters
+    assert measured["optimizer"] == pytest.approx(predicted["optimizer"], rel=0.05)
+
+
+def test_state_bytes_bf16_weights():
+    model = Llama(LLAMA_TINY).to(torch.bfloat16)
+    assert state_bytes(model) == {"params": 2 * count_params(LLAMA_TINY), "grads": 0, "optimizer": 0}
+
+
+def saved(model, batch, seq, dtype=torch.bfloat16):
+    idx = torch.randint(0, model.config.vocab_size, (batch, seq))
+    return saved_activation_bytes(model, idx, autocast_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_saved_bytes_linear_in_batch(dtype):
+    # from batch 2 up: at batch 1 PyTorch's matmul can save a view of the whole qkv buffer
+    # instead of a copy of q or k, which keeps a different number of bytes alive
+    model = GPT(GPTConfig())
+    sizes = [saved(model, b, 32, dtype) for b in (2, 3, 4, 5)]
+    assert np.all(np.diff(sizes, n=2) == 0) and sizes[1] > sizes[0]
+
+
+def quadratic_fit(model, seqs, batch=2):
+    sizes = [saved(model, batch, s) for s in seqs]
+    return np.diff(sizes, n=2), sizes
+
+
+def test_saved_bytes_linear_plus_quadratic_in_seq():
+    config = GPTConfig()
+    seqs = [8, 16, 24, 32, 40]
+    second, _ = quadratic_fit(GPT(config), seqs)
+    assert len(set(second)) == 1 and second[0] > 0          # exactly quadratic, positive curvature
+    # bytes per attention-score element and layer: the formula's 5 counts bf16 softmax
+    # output (2) + dropout mask (1) + dropout output (2); without dropout we keep the
+    # bf16 softmax output (2) plus a 1-byte causal mask shared by batch and heads
+    per_seq2 = second[0] / (2 * 8**2)
+    per_score = per_seq2 / (config.layers * config.heads * 2)
+    assert per_score == pytest.approx(2 + 1 / (config.heads * 2))
+
+
+def test_selective_recomputation_removes_the_quadratic_term():
+    model = GPT(GPTConfig()).set_recompute("selective")
+    second, _ = quadratic_fit(model, [8, 16, 24, 32])
+    assert np.all(second == 0)
+
+
+def test_recomputation_reduces_saved_bytes():
+    model = GPT(GPTConfig(layers=4))
+    by_mode = {mode: saved(model.set_recompute(mode), 2, 64) for mode in ("none", "selective", "full")}
+    assert by_mode["full"] < by_mode["selective"] < by_mode["none"]
+    assert by_mode["full"] < 0.25 * by_mode["none"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_peak_bytes():
+    model = Llama(LLAMA_TINY).cuda()
+    idx = torch.randint(0, 256, (2, 64), device="cuda")
+    params = state_bytes(model)["params"]
+    activations = saved_activation_bytes(model, idx)
+    peak = cuda_peak_bytes(lambda: model.loss(idx, idx).backward())
+    # at the end of the forward, the weights and every saved activation are alive together;
+    # the allocator rounds each block up, so its peak can only be larger
+    assert peak >= params + activations
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_peak_bytes_without_gpu_says_what_to_do():
+    with pytest.raises(RuntimeError, match="saved_activation_bytes"):
+        cuda_peak_bytes(lambda: None)
+
+
+# ------------------------------------------------------------------------ widget
+@pytest.mark.parametrize("preset", ["Llama 3 8B", "Llama 3 70B", "Llama 3 405B"])
+def test_memory_figure_draws_the_breakdown(preset):
+    from ultrascale.model import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+    from ultrascale.viz.memory_widget import memory_figure
+
+    config = {"Llama 3 8B": LLAMA3_8B, "Llama 3 70B": LLAMA3_70B, "Llama 3 405B": LLAMA3_405B}[preset]
+    fig = memory_figure(preset, seq=2048, tp=2, dp=4, zero_stage=1)
+    left = fig.axes[0]
+    drawn = [bar.get_height() for bar in left.patches]   # one bar per consumer, stacked
+    expected = breakdown(config, seq=2048, tp=2, dp=4, zero_stage=1)
+    assert drawn == pytest.approx([expected[name] / GB for name in
+                                   ("parameters", "gradients", "optimizer states", "activations")])
+    assert len(fig.axes) == 3
+
+
+def test_memory_figure_rejects_bad_inputs():
+    from ultrascale.viz.memory_widget import memory_figure
+
+    with pytest.raises(ValueError, match="divisible"):
+        memory_figure(hidden=4100, heads=32)
+    with pytest.raises(TypeError, match="unknown inputs"):
+        memory_figure(batch_size=8)
+
+
+def test_memory_widget_constructs_and_redraws():
+    from ultrascale.viz.memory_widget import memory_widget
+
+    widget = memory_widget()
+    image = widget.children[-1]
+    first = image.value
+    assert first[:4] == b"\x89PNG"
+    shape_box = widget.children[0].children[0]
+    shape_box.children[0].value = "Llama 3 70B"          # the preset dropdown
+    assert image.value != first
+    hidden = next(c for c in shape_box.children if c.description == "hidden")
+    assert hidden.value == 8192
+    hidden.value = 8191                                   # not divisible by heads: message, no crash
+    assert "divisible" in widget.children[1].value

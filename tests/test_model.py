@@ -1,0 +1,164 @@
+"""The course model: exact parameter counts, FLOP counts and behaviour of both variants."""
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, LLAMA_TINY, GPTConfig, Llama,
+                              LlamaConfig, attention_flops_per_token, build_model, count_params, hfu,
+                              matmul_params, mfu, training_flops)
+
+torch.set_num_threads(1)
+
+
+def book_formula(h, v, L):
+    return h * v + L * (12 * h * h + 13 * h) + 2 * h
+
+
+def numel(model):
+    return sum(p.numel() for p in model.parameters())   # parameters() yields a tied weight once
+
+
+def test_gpt_matches_book_formula_for_the_course_size():
+    config = GPTConfig(hidden=64, vocab_size=256, layers=2, heads=4)
+    assert count_params(config) == 116_480
+    assert numel(GPT(config)) == 116_480
+
+
+@pytest.mark.parametrize("h,v,L,heads", [(32, 100, 1, 2), (48, 512, 3, 6), (128, 1000, 4, 8), (96, 50, 0, 4)])
+def test_gpt_matches_book_formula_for_other_shapes(h, v, L, heads):
+    config = GPTConfig(hidden=h, vocab_size=v, layers=L, heads=heads)
+    assert count_params(config) == book_formula(h, v, L) == numel(GPT(config))
+
+
+def test_gpt_ties_embedding_and_head():
+    model = GPT(GPTConfig())
+    assert model.head.weight is model.embed.weight
+
+
+def test_llama3_published_sizes():
+    assert count_params(LLAMA3_8B) == 8_030_261_248
+    assert count_params(LLAMA3_70B) == 70_553_706_496
+    assert count_params(LLAMA3_405B) == 405_853_388_800
+
+
+@pytest.mark.parametrize("config", [
+    LLAMA_TINY,
+    LlamaConfig(tie_embeddings=True),
+    LlamaConfig(hidden=96, heads=6, kv_heads=3, ffn=200, layers=3, vocab_size=77),
+    LlamaConfig(hidden=64, heads=4, kv_heads=4, ffn=128),   # plain multi-head attention
+    LlamaConfig(hidden=64, heads=8, kv_heads=1, ffn=96),    # multi-query attention
+])
+def test_llama_analytic_count_equals_instantiated(config):
+    assert count_params(config) == numel(Llama(config))
+
+
+def test_untied_llama_has_separate_head():
+    tied, untied = LlamaConfig(tie_embeddings=True), LlamaConfig(tie_embeddings=False)
+    assert count_params(untied) - count_params(tied) == untied.hidden * untied.vocab_size
+    assert Llama(untied).head.weight is not Llama(untied).embed.weight
+
+
+def test_bad_shapes_give_actionable_errors():
+    with pytest.raises(ValueError, match="divisible by heads"):
+        GPTConfig(hidden=65, heads=4)
+    with pytest.raises(ValueError, match="kv_heads"):
+        LlamaConfig(heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match="attention"):
+        GPTConfig(attention="flash")
+    with pytest.raises(ValueError, match="recompute"):
+        GPT(GPTConfig()).set_recompute("half")
+
+
+@pytest.mark.parametrize("config", [GPTConfig(), LLAMA_TINY])
+def test_forward_shape_and_loss(config):
+    model = build_model(config)
+    idx = torch.randint(0, config.vocab_size, (2, 16))
+    assert model(idx).shape == (2, 16, config.vocab_size)
+    loss = model.loss(idx[:, :-1], idx[:, 1:])
+    # at initialization the logits are near zero, so the loss is near log(vocab)
+    assert abs(loss.item() - torch.log(torch.tensor(float(config.vocab_size))).item()) < 0.1
+
+
+@pytest.mark.parametrize("config", [GPTConfig(), LLAMA_TINY])
+def test_model_is_causal(config):
+    model = build_model(config)
+    idx = torch.randint(0, config.vocab_size, (1, 12))
+    changed = idx.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % config.vocab_size
+    torch.testing.assert_close(model(idx)[0, :8], model(changed)[0, :8])
+
+
+@pytest.mark.parametrize("config", [GPTConfig(), LLAMA_TINY])
+def test_eager_and_sdpa_attention_agree(config):
+    eager = build_model(config)
+    sdpa = build_model(dataclasses.replace(config, attention="sdpa"))
+    sdpa.load_state_dict(eager.state_dict())
+    idx = torch.randint(0, config.vocab_size, (2, 16))
+    torch.testing.assert_close(eager(idx), sdpa(idx), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_gives_the_same_gradients(mode):
+    reference = GPT(GPTConfig())
+    recomputed = GPT(GPTConfig()).set_recompute(mode)
+    recomputed.load_state_dict(reference.state_dict())
+    idx = torch.randint(0, 256, (2, 16))
+    reference.loss(idx, idx).backward()
+    recomputed.loss(idx, idx).backward()
+    for (name, p), q in zip(reference.named_parameters(), recomputed.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+# ---------------------------------------------------------------------------------- FLOPs
+def measured_training_flops(model, idx):
+    with FlopCounterMode(display=False) as counter:
+        model.loss(idx, idx).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("config", [GPTConfig(), LLAMA_TINY, LlamaConfig(tie_embeddings=True)])
+def test_flop_formula_is_exact_for_matmuls(config):
+    """FlopCounterMode counts matrix multiplies only: 2 FLOPs per multiply-add, backward twice forward."""
+    seq, batch = 32, 2
+    idx = torch.randint(0, config.vocab_size, (batch, seq))
+    tokens = batch * seq
+    expected = tokens * (6 * matmul_params(config) + attention_flops_per_token(config, seq))
+    assert measured_training_flops(build_model(config), idx) == expected
+
+
+def test_six_n_rule_is_close_on_gpt():
+    """6N also charges the norms and biases (13h per layer + 2h), which do no matmul.
+
+    They are 13h/(12h^2 + 13h) of a layer: 1.7% at h=64, and vanishing at real sizes,
+    so we allow 2% here.
+    """
+    config, seq, batch = GPTConfig(), 32, 2
+    idx = torch.randint(0, config.vocab_size, (batch, seq))
+    measured = measured_training_flops(GPT(config), idx)
+    predicted = training_flops(config, batch * seq, seq_len=seq)
+    assert measured <= predicted <= 1.02 * measured
+
+
+def test_attention_term_and_causal_half():
+    c = LLAMA3_8B
+    assert attention_flops_per_token(c, 4096) == 12 * 32 * 4096 * 4096
+    assert attention_flops_per_token(c, 4096, causal=True) == 6 * 32 * 4096 * 4096
+    # at its 8k training context, attention adds about a fifth to Llama 3 8B's 6N
+    assert training_flops(c, 1) == 6 * 8_030_261_248 + 12 * 32 * 4096 * 8192
+    assert training_flops(c, 1) / (6 * 8_030_261_248) == pytest.approx(1.267, abs=1e-3)
+
+
+def test_mfu_and_hfu():
+    c = LLAMA3_8B
+    peak = 989e12                                   # H100 dense bf16
+    tokens_per_s = peak / training_flops(c, 1)      # a rate that would use the whole chip
+    assert mfu(tokens_per_s, c, peak) == pytest.approx(1.0)
+    assert mfu(tokens_per_s / 2, c, peak) == pytest.approx(0.5)
+    assert hfu(1000, c, peak, "full") / mfu(1000, c, peak) == pytest.approx(8 / 6)
+    assert hfu(1000, c, peak, "none") == pytest.approx(mfu(1000, c, peak))
+    # selective redoes only the attention-score forward: 4*L*h*seq per token
+    attention_forward = 4 * 32 * 4096 * 8192
+    selective = hfu(1000, c, peak, "selective") / mfu(1000, c, peak)
+    assert selective == pytest.approx(1 + attention_forward / training_flops(c, 1))
