@@ -1,0 +1,26 @@
+"""Persistent ranks beside a notebook, and the same functions under torchrun.
+
+    from ultrascale.runtime import Cluster
+    cluster = Cluster(4)
+    cluster.run(lambda ctx: ctx.rank)         # -> [0, 1, 2, 3]
+
+Modules: ``cluster`` (the notebook side), ``worker`` (the rank side), ``context``
+(the ``ctx`` every function receives), ``magic`` (the ``%%ranks`` cell magic),
+``torchrun`` (running the same function under torchrun or SLURM), ``errors``.
+"""
+
+from .cluster import Cluster, current_cluster, resolve_backend, shared_cluster
+from .context import RankContext
+from .errors import CallTimeout, RankError, RankFailure
+
+__all__ = [
+    "Cluster", "shared_cluster", "current_cluster", "resolve_backend",
+    "RankContext", "RankError", "CallTimeout", "RankFailure", "load_ipython_extension",
+]
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext ultrascale.runtime`` registers the ``%%ranks`` magic."""
+    from .magic import register
+
+    register(ipython)

@@ -1,0 +1,92 @@
+"""Run a notebook experiment function under ``torchrun`` (one node or many, SLURM too).
+
+The function has the same signature as for ``Cluster.run``: ``fn(ctx, *args)``.
+
+    torchrun --nproc_per_node=4 -m ultrascale.runtime.torchrun mymodule:experiment '[1024]'
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; we join
+the process group from them (``env://``), call the function, gather every rank's
+result on rank 0 and print them as JSON (or write them with ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .context import RankContext
+
+
+def load_function(spec: str):
+    """``package.module:function`` or ``path/to/file.py:function``."""
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise ValueError(f"expected MODULE:FUNCTION or FILE.py:FUNCTION, got {spec!r}")
+    if target.endswith(".py"):
+        spec_ = importlib.util.spec_from_file_location("_experiment", target)
+        module = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    return getattr(module, name)
+
+
+def run_under_torchrun(fn, *args, backend: str = "auto", **kwargs) -> list | None:
+    """Join the torchrun process group, run ``fn(ctx, *args)``, gather results on rank 0."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    try:
+        ctx = RankContext(rank=rank, world_size=world_size, backend=backend, device=device)
+        result = fn(ctx, *args, **kwargs)
+        if isinstance(result, torch.Tensor):
+            result = result.detach().cpu()
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        return gathered
+    finally:
+        dist.destroy_process_group()
+
+
+def _jsonable(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(o) for o in obj]
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("function", help="MODULE:FUNCTION or FILE.py:FUNCTION taking (ctx, *args)")
+    parser.add_argument("args", nargs="?", default="[]", help="JSON list of positional arguments")
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser.add_argument("--out", default=None, help="write the per-rank results to this JSON file")
+    opts = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        sys.exit("not launched by torchrun: use `torchrun --nproc_per_node=N -m ultrascale.runtime.torchrun ...`")
+    results = run_under_torchrun(load_function(opts.function), *json.loads(opts.args), backend=opts.backend)
+    if results is not None:
+        text = json.dumps({"results": _jsonable(results)})
+        if opts.out:
+            with open(opts.out, "w") as f:
+                f.write(text + "\n")
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The rank side of the runtime: what each persistent worker process does.
+
+A worker is started once by :class:`ultrascale.runtime.Cluster`, joins a process
+group, then waits for jobs. Two threads share the work:
+
+* the **main thread** runs jobs (``fn(ctx, *args)``) one after another, so that a
+  job's Python state, CUDA context and process group stay put between calls;
+* the **listener thread** reads every message from the notebook. It can answer
+  while the main thread is stuck inside a collective (gloo and NCCL release the
+  GIL while they wait), which is how a hang is diagnosed: the listener sends the
+  main thread's current Python stack back to the notebook.
+
+Messages are plain tuples sent over a ``multiprocessing`` pipe. Payloads that
+carry user code or results are pickled with cloudpickle, so a function defined in
+a notebook cell can be shipped to the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+import _thread
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from .context import RankContext
+
+
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphan ranks)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not glibc: the watchdog below still covers us
+        pass
+
+
+def _watch_notebook(notebook_pid: int) -> None:
+    """Exit as soon as the notebook kernel that owns this rank is gone.
+
+    With the forkserver start method our parent is the fork server, not the kernel,
+    so the death signal alone is not enough when the kernel is killed with SIGKILL.
+    """
+    while True:
+        time.sleep(0.2)
+        try:
+            os.kill(notebook_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:
+            pass
+
+
+class _Channel:
+    """The pipe to the notebook, safe to use from both threads."""
+
+    def __init__(self, conn, rank: int):
+        self.conn = conn
+        self.rank = rank
+        self.lock = threading.Lock()
+        self.job_id = 0  # the job the main thread is running (tags every message)
+
+    def send(self, kind: str, payload=None, job_id: int | None = None) -> None:
+        msg = (kind, self.job_id if job_id is None else job_id, self.rank, payload)
+        with self.lock:
+            try:
+                self.conn.send(msg)
+            except (BrokenPipeError, OSError):
+                os._exit(1)  # the notebook is gone
+
+
+class _RankStream:
+    """A stand-in for sys.stdout/sys.stderr that forwards text to the notebook by line."""
+
+    def __init__(self, channel: _Channel, name: str):
+        self.channel = channel
+        self.name = name
+        self.buffer = ""
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        if "\n" in self.buffer:
+            head, _, self.buffer = self.buffer.rpartition("\n")
+            self.channel.send("out", (self.name, head + "\n"))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.channel.send("out", (self.name, self.buffer))
+            self.buffer = ""
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _to_cpu(obj):
+    """Move tensors in a (nested) result to the CPU so the notebook can unpickle them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_to_cpu(o) for o in obj)
+    if isinstance(obj, dict) and type(obj) is dict:
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_frames(frames):
+    """Keep only the frames below the runtime's last one: the learner's code (and torch's),
+    not multiprocessing's start-up or our job loop."""
+    inside = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(_RUNTIME_DIR)]
+    return list(frames[inside[-1] + 1:]) if inside else list(frames)
+
+
+def _format_exception(exc: BaseException) -> str:
+    tb = traceback.TracebackException.from_exception(exc)
+    tb.stack = traceback.StackSummary.from_list(_user_frames(tb.stack))
+    return "".join(tb.format())
+
+
+def _main_thread_stack(main_ident: int) -> str:
+    frame = sys._current_frames().get(main_ident)
+    if frame is None:
+        return "(no stack: the main thread is not running Python code)\n"
+    frames = _user_frames(traceback.extract_stack(frame))
+    if not frames:
+        return "(idle: waiting for the next call)\n"
+    return "".join(traceback.format_list(frames))
+
+
+def _listen(conn, channel: _Channel, jobs: queue.Queue, main_ident: int) -> None:
+    """Listener thread: dispatch jobs, answer stack requests, deliver interrupts."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            os._exit(1)  # the notebook closed the pipe: nothing left to do
+        kind, job_id = msg[0], msg[1]
+        if kind == "stack":
+            channel.send("stack", _main_thread_stack(main_ident), job_id=job_id)
+        elif kind == "interrupt":
+            if channel.job_id == job_id:
+                _thread.interrupt_main()  # KeyboardInterrupt at the next Python bytecode
+        else:  # "run" and "stop" go to the main thread in order
+            jobs.put(msg)
+
+
+def _init_process_group(backend: str, rank: int, world_size: int, store_port: int, generation: int):
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # All ranks of a Cluster live on this machine: talk over loopback, which
+        # avoids gloo guessing a network interface from the host name.
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
+    store = dist.TCPStore("127.0.0.1", store_port, None, False)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"gen{generation}/", store),
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+def worker_main(rank, world_size, backend, conn, store_port, generation, notebook_pid, threads):
+    """Entry point of one rank (runs in a fresh process from the fork server)."""
+    _set_parent_death_signal()
+    threading.Thread(target=_watch_notebook, args=(notebook_pid,), daemon=True).start()
+    torch.set_num_threads(threads)  # ranks share the machine's cores: don't oversubscribe
+
+    channel = _Channel(conn, rank)
+    sys.stdout = _RankStream(channel, "stdout")
+    sys.stderr = _RankStream(channel, "stderr")
+
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    try:
+        _init_process_group(backend, rank, world_size, store_port, generation)
+    except Exception:  # report, then exit: the notebook raises a clear error
+        channel.send("error", ("RuntimeError", traceback.format_exc(), None), job_id=0)
+        return
+    ctx = RankContext(rank=rank, world_size=world_size, backend=backend, device=device, channel=channel)
+
+    jobs: queue.Queue = queue.Queue()
+    threading.Thread(
+        target=_listen, args=(conn, channel, jobs, threading.get_ident()), daemon=True
+    ).start()
+    channel.send("ready", None, job_id=0)
+
+    while True:
+        try:
+            msg = jobs.get()
+            if msg[0] == "stop":
+                break
+            _, job_id, payload = msg
+            _run_job(ctx, channel, job_id, payload)
+        except KeyboardInterrupt:
+            # An interrupt that arrived just after its job finished: nothing to stop.
+            channel.job_id = 0
+    try:
+        dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def _run_job(ctx: RankContext, channel: _Channel, job_id: int, payload: bytes) -> None:
+    channel.job_id = job_id
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        result = _to_cpu(fn(ctx, *args, **kwargs))
+        reply = ("result", cloudpickle.dumps(result))
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is reported too
+        reply = ("error", (type(exc).__name__, _format_exception(exc), _pickle_or_none(exc)))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    channel.send(*reply)
+    channel.job_id = 0
+
+
+def _pickle_or_none(exc: BaseException):
+    try:
+        return cloudpickle.dumps(exc)
+    except Exception:  # some exceptions can't travel; the traceback text still does
+        return None

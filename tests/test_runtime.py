@@ -1,0 +1,283 @@
+"""The runtime: persistent ranks, results, state, output, logs, and every fault the
+foundation issue lists (each fault is one test)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ultrascale.runtime import CallTimeout, Cluster, RankError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(3) as c:
+        yield c
+
+
+def _all_reduce_rank(ctx):
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_results_in_rank_order_and_collectives_work(cluster):
+    assert cluster.backend == "gloo"
+    assert cluster.run(lambda ctx: (ctx.rank, ctx.world_size, str(ctx.device))) == [
+        (r, 3, "cpu") for r in range(3)
+    ]
+    assert cluster.run(_all_reduce_rank) == [6.0, 6.0, 6.0]
+
+
+def test_state_persists_across_calls(cluster):
+    cluster.run(lambda ctx: ctx.state.__setitem__("x", torch.full((2,), float(ctx.rank))))
+    got = cluster.run(lambda ctx: ctx.state["x"].sum().item())
+    assert got == [0.0, 2.0, 4.0]
+
+
+def test_closure_args_kwargs_and_subset(cluster):
+    scale = 10  # captured by the lambda: cloudpickle ships it by value
+    assert cluster.run(lambda ctx, a, b=0: ctx.rank * scale + a + b, 1, b=2) == [3, 13, 23]
+    assert cluster.run(lambda ctx: ctx.rank, ranks=[2, 0]) == [0, 2]
+    with pytest.raises(ValueError, match="subset"):
+        cluster.run(lambda ctx: 0, ranks=[5])
+
+
+def test_output_is_prefixed_by_rank_in_rank_order(cluster, capsys):
+    def talk(ctx):
+        time.sleep(0.05 * (2 - ctx.rank))  # finish in reverse order on purpose
+        print(f"hello from {ctx.rank}\nsecond line")
+
+    cluster.run(talk)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "[rank 0] hello from 0", "[rank 0] second line",
+        "[rank 1] hello from 1", "[rank 1] second line",
+        "[rank 2] hello from 2", "[rank 2] second line",
+    ]
+
+
+def test_logs_stream_while_the_call_runs(cluster):
+    seen = []
+
+    def train(ctx):
+        for step in range(5):
+            ctx.log(step=step, loss=torch.tensor(1.0 / (step + 1)))
+            time.sleep(0.05)
+        return time.time()
+
+    ends = cluster.run(train, on_log=lambda rank, m: seen.append((time.time(), rank, m)))
+    assert len(seen) == 15
+    assert {m["step"] for _, _, m in seen} == set(range(5))
+    assert isinstance(seen[0][2]["loss"], float)
+    # the first metrics arrived well before the ranks finished: they were streamed
+    assert seen[0][0] < min(ends) - 0.1
+
+
+def test_exception_on_some_ranks_reports_each_traceback_and_cluster_survives(cluster):
+    cluster.run(lambda ctx: ctx.state.__setitem__("kept", ctx.rank))
+
+    def fail_odd(ctx):
+        if ctx.rank % 2 == 1:
+            raise ValueError(f"bad input on rank {ctx.rank}")
+        return "ok"
+
+    with pytest.raises(RankError) as info:
+        cluster.run(fail_odd)
+    err = info.value
+    assert set(err.failures) == {1}
+    assert err.failures[1].type_name == "ValueError"
+    assert isinstance(err.failures[1].exception, ValueError)
+    assert "fail_odd" in str(err) and "bad input on rank 1" in str(err)
+    assert "worker.py" not in str(err)  # the runtime's own frames are hidden
+    # same processes, state intact, collectives still fine
+    assert cluster.run(lambda ctx: ctx.state["kept"]) == [0, 1, 2]
+    assert cluster.run(_all_reduce_rank) == [6.0, 6.0, 6.0]
+
+
+def test_exception_before_a_collective_does_not_hang_the_others(cluster):
+    def fail_then_reduce(ctx):
+        if ctx.rank == 0:
+            raise RuntimeError("rank 0 gives up")
+        return _all_reduce_rank(ctx)  # ranks 1, 2 wait for rank 0 forever
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cluster.run(fail_then_reduce, timeout=60)
+    assert time.monotonic() - start < cluster.grace + 5
+    assert set(info.value.failures) == {0}
+    assert set(info.value.stuck) == {1, 2}
+    assert "all_reduce" in info.value.stuck[1]
+    assert cluster.run(_all_reduce_rank) == [6.0, 6.0, 6.0]  # restarted, usable
+
+
+def test_hang_raises_with_every_stack_then_rebuilds_the_group(cluster):
+    def mismatched(ctx):
+        if ctx.rank == 0:
+            dist.broadcast(torch.zeros(1), src=0)
+        else:
+            dist.all_reduce(torch.zeros(1))
+
+    start = time.monotonic()
+    with pytest.raises(CallTimeout) as info:
+        cluster.run(mismatched, timeout=2)
+    elapsed = time.monotonic() - start
+    assert 2 <= elapsed < 8
+    stuck = info.value.stuck
+    assert set(stuck) == {0, 1, 2}
+    assert "broadcast" in stuck[0] and "all_reduce" in stuck[1] and "all_reduce" in stuck[2]
+    assert "mismatched" in stuck[0]
+    old = cluster.pids
+    assert cluster.run(_all_reduce_rank) == [6.0, 6.0, 6.0]
+    assert cluster.pids != old
+
+
+def _press_stop_after(seconds):
+    main = threading.main_thread().ident
+    threading.Timer(seconds, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+
+
+@pytest.mark.parametrize("where", ["python_loop", "blocked_in_c"])
+def test_stop_button_returns_quickly_and_no_stale_result(cluster, where):
+    def busy(ctx, mode):
+        if mode == "python_loop":
+            while True:
+                sum(range(1000))
+        time.sleep(60)  # blocked in C: only a kill stops it
+
+    _press_stop_after(0.5)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(busy, where, timeout=120)
+    assert time.monotonic() - start < 2.5  # 0.5 s before the press + at most ~1 s to stop
+    # the next call gets its own result, never the interrupted call's
+    assert cluster.run(lambda ctx: ("fresh", ctx.rank)) == [("fresh", r) for r in range(3)]
+
+
+def test_a_rank_that_dies_is_reported_and_replaced(cluster):
+    def die(ctx):
+        if ctx.rank == 2:
+            os._exit(7)
+        return "alive"
+
+    with pytest.raises(RankError) as info:
+        cluster.run(die, timeout=30)
+    assert info.value.failures[2].type_name == "died"
+    assert "code 7" in str(info.value)
+    assert cluster.run(_all_reduce_rank) == [6.0, 6.0, 6.0]
+
+
+def test_two_clusters_at_once_and_reruns_never_clash_on_ports():
+    with Cluster(2) as a, Cluster(3) as b:
+        assert a.run(_all_reduce_rank) == [3.0, 3.0]
+        assert b.run(_all_reduce_rank) == [6.0, 6.0, 6.0]
+    for _ in range(3):  # a re-run cell creates a new cluster each time
+        c = Cluster(2)
+        assert c.run(_all_reduce_rank) == [3.0, 3.0]
+        c.close()
+        assert not c.alive
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4", True, None])
+def test_bad_world_size_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        Cluster(bad)
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        Cluster(2, backend="mpi")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_nccl_without_gpus_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="needs one GPU per rank.*backend='gloo'"):
+        Cluster(2, backend="nccl")
+
+
+def test_killed_kernel_leaves_no_orphan_ranks(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from ultrascale.runtime import Cluster
+        if __name__ == "__main__":
+            c = Cluster(3)
+            print(" ".join(map(str, c.pids)), flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    proc.kill()  # like the kernel dying: no atexit, no cleanup code runs
+    proc.wait()
+    deadline = time.monotonic() + 2.0
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "orphan ranks survived the kernel"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; it only waits to be reaped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_cell_magic_runs_on_all_ranks_and_subsets(cluster, capsys):
+    IPython = pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    from ultrascale.runtime.magic import register
+
+    register(shell)
+    shell.user_ns["cl"] = cluster
+    shell.run_cell_magic("ranks", "-c cl", "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nt.item()")
+    out = capsys.readouterr().out
+    assert out.splitlines() == [f"[rank {r}] Out: 6.0" for r in range(3)]
+    # the namespace persists per rank; a subset runs only there
+    shell.run_cell_magic("ranks", "-c cl -r 0,2", "t.item() * 10 + rank")
+    assert capsys.readouterr().out.splitlines() == ["[rank 0] Out: 60.0", "[rank 2] Out: 62.0"]
+
+
+def test_same_function_runs_under_torchrun(tmp_path):
+    out = tmp_path / "res.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "ultrascale.runtime.torchrun", "ultrascale.runtime.examples:all_reduce_demo", "[4]",
+        "--out", str(out),
+    ]
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=120, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert json.loads(out.read_text())["results"] == [[3.0] * 4, [3.0] * 4]
+
+
+def test_same_function_runs_on_a_cluster():
+    from ultrascale.runtime.examples import all_reduce_demo
+
+    with Cluster(2) as c:
+        assert [t.tolist() for t in c.run(all_reduce_demo, 4)] == [[3.0] * 4, [3.0] * 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_works_after_the_notebook_initialised_cuda():
+    torch.ones(1, device="cuda")  # what breaks fork-based launchers
+    with Cluster(1) as c:
+        assert c.backend == "nccl"
+        assert c.run(lambda ctx: str(ctx.device)) == ["cuda:0"]
