@@ -1,0 +1,286 @@
+"""``check``: grade one exercise from inside a notebook, and show the verdict.
+
+``check`` runs the library's test for the exercise on the learner's objects and
+turns whatever happens into one of three verdicts a learner can act on:
+
+* **pass**;
+* **fail**, with the failing assertion's message (or the exception the learner's
+  code raised, with its traceback);
+* **not implemented yet**, when a ``NotImplementedError`` reaches it: the stub of a
+  generated exercise notebook, raised locally or on a worker rank.
+
+It never raises (an interrupt from the stop button excepted), so the rest of the
+notebook still runs and the command-line grader sees every exercise. When the
+environment variable ``ULTRASCALE_GRADE_FILE`` is set, each verdict is also
+appended to that file as one JSON line; that is how the grader collects scores.
+"""
+
+from __future__ import annotations
+
+import html
+import inspect
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from .registry import get_exercise
+
+PASS = "pass"
+FAIL = "fail"
+NOT_IMPLEMENTED = "not implemented"
+ERROR = "error"  # the check itself could not run: unknown id, wrong arguments
+NOT_RUN = "not run"  # used by the command-line grader for checks never reached
+
+GRADE_FILE_ENV = "ULTRASCALE_GRADE_FILE"
+_MAX_MESSAGE_IN_FILE = 4000  # keep the JSON lines readable; the notebook shows all
+
+
+@dataclass
+class CheckResult:
+    """The verdict of one ``check`` call."""
+
+    exercise: str
+    status: str
+    points: float
+    max_points: float
+    message: str = ""
+    details: str = ""  # a traceback, shown folded in the notebook
+    seconds: float = 0.0
+    _shown_in: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
+
+    def to_json(self) -> dict:
+        return {
+            "exercise": self.exercise,
+            "status": self.status,
+            "points": self.points,
+            "max_points": self.max_points,
+            "message": _shorten(self.message, _MAX_MESSAGE_IN_FILE),
+        }
+
+    # ---- how it looks -------------------------------------------------------
+    def to_text(self) -> str:
+        label = {PASS: "PASS", FAIL: "FAIL", NOT_IMPLEMENTED: "NOT IMPLEMENTED YET", ERROR: "ERROR"}.get(
+            self.status, self.status.upper()
+        )
+        head = f"[{label}] {self.exercise} ({_num(self.points)}/{_num(self.max_points)} points)"
+        return head + (f"\n{self.message}" if self.message else "")
+
+    def to_html(self) -> str:
+        colour, label = {
+            PASS: ("#1a7f37", "&#10004; Passed"),
+            FAIL: ("#cf222e", "&#10008; Failed"),
+            NOT_IMPLEMENTED: ("#9a6700", "&#9998; Not implemented yet"),
+        }.get(self.status, ("#6e7781", "&#9888; Could not check"))
+        parts = [
+            f'<div style="border-left:4px solid {colour};padding:4px 10px;margin:4px 0">',
+            f'<b style="color:{colour}">{label}</b> &nbsp;<code>{html.escape(self.exercise)}</code>'
+            f" &nbsp;{_num(self.points)}/{_num(self.max_points)} points",
+        ]
+        if self.message:
+            parts.append(f'<pre style="white-space:pre-wrap;margin:4px 0">{html.escape(self.message)}</pre>')
+        if self.details:
+            parts.append(
+                "<details><summary>traceback</summary>"
+                f'<pre style="white-space:pre-wrap;font-size:85%">{html.escape(self.details)}</pre></details>'
+            )
+        parts.append("</div>")
+        return "".join(parts)
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return {"text/plain": self.to_text(), "text/html": self.to_html()}
+
+    def _ipython_display_(self):
+        # check() already showed this result in the current cell; when the call is
+        # also the cell's last expression, IPython would show it a second time.
+        if self._shown_in is not None and self._shown_in == _execution_count():
+            return
+        _display(self)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def check(exercise_id: str, *objects, **kwargs) -> CheckResult:
+    """Grade exercise ``exercise_id`` on ``objects`` and show the verdict.
+
+    ``kwargs`` go to the test too (e.g. ``world_size=WORLD_SIZE, quick=QUICK``).
+    Returns a :class:`CheckResult`; never raises.
+    """
+    start = time.perf_counter()
+    try:
+        result = _grade(exercise_id, objects, kwargs)
+    except Exception as err:  # a bug in the grading code itself must not stop the notebook
+        result = CheckResult(exercise_id, ERROR, 0, 0, f"the checker itself failed: {_one_line(err)}",
+                             details=traceback.format_exc())
+    result.seconds = time.perf_counter() - start
+    _record(result)
+    _show(result)
+    return result
+
+
+def _grade(exercise_id: str, objects: tuple, kwargs: dict) -> CheckResult:
+    try:
+        ex = get_exercise(exercise_id)
+    except KeyError as err:
+        return CheckResult(exercise_id, ERROR, 0, 0, str(err.args[0]))
+
+    def verdict(status: str, message: str = "", details: str = "") -> CheckResult:
+        points = ex.points if status == PASS else 0
+        return CheckResult(exercise_id, status, points, ex.points, message, details)
+
+    # Wrong arguments to check() are the learner's slip, not a failed exercise:
+    # say what the test expects instead of reporting a TypeError from deep inside.
+    try:
+        inspect.signature(ex.test).bind(*objects, **kwargs)
+    except TypeError as err:
+        return verdict(ERROR, f"check({exercise_id!r}, ...) was called with the wrong arguments ({err}); "
+                              f"it expects {_signature_hint(ex.test)}")
+
+    try:
+        ex.test(*objects, **kwargs)
+    except AssertionError as err:
+        return verdict(FAIL, _assertion_message(err), traceback.format_exc())
+    except Exception as err:
+        if _is_not_implemented(err):
+            return verdict(NOT_IMPLEMENTED, _not_implemented_hint(err))
+        if getattr(err, "stuck", None):
+            # A hang (typically mismatched collectives): where each rank was stuck
+            # is the whole diagnosis, so show it unfolded.
+            return verdict(FAIL, f"your code did not finish: {err}", traceback.format_exc())
+        return verdict(FAIL, f"your code raised {_one_line(err)}", traceback.format_exc())
+    return verdict(PASS)
+
+
+# ---- recognising a stub that was not filled in --------------------------------
+
+def _is_not_implemented(err: BaseException) -> bool:
+    """True if a NotImplementedError caused ``err``, here or on a worker rank."""
+    for exc in _chain(err):
+        if isinstance(exc, NotImplementedError):
+            return True
+        # The runtime's RankError lists each failing rank with its exception type.
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            for f in failures.values():
+                if getattr(f, "type_name", "") == "NotImplementedError" or isinstance(
+                    getattr(f, "exception", None), NotImplementedError
+                ):
+                    return True
+    # Last resort for other remote-error types: the remote traceback as text.
+    return any(line.startswith("NotImplementedError") for line in str(err).splitlines())
+
+
+def _not_implemented_hint(err: BaseException) -> str:
+    """What to do, with the stub's hint (``exercise: <hint>``) wherever it was raised."""
+    message = ""
+    for exc in _chain(err):
+        if isinstance(exc, NotImplementedError) and str(exc):
+            message = str(exc)
+            break
+    else:
+        for line in reversed(str(err).splitlines()):
+            if line.startswith("NotImplementedError:"):
+                message = line.split(":", 1)[1].strip()
+                break
+    todo = "Replace the `raise NotImplementedError(...)` line with your code, run that cell, then this one again."
+    if message.startswith("exercise:"):
+        return f"{todo}\nHint: {message[len('exercise:'):].strip()}"
+    return f"{todo}\n(NotImplementedError: {message})" if message else todo
+
+
+def _chain(err: BaseException):
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+# ---- messages -------------------------------------------------------------------
+
+def _assertion_message(err: AssertionError) -> str:
+    if str(err):
+        return str(err)
+    # A bare ``assert``: show the line of the test that failed.
+    frames = traceback.extract_tb(err.__traceback__)
+    if frames:
+        last = frames[-1]
+        return f"assertion failed: {last.line} ({os.path.basename(last.filename)}, line {last.lineno})"
+    return "assertion failed"
+
+
+def _one_line(err: BaseException) -> str:
+    """``Type: first line``; for an error from the ranks, what each rank raised."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # The runtime's RankError: the last line of a remote traceback names the
+        # exception, which tells the learner far more than "2 of 3 ranks failed".
+        by_error = {}
+        for rank in sorted(failures):
+            lines = getattr(failures[rank], "traceback", "").strip().splitlines()
+            by_error.setdefault(lines[-1] if lines else failures[rank].type_name, []).append(rank)
+        return "; ".join(f"{error} (on rank {', '.join(map(str, ranks))})" for error, ranks in by_error.items())
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _signature_hint(fn) -> str:
+    return f"check(exercise_id, {str(inspect.signature(fn))[1:-1]})"
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 20] + "\n... (shortened)"
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+# ---- where the verdict goes -------------------------------------------------------
+
+def _record(result: CheckResult) -> None:
+    path = os.environ.get(GRADE_FILE_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(result.to_json()) + "\n")
+    except OSError as err:  # grading infrastructure trouble: say so, keep the notebook going
+        print(f"ultrascale.grading: could not append to {GRADE_FILE_ENV}={path}: {err}")
+
+
+def _execution_count():
+    ip = _ipython()
+    return getattr(ip, "execution_count", None) if ip is not None else None
+
+
+def _ipython():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def _display(result: CheckResult) -> None:
+    if _ipython() is None:
+        print(result.to_text())
+        return
+    from IPython.display import display
+
+    # Both representations: HTML in Jupyter, plain text in a terminal IPython.
+    display(result._repr_mimebundle_(), raw=True)
+
+
+def _show(result: CheckResult) -> None:
+    try:
+        _display(result)
+        result._shown_in = _execution_count()
+    except Exception:  # display trouble must not turn into an exception in the notebook
+        print(result.to_text())

@@ -1,0 +1,361 @@
+"""Tests of ultrascale.grading: the exercise generator, check() and the grader.
+
+The last two tests run real notebooks through papermill (a kernel per notebook,
+about 10-15 s each on 2 cores); they are marked ``slow`` and share one grader run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from ultrascale.grading import FAIL, NOT_IMPLEMENTED, PASS, check, exercise
+from ultrascale.grading import cli, generate
+from ultrascale.grading.check import ERROR, GRADE_FILE_ENV
+from ultrascale.grading.generate import GenerateError, make_exercise, stub_source
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- the generator ---------------------------------------------------------------
+
+def test_stub_replaces_regions_at_their_indentation():
+    source = "\n".join([
+        "import math",
+        "def f(x):",
+        '    """Doc."""',
+        "    # BEGIN SOLUTION hint: use math.sqrt",
+        "    y = math.sqrt(x)",
+        "    return y",
+        "    # END SOLUTION",
+        "class A:",
+        "    def g(self):",
+        "        # BEGIN SOLUTION",
+        "        return 1",
+        "        # END SOLUTION",
+        "print(f(4))",
+    ])
+    out = stub_source(source)
+    assert out.source.splitlines() == [
+        "import math",
+        "def f(x):",
+        '    """Doc."""',
+        '    raise NotImplementedError("exercise: use math.sqrt")',
+        "class A:",
+        "    def g(self):",
+        '        raise NotImplementedError("exercise: write your code here")',
+        "print(f(4))",
+    ]
+    assert out.solution_lines == ["    y = math.sqrt(x)", "    return y", "        return 1"]
+    compile(out.source, "<stub>", "exec")  # still valid Python
+
+
+@pytest.mark.parametrize("source, complaint", [
+    ("# BEGIN SOLUTION\nx = 1", "has no END SOLUTION"),
+    ("x = 1\n# END SOLUTION", "without a BEGIN SOLUTION"),
+    ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION", "inside the region"),
+    ("x = 1  # BEGIN SOLUTION", "malformed"),
+])
+def test_unbalanced_markers_are_refused(source, complaint):
+    with pytest.raises(GenerateError, match=complaint):
+        stub_source(source)
+
+
+def _solution_nb(*cells):
+    return new_notebook(cells=list(cells), metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                                     "language": "python"}})
+
+
+SOLVED_CELL = "def area(r):\n    # BEGIN SOLUTION hint: pi r squared\n    return 3.14159 * r * r\n    # END SOLUTION"
+
+
+def test_leak_check_refuses_a_solution_line_outside_its_region():
+    nb = _solution_nb(new_code_cell(SOLVED_CELL), new_code_cell("print(3.14159 * r * r)\nreturn 3.14159 * r * r"))
+    with pytest.raises(GenerateError, match="refusing to write"):
+        make_exercise(nb)
+
+
+def test_solution_only_cells_are_dropped_and_cannot_leak():
+    secret = new_code_cell("expected_answer = area(2.0) * 17", metadata={"tags": ["solution-only"]})
+    nb = make_exercise(_solution_nb(new_code_cell(SOLVED_CELL), secret))
+    assert len(nb.cells) == 1 and "expected_answer" not in nbformat.writes(nb)
+    # ... and a copy of that cell's line elsewhere is caught by the leak check.
+    leaked = _solution_nb(new_code_cell(SOLVED_CELL), secret, new_code_cell("expected_answer = area(2.0) * 17"))
+    with pytest.raises(GenerateError, match="refusing"):
+        make_exercise(leaked)
+
+
+def test_markers_outside_code_cells_and_broken_stubs_are_refused():
+    with pytest.raises(GenerateError, match="only allowed in code cells"):
+        make_exercise(_solution_nb(new_markdown_cell("# BEGIN SOLUTION\nsecret\n# END SOLUTION")))
+    # A region that ends in the middle of a block leaves invalid Python behind.
+    bad = "for i in range(3):\n    # BEGIN SOLUTION\n    print(i)\n    # END SOLUTION\n        print('indented')"
+    with pytest.raises(GenerateError, match="not valid Python"):
+        make_exercise(_solution_nb(new_code_cell(bad)))
+
+
+def test_outputs_and_run_metadata_are_cleared():
+    cell = new_code_cell(SOLVED_CELL, execution_count=3, outputs=[nbformat.v4.new_output("stream", text="hi")])
+    nb = _solution_nb(cell)
+    nb.metadata["papermill"] = {"duration": 1.0}
+    ex = make_exercise(nb)
+    assert ex.cells[0].outputs == [] and ex.cells[0].execution_count is None
+    assert "papermill" not in ex.metadata and "kernelspec" in ex.metadata
+
+
+@pytest.fixture
+def course(tmp_path):
+    """A tiny solutions/ + exercises/ pair."""
+    solutions, exercises = tmp_path / "solutions", tmp_path / "exercises"
+    solutions.mkdir()
+    nbformat.write(_solution_nb(new_code_cell(SOLVED_CELL)), solutions / "99_demo_exercises.ipynb")
+    return solutions, exercises
+
+
+def _edit(path: Path, source: str, index: int = 0) -> None:
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[index].source = source
+    nbformat.write(nb, path)
+
+
+def test_learner_edits_are_never_overwritten(course, capsys):
+    solutions, exercises = course
+    name = "99_demo_exercises.ipynb"
+    assert generate.generate(solutions, exercises) == {name: "written"}
+    assert "NotImplementedError" in (exercises / name).read_text()
+
+    # The learner solves it; then the solution notebook changes.
+    learner = "def area(r):\n    return 3.14159 * r ** 2  # mine"
+    _edit(exercises / name, learner)
+    _edit(solutions / name, SOLVED_CELL + "\nprint(area(1.0))")
+    assert generate.generate(solutions, exercises) == {name: "updated-copy"}
+    assert nbformat.read(exercises / name, as_version=4).cells[0].source == learner
+    updated = exercises / "99_demo_exercises.updated.ipynb"
+    assert "print(area(1.0))" in updated.read_text()
+    assert "has your changes" in capsys.readouterr().out
+
+    # Running the notebook (outputs only) is not an edit: a fresh copy may replace it.
+    (exercises / name).unlink()
+    generate.generate(solutions, exercises)
+    nb = nbformat.read(exercises / name, as_version=4)
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", text="ran")]
+    nbformat.write(nb, exercises / name)
+    _edit(solutions / name, SOLVED_CELL + "\nprint(area(2.0))")
+    assert generate.generate(solutions, exercises) == {name: "written"}
+
+
+def test_check_mode_reports_out_of_sync_without_writing(course, capsys):
+    solutions, exercises = course
+    argv = ["--solutions", str(solutions), "--exercises", str(exercises)]
+    assert generate.main(argv + ["--check"]) == 1
+    assert not exercises.exists()  # --check wrote nothing
+    assert generate.main(argv) == 0
+    assert generate.main(argv + ["--check"]) == 0
+    _edit(solutions / "99_demo_exercises.ipynb", SOLVED_CELL + "\nprint(1)")
+    assert generate.main(argv + ["--check"]) == 1
+    assert "differs" in capsys.readouterr().out
+
+
+def test_a_leaking_notebook_blocks_every_write(course):
+    solutions, exercises = course
+    leaky = _solution_nb(new_code_cell(SOLVED_CELL), new_code_cell("return 3.14159 * r * r"))
+    nbformat.write(leaky, solutions / "98_leaky_exercises.ipynb")
+    assert generate.main(["--solutions", str(solutions), "--exercises", str(exercises)]) == 2
+    assert not exercises.exists() or not list(exercises.glob("*.ipynb"))
+
+
+def test_committed_exercises_are_in_sync_with_solutions():
+    assert generate.main(["--check"]) == 0
+
+
+# ---- check() -------------------------------------------------------------------------
+
+class FakeRankFailure:
+    def __init__(self, rank, type_name, traceback):
+        self.rank, self.type_name, self.traceback, self.exception = rank, type_name, traceback, None
+
+
+class FakeRankError(RuntimeError):
+    """Shaped like the runtime's RankError: per-rank failures with type names."""
+
+    def __init__(self, type_name, message):
+        tb = f"Traceback (most recent call last):\n  File \"<cell>\", line 2, in f\n{type_name}: {message}\n"
+        self.failures = {r: FakeRankFailure(r, type_name, tb) for r in range(2)}
+        super().__init__(f"2 of 2 ranks failed in `f`\n\n--- rank 0 raised {type_name}:\n{tb}")
+
+
+@exercise("zz.double", points=2)
+def _test_double(double):
+    for x in (0, 1, 5):
+        assert double(x) == 2 * x, f"double({x}) should be {2 * x}, got {double(x)}"
+
+
+@exercise("zz.remote", points=1)
+def _test_remote(fn):
+    fn()  # stands in for cluster.run(...) reporting what the ranks raised
+
+
+def test_check_pass_fail_and_not_implemented(monkeypatch, tmp_path, capsys):
+    grades = tmp_path / "grades.jsonl"
+    monkeypatch.setenv(GRADE_FILE_ENV, str(grades))
+
+    ok = check("zz.double", lambda x: x + x)
+    assert (ok.status, ok.points, ok.max_points) == (PASS, 2, 2)
+
+    bad = check("zz.double", lambda x: x + 2)
+    assert bad.status == FAIL and bad.points == 0
+    assert "double(0) should be 0, got 2" in bad.message
+
+    def stub(x):
+        raise NotImplementedError("exercise: multiply by two")
+    todo = check("zz.double", stub)
+    assert todo.status == NOT_IMPLEMENTED and "multiply by two" in todo.message
+
+    out = capsys.readouterr().out  # outside IPython, verdicts are printed as text
+    assert "[PASS] zz.double (2/2 points)" in out and "[FAIL]" in out and "[NOT IMPLEMENTED YET]" in out
+
+    lines = [json.loads(line) for line in grades.read_text().splitlines()]
+    assert [line["status"] for line in lines] == [PASS, FAIL, NOT_IMPLEMENTED]
+    assert set(lines[0]) == {"exercise", "status", "points", "max_points", "message"}
+
+
+def _raise(err):
+    def fn():
+        raise err
+    return fn
+
+
+def test_check_recognises_not_implemented_on_a_worker_rank():
+    remote = check("zz.remote", _raise(FakeRankError("NotImplementedError", "exercise: do the all-reduce")))
+    assert remote.status == NOT_IMPLEMENTED and "do the all-reduce" in remote.message
+    # Any other remote error is a failure that names what the ranks raised.
+    other = check("zz.remote", _raise(FakeRankError("ZeroDivisionError", "division by zero")))
+    assert other.status == FAIL and "ZeroDivisionError: division by zero (on rank 0, 1)" in other.message
+
+
+def test_check_recognises_not_implemented_from_the_real_runtime():
+    torch = pytest.importorskip("torch")  # noqa: F841 (the runtime needs it)
+    from ultrascale.runtime.errors import RankError, RankFailure
+
+    failure = RankFailure(0, "NotImplementedError", "NotImplementedError: exercise: hint\n")
+    result = check("zz.remote", _raise(RankError("1 of 1 ranks failed", {0: failure})))
+    assert result.status == NOT_IMPLEMENTED and "hint" in result.message
+
+
+def test_check_never_raises():
+    assert check("zz.no_such_exercise", 1).status == ERROR
+    assert "wrong arguments" in check("zz.double").message  # forgot to pass the function
+    weird = check("zz.double", lambda x: x.nope)  # the learner's code raises something else
+    assert weird.status == FAIL and "AttributeError" in weird.message and weird.details
+
+
+def test_check_result_renders_html_escaped():
+    r = check("zz.double", lambda x: "<b>")
+    html = r._repr_mimebundle_()["text/html"]
+    assert "Failed" in html and "&lt;b&gt;" in html and "<b>'" not in html
+
+
+# ---- the chapter 0 tests against their references and against typical mistakes --------
+
+def test_ch00_pipeline_tests_accept_the_reference_and_reject_mistakes():
+    from ultrascale.exercise_tests import ch00
+
+    assert check("00.pipeline_stage_layers", ch00.reference_stage_layers).passed
+    assert check("00.memory_per_stage", ch00.reference_memory_per_stage).passed
+    assert ch00.reference_stage_layers(10, 4) == [3, 3, 2, 2]
+
+    def extra_on_last(num_layers, pp):
+        base, extra = divmod(num_layers, pp)
+        return [base] * (pp - extra) + [base + 1] * extra
+    assert "expected [2, 1], got [1, 2]" in check("00.pipeline_stage_layers", extra_on_last).message
+
+    def untied(num_layers, pp, h, v, bytes_per_param=16):  # forgets the last stage's copy of h*v
+        stages = [n * (12 * h * h + 13 * h) for n in ch00.reference_stage_layers(num_layers, pp)]
+        stages[0] += h * v
+        stages[-1] += 2 * h
+        return [s * bytes_per_param for s in stages]
+    assert "own copy of the output projection" in check("00.memory_per_stage", untied).message
+
+
+def test_ch00_mean_across_ranks_on_the_cluster():
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    # Defined inside the test so that cloudpickle ships them by value to the ranks.
+    def mean(ctx, t):
+        dist.all_reduce(t)
+        return t / ctx.world_size
+
+    def mean_over_three(ctx, t):
+        dist.all_reduce(t)
+        return t / 3
+
+    assert check("00.mean_across_ranks", mean).passed
+    wrong = check("00.mean_across_ranks", mean_over_three)
+    assert wrong.status == FAIL and "use ctx.world_size" in wrong.message
+
+
+# ---- the command-line grader -----------------------------------------------------------
+
+def test_grader_counts_checks_that_never_ran(tmp_path, monkeypatch):
+    """Without a kernel: a stand-in for papermill runs only one of three checks."""
+    import papermill
+
+    src = REPO / "solutions" / "00_orientation_exercises.ipynb"
+
+    def fake_execute(input_path, output_path, **kwargs):
+        with open(os.environ[GRADE_FILE_ENV], "a") as f:
+            f.write(json.dumps({"exercise": "00.pipeline_stage_layers", "status": PASS,
+                                "points": 1, "max_points": 1, "message": ""}) + "\n")
+            f.write('{"exercise": "00.mem')  # a line torn by a dying kernel is ignored
+        nb = nbformat.read(input_path, as_version=4)
+        nbformat.write(nb, output_path)
+        return nb
+
+    monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
+    report = cli.grade_notebook(src, timeout=10, parameters={"QUICK": True})
+    status = {e["exercise"]: e["status"] for e in report.exercises}
+    assert status == {"00.mean_across_ranks": "not run", "00.pipeline_stage_layers": PASS,
+                      "00.memory_per_stage": "not run"}
+    assert (report.points, report.max_points) == (1, 3)
+
+
+def test_grader_fails_only_on_infrastructure_errors(tmp_path, capsys):
+    assert cli.main([str(tmp_path / "missing.ipynb")]) == 2
+    assert cli.main([str(tmp_path)]) == 2  # an empty directory: nothing to grade
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """One grader run (papermill, real kernels) over solutions/ and exercises/."""
+    out = tmp_path_factory.mktemp("grade") / "scores.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ultrascale.grading.cli", "solutions", "exercises", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    scores = json.loads(out.read_text())
+    return {Path(nb["notebook"]).parent.name: nb for nb in scores["notebooks"]}, proc.stdout
+
+
+@pytest.mark.slow
+def test_e2e_papermill_solutions_score_full_marks(graded):
+    by_dir, table = graded
+    solutions = by_dir["solutions"]
+    assert solutions["max_points"] > 0 and solutions["points"] == solutions["max_points"], table
+    assert solutions["cell_errors"] == 0, table
+
+
+@pytest.mark.slow
+def test_e2e_papermill_exercises_run_and_score_zero(graded):
+    by_dir, table = graded
+    exercises = by_dir["exercises"]
+    assert exercises["status"] == "ok" and exercises["points"] == 0, table
+    assert {e["status"] for e in exercises["exercises"]} == {NOT_IMPLEMENTED}, table
