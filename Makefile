@@ -1,0 +1,40 @@
+# Every target installs what it needs first (launch/setup.sh creates .venv if missing).
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ultrascale-installed
+WORLD_SIZE ?= 3
+
+.PHONY: setup lab lab-headless test test-fast notebooks batch bench exercises grade clean
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml launch/setup.sh
+	bash launch/setup.sh
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lab:            ## start JupyterLab on the course (opens a browser)
+	bash launch/lab.sh
+
+lab-headless:   ## JupyterLab for a server: no browser, port 8888
+	HEADLESS=1 bash launch/lab.sh
+
+test: $(STAMP)  ## every test: library, runtime faults, grading, notebooks (nbval + papermill), spelling
+	bash launch/test.sh
+
+notebooks: $(STAMP)  ## re-execute the chapters and save their outputs (the nbval reference)
+	$(PY) launch/build_notebooks.py
+
+batch: $(STAMP)  ## run every chapter headless with papermill into out/ (WORLD_SIZE=..., QUICK=...)
+	$(PY) launch/batch.py --world-size $(WORLD_SIZE) chapters
+
+exercises: $(STAMP)  ## regenerate exercises/ from solutions/ (never overwrites your edits)
+	$(PY) -m ultrascale.grading.generate
+
+grade: $(STAMP)  ## grade exercise notebooks: make grade NB=exercises
+	$(PY) -m ultrascale.grading.cli $(or $(NB),exercises)
+
+bench: $(STAMP)  ## side-by-side benchmarks, printing ratios
+	$(PY) benchmarks/bench_runtime.py
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,130 @@
+"""Runtime benchmark: persistent ranks against starting processes for every call.
+
+Measured side by side in one run, 4 ranks by default:
+  * cold start  - the first Cluster(4) in a fresh Python process (torch already imported,
+                  as it is in a notebook), fork server start included;
+  * warm start  - a second Cluster(4) in the same process;
+  * call        - a no-op cluster.run(...), averaged over many calls;
+  * restart     - the first call after a failed call whose ranks were stuck (kill + start
+                  + the call itself);
+  * baseline    - torch.multiprocessing.spawn of 4 processes that each init_process_group,
+                  run the same no-op, and leave: what a per-call launcher pays every time.
+
+    python benchmarks/bench_runtime.py [--world-size 4] [--calls 500]
+
+Targets (foundation issue): cold start <= 1.5 s, call <= 3 ms, restart <= 1.5 s, and a
+no-op call at least 500x cheaper than a per-call spawn.
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLD_START = """
+import time, torch, torch.distributed
+from ultrascale.runtime import Cluster
+if __name__ == "__main__":
+    t = time.perf_counter(); c = Cluster({n}); cold = time.perf_counter() - t
+    c.run(lambda ctx: None)
+    print(cold)
+    c.close()
+"""
+
+
+def noop(ctx):
+    return None
+
+
+def _spawned_rank(rank, world_size, port):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, as the Cluster's ranks use
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    noop(None)
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_per_call(world_size):
+    start = time.perf_counter()
+    mp.spawn(_spawned_rank, args=(world_size, _free_port()), nprocs=world_size, join=True)
+    return time.perf_counter() - start
+
+
+def cold_start(world_size):
+    code = COLD_START.format(n=world_size)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    from ultrascale.runtime import Cluster, RankError
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    n = args.world_size
+
+    colds = [cold_start(n) for _ in range(args.repeats)]
+    spawns = [spawn_per_call(n) for _ in range(args.repeats)]
+
+    cluster = Cluster(n)
+    t = time.perf_counter()
+    Cluster(n).close()
+    warm = time.perf_counter() - t
+    for _ in range(20):
+        cluster.run(noop)
+    t = time.perf_counter()
+    for _ in range(args.calls):
+        cluster.run(noop)
+    call = (time.perf_counter() - t) / args.calls
+
+    def fail_with_stuck_ranks(ctx):
+        if ctx.rank == 0:
+            raise RuntimeError("planned failure")
+        time.sleep(60)  # the others are stuck: the cluster must kill and restart them
+
+    restarts = []
+    for _ in range(args.repeats):
+        try:
+            cluster.run(fail_with_stuck_ranks, timeout=30)
+        except RankError:
+            pass
+        t = time.perf_counter()
+        cluster.run(noop)
+        restarts.append(time.perf_counter() - t)
+    cluster.close()
+
+    cold, spawn, restart = statistics.median(colds), statistics.median(spawns), statistics.median(restarts)
+    rows = [
+        ("cold start (first Cluster)", cold, 1.5),
+        ("warm start (another Cluster)", warm, None),
+        ("no-op call", call, 0.003),
+        ("restart after failed call", restart, 1.5),
+        ("baseline: spawn + init per call", spawn, None),
+    ]
+    print(f"\nruntime benchmark: {n} ranks, {os.cpu_count()} CPU cores, medians of {args.repeats}")
+    print(f"{'measure':34s} {'seconds':>10s} {'target':>8s} {'vs spawn':>10s}")
+    for name, value, target in rows:
+        tgt = f"<={target:g}" if target else ""
+        ok = "" if target is None else ("  ok" if value <= target else "  MISSED")
+        print(f"{name:34s} {value:10.4f} {tgt:>8s} {spawn / value:9.1f}x{ok}")
+    ratio = spawn / call
+    print(f"\na no-op call is {ratio:,.0f}x cheaper than a per-call spawn (target >= 500x):"
+          f" {'ok' if ratio >= 500 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

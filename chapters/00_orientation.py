@@ -1,0 +1,322 @@
+# %% [markdown]
+# # 00 · Orientation: your first cluster
+#
+# This course follows *The Ultra-Scale Playbook: Training LLMs on GPU Clusters*
+# (Hugging Face, 2025) one notebook per section. Every notebook starts real processes,
+# joins them into a real `torch.distributed` process group and makes them talk:
+# gloo on a laptop CPU, NCCL when each rank has a GPU. Nothing here needs a GPU.
+#
+# In this first notebook you will
+# 1. check what your machine can do (versions, devices, which collectives work),
+# 2. start a **cluster** of ranks that live beside this notebook, and run code on them,
+# 3. watch ranks report metrics while they work (a live plot),
+# 4. see the map of the course, organised around three pressures.
+#
+# The cell below holds the parameters. Batch runs (papermill) override them, e.g.
+# `papermill -p WORLD_SIZE 3 00_orientation.ipynb out.ipynb`.
+
+# %% tags=["parameters"]
+WORLD_SIZE = 4  # number of ranks (processes); any value >= 2 works here
+QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU cores
+SEED = 0
+
+# %%
+import platform
+import os
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+
+from ultrascale.runtime import Cluster, RankError
+from ultrascale.viz.live import LivePlot
+
+torch.manual_seed(SEED)
+assert WORLD_SIZE >= 2, "this chapter shows collectives between ranks: use WORLD_SIZE >= 2"
+
+# %% [markdown]
+# ## 1. What does this machine have?
+# The output of the next cell depends on your machine, so it is not checked when the
+# notebook is re-run in CI.
+
+# %% tags=["nbval-ignore-output"]
+def probe_environment():
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "CPU cores": os.cpu_count(),
+        "CUDA available": torch.cuda.is_available(),
+        "gloo available": dist.is_gloo_available(),
+        "NCCL available": dist.is_nccl_available(),
+        "MPI available": dist.is_mpi_available(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["GPU"] = f"{torch.cuda.device_count()} x {props.name}, {props.total_memory / 2**30:.0f} GiB"
+        info["bf16 supported"] = torch.cuda.is_bf16_supported()
+        info["fp8 (sm_89+)"] = torch.cuda.get_device_capability(0) >= (8, 9)
+    return info
+
+
+for key, value in probe_environment().items():
+    print(f"{key:>15}: {value}")
+
+# %% [markdown]
+# Whatever the machine, the course needs gloo: it is the backend every CPU run uses.
+
+# %%
+assert dist.is_gloo_available(), "this torch build has no gloo backend; reinstall torch"
+
+# %% [markdown]
+# ## 2. A cluster of ranks
+# `Cluster(n)` starts `n` worker processes **once** and keeps them. Each one is a rank of a
+# process group. `cluster.run(fn)` sends `fn` (defined right here, in the notebook) to every
+# rank, calls `fn(ctx)` there, and returns the results in rank order. `ctx` says who the rank
+# is (`ctx.rank`, `ctx.world_size`, `ctx.device`) and keeps per-rank state in `ctx.state`.
+
+# %%
+cluster = Cluster(WORLD_SIZE)
+print(cluster)
+
+# %%
+def hello(ctx):
+    print(f"I am rank {ctx.rank} of {ctx.world_size}, computing on {ctx.device}")
+    return ctx.rank * 10
+
+
+results = cluster.run(hello)
+print("results:", results)
+assert results == [10 * r for r in range(WORLD_SIZE)]
+
+# %% [markdown]
+# Printed lines come back prefixed by their rank, in rank order.
+#
+# Now the collective that the whole of data parallelism rests on: **all-reduce**. Every rank
+# holds a tensor; afterwards every rank holds the element-wise sum of all of them.
+
+# %%
+def first_all_reduce(ctx):
+    tensor = torch.tensor([ctx.rank + 1.0, 10.0 * (ctx.rank + 1)])
+    before = tensor.clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return before, tensor
+
+
+before_after = cluster.run(first_all_reduce)
+for rank, (before, after) in enumerate(before_after):
+    print(f"rank {rank}: before {before.tolist()}  after {after.tolist()}")
+
+total = sum(before for before, _ in before_after)
+assert all(torch.equal(after, total) for _, after in before_after)
+n = WORLD_SIZE
+assert total.tolist() == [n * (n + 1) / 2, 10 * n * (n + 1) / 2]
+
+# %% [markdown]
+# ### Which collectives does the backend support?
+# We try each collective the course uses on the cluster and record whether it worked and gave
+# the right answer. With the pinned torch 2.13 CPU build, gloo runs all of them. (torch 2.13
+# renamed `all_gather_into_tensor` and `reduce_scatter_tensor` to `all_gather_single` and
+# `reduce_scatter_single`; we use the new names when they exist.)
+
+# %%
+def try_collectives(ctx):
+    r, n = ctx.rank, ctx.world_size
+    x = lambda: torch.full((2,), float(r + 1))  # a fresh input per collective
+    total = n * (n + 1) / 2
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    checks = {
+        "broadcast": lambda: (dist.broadcast(t := x(), src=0), t[0].item() == 1.0)[1],
+        "reduce": lambda: (dist.reduce(t := x(), dst=0), r != 0 or t[0].item() == total)[1],
+        "all_reduce": lambda: (dist.all_reduce(t := x()), t[0].item() == total)[1],
+        "gather": lambda: _gather(r, n, x()),
+        "all_gather": lambda: (dist.all_gather(out := [torch.zeros(2) for _ in range(n)], x()),
+                               [o[0].item() for o in out] == [i + 1.0 for i in range(n)])[1],
+        "all_gather_single": lambda: (all_gather_single(out := torch.zeros(2 * n), x()),
+                                           out[::2].tolist() == [i + 1.0 for i in range(n)])[1],
+        "scatter": lambda: _scatter(r, n),
+        "reduce_scatter": lambda: (dist.reduce_scatter(out := torch.zeros(2), [x() for _ in range(n)]),
+                                   out[0].item() == total)[1],
+        "reduce_scatter_single": lambda: (reduce_scatter_single(out := torch.zeros(2), torch.cat([x()] * n)),
+                                          out[0].item() == total)[1],
+        "all_to_all_single": lambda: (dist.all_to_all_single(out := torch.zeros(n), torch.full((n,), float(r))),
+                                      out.tolist() == [float(i) for i in range(n)])[1],
+        "send/recv": lambda: _ring_pass(r, n),
+        "barrier": lambda: dist.barrier() is None,
+    }
+    report = {}
+    for name, check in checks.items():
+        try:
+            report[name] = "ok" if check() else "WRONG RESULT"
+        except Exception as exc:  # a backend without it raises; keep going with the others
+            report[name] = f"unsupported ({type(exc).__name__})"
+    return report
+
+
+def _gather(r, n, tensor):
+    out = [torch.zeros(2) for _ in range(n)] if r == 0 else None
+    dist.gather(tensor, out, dst=0)
+    return r != 0 or [o[0].item() for o in out] == [i + 1.0 for i in range(n)]
+
+
+def _scatter(r, n):
+    out = torch.zeros(2)
+    chunks = [torch.full((2,), float(i)) for i in range(n)] if r == 0 else None
+    dist.scatter(out, chunks, src=0)
+    return out[0].item() == r
+
+
+def _ring_pass(r, n):
+    """Send our rank to the right neighbour, receive from the left one (no deadlock:
+    isend does not wait for the matching receive)."""
+    got = torch.zeros(1)
+    request = dist.isend(torch.tensor([float(r)]), dst=(r + 1) % n)
+    dist.recv(got, src=(r - 1) % n)
+    request.wait()
+    return got.item() == (r - 1) % n
+
+
+reports = cluster.run(try_collectives)
+print(f"{'collective':>24}  status on every rank ({cluster.backend})")
+for name in reports[0]:
+    statuses = {rep[name] for rep in reports}
+    print(f"{name:>24}  {', '.join(sorted(statuses))}")
+if cluster.backend == "gloo":
+    assert all(status == "ok" for rep in reports for status in rep.values()), reports
+
+# %% [markdown]
+# ## 3. The `%%ranks` cell magic
+# For quick experiments you can run a whole cell on every rank. Each rank keeps its own
+# variables between `%%ranks` cells, and `rank`, `world_size`, `torch` and `dist` are
+# predefined. `-r 0,2` runs a cell on some ranks only. The value of the last line is shown
+# per rank.
+
+# %%
+# %%ranks
+shard = torch.arange(4.0) + 4 * rank  # each rank owns a different slice of 0..4n-1
+local_sum = shard.sum()
+dist.all_reduce(local_sum)
+local_sum.item()
+
+# %%
+n = WORLD_SIZE
+expected = (4 * n) * (4 * n - 1) / 2  # the sum 0 + 1 + ... + (4n - 1)
+assert cluster.run(lambda ctx: ctx.state["__ranks_namespace__"]["local_sum"].item()) == [expected] * n
+
+# %% [markdown]
+# ## 4. Watching ranks work: a live plot
+# Ranks can stream numbers to the notebook while a call runs, with `ctx.log(...)`. Here each rank
+# fits the same tiny linear model to **its own shard** of the data, and averages gradients with
+# all-reduce before each step: that is data parallelism in ten lines, the subject of chapter 02.
+# The plot updates as the ranks train.
+
+# %% tags=["nbval-ignore-output"]
+# (a live plot redraws as often as timing allows, so its outputs are not compared in CI)
+def train_linear_regression(ctx, steps, seed):
+    torch.manual_seed(seed + ctx.rank)  # each rank draws different data...
+    true_w = torch.tensor([2.0, -3.0, 0.5])
+    x = torch.randn(64, 3)
+    y = x @ true_w + 0.01 * torch.randn(64)
+    torch.manual_seed(seed)  # ...but all start from the same weights
+    w = torch.zeros(3, requires_grad=True)
+    for step in range(steps):
+        loss = ((x @ w - y) ** 2).mean()
+        loss.backward()
+        dist.all_reduce(w.grad)  # sum of gradients over ranks...
+        w.grad /= ctx.world_size  # ...divided by their number: the average
+        with torch.no_grad():
+            w -= 0.1 * w.grad
+            w.grad.zero_()
+        ctx.log(step=step, loss=loss)
+    return w.detach()
+
+
+plot = LivePlot("loss", x="step", title="each rank's loss on its own shard", logy=True)
+weights = cluster.run(train_linear_regression, 30 if QUICK else 200, SEED, on_log=plot)
+plot.finish();
+
+# %% [markdown]
+# Because every rank applied the same averaged gradient to the same starting weights, the
+# replicas never drift apart, and they found the true weights:
+
+# %%
+for w in weights[1:]:
+    assert torch.equal(w, weights[0]), "replicas diverged"
+print("learned weights:", [round(v, 2) for v in weights[0].tolist()])
+assert torch.allclose(weights[0], torch.tensor([2.0, -3.0, 0.5]), atol=0.05)
+
+# %% [markdown]
+# ## 5. When something goes wrong
+# An exception on one rank comes back as a single `RankError` with that rank's traceback, and the
+# cluster stays usable. A call that hangs (say, ranks calling different collectives) raises after
+# its `timeout=` with every rank's current stack, and the ranks are restarted. The stop button
+# interrupts the ranks too.
+
+# %%
+def fails_on_last_rank(ctx):
+    if ctx.rank == ctx.world_size - 1:
+        raise ValueError("this rank got a bad batch")
+    return "fine"
+
+
+try:
+    cluster.run(fails_on_last_rank)
+except RankError as err:
+    failure = err.failures[WORLD_SIZE - 1]
+    print(f"rank {failure.rank} raised {failure.type_name}: {failure.exception}")
+
+assert cluster.run(lambda ctx: "still here") == ["still here"] * WORLD_SIZE
+
+# %% [markdown]
+# ## 6. The map of the course
+# Training a large model keeps running into three limits, and nearly every technique in the book
+# trades one against another:
+#
+# | pressure | what it means | typical remedies |
+# |---|---|---|
+# | **memory** | a training step that does not fit in GPU memory cannot run at all | recomputation, ZeRO/FSDP sharding, tensor/pipeline/context parallelism |
+# | **compute efficiency** | the GPUs should spend their time computing, not waiting for data or for each other | bigger batches, fused kernels, overlap, good parallel layouts |
+# | **communication** | moving data costs time: fast links inside a node, slower ones between nodes | overlap with compute, keep heavy traffic (TP) inside a node |
+#
+# For example, activation recomputation buys memory with extra compute, and tensor parallelism
+# buys memory with communication.
+#
+# | chapter | topic | main pressure |
+# |---|---|---|
+# | a0 | collectives: broadcast to reduce-scatter, a ring all-reduce from scratch | communication |
+# | 01 | one GPU: memory anatomy, recomputation, gradient accumulation, profiling | memory |
+# | 02 | data parallelism: overlap, bucketing, accumulation without sync | compute / communication |
+# | 03 | ZeRO-1/2/3 (FSDP) | memory |
+# | 04-06 | tensor, sequence and context parallelism | memory / communication |
+# | 07 | pipeline parallelism and its schedules | memory / compute |
+# | 08 | expert parallelism (mixture of experts) | memory / compute |
+# | 09-10 | combining them (5D), and finding the best configuration | all three |
+# | 11 | inside the GPU: Triton kernels to FlashAttention | compute |
+# | 12 | mixed precision: BF16 and FP8 | memory / compute |
+# | a1-a3 | profiling, typical scales, the overlap arithmetic | all three |
+#
+# The book's results rest on more than 4000 scaling experiments on up to 512 GPUs (more than 4100
+# distributed runs, over 16k counting test runs); reading it takes two to four days. Its two code
+# companions are **picotron** (short, teaching implementations) and **nanotron** (the production
+# framework); this course builds its own small implementations in `lib/ultrascale/` and checks
+# them against PyTorch's.
+#
+# ### A first look at memory
+# Chapter 01 derives where memory goes. Here is the breakdown the library computes for Llama 3 8B
+# (one micro-batch of 4096 tokens, BF16 mixed precision, Adam); in JupyterLab,
+# `ultrascale.viz.memory_widget.memory_widget()` gives the same picture with sliders, including
+# the pipeline degree that the book's own widget leaves out.
+
+# %%
+from ultrascale.viz.memory_widget import memory_figure
+
+memory_figure(preset="Llama 3 8B", seq=4096, micro_batch=1)
+
+# %% [markdown]
+# ## Your turn
+# Open `exercises/00_orientation_exercises.ipynb` for the warm-up: an all-reduce mean and the
+# pipeline input of the memory calculator. Each exercise has a `check(...)` cell that grades it
+# on the spot.
+
+# %%
+cluster.close()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite (what `make test` and CI run). Assumes .venv exists
+# (`make test` creates it first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+BIN=.venv/bin
+
+echo "== spelling (codespell over code, notebooks and docs)"
+$BIN/codespell README.md lib chapters solutions launch benchmarks tests
+
+echo "== exercises/ in sync with solutions/"
+$BIN/python -m ultrascale.grading.generate --check
+
+echo "== pytest: library, runtime faults, grading, papermill runs, and nbval on chapters/"
+$BIN/pytest -q -p no:cacheprovider tests chapters \
+  --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env "$@"
