@@ -1,0 +1,21 @@
+"""Communication: collectives built from send/recv, a logger, bandwidth and cost models.
+
+* ``ring``: ``ring_reduce_scatter``, ``ring_all_gather``, ``ring_all_reduce``.
+* ``logger``: ``CommLogger`` records op, bytes and time of every call on a rank.
+* ``bandwidth``: ``bus_bandwidth_sweep`` (algbw and busbw, nccl-tests conventions).
+* ``cost_model``: the alpha-beta model, its fit and the crossover size.
+"""
+
+from .bandwidth import bus_bandwidth_sweep, bus_factor, time_collective
+from .cost_model import (AlphaBeta, crossover_size, fit_alpha_beta,
+                         fit_ring_all_reduce)
+from .logger import CommEvent, CommLogger, format_bytes
+from .ring import (chunk_sizes, release_buffers, ring_all_gather, ring_all_reduce,
+                   ring_reduce_scatter)
+
+__all__ = [
+    "AlphaBeta", "CommEvent", "CommLogger", "bus_bandwidth_sweep", "bus_factor",
+    "chunk_sizes", "crossover_size", "fit_alpha_beta", "fit_ring_all_reduce",
+    "format_bytes", "release_buffers", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
+    "time_collective",
+]

@@ -1,0 +1,195 @@
+"""Ring collectives built only from point-to-point sends and receives.
+
+The ranks stand in a ring: each one sends to its right neighbour ``(r + 1) % N`` and
+receives from its left neighbour ``(r - 1) % N``, all at the same time, so every link
+is busy in every step and no rank is a bottleneck.
+
+* ``ring_reduce_scatter``: after ``N - 1`` steps rank ``r`` holds chunk ``r`` of the sum.
+* ``ring_all_gather``: after ``N - 1`` more steps every rank holds every chunk.
+* ``ring_all_reduce`` = reduce-scatter followed by all-gather.
+
+Chunking rule: the tensor is flattened and cut with ``torch.tensor_split(flat, N)``,
+so with ``K = q * N + m`` elements the first ``m`` chunks have ``q + 1`` elements and
+the others ``q`` (chunks may be empty when ``K < N``). Each rank sends every chunk but
+one in each phase, which gives the per-rank traffic ``2 (N - 1) K / N`` of the book
+when ``N`` divides ``K``.
+
+Every rank must call these functions with tensors of the same shape and dtype, in the
+same order, as with the built-in collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .logger import count_p2p, record_op
+
+REDUCE_OPS = ("sum", "avg", "max")
+
+
+# ---- small helpers -------------------------------------------------------------------
+def chunk_sizes(numel: int, world_size: int) -> list[int]:
+    """Element count of each rank's chunk under the ``torch.tensor_split`` rule."""
+    base, extra = divmod(numel, world_size)
+    return [base + 1 if i < extra else base for i in range(world_size)]
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call the ring collectives inside "
+            "cluster.run(...) (ultrascale.runtime.Cluster) or after dist.init_process_group().")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _normalise_op(op, dtype: torch.dtype) -> str:
+    names = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max"}
+    if not isinstance(op, str):
+        op = names.get(op, op)
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS} (or the matching dist.ReduceOp), got {op!r}")
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"op='avg' needs a floating-point tensor, got {dtype}; use 'sum' "
+                         "and divide yourself, or convert the tensor with .float() first")
+    return op
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
+    """Send ``send`` to the right neighbour while receiving ``recv`` from the left one.
+
+    Both are posted before waiting on either; a blocking send first would deadlock
+    once messages are too large to be buffered. Empty chunks are skipped on both sides
+    (every rank knows every chunk size, so the two ends agree).
+    """
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=right))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=left))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    count_p2p(send.numel() * send.element_size(), recv.numel() * recv.element_size())
+
+
+# One receive buffer per (dtype, device), kept between calls and grown when needed:
+# allocating (and page-faulting) a fresh chunk-sized buffer in every call costs as
+# much as a step of the ring on a CPU. ``release_buffers()`` frees them.
+_receive_buffers: dict[tuple, torch.Tensor] = {}
+
+
+def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    key = (like.dtype, like.device)
+    buffer = _receive_buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _receive_buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer[:numel]
+
+
+def release_buffers() -> None:
+    """Free the receive buffers the ring collectives keep between calls."""
+    _receive_buffers.clear()
+
+
+def _reduce_into(target: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
+    if op == "max":
+        torch.maximum(target, incoming, out=target)
+    else:  # sum and avg both add; avg divides once at the end
+        target.add_(incoming)
+
+
+# ---- the two phases, on chunk views of one flat buffer -------------------------------
+def _reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group) -> None:
+    """In place: afterwards ``chunks[r]`` on rank ``r`` holds the reduction over all ranks.
+
+    In step ``s`` rank ``r`` passes on chunk ``r - s - 1`` (which it finished adding to
+    in the step before) and adds the incoming chunk ``r - s - 2`` into its own copy.
+    After ``N - 1`` steps the last chunk received, ``r - N = r``, has every rank's term.
+    """
+    r, n = _rank_and_size(group)
+    right, left = (r + 1) % n, (r - 1) % n
+    # One receive buffer, reused in every step (and every call).
+    buffer = _receive_buffer(max(c.numel() for c in chunks), chunks[0])
+    for step in range(n - 1):
+        send_index, recv_index = (r - step - 1) % n, (r - step - 2) % n
+        incoming = buffer[: chunks[recv_index].numel()]
+        _exchange(chunks[send_index], incoming, right, left, group)
+        _reduce_into(chunks[recv_index], incoming, op)
+    if op == "avg":
+        chunks[r].div_(n)
+
+
+def _all_gather_chunks(chunks: list[torch.Tensor], group) -> None:
+    """In place: rank ``r`` starts with ``chunks[r]`` filled and ends with all of them.
+
+    In step ``s`` rank ``r`` forwards chunk ``r - s`` and receives chunk ``r - s - 1``
+    straight into its place in the output, so nothing is copied twice.
+    """
+    r, n = _rank_and_size(group)
+    right, left = (r + 1) % n, (r - 1) % n
+    for step in range(n - 1):
+        send_index, recv_index = (r - step) % n, (r - step - 1) % n
+        _exchange(chunks[send_index], chunks[recv_index], right, left, group)
+
+
+# ---- public collectives --------------------------------------------------------------
+@torch.no_grad()
+def ring_reduce_scatter(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return this rank's chunk of the result.
+
+    The returned chunk is 1-D: chunk ``r`` of ``torch.tensor_split(tensor.flatten(), N)``.
+    ``tensor`` is left unchanged. ``op`` is ``"sum"``, ``"avg"`` or ``"max"``.
+    """
+    op = _normalise_op(op, tensor.dtype)
+    r, n = _rank_and_size(group)
+    with record_op("ring_reduce_scatter", group):
+        work = tensor.detach().flatten().clone()  # the reduction happens in this copy
+        chunks = list(torch.tensor_split(work, n))
+        _reduce_scatter_chunks(chunks, op, group)
+        return chunks[r].clone()  # a copy, so the rest of ``work`` can be freed
+
+
+@torch.no_grad()
+def ring_all_gather(chunk: torch.Tensor, numel: int | None = None, group=None) -> torch.Tensor:
+    """Concatenate every rank's ``chunk`` (in rank order) on every rank.
+
+    Without ``numel`` all chunks must have the same shape, and the result stacks them
+    along dimension 0, like ``dist.all_gather_into_tensor``. With ``numel`` (the total
+    length) the chunks follow the ``tensor_split`` rule, so they may differ by one
+    element, and the result is 1-D: this inverts ``ring_reduce_scatter``.
+    """
+    r, n = _rank_and_size(group)
+    if numel is None:
+        output = chunk.new_empty((n * chunk.shape[0], *chunk.shape[1:]) if chunk.dim() else (n,))
+    else:
+        expected = chunk_sizes(numel, n)[r]
+        if chunk.numel() != expected:
+            raise ValueError(f"rank {r}: chunk has {chunk.numel()} elements but the "
+                             f"tensor_split rule gives {expected} for numel={numel}, N={n}")
+        output = chunk.new_empty(numel)
+    with record_op("ring_all_gather", group):
+        chunks = list(torch.tensor_split(output.view(-1), n))
+        chunks[r].copy_(chunk.reshape(-1))
+        _all_gather_chunks(chunks, group)
+    return output
+
+
+@torch.no_grad()
+def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+    """All-reduce ``tensor`` in place as reduce-scatter + all-gather; returns ``tensor``.
+
+    Works for any world size (1 is a no-op), any shape and any length, including
+    lengths smaller than or not divisible by the world size.
+    """
+    op = _normalise_op(op, tensor.dtype)
+    _, n = _rank_and_size(group)
+    with record_op("ring_all_reduce", group):
+        # A contiguous tensor is reduced where it lies; otherwise in a copy, copied back.
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        chunks = list(torch.tensor_split(flat, n))
+        _reduce_scatter_chunks(chunks, op, group)
+        _all_gather_chunks(chunks, group)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
+    return tensor

@@ -1,0 +1,309 @@
+"""ultrascale.comm: ring collectives against the built-ins, the CommLogger's byte
+counts, the bandwidth sweep and the alpha-beta cost model.
+
+One Cluster per world size is shared by the whole module, and each parity test does
+all lengths and ops inside one ``cluster.run`` call, because starting ranks costs about
+a second and 5 ranks on 2 cores are slow.
+
+Tolerance for sums: the ring adds the N terms of each element in a different order
+than gloo does. Summing N float32 numbers in any order has an error of at most
+(N-1) u sum_i |x_i| (u = 2**-24, the unit round-off), so two orders differ by at most
+2 (N-1) u sum_i |x_i| = (N-1) eps sum_i |x_i| with eps = 2**-23. We allow twice that,
+per element. Max involves no rounding and must match exactly.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ultrascale.comm import (AlphaBeta, CommLogger, bus_bandwidth_sweep, bus_factor,
+                             chunk_sizes, crossover_size, fit_alpha_beta,
+                             fit_ring_all_reduce, ring_all_gather, ring_all_reduce,
+                             ring_reduce_scatter)
+from ultrascale.runtime import Cluster
+
+WORLD_SIZES = (1, 2, 3, 4, 5)
+LENGTHS = (1, 7, 1000, 2**20 + 3)
+OPS = ("sum", "avg", "max")
+EPS = torch.finfo(torch.float32).eps
+# torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    """``clusters(n)``: a Cluster of n ranks, started on first use, closed at the end."""
+    started = {}
+
+    def get(world_size):
+        if world_size not in started:
+            started[world_size] = Cluster(world_size, backend="gloo")
+        return started[world_size]
+
+    yield get
+    for cluster in started.values():
+        cluster.close()
+
+
+# ---- helpers that run on the ranks ---------------------------------------------------
+def _rank_input(rank, length):
+    """Rank ``rank``'s test tensor; any rank can rebuild any other rank's input."""
+    return torch.randn(length, generator=torch.Generator().manual_seed(1000 * rank + length))
+
+
+def _built_in(x, op):
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return out / dist.get_world_size() if op == "avg" else out
+
+
+def _check(failures, label, got, ref, tol):
+    if got.shape != ref.shape:
+        failures.append(f"{label}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
+    elif tol is None and not torch.equal(got, ref):
+        failures.append(f"{label}: not bit-identical (max diff {(got - ref).abs().max():.3g})")
+    elif tol is not None and not bool(((got - ref).abs() <= tol).all()):
+        failures.append(f"{label}: error {(got - ref).abs().max():.3g} above bound {tol.max():.3g}")
+
+
+def _tolerance(op, abs_sum, ref, n):
+    if op == "max":
+        return None
+    sum_bound = 2 * (n - 1) * EPS * abs_sum  # see the module docstring
+    # avg: both sides divide their sum by n, each adding one rounding of the quotient.
+    return sum_bound if op == "sum" else sum_bound / n + EPS * ref.abs()
+
+
+def _parity_on_rank(ctx):
+    """Compare the three ring collectives with the built-ins; returns failures."""
+    n, r = ctx.world_size, ctx.rank
+    failures = []
+    for length in LENGTHS:
+        x = _rank_input(r, length)
+        abs_sum = x.abs()
+        dist.all_reduce(abs_sum)
+        for op in OPS:
+            ref = _built_in(x, op)
+            tol = _tolerance(op, abs_sum, ref, n)
+            label = f"rank {r} N={n} len={length} {op}"
+            # all-reduce: in place and returned
+            y = x.clone()
+            out = ring_all_reduce(y, op)
+            if out is not y:
+                failures.append(f"{label}: ring_all_reduce did not return its input")
+            _check(failures, f"{label} all_reduce", y, ref, tol)
+            # reduce-scatter: this rank's tensor_split chunk of the all-reduce
+            mine = ring_reduce_scatter(x, op)
+            part = lambda t: torch.tensor_split(t, n)[r]  # noqa: E731
+            _check(failures, f"{label} reduce_scatter", mine, part(ref),
+                   None if tol is None else part(tol))
+            if length % n == 0 and op != "avg":  # the built-in needs equal chunks
+                rs = torch.empty(length // n)
+                REDUCE_SCATTER_SINGLE(rs, x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+                _check(failures, f"{label} vs reduce_scatter_single", mine, rs, None if tol is None else part(tol))
+        if not torch.equal(x, _rank_input(r, length)):
+            failures.append(f"rank {r} len={length}: a ring collective modified its input")
+        # all-gather: chunk r of every rank's input, concatenated; no arithmetic, so exact
+        chunk = torch.tensor_split(x, n)[r]
+        gathered = ring_all_gather(chunk, numel=length)
+        expected = torch.cat([torch.tensor_split(_rank_input(q, length), n)[q] for q in range(n)])
+        _check(failures, f"rank {r} N={n} len={length} all_gather", gathered, expected, None)
+        if length % n == 0:
+            built_in = torch.empty(length)
+            ALL_GATHER_SINGLE(built_in, chunk)
+            _check(failures, f"rank {r} N={n} len={length} vs all_gather_single", gathered, built_in, None)
+    return failures
+
+
+def _shapes_on_rank(ctx):
+    """Multi-dimensional, non-contiguous, integer and 0-d tensors keep their shape."""
+    n, r = ctx.world_size, ctx.rank
+    failures = []
+    x = torch.arange(30.0).reshape(3, 5, 2) + r
+    y = x.clone()
+    ring_all_reduce(y)
+    _check(failures, "3-d", y, _built_in(x, "sum"), None)  # integers in float32: exact
+    t = x.clone().transpose(0, 2)  # not contiguous: reduced in a copy, copied back
+    ring_all_reduce(t, "max")
+    _check(failures, "transposed", t, _built_in(x, "max").transpose(0, 2), None)
+    i = torch.full((4, 3), r, dtype=torch.int64)
+    ring_all_reduce(i)
+    _check(failures, "int64", i, torch.full((4, 3), n * (n - 1) // 2, dtype=torch.int64), None)
+    s = torch.tensor(float(r))
+    ring_all_reduce(s)
+    _check(failures, "0-d", s, torch.tensor(n * (n - 1) / 2), None)
+    rows = torch.full((2, 3), float(r))  # equal chunks: stacked along dim 0
+    _check(failures, "all_gather rows", ring_all_gather(rows),
+           torch.arange(n).repeat_interleave(2)[:, None].float().expand(2 * n, 3), None)
+    return failures
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ring_collectives_match_built_ins(clusters, world_size):
+    results = clusters(world_size).run(_parity_on_rank, timeout=120)
+    assert [f for rank in results for f in rank] == []
+
+
+@pytest.mark.parametrize("world_size", (1, 3, 4))
+def test_shapes_dtypes_and_non_contiguous_tensors(clusters, world_size):
+    assert [f for rank in clusters(world_size).run(_shapes_on_rank) for f in rank] == []
+
+
+# ---- the logger ----------------------------------------------------------------------
+def _logged_ring_bytes(ctx):
+    """Bytes the logger records for each ring collective, for several lengths."""
+    rows = []
+    for length in (1, 7, 12, 60, 1000):
+        x = torch.ones(length)
+        with CommLogger() as log:
+            ring_all_reduce(x)
+            ring_reduce_scatter(x)
+            ring_all_gather(torch.tensor_split(x, ctx.world_size)[ctx.rank], numel=length)
+        rows.append((length, [(e.op, e.bytes_sent, e.bytes_received, e.source) for e in log.events]))
+    return rows
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4, 5))
+def test_logger_counts_the_ring_bytes_exactly(clusters, world_size):
+    n = world_size
+    for r, rows in enumerate(clusters(n).run(_logged_ring_bytes)):
+        for length, events in rows:
+            c = [t.numel() * 4 for t in torch.tensor_split(torch.empty(length), n)]
+            k = 4 * length
+            # Reduce-scatter sends every chunk except its own; all-gather every chunk
+            # except its right neighbour's (that one comes back round the ring last).
+            all_reduce = (2 * k - c[r] - c[(r + 1) % n], 2 * k - c[(r - 1) % n] - c[r])
+            assert events == [
+                ("ring_all_reduce", *all_reduce, "measured"),
+                ("ring_reduce_scatter", k - c[r], k - c[(r - 1) % n], "measured"),
+                ("ring_all_gather", k - c[(r + 1) % n], k - c[r], "measured"),
+            ], (r, length)
+            if length % n == 0:  # the book's formula, exactly
+                assert all_reduce[0] == 2 * (n - 1) * k // n == 2 * (n - 1) * k / n
+
+
+def _logged_built_ins(ctx):
+    n, r = ctx.world_size, ctx.rank
+    originals = (dist.all_reduce, dist.isend, c10d.isend, dist.broadcast)
+    x = torch.ones(120)  # 480 bytes
+    with CommLogger() as outer:
+        with CommLogger() as log:
+            dist.all_reduce(x)
+            getattr(dist, ALL_GATHER_SINGLE.__name__)(torch.empty(120 * n), x)
+            getattr(dist, REDUCE_SCATTER_SINGLE.__name__)(torch.empty(120 // n), x)
+            dist.broadcast(x, src=1)
+            dist.reduce(x, dst=0)
+            small = torch.ones(6)  # 24 bytes
+            dist.gather(small, [torch.empty(6) for _ in range(n)] if r == 2 else None, dst=2)
+            dist.scatter(small, [torch.ones(6) for _ in range(n)] if r == 0 else None, src=0)
+            dist.all_to_all_single(torch.empty(6 * n), torch.ones(6 * n))
+            dist.barrier()
+            # Point-to-point round the ring; isend first so no rank blocks.
+            work = dist.isend(torch.ones(10), (r + 1) % n)
+            dist.recv(torch.empty(10), (r - 1) % n)
+            work.wait()
+            ops = [dist.P2POp(dist.isend, torch.ones(3), (r + 1) % n),
+                   dist.P2POp(dist.irecv, torch.empty(3), (r - 1) % n)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        patched = dist.all_reduce is not originals[0]
+    restored = (dist.all_reduce, dist.isend, c10d.isend, dist.broadcast) == originals
+    events = [(e.op, e.bytes_sent, e.bytes_received, e.source) for e in log.events]
+    return events, len(outer.events), patched, restored, log.summary()
+
+
+def test_logger_wraps_built_ins_and_restores_them(clusters):
+    n = 3
+    for r, (events, outer_count, patched, restored, summary) in enumerate(clusters(n).run(_logged_built_ins)):
+        assert patched and restored
+        assert outer_count == len(events)  # nested loggers both see every event
+        position = (r - 1) % n  # broadcast from rank 1: a chain 1 -> 2 -> 0
+        assert events == [
+            ("all_reduce", 2 * 2 * 480 // 3, 2 * 2 * 480 // 3, "algorithmic"),
+            (ALL_GATHER_SINGLE.__name__, 2 * 480 * 3 // 3, 2 * 480 * 3 // 3, "algorithmic"),
+            (REDUCE_SCATTER_SINGLE.__name__, 2 * 480 // 3, 2 * 480 // 3, "algorithmic"),
+            ("broadcast", 0 if position == n - 1 else 480, 0 if position == 0 else 480, "algorithmic"),
+            ("reduce", 0 if r == 0 else 480, 0 if r == n - 1 else 480, "algorithmic"),  # 2 -> 1 -> 0
+            ("gather", 0 if r == 2 else 24, 48 if r == 2 else 0, "algorithmic"),
+            ("scatter", 48 if r == 0 else 0, 0 if r == 0 else 24, "algorithmic"),
+            ("all_to_all_single", 48, 48, "algorithmic"),
+            ("barrier", 0, 0, "algorithmic"),
+            ("isend", 40, 0, "measured"),
+            ("recv", 0, 40, "measured"),
+            ("batch_isend_irecv", 12, 12, "measured"),  # its inner isend/irecv not twice
+        ]
+        assert "all_reduce" in summary and "algorithmic" in summary
+
+
+# ---- bandwidth -----------------------------------------------------------------------
+def _sweep(ctx, impl, op):
+    seen = []
+    points = bus_bandwidth_sweep(ctx, [4096, 1 << 16], op=op, impl=impl, iters=3, warmup=1,
+                                 callback=seen.append)
+    return points, seen
+
+
+@pytest.mark.parametrize("impl,op", [("torch", "all_reduce"), ("ring", "all_reduce"),
+                                     ("ring", "reduce_scatter"), ("torch", "all_gather"),
+                                     ("torch", "broadcast")])
+def test_bandwidth_sweep_reports_nccl_tests_quantities(clusters, impl, op):
+    results = clusters(3).run(_sweep, impl, op)
+    points = results[0][0]
+    assert all(rank_points == points for rank_points, _ in results)  # max over ranks: same
+    assert results[0][1] == points and results[1][1] == [] == results[2][1]  # rank 0 only
+    assert [p["size"] for p in points] == [4092, 65532]  # whole multiples of 3 floats
+    for p in points:
+        assert p["time_s"] > 0 and p["algbw"] == pytest.approx(p["size"] / p["time_s"])
+        assert p["busbw"] == pytest.approx(p["algbw"] * bus_factor(op, 3))
+
+
+def test_bus_factors_and_bad_arguments():
+    assert bus_factor("all_reduce", 4) == 1.5 and bus_factor("all_gather", 4) == 0.75
+    assert bus_factor("reduce_scatter", 8) == 7 / 8 and bus_factor("broadcast", 8) == 1.0
+    with pytest.raises(ValueError, match="op must be one of"):
+        bus_factor("all_to_all", 4)
+    with pytest.raises(ValueError, match="op must be one of"):
+        ring_all_reduce(torch.ones(3), op="min")
+    with pytest.raises(ValueError, match="floating-point"):
+        ring_all_reduce(torch.ones(3, dtype=torch.int32), op="avg")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="cluster.run"):
+            ring_all_reduce(torch.ones(3))
+
+
+def test_chunk_sizes_follow_tensor_split():
+    for numel in (0, 1, 5, 7, 12, 1001):
+        for n in (1, 2, 3, 4, 5):
+            assert chunk_sizes(numel, n) == [t.numel() for t in torch.tensor_split(torch.empty(numel), n)]
+
+
+# ---- the cost model ------------------------------------------------------------------
+def test_alpha_beta_fit_recovers_known_parameters():
+    truth = AlphaBeta(alpha=20e-6, beta=5e9)  # 20 us, 5 GB/s
+    sizes = np.logspace(2, 8, 25)
+    fit = fit_alpha_beta(sizes, truth.message_time(sizes))
+    assert fit.alpha == pytest.approx(truth.alpha, rel=1e-9)
+    assert fit.beta == pytest.approx(truth.beta, rel=1e-9)
+    # With 2% multiplicative noise both are still within a few per cent.
+    noise = 1 + 0.02 * np.random.default_rng(0).standard_normal(sizes.size)
+    noisy = fit_alpha_beta(sizes, truth.message_time(sizes) * noise)
+    assert noisy.alpha == pytest.approx(truth.alpha, rel=0.05)
+    assert noisy.beta == pytest.approx(truth.beta, rel=0.05)
+    with pytest.raises(ValueError, match="does not grow"):
+        fit_alpha_beta([1e3, 1e6], [1e-3, 1e-3 * 0.5])
+
+
+def test_ring_all_reduce_model_and_crossover():
+    model = AlphaBeta(alpha=10e-6, beta=2e9)
+    n, k = 4, 8e6
+    assert model.ring_all_reduce_time(k, n) == pytest.approx(2 * 3 * (10e-6 + k / (4 * 2e9)))
+    sizes = np.logspace(3, 8, 12)
+    fit = fit_ring_all_reduce(sizes, model.ring_all_reduce_time(sizes, n), world_size=n)
+    assert (fit.alpha, fit.beta) == (pytest.approx(10e-6), pytest.approx(2e9))
+    n_star = crossover_size(model.alpha, model.beta)
+    assert n_star == model.crossover_bytes == pytest.approx(20_000)
+    # At the crossover the two terms are equal: a message costs exactly 2 alpha.
+    assert model.message_time(n_star) == pytest.approx(2 * model.alpha)
