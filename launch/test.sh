@@ -13,5 +13,5 @@ echo "== exercises/ in sync with solutions/"
 $BIN/python -m ultrascale.grading.generate --check
 
 echo "== pytest: library, runtime faults, grading, papermill runs, and nbval on chapters/"
-$BIN/pytest -q -p no:cacheprovider tests chapters \
+$BIN/pytest -q -p no:cacheprovider --durations=15 tests chapters \
   --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env "$@"
