@@ -303,14 +303,15 @@ assert cluster.run(lambda ctx: "still here") == ["still here"] * WORLD_SIZE
 #
 # ### A first look at memory
 # Chapter 01 derives where memory goes. Here is the breakdown the library computes for Llama 3 8B
-# (one micro-batch of 4096 tokens, BF16 mixed precision, Adam); in JupyterLab,
+# (one micro-batch of 4096 tokens, BF16 mixed precision, Adam, 8 data-parallel ranks so that
+# the ZeRO stages differ); in JupyterLab,
 # `ultrascale.viz.memory_widget.memory_widget()` gives the same picture with sliders, including
 # the pipeline degree that the book's own widget leaves out.
 
 # %%
 from ultrascale.viz.memory_widget import memory_figure
 
-memory_figure(preset="Llama 3 8B", seq=4096, micro_batch=1)
+memory_figure(preset="Llama 3 8B", seq=4096, micro_batch=1, dp=8)
 
 # %% [markdown]
 # ## Your turn

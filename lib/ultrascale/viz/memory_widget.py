@@ -77,7 +77,7 @@ def memory_figure(preset="Llama 3 8B", **inputs) -> Figure:
     _stacked_bars(right, [f"ZeRO-{s}" for s in range(4)],
                   [per_rank_bytes(values, zero_stage=s) for s in range(4)],
                   f"ZeRO stage (DP = {values['dp']})")
-    left.legend(loc="upper left", fontsize=8)
+    fig.legend(*left.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
     return fig
 
 
