@@ -4,7 +4,8 @@
     cluster = Cluster(4)
     cluster.run(lambda ctx: ctx.rank)         # -> [0, 1, 2, 3]
 
-Modules: ``cluster`` (the notebook side), ``worker`` (the rank side), ``context``
+Modules: ``cluster`` (the notebook side), ``call`` (one call from the notebook's side),
+``worker`` (the rank side), ``context``
 (the ``ctx`` every function receives), ``magic`` (the ``%%ranks`` cell magic),
 ``torchrun`` (running the same function under torchrun or SLURM), ``errors``.
 """
