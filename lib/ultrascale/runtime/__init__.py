@@ -4,10 +4,10 @@
     cluster = Cluster(4)
     cluster.run(lambda ctx: ctx.rank)         # -> [0, 1, 2, 3]
 
-Modules: ``cluster`` (the notebook side), ``call`` (one call from the notebook's side),
-``worker`` (the rank side), ``context``
-(the ``ctx`` every function receives), ``magic`` (the ``%%ranks`` cell magic),
-``torchrun`` (running the same function under torchrun or SLURM), ``errors``.
+Modules: ``cluster`` (the ranks' lifecycle, notebook side), ``call`` (one call,
+notebook side), ``worker`` (the rank side), ``context`` (the ``ctx`` every function
+receives), ``magic`` (the ``%%ranks`` cell magic), ``torchrun`` (the same function
+under torchrun or SLURM), ``errors``.
 """
 
 from .cluster import Cluster, current_cluster, resolve_backend, shared_cluster
