@@ -1,0 +1,745 @@
+# %% [markdown]
+# # A0 · A crash course in collectives
+#
+# Every technique in this course ends up as a handful of **collective operations**: calls that
+# every rank of a process group makes together, and that move or combine tensors between them.
+# Data parallelism averages gradients with an all-reduce, ZeRO shards them with a
+# reduce-scatter and rebuilds weights with an all-gather, tensor parallelism gathers activations,
+# and so on. This appendix of the book is a tour of those operations; here we run each of them
+# on real ranks and look at what every rank holds before and after.
+#
+# In this notebook you will
+# 1. call broadcast, reduce, all-reduce, gather, all-gather, scatter, reduce-scatter and barrier
+#    through `torch.distributed`, reproduce the book's example outputs and check them,
+# 2. build the **ring all-reduce** out of nothing but sends and receives (a reduce-scatter
+#    followed by an all-gather), watch its steps, and count the bytes it moves,
+# 3. time it against gloo's own all-reduce, measure **bus bandwidth** the way nccl-tests does
+#    and fit the **alpha-beta** cost model,
+# 4. see when to pick NCCL, gloo or MPI.
+#
+# The book runs its snippets with `torchrun --nproc_per_node=3` on three GPUs with NCCL. We use
+# the course's persistent ranks instead, with the gloo backend and CPU tensors on any machine, and
+# the same function names (`example_broadcast`, `example_reduce`, ...) so you can compare. When
+# the machine has a GPU for every rank, section 5 runs the same functions with NCCL.
+
+# %% tags=["parameters"]
+WORLD_SIZE = 3  # number of ranks; the book's examples use 3, anything from 2 to about 8 works
+QUICK = True  # small sizes and short sleeps: about a minute on 2 CPU cores
+SEED = 0
+
+# %%
+# %matplotlib inline
+import math
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from matplotlib.figure import Figure
+
+import ultrascale.comm.ring as ring_module
+from ultrascale.comm import (CommLogger, bus_bandwidth_sweep, chunk_sizes, fit_ring_all_reduce, format_bytes,
+                             ring_all_gather, ring_all_reduce, ring_reduce_scatter, time_collective)
+from ultrascale.runtime import Cluster, resolve_backend
+from ultrascale.viz.collectives import collective_figure, contributors, ring_steps_figure
+from ultrascale.viz.live import LivePlot
+
+torch.manual_seed(SEED)
+assert WORLD_SIZE >= 2, "collectives need at least two ranks: use WORLD_SIZE >= 2"
+N = WORLD_SIZE
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# %% [markdown]
+# ## 0. Joining a process group
+# In the book, each process starts with a small `init_process()` that calls
+# `dist.init_process_group(backend="nccl")` and then `torch.cuda.set_device(dist.get_rank())`, so
+# that rank `r` uses GPU `r`. `torchrun` provides the rank, the world size and the address of a
+# rendezvous through environment variables, and `init_process_group` reads them. (The book's prose
+# spells the call `dist.initi_process_group` in one place: a typo; the function is
+# `init_process_group`.)
+#
+# `Cluster(n)` does the same for us, once, in `n` worker processes: each one calls
+# `init_process_group` (here with `backend="gloo"`, so the results below are the same on every
+# machine) and keeps its process group alive between cells. The functions we hand to
+# `cluster.run` take the rank's context `ctx` first and run on every rank at once.
+
+# %%
+cluster = Cluster(WORLD_SIZE, backend="gloo")
+
+
+def whoami(ctx):
+    return dist.is_initialized(), dist.get_backend(), dist.get_rank(), dist.get_world_size(), str(ctx.device)
+
+
+for info in cluster.run(whoami):
+    print("initialized={}, backend={}, rank {} of {}, device {}".format(*info))
+assert [info[2] for info in cluster.run(whoami)] == list(range(N))
+
+# %% [markdown]
+# A few helpers for the rest of the notebook: `to_cpu` brings results home from a GPU rank, and
+# `show` prints what every rank held before and after a collective. The pictures come from
+# `ultrascale.viz.collectives.collective_figure`, which draws the **real tensors** the ranks
+# returned: one row per buffer, one column per element.
+
+# %%
+def to_cpu(x):
+    """Tensors (also inside lists and dicts) moved to the CPU, for the notebook."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_cpu(v) for v in x)
+    return x
+
+
+def describe(state):
+    if isinstance(state, torch.Tensor):
+        return str(state.tolist())
+    if isinstance(state, dict):
+        return ", ".join(f"{k}={describe(v)}" for k, v in state.items())
+    if isinstance(state, (list, tuple)):
+        return "[" + ", ".join(describe(v) for v in state) + "]"
+    return str(state)
+
+
+def show(results):
+    """Print each rank's (before, after) pair; return the two lists."""
+    before, after = [list(x) for x in zip(*results)]
+    for rank, (b, a) in enumerate(zip(before, after)):
+        print(f"rank {rank}: before {describe(b)}\n        after  {describe(a)}")
+    return before, after
+
+
+# %% [markdown]
+# ## 1. The collectives, one by one
+# ### Broadcast
+# One rank (the **root** or source) holds a tensor; afterwards every rank holds a copy. This is
+# how the same initial weights reach every data-parallel replica. Every rank must pass a tensor
+# of the right shape and dtype: on the other ranks it is the buffer the data lands in.
+
+# %%
+def example_broadcast(ctx):
+    if ctx.rank == 0:
+        tensor = torch.tensor([1, 2, 3, 4, 5], dtype=torch.float32, device=ctx.device)
+    else:
+        tensor = torch.zeros(5, dtype=torch.float32, device=ctx.device)
+    before = tensor.clone()
+    dist.broadcast(tensor, src=0)
+    return to_cpu(before), to_cpu(tensor)
+
+
+before, after = show(cluster.run(example_broadcast))
+assert all(a.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0] for a in after)
+assert all(b.tolist() == [0.0] * 5 for b in before[1:])
+collective_figure(before, after, "broadcast from rank 0")
+
+# %% [markdown]
+# The book's snippet defines `example_broadcast` and then calls `example_broadcats()`: another
+# typo; the function it means is `example_broadcast`.
+#
+# ### Reduce
+# Every rank contributes a tensor; the element-wise reduction (here the sum) arrives at one
+# rank, the destination. The book starts from `[r+1]*5` on rank `r`, so rank 0 receives
+# `1 + 2 + ... + N = N(N+1)/2` in every element. (The book's version prints a variable `rank` it
+# never defined; ours takes it from `ctx`.)
+
+# %%
+def example_reduce(ctx):
+    rank = ctx.rank
+    tensor = torch.full((5,), float(rank + 1), device=ctx.device)
+    before = tensor.clone()
+    dist.reduce(tensor, dst=0, op=dist.ReduceOp.SUM)
+    return to_cpu(before), to_cpu(tensor)
+
+
+before, after = show(cluster.run(example_reduce))
+total = N * (N + 1) / 2
+assert after[0].tolist() == [total] * 5
+assert [b.tolist() for b in before] == [[r + 1.0] * 5 for r in range(N)]
+collective_figure(before, [{"tensor": after[0]}] + [{"tensor (not defined)": a} for a in after[1:]],
+                  "reduce (sum) to rank 0")
+
+# %% [markdown]
+# Look at the other ranks. In the book's NCCL run, ranks 1 and 2 still hold `[2.]*5` and
+# `[3.]*5` afterwards. With gloo they hold partial sums: gloo uses their tensors as scratch space
+# while it passes the data along. Both are correct, because `torch.distributed` promises a
+# result only on the destination rank; what the others are left with belongs to the backend.
+# If a rank needs its input after a `reduce`, it passes a copy.
+#
+# ### All-reduce
+# The same reduction, but every rank receives the result. It is the workhorse of data
+# parallelism (gradients are all-reduced in every step) and of tensor parallelism.
+
+# %%
+def example_all_reduce(ctx):
+    tensor = torch.full((5,), float(ctx.rank + 1), device=ctx.device)
+    before = tensor.clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return to_cpu(before), to_cpu(tensor)
+
+
+before, after = show(cluster.run(example_all_reduce))
+assert all(a.tolist() == [total] * 5 for a in after)
+collective_figure(before, after, "all-reduce (sum)")
+
+# %% [markdown]
+# ### Gather and all-gather
+# Gather collects every rank's tensor, in rank order, into a list on one rank; all-gather gives
+# that list to every rank. Nothing is combined: each value arrives unchanged. Only the
+# destination of `gather` passes a `gather_list` (the others pass `None`), whereas `all_gather`
+# needs an output list on every rank.
+
+# %%
+def example_gather(ctx):
+    tensor = torch.full((5,), float(ctx.rank + 1), device=ctx.device)
+    gather_list = [torch.zeros(5, device=ctx.device) for _ in range(ctx.world_size)] if ctx.rank == 0 else None
+    dist.gather(tensor, gather_list, dst=0)
+    return to_cpu({"tensor": tensor}), to_cpu({"tensor": tensor, "gather_list": gather_list})
+
+
+before, after = show(cluster.run(example_gather))
+expected_list = [[r + 1.0] * 5 for r in range(N)]
+assert [t.tolist() for t in after[0]["gather_list"]] == expected_list
+assert all(a["gather_list"] is None for a in after[1:])
+collective_figure(before, after, "gather to rank 0")
+
+# %%
+def example_all_gather(ctx):
+    tensor = torch.full((5,), float(ctx.rank + 1), device=ctx.device)
+    gather_list = [torch.zeros(5, device=ctx.device) for _ in range(ctx.world_size)]
+    dist.all_gather(gather_list, tensor)
+    return to_cpu({"tensor": tensor}), to_cpu({"gather_list": gather_list})
+
+
+before, after = show(cluster.run(example_all_gather))
+assert all([t.tolist() for t in a["gather_list"]] == expected_list for a in after)
+collective_figure(before, after, "all-gather")
+
+# %% [markdown]
+# (When the book runs this on GPUs, its printout of rank 1's list shows a tensor on `cuda:0`:
+# that is an artefact of how it was printed, not a tensor that moved to another GPU. Compare the
+# values only.)
+#
+# ### Scatter and reduce-scatter
+# Scatter is the reverse of gather: the source rank holds a list of `N` tensors and rank `r`
+# receives the `r`-th. Reduce-scatter is the reverse of all-gather and the first half of an
+# all-reduce: every rank holds a list of `N` tensors, the `j`-th entries of all ranks are summed,
+# and rank `j` receives that sum. No rank ever holds the whole reduced result, which is exactly
+# what ZeRO wants for its gradient shards.
+
+# %%
+def example_scatter(ctx):
+    if ctx.rank == 0:
+        scatter_list = [torch.full((5,), float(i + 1), device=ctx.device) for i in range(ctx.world_size)]
+    else:
+        scatter_list = None
+    tensor = torch.zeros(5, device=ctx.device)
+    before = {"tensor": tensor.clone(), "scatter_list": scatter_list}
+    dist.scatter(tensor, scatter_list, src=0)
+    return to_cpu(before), to_cpu({"tensor": tensor})
+
+
+before, after = show(cluster.run(example_scatter))
+assert [a["tensor"].tolist() for a in after] == expected_list
+collective_figure(before, after, "scatter from rank 0")
+
+# %% [markdown]
+# The book's reduce-scatter example gives rank `r` the list whose entry `j` is
+# `[(r+1)·1, (r+1)·2] ** (j+1)`: first powers for rank 0's share, squares for rank 1's, cubes for
+# rank 2's. So rank `j` receives `sum_r ((r+1)·[1, 2]) ** (j+1)`.
+
+# %%
+def example_reduce_scatter(ctx):
+    rank = ctx.rank
+    input_list = [torch.tensor([(rank + 1) * 1.0, (rank + 1) * 2.0], device=ctx.device) ** (j + 1)
+                  for j in range(ctx.world_size)]
+    output = torch.zeros(2, device=ctx.device)
+    dist.reduce_scatter(output, input_list, op=dist.ReduceOp.SUM)
+    return to_cpu({"input_list": input_list}), to_cpu({"output": output})
+
+
+before, after = show(cluster.run(example_reduce_scatter))
+formula = [sum(((r + 1) * torch.tensor([1.0, 2.0])) ** (j + 1) for r in range(N)) for j in range(N)]
+for j in range(N):
+    assert torch.equal(after[j]["output"], formula[j]), (j, after[j], formula[j])
+if N == 3:  # the book's table
+    assert [a["output"].tolist() for a in after] == [[6.0, 12.0], [14.0, 56.0], [36.0, 288.0]]
+collective_figure(before, after, "reduce-scatter (sum)")
+
+# %% [markdown]
+# At `WORLD_SIZE = 3` these are the book's numbers: rank 0 gets `[6, 12]`, rank 1 `[14, 56]` and
+# rank 2 `[36, 288]`. (All of them are whole numbers well below 2^24, so float32 holds them
+# exactly and the checks above can ask for equality.)
+#
+# ### Barrier
+# A barrier carries no data: no rank leaves it until every rank has entered it. In the book's
+# example rank `r` sleeps `r` seconds first, so every rank leaves at about the time the slowest
+# one arrives, `N - 1` seconds after the start. Here the sleep is `SLEEP_PER_RANK · r`, 1 s as in
+# the book, or 0.2 s in QUICK mode to keep the notebook short. Every rank spends the time between
+# its own arrival and the last one's doing nothing, which is why barriers should be rare in
+# training code.
+
+# %%
+SLEEP_PER_RANK = 0.2 if QUICK else 1.0
+
+
+def example_barrier(ctx, sleep_per_rank):
+    dist.barrier()  # line the ranks up first, so that they share a starting time
+    start = time.time()  # the same clock on every rank of this machine
+    time.sleep(sleep_per_rank * ctx.rank)
+    arrived = time.time()
+    dist.barrier()
+    left = time.time()
+    return start, arrived, left
+
+
+timings = np.array(cluster.run(example_barrier, SLEEP_PER_RANK))
+start = timings[:, 0].min()
+arrived, left = timings[:, 1] - start, timings[:, 2] - start
+slowest = SLEEP_PER_RANK * (N - 1)
+for rank in range(N):
+    print(f"rank {rank}: slept {SLEEP_PER_RANK * rank:.1f} s, passed the barrier after {left[rank]:.2f} s")
+# Nobody may leave before the last rank arrives (10 ms of slack for reading the clocks), so rank 0,
+# which did not sleep at all, waited about `slowest` seconds. Upper bound: on a busy 2-core machine
+# a process can wake up late, so we allow 0.5 s more, and 0.5 s between the first and last to leave.
+assert np.all(left >= slowest - 0.01), left
+assert np.all(left <= slowest + 0.5), left
+assert left.max() - left.min() < 0.5, left
+
+# %% tags=["nbval-ignore-output"]
+fig = Figure(figsize=(6, 0.5 + 0.35 * N), layout="constrained")
+ax = fig.subplots()
+for rank in range(N):
+    ax.barh(rank, arrived[rank], color="tab:blue", label="working (sleep)" if rank == 0 else None)
+    ax.barh(rank, left[rank] - arrived[rank], left=arrived[rank], color="tab:red", alpha=0.5,
+            label="waiting in the barrier" if rank == 0 else None)
+ax.axvline(slowest, color="black", linestyle="--", linewidth=1, label="last rank arrives")
+ax.set_yticks(range(N), [f"rank {r}" for r in range(N)])
+ax.invert_yaxis()
+ax.set_xlabel("seconds since the start")
+ax.legend(fontsize="small", loc="lower right")
+ax.set_title("barrier: everyone leaves together")
+fig
+
+# %% [markdown]
+# ## 2. The ring all-reduce, from sends and receives
+# How does a backend implement all-reduce? The simplest idea, sending everything to one rank and
+# broadcasting the sum back, makes that rank receive `(N-1)·K` bytes for a tensor of `K` bytes: it
+# becomes the bottleneck as `N` grows. The **ring** algorithm keeps every link equally busy
+# instead. The ranks stand in a circle; in every step each rank sends one chunk to its right
+# neighbour and receives one from its left neighbour, all at the same time. The tensor is cut into
+# `N` chunks (chunk `c` goes to rank `c` in the end), and the algorithm has two phases:
+#
+# 1. **reduce-scatter**, `N-1` steps: in step `s` rank `r` sends chunk `r-s-1` (mod `N`) and adds
+#    the incoming chunk `r-s-2` into its own copy. A chunk gathers one more rank's term per step,
+#    so after `N-1` steps rank `r` holds the finished sum of chunk `r`;
+# 2. **all-gather**, `N-1` steps: in step `s` rank `r` forwards chunk `r-s`, which is complete,
+#    and receives chunk `r-s-1`, which overwrites its partial copy.
+#
+# `ultrascale.comm` implements exactly this with `dist.batch_isend_irecv` (post both the send and
+# the receive, then wait: a rank that waited for its send to finish before receiving could
+# deadlock the ring). Read `lib/ultrascale/comm/ring.py`: under two hundred lines, comments included.
+#
+# To watch it, we run it on **5 ranks with a tensor of 5 elements**, so each chunk is one
+# element, as in the book's animations. Rank `r` starts with `2**r` everywhere: any sum of those
+# is a different whole number whose binary digits say which ranks' inputs it contains. We spy on
+# the library by wrapping its one-exchange helper, `_exchange`, to photograph the tensor before
+# each step and note which chunk goes out.
+
+# %%
+RING_RANKS = 5
+
+
+def traced_ring_all_reduce(ctx, length):
+    """The library's ring all-reduce on 2**rank inputs, with a snapshot before every step."""
+    tensor = torch.full((length,), 2.0 ** ctx.rank)
+    chunks = tensor.tensor_split(ctx.world_size)  # the library's chunking rule: views of `tensor`
+    frames, sends = [], []
+    original = ring_module._exchange
+
+    def spy(send, recv, right, left, group):
+        frames.append(tensor.clone())  # the state after the previous step
+        sends.append(next(i for i, c in enumerate(chunks) if c.data_ptr() == send.data_ptr()))
+        return original(send, recv, right, left, group)
+
+    ring_module._exchange = spy
+    try:
+        ring_all_reduce(tensor)  # sums in place (the tensor is contiguous)
+    finally:
+        ring_module._exchange = original
+    frames.append(tensor.clone())
+    reference = torch.full((length,), 2.0 ** ctx.rank)
+    dist.all_reduce(reference)
+    return frames, sends, torch.equal(tensor, reference)
+
+
+ring_cluster = cluster if WORLD_SIZE == RING_RANKS else Cluster(RING_RANKS, backend="gloo")
+traces = ring_cluster.run(traced_ring_all_reduce, RING_RANKS)
+if ring_cluster is not cluster:
+    ring_cluster.close()
+
+n = RING_RANKS
+assert all(matches for _, _, matches in traces), "the ring differs from dist.all_reduce"
+steps = 2 * (n - 1)
+assert all(len(frames) == steps + 1 and len(sends) == steps for frames, sends, _ in traces)
+# frames[f][r][c]: the set of ranks whose inputs chunk c holds on rank r after step f
+frames = [[[contributors(v) for v in traces[r][0][f].tolist()] for r in range(n)] for f in range(steps + 1)]
+sends = [[traces[r][1][f] for r in range(n)] for f in range(steps)]
+everyone = frozenset(range(n))
+after_reduce_scatter = frames[n - 1]
+assert all(after_reduce_scatter[r][r] == everyone for r in range(n))  # rank r owns chunk r
+assert all(held == everyone for row in frames[-1] for held in row)  # everyone has everything
+# The first chunk each rank sends: chunk r-1 in the reduce-scatter, its own chunk r in the all-gather.
+assert sends[0] == [(r - 1) % n for r in range(n)] and sends[n - 1] == list(range(n))
+
+titles = (["start"] + [f"reduce-scatter step {s}" for s in range(1, n)]
+          + [f"all-gather step {s}" for s in range(1, n)])
+ring_steps_figure(frames, titles, sends=sends, ncols=n,
+                  title="ring all-reduce on 5 ranks: which ranks' inputs each chunk holds "
+                        "(red: the chunk sent to the right neighbour next)")
+
+# %% [markdown]
+# Read the top row from left to right. In each step, every rank's outlined chunk goes to its right
+# neighbour, the next rank down in the picture (the last rank's wraps round to rank 0), which adds
+# it to its own copy: the chunk that arrives gains the sender's digits. After four steps the
+# diagonal (rank `r`, chunk `r`) holds all five inputs. The bottom row passes those finished
+# chunks round the ring until every rank has all of them.
+#
+# ### Does it compute the same thing as `dist.all_reduce`?
+# Now on the notebook's own cluster, for sum, average and max, and for lengths that do not divide
+# evenly by the number of ranks (chunks then differ by one element, and some are empty when the
+# tensor is shorter than `N`). The ring adds the `N` terms of each element in a different order
+# than gloo, and float addition is not associative; the two results may differ by the rounding
+# of the additions. Summing `N` float32 numbers in any order is off by at most
+# `(N-1)·u·Σ|x_i|` (`u = 2^-24`), so two orders differ by at most `(N-1)·eps·Σ|x_i|`
+# (`eps = 2^-23`); we allow twice that. Max involves no rounding and must match exactly.
+
+# %%
+LENGTHS = (1, 7, 1001, 100_003)
+
+
+def ring_parity(ctx, lengths):
+    failures = []
+    eps = torch.finfo(torch.float32).eps
+    for length in lengths:
+        x = torch.randn(length, generator=torch.Generator().manual_seed(1000 * ctx.rank + length))
+        abs_sum = x.abs()
+        dist.all_reduce(abs_sum)
+        sum_bound = 2 * (ctx.world_size - 1) * eps * abs_sum  # see the text above
+        for op in ("sum", "avg", "max"):
+            reference = x.clone()
+            dist.all_reduce(reference, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+            if op == "avg":
+                reference /= ctx.world_size
+            ours = ring_all_reduce(x.clone(), op=op)
+            error = (ours - reference).abs()
+            if op == "max":
+                ok = torch.equal(ours, reference)
+            elif op == "sum":
+                ok = bool((error <= sum_bound).all())
+            else:  # avg: the sum's bound divided by N, plus one rounding of each side's division
+                ok = bool((error <= sum_bound / ctx.world_size + eps * reference.abs()).all())
+            if not ok:
+                failures.append(f"rank {ctx.rank}, length {length}, {op}: max error {error.max():.3g}")
+        # The two phases alone: our reduce-scatter and all-gather against the built-ins.
+        if length % ctx.world_size == 0:
+            mine, theirs = ring_reduce_scatter(x), torch.empty(length // ctx.world_size)
+            reduce_scatter_single(theirs, x)
+            if not bool(((mine - theirs).abs() <= torch.tensor_split(sum_bound, ctx.world_size)[ctx.rank]).all()):
+                failures.append(f"rank {ctx.rank}, length {length}: reduce-scatter differs")
+        chunk = torch.tensor_split(x, ctx.world_size)[ctx.rank]
+        gathered = ring_all_gather(chunk, numel=length)
+        padded = torch.zeros(-(-length // ctx.world_size))  # all_gather needs equal sizes: pad
+        padded[: chunk.numel()] = chunk
+        pieces = [torch.empty_like(padded) for _ in range(ctx.world_size)]
+        dist.all_gather(pieces, padded)
+        sizes = [c.numel() for c in torch.tensor_split(torch.empty(length), ctx.world_size)]
+        if not torch.equal(gathered, torch.cat([p[:s] for p, s in zip(pieces, sizes)])):
+            failures.append(f"rank {ctx.rank}, length {length}: all-gather differs")
+    return failures
+
+
+failures = [f for rank in cluster.run(ring_parity, LENGTHS) for f in rank]
+print(f"ring all-reduce (sum, avg, max), reduce-scatter and all-gather on {N} ranks, "
+      f"lengths {LENGTHS}: {len(failures)} mismatches")
+assert failures == [], failures
+
+# %% [markdown]
+# ### How many bytes does each rank send?
+# In each phase a rank sends `N-1` chunks of `K/N` bytes, so the whole all-reduce sends
+#
+# $$2\,(N-1)\,\frac{K}{N}\ \text{bytes per rank,}$$
+#
+# and receives as much. Each phase moves about `K` per rank, and the total tends to `2K` as `N`
+# grows: the cost per rank hardly depends on the number of ranks, which is what makes the ring
+# scale. The `CommLogger` records the bytes our ring actually hands to `isend`, on every rank. For
+# `dist.all_reduce`, whose messages stay inside gloo, it can only log the ring algorithm's volume,
+# and says so (`algorithmic`).
+
+# %%
+def logged_bytes(ctx, length):
+    x = torch.ones(length)
+    with CommLogger() as log:
+        ring_all_reduce(x)
+        dist.all_reduce(x)
+    return [(e.op, e.bytes_sent, e.bytes_received, e.source) for e in log.events]
+
+
+length = 1000 * N  # K/N is a whole number of elements: the formula holds exactly
+K = 4 * length  # float32
+expected = 2 * (N - 1) * K // N
+print(f"K = {format_bytes(K)} ({length} float32), N = {N}: 2(N-1)K/N = {expected} bytes")
+for rank, events in enumerate(cluster.run(logged_bytes, length)):
+    for op, sent, received, source in events:
+        print(f"rank {rank}: {op:<16} sent {sent:>7} B, received {received:>7} B ({source})")
+        assert sent == received == expected, (rank, op, sent, received)
+
+# %% [markdown]
+# With a length that `N` does not divide, the chunks differ by an element and so do the ranks'
+# byte counts, but the ring as a whole still moves every chunk `N-1` times per phase: the total
+# over ranks is exactly `2(N-1)K`.
+
+# %%
+odd_length = 1000 * N + 1
+odd_sent = [events[0][1] for events in cluster.run(logged_bytes, odd_length)]
+print(f"length {odd_length}: bytes sent per rank {odd_sent}, total {sum(odd_sent)}")
+assert sum(odd_sent) == 2 * (N - 1) * 4 * odd_length
+
+# %%
+# For larger rings, from the chunking rule alone: in the reduce-scatter rank 0 sends every chunk
+# but its own, in the all-gather every chunk but its right neighbour's (that one reaches it last).
+print(f"{'N':>6} {'bytes sent per rank / K':>24}")
+for ranks in (2, 3, 4, 8, 64, 512, 1024):
+    numel = 1000 * ranks
+    c = chunk_sizes(numel, ranks)
+    sent = 4 * ((numel - c[0]) + (numel - c[1]))
+    assert sent == 2 * (ranks - 1) * 4 * numel // ranks
+    print(f"{ranks:>6} {sent / (4 * numel):>24.4f}")
+assert 1.99 < sent / (4 * numel) < 2  # about 2K for large N
+
+# %% [markdown]
+# ## 3. All-reduce against reduce-scatter + all-gather
+# Since an all-reduce *is* a reduce-scatter followed by an all-gather, calling the two built-ins
+# one after the other moves the same bytes as one all-reduce. We time both on gloo, plus
+# our ring, with `time_collective` (a barrier before the clock starts, the slowest rank's time).
+# Timings depend on the machine, so this cell's output is not compared when the notebook is
+# re-run.
+
+# %% tags=["nbval-ignore-output"]
+TIMING_SIZES = [2**16, 2**20, 2**22] if QUICK else [2**16, 2**20, 2**22, 2**24]
+
+
+def time_all_reduce_variants(ctx, sizes, iters):
+    rows = []
+    n = ctx.world_size
+    for nbytes in sizes:
+        numel = nbytes // 4 // n * n
+        full, shard = torch.zeros(numel), torch.empty(numel // n)  # zeros: repeated sums stay finite
+        t_all_reduce = time_collective(lambda: dist.all_reduce(full), iters)
+
+        def two_phases():
+            reduce_scatter_single(shard, full)
+            all_gather_single(full, shard)
+
+        t_two = time_collective(two_phases, iters)
+        t_ring = time_collective(lambda: ring_all_reduce(full), iters)
+        rows.append((numel * 4, t_all_reduce, t_two, t_ring))
+    return rows
+
+
+timing_rows = cluster.run(time_all_reduce_variants, TIMING_SIZES, 5 if QUICK else 20)[0]
+print(f"{'size':>10} {'all_reduce':>12} {'RS + AG':>12} {'ring (ours)':>12}   (gloo, {N} ranks, ms per call)")
+for nbytes, t_ar, t_two, t_ring in timing_rows:
+    print(f"{format_bytes(nbytes):>10} {1e3 * t_ar:>12.3f} {1e3 * t_two:>12.3f} {1e3 * t_ring:>12.3f}")
+
+# %% [markdown]
+# What to expect: the pair moves the same bytes as the single all-reduce, but it makes two calls
+# instead of one, each with its own fixed costs, and every rank must finish the first phase before
+# the second can start, whereas gloo runs its whole all-reduce inside one call. So the pair is
+# usually somewhat slower, and the gap is easiest to see when small tensors make fixed costs
+# dominate. On a machine that other programs keep busy, single rows can come out the other way
+# round: time each size several times before drawing conclusions (section 4 does). Frameworks
+# split the all-reduce anyway when its halves are useful on their own: ZeRO and FSDP keep only the
+# reduce-scattered shard of the gradients, and all-gather the weights later, when they are needed.
+#
+# ## 4. Bus bandwidth and the alpha-beta model
+# How fast is a collective? nccl-tests, NVIDIA's benchmark, reports two numbers for a buffer of
+# `size` bytes taking `t` seconds:
+#
+# - **algorithm bandwidth** `algbw = size / t`, the speed the caller sees;
+# - **bus bandwidth** `busbw = algbw · factor`, the speed each link must have carried. For
+#   all-reduce the factor is `2(N-1)/N`, the ring's bytes per rank over `K`; for all-gather and
+#   reduce-scatter `(N-1)/N`. Bus bandwidth can be compared across operations and world sizes, and
+#   with the hardware's link speed.
+#
+# `bus_bandwidth_sweep` measures them for one size after another. The machine this runs on may be
+# busy with other programs, and a burst of load only ever makes a collective slower, so we measure
+# each size a few times, alternating gloo's all-reduce and ours, and keep the fastest run of each.
+# Rank 0 streams every point to the live plot as soon as it has it.
+
+# %% tags=["nbval-ignore-output"]
+SWEEP_SIZES = [4**k for k in range(2, 13)] if QUICK else [4**k for k in range(2, 14)]  # 16 B to 16 MiB (64 MiB)
+SWEEP_ITERS, SWEEP_REPEATS = (5, 3) if QUICK else (20, 5)
+
+
+def sweep(ctx, sizes, iters, repeats):
+    results = {"gloo": [], "ring": []}
+    for size in sizes:
+        runs = {"gloo": [], "ring": []}
+        for _ in range(repeats):
+            for name, impl in (("gloo", "torch"), ("ring", "ring")):
+                runs[name] += bus_bandwidth_sweep(ctx, [size], op="all_reduce", impl=impl, iters=iters)
+        for name in results:  # times are the slowest rank's, the same on every rank
+            results[name].append(min(runs[name], key=lambda p: p["time_s"]))
+        if ctx.rank == 0:
+            ctx.log(**{"log2(bytes)": math.log2(results["gloo"][-1]["size"]),
+                       **{f"{name} busbw (MB/s)": results[name][-1]["busbw"] / 1e6 for name in results}})
+    return results
+
+
+plot = LivePlot("gloo busbw (MB/s)", "ring busbw (MB/s)", x="log2(bytes)",
+                title=f"all-reduce bus bandwidth on {N} ranks, as measured")
+measured = cluster.run(sweep, SWEEP_SIZES, SWEEP_ITERS, SWEEP_REPEATS, on_log=plot)[0]
+plot.finish();
+
+# %% [markdown]
+# Both curves climb with the message size towards a plateau. The **alpha-beta model** explains the
+# shape: a message of `n` bytes costs `α + n/β`, a fixed latency `α` plus the bytes over the
+# bandwidth `β`. The ring sends `2(N-1)` messages of `K/N` bytes, so
+#
+# $$t(K) = 2(N-1)\,\alpha + \frac{2(N-1)}{N}\,\frac{K}{\beta}.$$
+#
+# Small buffers pay mostly latency (bandwidth looks poor), large ones mostly bandwidth. The two
+# terms of one message are equal at `n* = α·β` bytes, that is at a buffer of `K* = N·α·β` for the
+# all-reduce: below it, fewer and larger messages help; above it, only faster links do. We fit
+# `α` and `β` to each set of measurements and mark `K*`. (We cannot see which algorithm gloo runs
+# inside its call, so for gloo these are effective values: the ring that would take as long.)
+
+# %% tags=["nbval-ignore-output"]
+fits = {}
+fig = Figure(figsize=(11, 3.8), layout="constrained")
+ax_time, ax_bw = fig.subplots(1, 2)
+for (name, points), colour in zip(measured.items(), ("tab:blue", "tab:orange")):
+    sizes = np.array([p["size"] for p in points], dtype=float)
+    times = np.array([p["time_s"] for p in points])
+    fit = fits[name] = fit_ring_all_reduce(sizes, times, N)
+    grid = np.logspace(np.log10(sizes[0]), np.log10(sizes[-1]), 200)
+    model = fit.ring_all_reduce_time(grid, N)
+    crossover = N * fit.crossover_bytes
+    ax_time.loglog(sizes, times * 1e6, "o", color=colour, label=f"{name}: measured")
+    ax_time.loglog(grid, model * 1e6, "-", color=colour, alpha=0.7,
+                   label=f"{name}: α={fit.alpha * 1e6:.0f} µs, β={fit.beta / 1e9:.2f} GB/s")
+    ax_time.axvline(crossover, color=colour, linestyle="--", linewidth=1)
+    ax_bw.semilogx(sizes, [p["busbw"] / 1e9 for p in points], "o-", color=colour, label=name)
+    ax_bw.axvline(crossover, color=colour, linestyle="--", linewidth=1,
+                  label=f"{name}: K* = N·α·β = {format_bytes(crossover)}")
+ax_time.set(xlabel="buffer size K (bytes)", ylabel="time per all-reduce (µs)",
+            title="measured (dots) and alpha-beta model (lines)")
+ax_bw.set(xlabel="buffer size K (bytes)", ylabel="bus bandwidth (GB/s)", title="bus bandwidth")
+ax_time.legend(fontsize="small")
+ax_bw.legend(fontsize="small")
+print(f"{'size':>10} {'gloo (µs)':>10} {'ring (µs)':>10} {'ring/gloo':>10} {'gloo busbw':>12} {'ring busbw':>12}")
+for g, r in zip(measured["gloo"], measured["ring"]):
+    print(f"{format_bytes(g['size']):>10} {g['time_s'] * 1e6:>10.0f} {r['time_s'] * 1e6:>10.0f} "
+          f"{r['time_s'] / g['time_s']:>10.2f} {g['busbw'] / 1e9:>8.3f} GB/s {r['busbw'] / 1e9:>7.3f} GB/s")
+ratios = [r["time_s"] / g["time_s"] for g, r in zip(measured["gloo"], measured["ring"])]
+print(f"ring / gloo time: {np.median(ratios[:4]):.1f}x (median of the 4 smallest sizes), "
+      f"{ratios[-1]:.1f}x at {format_bytes(measured['gloo'][-1]['size'])}; "
+      f"ring alpha / gloo alpha = {fits['ring'].alpha / fits['gloo'].alpha:.1f}")
+for name, fit in fits.items():
+    print(f"{name}: alpha = {fit.alpha * 1e6:.1f} µs per message, beta = {fit.beta / 1e9:.2f} GB/s, "
+          f"crossover alpha*beta = {format_bytes(fit.crossover_bytes)} per message "
+          f"(all-reduce buffer K* = {format_bytes(N * fit.crossover_bytes)})")
+fig
+
+# %% [markdown]
+# The numbers above depend on the machine; what must hold anywhere is checked below: both fits
+# found a positive latency and bandwidth, and the model's time grows with the size.
+
+# %%
+for name, fit in fits.items():
+    assert fit.alpha > 0 and fit.beta > 0, (name, fit)
+    model_times = fit.ring_all_reduce_time(np.array(SWEEP_SIZES, dtype=float), N)
+    assert np.all(np.diff(model_times) > 0), name
+    assert 0 < fit.crossover_bytes < math.inf
+print("alpha > 0, beta > 0 and a monotone model for:", ", ".join(fits))
+
+# %% [markdown]
+# ## 5. Why is our ring slower than gloo's, and which backend to use?
+# Look at the `ring/gloo` column of the table in section 4, and at the summary line under it.
+# These are your machine's numbers and they change from run to run, but the pattern is the
+# same: the ratio is largest for the smallest buffers, where our ring is typically several times
+# slower, and it shrinks towards 1 for the largest ones. The two alpha-beta fits explain it: the
+# ring's `α`, the cost of one step whatever its size, is larger than gloo's. Each of our `2(N-1)`
+# steps goes through Python (building the operations, `batch_isend_irecv`, waiting, an `add_` in
+# PyTorch), while gloo runs its whole algorithm in C++ after one call. For small buffers those
+# per-step costs are nearly the whole time. For large buffers both spend their time moving bytes
+# through the same transport and adding them up, so the bandwidth terms are alike and the
+# per-step overhead becomes a small fraction. (On a CPU machine gloo's "links" are TCP connections
+# over loopback and all ranks share a few cores, so the absolute numbers say little about a GPU
+# cluster; the shape of the curves carries over.)
+#
+# That is the general lesson: a collective library wins on latency (fused, native code, fewer
+# synchronisations, algorithms that use fewer steps for small messages, such as trees) and on
+# bandwidth only as far as the hardware allows. The ring's bandwidth term is already optimal.
+#
+# **Which backend?** PyTorch ships three:
+#
+# | backend | use it for | notes |
+# |---|---|---|
+# | **NCCL** | training on NVIDIA GPUs | the fastest GPU collectives; uses NVLink and InfiniBand directly; one GPU per rank |
+# | **gloo** | CPU training, and CPU tensors in general | built into PyTorch on every platform; also runs GPU tensors, but slowly |
+# | **MPI** | clusters already built around MPI | only when PyTorch is compiled against an MPI library |
+#
+# PyTorch's own advice: NCCL for distributed GPU training, gloo for distributed CPU training. NCCL
+# needs **one GPU per rank**: two ranks cannot share one GPU. The cell below runs the same
+# examples under NCCL when this machine has at least two GPUs, and says why it skips otherwise.
+
+# %% tags=["nbval-ignore-output"]
+gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(f"this machine: {gpus} GPU(s), NCCL {'available' if dist.is_nccl_available() else 'not available'}")
+if gpus >= 2 and dist.is_nccl_available():
+    with Cluster(min(gpus, WORLD_SIZE), backend="nccl") as gpu_cluster:
+        m = gpu_cluster.world_size
+        assert all(a.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0] for _, a in gpu_cluster.run(example_broadcast))
+        assert all(a.tolist() == [m * (m + 1) / 2] * 5 for _, a in gpu_cluster.run(example_all_reduce))
+        gpu_after = [a["output"] for _, a in gpu_cluster.run(example_reduce_scatter)]
+        for j, out in enumerate(gpu_after):
+            assert torch.equal(out, sum(((r + 1) * torch.tensor([1.0, 2.0])) ** (j + 1) for r in range(m)))
+        print(f"NCCL on {m} GPUs: broadcast, all-reduce and reduce-scatter agree with the CPU run")
+        print("reduce on NCCL, non-destination ranks keep:",
+              [describe(a) for _, a in gpu_cluster.run(example_reduce)][1:])
+        nccl_points = gpu_cluster.run(lambda ctx: bus_bandwidth_sweep(
+            ctx, [2**k for k in range(10, 29, 3)], op="all_reduce", iters=20))[0]
+        for p in nccl_points:
+            print(f"{format_bytes(p['size']):>10}: busbw {p['busbw'] / 1e9:8.2f} GB/s")
+else:
+    try:
+        resolve_backend("nccl", WORLD_SIZE)  # what Cluster(WORLD_SIZE, backend="nccl") checks first
+    except RuntimeError as err:
+        print(f"skipped the NCCL run of {WORLD_SIZE} ranks. The runtime refuses it with:\n  {err}")
+    if gpus == 1 and dist.is_nccl_available():  # one GPU: a single NCCL rank, nothing to exchange
+        with Cluster(1, backend="nccl") as gpu_cluster:
+            (_, alone), = gpu_cluster.run(example_broadcast)
+        print(f"NCCL with one rank on one GPU works, but moves no data: broadcast leaves {alone.tolist()}")
+
+# %% [markdown]
+# ## Summary
+# - Broadcast, scatter and gather move data without combining it; reduce, all-reduce and
+#   reduce-scatter combine it; the *all-* versions leave the result on every rank; barrier only
+#   synchronises.
+# - All-reduce = reduce-scatter + all-gather. In a ring each rank sends `2(N-1)K/N ≈ 2K` bytes,
+#   whatever the number of ranks, in `2(N-1)` steps.
+# - Cost ≈ latency × number of steps + bytes / bandwidth. Small messages are latency bound, large
+#   ones bandwidth bound; the crossover is at about `α·β` bytes per message.
+#
+# ## Your turn
+# Open `exercises/a0_collectives_exercises.ipynb`: write the ring reduce-scatter, the ring
+# all-gather and the ring all-reduce yourself, from `isend` and `irecv` only. The checks run them
+# on clusters of several sizes and awkward lengths, and compare with `torch.distributed`.
+
+# %%
+cluster.close()

@@ -1,0 +1,297 @@
+"""Tests of the A0 exercises (solutions/a0_collectives_exercises.ipynb): ring collectives
+built from point-to-point sends and receives only.
+
+* ``a0.ring_reduce_scatter``: ``ring_reduce_scatter(ctx, tensor)`` returns this rank's
+  chunk (``torch.tensor_split`` rule) of the sum over ranks, and leaves ``tensor`` alone.
+* ``a0.ring_all_gather``: ``ring_all_gather(ctx, chunk, numel)`` returns every rank's
+  chunk concatenated in rank order, a 1-D tensor of ``numel`` elements.
+* ``a0.ring_all_reduce``: ``ring_all_reduce(ctx, tensor)`` returns the sum over ranks,
+  in the shape of ``tensor``.
+
+Each test runs the learner's function on clusters of several sizes, on lengths that the
+world size does not divide (chunks then differ by one element, or are empty), and
+compares with ``torch.distributed``'s own collective, computed on the same ranks just
+before. Inputs are whole numbers stored as float32, so every order of summation gives
+exactly the same result and the comparison can ask for equality.
+
+While the learner's code runs, on every rank:
+
+* the built-in collectives (``dist.all_reduce``, ``reduce_scatter``, ``all_gather`` and
+  the others) and the course's own ring (``ultrascale.comm``) are replaced by functions
+  that raise :class:`ForbiddenCollective`: the exercise is to build them from sends and
+  receives;
+* a :class:`~ultrascale.comm.CommLogger` counts the bytes that go through ``send``,
+  ``isend`` and ``batch_isend_irecv``; a ring moves every chunk exactly ``N - 1`` times per
+  phase, so the total over ranks must be ``(N-1) K`` per phase for ``K`` bytes.
+
+The learner's function is unpickled on the ranks *after* the replacements are in place,
+so that even ``from torch.distributed import all_reduce`` in the notebook is caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ultrascale.grading import exercise
+
+# Every built-in that moves data between several ranks at once. Point-to-point calls
+# (send, recv, isend, irecv, batch_isend_irecv) and barrier stay available.
+FORBIDDEN = (
+    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_single",
+    "all_gather_into_tensor", "_all_gather_base", "reduce_scatter", "reduce_scatter_single",
+    "reduce_scatter_tensor", "_reduce_scatter_base", "gather", "scatter", "all_to_all",
+    "all_to_all_single", "all_gather_object", "gather_object", "broadcast_object_list",
+    "scatter_object_list", "all_reduce_coalesced", "all_gather_coalesced",
+)
+P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+LENGTHS = (1, 7, 12, 1000)  # 1 and 7 leave some chunks empty or one element short
+MORE_LENGTHS = (100_003,)
+
+
+class ForbiddenCollective(RuntimeError):
+    """Raised on a rank when the learner's code calls a built-in collective."""
+
+
+# ---- on the ranks ------------------------------------------------------------------------
+def rank_input(length: int, rank: int, seed: int) -> torch.Tensor:
+    """Whole numbers in [-50, 50] as float32: sums are exact in any order."""
+    gen = torch.Generator().manual_seed(10_000 * seed + 100 * rank + length)
+    return torch.randint(-50, 51, (length,), generator=gen).float()
+
+
+def _forbidden(name: str, exercise_name: str, original):
+    @functools.wraps(original)  # keeps the signature, which the CommLogger reads
+    def refuse(*args, **kwargs):
+        raise ForbiddenCollective(
+            f"{exercise_name} called dist.{name}: build it from point-to-point calls only "
+            "(dist.isend / dist.irecv, dist.batch_isend_irecv, or the send_recv helper)")
+
+    return refuse
+
+
+def _library_ring(*args, **kwargs):
+    raise ForbiddenCollective("your code called the course library's ring (ultrascale.comm): "
+                              "write the ring yourself with dist.isend / dist.irecv")
+
+
+@contextlib.contextmanager
+def forbid_collectives(exercise_name: str):
+    """Replace the built-in collectives (and ultrascale.comm's ring) by raising stand-ins."""
+    from ultrascale.comm import ring as ring_module
+
+    saved = []
+    for name in FORBIDDEN:
+        original = getattr(dist, name, None)
+        if original is None:  # not in this torch version
+            continue
+        stand_in = _forbidden(name, exercise_name, original)
+        for module in (dist, c10d):
+            if getattr(module, name, None) is original:
+                saved.append((module, name, original))
+                setattr(module, name, stand_in)
+    saved.append((ring_module, "_exchange", ring_module._exchange))
+    ring_module._exchange = _library_ring
+    try:
+        yield
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+
+
+def _padded_all_gather(chunk: torch.Tensor, numel: int, n: int) -> torch.Tensor:
+    """The reference all-gather: dist.all_gather needs equal sizes, so pad, then trim."""
+    sizes = [c.numel() for c in torch.tensor_split(torch.empty(numel), n)]
+    padded = torch.zeros(max(sizes), dtype=chunk.dtype)
+    padded[: chunk.numel()] = chunk
+    pieces = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(pieces, padded)
+    return torch.cat([p[:s] for p, s in zip(pieces, sizes)])
+
+
+def _reference(kind: str, x: torch.Tensor, rank: int, n: int):
+    """What torch.distributed computes for this case (run before any patching)."""
+    if kind == "all_gather":
+        chunk = torch.tensor_split(x.flatten(), n)[rank].clone()
+        return chunk, _padded_all_gather(chunk, x.numel(), n)
+    total = x.clone()
+    dist.all_reduce(total)
+    if kind == "reduce_scatter":
+        return x, torch.tensor_split(total.flatten(), n)[rank].clone()
+    return x, total
+
+
+def _on_rank(ctx, kind: str, payload: bytes, shapes, seed: int, exercise_name: str):
+    """Run the learner's function on every case; return what the notebook needs to judge."""
+    n, r = ctx.world_size, ctx.rank
+    cases = []
+    for shape in shapes:
+        x = rank_input(int(torch.Size(shape).numel()), r, seed).reshape(shape)
+        cases.append((shape, *_reference(kind, x, r, n)))
+    from ultrascale.comm import CommLogger
+
+    results = []
+    with forbid_collectives(exercise_name), CommLogger() as log:
+        fn = cloudpickle.loads(payload)  # after the patches: see the module docstring
+        for shape, given, expected in cases:
+            argument = given.clone()
+            start = len(log.events)
+            try:
+                if kind == "all_gather":
+                    out = fn(ctx, argument, int(torch.Size(shape).numel()))
+                else:
+                    out = fn(ctx, argument)
+            except ForbiddenCollective as err:
+                return {"forbidden": str(err)}
+            sent = sum(e.bytes_sent for e in log.events[start:] if e.op in P2P_OPS)
+            if isinstance(out, torch.Tensor):
+                out = out.detach().cpu().clone()
+            results.append({"shape": shape, "given": given, "expected": expected, "out": out,
+                            "input_kept": torch.equal(argument, given), "sent": sent})
+    return {"results": results}
+
+
+# ---- in the notebook ---------------------------------------------------------------------
+def _world_sizes(world_size: int, quick: bool) -> list:
+    return sorted({1, 2, 3, 4, world_size} if quick else {1, 2, 3, 4, 5, world_size})
+
+
+def _run(kind: str, fn, shapes, world_size: int, quick: bool, seed: int, timeout: float):
+    """Yield (n, per-rank results) for every cluster size, after the forbidden-call check."""
+    from ultrascale.runtime import shared_cluster
+
+    if not callable(fn):
+        raise AssertionError(f"expected your function, got {type(fn).__name__}")
+    payload = cloudpickle.dumps(fn)
+    name = getattr(fn, "__name__", "your function")
+    for n in _world_sizes(world_size, quick):
+        per_rank = shared_cluster(n).run(_on_rank, kind, payload, shapes, seed, name, timeout=timeout)
+        for rank, answer in enumerate(per_rank):
+            if "forbidden" in answer:
+                raise AssertionError(f"world_size={n}, rank {rank}: {answer['forbidden']}")
+        yield n, [answer["results"] for answer in per_rank]
+
+
+def _check_output(where: str, out, expected, hint: str = "") -> None:
+    assert out is not None, f"{where}: your function returned None; return the result tensor"
+    assert isinstance(out, torch.Tensor), f"{where}: expected a tensor back, got {type(out).__name__}"
+    assert tuple(out.shape) == tuple(expected.shape), (
+        f"{where}: expected shape {tuple(expected.shape)}, got {tuple(out.shape)}{hint}")
+
+
+def _check_traffic(where: str, sent_per_rank: list, numel: int, n: int, phases: int, what: str) -> None:
+    """``phases`` ring phases over ``numel`` float32 elements: (N-1) K bytes each, in total."""
+    total_bytes = 4 * numel
+    expected_total = phases * (n - 1) * total_bytes
+    total = sum(sent_per_rank)
+    if total == expected_total:
+        if numel % n == 0:  # equal chunks: every rank sends the same
+            per_rank = phases * (n - 1) * total_bytes // n
+            assert all(s == per_rank for s in sent_per_rank), (
+                f"{where}: bytes sent per rank {sent_per_rank}; with equal chunks a ring sends "
+                f"{phases}·(N-1)·K/N = {per_rank} on every rank")
+        return
+    if total == 0:
+        raise AssertionError(f"{where}: no bytes went through dist.send / dist.isend / "
+                             "dist.batch_isend_irecv, yet data had to move between ranks. "
+                             "Move the chunks with point-to-point calls.")
+    hint = ("Are you sending whole tensors instead of one chunk per step?" if total > expected_total
+            else "Some chunks never travelled.")
+    raise AssertionError(
+        f"{where}: your {what} sent {total} bytes in total over all ranks (per rank: "
+        f"{sent_per_rank}); a ring sends every chunk N-1 times per phase, "
+        f"{phases}·(N-1)·K = {expected_total} bytes for K = {total_bytes}. {hint}")
+
+
+# ---- a0.ring_reduce_scatter --------------------------------------------------------------
+def _diagnose_reduce_scatter(out, expected, given_all, rank, n) -> str:
+    totals = torch.stack(given_all).sum(0)
+    chunks = torch.tensor_split(totals, n)
+    own = torch.tensor_split(given_all[rank], n)
+    for other in range(n):
+        if other != rank and out.shape == chunks[other].shape and torch.equal(out, chunks[other]):
+            return (f"This is chunk {other} of the sum, but rank {rank} must end with chunk {rank}: "
+                    "check which chunk each rank sends and adds in each step.")
+    if out.shape == own[rank].shape and torch.equal(out, own[rank]):
+        return "This is the rank's own input chunk: nothing was added from the other ranks."
+    return "Some terms are missing or counted twice: in step s, rank r sends chunk (r-s-1) % N and adds the incoming chunk into (r-s-2) % N."
+
+
+@exercise("a0.ring_reduce_scatter", points=1)
+def test_ring_reduce_scatter(ring_reduce_scatter, world_size: int = 3, quick: bool = True, seed: int = 0,
+                             timeout: float = 60):
+    """Chunk ``rank`` of the sum over ranks, from sends and receives, input untouched."""
+    shapes = [(length,) for length in (LENGTHS if quick else LENGTHS + MORE_LENGTHS)]
+    for n, per_rank in _run("reduce_scatter", ring_reduce_scatter, shapes, world_size, quick, seed, timeout):
+        for i, (length,) in enumerate(shapes):
+            for rank in range(n):
+                res = per_rank[rank][i]
+                where = f"world_size={n}, length {length}, rank {rank}"
+                sizes = [c.numel() for c in torch.tensor_split(torch.empty(length), n)]
+                _check_output(where, res["out"], res["expected"],
+                              f" (torch.tensor_split gives chunk sizes {sizes}; rank {rank} returns chunk {rank})")
+                if not torch.equal(res["out"].float(), res["expected"]):
+                    given_all = [per_rank[q][i]["given"] for q in range(n)]
+                    raise AssertionError(f"{where}: wrong values. "
+                                         f"{_diagnose_reduce_scatter(res['out'].float(), res['expected'], given_all, rank, n)}")
+                assert res["input_kept"], (f"{where}: your function changed its input tensor; "
+                                           "work on a copy (tensor.clone()) so the caller keeps its data")
+            _check_traffic(f"world_size={n}, length {length}", [per_rank[q][i]["sent"] for q in range(n)],
+                           length, n, 1, "reduce-scatter")
+
+
+# ---- a0.ring_all_gather ------------------------------------------------------------------
+@exercise("a0.ring_all_gather", points=1)
+def test_ring_all_gather(ring_all_gather, world_size: int = 3, quick: bool = True, seed: int = 0,
+                         timeout: float = 60):
+    """Every rank's chunk, concatenated in rank order, on every rank."""
+    shapes = [(length,) for length in (LENGTHS if quick else LENGTHS + MORE_LENGTHS)]
+    for n, per_rank in _run("all_gather", ring_all_gather, shapes, world_size, quick, seed, timeout):
+        for i, (length,) in enumerate(shapes):
+            sizes = [c.numel() for c in torch.tensor_split(torch.empty(length), n)]
+            for rank in range(n):
+                res = per_rank[rank][i]
+                where = f"world_size={n}, length {length} (chunk sizes {sizes}), rank {rank}"
+                _check_output(where, res["out"], res["expected"])
+                if not torch.equal(res["out"].float(), res["expected"]):
+                    wrong = [q for q, (a, b) in enumerate(zip(torch.tensor_split(res["out"].float(), n),
+                                                              torch.tensor_split(res["expected"], n)))
+                             if not torch.equal(a, b)]
+                    raise AssertionError(
+                        f"{where}: wrong values in the chunks of ranks {wrong}. Chunk q must hold rank q's "
+                        "chunk: in step s, rank r forwards chunk (r-s) % N and receives chunk (r-s-1) % N.")
+                assert res["input_kept"], f"{where}: your function changed the chunk it was given"
+            _check_traffic(f"world_size={n}, length {length}", [per_rank[q][i]["sent"] for q in range(n)],
+                           length, n, 1, "all-gather")
+
+
+# ---- a0.ring_all_reduce ------------------------------------------------------------------
+@exercise("a0.ring_all_reduce", points=1)
+def test_ring_all_reduce(ring_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0,
+                         timeout: float = 60):
+    """The sum over ranks in the input's shape: reduce-scatter then all-gather."""
+    lengths = LENGTHS if quick else LENGTHS + MORE_LENGTHS
+    shapes = [(length,) for length in lengths] + [(3, 5)]
+    for n, per_rank in _run("all_reduce", ring_all_reduce, shapes, world_size, quick, seed, timeout):
+        for i, shape in enumerate(shapes):
+            for rank in range(n):
+                res = per_rank[rank][i]
+                where = f"world_size={n}, shape {shape}, rank {rank}"
+                _check_output(where, res["out"], res["expected"])
+                if not torch.equal(res["out"].float(), res["expected"]):
+                    if torch.equal(res["out"].float(), res["given"]):
+                        hint = "This is the rank's own input: the values were never combined."
+                    elif torch.equal(res["out"].float(), res["expected"] * n):
+                        hint = f"This is {n} times the sum: is some chunk added once per step too often?"
+                    else:
+                        bad = (res["out"].float() != res["expected"]).flatten().nonzero().flatten().tolist()
+                        hint = f"Elements {bad[:10]}{'...' if len(bad) > 10 else ''} are wrong."
+                    raise AssertionError(f"{where}: wrong values. {hint}")
+            numel = int(torch.Size(shape).numel())
+            _check_traffic(f"world_size={n}, shape {shape}", [per_rank[q][i]["sent"] for q in range(n)],
+                           numel, n, 2, "all-reduce")
