@@ -1,0 +1,276 @@
+"""Tests of the chapter 11 exercises (solutions/11_gpu_kernels_exercises.ipynb).
+
+* ``11.masked_add``: a vector-add Triton kernel whose mask keeps the last block in bounds.
+* ``11.row_softmax``: a fused, numerically stable softmax kernel, one program instance per row.
+* ``11.matmul_tile``: one program instance computes one tile of C, accumulating ``tl.dot`` over K.
+* ``11.online_softmax_update``: FlashAttention's update of (m, l, acc) for one new block of keys.
+
+The kernel tests launch the learner's ``@triton.jit`` function themselves, on sizes that are
+not multiples of the block sizes, with inputs and outputs that are windows into larger
+buffers: a missing mask then reads NaN or writes over a sentinel, and the test says which.
+The exercise notebook turns on Triton's interpreter, so these run on a CPU; a kernel compiled
+for a GPU is tested on CUDA tensors instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ultrascale.grading import exercise
+
+SENTINEL = -12345.0  # written around every output; a kernel that stores out of bounds overwrites it
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available() and not _interpreted():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(_device())
+
+
+def _window(values: torch.Tensor, pad_rows: int, pad_cols: int, fill: float) -> tuple:
+    """A buffer bigger than ``values`` (filled with ``fill``) and the view of it holding ``values``."""
+    if values.dim() == 1:
+        buf = torch.full((values.shape[0] + pad_cols,), fill, device=values.device)
+        view = buf[: values.shape[0]]
+    else:
+        rows, cols = values.shape
+        buf = torch.full((rows + pad_rows, cols + pad_cols), fill, device=values.device)
+        view = buf[:rows, :cols]
+    view.copy_(values)
+    return buf, view
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    if not hasattr(kernel, "__getitem__") or not hasattr(kernel, "fn"):
+        raise AssertionError(f"expected a @triton.jit kernel, got {type(kernel).__name__}: "
+                             "pass the kernel itself (the decorated function), not a wrapper")
+    kernel[grid](*args, **kwargs)
+
+
+def _outside(buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """The elements of ``buf`` that are not part of ``view``."""
+    inside = torch.zeros_like(buf, dtype=torch.bool)
+    if view.dim() == 1:
+        inside[: view.shape[0]] = True
+    else:
+        inside[: view.shape[0], : view.shape[1]] = True
+    return buf[~inside]
+
+
+# ---- 11.masked_add ---------------------------------------------------------------------------
+
+ADD_CASES = [(1, 16), (7, 16), (100, 32), (128, 128), (1000, 128), (1025, 256), (4099, 1024)]
+
+
+@exercise("11.masked_add", points=1)
+def test_masked_add(masked_add_kernel, quick: bool = True, seed: int = 0):
+    """out[i] = x[i] + y[i] for i < n, launched on ceil(n / BLOCK_SIZE) program instances."""
+    import triton
+
+    for case, (n, block) in enumerate(ADD_CASES):
+        x, y = _randn(n, seed=seed + 2 * case), _randn(n, seed=seed + 2 * case + 1)
+        # Past the end of the inputs lies NaN, past the end of the output a sentinel.
+        _, x_view = _window(x, 0, block, float("nan"))
+        _, y_view = _window(y, 0, block, float("nan"))
+        out_buf, out = _window(torch.zeros(n, device=x.device), 0, block, SENTINEL)
+        grid = (triton.cdiv(n, block),)
+        _launch(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block)
+        where = f"n={n}, BLOCK_SIZE={block} ({grid[0]} program instance{'s' if grid[0] > 1 else ''})"
+        if not (_outside(out_buf, out) == SENTINEL).all():
+            raise AssertionError(f"{where}: the kernel wrote past element n-1. Mask the store: "
+                                 "tl.store(out_ptr + offsets, ..., mask=offsets < n_elements)")
+        expected = x + y
+        if not torch.equal(out, expected):
+            wrong = (out != expected).nonzero().flatten().tolist()
+            first = wrong[0]
+            hint = ""
+            if torch.equal(out[:block], expected[:block]) and first >= block:
+                hint = " Only the first program instance is right: offsets must start at pid * BLOCK_SIZE."
+            elif (out == 0).all():
+                hint = " Nothing was stored."
+            raise AssertionError(f"{where}: {len(wrong)} wrong elements, the first at index {first} "
+                                 f"(got {out[first].item():.4g}, expected {expected[first].item():.4g}).{hint}")
+
+
+# ---- 11.row_softmax --------------------------------------------------------------------------
+
+SOFTMAX_CASES = [  # (rows, cols, scale of the logits)
+    (1, 1, 1.0), (3, 7, 1.0), (5, 100, 3.0), (17, 300, 3.0), (2, 1000, 1.0),
+    (4, 33, 1e4),  # exp(1e4) overflows unless each row's maximum is subtracted first
+    (3, 20, -1e4),
+]
+
+
+@exercise("11.row_softmax", points=1)
+def test_row_softmax(softmax_kernel, quick: bool = True, seed: int = 0):
+    """Softmax of each row, one program instance per row, rows further apart than their length."""
+    import triton
+
+    for case, (rows, cols, scale) in enumerate(SOFTMAX_CASES):
+        x = _randn(rows, cols, seed=seed + 10 + case, scale=abs(scale))
+        if scale < 0:
+            x = x.abs() * -1  # every logit hugely negative: exp underflows to 0 without the shift
+        # Rows of the input are cols + 5 apart, rows of the output cols + 3: the strides matter.
+        _, x_view = _window(x, 0, 5, float("nan"))
+        out_buf, out = _window(torch.zeros(rows, cols, device=x.device), 1, 3, SENTINEL)
+        block = triton.next_power_of_2(cols)
+        _launch(softmax_kernel, (rows,), out, x_view, x_view.stride(0), out.stride(0), cols, BLOCK_SIZE=block)
+        where = f"shape ({rows}, {cols}), logits of size ~{abs(scale):g}, BLOCK_SIZE={block}"
+        if not (_outside(out_buf, out) == SENTINEL).all():
+            raise AssertionError(f"{where}: the kernel wrote outside the output rows (mask the store with "
+                                 "cols < n_cols, and use out_row_stride for the row start)")
+        expected = torch.softmax(x, dim=-1)
+        if torch.isnan(out).any():
+            if abs(scale) > 100:
+                raise AssertionError(f"{where}: the output has NaN: exp overflowed. Subtract the row maximum "
+                                     "(tl.max(x, axis=0)) before tl.exp, and load padding lanes as -inf.")
+            raise AssertionError(f"{where}: the output has NaN: a lane read outside its row (the gaps between "
+                                 "rows hold NaN here). Mask the load with cols < n_cols, and start row r at "
+                                 "in_ptr + r * in_row_stride.")
+        if not torch.allclose(out, expected, rtol=1e-5, atol=1e-6):
+            err = (out - expected).abs().max().item()
+            sums = out.sum(-1)
+            hint = ""
+            if not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
+                hint = (f" Rows sum to {sums.min().item():.4g}..{sums.max().item():.4g}, not 1: do padding lanes "
+                        "count in the sum (load them as -inf, so exp gives 0)?")
+            elif rows > 1 and torch.allclose(out[0], expected[0], rtol=1e-5, atol=1e-6):
+                hint = " The first row is right: use in_row_stride and out_row_stride to find each row."
+            raise AssertionError(f"{where}: largest difference from torch.softmax {err:.3g}.{hint}")
+
+
+# ---- 11.matmul_tile --------------------------------------------------------------------------
+
+MATMUL_CASES = [  # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, transposed A)
+    (16, 16, 16, 16, 16, 16, False),
+    (67, 45, 53, 32, 16, 16, False),
+    (33, 17, 70, 16, 16, 32, False),
+    (20, 50, 9, 16, 32, 16, True),
+    (64, 64, 64, 64, 32, 32, True),
+]
+
+
+@exercise("11.matmul_tile", points=1)
+def test_matmul_tile(matmul_tile_kernel, quick: bool = True, seed: int = 0):
+    """C = A @ B with a 2-D grid: program (i, j) computes the (i, j) tile of C, looping over K."""
+    import triton
+
+    # The interpreter's tl.dot is an exact fp32 product; on a GPU tl.dot on fp32 uses TF32.
+    tol = dict(rtol=1e-5, atol=1e-4) if _device().type == "cpu" else dict(rtol=2e-2, atol=2e-2)
+    for case, (M, N, K, bm, bn, bk, transposed) in enumerate(MATMUL_CASES):
+        a, b = _randn(M, K, seed=seed + 20 + case), _randn(K, N, seed=seed + 40 + case)
+        # Operands are windows into NaN-filled buffers: a load that strays past M, N or K picks up
+        # NaN, and NaN * 0 is still NaN, so every mask has to be right.
+        if transposed:  # A stored column-major: stride_am = 1, stride_ak = M + 3
+            _, a_t = _window(a.t().contiguous(), 2, 3, float("nan"))
+            a_view = a_t.t()
+        else:
+            _, a_view = _window(a, 2, 3, float("nan"))
+        _, b_view = _window(b, 4, 1, float("nan"))
+        c_buf, c = _window(torch.zeros(M, N, device=a.device), 2, 2, SENTINEL)
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+        _launch(matmul_tile_kernel, grid, a_view, b_view, c, M, N, K,
+                a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.stride(0), c.stride(1),
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        where = (f"({M} x {K}) @ ({K} x {N}), tiles {bm} x {bn} x {bk}, grid {grid}"
+                 + (", A column-major" if transposed else ""))
+        if not (_outside(c_buf, c) == SENTINEL).all():
+            raise AssertionError(f"{where}: the kernel wrote outside C. Mask the store with "
+                                 "(rows < M) & (cols < N).")
+        expected = a @ b
+        if torch.isnan(c).any():
+            raise AssertionError(f"{where}: C has NaN: some loads read past the edge of A or B. Mask the A "
+                                 "tile with rows < M and k < K, the B tile with k < K and cols < N, with other=0.")
+        if not torch.allclose(c, expected, **tol):
+            err = (c - expected).abs().max().item()
+            hint = ""
+            tile = (slice(0, min(bm, M)), slice(0, min(bn, N)))
+            if torch.allclose(c[tile], expected[tile], **tol):
+                hint = " Tile (0, 0) is right: use the program ids (axis 0 for rows, axis 1 for columns)."
+            elif K > bk and torch.allclose(c, a[:, :bk] @ b[:bk], **tol):
+                hint = " Only the first BLOCK_K of K was used: loop over K, advancing the pointers by BLOCK_K."
+            elif transposed or b_view.stride(0) != N:
+                hint = " Use the strides passed in, not the matrix sizes, to address rows and columns."
+            raise AssertionError(f"{where}: largest difference from A @ B {err:.3g}.{hint}")
+
+
+# ---- 11.online_softmax_update ----------------------------------------------------------------
+
+ONLINE_CASES = [  # (rows, keys split into blocks, head dim, score scale)
+    (1, [1], 1, 1.0),
+    (3, [4, 4, 2], 5, 1.0),
+    (8, [7, 7, 7, 3], 16, 2.0),
+    (5, [5, 13, 1, 20], 3, 30.0),  # scores up to ~100: exp overflows fp32 without the running max
+    (4, [16, 16], 8, 1.0),
+]
+
+
+def _fold(update, scores, values, splits):
+    """Run the learner's update block by block; yield the state after each block."""
+    rows, d = scores.shape[0], values.shape[1]
+    m = torch.full((rows,), float("-inf"), dtype=scores.dtype)
+    l = torch.zeros(rows, dtype=scores.dtype)
+    acc = torch.zeros(rows, d, dtype=scores.dtype)
+    start = 0
+    for size in splits:
+        s_block, v_block = scores[:, start:start + size], values[start:start + size]
+        before = [t.clone() for t in (m, l, acc, s_block, v_block)]
+        out = update(m, l, acc, s_block, v_block)
+        if not (isinstance(out, (tuple, list)) and len(out) == 3):
+            raise AssertionError(f"online_softmax_update must return (m_new, l_new, acc_new), got {type(out).__name__}")
+        for name, old, now in zip(("m", "l", "acc", "s_block", "v_block"), before, (m, l, acc, s_block, v_block)):
+            if not torch.equal(old, now):
+                raise AssertionError(f"online_softmax_update changed its input {name} in place: "
+                                     "return new tensors instead")
+        m, l, acc = (torch.as_tensor(t) for t in out)
+        start += size
+        yield start, m, l, acc
+
+
+@exercise("11.online_softmax_update", points=1)
+def test_online_softmax_update(online_softmax_update, quick: bool = True, seed: int = 0):
+    """After every block, (m, l, acc) must equal the statistics of all the keys seen so far."""
+    gen = torch.Generator().manual_seed(seed + 60)
+    for rows, splits, d, scale in ONLINE_CASES:
+        n_keys = sum(splits)
+        scores = scale * torch.randn(rows, n_keys, generator=gen)
+        values = torch.randn(n_keys, d, generator=gen)
+        if n_keys > 4:
+            scores[0, 2] = float("-inf")  # a masked key (as causal masking makes), never in the first block alone
+        where = f"{rows} row{'s' if rows > 1 else ''}, blocks of {splits} keys, head dim {d}, scores of size ~{scale:g}"
+        for seen, m, l, acc in _fold(online_softmax_update, scores, values, splits):
+            s = scores[:, :seen]
+            m_ref = s.max(dim=1).values
+            p = torch.exp(s - m_ref[:, None])
+            l_ref, acc_ref = p.sum(dim=1), p @ values[:seen]
+            at = f"{where}, after the first {seen} keys"
+            assert tuple(m.shape) == (rows,) and tuple(l.shape) == (rows,) and tuple(acc.shape) == (rows, d), (
+                f"{at}: shapes m {tuple(m.shape)}, l {tuple(l.shape)}, acc {tuple(acc.shape)}; "
+                f"expected ({rows},), ({rows},), ({rows}, {d})")
+            assert torch.equal(m, m_ref), f"{at}: m must be the running maximum of the scores seen so far"
+            if not torch.isfinite(l).all() or not torch.isfinite(acc).all():
+                raise AssertionError(f"{at}: l or acc is inf/NaN. Exponentiate s - m_new, never s itself, and "
+                                     "scale the old l and acc by exp(m - m_new).")
+            if not torch.allclose(l, l_ref, rtol=1e-5, atol=1e-6):
+                raise AssertionError(f"{at}: l should be sum(exp(s - m)) over the keys seen so far; largest "
+                                     f"difference {(l - l_ref).abs().max().item():.3g}. Exponentiate s_block - m_new "
+                                     "and rescale the old l by exp(m - m_new).")
+            if not torch.allclose(acc, acc_ref, rtol=1e-5, atol=1e-5):
+                raise AssertionError(f"{at}: acc should be exp(s - m) @ v over the keys seen so far (not yet "
+                                     f"divided by l); largest difference {(acc - acc_ref).abs().max().item():.3g}")
+        out = acc / l[:, None]
+        expected = torch.softmax(scores, dim=1) @ values
+        assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5), f"{where}: acc / l differs from softmax(s) @ v"
+        assert math.isfinite(out.abs().max().item())
