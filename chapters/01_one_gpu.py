@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -53,6 +54,10 @@ from ultrascale.viz.live import LivePlot
 
 assert isinstance(WORLD_SIZE, int) and WORLD_SIZE >= 1, "WORLD_SIZE must be a positive integer"
 torch.manual_seed(SEED)
+# Figures are matplotlib Figure objects that a cell shows by returning them. Loading the
+# notebook's plotting backend now lets Jupyter draw them as images from the first one on
+# (headless, with the Agg backend, they show as text).
+plt.switch_backend(plt.get_backend())
 # The models here are tiny: splitting their small matrix products over threads costs more than
 # it saves, and on a shared 2-core machine extra threads mostly wait for each other. One thread
 # also makes the timings below steadier.
@@ -426,7 +431,9 @@ for seq, row in zip(seqs, ratio):
 assert np.all((ratio >= band[0]) & (ratio <= band[1])), ratio
 assert np.all(np.diff(ratio[:, 0]) < 0)  # falls towards 2/5 as the quadratic term takes over
 
-fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+# A Figure, not pyplot: it shows where the cell returns it, the same way in Jupyter and headless
+fig = Figure(figsize=(11, 3.6), layout="constrained")
+left, right = fig.subplots(1, 2)
 for j, bs in enumerate(batches):
     line, = left.plot(seqs, measured_act[:, j] / 2**20, "o-", label=f"measured, bs={bs}")
     left.plot(seqs, predicted_act[:, j] / 2**20, "--", color=line.get_color())
@@ -436,7 +443,7 @@ right.plot(seqs, ratio[:, 1], "o-", label="measured / formula")
 right.axhspan(*band, color="grey", alpha=0.15, label="band from the accounting")
 right.set(xlabel="sequence length", ylabel="ratio", ylim=(0, 1.2), title="activations: measured / formula")
 right.legend(fontsize=8)
-fig.tight_layout()
+fig
 
 # %% [markdown]
 # ### At real sizes
@@ -446,7 +453,8 @@ fig.tight_layout()
 
 # %%
 seq_range = np.array([512, 1024, 2048, 4096, 8192, 16384])
-fig, ax = plt.subplots(figsize=(7, 3.6))
+fig = Figure(figsize=(7, 3.6), layout="constrained")
+ax = fig.subplots()
 for name, (config, _) in published.items():
     acts = np.array([activation_bytes(config, int(seq), 1) for seq in seq_range]) / GB
     line, = ax.plot(seq_range, acts, "o-", label=f"{name}: activations")
@@ -455,13 +463,13 @@ ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="GB",
        title="activations at bs=1 (dotted: weights + grads + Adam, 16 bytes/param)")
 ax.set_xticks(seq_range, [str(v) for v in seq_range])
 ax.legend(fontsize=8)
-fig.tight_layout()
 
 states_8b = 16 * count_params(LLAMA3_8B)
 share = {int(seq): activation_bytes(LLAMA3_8B, int(seq), 1) / (activation_bytes(LLAMA3_8B, int(seq), 1) + states_8b)
          for seq in seq_range}
 print("Llama 3 8B, share of activations in the total:", {k: f"{v:.0%}" for k, v in share.items()})
 assert share[1024] < 0.10 and share[4096] > 0.40  # negligible at 1k, a large share by 4k
+fig
 
 # %% [markdown]
 # This is the book's observation that activations are negligible for short sequences and become
@@ -642,7 +650,8 @@ assert 0.30 <= 2 / 6 <= 0.40  # full recomputation: one more forward (2N) on top
 # dominate.
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), sharey=False)
+fig = Figure(figsize=(13, 3.6), layout="constrained")
+axes = fig.subplots(1, 3)
 modes = ("none", "selective", "full")
 seq_bars = [4096, 16384]
 for ax, (name, (config, _)) in zip(axes, published.items()):
@@ -655,7 +664,7 @@ for ax, (name, (config, _)) in zip(axes, published.items()):
     ax.set_xticks(list(range(3)) + list(range(4, 7)), [f"{m}\n{seq}" for seq in seq_bars for m in modes], fontsize=7)
     ax.set(title=name, ylabel="GB")
 axes[0].legend(fontsize=8)
-fig.tight_layout()
+fig
 
 # %% [markdown]
 # ## 6. Gradient accumulation
@@ -713,7 +722,8 @@ print(f"gbs = {mbs} x {grad_acc} = {gbs}: accumulated gradient equals the full-b
 # The time line of one optimizer step with `grad_acc = 4`:
 
 # %%
-fig, ax = plt.subplots(figsize=(9, 1.6))
+fig = Figure(figsize=(9, 1.6), layout="constrained")
+ax = fig.subplots()
 t = 0
 for i in range(4):
     ax.barh(0, 1, left=t, color="#4C72B0", edgecolor="white")
@@ -725,7 +735,7 @@ ax.barh(0, 1, left=t, color="#55A868", edgecolor="white")
 ax.text(t + 0.5, 0, "step", ha="center", va="center", color="white", fontsize=8)
 ax.set(xticks=[], yticks=[], xlabel="time: 4 micro-batches (forward F, backward B), one optimizer step")
 ax.set_xlim(0, t + 1)
-fig.tight_layout()
+fig
 
 # %% [markdown]
 # ### A short training run
@@ -954,7 +964,7 @@ print(f"peak bytes alive in each step: {[f'{p / 2**20:.2f} MiB' for p in peaks]}
       f"Adam's states: {adam_bytes / 2**20:.2f} MiB")
 ax = plot_memory_timeline(times, sizes, spans)
 ax.set_title("CPU memory by category over three training steps")
-ax.figure.tight_layout()
+ax.figure
 
 # %% [markdown]
 # Each step, activations pile up during the forward and drain during the backward while the

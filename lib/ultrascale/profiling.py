@@ -82,10 +82,10 @@ def peak_within(times_ms, series, start_ms, end_ms) -> int:
 
 def plot_memory_timeline(times_ms, sizes: dict, spans=(), ax=None, unit: float = 2**20):
     """Stacked areas of bytes alive by category (MiB by default), with step spans shaded."""
-    import matplotlib.pyplot as plt
+    if ax is None:  # a Figure outside pyplot: shown where a notebook cell returns it, also headless
+        from matplotlib.figure import Figure
 
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3.5))
+        ax = Figure(figsize=(10, 3.5), layout="constrained").subplots()
     shown = {name: series / unit for name, series in sizes.items() if series.any()}
     ax.stackplot(times_ms, *shown.values(), labels=list(shown),
                  colors=[COLORS.get(name, "#8C8C8C") for name in shown], step="post")
