@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import time
 from datetime import datetime, timezone
@@ -1092,58 +1093,73 @@ mfu_model.set_recompute("none");
 # (a GPU measurement, or a recorded one: not compared in CI)
 # dense BF16 peaks from the vendor's data sheets; the first name found in the device name wins
 GPU_PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
-results_file = Path("..") / "results" / "01_one_gpu.json"
+RESULTS = Path("..") / "results"  # one file per device: one_gpu_mfu_<device>.json (see results/README.md)
 
 
-def provenance():
+def git_commit():
+    """The course's commit, with "-dirty" when tracked files had uncommitted changes."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {"torch": torch.__version__, "commit": commit, "python": platform.python_version(),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+        return "unknown"
 
 
-if torch.cuda.is_available():
-    name = torch.cuda.get_device_name()
+def measure_gpu_mfu():
+    name = torch.cuda.get_device_name(0)
     peak = next((v for k, v in GPU_PEAK_BF16.items() if k in name), None)
-    gpu_config = GPTConfig(vocab_size=32768, hidden=2048, layers=16, heads=16, attention="sdpa")
-    gpu_model = GPT(gpu_config).cuda()
-    gpu_optimizer = torch.optim.AdamW(gpu_model.parameters(), lr=1e-4, fused=True)
-    gpu_seq, gpu_bs = 2048, 8
-    gpu_idx = torch.randint(0, gpu_config.vocab_size, (gpu_bs, gpu_seq), device="cuda")
-    record = {"device": name, **provenance(), "model": str(gpu_config), "seq": gpu_seq, "micro_batch": gpu_bs}
+    config = GPTConfig(vocab_size=32768, hidden=2048, layers=16, heads=16, attention="sdpa")
+    model = GPT(config).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    seq, bs, warmup, timed = 2048, 8, 3, 5
+    idx = torch.randint(0, config.vocab_size, (bs, seq), device="cuda")
+    record = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+              "python": platform.python_version(), "commit": git_commit(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "model": str(config), "params": count_params(config), "seq": seq, "micro_batch": bs,
+              "peak_bf16_flops": peak}
     for mode in ("none", "selective", "full"):
-        gpu_model.set_recompute(mode)
-        for i in range(8):
-            if i == 3:  # after warm-up
+        model.set_recompute(mode)
+        for i in range(warmup + timed):
+            if i == warmup:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                train_step(gpu_model, gpu_optimizer, gpu_idx)
+                train_step(model, optimizer, idx)
         torch.cuda.synchronize()
-        tokens_per_s = 5 * gpu_bs * gpu_seq / (time.perf_counter() - start)
+        tokens_per_s = timed * bs * seq / (time.perf_counter() - start)
         record[mode] = {"tokens_per_s": tokens_per_s}
-        if peak:  # sdpa is causal: count the causal half of the attention FLOPs
-            record[mode]["mfu"] = mfu(tokens_per_s, gpu_config, peak, gpu_seq, causal=True)
-            record[mode]["hfu"] = hfu(tokens_per_s, gpu_config, peak, mode, gpu_seq, causal=True)
-    gpu_model.set_recompute("none")
-    print(json.dumps(record, indent=1))
-    results_file.parent.mkdir(exist_ok=True)
-    results_file.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"recorded in {results_file}")
-elif results_file.exists():
-    record = json.loads(results_file.read_text())
-    print(f"RECORDED result (not measured now): {record['device']}, torch {record['torch']}, "
-          f"commit {record['commit']}, {record['date']}")
+        if peak:  # SDPA's kernels skip the masked half: count the causal attention FLOPs
+            record[mode]["mfu"] = mfu(tokens_per_s, config, peak, seq, causal=True)
+            record[mode]["hfu"] = hfu(tokens_per_s, config, peak, mode, seq, causal=True)
+    return record
+
+
+def show_mfu(record, label):
+    print(f"{label}: {record['device']}, torch {record['torch']}, commit {record['commit'][:12]}, {record['date']}")
     for mode in ("none", "selective", "full"):
-        r = record.get(mode, {})
-        print(f"  {mode:<10} {r.get('tokens_per_s', float('nan')):12,.0f} tokens/s  "
-              f"MFU {r.get('mfu', float('nan')):.1%}  HFU {r.get('hfu', float('nan')):.1%}")
+        r = record[mode]
+        utilisation = (f"MFU {r['mfu']:.1%}  HFU {r['hfu']:.1%}" if "mfu" in r
+                       else "(no peak known for this GPU: add it to GPU_PEAK_BF16)")
+        print(f"  recompute={mode:<10} {r['tokens_per_s']:12,.0f} tokens/s  {utilisation}")
+
+
+if torch.cuda.is_available():
+    record = measure_gpu_mfu()
+    show_mfu(record, "MEASURED now")
+    slug = re.sub(r"[^a-z0-9]+", "_", record["device"].lower()).strip("_")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"one_gpu_mfu_{slug}.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"recorded in results/one_gpu_mfu_{slug}.json")
 else:
-    print("No GPU here, and no recorded GPU result in results/01_one_gpu.json yet: run this notebook "
-          "on a GPU machine to measure and record one.")
+    recorded = sorted(RESULTS.glob("one_gpu_mfu_*.json"))
+    for path in recorded:
+        show_mfu(json.loads(path.read_text()), f"RECORDED earlier, not measured now ({path.name})")
+    if not recorded:
+        print("No GPU here, and no recorded result (results/one_gpu_mfu_<device>.json) yet: run this "
+              "notebook on a GPU machine to measure and record one.")
 
 # %% [markdown]
 # ## Summary
