@@ -16,7 +16,7 @@
 # `papermill -p WORLD_SIZE 3 00_orientation.ipynb out.ipynb`.
 
 # %% tags=["parameters"]
-WORLD_SIZE = 4  # number of ranks (processes); any value >= 2 works here
+WORLD_SIZE = 4  # number of ranks (processes); any value of 2 or more works here
 QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU cores
 SEED = 0
 

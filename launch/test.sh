@@ -3,7 +3,8 @@
 # (`make test` creates it first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+# (no MPLBACKEND here: the kernels must keep their inline backend, or pyplot figures vanish)
+export PYTHONUNBUFFERED=1
 BIN=.venv/bin
 
 echo "== spelling (codespell over code, notebooks and docs)"

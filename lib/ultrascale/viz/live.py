@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-import matplotlib
-
 import matplotlib.pyplot as plt
 
 
@@ -116,7 +114,3 @@ def fan_out(*callbacks):
 
     return on_log
 
-
-def headless() -> bool:
-    """True when no interactive front-end will show widgets (papermill, scripts)."""
-    return matplotlib.get_backend().lower() == "agg"
