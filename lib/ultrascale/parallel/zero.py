@@ -27,6 +27,7 @@ state): the mixed-precision DP baseline of the memory formulas.
 """
 from __future__ import annotations
 
+import threading
 from collections import Counter, defaultdict
 
 import torch
@@ -49,6 +50,26 @@ def reduce_scatter_into(output, full, group=None, async_op=False):
     """Sum ``full`` over ranks and keep only this rank's slice in ``output``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, full, group=group, async_op=async_op)
+
+
+class _WatchedWork:
+    """An async collective whose backend offers no completion callback (gloo's
+    reduce-scatter has no future): a helper thread waits for it and puts its bar on the
+    timeline when the transfer really ends, instead of a zero-length mark at launch."""
+
+    def __init__(self, work, on_done):
+        self.work = work
+        self.thread = threading.Thread(target=self._watch, args=(on_done,), daemon=True)
+        self.thread.start()
+
+    def _watch(self, on_done):
+        self.work.wait()
+        on_done()
+
+    def wait(self):
+        self.work.wait()
+        self.thread.join()   # the bar is recorded before anyone reads the timeline
+        return True
 
 
 class FlatUnit:
@@ -171,10 +192,14 @@ class ZeRO:
             work = dist.all_reduce(output, group=self.group, async_op=async_op)
         else:
             work = fn(output, source, group=self.group, async_op=async_op)
-        if async_op:
-            return self.timeline.communication(f"{op} {unit.name}", work, nbytes, start)
-        self.timeline.add(COMMUNICATION, f"{op} {unit.name}", start, self.timeline.now(), nbytes)
-        return None
+        name = f"{op} {unit.name}"
+        if not async_op:
+            self.timeline.add(COMMUNICATION, name, start, self.timeline.now(), nbytes)
+            return None
+        if self.timeline.enabled and not _has_future(work):
+            return _WatchedWork(work, lambda: self.timeline.add(COMMUNICATION, name, start,
+                                                                self.timeline.now(), nbytes))
+        return self.timeline.communication(name, work, nbytes, start)
 
     # ------------------------------------------------------------------ gradients
     def _on_grad_ready(self, unit, p) -> None:
@@ -360,6 +385,14 @@ class ZeRO:
             for unit in self.all_units:
                 unit.free_full()
         return state
+
+
+def _has_future(work) -> bool:
+    try:
+        work.get_future()
+    except RuntimeError:   # "Work::getFuture not implemented"
+        return False
+    return True
 
 
 def _in_backward() -> bool:

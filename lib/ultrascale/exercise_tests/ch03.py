@@ -1,0 +1,304 @@
+"""Tests of the chapter 3 exercises (solutions/03_zero_exercises.ipynb): ZeRO from scratch.
+
+* ``03.flatten_padded``: ``flatten_padded(tensors, world_size)`` concatenates the tensors'
+  elements into one 1-D tensor and pads it with zeros to a multiple of ``world_size``.
+* ``03.zero1_step``: ``zero1_step(ctx, params, master, optimizer)`` is one ZeRO-1 optimizer
+  step: reduce-scatter the gradients, update this rank's slice of the fp32 master weights,
+  all-gather the slices back into the parameters. Graded by parity with plain data
+  parallelism (full optimizer on every rank) over several steps, with Adam and with SGD,
+  and by the collectives it calls (no all-reduce; about 2Ψ of traffic per step).
+* ``03.zero3_gather_free``: ``install_zero3_hooks(ctx, module)`` registers a forward
+  pre-hook that all-gathers a module's flat parameter shard into its full parameters and a
+  forward hook that frees them again. Graded by the logits of a GPT whose blocks all hold
+  only their shard, against the unsharded model, with one block gathered at a time.
+
+The clusters have 2 and 3 ranks, and the test model has Ψ = 27,520 parameters (its blocks
+12,704 each): neither is divisible by 3, so the padding matters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ultrascale.grading import exercise
+
+# Ψ = 27,520, blocks of 12,704: not multiples of 3, so a 3-rank cluster needs padding.
+CONFIG = dict(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
+MBS = 2
+# Tolerances, as in tests/test_zero.py: fp32 throughout, but a reduce-scatter and an
+# all-reduce sum the ranks' gradients in different orders, so results differ in the last
+# bits (~3e-7 after 3 steps). Adam moves a weight by about lr = 1e-3 per step at most; we
+# allow 1e-5, 1% of one step. SGD checks the averaging, which Adam's scale invariance hides.
+OPTIMIZERS = {   # SGD first: its failure message can say what a wrong scale means
+    "SGD": (torch.optim.SGD, dict(lr=0.1), dict(rtol=1e-5, atol=1e-6)),
+    "Adam": (torch.optim.Adam, dict(lr=1e-3), dict(rtol=1e-4, atol=1e-5)),
+}
+
+
+def _sizes(world_size, quick):
+    return sorted({2, 3, world_size} if quick else {2, 3, 4, world_size})
+
+
+# ---- 03.flatten_padded ---------------------------------------------------------------
+
+def reference_flatten_padded(tensors, world_size: int) -> torch.Tensor:
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    padding = -flat.numel() % world_size
+    return torch.cat([flat, flat.new_zeros(padding)])
+
+
+CASES = [
+    [(3, 4)],
+    [(5,), (2, 3), (7, 1, 2)],
+    [(1,)],
+    [(4, 4), (4,)],
+    [(13,), (2, 5)],
+]
+
+
+@exercise("03.flatten_padded", points=1)
+def test_flatten_padded(flatten_padded, quick: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.bfloat16) if quick else (torch.float32, torch.bfloat16, torch.float64)
+    for shapes in CASES:
+        for dtype in dtypes:
+            tensors = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+            originals = [t.clone() for t in tensors]
+            for world_size in range(1, 9):
+                call = f"flatten_padded({[tuple(s) for s in shapes]} in {dtype}, world_size={world_size})"
+                got = flatten_padded(tensors, world_size)
+                expected = reference_flatten_padded(tensors, world_size)
+                assert isinstance(got, torch.Tensor), f"{call}: return a tensor, got {type(got).__name__}"
+                assert got.dim() == 1, f"{call}: return a 1-D tensor, got shape {tuple(got.shape)}"
+                numel = sum(t.numel() for t in tensors)
+                assert got.numel() == expected.numel(), (
+                    f"{call}: {numel} elements padded to a multiple of {world_size} is {expected.numel()}, "
+                    f"got {got.numel()}" + (" (no padding is needed when it already divides)"
+                                            if numel % world_size == 0 else ""))
+                assert got.dtype == dtype, f"{call}: keep the tensors' dtype {dtype}, got {got.dtype}"
+                assert torch.equal(got[:numel], expected[:numel]), (
+                    f"{call}: the first {numel} elements must be the tensors' elements, in order "
+                    "(each tensor flattened row by row, then the next one)")
+                assert torch.equal(got[numel:], expected[numel:]), f"{call}: the padding must be zeros"
+            for t, original in zip(tensors, originals):
+                assert torch.equal(t, original), "flatten_padded changed its input tensors"
+    # A parameter that requires grad: the flat copy is data, not part of the autograd graph.
+    p = torch.nn.Parameter(torch.randn(5, generator=g))
+    got = flatten_padded([p], 3)
+    assert not got.requires_grad, "detach the parameters: the flat buffer must not require grad"
+
+
+# ---- shared: the model and the data ---------------------------------------------------
+
+def _model():
+    from ultrascale.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**CONFIG))
+
+
+def _batch(ctx, step):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (MBS * ctx.world_size, CONFIG["seq_len"] + 1), generator=g)
+    return tokens[MBS * ctx.rank: MBS * (ctx.rank + 1)]
+
+
+def _loss(model, tokens):
+    from ultrascale.model import lm_loss
+
+    return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+# ---- 03.zero1_step ---------------------------------------------------------------------
+
+def _train_dp(ctx, opt_name, steps):
+    """The reference: plain data parallelism, full optimizer state on every rank."""
+    from ultrascale.parallel import NaiveDataParallel
+
+    model = _model()
+    dp = NaiveDataParallel(model)
+    cls, kwargs, _ = OPTIMIZERS[opt_name]
+    opt = cls(model.parameters(), **kwargs)
+    for step in range(steps):
+        _loss(dp, _batch(ctx, step)).backward()
+        dp.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_zero1(ctx, zero1_step, opt_name, steps):
+    from ultrascale.comm import CommLogger
+
+    model = _model()
+    params = list(model.parameters())
+    flat = reference_flatten_padded(params, ctx.world_size)
+    shard = flat.numel() // ctx.world_size
+    master = flat[ctx.rank * shard: (ctx.rank + 1) * shard].float().clone()
+    cls, kwargs, _ = OPTIMIZERS[opt_name]
+    opt = cls([master], **kwargs)
+    traffic = []
+    for step in range(steps):
+        _loss(model, _batch(ctx, step)).backward()
+        with CommLogger() as log:
+            zero1_step(ctx, params, master, opt)
+        traffic.append(log.totals())
+        for p in params:
+            p.grad = None
+    state = [t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {"params": [p.detach().clone() for p in params], "master": master.detach().clone(),
+            "traffic": traffic, "state_numel": state, "padded": flat.numel()}
+
+
+@exercise("03.zero1_step", points=2)
+def test_zero1_step(zero1_step, world_size: int = 3, quick: bool = True, timeout: float = 120):
+    from ultrascale.runtime import shared_cluster
+
+    steps = 3 if quick else 6
+    for size in _sizes(world_size, quick):
+        cluster = shared_cluster(size)
+        for opt_name, (_, _, tol) in OPTIMIZERS.items():
+            expected = cluster.run(_train_dp, opt_name, steps, timeout=timeout)[0]
+            results = cluster.run(_train_zero1, zero1_step, opt_name, steps, timeout=timeout)
+            where = f"{size} ranks, {opt_name}, after {steps} steps"
+            psi = sum(p.numel() for p in expected)
+            shard = results[0]["padded"] // size
+            flat_expected = torch.cat([p.reshape(-1) for p in expected])
+            for rank, out in enumerate(results):
+                _check_traffic(out["traffic"], size, psi, out["padded"], f"{where}, rank {rank}")
+                for i, (got, want) in enumerate(zip(out["params"], expected)):
+                    if not torch.allclose(got, want, **tol):
+                        err = (got - want).abs().max().item()
+                        hint = _zero1_hint(opt_name)
+                        raise AssertionError(f"{where}, rank {rank}: parameter {i} {tuple(want.shape)} differs from "
+                                             f"plain data parallelism by up to {err:.3g}.{hint}")
+                mine = flat_expected[rank * shard: min((rank + 1) * shard, psi)]
+                assert torch.allclose(out["master"][:mine.numel()], mine, **tol), (
+                    f"{where}, rank {rank}: the fp32 master slice does not hold the updated weights of "
+                    f"elements [{rank * shard}, {rank * shard + mine.numel()}); did you update `master` in place "
+                    "through the optimizer?")
+                assert all(n == shard for n in out["state_numel"]), (
+                    f"{where}: the optimizer's state must cover only this rank's slice ({shard} elements)")
+
+
+def _zero1_hint(opt_name) -> str:
+    if opt_name == "SGD":
+        return (" With SGD a wrong gradient scale shows: the reduce-scatter sums the ranks' gradients, "
+                "divide by the world size to average them.")
+    return " Check the slice each rank owns and how the gathered values are copied back into each parameter."
+
+
+def _check_traffic(traffic, n, psi, padded, where):
+    """No all-reduce; a reduce-scatter and an all-gather of the (padded) model per step."""
+    for step, totals in enumerate(traffic):
+        ops = set(totals)
+        banned = ops & {"all_reduce", "broadcast", "reduce", "all_to_all", "all_to_all_single", "send", "isend"}
+        assert not banned, (f"{where}, step {step}: ZeRO-1 communicates with a reduce-scatter and an all-gather "
+                            f"only, but the step called {sorted(banned)}")
+        scatter = sum(t["bytes_sent"] for op, t in totals.items() if op.startswith("reduce_scatter"))
+        gather = sum(t["bytes_sent"] for op, t in totals.items() if op.startswith("all_gather"))
+        assert scatter > 0, f"{where}, step {step}: no reduce-scatter was called; average the gradients with one"
+        assert gather > 0, f"{where}, step {step}: no all-gather was called; share the updated slices with one"
+        # A ring moves (n-1)/n of the buffer from each rank; fp32 is 4 bytes per element.
+        for name, sent in (("reduce-scatter", scatter), ("all-gather", gather)):
+            elements = sent * n / (n - 1) / 4
+            assert 0.99 * psi <= elements <= 1.01 * padded, (
+                f"{where}, step {step}: the {name}s moved {elements:,.0f} elements' worth; one {name} of the "
+                f"flat (padded) model moves {padded:,}")
+
+
+# ---- 03.zero3_gather_free --------------------------------------------------------------
+
+def shard_module(ctx, module):
+    """Keep only this rank's slice of ``module``'s parameters, ZeRO-3 style.
+
+    The parameters are flattened into one buffer padded to a multiple of the world size
+    (``reference_flatten_padded``); rank r keeps elements [r s, (r+1) s) as
+    ``module.zero3_shard``. ``module.zero3_layout`` lists ``(parameter, offset, shape)``:
+    parameter p's elements are ``flat[offset : offset + p.numel()]``, in ``shape``. Every
+    parameter is then emptied (``p.data`` becomes a 0-element tensor), so the full values
+    exist on no rank until someone gathers them.
+    """
+    params = list(dict.fromkeys(module.parameters()))
+    flat = reference_flatten_padded(params, ctx.world_size)
+    shard = flat.numel() // ctx.world_size
+    module.zero3_shard = flat[ctx.rank * shard: (ctx.rank + 1) * shard].clone()
+    layout, offset = [], 0
+    for p in params:
+        layout.append((p, offset, tuple(p.shape)))
+        offset += p.numel()
+    module.zero3_layout = layout
+    for p in params:
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return module
+
+
+def _gathered_blocks(model) -> list:
+    return [i for i, block in enumerate(model.blocks) if any(p.numel() for p in block.parameters())]
+
+
+def _run_zero3(ctx, install_zero3_hooks, inputs):
+    from ultrascale.comm import CommLogger
+
+    reference = _model()
+    model = _model()
+    full_sizes = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    for block in model.blocks:
+        shard_module(ctx, block)
+        install_zero3_hooks(ctx, block)
+    shards = [block.zero3_shard.clone() for block in model.blocks]
+    seen = []   # which blocks hold full parameters while each block computes
+    for block in model.blocks:   # registered after the learner's hooks: they see their effect
+        block.register_forward_pre_hook(lambda module, args: seen.append(_gathered_blocks(model)))
+    out = {"logits": [], "expected": [], "seen": seen, "traffic": [], "after": []}
+    with torch.no_grad():
+        for tokens in inputs:
+            with CommLogger() as log:
+                out["logits"].append(model(tokens))
+            out["traffic"].append(log.totals())
+            out["after"].append(_gathered_blocks(model))
+            out["expected"].append(reference(tokens))
+    out["shards_unchanged"] = all(torch.equal(a, b.zero3_shard) for a, b in zip(shards, model.blocks))
+    # Anything as large as a block's full parameters left on the module is a full copy kept alive.
+    out["kept"] = [name for block, size in zip(model.blocks, full_sizes)
+                   for name, value in vars(block).items()
+                   if torch.is_tensor(value) and value.numel() >= size]
+    return out
+
+
+@exercise("03.zero3_gather_free", points=2)
+def test_zero3_gather_free(install_zero3_hooks, world_size: int = 3, quick: bool = True, timeout: float = 120):
+    from ultrascale.runtime import shared_cluster
+
+    layers = CONFIG["layers"]
+    g = torch.Generator().manual_seed(7)
+    inputs = [torch.randint(0, CONFIG["vocab_size"], (2, CONFIG["seq_len"]), generator=g) for _ in range(2)]
+    for size in _sizes(world_size, quick):
+        results = shared_cluster(size).run(_run_zero3, install_zero3_hooks, inputs, timeout=timeout)
+        for rank, out in enumerate(results):
+            where = f"{size} ranks, rank {rank}"
+            for call, (got, want) in enumerate(zip(out["logits"], out["expected"])):
+                assert got.shape == want.shape, f"{where}: logits of shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                    raise AssertionError(
+                        f"{where}, forward {call + 1}: the logits differ from the unsharded model's by up to "
+                        f"{(got - want).abs().max().item():.3g}. Each rank's shard is one slice of the padded flat "
+                        "buffer, in rank order; every parameter is flat[offset : offset + numel] viewed in its shape.")
+            for call, after in enumerate(out["after"]):
+                assert not after, (f"{where}: after forward {call + 1}, blocks {after} still hold their full "
+                                   "parameters; the forward hook must free them (an empty p.data)")
+            for i, gathered in enumerate(out["seen"]):
+                block = i % layers
+                assert gathered == [block], (
+                    f"{where}: while block {block} computed, the blocks holding full parameters were {gathered}; "
+                    f"expected only [{block}]: gather in the block's pre-hook, free in its forward hook")
+            assert out["shards_unchanged"], f"{where}: the hooks changed module.zero3_shard; leave the shard alone"
+            assert not out["kept"], (f"{where}: a full-size tensor stays attached to a block ({out['kept']}); "
+                                     "free the gathered buffer, do not keep it on the module")
+            for call, totals in enumerate(out["traffic"]):
+                banned = set(totals) & {"all_reduce", "broadcast", "send", "isend"}
+                assert not banned, f"{where}: gather the shards with an all-gather, not {sorted(banned)}"
+                calls = sum(t["calls"] for op, t in totals.items() if op.startswith("all_gather"))
+                assert calls == layers, (f"{where}, forward {call + 1}: {calls} all-gather calls for {layers} blocks; "
+                                         "expected one per block per forward")
