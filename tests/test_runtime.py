@@ -237,6 +237,24 @@ def test_killed_kernel_leaves_no_orphan_ranks(tmp_path):
     assert not any(_alive(p) for p in pids), "orphan ranks survived the kernel"
 
 
+def test_a_script_without_main_guard_works_like_a_notebook(tmp_path):
+    """Ranks never re-run the caller's script, so no `if __name__ == "__main__"` is needed,
+    and classes defined in it travel both ways."""
+    script = tmp_path / "experiment.py"
+    script.write_text(textwrap.dedent("""
+        from ultrascale.runtime import Cluster
+        class Box:
+            def __init__(self, v):
+                self.v = v
+        cluster = Cluster(2)
+        print([b.v for b in cluster.run(lambda ctx, box: Box(box.v * (ctx.rank + 1)), Box(5))])
+        cluster.close()
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[5, 10]"]
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)

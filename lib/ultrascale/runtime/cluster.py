@@ -20,6 +20,8 @@ A call ends in one of four ways, and the cluster stays usable after each:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import multiprocessing.spawn as mp_spawn
 import os
 import sys
 import time
@@ -51,6 +53,30 @@ def resolve_backend(backend: str, world_size: int) -> str:
             "Use backend='gloo' (CPU) or a smaller world_size."
         )
     return backend
+
+
+@contextlib.contextmanager
+def _no_main_reimport():
+    """Start ranks without re-running the caller's main script in them.
+
+    multiprocessing's spawn/forkserver children normally import the parent's
+    ``__main__`` first, so a script without an ``if __name__ == "__main__"`` guard
+    would start a Cluster inside every rank. Our ranks never need it: functions
+    from ``__main__`` (a notebook or a script) travel by value with cloudpickle.
+    """
+    original = mp_spawn.get_preparation_data
+
+    def preparation_data(name):
+        data = original(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    mp_spawn.get_preparation_data = preparation_data
+    try:
+        yield
+    finally:
+        mp_spawn.get_preparation_data = original
 
 
 def _mp_context():
@@ -116,7 +142,8 @@ class Cluster:
                 name=f"ultrascale-rank{rank}",
                 daemon=True,
             )
-            proc.start()
+            with _no_main_reimport():
+                proc.start()
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
