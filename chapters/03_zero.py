@@ -318,24 +318,27 @@ results["ZeRO-3, no prefetch"] = cluster.run(train_zero, 3, "adam", False)
 # **Tolerance.** Everything runs in fp32, but the gradients are summed in different orders: over
 # the whole batch in one process, by gloo's all-reduce in DP, by its reduce-scatter in ZeRO. The
 # results therefore differ in the last bits (relative differences around $10^{-7}$). Adam divides
-# each update by $\sqrt{v}$, which can magnify a last-bit difference for a near-zero gradient, but
-# it never moves a weight by much more than the learning rate ($10^{-3}$) per step. We allow
-# $10^{-5}$ absolute, 1% of one step's move: a wrong average, a missed slice or a stale shard
-# would be off by far more. All ranks must end with *identical* parameters, since the all-gather
+# each update by $\sqrt{v}$, which magnifies a last-bit difference wherever a gradient is nearly
+# zero (we saw $1.8 \times 10^{-5}$ on a few embedding rows of rare tokens at 5 ranks), but it
+# never moves a weight by much more than the learning rate ($10^{-3}$) per step. We allow
+# $5 \times 10^{-5}$ absolute, 5% of one step's move: a wrong average, a missed slice or a stale
+# shard would be off by far more (and the SGD comparison below, where nothing is magnified, uses
+# a tolerance ten times tighter). All ranks must end with *identical* parameters, since the all-gather
 # copies the same values everywhere.
 
 # %%
-TOL = dict(rtol=1e-4, atol=1e-5)
+TOL = dict(rtol=1e-4, atol=5e-5)
+SGD_TOL = dict(rtol=1e-5, atol=5e-6)  # SGD moves weights linearly in the gradient: nothing to magnify
 
 
 def max_difference(a, b):
     return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
-def assert_same_weights(got, expected, what):
+def assert_same_weights(got, expected, what, tol=TOL):
     assert got.keys() == expected.keys(), what
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], **TOL, msg=f"{what}: {name}")
+        torch.testing.assert_close(got[name], expected[name], **tol, msg=f"{what}: {name}")
 
 
 reference = results["DP"][0]
@@ -362,7 +365,7 @@ for name, per_rank in results.items():
 # %%
 reference_sgd = cluster.run(train_dp, "sgd")[0]
 for stage in (1, 2, 3):
-    assert_same_weights(cluster.run(train_zero, stage, "sgd")[0], reference_sgd, f"ZeRO-{stage} with SGD")
+    assert_same_weights(cluster.run(train_zero, stage, "sgd")[0], reference_sgd, f"ZeRO-{stage} with SGD", SGD_TOL)
 print("ZeRO-1, 2 and 3 also match plain DP with SGD: the gradients are averaged, not summed")
 
 
