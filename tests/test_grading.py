@@ -342,20 +342,29 @@ def graded(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     scores = json.loads(out.read_text())
-    return {Path(nb["notebook"]).parent.name: nb for nb in scores["notebooks"]}, proc.stdout
+    by_dir = {}
+    for nb in scores["notebooks"]:
+        by_dir.setdefault(Path(nb["notebook"]).parent.name, []).append(nb)
+    return by_dir, proc.stdout
+
+
+def _names(notebooks):
+    return sorted(Path(nb["notebook"]).name for nb in notebooks)
 
 
 @pytest.mark.slow
 def test_e2e_papermill_solutions_score_full_marks(graded):
     by_dir, table = graded
-    solutions = by_dir["solutions"]
-    assert solutions["max_points"] > 0 and solutions["points"] == solutions["max_points"], table
-    assert solutions["cell_errors"] == 0, table
+    assert _names(by_dir["solutions"]) == sorted(p.name for p in (REPO / "solutions").glob("*.ipynb"))
+    for solutions in by_dir["solutions"]:
+        assert solutions["max_points"] > 0 and solutions["points"] == solutions["max_points"], table
+        assert solutions["cell_errors"] == 0, table
 
 
 @pytest.mark.slow
 def test_e2e_papermill_exercises_run_and_score_zero(graded):
     by_dir, table = graded
-    exercises = by_dir["exercises"]
-    assert exercises["status"] == "ok" and exercises["points"] == 0, table
-    assert {e["status"] for e in exercises["exercises"]} == {NOT_IMPLEMENTED}, table
+    assert _names(by_dir["exercises"]) == _names(by_dir["solutions"])
+    for exercises in by_dir["exercises"]:
+        assert exercises["status"] == "ok" and exercises["points"] == 0, table
+        assert {e["status"] for e in exercises["exercises"]} == {NOT_IMPLEMENTED}, table
