@@ -33,8 +33,12 @@ exercises: $(STAMP)  ## regenerate exercises/ from solutions/ (never overwrites 
 grade: $(STAMP)  ## grade exercise notebooks: make grade NB=exercises
 	$(PY) -m ultrascale.grading.cli $(or $(NB),exercises)
 
-bench: $(STAMP)  ## side-by-side benchmarks, printing ratios
+bench: $(STAMP)  ## side-by-side benchmarks, printing ratios (GPU ones say so and skip without a GPU)
 	$(PY) benchmarks/bench_runtime.py
+	$(PY) benchmarks/bench_ring_allreduce.py
+	$(PY) benchmarks/bench_dp_zero.py
+	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/bench_mfu.py
 
 clean:
 	rm -rf $(VENV) out
