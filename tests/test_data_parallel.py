@@ -14,14 +14,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ultrascale.batch_size import global_batch_size, plan_batch, samples_per_step
-from ultrascale.model import GPT, GPTConfig
+from ultrascale.model import GPT
 from ultrascale.parallel import (BucketedDataParallel, NaiveDataParallel, OverlappedDataParallel,
                                  Timeline, build_buckets, covered_seconds, overlap_seconds)
-from ultrascale.runtime import shared_cluster
+from dp_common import CFG, batch, cluster  # noqa: F401  (cluster is a fixture)
 
 matplotlib.use("Agg")
 
-CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
 MBS, STEPS, LR = 2, 3, 0.1
 TOL = dict(rtol=1e-5, atol=1e-6)
 BUCKET_MB = 0.02   # ~20 KB: the tiny model (110 KB of fp32 gradients) fills several buckets
@@ -30,16 +29,6 @@ WRAPPERS = {
     "overlap": OverlappedDataParallel,
     "bucket": lambda m, **kw: BucketedDataParallel(m, bucket_cap_mb=BUCKET_MB, **kw),
 }
-
-
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def cluster(request):
-    return shared_cluster(request.param)
-
-
-def batch(step, rows, micro=0):
-    g = torch.Generator().manual_seed(1000 * micro + step)
-    return torch.randint(0, CFG.vocab_size, (rows, CFG.seq_len + 1), generator=g)
 
 
 def loss_of(model, tokens):

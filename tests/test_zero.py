@@ -13,25 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ultrascale.model import GPT, GPTConfig, count_params
+from ultrascale.model import GPT, count_params
 from ultrascale.parallel import NaiveDataParallel, ZeRO
-from ultrascale.runtime import shared_cluster
+from dp_common import CFG, batch, cluster  # noqa: F401  (cluster is a fixture)
 
-# Ψ = 27,520: not divisible by 3 (nor is a block's 12,704), so world 3 exercises padding.
-CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
 MBS, STEPS = 2, 3
 OPTIMIZERS = {"adam": (torch.optim.Adam, dict(lr=1e-3), dict(rtol=1e-4, atol=1e-5)),
               "sgd": (torch.optim.SGD, dict(lr=0.1), dict(rtol=1e-5, atol=1e-6))}
-
-
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def cluster(request):
-    return shared_cluster(request.param)
-
-
-def batch(step, rows, micro=0):
-    g = torch.Generator().manual_seed(1000 * micro + step)
-    return torch.randint(0, CFG.vocab_size, (rows, CFG.seq_len + 1), generator=g)
 
 
 def my_batch(ctx, step, micro=0):

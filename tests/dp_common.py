@@ -1,0 +1,23 @@
+"""What the data-parallel and ZeRO tests share: the tiny model, the data, the ranks.
+
+Ψ = 27,520 for CFG: not divisible by 3 (nor is a block's 12,704), so world size 3
+exercises the padding of flat buffers.
+"""
+import pytest
+import torch
+
+from ultrascale.model import GPTConfig
+from ultrascale.runtime import shared_cluster
+
+CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def cluster(request):
+    return shared_cluster(request.param)
+
+
+def batch(step, rows, micro=0):
+    """The same tokens on every rank and in the single-process reference."""
+    g = torch.Generator().manual_seed(1000 * micro + step)
+    return torch.randint(0, CFG.vocab_size, (rows, CFG.seq_len + 1), generator=g)
