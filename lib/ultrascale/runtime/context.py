@@ -56,3 +56,15 @@ class RankContext:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def to_cpu(obj):
+    """Move tensors in a (nested) result to the CPU, so whoever collects it (the notebook,
+    or rank 0 under torchrun) can unpickle it without that rank's GPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if type(obj) in (list, tuple):  # exact types: a namedtuple or subclass is left as it is
+        return type(obj)(to_cpu(o) for o in obj)
+    if type(obj) is dict:
+        return {k: to_cpu(v) for k, v in obj.items()}
+    return obj

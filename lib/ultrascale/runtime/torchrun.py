@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .context import RankContext
+from .context import RankContext, to_cpu
 
 
 def load_function(spec: str):
@@ -50,9 +50,7 @@ def run_under_torchrun(fn, *args, backend: str = "auto", **kwargs) -> list | Non
     dist.init_process_group(backend)
     try:
         ctx = RankContext(rank=rank, world_size=world_size, backend=backend, device=device)
-        result = fn(ctx, *args, **kwargs)
-        if isinstance(result, torch.Tensor):
-            result = result.detach().cpu()
+        result = to_cpu(fn(ctx, *args, **kwargs))
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
         return gathered

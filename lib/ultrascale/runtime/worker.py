@@ -29,7 +29,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from .context import RankContext
+from .context import RankContext, to_cpu
 
 
 def _set_parent_death_signal() -> None:
@@ -102,17 +102,6 @@ class _RankStream:
 
     def isatty(self) -> bool:
         return False
-
-
-def _to_cpu(obj):
-    """Move tensors in a (nested) result to the CPU so the notebook can unpickle them."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_cpu(o) for o in obj)
-    if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj
 
 
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -219,7 +208,7 @@ def _run_job(ctx: RankContext, channel: _Channel, job_id: int, payload: bytes) -
     channel.job_id = job_id
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
-        result = _to_cpu(fn(ctx, *args, **kwargs))
+        result = to_cpu(fn(ctx, *args, **kwargs))
         reply = ("result", cloudpickle.dumps(result))
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is reported too
         reply = ("error", (type(exc).__name__, _format_exception(exc), _pickle_or_none(exc)))
