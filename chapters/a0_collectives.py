@@ -346,7 +346,7 @@ fig
 # To watch it, we run it on **5 ranks with a tensor of 5 elements**, so each chunk is one
 # element, as in the book's animations. Rank `r` starts with `2**r` everywhere: any sum of those
 # is a different whole number whose binary digits say which ranks' inputs it contains. We spy on
-# the library by wrapping its one-exchange helper, `_exchange`, to photograph the tensor before
+# the library by wrapping its one-exchange helper, `send_recv`, to photograph the tensor before
 # each step and note which chunk goes out.
 
 # %%
@@ -358,18 +358,18 @@ def traced_ring_all_reduce(ctx, length):
     tensor = torch.full((length,), 2.0 ** ctx.rank)
     chunks = tensor.tensor_split(ctx.world_size)  # the library's chunking rule: views of `tensor`
     frames, sends = [], []
-    original = ring_module._exchange
+    original = ring_module.send_recv
 
     def spy(send, recv, right, left, group):
         frames.append(tensor.clone())  # the state after the previous step
         sends.append(next(i for i, c in enumerate(chunks) if c.data_ptr() == send.data_ptr()))
         return original(send, recv, right, left, group)
 
-    ring_module._exchange = spy
+    ring_module.send_recv = spy
     try:
         ring_all_reduce(tensor)  # sums in place (the tensor is contiguous)
     finally:
-        ring_module._exchange = original
+        ring_module.send_recv = original
     frames.append(tensor.clone())
     reference = torch.full((length,), 2.0 ** ctx.rank)
     dist.all_reduce(reference)

@@ -22,7 +22,7 @@ def test_book_table_of_model_states(billions, plain_gb, fp32_accum_gb):
 
 def test_mixed_precision_parts():
     parts = model_state_bytes(1, mixed_precision=True)
-    assert parts == {"params": 2, "grads": 2, "master_params": 4, "optimizer": 8}
+    assert parts == {"parameters": 2, "gradients": 2, "optimizer states": 4 + 8}   # fp32 master + Adam m, v
 
 
 def test_zero_stages_derived_numbers():
@@ -95,17 +95,18 @@ def test_state_bytes_match_prediction_fp32_adam():
     train_one_step(model, optimizer, torch.randint(0, 256, (2, 16)))
     n = count_params(model.config)
     measured, predicted = state_bytes(model, optimizer), model_state_bytes(n, mixed_precision=False)
-    assert measured["params"] == predicted["params"]        # the tied weight counts once
-    assert measured["grads"] == predicted["grads"]
+    assert measured["parameters"] == predicted["parameters"]        # the tied weight counts once
+    assert measured["gradients"] == predicted["gradients"]
     # Adam also keeps a 4-byte step counter per parameter tensor; apart from it, exact
     step_counters = 4 * len(list(model.parameters()))
-    assert measured["optimizer"] == predicted["optimizer"] + step_counters
-    assert measured["optimizer"] == pytest.approx(predicted["optimizer"], rel=0.05)
+    assert measured["optimizer states"] == predicted["optimizer states"] + step_counters
+    assert measured["optimizer states"] == pytest.approx(predicted["optimizer states"], rel=0.05)
 
 
 def test_state_bytes_bf16_weights():
     model = Llama(LLAMA_TINY).to(torch.bfloat16)
-    assert state_bytes(model) == {"params": 2 * count_params(LLAMA_TINY), "grads": 0, "optimizer": 0}
+    assert state_bytes(model) == {"parameters": 2 * count_params(LLAMA_TINY), "gradients": 0,
+                                 "optimizer states": 0}
 
 
 def saved(model, batch, seq, dtype=torch.bfloat16):
@@ -157,7 +158,7 @@ def test_recomputation_reduces_saved_bytes():
 def test_cuda_peak_bytes():
     model = Llama(LLAMA_TINY).cuda()
     idx = torch.randint(0, 256, (2, 64), device="cuda")
-    params = state_bytes(model)["params"]
+    params = state_bytes(model)["parameters"]
     activations = saved_activation_bytes(model, idx)
     peak = cuda_peak_bytes(lambda: model.loss(idx, idx).backward())
     # at the end of the forward, the weights and every saved activation are alive together;

@@ -1,13 +1,15 @@
 """The course model: exact parameter counts, FLOP counts and behaviour of both variants."""
+import copy
 import dataclasses
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, LLAMA_TINY, GPTConfig, Llama,
                               LlamaConfig, attention_flops_per_token, build_model, count_params, hfu,
-                              matmul_params, mfu, training_flops)
+                              matmul_params, mfu, rope_tables, training_flops)
 
 torch.set_num_threads(1)
 
@@ -162,3 +164,58 @@ def test_mfu_and_hfu():
     attention_forward = 4 * 32 * 4096 * 8192
     selective = hfu(1000, c, peak, "selective") / mfu(1000, c, peak)
     assert selective == pytest.approx(1 + attention_forward / training_flops(c, 1))
+
+
+# ------------------------------------------------------------------- shardable from outside
+@pytest.mark.parametrize("config", [GPTConfig(hidden=64, heads=4), LlamaConfig(hidden=64, heads=4, kv_heads=2)])
+def test_attention_with_a_slice_of_the_heads_is_a_slice_of_attention(config):
+    """What tensor parallelism relies on: column-slice q, k, v by heads and row-slice out, and
+    each shard is an ordinary Attention whose partial outputs add up to the full layer."""
+    torch.manual_seed(0)
+    attn = build_model(config).blocks[0].attn
+    x = torch.randn(2, 12, config.hidden)
+    cos, sin = rope_tables(12, config.head_dim, config.rope_theta)
+    full = attn(x, cos, sin)
+    d, shards = config.head_dim, 2
+    q_rows, kv_rows = config.heads * d // shards, config.kv_heads * d // shards
+    total = 0
+    for r in range(shards):
+        shard = copy.deepcopy(attn)
+        for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+            layer = getattr(shard, name)
+            keep = slice(r * rows, (r + 1) * rows)
+            layer.weight = nn.Parameter(layer.weight[keep])
+            if layer.bias is not None:
+                layer.bias = nn.Parameter(layer.bias[keep])
+        shard.out.weight = nn.Parameter(shard.out.weight[:, r * q_rows:(r + 1) * q_rows])
+        if shard.out.bias is not None:   # the bias is added once, after the partial sums
+            shard.out.bias = nn.Parameter(torch.zeros_like(shard.out.bias) if r else shard.out.bias)
+        total = total + shard(x, cos, sin)   # heads read from shapes: half of them here
+    torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
+
+
+def test_positions_are_global():
+    """RoPE takes the tokens' global positions, so a slice of the sequence is rotated as in the
+    whole sequence, and shifting every position leaves attention (relative) unchanged."""
+    cos, sin = rope_tables(16, 8, 10000.0)
+    cos_tail, sin_tail = rope_tables(torch.arange(8, 16), 8, 10000.0)
+    assert torch.equal(cos_tail, cos[8:]) and torch.equal(sin_tail, sin[8:])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    idx = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(model(idx, torch.arange(16) + 7), model(idx), rtol=1e-4, atol=1e-5)
+    assert torch.equal(model(idx, torch.arange(16)), model(idx))
+    assert not torch.allclose(model(idx, torch.arange(16).flip(0)), model(idx), atol=1e-3)
+
+
+@pytest.mark.parametrize("config", [GPTConfig(layers=3), LlamaConfig(layers=3)])
+def test_pipeline_stages_leave_out_embedding_norm_and_head(config):
+    torch.manual_seed(0)
+    model = build_model(config)
+    idx = torch.randint(0, config.vocab_size, (2, 10))
+    first, last = copy.deepcopy(model), copy.deepcopy(model)
+    first.blocks, first.norm, first.head = first.blocks[:1], None, None
+    last.blocks, last.embed = last.blocks[1:], None
+    hidden = first(idx)
+    assert hidden.shape == (2, 10, config.hidden)
+    assert torch.equal(last(hidden), model(idx))

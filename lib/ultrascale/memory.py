@@ -29,14 +29,17 @@ def model_state_bytes(n_params: int, mixed_precision: bool = True, fp32_grad_acc
     copy of the weights (4) that the optimizer updates, and the same Adam states (4 + 4).
     Both total 16 bytes per parameter. Accumulating gradients in fp32 (as nanotron does)
     adds an fp32 gradient buffer: 20 bytes per parameter.
+
+    The keys are the course's one set (as in ``zero_bytes_per_rank`` and ``breakdown``):
+    in mixed precision the fp32 master copy belongs to the optimizer, which alone reads
+    it (k = 4 + 8 = 12 bytes per parameter), and an fp32 accumulation buffer to the
+    gradients (2 + 4).
     """
     n = n_params
     if not mixed_precision:
-        return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
-    states = {"params": 2 * n, "grads": 2 * n, "master_params": 4 * n, "optimizer": 8 * n}
-    if fp32_grad_accum:
-        states["fp32_grads"] = 4 * n
-    return states
+        return {"parameters": 4 * n, "gradients": 4 * n, "optimizer states": 8 * n}
+    return {"parameters": 2 * n, "gradients": (2 + (4 if fp32_grad_accum else 0)) * n,
+            "optimizer states": (4 + 8) * n}
 
 
 def zero_bytes_per_rank(n_params, stage: int, dp: int, k: float = 12, param_bytes: float = 2,
@@ -155,8 +158,8 @@ def state_bytes(model, optimizer=None) -> dict:
     states = []
     if optimizer is not None:
         states = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
-            "optimizer": _unique_bytes(states)}
+    return {"parameters": _unique_bytes(params), "gradients": _unique_bytes(grads),
+            "optimizer states": _unique_bytes(states)}
 
 
 def cuda_peak_bytes(fn, *args, device=None, **kwargs) -> int:

@@ -2,7 +2,16 @@
 
 Both models are plain ``nn.Module``s that know nothing about parallelism: each has
 ``embed``, a ``blocks`` ModuleList, a final ``norm`` and a ``head``, and
-``forward(idx) -> logits``. Later chapters shard or wrap these pieces from outside.
+``forward(idx, positions=None) -> logits``. Later chapters shard or wrap these pieces
+from outside, and three choices make that possible without touching this file:
+
+* attention has separate ``q``, ``k`` and ``v`` projections and reads its head count
+  from the shapes it gets, so a tensor-parallel rank holding a column slice of each
+  projection (some of the heads) runs the same code;
+* ``positions`` gives RoPE the *global* position of every token, so a rank holding a
+  slice of the sequence (context parallelism) rotates its tokens correctly;
+* ``embed``, ``norm`` and ``head`` may be set to ``None``: a pipeline stage keeps only
+  what it runs, and a stage without ``embed`` takes hidden states instead of token ids.
 
 Counting never builds a model: ``count_params`` and ``training_flops`` work on the
 config alone, so they run instantly for Llama 3 405B.
@@ -94,10 +103,16 @@ LLAMA_TINY = LlamaConfig()     # runs in milliseconds on a CPU
 
 
 # --------------------------------------------------------------------------- building blocks
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None):
-    """cos and sin of the rotation angle for each (position, feature pair): (seq, head_dim/2)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+def rope_tables(positions, head_dim: int, theta: float, device=None):
+    """cos and sin of the rotation angle for each (position, feature pair): (seq, head_dim/2).
+
+    ``positions`` is a length (positions 0..length-1) or a 1-D tensor of the tokens'
+    global positions, e.g. a context-parallel rank's slice of the sequence.
+    """
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=device)
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = torch.outer(positions.float(), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -124,30 +139,37 @@ def causal_attention(q, k, v, kind: str = "eager"):
 
 
 class Attention(nn.Module):
-    """Multi-head (or grouped-query) self-attention with one fused qkv projection."""
+    """Multi-head (or grouped-query) self-attention with separate q, k, v projections.
+
+    Head counts are read from the projections' output shapes, never stored: a layer
+    whose projections hold only some of the heads (a tensor-parallel shard) just works.
+    """
 
     def __init__(self, hidden, heads, kv_heads, bias, kind):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.kind = heads, kv_heads, hidden // heads, kind
-        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=bias)
-        self.out = nn.Linear(hidden, hidden, bias=bias)
+        self.head_dim, self.kind = hidden // heads, kind
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.out = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+
+    def split_heads(self, t):
+        """(batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim), heads from the shape."""
+        b, s, _ = t.shape
+        return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x, cos, sin, recompute_core=False):
         b, s, _ = x.shape
-        d, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([d, kvd, kvd], dim=-1)
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.split_heads(self.q(x)), self.split_heads(self.k(x)), self.split_heads(self.v(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_heads != self.heads:      # each K/V head serves a group of query heads
-            group = self.heads // self.kv_heads
+        group = q.shape[1] // k.shape[1]
+        if group > 1:                        # each K/V head serves a group of query heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if recompute_core:   # selective recomputation: drop the seq x seq tensors, redo them in backward
             y = checkpoint(causal_attention, q, k, v, self.kind, use_reentrant=False)
         else:
             y = causal_attention(q, k, v, self.kind)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
@@ -209,19 +231,29 @@ class _Decoder(nn.Module):
         self.recompute = mode
         return self
 
-    def forward(self, idx):
+    def forward(self, idx, positions=None):
+        """Token ids (batch, seq) -> logits (batch, seq, vocab).
+
+        Without ``embed`` (a later pipeline stage) ``idx`` is already the hidden state
+        (batch, seq, hidden); without ``norm`` and ``head`` the hidden state is returned.
+        ``positions``: the tokens' global positions for RoPE (default 0..seq-1).
+        """
         c = self.config
-        cos, sin = rope_tables(idx.shape[1], c.head_dim, c.rope_theta, idx.device)
-        x = self.embed(idx)
+        x = self.embed(idx) if self.embed is not None else idx
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
         for block in self.blocks:
             if self.recompute == "full":   # keep only the block input; redo the block in backward
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin, self.recompute == "selective")
-        return self.head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x) if self.head is not None else x
 
-    def loss(self, idx, targets):
-        return lm_loss(self(idx), targets)
+    def loss(self, idx, targets, positions=None):
+        return lm_loss(self(idx, positions), targets)
 
 
 class GPT(_Decoder):
@@ -266,7 +298,7 @@ def count_params(config) -> int:
     """Number of parameters, from the config alone (never builds the model)."""
     h, v, L = config.hidden, config.vocab_size, config.layers
     if isinstance(config, GPTConfig):
-        # per block: two LayerNorms (2h each), qkv (3h^2 + 3h), out (h^2 + h),
+        # per block: two LayerNorms (2h each), q, k, v (3h^2 + 3h), out (h^2 + h),
         # fc (4h^2 + 4h), proj (4h^2 + h)  ->  12h^2 + 13h; final LayerNorm 2h; tied embedding h*v
         return h * v + L * (12 * h * h + 13 * h) + 2 * h
     per_layer = _llama_matmul_params_per_layer(config) + 2 * h   # + two RMSNorm weights

@@ -1,21 +1,27 @@
 """Communication: collectives built from send/recv, a logger, bandwidth and cost models.
 
-* ``ring``: ``ring_reduce_scatter``, ``ring_all_gather``, ``ring_all_reduce``.
+* ``ring``: ``ring_reduce_scatter``, ``ring_all_gather``, ``ring_all_reduce``, and
+  ``send_recv``, the point-to-point step they are built from.
+* ``functional``: collectives that autograd differentiates, for the model-parallel
+  chapters: the book's ``f``, ``f_star``, ``g``, ``g_star``, ``split_along_dim``,
+  ``gather_along_dim``, ``all_to_all``; and the plain ``all_gather_into``,
+  ``reduce_scatter_into``, ``broadcast_parameters``.
 * ``logger``: ``CommLogger`` records op, bytes and time of every call on a rank.
 * ``bandwidth``: ``bus_bandwidth_sweep`` (algbw and busbw, nccl-tests conventions).
 * ``cost_model``: the alpha-beta model, its fit and the crossover size.
 """
 
+from . import functional
 from .bandwidth import bus_bandwidth_sweep, bus_factor, time_collective
 from .cost_model import (AlphaBeta, crossover_size, fit_alpha_beta,
                          fit_ring_all_reduce)
 from .logger import CommEvent, CommLogger, format_bytes
 from .ring import (chunk_sizes, release_buffers, ring_all_gather, ring_all_reduce,
-                   ring_reduce_scatter)
+                   ring_reduce_scatter, send_recv)
 
 __all__ = [
     "AlphaBeta", "CommEvent", "CommLogger", "bus_bandwidth_sweep", "bus_factor",
     "chunk_sizes", "crossover_size", "fit_alpha_beta", "fit_ring_all_reduce",
     "format_bytes", "release_buffers", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
-    "time_collective",
+    "send_recv", "time_collective", "functional",
 ]

@@ -51,6 +51,7 @@ class CommEvent:
     bytes_received: int
     seconds: float
     source: str  # "measured" or "algorithmic" (see the module docstring)
+    numel: int = 0  # elements of the collective's whole buffer (K in the book's formulas)
 
 
 # --------------------------------------------------------------------------------------
@@ -206,6 +207,20 @@ _VOLUME = {
 }
 _POINT_TO_POINT = {"send", "isend", "recv", "irecv", "batch_isend_irecv"}
 
+# The whole buffer of each collective, as the book sizes it: the tensor an all-reduce
+# reduces, the full input a reduce-scatter splits, the full output an all-gather fills.
+_BUFFER = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
+           "reduce_scatter_single": "input", "reduce_scatter_tensor": "input",
+           "all_gather_single": "output_tensor", "all_gather_into_tensor": "output_tensor"}
+
+
+def base_op(name: str) -> str:
+    """The collective behind a function name: all_gather_into_tensor -> all_gather."""
+    for suffix in ("_into_tensor", "_tensor", "_single"):
+        if name.endswith(suffix) and not name.startswith("all_to_all"):
+            return name[: -len(suffix)]
+    return name
+
 
 def _logging_wrapper(name: str, original):
     signature = inspect.signature(original)
@@ -224,7 +239,8 @@ def _logging_wrapper(name: str, original):
         r, n = _group_rank_and_size(group)
         sent, received = _VOLUME[name](a, r, n)
         source = "measured" if name in _POINT_TO_POINT else "algorithmic"
-        event = CommEvent(name, dist.get_rank(), n, sent, received, 0.0, source)
+        numel = a[_BUFFER[name]].numel() if name in _BUFFER else 0
+        event = CommEvent(name, dist.get_rank(), n, sent, received, 0.0, source, numel)
         tensors = [v for v in a.values() if isinstance(v, torch.Tensor)]
         blocking = not a.get("async_op", False) and name not in ("isend", "irecv", "batch_isend_irecv")
         if blocking:
@@ -313,6 +329,23 @@ class CommLogger:
             row["bytes_received"] += e.bytes_received
             row["seconds"] += e.seconds
         return table
+
+    def collective_elements(self) -> dict:
+        """Calls and buffer elements per collective, in the units of the ZeRO formulas.
+
+        ``{op: calls, f"{op} elements": elements of the whole buffers, "elements": their
+        sum}``, with op the collective (all_gather, reduce_scatter, all_reduce, ...). An
+        all-reduce counts twice in "elements": a ring all-reduce is a reduce-scatter
+        followed by an all-gather, so it moves 2Ψ where each of those moves Ψ.
+        """
+        out: dict = {}
+        for e in self.events:
+            if e.numel:
+                op = base_op(e.op)
+                out[op] = out.get(op, 0) + 1
+                out[op + " elements"] = out.get(op + " elements", 0) + e.numel
+                out["elements"] = out.get("elements", 0) + e.numel * (2 if op == "all_reduce" else 1)
+        return out
 
     @property
     def bytes_sent(self) -> int:

@@ -7,6 +7,7 @@ is busy in every step and no rank is a bottleneck.
 * ``ring_reduce_scatter``: after ``N - 1`` steps rank ``r`` holds chunk ``r`` of the sum.
 * ``ring_all_gather``: after ``N - 1`` more steps every rank holds every chunk.
 * ``ring_all_reduce`` = reduce-scatter followed by all-gather.
+* ``send_recv``: the one step they are made of (send right, receive left, together).
 
 Chunking rule: the tensor is flattened and cut with ``torch.tensor_split(flat, N)``,
 so with ``K = q * N + m`` elements the first ``m`` chunks have ``q + 1`` elements and
@@ -55,7 +56,7 @@ def _normalise_op(op, dtype: torch.dtype) -> str:
     return op
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
+def send_recv(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
     """Send ``send`` to the right neighbour while receiving ``recv`` from the left one.
 
     Both are posted before waiting on either; a blocking send first would deadlock
@@ -114,7 +115,7 @@ def _reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group) -> None:
     for step in range(n - 1):
         send_index, recv_index = (r - step - 1) % n, (r - step - 2) % n
         incoming = buffer[: chunks[recv_index].numel()]
-        _exchange(chunks[send_index], incoming, right, left, group)
+        send_recv(chunks[send_index], incoming, right, left, group)
         _reduce_into(chunks[recv_index], incoming, op)
     if op == "avg":
         chunks[r].div_(n)
@@ -130,7 +131,7 @@ def _all_gather_chunks(chunks: list[torch.Tensor], group) -> None:
     right, left = (r + 1) % n, (r - 1) % n
     for step in range(n - 1):
         send_index, recv_index = (r - step) % n, (r - step - 1) % n
-        _exchange(chunks[send_index], chunks[recv_index], right, left, group)
+        send_recv(chunks[send_index], chunks[recv_index], right, left, group)
 
 
 # ---- public collectives --------------------------------------------------------------

@@ -10,7 +10,9 @@ the honest way to show it is to record when things really happened on each rank:
     tl.communication("all_reduce", work)     # start now, end when the backend finishes
     tl.rows()                                # plain dicts: return them from cluster.run
 
-Compute spans are measured around the code that runs them. An asynchronous
+Compute spans are measured around the code that runs them, or by hooks:
+``tl.instrument(model.blocks)`` records every block's forward and backward as bars
+("forward block 3", "backward block 3") without touching the training loop. An asynchronous
 collective is recorded from its launch to the moment the backend completes it: we
 attach a callback to the work's future, which the backend's own thread runs when
 the transfer is done, so the end time is not delayed until someone calls wait().
@@ -24,6 +26,8 @@ import contextlib
 import threading
 import time
 from dataclasses import asdict, dataclass
+
+import torch
 
 COMPUTE, COMMUNICATION = "compute", "communication"
 
@@ -43,9 +47,13 @@ class Event:
 class Timeline:
     """Collects the events of one rank. ``enabled=False`` makes every call free."""
 
-    def __init__(self, rank: int = 0, enabled: bool = True):
+    def __init__(self, rank: int = 0, enabled: bool = True, device=None):
         self.rank, self.enabled = rank, enabled
+        # On a GPU, kernels run after Python returns: a compute bar must wait for the
+        # stream to finish, or it would end when the work was queued, not when it was done.
+        self.cuda = device is not None and torch.device(device).type == "cuda"
         self.events: list[Event] = []
+        self._started: dict = {}        # open bars of instrumented modules
         self._lock = threading.Lock()   # comm callbacks arrive on the backend's thread
 
     @staticmethod
@@ -64,7 +72,12 @@ class Timeline:
         try:
             yield
         finally:
+            self._sync()
             self.add(lane, name, start, self.now(), nbytes)
+
+    def _sync(self) -> None:
+        if self.enabled and self.cuda:
+            torch.cuda.current_stream().synchronize()
 
     def mark(self, name: str, lane: str = COMPUTE) -> None:
         """An instant, e.g. the moment a gradient became ready."""
@@ -88,6 +101,53 @@ class Timeline:
             return work
         future.then(lambda _: self.add(COMMUNICATION, name, start, self.now(), nbytes))
         return work
+
+    def instrument(self, modules, prefix: str = "block"):
+        """Record each module's forward and backward as compute bars, by hooks.
+
+        ``modules``: a list (named ``f"{prefix} {i}"``) or a dict of name -> module, e.g.
+        ``model.blocks``. Call it after applying a technique whose hooks gather
+        parameters (ZeRO-3): hooks run in registration order, so waiting for a gather
+        then happens before the bar starts and is not counted as compute.
+        Returns the hook handles (``handle.remove()`` undoes it).
+        """
+        named = modules.items() if isinstance(modules, dict) else (
+            (f"{prefix} {i}", m) for i, m in enumerate(modules))
+        handles = []
+        for name, module in named:
+            handles.append(module.register_forward_pre_hook(
+                lambda mod, args, n=name: self._before_forward(n, args)))
+            handles.append(module.register_forward_hook(
+                lambda mod, args, out, n=name: self._after_forward(n, out)))
+        return handles
+
+    def _before_forward(self, name, args):
+        if not self.enabled:
+            return None
+        self._started["forward", name] = self.now()
+        x = args[0] if args and torch.is_tensor(args[0]) else None
+        if x is None or not (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        # A fresh alias of the input, used only for its gradient: that gradient is complete
+        # exactly when this module's backward is done, which ends the backward bar.
+        x = x.view_as(x)
+        x.register_hook(lambda grad: self._end_backward(name))
+        return (x, *args[1:])
+
+    def _after_forward(self, name, out):
+        if not self.enabled or ("forward", name) not in self._started:
+            return
+        self._sync()
+        self.add(COMPUTE, f"forward {name}", self._started.pop(("forward", name)), self.now())
+        if torch.is_tensor(out) and out.requires_grad:
+            # The gradient reaching the output starts the backward bar.
+            out.register_hook(lambda grad: self._started.__setitem__(("backward", name), self.now()))
+
+    def _end_backward(self, name):
+        start = self._started.pop(("backward", name), None)
+        if start is not None:
+            self._sync()
+            self.add(COMPUTE, f"backward {name}", start, self.now())
 
     # ------------------------------------------------------------------ reading
     def clear(self) -> None:

@@ -1,0 +1,57 @@
+"""A picture of a process mesh: one cell per rank, coloured by its group along an axis.
+
+    from ultrascale.parallel.mesh import Mesh
+    draw_mesh(Mesh(dp=2, tp=4), color_by="tp")   # two tp groups, one colour each
+
+The figure is a plain ``matplotlib.figure.Figure``: a notebook shows it when it is the
+value of a cell, and nothing is left open in pyplot.
+"""
+
+from __future__ import annotations
+
+import math
+
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+
+def _mixed_radix(coords: dict, axes: tuple, sizes: dict) -> int:
+    """Flatten the coordinates along ``axes`` into one index (the last axis fastest)."""
+    index = 0
+    for axis in axes:
+        index = index * sizes[axis] + coords[axis]
+    return index
+
+
+def draw_mesh(mesh, color_by: str | tuple = "tp", cols: tuple | None = None) -> Figure:
+    """Draw every rank of ``mesh`` as a labelled cell; ranks of one group share a colour.
+
+    ``cols`` are the axes laid out left to right (default: the innermost axis, so the
+    grid reads in rank order); the other axes go top to bottom.
+    """
+    cols = tuple(cols) if cols is not None else mesh.axes[-1:]
+    rows = tuple(a for a in mesh.axes if a not in cols)
+    n_rows, n_cols = math.prod(mesh.size(a) for a in rows), math.prod(mesh.size(a) for a in cols)
+    group_of = {r: i for i, g in enumerate(mesh.group_ranks(color_by)) for r in g}
+    palette = colormaps["tab20" if len(set(group_of.values())) > 10 else "tab10"]
+
+    fig = Figure(figsize=(max(4.5, 1.4 * n_cols + 1), 0.9 * n_rows + 1), layout="constrained")
+    ax = fig.add_subplot()
+    for rank in range(mesh.world_size):
+        coords = mesh.coordinate(rank)
+        x, y = _mixed_radix(coords, cols, mesh.sizes), _mixed_radix(coords, rows, mesh.sizes)
+        ax.add_patch(_cell(x, y, palette(group_of[rank] % palette.N)))
+        label = " ".join(f"{a}{c}" for a, c in coords.items())
+        ax.text(x + 0.5, y + 0.5, f"rank {rank}\n{label}", ha="center", va="center", fontsize=9)
+    ax.set_xlim(0, n_cols)
+    ax.set_ylim(n_rows, 0)  # rank 0 at the top left
+    ax.set_aspect("auto")
+    ax.axis("off")
+    name = color_by if isinstance(color_by, str) else "×".join(color_by)
+    ax.set_title(f"{mesh!r}: one colour per {name} group", fontsize=10)
+    return fig
+
+
+def _cell(x: int, y: int, color) -> Rectangle:
+    return Rectangle((x + 0.04, y + 0.06), 0.92, 0.88, facecolor=color, edgecolor="black", alpha=0.8)
