@@ -13,6 +13,7 @@ Prints, on 4 ranks (gloo on CPU, NCCL with 4 GPUs):
 Implementations are timed in alternating rounds (A B A B ...), so a slow spell of a
 shared machine hits all of them alike; we report the median step over all rounds.
 A step's time is the slowest rank's: data parallelism waits for the last replica.
+Data, loss and PyTorch's wrappers come from ``ultrascale.parity``, as in the tests.
 """
 from __future__ import annotations
 
@@ -22,15 +23,14 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ultrascale.model import GPT, GPTConfig, count_params
 from ultrascale.parallel import BucketedDataParallel, ZeRO
+from ultrascale.parity import OPTIMIZERS, Batches, ddp, device_mesh_1d, fsdp2, make_optimizer
 from ultrascale.runtime import Cluster
 
 
-def loss_of(model, tokens):
-    return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+_ADAM = dict(optimizer_cls=OPTIMIZERS["adam"][0], **OPTIMIZERS["adam"][1])   # ZeRO's optimizer, as the others'
 
 
 def build(ctx, impl, cfg, bucket_mb):
@@ -38,38 +38,30 @@ def build(ctx, impl, cfg, bucket_mb):
     torch.manual_seed(0)
     model = GPT(cfg).to(ctx.device)
     if impl == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        wrapped = DDP(model, bucket_cap_mb=bucket_mb)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        wrapped = ddp(model, bucket_cap_mb=bucket_mb)
+        opt = make_optimizer(model.parameters(), "adam")
         return wrapped, lambda: (opt.step(), opt.zero_grad())
     if impl == "ours_dp":
         wrapped = BucketedDataParallel(model, bucket_cap_mb=bucket_mb)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        opt = make_optimizer(model.parameters(), "adam")
         return wrapped, lambda: (wrapped.finish_gradient_synchronization(), opt.step(), opt.zero_grad())
     if impl == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        if "mesh" not in ctx.state:
-            ctx.state["mesh"] = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=ctx.state["mesh"])
-        fully_shard(model, mesh=ctx.state["mesh"])
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model = fsdp2(model, device_mesh_1d(ctx))   # the same units as our ZeRO-3: each block, then the root
+        opt = make_optimizer(model.parameters(), "adam")
         return model, lambda: (opt.step(), opt.zero_grad())
     stage = int(impl[-1])   # "zero1", "zero2", "zero3"
-    zero = ZeRO(model, stage=stage, prefetch=True, lr=1e-3)
+    zero = ZeRO(model, stage=stage, prefetch=True, **_ADAM)
     return model, lambda: (zero.step(), zero.zero_grad())
 
 
 def time_steps(ctx, impl, cfg, mbs, bucket_mb, warmup, steps):
     module, finish = build(ctx, impl, cfg, bucket_mb)
-    g = torch.Generator().manual_seed(ctx.rank)
-    tokens = torch.randint(0, cfg.vocab_size, (mbs, cfg.seq_len + 1), generator=g).to(ctx.device)
+    batch = Batches(cfg, mbs).rank_batch(ctx.rank, ctx.world_size, step=0).to(ctx.device)
     times = []
     for i in range(warmup + steps):
         dist.barrier()
         start = time.perf_counter()
-        loss_of(module, tokens).backward()
+        batch.loss(module).backward()
         finish()
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
@@ -81,9 +73,8 @@ def time_steps(ctx, impl, cfg, mbs, bucket_mb, warmup, steps):
 def state_bytes(ctx, stage, cfg, param_dtype):
     torch.manual_seed(0)
     model = GPT(cfg).to(ctx.device)
-    zero = ZeRO(model, stage=stage, param_dtype=param_dtype, lr=1e-3)
-    tokens = torch.randint(0, cfg.vocab_size, (1, 9), device=ctx.device)
-    loss_of(model, tokens).backward()
+    zero = ZeRO(model, stage=stage, param_dtype=param_dtype, **_ADAM)
+    Batches(cfg, mbs=1).rank_batch(ctx.rank, ctx.world_size, step=0).to(ctx.device).loss(model).backward()
     zero.step()   # Adam creates its moments at the first step
     return zero.state_bytes(), zero.formula_bytes(k=12)
 

@@ -6,10 +6,13 @@ exercises the padding of flat buffers.
 import pytest
 import torch
 
-from ultrascale.model import GPTConfig
+from ultrascale.model import GPT, GPTConfig
+from ultrascale.parity import Batches
 from ultrascale.runtime import shared_cluster
 
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
+DATA = Batches(CFG, mbs=2, seed=0)   # the same tokens on every rank and in the reference
+STEPS = 3
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -17,7 +20,6 @@ def cluster(request):
     return shared_cluster(request.param)
 
 
-def batch(step, rows, micro=0):
-    """The same tokens on every rank and in the single-process reference."""
-    g = torch.Generator().manual_seed(1000 * micro + step)
-    return torch.randint(0, CFG.vocab_size, (rows, CFG.seq_len + 1), generator=g)
+def fresh_model(seed=0):
+    torch.manual_seed(seed)
+    return GPT(CFG)

@@ -211,20 +211,25 @@ def run_steps(model, batches, steps: int, optimizer="sgd", *, grad_acc: int = 1,
 
 
 # --------------------------------------------------------------------------- reading and comparing
-def _full(t: torch.Tensor) -> torch.Tensor:
+def _full(t: torch.Tensor, name: str = "") -> torch.Tensor:
     """A plain CPU copy; a DTensor (FSDP2, DTensor TP) is gathered first (a collective)."""
     t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    needed = (t.storage_offset() + t.numel()) * t.element_size()
+    if t.numel() and t.untyped_storage().nbytes() < needed:
+        # Reading a freed storage would crash the process, not raise.
+        raise RuntimeError(f"{name}: its storage is freed (ZeRO-3 keeps only a shard between "
+                           "forwards); read the weights with zero.full_state_dict() instead")
     return t.detach().cpu().clone()
 
 
 def weights(model) -> dict:
     """Every parameter by name, as plain CPU tensors."""
-    return {name: _full(p) for name, p in model.named_parameters()}
+    return {name: _full(p, name) for name, p in model.named_parameters()}
 
 
 def gradients(model) -> dict:
     """Every gradient by name (None where a parameter has none), as plain CPU tensors."""
-    return {name: None if p.grad is None else _full(p.grad) for name, p in model.named_parameters()}
+    return {name: None if p.grad is None else _full(p.grad, name) for name, p in model.named_parameters()}
 
 
 def max_difference(got, expected) -> float:

@@ -8,31 +8,26 @@
 
 The distributed ones train the course GPT for a few SGD steps on clusters of 2 and 3
 ranks and compare the weights with single-process training on the concatenated batch
-(``shared_cluster`` keeps those clusters between checks). ``CommLogger`` counts the
-all-reduce calls, and when they were made, so that a version that averages correctly
-but never overlaps (everything launched in ``finish()``) is told so.
+(``shared_cluster`` keeps those clusters between checks), with the parity harness
+(``ultrascale.parity``): the same seeded batches, the same training loop, the same loss.
+``CommLogger`` counts the all-reduce calls, and when they were made, so that a version
+that averages correctly but never overlaps (everything launched in ``finish()``) is told so.
 
-Tolerance: each rank averages its own samples and the all-reduce adds those averages,
-while the reference averages the whole batch at once. The sums are associated
-differently in fp32, so weights differ at the 1e-8 level after a few steps (measured);
-we allow atol 1e-6, far below the ~1e-2 change one SGD step makes.
+Tolerances: ``ultrascale.parity.TOLERANCES`` (fp32, SGD), where the reason is written.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
 from ultrascale.batch_size import samples_per_step
 from ultrascale.grading import exercise
-from ultrascale.model import GPT, GPTConfig, lm_loss
+from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import build_buckets
+from ultrascale.parity import Batches, make_optimizer, max_difference, tolerance, train
 
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
-MBS, LR = 2, 0.1
-TOL = dict(rtol=1e-5, atol=1e-6)
+DATA = Batches(CFG, mbs=2, seed=0)   # the same tokens on every rank and in the reference
 SIZES = (2, 3)
 
 
@@ -94,29 +89,13 @@ def test_grad_acc_steps(grad_acc_steps, quick: bool = True):
 
 # ---- shared by the distributed exercises ----------------------------------------------
 
-def _batch(step, world_size):
-    g = torch.Generator().manual_seed(7 + step)
-    tokens = torch.randint(0, CFG.vocab_size, (MBS * world_size, CFG.seq_len + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def reference_weights(world_size: int, steps: int, lr: float = LR, communicate: bool = True, rank: int = 0):
-    """Single-process SGD on the concatenated batch (or, with communicate=False, on one rank's rows)."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for step in range(steps):
-        x, y = _batch(step, world_size)
-        if not communicate:
-            x, y = x[MBS * rank: MBS * (rank + 1)], y[MBS * rank: MBS * (rank + 1)]
-        lm_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def _fresh_model():
+    torch.manual_seed(0)  # the same initial weights everywhere: these exercises do not broadcast
+    return GPT(CFG)
 
 
 def _all_reduce_calls(log) -> int:
-    return sum(1 for e in log.events if e.op == "all_reduce")
+    return log.collective_elements().get("all_reduce", 0)
 
 
 def _train_on_rank(ctx, make_sync, steps, register_hooks):
@@ -127,50 +106,59 @@ def _train_on_rank(ctx, make_sync, steps, register_hooks):
     """
     from ultrascale.comm import CommLogger
 
-    torch.manual_seed(0)  # the same initial weights everywhere: these exercises do not broadcast
-    model = GPT(CFG)
+    model = _fresh_model()
     sync = make_sync(model)
     if register_hooks:
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(sync.grad_ready)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    during, total = [], []
-    rows = slice(MBS * ctx.rank, MBS * (ctx.rank + 1))
-    for step in range(steps):
-        x, y = _batch(step, ctx.world_size)
-        loss = lm_loss(model(x[rows]), y[rows])
-        with CommLogger() as log:
-            loss.backward()
-            during.append(_all_reduce_calls(log))
-            sync.finish()
-            total.append(_all_reduce_calls(log))
-        opt.step()
-        opt.zero_grad()
+    marks = [0]   # all-reduce calls so far: after each backward, then after each finish()
+
+    def finish():
+        marks.append(_all_reduce_calls(log))
+        sync.finish()
+        marks.append(_all_reduce_calls(log))
+
+    with CommLogger() as log:
+        params = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, "sgd", after_backward=finish)
     names = {p: n for n, p in model.named_parameters()}
     buckets = getattr(sync, "buckets", None)
     if buckets is not None:
         buckets = [[names.get(p, "<not a parameter of the model>") for p in b] for b in buckets]
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "during": during, "total": total, "buckets": buckets}
+    return {"params": params, "during": [b - a for a, b in zip(marks[0::2], marks[1::2])],
+            "total": [b - a for a, b in zip(marks[0::2], marks[2::2])], "buckets": buckets}
+
+
+def _single_process(batches, steps, lr_scale=1):
+    """Single-process SGD on ``batches``, with the learning rate times ``lr_scale``."""
+    model = _fresh_model()
+    opt = make_optimizer(model.parameters(), "sgd")
+    opt.param_groups[0]["lr"] *= lr_scale
+    return train(model, batches, steps, opt)
+
+
+def _differing(got, expected) -> list:
+    """The parameters whose weights are not within parity's fp32 SGD tolerance."""
+    tol = tolerance("sgd")
+    return [name for name, want in expected.items() if not torch.allclose(got[name], want, **tol)]
 
 
 def _compare_weights(results, size, steps, what):
-    reference = reference_weights(size, steps)
+    reference = _single_process(DATA.global_stream(size), steps)
     for r, res in enumerate(results):
-        for name, expected in reference.items():
-            got = res["params"][name]
-            if torch.allclose(got, expected, **TOL):
-                continue
-            if torch.allclose(got, reference_weights(size, steps, communicate=False, rank=r)[name], **TOL):
-                raise AssertionError(f"world_size={size}, rank {r}: the weights are what this rank alone would "
-                                     "learn from its own rows: the gradients were never averaged across ranks")
-            if torch.allclose(got, reference_weights(size, steps, lr=LR * size)[name], **TOL):
-                raise AssertionError(f"world_size={size}, rank {r}: the gradients were summed over the ranks "
-                                     f"but not divided by the world size ({size})")
-            err = (got - expected).abs().max().item()
-            raise AssertionError(f"world_size={size}, rank {r}, parameter {name}: after {steps} SGD steps the "
-                                 f"weights differ from single-process training on the concatenated batch by up "
-                                 f"to {err:.3g} ({what})")
+        got = res["params"]
+        wrong = _differing(got, reference)
+        if not wrong:
+            continue
+        if not _differing(got, _single_process(DATA.rank_stream(r, size), steps)):
+            raise AssertionError(f"world_size={size}, rank {r}: the weights are what this rank alone would "
+                                 "learn from its own rows: the gradients were never averaged across ranks")
+        if not _differing(got, _single_process(DATA.global_stream(size), steps, lr_scale=size)):
+            raise AssertionError(f"world_size={size}, rank {r}: the gradients were summed over the ranks "
+                                 f"but not divided by the world size ({size})")
+        err = max_difference(got[wrong[0]], reference[wrong[0]])
+        raise AssertionError(f"world_size={size}, rank {r}, parameter {wrong[0]}: after {steps} SGD steps the "
+                             f"weights differ from single-process training on the concatenated batch by up "
+                             f"to {err:.3g} ({what})")
 
 
 # ---- 02.overlapped_dp_hooks ----------------------------------------------------------
@@ -186,7 +174,7 @@ def test_overlapped_dp_hooks(OverlappedGradSync, quick: bool = True, timeout: fl
     from ultrascale.runtime import shared_cluster
 
     steps = 2 if quick else 4
-    n_tensors = len(list(GPT(CFG).parameters()))
+    n_tensors = len(list(_fresh_model().parameters()))
     for size in SIZES:
         results = shared_cluster(size).run(_train_on_rank, _overlapped(OverlappedGradSync), steps, False,
                                            timeout=timeout)

@@ -13,27 +13,29 @@
   only their shard, against the unsharded model, with one block gathered at a time.
 
 The clusters have 2 and 3 ranks, and the test model has Ψ = 27,520 parameters (its blocks
-12,704 each): neither is divisible by 3, so the padding matters.
+12,704 each): neither is divisible by 3, so the padding matters. Data, training loop and
+loss come from the parity harness (``ultrascale.parity``), as in tests/test_zero.py.
+
+Tolerances: ``ultrascale.parity.TOLERANCES`` (fp32, SGD and Adam), where the reasons are
+written. A reduce-scatter and an all-reduce sum the ranks' gradients in different orders,
+so the results differ in the last bits. SGD runs first: Adam is blind to a wrong gradient
+scale, and SGD's failure message can say what a wrong scale means.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
-import torch.distributed as dist
 
 from ultrascale.grading import exercise
+from ultrascale.model import GPT, GPTConfig
+from ultrascale.parity import Batches, make_optimizer, max_difference, tolerance, train
 
 # Ψ = 27,520, blocks of 12,704: not multiples of 3, so a 3-rank cluster needs padding.
-CONFIG = dict(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
-MBS = 2
-# Tolerances, as in tests/test_zero.py: fp32 throughout, but a reduce-scatter and an
-# all-reduce sum the ranks' gradients in different orders, so results differ in the last
-# bits (~3e-7 after 3 steps). Adam moves a weight by about lr = 1e-3 per step at most; we
-# allow 1e-5, 1% of one step. SGD checks the averaging, which Adam's scale invariance hides.
-OPTIMIZERS = {   # SGD first: its failure message can say what a wrong scale means
-    "SGD": (torch.optim.SGD, dict(lr=0.1), dict(rtol=1e-5, atol=1e-6)),
-    "Adam": (torch.optim.Adam, dict(lr=1e-3), dict(rtol=1e-4, atol=1e-5)),
-}
+CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
+DATA = Batches(CFG, mbs=2, seed=0)   # the same tokens on every rank and in the reference
+OPTIMIZERS = {"sgd": "SGD", "adam": "Adam"}   # SGD first (see the docstring)
 
 
 def _sizes(world_size, quick):
@@ -92,22 +94,8 @@ def test_flatten_padded(flatten_padded, quick: bool = True, seed: int = 0):
 # ---- shared: the model and the data ---------------------------------------------------
 
 def _model():
-    from ultrascale.model import GPT, GPTConfig
-
     torch.manual_seed(0)
-    return GPT(GPTConfig(**CONFIG))
-
-
-def _batch(ctx, step):
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, CONFIG["vocab_size"], (MBS * ctx.world_size, CONFIG["seq_len"] + 1), generator=g)
-    return tokens[MBS * ctx.rank: MBS * (ctx.rank + 1)]
-
-
-def _loss(model, tokens):
-    from ultrascale.model import lm_loss
-
-    return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    return GPT(CFG)
 
 
 # ---- 03.zero1_step ---------------------------------------------------------------------
@@ -118,14 +106,8 @@ def _train_dp(ctx, opt_name, steps):
 
     model = _model()
     dp = NaiveDataParallel(model)
-    cls, kwargs, _ = OPTIMIZERS[opt_name]
-    opt = cls(model.parameters(), **kwargs)
-    for step in range(steps):
-        _loss(dp, _batch(ctx, step)).backward()
-        dp.finish_gradient_synchronization()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
+    return train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, opt_name, module=dp,
+                 after_backward=dp.finish_gradient_synchronization)
 
 
 def _train_zero1(ctx, zero1_step, opt_name, steps):
@@ -136,18 +118,18 @@ def _train_zero1(ctx, zero1_step, opt_name, steps):
     flat = reference_flatten_padded(params, ctx.world_size)
     shard = flat.numel() // ctx.world_size
     master = flat[ctx.rank * shard: (ctx.rank + 1) * shard].float().clone()
-    cls, kwargs, _ = OPTIMIZERS[opt_name]
-    opt = cls([master], **kwargs)
+    opt = make_optimizer([master], opt_name)
     traffic = []
-    for step in range(steps):
-        _loss(model, _batch(ctx, step)).backward()
+
+    def step():   # the learner's step, in place of an optimizer's
         with CommLogger() as log:
             zero1_step(ctx, params, master, opt)
         traffic.append(log.totals())
-        for p in params:
-            p.grad = None
+
+    learner = SimpleNamespace(step=step, zero_grad=lambda: model.zero_grad(set_to_none=True))
+    weights = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, learner)
     state = [t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
-    return {"params": [p.detach().clone() for p in params], "master": master.detach().clone(),
+    return {"params": weights, "master": master.detach().clone(),
             "traffic": traffic, "state_numel": state, "padded": flat.numel()}
 
 
@@ -158,21 +140,22 @@ def test_zero1_step(zero1_step, world_size: int = 3, quick: bool = True, timeout
     steps = 3 if quick else 6
     for size in _sizes(world_size, quick):
         cluster = shared_cluster(size)
-        for opt_name, (_, _, tol) in OPTIMIZERS.items():
+        for opt_name, shown in OPTIMIZERS.items():
+            tol = tolerance(opt_name)
             expected = cluster.run(_train_dp, opt_name, steps, timeout=timeout)[0]
             results = cluster.run(_train_zero1, zero1_step, opt_name, steps, timeout=timeout)
-            where = f"{size} ranks, {opt_name}, after {steps} steps"
-            psi = sum(p.numel() for p in expected)
+            where = f"{size} ranks, {shown}, after {steps} steps"
+            psi = sum(p.numel() for p in expected.values())
             shard = results[0]["padded"] // size
-            flat_expected = torch.cat([p.reshape(-1) for p in expected])
+            flat_expected = torch.cat([p.reshape(-1) for p in expected.values()])
             for rank, out in enumerate(results):
                 _check_traffic(out["traffic"], size, psi, out["padded"], f"{where}, rank {rank}")
-                for i, (got, want) in enumerate(zip(out["params"], expected)):
+                for name, want in expected.items():
+                    got = out["params"][name]
                     if not torch.allclose(got, want, **tol):
-                        err = (got - want).abs().max().item()
-                        hint = _zero1_hint(opt_name)
-                        raise AssertionError(f"{where}, rank {rank}: parameter {i} {tuple(want.shape)} differs from "
-                                             f"plain data parallelism by up to {err:.3g}.{hint}")
+                        raise AssertionError(f"{where}, rank {rank}: parameter {name} {tuple(want.shape)} differs "
+                                             f"from plain data parallelism by up to {max_difference(got, want):.3g}."
+                                             f"{_zero1_hint(opt_name)}")
                 mine = flat_expected[rank * shard: min((rank + 1) * shard, psi)]
                 assert torch.allclose(out["master"][:mine.numel()], mine, **tol), (
                     f"{where}, rank {rank}: the fp32 master slice does not hold the updated weights of "
@@ -183,7 +166,7 @@ def test_zero1_step(zero1_step, world_size: int = 3, quick: bool = True, timeout
 
 
 def _zero1_hint(opt_name) -> str:
-    if opt_name == "SGD":
+    if opt_name == "sgd":
         return (" With SGD a wrong gradient scale shows: the reduce-scatter sums the ranks' gradients, "
                 "divide by the world size to average them.")
     return " Check the slice each rank owns and how the gathered values are copied back into each parameter."
@@ -271,19 +254,18 @@ def _run_zero3(ctx, install_zero3_hooks, inputs):
 def test_zero3_gather_free(install_zero3_hooks, world_size: int = 3, quick: bool = True, timeout: float = 120):
     from ultrascale.runtime import shared_cluster
 
-    layers = CONFIG["layers"]
-    g = torch.Generator().manual_seed(7)
-    inputs = [torch.randint(0, CONFIG["vocab_size"], (2, CONFIG["seq_len"]), generator=g) for _ in range(2)]
+    layers = CFG.layers
+    inputs = [DATA.global_batch(step).inputs for step in range(2)]
     for size in _sizes(world_size, quick):
         results = shared_cluster(size).run(_run_zero3, install_zero3_hooks, inputs, timeout=timeout)
         for rank, out in enumerate(results):
             where = f"{size} ranks, rank {rank}"
             for call, (got, want) in enumerate(zip(out["logits"], out["expected"])):
                 assert got.shape == want.shape, f"{where}: logits of shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-                if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                if not torch.allclose(got, want, **tolerance(None)):   # one forward: rounding only
                     raise AssertionError(
                         f"{where}, forward {call + 1}: the logits differ from the unsharded model's by up to "
-                        f"{(got - want).abs().max().item():.3g}. Each rank's shard is one slice of the padded flat "
+                        f"{max_difference(got, want):.3g}. Each rank's shard is one slice of the padded flat "
                         "buffer, in rank order; every parameter is flat[offset : offset + numel] viewed in its shape.")
             for call, after in enumerate(out["after"]):
                 assert not after, (f"{where}: after forward {call + 1}, blocks {after} still hold their full "

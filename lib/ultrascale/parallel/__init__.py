@@ -1,20 +1,28 @@
 """Parallelism applied from outside to the course model (which knows nothing about it).
 
+One module per technique, each exposing ``apply_<technique>(model, mesh_or_group, ...)``
+(see CONTRIBUTING.md):
+
 * ``data_parallel``: ``NaiveDataParallel``, ``OverlappedDataParallel``,
-  ``BucketedDataParallel`` and ``no_sync`` gradient accumulation (NB02).
-* ``zero``: ``ZeRO`` stages 1, 2 and 3 on flat, padded parameter shards (NB03).
+  ``BucketedDataParallel`` and ``no_sync`` gradient accumulation (NB02);
+  ``apply_data_parallel``.
+* ``zero``: ``ZeRO`` stages 1, 2 and 3 on flat, padded parameter shards (NB03);
+  ``apply_zero``.
+* ``mesh``: ``Mesh`` / ``init_mesh``, the process mesh over named axes (dp, pp, ep, cp, tp).
 * ``timeline``: per-rank compute and communication events, for Gantt charts.
 """
 
+from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from .data_parallel import (BucketedDataParallel, DataParallel, NaiveDataParallel,
-                            OverlappedDataParallel, average_gradients, broadcast_parameters,
+                            OverlappedDataParallel, apply_data_parallel, average_gradients,
                             build_buckets)
+from .mesh import AXES, Mesh, init_mesh
 from .timeline import COMMUNICATION, COMPUTE, Event, Timeline, covered_seconds, overlap_seconds
-from .zero import ZeRO, FlatUnit, all_gather_into, reduce_scatter_into
+from .zero import FlatUnit, ZeRO, apply_zero
 
 __all__ = [
-    "BucketedDataParallel", "COMMUNICATION", "COMPUTE", "DataParallel", "Event", "FlatUnit",
-    "NaiveDataParallel", "OverlappedDataParallel", "Timeline", "ZeRO", "all_gather_into",
-    "average_gradients", "broadcast_parameters", "build_buckets", "covered_seconds",
-    "overlap_seconds", "reduce_scatter_into",
+    "AXES", "BucketedDataParallel", "COMMUNICATION", "COMPUTE", "DataParallel", "Event", "FlatUnit",
+    "Mesh", "NaiveDataParallel", "OverlappedDataParallel", "Timeline", "ZeRO", "all_gather_into",
+    "apply_data_parallel", "apply_zero", "average_gradients", "broadcast_parameters", "build_buckets",
+    "covered_seconds", "init_mesh", "overlap_seconds", "reduce_scatter_into",
 ]

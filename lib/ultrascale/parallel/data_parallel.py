@@ -22,7 +22,7 @@ accumulate locally, and only the last micro-batch's backward communicates.
 
 The training loop is the same for all three::
 
-    dp = BucketedDataParallel(model, bucket_cap_mb=25)
+    dp = apply_data_parallel(model, mesh_or_group, kind="bucketed", bucket_cap_mb=25)
     loss = loss_fn(dp(x), y)
     loss.backward()
     dp.finish_gradient_synchronization()   # PyTorch DDP does this inside backward
@@ -36,19 +36,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm.functional import broadcast_parameters
+from .mesh import axis_group
 from .timeline import COMMUNICATION, Timeline
 
 
-def broadcast_parameters(module: nn.Module, group=None) -> None:
-    """Copy rank 0's parameters and buffers to every rank, so all replicas start equal."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor, src=src, group=group)
-
-
 class DataParallel(nn.Module):
-    """What the three versions share: the wrapped module, ``no_sync`` and counters."""
+    """What the three versions share: the wrapped module, ``no_sync`` and a sync counter.
+
+    Collectives are counted by ``ultrascale.comm.CommLogger`` (the one way the course
+    counts communication), not by the wrapper.
+    """
 
     def __init__(self, module: nn.Module, group=None, timeline: Timeline | None = None,
                  broadcast: bool = True):
@@ -61,7 +59,6 @@ class DataParallel(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.timeline = timeline or Timeline(dist.get_rank(), enabled=False)
         self.require_backward_grad_sync = True  # False inside no_sync()
-        self.num_all_reduces = 0                # every all-reduce call this wrapper made
         self.num_syncs = 0                      # gradient synchronisations (one per step)
         self.names = {p: n for n, p in module.named_parameters()}
         if broadcast:
@@ -90,7 +87,6 @@ class DataParallel(nn.Module):
     def _all_reduce(self, tensor: torch.Tensor, name: str, async_op: bool):
         """Sum ``tensor`` over the ranks (pre-divided by world size: the sum is the mean)."""
         tensor.div_(self.world_size)
-        self.num_all_reduces += 1
         nbytes = tensor.numel() * tensor.element_size()
         if not async_op:
             with self.timeline.span(name, COMMUNICATION, nbytes):
@@ -281,3 +277,22 @@ def average_gradients(module: nn.Module, group=None) -> None:
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(world)
+
+
+KINDS = {"naive": NaiveDataParallel, "overlapped": OverlappedDataParallel, "bucketed": BucketedDataParallel}
+
+
+def apply_data_parallel(model: nn.Module, mesh_or_group=None, *, kind: str = "bucketed", plan=None,
+                        timeline: Timeline | None = None, **options) -> DataParallel:
+    """Make ``model`` data-parallel over the ``dp`` axis of a mesh (or over a group).
+
+    DP is the one technique that wraps instead of changing the model in place: the book
+    teaches three versions of it (``kind``), and the wrapper is where each keeps its
+    hooks and buffers. ``options`` go to the wrapper (``bucket_cap_mb``, ``broadcast``).
+    DP needs no plan: every parameter is replicated, so ``plan`` must stay None.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: choose one of {sorted(KINDS)}")
+    if plan is not None:
+        raise ValueError("data parallelism replicates every parameter: it takes no plan")
+    return KINDS[kind](model, group=axis_group(mesh_or_group, "dp"), timeline=timeline, **options)

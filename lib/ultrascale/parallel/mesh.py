@@ -226,3 +226,10 @@ def _build_groups(ctx, mesh: Mesh, axes: tuple[str, ...]):
 
 def _as_tuple(axis: Axes) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def axis_group(mesh_or_group, axis: Axes):
+    """The process group a technique works on: ``mesh.group(axis)`` for a mesh built by
+    ``init_mesh``, or the group itself (None: all ranks). This is what lets every
+    ``apply_<technique>(model, mesh_or_group)`` take either."""
+    return mesh_or_group.group(axis) if isinstance(mesh_or_group, Mesh) else mesh_or_group

@@ -8,15 +8,39 @@ ZeRO (Zero Redundancy Optimizer) removes that redundancy in three steps:
   fp32 master weights. Gradients are reduce-scattered (each rank receives the
   average of its slice) and the updated slices are all-gathered back.
 * stage 2 also shards the gradients: as soon as a unit's gradients are ready they
-  are reduce-scattered and the full gradients are freed.
+  are reduce-scattered and the full gradients are freed (in one fixed order of units,
+  so that all ranks agree even when their data uses the units differently).
 * stage 3 also shards the parameters: a unit's parameters are all-gathered just
   before its forward, freed after it, gathered again for its backward (FSDP).
   ``prefetch`` starts the next unit's all-gather while the current one computes.
+  Every rank must run the same units' forwards (each one is a collective).
 
 The model is cut into *units*: by default each block of ``model.blocks`` is one,
 and everything else (embeddings, final norm, head) forms the root unit. A unit's
 parameters live in one flat buffer, padded so that it splits into N_d equal
-shards for any parameter count; the parameters become views into that buffer.
+shards for any parameter count; the parameters become views into that buffer
+(``flat.py``). Communication is per unit; the optimizer, though, must behave
+exactly like the torch optimizer it wraps, run on one process over the whole batch:
+
+* frozen parameters (``requires_grad=False`` when ZeRO is built) stay out of the
+  flat buffers: ordinary, replicated, never updated (broadcast once, like the rest);
+* a parameter that got no gradient on *any* rank since ``zero_grad`` is skipped by
+  the step: no weight decay, no moment update, no step count, as torch skips a
+  parameter whose ``.grad`` is None. One that got a gradient on some rank only
+  counts as having one (the others add zeros): the concatenated batch used it.
+  A zero in the summed gradient cannot say which, so every step the ranks also
+  all-reduce one byte per parameter tensor (DDP's find_unused_parameters does the same);
+* parameter groups (``param_groups=[{"params": [...], "weight_decay": 0.0}, ...]``,
+  as for a torch optimizer) set the options of each parameter's elements.
+
+For that the optimizer does not see whole flat shards but *pieces*: views into this
+rank's master shard, each a run of consecutive parameters of one unit and one group
+that is always stepped together. Elementwise optimizers (SGD, Adam, AdamW) then do
+exactly what they do on whole tensors (one that needs whole tensors, like LAMB's
+norms, cannot run on shards). Torch keeps a step count per tensor, so when a piece's
+parameters stop agreeing on whether they have a gradient, the piece is split into
+one piece per parameter, each with its slice of the state. Master weights are fp32
+for 16-bit parameters and the parameters' own dtype for fp32 and fp64.
 
 ``stage=0`` runs the same machinery without sharding (all-reduce, full optimizer
 state): the mixed-precision DP baseline of the memory formulas.
@@ -24,117 +48,39 @@ state): the mixed-precision DP baseline of the memory formulas.
     zero = ZeRO(model, stage=2, lr=1e-3)        # also the optimizer
     model.loss(x, y).backward()
     zero.step(); zero.zero_grad()
+    torch.save(zero.state_dict(), f"ckpt-rank{rank}.pt")   # this rank's shard of the state
 """
 from __future__ import annotations
 
-import threading
-from collections import Counter, defaultdict
+import copy
+import fnmatch
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from ..memory import zero_bytes_per_rank
-from .data_parallel import broadcast_parameters
+from .flat import (FlatUnit, Piece, WatchedWork, coarse_pieces, has_future, parameter_owners,
+                   resolve_param_groups, split_piece)
+from .mesh import axis_group
 from .timeline import COMMUNICATION, Timeline
 
-
-def all_gather_into(output, shard, group=None, async_op=False):
-    """Concatenate every rank's ``shard`` into ``output`` (all_gather_single in torch >= 2.13)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, shard, group=group, async_op=async_op)
-
-
-def reduce_scatter_into(output, full, group=None, async_op=False):
-    """Sum ``full`` over ranks and keep only this rank's slice in ``output``."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, full, group=group, async_op=async_op)
-
-
-class _WatchedWork:
-    """An async collective whose backend offers no completion callback (gloo's
-    reduce-scatter has no future): a helper thread waits for it and puts its bar on the
-    timeline when the transfer really ends, instead of a zero-length mark at launch."""
-
-    def __init__(self, work, on_done):
-        self.work = work
-        self.thread = threading.Thread(target=self._watch, args=(on_done,), daemon=True)
-        self.thread.start()
-
-    def _watch(self, on_done):
-        self.work.wait()
-        on_done()
-
-    def wait(self):
-        self.work.wait()
-        self.thread.join()   # the bar is recorded before anyone reads the timeline
-        return True
-
-
-class FlatUnit:
-    """The parameters of one unit as a flat buffer, cut into N_d equal shards."""
-
-    def __init__(self, name, module, params, owners, rank, world_size, sharded, param_dtype):
-        self.name, self.module = name, module
-        self.numel = sum(p.numel() for p in params)
-        self.shard_numel = -(-self.numel // world_size)          # ceil: pad the tail
-        self.padded = self.shard_numel * world_size
-        own = rank * self.shard_numel
-        self.own = slice(own, own + self.shard_numel) if sharded else slice(0, self.padded)
-        dtype = param_dtype or params[0].dtype
-        self.full = torch.zeros(self.padded, dtype=dtype, device=params[0].device)
-        self.offsets, self.params, offset = {}, [], 0
-        for p in params:
-            self.full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-            view = nn.Parameter(self.full[offset:offset + p.numel()].view(p.shape))
-            for module_, attr in owners[p]:   # every place the parameter is registered (tied weights)
-                module_._parameters[attr] = view
-            self.offsets[view] = (offset, offset + p.numel())
-            self.params.append(view)
-            offset += p.numel()
-        self.master = self.full[self.own].detach().float().clone()   # fp32 master weights (shard)
-        self.shard = None            # stage 3: this rank's slice of the parameters
-        self.grad_full = None        # full flat gradient (stages 0, 1; transient in 2, 3)
-        self.grad_shard = None       # this rank's slice of the averaged gradient (stages 2, 3)
-        self.ready: set = set()      # parameters whose gradient arrived in this backward
-        self.gathered, self.gather_work = True, None
-        self.backward_started = False
-
-    def grad_view(self, p):
-        start, end = self.offsets[p]
-        return self.grad_full[start:end].view(p.shape)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.ready) == len(self.params)
-
-    def free_full(self) -> None:
-        # Shrinking the storage frees the memory while every parameter view (and any
-        # tensor autograd saved from them) keeps pointing at the same storage object,
-        # so refilling it before backward makes the saved tensors valid again.
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def alloc_full(self) -> None:
-        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-
-
-def _parameter_owners(model):
-    """Map each parameter to every (module, attribute) that registers it."""
-    owners = defaultdict(list)
-    for module in model.modules():
-        for attr, p in module._parameters.items():
-            if p is not None:
-                owners[p].append((module, attr))
-    return owners
+__all__ = ["PLAN", "ZeRO", "FlatUnit", "apply_zero", "units_of", "all_gather_into", "reduce_scatter_into"]
 
 
 class ZeRO:
-    """Shard a model's training state over the data-parallel ranks; also its optimizer."""
+    """Shard a model's training state over the data-parallel ranks; also its optimizer.
+
+    ``param_groups``: as the first argument of a torch optimizer, a list of dicts of the
+    model's parameters and their options (``optimizer_kwargs`` are the defaults); every
+    trainable parameter must be in one group. Read once, before the parameters are
+    moved into flat buffers.
+    """
 
     def __init__(self, model, stage=1, optimizer_cls=torch.optim.Adam, units=None, param_dtype=None,
-                 prefetch=True, group=None, timeline=None, broadcast=True, **optimizer_kwargs):
+                 prefetch=True, group=None, timeline=None, broadcast=True, param_groups=None,
+                 **optimizer_kwargs):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if not dist.is_initialized():
@@ -142,13 +88,16 @@ class ZeRO:
         self.model, self.stage, self.prefetch, self.group = model, stage, prefetch, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.timeline = timeline or Timeline(dist.get_rank(), enabled=False)
-        self.stats = Counter()          # calls and elements per collective
         self.in_flight = []             # reduce-scatters not yet waited for
+        self._sent = 0                  # units of _send_order reduce-scattered in this backward
         self._callback_queued = False
+        options, group_of = resolve_param_groups(model, param_groups)
         if broadcast:
             broadcast_parameters(model, group)
-        self._build_units(model, units, param_dtype)
-        self.optimizer = optimizer_cls([u.master for u in self.all_units], **optimizer_kwargs)
+        self._build_units(model, units, param_dtype, group_of)
+        self.pieces = [piece for unit in self.all_units for piece in coarse_pieces(unit)]
+        self.optimizer = optimizer_cls([dict(o, params=[pc.tensor for pc in self.pieces if pc.group == g])
+                                        for g, o in enumerate(options)], **optimizer_kwargs)
         for unit in self.all_units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u, p))
@@ -162,31 +111,32 @@ class ZeRO:
                 unit.free_full()
             self._register_stage3_hooks()
 
-    def _build_units(self, model, units, param_dtype):
+    def _build_units(self, model, units, param_dtype, group_of):
         if units is None:
-            units = list(model.blocks) if hasattr(model, "blocks") else []
-        owners, taken, groups = _parameter_owners(model), set(), []
-        for module in units:                 # decide every unit's parameters first...
-            params = list(dict.fromkeys(module.parameters()))
+            units = units_of(model, PLAN if hasattr(model, "blocks") else {})
+        trainable = lambda params: [p for p in params if p.requires_grad]   # noqa: E731
+        owners, taken, chosen = parameter_owners(model), set(), []
+        for i, module in enumerate(units):   # decide every unit's parameters first...
+            params = trainable(dict.fromkeys(module.parameters()))
             if taken.intersection(params):
                 raise ValueError("a parameter is shared between two units; put both users in one unit")
             taken.update(params)
-            groups.append((module, params))
-        rest = [p for p in model.parameters() if p not in taken]
+            if params:                       # a frozen unit has nothing to shard
+                chosen.append((f"unit {i}", module, params))
+        rest = [p for p in trainable(model.parameters()) if p not in taken]
         build = lambda name, module, params: FlatUnit(   # noqa: E731  ...then flatten them
-            name, module, params, owners, self.rank, self.world_size, self.stage > 0, param_dtype)
-        self.units = [build(f"unit {i}", m, ps) for i, (m, ps) in enumerate(groups)]
+            name, module, params, owners, self.rank, self.world_size, self.stage > 0, param_dtype,
+            groups=[group_of[p] for p in params])
+        self.units = [build(*choice) for choice in chosen]
         self.root = build("root", model, rest) if rest else None
         self.all_units = ([self.root] if self.root else []) + self.units
+        self._send_order = self.units[::-1] + ([self.root] if self.root else [])   # backward's order
 
     # ------------------------------------------------------------------ collectives
     def _collective(self, op, unit, output, source, async_op):
-        """Run one collective on a unit's buffer, counting calls and Ψ-equivalent elements."""
+        """Run one collective on a unit's buffer and put its bar on the timeline.
+        (Calls and bytes are counted by ``CommLogger``, as for every technique.)"""
         fn = {"all_gather": all_gather_into, "reduce_scatter": reduce_scatter_into}.get(op)
-        self.stats[op] += 1
-        # A ring all-reduce is a reduce-scatter plus an all-gather: count it twice.
-        self.stats[op + " elements"] += unit.padded
-        self.stats["elements"] += unit.padded * (2 if op == "all_reduce" else 1)
         start, nbytes = self.timeline.now(), unit.padded * output.element_size()
         if op == "all_reduce":
             work = dist.all_reduce(output, group=self.group, async_op=async_op)
@@ -196,9 +146,9 @@ class ZeRO:
         if not async_op:
             self.timeline.add(COMMUNICATION, name, start, self.timeline.now(), nbytes)
             return None
-        if self.timeline.enabled and not _has_future(work):
-            return _WatchedWork(work, lambda: self.timeline.add(COMMUNICATION, name, start,
-                                                                self.timeline.now(), nbytes))
+        if self.timeline.enabled and not has_future(work):
+            return WatchedWork(work, lambda: self.timeline.add(COMMUNICATION, name, start,
+                                                               self.timeline.now(), nbytes))
         return self.timeline.communication(name, work, nbytes, start)
 
     # ------------------------------------------------------------------ gradients
@@ -212,11 +162,24 @@ class ZeRO:
         unit.grad_view(p).add_(p.grad)
         p.grad = None                   # the flat buffer is the only copy now
         unit.ready.add(p)
+        unit.has_grad.add(p)            # (a zero in the buffer cannot say "no gradient")
         if self.stage >= 2 and unit.complete:
-            self._reduce_scatter(unit)
+            self._send_gradients()
+
+    def _send_gradients(self, all_units=False) -> None:
+        """Reduce-scatter the complete units in one fixed order, backward's usual one.
+        Collectives must come in the same order on every rank, and a unit used by some
+        ranks' data only (or in another order) completes at different times on each:
+        a unit complete early waits for the ones before it; at the end all go."""
+        order = self._send_order
+        while self._sent < len(order) and (all_units or order[self._sent].complete):
+            self._reduce_scatter(order[self._sent])
+            self._sent += 1
 
     def _reduce_scatter(self, unit) -> None:
         """Send a unit's gradients away: each rank receives the average of its slice."""
+        if unit.grad_full is None:      # no gradient here for this unit: others may have some
+            unit.grad_full = torch.zeros(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
         unit.grad_full.div_(self.world_size)            # the sum of averages is the average
         out = unit.grad_full.new_empty(unit.shard_numel)
         work = self._collective("reduce_scatter", unit, out, unit.grad_full, async_op=True)
@@ -239,9 +202,10 @@ class ZeRO:
     def _on_backward_end(self) -> None:
         self._callback_queued = False
         if self.stage >= 2:
-            for unit in self.all_units:  # parameters without a gradient contribute zeros
-                if unit.ready and not unit.complete:
-                    self._reduce_scatter(unit)
+            # Parameters without a gradient contribute zeros, even in a unit that got
+            # none on this rank: another rank may have some.
+            self._send_gradients(all_units=True)
+            self._sent = 0
             while self.in_flight:
                 self._finish_reduce_scatter()
         if self.stage == 3:
@@ -258,21 +222,55 @@ class ZeRO:
             for unit in self.all_units:
                 unit.grad_full.div_(self.world_size)
                 self._collective("all_reduce", unit, unit.grad_full, None, async_op=False)
-                unit.master.grad = unit.grad_full.float()
         else:
             if self.stage == 1:          # ZeRO-1 reduces the kept full gradients only now
                 for unit in self.all_units:
                     self._reduce_scatter(unit)
             while self.in_flight:
                 self._finish_reduce_scatter()
-            for unit in self.all_units:
-                unit.master.grad = unit.grad_shard.float()
+        has_grad = self._gradient_flags()
+        self._split_mixed_pieces(has_grad)
+        for piece in self.pieces:        # a piece without a gradient keeps grad None: skipped
+            unit = piece.unit
+            if has_grad[unit][piece.index[0]]:
+                grad = unit.grad_full if self.stage == 0 else unit.grad_shard
+                piece.tensor.grad = grad[piece.lo:piece.hi].to(unit.master.dtype)
         self.optimizer.step()
         self._publish_parameters()
-        for unit in self.all_units:
-            unit.master.grad = None
-            if self.stage == 1:
+        for piece in self.pieces:
+            piece.tensor.grad = None
+        if self.stage == 1:
+            for unit in self.all_units:
                 unit.grad_shard = None
+
+    def _gradient_flags(self) -> dict:
+        """For each unit, which of its parameters got a gradient on any rank.
+
+        The summed gradients cannot tell "no gradient" from a zero one, so the ranks
+        share one byte per parameter tensor (as DDP does with find_unused_parameters)."""
+        local = [p in unit.has_grad for unit in self.all_units for p in unit.params]
+        device = self.all_units[0].full.device if self.all_units else None
+        flags, start = torch.tensor(local, dtype=torch.uint8, device=device), self.timeline.now()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # MAX of 0/1: any rank
+        self.timeline.add(COMMUNICATION, "all_reduce gradient flags", start, self.timeline.now(),
+                          flags.numel())
+        flags = iter(flags.tolist())
+        return {unit: [bool(next(flags)) for _ in unit.params] for unit in self.all_units}
+
+    def _split_mixed_pieces(self, has_grad) -> None:
+        """Give each parameter of a piece whose parameters disagree a piece of its own."""
+        pieces = []
+        for piece in self.pieces:
+            flags = {has_grad[piece.unit][i] for i in piece.index}
+            pieces += split_piece(piece, self.optimizer.state) if len(flags) > 1 else [piece]
+        if len(pieces) != len(self.pieces):
+            self.pieces = pieces
+            self._sync_param_groups()
+
+    def _sync_param_groups(self) -> None:
+        """Each optimizer group holds its pieces, in the order of ``self.pieces``."""
+        for g, group in enumerate(self.optimizer.param_groups):
+            group["params"] = [piece.tensor for piece in self.pieces if piece.group == g]
 
     def _publish_parameters(self) -> None:
         """Write the updated fp32 master weights back into the (low-precision) parameters."""
@@ -291,6 +289,7 @@ class ZeRO:
 
     def zero_grad(self) -> None:
         for unit in self.all_units:
+            unit.has_grad.clear()
             for buffer in (unit.grad_full, unit.grad_shard):
                 if buffer is not None:
                     buffer.zero_()
@@ -357,10 +356,12 @@ class ZeRO:
     # ------------------------------------------------------------------ inspection
     @property
     def num_parameters(self) -> int:
+        """The trainable parameters (the Ψ of the formulas); frozen ones are left out."""
         return sum(u.numel for u in self.all_units)
 
     def state_bytes(self) -> dict:
-        """Bytes this rank holds now: parameters, gradients, optimizer (fp32 master + states)."""
+        """Bytes this rank holds now: parameters, gradients, optimizer (fp32 master + states).
+        Frozen parameters are the model's, not ZeRO's: they are not counted."""
         nbytes = lambda t: 0 if t is None else t.untyped_storage().nbytes()   # noqa: E731
         units = self.all_units
         params = sum(nbytes(u.full) + nbytes(u.shard) for u in units)
@@ -386,13 +387,68 @@ class ZeRO:
                 unit.free_full()
         return state
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """This rank's share of the training state: its master shard of every unit and
+        the optimizer state of its pieces (with their layout). Save it on every rank;
+        ``load_state_dict`` resumes on the same world size and stage, each rank its own.
+        Frozen parameters and buffers are the model's: save them with the model."""
+        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
+                "units": [(u.name, u.numel) for u in self.all_units],
+                "pieces": [(self.all_units.index(pc.unit), pc.index, pc.group) for pc in self.pieces],
+                "master": [u.master.clone() for u in self.all_units],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}   # not live references
 
-def _has_future(work) -> bool:
-    try:
-        work.get_future()
-    except RuntimeError:   # "Work::getFuture not implemented"
-        return False
-    return True
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` (a collective at stages 1 and 2: call it on all ranks)."""
+        for key in ("world_size", "stage", "rank"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"this ZeRO state dict was saved with {key}={state[key]}, but this ZeRO has "
+                    f"{key}={getattr(self, key)}: a sharded state resumes only on the same world "
+                    "size and stage, each rank loading the state dict it saved")
+        if state["units"] != [(u.name, u.numel) for u in self.all_units]:
+            raise ValueError("this ZeRO state dict was saved for other units or another model: "
+                             f"{state['units']} != {[(u.name, u.numel) for u in self.all_units]}")
+        ranges = [{r[0]: r for r in u.owned_ranges()} for u in self.all_units]
+        self.pieces = [Piece(self.all_units[k], [ranges[k][i] for i in index], g)
+                       for k, index, g in state["pieces"]]
+        self._sync_param_groups()       # the optimizer's state refers to pieces by position
+        self.optimizer.load_state_dict(state["optimizer"])
+        for unit, master in zip(self.all_units, state["master"]):
+            unit.master.copy_(master)
+        self._publish_parameters()      # the parameters are the master weights, rounded
+
+
+# The plan for the course GPT and Llama: each transformer block is a unit (gathered and
+# freed as one at stage 3); what no unit claims (embedding, final norm, head) is the root.
+PLAN = {"blocks.*": "unit"}
+
+
+def units_of(model, plan: dict) -> list:
+    """The modules a plan names as units: glob patterns over ``model.named_modules()``
+    (``"blocks.*"``: every block); a module inside a unit already taken is part of it."""
+    units, names = [], []
+    for name, module in model.named_modules():   # parents come before their children
+        inside = any(name.startswith(outer + ".") for outer in names)
+        matched = [style for pattern, style in plan.items() if fnmatch.fnmatchcase(name, pattern)]
+        if matched and not inside:
+            if matched[0] != "unit":
+                raise ValueError(f"ZeRO plans know one style, 'unit'; got {matched[0]!r} for {name}")
+            units.append(module)
+            names.append(name)
+    return units
+
+
+def apply_zero(model, mesh_or_group=None, *, stage=1, plan=None, timeline=None, **options) -> ZeRO:
+    """ZeRO over the ``dp`` axis of a mesh (or over a group). The model is changed in
+    place (its parameters become views into flat buffers); the returned ``ZeRO`` is also
+    its optimizer, which is why ZeRO returns itself rather than the model. ``plan``: the
+    units as {module-name pattern: "unit"} (default ``PLAN``). ``options`` go to ``ZeRO``
+    (optimizer_cls, param_groups, prefetch, lr, ...)."""
+    units = units_of(model, PLAN if plan is None else plan)
+    return ZeRO(model, stage, units=units, group=axis_group(mesh_or_group, "dp"), timeline=timeline,
+                **options)
 
 
 def _in_backward() -> bool:
