@@ -38,8 +38,10 @@ import torch
 
 from ultrascale.comm import AlphaBeta, CommLogger
 from ultrascale.memory import GB, model_state_bytes, zero_bytes_per_rank
-from ultrascale.model import GPT, GPTConfig, count_params, lm_loss
+from ultrascale.model import GPT, GPTConfig, count_params
 from ultrascale.parallel import NaiveDataParallel, Timeline, ZeRO, covered_seconds, overlap_seconds
+from ultrascale.parity import (OPTIMIZERS, Batches, assert_replicas_identical, assert_same, device_mesh_1d,
+                               fsdp2, make_optimizer, max_difference, run_steps, tolerance, train, weights)
 from ultrascale.runtime import Cluster
 from ultrascale.viz.gantt import plot_gantt
 
@@ -248,23 +250,15 @@ assert sum(numel for _, numel, *_ in layouts[0]) == PSI
 # The references: one process training on the whole batch with Adam, and plain data
 # parallelism (`NaiveDataParallel` from chapter 02, full Adam on every rank). Every run starts from
 # the same seed and sees the same data: at step $t$ the global batch has $N_d \cdot$ `MBS`
-# sequences, and rank $r$ takes rows $[r \cdot$ `MBS`$, (r+1) \cdot$ `MBS`$)$.
+# sequences, and rank $r$ takes rows $[r \cdot$ `MBS`$, (r+1) \cdot$ `MBS`$)$. The course's parity
+# harness (`ultrascale.parity`, met in chapter 02) makes the batches and runs the one training loop.
 
 # %%
-OPTIMIZERS = {"adam": (torch.optim.Adam, {"lr": 1e-3}), "sgd": (torch.optim.SGD, {"lr": 0.1})}
+DATA = Batches(CFG, mbs=MBS, seed=SEED)
 
 
-def global_batch(step, world_size):
-    g = torch.Generator().manual_seed(1000 * SEED + step)
-    return torch.randint(0, CFG.vocab_size, (MBS * world_size, CFG.seq_len + 1), generator=g)
-
-
-def local_batch(ctx, step):
-    return global_batch(step, ctx.world_size)[MBS * ctx.rank: MBS * (ctx.rank + 1)]
-
-
-def loss_on(model, tokens):
-    return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+def local_batches(ctx):
+    return DATA.rank_stream(ctx.rank, ctx.world_size)
 
 
 def fresh_model():
@@ -273,37 +267,21 @@ def fresh_model():
 
 
 def train_single_process(opt_name, world_size):
-    model = fresh_model()
-    cls, kwargs = OPTIMIZERS[opt_name]
-    opt = cls(model.parameters(), **kwargs)
-    for step in range(STEPS):
-        loss_on(model, global_batch(step, world_size)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train(fresh_model(), DATA.global_stream(world_size), STEPS, opt_name)
 
 
 def train_dp(ctx, opt_name):
     model = fresh_model()
-    dp = NaiveDataParallel(model)
-    cls, kwargs = OPTIMIZERS[opt_name]
-    opt = cls(model.parameters(), **kwargs)
-    for step in range(STEPS):
-        loss_on(dp, local_batch(ctx, step)).backward()
-        dp.finish_gradient_synchronization()   # all-reduce and average the gradients
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    dp = NaiveDataParallel(model)   # all-reduce and average the gradients after backward
+    return train(model, local_batches(ctx), STEPS, opt_name, module=dp,
+                 after_backward=dp.finish_gradient_synchronization)
 
 
 def train_zero(ctx, stage, opt_name, prefetch=True):
     model = fresh_model()
     cls, kwargs = OPTIMIZERS[opt_name]
     zero = ZeRO(model, stage=stage, optimizer_cls=cls, prefetch=prefetch, **kwargs)  # also the optimizer
-    for step in range(STEPS):
-        loss_on(model, local_batch(ctx, step)).backward()
-        zero.step()
-        zero.zero_grad()
+    run_steps(model, local_batches(ctx), STEPS, zero)
     return zero.full_state_dict()   # ZeRO-3 gathers its shards for this
 
 
@@ -327,26 +305,14 @@ results["ZeRO-3, no prefetch"] = cluster.run(train_zero, 3, "adam", False)
 # copies the same values everywhere.
 
 # %%
-TOL = dict(rtol=1e-4, atol=5e-5)
-SGD_TOL = dict(rtol=1e-5, atol=5e-6)  # SGD moves weights linearly in the gradient: nothing to magnify
-
-
-def max_difference(a, b):
-    return max((a[n] - b[n]).abs().max().item() for n in b)
-
-
-def assert_same_weights(got, expected, what, tol=TOL):
-    assert got.keys() == expected.keys(), what
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], **tol, msg=f"{what}: {name}")
+TOL, SGD_TOL = tolerance("adam"), tolerance("sgd")   # ultrascale.parity.TOLERANCES, with the reasons
 
 
 reference = results["DP"][0]
-assert_same_weights(reference, single, "DP against one process")
+assert_same(reference, single, "DP against one process", optimizer="adam")
 for name, per_rank in results.items():
-    for rank, weights in enumerate(per_rank):
-        assert all(torch.equal(weights[n], per_rank[0][n]) for n in weights), f"{name}: rank {rank} differs"
-    assert_same_weights(per_rank[0], reference, f"{name} against DP")
+    assert_replicas_identical(per_rank, name)
+    assert_same(per_rank[0], reference, f"{name} against DP", optimizer="adam")
 print(f"after {STEPS} Adam steps on {WORLD_SIZE} ranks, every run matches plain DP within "
       f"atol={TOL['atol']}, rtol={TOL['rtol']}; all ranks hold identical weights")
 
@@ -365,7 +331,7 @@ for name, per_rank in results.items():
 # %%
 reference_sgd = cluster.run(train_dp, "sgd")[0]
 for stage in (1, 2, 3):
-    assert_same_weights(cluster.run(train_zero, stage, "sgd")[0], reference_sgd, f"ZeRO-{stage} with SGD", SGD_TOL)
+    assert_same(cluster.run(train_zero, stage, "sgd")[0], reference_sgd, f"ZeRO-{stage} with SGD", optimizer="sgd")
 print("ZeRO-1, 2 and 3 also match plain DP with SGD: the gradients are averaged, not summed")
 
 
@@ -378,31 +344,19 @@ print("ZeRO-1, 2 and 3 also match plain DP with SGD: the gradients are averaged,
 
 # %%
 def train_fsdp2(ctx):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    if "mesh" not in ctx.state:      # one device mesh per rank, reused by later calls
-        ctx.state["mesh"] = init_device_mesh("cpu", (ctx.world_size,))
-    model = fresh_model()
-    for block in model.blocks:
-        fully_shard(block, mesh=ctx.state["mesh"])
-    fully_shard(model, mesh=ctx.state["mesh"])
-    cls, kwargs = OPTIMIZERS["adam"]
-    opt = cls(model.parameters(), **kwargs)
-    for step in range(STEPS):
-        with CommLogger() as log:    # the last step's log is kept
-            loss_on(model, local_batch(ctx, step)).backward()
-            opt.step()
-            opt.zero_grad()
+    model = fsdp2(fresh_model(), device_mesh_1d(ctx))   # fully_shard each block, then the whole model
+    optimizer = make_optimizer(model.parameters(), "adam")
+    run_steps(model, local_batches(ctx), STEPS - 1, optimizer)
+    with CommLogger() as log:        # the last step's collectives
+        run_steps(model, local_batches(ctx), 1, optimizer, first_step=STEPS - 1)
     shards = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
-    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    return full, log.totals(), shards
+    return weights(model), log.totals(), shards
 
 
 fsdp = cluster.run(train_fsdp2, timeout=300)
 for stage in (1, 2, 3):
-    assert_same_weights(results[f"ZeRO-{stage}"][0], fsdp[0][0], f"ZeRO-{stage} against FSDP2")
-assert_same_weights(fsdp[0][0], reference, "FSDP2 against DP")
+    assert_same(results[f"ZeRO-{stage}"][0], fsdp[0][0], f"ZeRO-{stage} against FSDP2", optimizer="adam")
+assert_same(fsdp[0][0], reference, "FSDP2 against DP", optimizer="adam")
 print("ZeRO-1, 2 and 3 match FSDP2 fully_shard on the same model and data")
 
 # %% [markdown]
@@ -435,13 +389,10 @@ def measure_stage(ctx, stage, units=None):
         block.register_forward_hook(after_forward)
 
     for step in range(2):
-        before = dict(zero.stats)
-        with CommLogger() as log:
-            loss_on(model, local_batch(ctx, step)).backward()
-            zero.step()
-            zero.zero_grad()
+        with CommLogger() as log:    # the second step's collectives are kept
+            run_steps(model, local_batches(ctx), 1, zero, first_step=step)
     return {"state": zero.state_bytes(), "formula": zero.formula_bytes(k=12), "peak": peak["parameters"],
-            "comm": log.totals(), "calls": {k: v - before.get(k, 0) for k, v in zero.stats.items()},
+            "comm": log.totals(), "calls": log.collective_elements(),
             "units": [(u.name, u.numel, u.padded) for u in zero.all_units]}
 
 
@@ -506,6 +457,13 @@ print(f"ZeRO-3 parameter bytes: {at_rest:,} at rest, {out3['peak']:,} at peak "
 # The book's accounting: DP all-reduces ($2\Psi$); ZeRO-1 and ZeRO-2 reduce-scatter the gradients
 # ($\Psi$) and all-gather the parameters ($\Psi$), also $2\Psi$; ZeRO-3 all-gathers in forward
 # ($\Psi$), again in backward ($\Psi$), and reduce-scatters ($\Psi$): $3\Psi$.
+#
+# One more collective shows up in the log, under its own name: before each step the ranks
+# all-reduce one byte per parameter tensor saying whether it got a gradient. A summed gradient
+# cannot tell "no gradient" from a zero one, and the optimizer must skip a parameter that got
+# none (no weight decay, no moment update), exactly as a torch optimizer skips a `.grad` of
+# None. DDP does the same with `find_unused_parameters=True`. It is a few bytes against
+# $\Psi$ elements, and it is left out of the volumes below.
 
 # %%
 def volume_in_psi(totals, op, n, width=2):
@@ -526,7 +484,7 @@ for stage, per_rank in measured.items():
     for out in per_rank:
         elements = sum(out["comm"].get(op, {}).get("bytes_sent", 0) for op in OPS) * n // (n - 1) // 2
         assert elements == expected_elements[stage], (stage, elements)
-        assert out["calls"]["elements"] == elements, "the library's own counter agrees with CommLogger"
+        assert out["calls"]["elements"] == elements, "logged buffer sizes and ring traffic agree"
     row = {op: volume_in_psi(per_rank[0]["comm"], op, n) for op in OPS}
     volumes[stage] = sum(row.values())
     print(f"{stage:>6} " + " ".join(f"{row[op]:>{w}.4f}" for op, w in zip(OPS, (11, 15, 11)))
@@ -614,35 +572,12 @@ assert fsdp[0][2]["embed.weight"] == (chunk, CFG.hidden)
 # ## 4. Timelines: gathering just in time
 # Where does the communication happen, and does it wait for the computation or the other way
 # round? We record a per-rank timeline of one training step: the library logs each collective from
-# launch to completion, and hooks on the blocks log each block's forward and backward. A larger
+# launch to completion, and `Timeline.instrument` hooks the blocks to log each block's forward
+# and backward. A larger
 # model makes the compute bars visible.
 
 # %%
 TIMELINE_CFG = GPTConfig(vocab_size=256, hidden=128, layers=L, heads=4, seq_len=64)   # wider, same depth
-
-
-def instrument(model, timeline):
-    """Log each block's forward and backward as compute bars on this rank's timeline."""
-    started = {}
-
-    def before_forward(module, args, i):
-        # Registered after ZeRO's hooks: waiting for an all-gather is not counted as compute.
-        started["forward", i] = timeline.now()
-        # An alias of the input, only for its gradient: that gradient is complete exactly when
-        # the block's backward is done (ZeRO's hooks on the input tensor come later).
-        x = args[0].view_as(args[0])
-        x.register_hook(lambda g: timeline.add("compute", f"backward block {i}", started["backward", i],
-                                               timeline.now()))
-        return (x, *args[1:])
-
-    def after_forward(module, args, out, i):
-        timeline.add("compute", f"forward block {i}", started["forward", i], timeline.now())
-        # Runs after ZeRO's pre-backward hook on the same tensor, i.e. after its gather.
-        out.register_hook(lambda g: started.__setitem__(("backward", i), timeline.now()))
-
-    for i, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(lambda module, args, i=i: before_forward(module, args, i))
-        block.register_forward_hook(lambda module, args, out, i=i: after_forward(module, args, out, i))
 
 
 def record_step(ctx, stage, prefetch):
@@ -650,13 +585,14 @@ def record_step(ctx, stage, prefetch):
     model = GPT(TIMELINE_CFG)
     timeline = Timeline(ctx.rank)
     zero = ZeRO(model, stage=stage, prefetch=prefetch, timeline=timeline, lr=1e-3)
-    instrument(model, timeline)
-    g = torch.Generator().manual_seed(ctx.rank)
-    tokens = torch.randint(0, TIMELINE_CFG.vocab_size, (4, TIMELINE_CFG.seq_len + 1), generator=g)
+    # Bars for each block's forward and backward, by hooks registered after ZeRO's: waiting for
+    # an all-gather happens before a bar starts, so it is not counted as compute.
+    timeline.instrument(model.blocks)
+    batch = Batches(TIMELINE_CFG, mbs=4, seed=SEED).rank_batch(ctx.rank, ctx.world_size, 0)
     for step in range(2):            # the first step warms up; the second is recorded
         timeline.clear()
         start = time.perf_counter()
-        loss_on(model, tokens).backward()
+        batch.loss(model).backward()
         with timeline.span("step (optimizer)"):
             zero.step()
         zero.zero_grad()

@@ -76,18 +76,20 @@ def _sync_if_cuda(tensors) -> None:
 
 
 @contextlib.contextmanager
-def record_op(op: str, group=None):
+def record_op(op: str, group=None, source: str = "measured"):
     """Time a hand-written collective; ``count_p2p`` calls inside it add their bytes.
 
     Costs almost nothing when no logger is open. When called inside another logged
     operation (a collective built from other collectives) the bytes go to the outer one.
+    ``source="algorithmic"`` when the bytes given to ``count_p2p`` are a formula's
+    (e.g. a built-in collective logged under a name of its own), not real messages.
     """
     global _current_event
     if not _active_loggers or _current_event is not None:
         yield
         return
     _, size = _group_rank_and_size(group)
-    event = CommEvent(op, dist.get_rank() if dist.is_initialized() else 0, size, 0, 0, 0.0, "measured")
+    event = CommEvent(op, dist.get_rank() if dist.is_initialized() else 0, size, 0, 0, 0.0, source)
     _current_event = event
     start = time.perf_counter()
     try:

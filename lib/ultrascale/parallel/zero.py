@@ -60,11 +60,14 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
+from ..comm.logger import count_p2p, record_op
 from ..memory import zero_bytes_per_rank
 from .flat import (FlatUnit, Piece, WatchedWork, coarse_pieces, has_future, parameter_owners,
                    resolve_param_groups, split_piece)
 from .mesh import axis_group
 from .timeline import COMMUNICATION, Timeline
+
+GRADIENT_FLAGS = "all_reduce (gradient flags)"   # its name in a CommLogger's log
 
 __all__ = ["PLAN", "ZeRO", "FlatUnit", "apply_zero", "units_of", "all_gather_into", "reduce_scatter_into"]
 
@@ -251,7 +254,12 @@ class ZeRO:
         local = [p in unit.has_grad for unit in self.all_units for p in unit.params]
         device = self.all_units[0].full.device if self.all_units else None
         flags, start = torch.tensor(local, dtype=torch.uint8, device=device), self.timeline.now()
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # MAX of 0/1: any rank
+        # Logged under its own name, so that the flat buffers' traffic (the 2Ψ and 3Ψ of
+        # the book) stays apart from these few bytes; their ring volume is counted too.
+        with record_op(GRADIENT_FLAGS, self.group, source="algorithmic"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # MAX of 0/1: any rank
+            volume = 2 * (self.world_size - 1) * flags.numel() // self.world_size
+            count_p2p(volume, volume)
         self.timeline.add(COMMUNICATION, "all_reduce gradient flags", start, self.timeline.now(),
                           flags.numel())
         flags = iter(flags.tolist())
