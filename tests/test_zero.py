@@ -205,3 +205,39 @@ def test_zero3_on_any_module_with_chosen_units(cluster):
 def test_bad_stage_is_a_clear_error():
     with pytest.raises(ValueError, match="stage"):
         ZeRO(torch.nn.Linear(2, 2), stage=4)
+
+
+def apply_on_a_mesh(ctx):
+    """apply_zero and apply_data_parallel over a mesh's dp axis, with the course plan and
+    with a hand-written one, train exactly like ZeRO and DP built directly."""
+    from ultrascale.parallel import apply_data_parallel, apply_zero, init_mesh
+    from ultrascale.parallel.zero import PLAN, units_of
+
+    mesh = init_mesh(ctx, dp=ctx.world_size)
+    model = fresh_model()
+    assert units_of(model, PLAN) == list(model.blocks)
+    assert units_of(model, {"blocks.1": "unit"}) == [model.blocks[1]]
+    zero = apply_zero(model, mesh, stage=3, plan={"blocks.*": "unit"}, optimizer_cls=torch.optim.SGD, lr=0.1)
+    run_steps(model, my_batches(ctx), STEPS, zero)
+    plain = fresh_model()
+    dp = apply_data_parallel(plain, mesh, kind="overlapped")
+    expected = train(plain, my_batches(ctx), STEPS, "sgd", module=dp, after_backward=dp.finish_gradient_synchronization)
+    return zero.full_state_dict(), expected, len(zero.units)
+
+
+def test_apply_zero_and_data_parallel_on_a_mesh(cluster):
+    ours, expected, units = cluster.run(apply_on_a_mesh)[0]
+    assert units == CFG.layers
+    assert_same(ours, expected, "apply_zero vs apply_data_parallel")
+
+
+def test_apply_functions_reject_what_they_cannot_do():
+    from ultrascale.parallel import apply_data_parallel
+    from ultrascale.parallel.zero import units_of
+
+    with pytest.raises(ValueError, match="kind="):
+        apply_data_parallel(torch.nn.Linear(2, 2), kind="fast")
+    with pytest.raises(ValueError, match="no plan"):
+        apply_data_parallel(torch.nn.Linear(2, 2), plan={"*": "unit"})
+    with pytest.raises(ValueError, match="one style"):
+        units_of(fresh_model(), {"blocks.*": "colwise"})

@@ -143,71 +143,45 @@ class ReduceFromParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-# ---- g and g*: sequence parallelism --------------------------------------------------
-class GatherFromSequenceRegion(torch.autograd.Function):
-    """g: all-gather along ``dim`` forward, reduce-scatter backward.
+# ---- g and g*: sequence parallelism, and the edges of a tensor-parallel model ---------
+def _conjugate_pair(name: str, forward_op, backward_op, doc: str):
+    """An autograd Function that runs ``forward_op(x, dim, group)`` forward and
+    ``backward_op(grad, dim, group)`` backward: the four below differ only in the pair."""
+
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return forward_op(x, dim, group)
+
+    def backward(ctx, grad):
+        return backward_op(grad, ctx.dim, ctx.group), None, None
+
+    return type(name, (torch.autograd.Function,),
+                {"__doc__": doc, "forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+GatherFromSequenceRegion = _conjugate_pair("GatherFromSequenceRegion", _all_gather, _reduce_scatter, """
+    g: all-gather along ``dim`` forward, reduce-scatter backward.
 
     Each rank holds a slice of the sequence; the tensor-parallel block after g needs all
     of it. Every rank uses the whole gathered tensor with different weights, so the
     gradient of rank r's slice is the sum over ranks of their gradients for that slice:
-    a reduce-scatter.
-    """
+    a reduce-scatter.""")
 
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """g*: reduce-scatter along ``dim`` forward, all-gather backward.
+ReduceScatterToSequenceRegion = _conjugate_pair(
+    "ReduceScatterToSequenceRegion", _reduce_scatter, _all_gather, """
+    g*: reduce-scatter along ``dim`` forward, all-gather backward.
 
     Rank r keeps slice r of the sum of all ranks' partial outputs. Every rank's input
     contributes to every slice with coefficient 1, so each input's gradient is the full
-    upstream gradient, whose slices live on different ranks: an all-gather.
-    """
+    upstream gradient, whose slices live on different ranks: an all-gather.""")
 
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+SplitAlongDim = _conjugate_pair("SplitAlongDim", _own_slice, _all_gather, """
+    Keep this rank's slice of a replicated tensor; backward all-gathers the slices'
+    gradients, so every rank gets the gradient of the whole (replicated) tensor.""")
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-# ---- the edges of a tensor-parallel model ----------------------------------------------
-class SplitAlongDim(torch.autograd.Function):
-    """Keep this rank's slice of a replicated tensor; backward all-gathers the slices'
-    gradients, so every rank gets the gradient of the whole (replicated) tensor."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _own_slice(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class GatherAlongDim(torch.autograd.Function):
-    """All-gather the slices into the full tensor. The loss after it is computed the same
-    way on every rank, so the upstream gradient is replicated: keep this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_slice(grad, ctx.dim, ctx.group), None, None
+GatherAlongDim = _conjugate_pair("GatherAlongDim", _all_gather, _own_slice, """
+    All-gather the slices into the full tensor. The loss after it is computed the same
+    way on every rank, so the upstream gradient is replicated: keep this rank's slice.""")
 
 
 # ---- all-to-all: expert parallelism ----------------------------------------------------

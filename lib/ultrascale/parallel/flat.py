@@ -12,45 +12,14 @@ rank, never updated, never communicated after the initial broadcast.
 The optimizer steps *pieces* of a unit's master shard (``Piece``): views of runs of
 consecutive parameters of one parameter group, so each element gets its group's
 options and a parameter without a gradient can be left out of a step.
-
-Also here: ``WatchedWork``, which times an async collective that has no future.
 """
 from __future__ import annotations
 
 import copy
-import threading
 from collections import defaultdict
 
 import torch
 import torch.nn as nn
-
-
-class WatchedWork:
-    """An async collective whose backend offers no completion callback (gloo's
-    reduce-scatter has no future): a helper thread waits for it and puts its bar on the
-    timeline when the transfer really ends, instead of a zero-length mark at launch."""
-
-    def __init__(self, work, on_done):
-        self.work = work
-        self.thread = threading.Thread(target=self._watch, args=(on_done,), daemon=True)
-        self.thread.start()
-
-    def _watch(self, on_done):
-        self.work.wait()
-        on_done()
-
-    def wait(self):
-        self.work.wait()
-        self.thread.join()   # the bar is recorded before anyone reads the timeline
-        return True
-
-
-def has_future(work) -> bool:
-    try:
-        work.get_future()
-    except RuntimeError:   # "Work::getFuture not implemented"
-        return False
-    return True
 
 
 def parameter_owners(model):

@@ -94,12 +94,12 @@ class Timeline:
         start = self.now() if start is None else start
         if not self.enabled:
             return work
+        record = lambda *_: self.add(COMMUNICATION, name, start, self.now(), nbytes)   # noqa: E731
         try:
             future = work.get_future()
-        except (AttributeError, RuntimeError):   # a backend without futures: end at launch
-            self.add(COMMUNICATION, name, start, self.now(), nbytes)
-            return work
-        future.then(lambda _: self.add(COMMUNICATION, name, start, self.now(), nbytes))
+        except (AttributeError, RuntimeError):   # no future (gloo's reduce-scatter): watch it
+            return WatchedWork(work, record)
+        future.then(record)
         return work
 
     def instrument(self, modules, prefix: str = "block"):
@@ -162,6 +162,27 @@ class Timeline:
     def busy_seconds(self, lane: str) -> float:
         """Total time covered by the bars of one lane (overlapping bars counted once)."""
         return covered_seconds([(e.start, e.end) for e in self.events if e.lane == lane])
+
+
+class WatchedWork:
+    """An async collective whose backend offers no completion callback (gloo's
+    reduce-scatter has no future): a helper thread waits for it and records its bar when
+    the transfer really ends, instead of a zero-length mark at launch. Wait on this
+    object instead of the work it wraps."""
+
+    def __init__(self, work, on_done):
+        self.work = work
+        self.thread = threading.Thread(target=self._watch, args=(on_done,), daemon=True)
+        self.thread.start()
+
+    def _watch(self, on_done):
+        self.work.wait()
+        on_done()
+
+    def wait(self):
+        self.work.wait()
+        self.thread.join()   # the bar is recorded before anyone reads the timeline
+        return True
 
 
 def covered_seconds(intervals) -> float:

@@ -62,8 +62,8 @@ from torch.utils._pytree import tree_flatten
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from ..comm.logger import count_p2p, record_op
 from ..memory import zero_bytes_per_rank
-from .flat import (FlatUnit, Piece, WatchedWork, coarse_pieces, has_future, parameter_owners,
-                   resolve_param_groups, split_piece)
+from .flat import (FlatUnit, Piece, coarse_pieces, parameter_owners, resolve_param_groups,
+                   split_piece)
 from .mesh import axis_group
 from .timeline import COMMUNICATION, Timeline
 
@@ -149,9 +149,6 @@ class ZeRO:
         if not async_op:
             self.timeline.add(COMMUNICATION, name, start, self.timeline.now(), nbytes)
             return None
-        if self.timeline.enabled and not has_future(work):
-            return WatchedWork(work, lambda: self.timeline.add(COMMUNICATION, name, start,
-                                                               self.timeline.now(), nbytes))
         return self.timeline.communication(name, work, nbytes, start)
 
     # ------------------------------------------------------------------ gradients
