@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ultrascale import parity
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import ZeRO
 from ultrascale.runtime import shared_cluster
@@ -151,10 +152,8 @@ def train_toy(ctx, stage, groups=False):
     return zero.full_state_dict(), requires_grad, zero.num_parameters
 
 
-def assert_same(got, expected, tol=TOL):
-    assert got.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], **tol, msg=name)
+def assert_same(got, expected, what="ZeRO vs one process"):
+    parity.assert_same(got, expected, what, tol=TOL)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -253,17 +252,8 @@ def test_checkpoint_from_another_world_size_or_stage_is_refused(cluster):
 
 # --------------------------------------------------------------------------- the course GPT
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
-GPT_STEPS, GPT_ROWS = 3, 2
+GPT_STEPS, GPT_DATA = 3, parity.Batches(CFG, mbs=2, seed=0)
 GPT_ADAMW = dict(lr=1e-3, weight_decay=0.1)
-
-
-def gpt_tokens(step, n):
-    g = torch.Generator().manual_seed(step)
-    return torch.randint(0, CFG.vocab_size, (GPT_ROWS * n, CFG.seq_len + 1), generator=g)
-
-
-def gpt_loss(model, tokens):
-    return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def make_gpt():
@@ -280,11 +270,7 @@ def gpt_groups(model):
 def train_gpt(ctx, stage):
     model = make_gpt()
     zero = ZeRO(model, stage, torch.optim.AdamW, param_groups=gpt_groups(model), **GPT_ADAMW)
-    for step in range(GPT_STEPS):
-        tokens = gpt_tokens(step, ctx.world_size)[GPT_ROWS * ctx.rank: GPT_ROWS * (ctx.rank + 1)]
-        gpt_loss(model, tokens).backward()
-        zero.step()
-        zero.zero_grad()
+    parity.run_steps(model, GPT_DATA.rank_stream(ctx.rank, ctx.world_size), GPT_STEPS, zero)
     return zero.full_state_dict()
 
 
@@ -292,10 +278,6 @@ def train_gpt(ctx, stage):
 def test_gpt_adamw_with_groups_equals_one_process(cluster, stage):
     model = make_gpt()
     opt = torch.optim.AdamW(gpt_groups(model), **GPT_ADAMW)
-    for step in range(GPT_STEPS):
-        gpt_loss(model, gpt_tokens(step, cluster.world_size)).backward()
-        opt.step()
-        opt.zero_grad()
-    expected = {name: p.detach() for name, p in model.named_parameters()}
+    expected = parity.train(model, GPT_DATA.global_stream(cluster.world_size), GPT_STEPS, opt)
     for params in cluster.run(train_gpt, stage):
         assert_same(params, expected)

@@ -289,8 +289,14 @@ def _init_weights(module):
 
 
 def lm_loss(logits, targets):
-    """Mean next-token cross-entropy; logits (batch, seq, vocab), targets (batch, seq)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-token cross-entropy; logits (batch, seq, vocab), targets (batch, seq).
+
+    Computed in at least fp32: 16-bit logits are upcast (a softmax over a large
+    vocabulary loses too much in bf16), fp64 ones are kept as they are."""
+    logits = logits.flatten(0, 1)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits, targets.flatten())
 
 
 # --------------------------------------------------------------------------- counting
