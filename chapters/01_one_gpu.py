@@ -249,7 +249,8 @@ assert sum(mixed.values()) == 16 * n
 # of which the softmax output (2 bytes), a dropout mask (1) and the dropout output (2) are kept.
 # So activations grow **linearly with the batch** and **quadratically with the sequence length**.
 #
-# The book's example, a Llama-3-8B-like shape:
+# An example derived from the book's formula (our numbers, not a figure printed in the book), a
+# Llama-3-8B-like shape:
 
 # %%
 example = GPTConfig(vocab_size=128256, hidden=4096, layers=32, heads=32)  # only the shape is used
@@ -828,12 +829,12 @@ print(f"gbs = {TRAIN['mbs']} x {TRAIN['grad_acc']} x {WORLD_SIZE} = {gbs}: same 
 
 # %% [markdown]
 # ### How large a batch?
-# The book's reference points, all "as printed" (sizes in tokens are `sequences × seq`):
+# The book's reference points; where a size in tokens is ours, computed as `sequences × seq`, we say so:
 #
 # - recent LLM pre-training settles at roughly **4 to 60 million tokens per batch**;
 # - **Llama 1** used about 4M tokens per batch for 1.4T tokens;
 # - **DeepSeek-V3** grew its batch from 3,072 to 15,360 sequences over the first 469B tokens, then
-#   kept 15,360; with its 4,096-token pre-training sequences that is 12.6M to 63M tokens, the top
+#   kept 15,360; with its 4,096-token pre-training sequences that is (our arithmetic) 12.6M to 63M tokens, the top
 #   of the range ("about 60M tokens" over 14T tokens);
 # - larger batches give better gradient estimates but fewer optimizer steps for the same data,
 #   hence the ramp: small batches early, while the loss drops fast. OpenAI's study of large-batch
@@ -870,6 +871,8 @@ def train_step(model=prof_model, optimizer=prof_optimizer, idx=prof_idx):
     optimizer.zero_grad(set_to_none=True)
 
 
+from ultrascale.profiling import quiet_native_stderr
+
 activities = [torch.profiler.ProfilerActivity.CPU]
 if torch.cuda.is_available():
     activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -879,8 +882,8 @@ for old in trace_dir.glob(f"{trace_name}.*.pt.trace.json"):
     old.unlink()  # only this kernel's earlier traces: a re-run replaces them
 
 # %% tags=["nbval-ignore-output"]
-# (timings, and the profiler's own messages, differ from run to run)
-with torch.profiler.profile(
+# (timings differ from run to run; quiet_native_stderr hides the profiler library's start/stop lines)
+with quiet_native_stderr(), torch.profiler.profile(
     activities=activities,
     schedule=torch.profiler.schedule(wait=1, warmup=1, active=3),
     on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=trace_name),
@@ -931,8 +934,9 @@ from ultrascale.profiling import bytes_at, memory_timeline, peak_within, plot_me
 torch.manual_seed(SEED)
 mem_model = GPT(GPTConfig(vocab_size=256, hidden=64, layers=2, heads=4))
 mem_optimizer = torch.optim.Adam(mem_model.parameters(), lr=1e-3)
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
-                            record_shapes=True, with_stack=True) as mem_prof:
+with quiet_native_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True, record_shapes=True,
+                                                   with_stack=True) as mem_prof:
     for i in range(3):
         with torch.profiler.record_function(f"step {i + 1}"):
             train_step(mem_model, mem_optimizer, prof_idx)
@@ -1077,8 +1081,7 @@ mfu_model.set_recompute("none");
 # a quarter of its work just is not new. (The optimizer step, element-wise and memory-bound, is
 # included in the step time, which lowers both numbers for a model this small.)
 #
-# On a GPU the same measurement gives the number that matters in practice (large LLM training runs
-# commonly report 30 to 50% MFU on H100s). The next cell measures it when a GPU is present and
+# On a GPU the same measurement gives the number that matters in practice. The next cell measures it when a GPU is present and
 # records the result in `results/`; without a GPU it shows the recorded result, if there is one.
 
 # %% tags=["nbval-ignore-output"]

@@ -237,9 +237,19 @@ assert sum(numel for _, numel, *_ in layouts[0]) == PSI
 # (chapter a0), so ZeRO-1 sends the same bytes as plain DP and stores far less. The difference is
 # that the optimizer now sits between the two halves.
 #
+# That all-gather is new waiting time after the optimizer step, and there are two places to hide
+# it: start sending each slice as soon as the optimizer has updated it, while it updates the next
+# (overlap with the step), or gather each layer's parameters just before the next forward needs
+# them (overlap with the forward, layer by layer, which is ZeRO-3's prefetch in disguise). Both
+# are fiddly to write by hand; in practice one gets the second by wrapping the whole model as one
+# FSDP unit. Our ZeRO-1/2 launch all units' all-gathers at once and wait for them at the end of
+# the step.
+#
 # - **ZeRO-2** does not keep the full gradient: each unit's gradients are reduce-scattered as soon
 #   as backward has produced them, and the full gradient buffer is dropped. Only this rank's
-#   slice of the averaged gradient lives until the optimizer step.
+#   slice of the averaged gradient lives until the optimizer step. With gradient accumulation in
+#   FP32 (20 bytes per parameter instead of 16, chapter 01), the FP32 buffer shrinks the same
+#   way: each rank accumulates only its $1/N_d$ slice, so it costs $4\Psi/N_d$, not $4\Psi$.
 # - **ZeRO-3** does not keep the full parameters either. Each rank stores its slice; just before a
 #   unit's forward its parameters are all-gathered, and after the forward they are freed. Backward
 #   needs them again, so they are gathered a second time, used, then freed once the unit's
@@ -501,8 +511,11 @@ assert measured[0][0]["comm"]["all_reduce"]["bytes_sent"] == 2 * measured[1][0][
 # calls it twice as fast. Since ZeRO-2 also keeps less memory at no extra communication, it is
 # usually the stage to prefer over ZeRO-1.
 #
-# ZeRO-3 comes out a little **below** $3\Psi$, and the difference is exact: two units are not
-# gathered a second time for backward. The root unit stays gathered from its forward to its
+# ZeRO-3 comes out **below** $3\Psi$: about $2.69\Psi$ for this small model (the table's last row),
+# 10% less. The difference is exact: two units are not gathered a second time for backward, and
+# here they weigh a lot, because the root unit holds the embedding matrix, a large share of a
+# small model's $\Psi$ (at real sizes the embedding and one block are a few percent, and the
+# volume tends to $3\Psi$). The root unit stays gathered from its forward to its
 # backward (the head at the very end of forward uses the embedding matrix, and backward starts
 # there), and so does the last block, whose backward starts right after its forward ended.
 # Measured volume $= 3\Psi_{\text{padded}} - \text{root} - \text{last block}$, as asserted above.

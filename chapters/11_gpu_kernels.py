@@ -486,8 +486,8 @@ fig
 # %% [markdown]
 # Edge tiles are partial, so for tiles that do not divide the matrix the saving is a little
 # below T. The tile side is bounded by shared memory: two fp32 tiles of 128 x 32 already take
-# 32 KiB. In the book's measurements tiling brought the kernel to about 410 GB/s of memory
-# throughput and 6.6 TFLOP/s, with a kernel time about 43% below the coalesced version's:
+# 32 KiB. In the book's measurements tiling brought the kernel to a memory throughput the book
+# prints as 410 Gb/s, and 6.6 TFLOP/s, with a kernel time about 43% below the coalesced version's:
 # reference points, not something we can reproduce without a GPU.
 #
 # ### 3.3 Thread coarsening
@@ -890,7 +890,7 @@ assert saved_flash == 4 * s_bwd * 32 * 4 + s_bwd * 4  # q, k, v, out and the log
 # one head's forward pass (a model, not a measurement). Naive: read Q and K, write S, read S and
 # write P, read P and V, write O: `4 s d + 4 s^2` elements. Flash: Q read once and O written
 # once, and every block of `block_m` query rows streams all of K and V through the chip:
-# `2 s d + 2 s d * ceil(s / block_m)` elements. The `s^2` term becomes `s^2 d / block_m`, and
+# `2 s d + 2 s d * ceil(s / block_m)` elements. The `s^2` term becomes `2 s^2 d / block_m`, and
 # `block_m` (128 here) is as large as shared memory allows.
 
 # %%

@@ -277,8 +277,10 @@ collective_figure(before, after, "reduce-scatter (sum)")
 # ### Barrier
 # A barrier carries no data: no rank leaves it until every rank has entered it. In the book's
 # example rank `r` sleeps `r` seconds first, so every rank leaves at about the time the slowest
-# one arrives, `N - 1` seconds after the start. Here the sleep is `SLEEP_PER_RANK · r`, 1 s as in
-# the book, or 0.2 s in QUICK mode to keep the notebook short. Every rank spends the time between
+# one arrives, `N - 1` seconds after the start: with 3 ranks the book's ranks 0, 1 and 2 pass at
+# 2.0025, 2.0025 and 2.0024 s, the 2 s of the slowest rank's sleep plus a few milliseconds for
+# the barrier itself. Here the sleep is `SLEEP_PER_RANK · r`, 1 s as in the book (run with
+# `QUICK = False` to see the full-size figure), or 0.2 s in QUICK mode to keep the notebook short. Every rank spends the time between
 # its own arrival and the last one's doing nothing, which is why barriers should be rare in
 # training code.
 

@@ -17,7 +17,28 @@ as arrays, without writing a file.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import numpy as np
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Silence what C++ code writes to stderr inside the block (the profiler's library,
+    Kineto, prints a "USDT: ... profiler_start" line on every start and stop). Python's
+    own warnings and exceptions are not affected: only file descriptor 2 is redirected."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 # The profiler's categories, in the order its timeline stores them, with friendlier names.
 CATEGORY_NAMES = {
