@@ -1,6 +1,7 @@
 """Tests of the chapter 0 warm-up exercises (solutions/00_orientation_exercises.ipynb).
 
-* ``00.mean_across_ranks``: average a tensor over all ranks with ``all_reduce``.
+* ``00.mean_across_ranks``: average a tensor over all ranks with ``all_reduce``, leaving
+  the input tensor unchanged (``all_reduce`` works in place, so on a copy).
 * ``00.pipeline_stage_layers``: split L layers over p pipeline stages.
 * ``00.memory_per_stage``: the model-state memory each pipeline stage holds, the
   pipeline-parallel input missing from the book's memory widget.
@@ -13,6 +14,7 @@ import math
 import torch
 
 from ultrascale.grading import exercise
+from ultrascale.grading.guards import call_learner, expect_value_error
 
 
 # ---- 00.mean_across_ranks ----------------------------------------------------------
@@ -31,8 +33,10 @@ def _mean_on_rank(ctx, mean_across_ranks, shapes, seed):
     results = []
     for shape in shapes:
         x = rank_input(shape, ctx.rank, seed).to(ctx.device)
+        given = x.clone()
         out = mean_across_ranks(ctx, x)
-        results.append(out.detach().cpu() if isinstance(out, torch.Tensor) else out)
+        out = out.detach().cpu() if isinstance(out, torch.Tensor) else out
+        results.append((out, torch.equal(x.cpu(), given.cpu())))
     return results
 
 
@@ -51,12 +55,16 @@ def test_mean_across_ranks(mean_across_ranks, world_size: int = 3, quick: bool =
             inputs = [rank_input(shape, r, seed) for r in range(size)]
             expected = torch.stack(inputs).mean(dim=0)
             for rank in range(size):
-                got = outputs[rank][i]
+                got, input_kept = outputs[rank][i]
                 where = f"world_size={size}, shape={shape}, rank {rank}"
                 assert isinstance(got, torch.Tensor), f"{where}: expected a tensor back, got {type(got).__name__}"
                 assert tuple(got.shape) == shape, f"{where}: expected shape {shape}, got {tuple(got.shape)}"
                 if not torch.allclose(got.float(), expected, rtol=1e-5, atol=1e-6):
                     raise AssertionError(f"{where}: wrong values. {_diagnose(got.float(), expected, inputs, rank, size)}")
+                assert input_kept, (
+                    f"{where}: the values are right, but your function changed the tensor it was given "
+                    "(dist.all_reduce overwrites its argument in place). Leave the caller's tensor alone: "
+                    "all-reduce a copy, e.g. total = tensor.clone()")
 
 
 def _diagnose(got, expected, inputs, rank, size) -> str:
@@ -93,21 +101,18 @@ def _cases(quick: bool):
 @exercise("00.pipeline_stage_layers", points=1)
 def test_pipeline_stage_layers(pipeline_stage_layers, quick: bool = True):
     for num_layers, pp in _cases(quick):
-        got = pipeline_stage_layers(num_layers, pp)
         expected = reference_stage_layers(num_layers, pp)
         call = f"pipeline_stage_layers({num_layers}, {pp})"
+        got = call_learner(pipeline_stage_layers, num_layers, pp, call=call, expected=str(expected))
         assert got is not None, f"{call} returned None: return the list of layer counts"
         got = list(got)
         assert len(got) == pp, f"{call}: expected one entry per stage ({pp}), got {len(got)}: {got}"
         assert sum(got) == num_layers, f"{call}: the stages hold {sum(got)} layers in total, not {num_layers}: {got}"
         assert got == expected, f"{call}: expected {expected}, got {got} (as even as possible, extra layers on the first stages)"
     for num_layers, pp in [(4, 0), (4, 5), (1, 2)]:
-        try:
-            pipeline_stage_layers(num_layers, pp)
-        except ValueError:
-            continue
-        raise AssertionError(f"pipeline_stage_layers({num_layers}, {pp}) should raise ValueError: "
-                             "every stage needs at least one layer and there must be at least one stage")
+        why = ("there must be at least one stage" if pp < 1
+               else f"{pp} stages cannot each get at least one of {num_layers} layers")
+        expect_value_error(pipeline_stage_layers, num_layers, pp, why=why)
 
 
 # ---- 00.memory_per_stage -----------------------------------------------------------
@@ -149,8 +154,8 @@ def test_memory_per_stage(memory_per_stage, quick: bool = True):
 
 def _compare(memory_per_stage, args, kwargs):
     call = f"memory_per_stage({', '.join(map(str, args))}{''.join(f', {k}={v}' for k, v in kwargs.items())})"
-    got = memory_per_stage(*args, **kwargs)
     expected = reference_memory_per_stage(*args, **kwargs)
+    got = call_learner(memory_per_stage, *args, call=call, expected=f"{expected}", **kwargs)
     assert got is not None, f"{call} returned None: return the list of bytes per stage"
     got = list(got)
     assert len(got) == len(expected), f"{call}: expected {len(expected)} stages, got {len(got)}"

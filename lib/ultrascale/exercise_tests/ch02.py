@@ -11,17 +11,24 @@ ranks and compare the weights with single-process training on the concatenated b
 (``shared_cluster`` keeps those clusters between checks), with the parity harness
 (``ultrascale.parity``): the same seeded batches, the same training loop, the same loss.
 ``CommLogger`` counts the all-reduce calls, and when they were made, so that a version
-that averages correctly but never overlaps (everything launched in ``finish()``) is told so.
+that averages correctly but never overlaps (everything launched in ``finish()``) is told so;
+a watch on ``dist.all_reduce`` also tells one whose hooks block backward: a synchronous
+all-reduce, or an ``async_op=True`` one whose handle is waited for in the hook.
 
 Tolerances: ``ultrascale.parity.TOLERANCES`` (fp32, SGD), where the reason is written.
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
+import inspect
 
-from ultrascale.batch_size import samples_per_step
+import torch
+import torch.distributed as dist
+
+from ultrascale.batch_size import nearest_power_of_two, samples_per_step
 from ultrascale.grading import exercise
+from ultrascale.grading.guards import call_learner, without_library
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import build_buckets
 from ultrascale.parity import Batches, make_optimizer, max_difference, tolerance, train
@@ -59,21 +66,25 @@ def _recipe_cases(quick: bool):
 
 @exercise("02.grad_acc_steps", points=1)
 def test_grad_acc_steps(grad_acc_steps, quick: bool = True):
+    grad_acc_steps = without_library(
+        grad_acc_steps, [samples_per_step, nearest_power_of_two], "02.grad_acc_steps",
+        "round gbs_tokens / seq_len to the nearest power of two with math.log2 and round")
     for gbs_tokens, seq_len, mbs, dp in _recipe_cases(quick):
         call = f"grad_acc_steps({gbs_tokens:g}, {seq_len}, mbs={mbs}, dp={dp})"
         try:
             expected = reference_grad_acc_steps(gbs_tokens, seq_len, mbs, dp)
         except ValueError:
             expected = None
-        try:
-            got = grad_acc_steps(gbs_tokens, seq_len, mbs, dp)
-        except ValueError:
-            got = None
         samples = gbs_tokens / seq_len
         gbs = samples_per_step(gbs_tokens, seq_len)
+        why = ("mbs x dp exceeds the global batch (GPU-rich)" if mbs * dp > gbs
+               else f"mbs x dp = {mbs * dp} does not divide the global batch of {gbs} samples")
+        try:
+            got = call_learner(grad_acc_steps, gbs_tokens, seq_len, mbs, dp, call=call, passthrough=(ValueError,),
+                               expected=f"a ValueError ({why})" if expected is None else f"grad_acc = {expected}")
+        except ValueError:
+            got = None
         if expected is None:
-            why = ("mbs x dp exceeds the global batch (GPU-rich)" if mbs * dp > gbs
-                   else f"mbs x dp = {mbs * dp} does not divide the global batch of {gbs} samples")
             assert got is None, f"{call} returned {got!r}; it should raise ValueError: {why}"
             continue
         assert got is not None, (f"{call} raised ValueError, but {gbs} samples = {mbs} x {expected} x {dp} "
@@ -98,8 +109,64 @@ def _all_reduce_calls(log) -> int:
     return log.collective_elements().get("all_reduce", 0)
 
 
+class _WatchedWork:
+    """An async all-reduce's handle, as the learner sees it: notes in which phase it was waited for."""
+
+    def __init__(self, work, record, watch):
+        self._work, self._record, self._watch = work, record, watch
+
+    def wait(self, *args, **kwargs):
+        if self._record["waited"] is None:
+            self._record["waited"] = self._watch.phase
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class _AllReduceWatch:
+    """While installed, ``dist.all_reduce`` notes for each call whether it was asynchronous
+    (``async_op=True``) and in which phase its handle was waited for: "backward" (the
+    training loop, hooks included) or "finish" (the learner's ``finish()``).
+
+    A synchronous all-reduce, or an async one waited for at once in the hook, blocks
+    backward until the communication is done: it is counted, but nothing overlaps.
+    Installed inside the ``CommLogger`` (it wraps the logger's wrapper) and removed
+    before the logger closes.
+    """
+
+    def __init__(self):
+        self.phase = "backward"
+        self.calls = []   # {"async": bool, "launched": phase, "waited": phase or None}
+
+    @contextlib.contextmanager
+    def installed(self):
+        original = dist.all_reduce
+        signature = inspect.signature(original)
+
+        def watched(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            record = {"async": bool(bound.get("async_op", False)), "launched": self.phase, "waited": None}
+            self.calls.append(record)
+            work = original(*args, **kwargs)
+            return _WatchedWork(work, record, self) if record["async"] and work is not None else work
+
+        dist.all_reduce = watched
+        try:
+            yield self
+        finally:
+            dist.all_reduce = original
+
+    def blocking_in_backward(self) -> dict:
+        """How many all-reduces blocked backward: synchronous ones, and async ones waited for at once."""
+        during = [c for c in self.calls if c["launched"] == "backward"]
+        return {"synchronous": sum(not c["async"] for c in during),
+                "waited_in_backward": sum(c["async"] and c["waited"] == "backward" for c in during)}
+
+
 def _train_on_rank(ctx, make_sync, steps, register_hooks):
-    """Train on this rank's rows; count all-reduces launched during backward and in total.
+    """Train on this rank's rows; count all-reduces launched during backward and in total,
+    and those that blocked backward (synchronous, or waited for in the hook).
 
     ``make_sync(model)`` builds the learner's object; with ``register_hooks`` the harness
     connects every parameter's post-accumulate-grad hook to ``sync.grad_ready``.
@@ -112,20 +179,41 @@ def _train_on_rank(ctx, make_sync, steps, register_hooks):
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(sync.grad_ready)
     marks = [0]   # all-reduce calls so far: after each backward, then after each finish()
+    watch = _AllReduceWatch()
 
     def finish():
         marks.append(_all_reduce_calls(log))
-        sync.finish()
+        watch.phase = "finish"
+        try:
+            sync.finish()
+        finally:
+            watch.phase = "backward"
         marks.append(_all_reduce_calls(log))
 
-    with CommLogger() as log:
+    with CommLogger() as log, watch.installed():
         params = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, "sgd", after_backward=finish)
     names = {p: n for n, p in model.named_parameters()}
     buckets = getattr(sync, "buckets", None)
     if buckets is not None:
         buckets = [[names.get(p, "<not a parameter of the model>") for p in b] for b in buckets]
     return {"params": params, "during": [b - a for a, b in zip(marks[0::2], marks[1::2])],
-            "total": [b - a for a, b in zip(marks[0::2], marks[2::2])], "buckets": buckets}
+            "total": [b - a for a, b in zip(marks[0::2], marks[2::2])], "buckets": buckets,
+            **watch.blocking_in_backward()}
+
+
+def _check_overlap(res, where, what) -> None:
+    """The all-reduces launched during backward must not block it."""
+    if res["synchronous"]:
+        raise AssertionError(
+            f"{where}: {res['synchronous']} {what} all-reduces launched during backward were synchronous "
+            "(no async_op=True): each one "
+            "blocks backward until it is done, so nothing overlaps. Launch it with "
+            "dist.all_reduce(..., async_op=True), keep the handle it returns, and wait for it in finish()")
+    if res["waited_in_backward"]:
+        raise AssertionError(
+            f"{where}: {res['waited_in_backward']} {what} all-reduces were launched with async_op=True, but "
+            "their handles were waited for during backward (wait() in the hook): that blocks backward just as "
+            "a synchronous all-reduce does. Keep the handles and wait for them in finish()")
 
 
 def _single_process(batches, steps, lr_scale=1):
@@ -188,6 +276,7 @@ def test_overlapped_dp_hooks(OverlappedGradSync, quick: bool = True, timeout: fl
                 f"{where}: only {res['during']} of the {n_tensors} all-reduces per step were launched while "
                 "backward was running; launch each one from the parameter's hook (async_op=True) so it "
                 "overlaps with the rest of backward, and only wait in finish()")
+            _check_overlap(res, where, "gradient")
         _compare_weights(results, size, steps, "check the division by the world size and that finish() "
                                                "waits for every handle")
 
@@ -215,12 +304,15 @@ def _describe(buckets, index):
 
 @exercise("02.assign_buckets", points=1)
 def test_assign_buckets(assign_buckets, quick: bool = True):
+    assign_buckets = without_library(assign_buckets, [build_buckets], "02.assign_buckets",
+                                     "walk the parameters in reverse and fill the buckets up to the cap")
     for params, cap in _bucket_cases(quick):
         index = {id(p): i for i, p in enumerate(params)}
         expected = build_buckets(list(reversed(params)), cap)
         call = (f"assign_buckets(<{len(params)} tensors of "
                 f"{[p.numel() * p.element_size() for p in params]} bytes>, bucket_cap_bytes={cap})")
-        got = assign_buckets(list(params), cap)
+        got = call_learner(assign_buckets, list(params), cap, call=call,
+                           expected=f"the buckets (by parameter index) {_describe(expected, index)}")
         assert got is not None, f"{call} returned None: return the list of buckets (lists of parameters)"
         got = [list(b) for b in got]
         for b in got:
@@ -281,6 +373,7 @@ def test_bucket_manager(BucketManager, quick: bool = True, timeout: float = 120)
                 assert res["during"] == [n] * steps, (
                     f"{where}: {res['during']} of the {n} bucket all-reduces per step were launched during "
                     "backward; launch a bucket (async_op=True) as soon as its last gradient is ready")
+                _check_overlap(res, where, "bucket")
             _compare_weights(results, size, steps, "check that each gradient is copied into its bucket, the "
                                                    "average is copied back into .grad, and the buckets are "
                                                    "reset for the next step")

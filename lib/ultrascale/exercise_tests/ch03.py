@@ -10,7 +10,8 @@
 * ``03.zero3_gather_free``: ``install_zero3_hooks(ctx, module)`` registers a forward
   pre-hook that all-gathers a module's flat parameter shard into its full parameters and a
   forward hook that frees them again. Graded by the logits of a GPT whose blocks all hold
-  only their shard, against the unsharded model, with one block gathered at a time.
+  only their shard, against the unsharded model, with one block gathered at a time, and
+  by weak references to the gathered memory, which must be gone after each block's forward.
 
 The clusters have 2 and 3 ranks, and the test model has Ψ = 27,520 parameters (its blocks
 12,704 each): neither is divisible by 3, so the padding matters. Data, training loop and
@@ -24,9 +25,15 @@ scale, and SGD's failure message can say what a wrong scale means.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
+import inspect
+import time
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from ultrascale.grading import exercise
 from ultrascale.model import GPT, GPTConfig
@@ -221,6 +228,78 @@ def _gathered_blocks(model) -> list:
     return [i for i, block in enumerate(model.blocks) if any(p.numel() for p in block.parameters())]
 
 
+ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "all_gather")
+
+
+class _GatheredMemory:
+    """Weak references to the memory a block's forward gathers, to see whether it is freed.
+
+    While a block runs, the outputs of every all-gather and the storages its parameters
+    point at are tracked without keeping them alive (``StorageWeakRef``). Right after the
+    block's forward hooks (the learner's free included), every one of them must be gone:
+    a reference kept anywhere (a closure variable, a list, a global, an attribute) keeps
+    the full parameters in memory, which is what ZeRO-3 exists to avoid.
+    """
+
+    def __init__(self):
+        self.tracked = []   # (StorageWeakRef, bytes) of the block now running
+        self.kept = []      # per block forward: bytes of gathered memory still alive after it
+
+    def track(self, tensors) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        for t in tensors:
+            if torch.is_tensor(t) and t.numel():
+                storage = t.untyped_storage()
+                self.tracked.append((StorageWeakRef(storage), storage.nbytes()))
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Track the output of every all-gather called as ``dist.<name>`` while open."""
+        saved = []
+        for name in ALL_GATHERS:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            saved.append((name, original))
+            setattr(dist, name, self._watch(original))
+        try:
+            yield self
+        finally:
+            for name, original in reversed(saved):
+                setattr(dist, name, original)
+
+    def _watch(self, original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def watched(*args, **kwargs):
+            result = original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs).arguments
+            output = bound.get("output_tensor", bound.get("tensor_list"))
+            self.track(output if isinstance(output, (list, tuple)) else [output])
+            return result
+
+        return watched
+
+    def still_alive(self) -> int:
+        """Bytes of the tracked memory that something still references (after a garbage collection)."""
+        alive = [(ref, n) for ref, n in self.tracked if not ref.expired()]
+        if alive:
+            gc.collect()   # a reference cycle is garbage, not a reference kept on purpose
+        for _ in range(20):   # gloo's worker thread may hold a finished collective (and its
+            alive = [(ref, n) for ref, n in alive if not ref.expired()]   # output) a moment longer
+            if not alive:
+                break
+            time.sleep(0.002)
+        seen, total = set(), 0
+        for ref, n in alive:
+            if ref.cdata not in seen:
+                seen.add(ref.cdata)
+                total += n
+        return total
+
+
 def _run_zero3(ctx, install_zero3_hooks, inputs):
     from ultrascale.comm import CommLogger
 
@@ -232,12 +311,28 @@ def _run_zero3(ctx, install_zero3_hooks, inputs):
         install_zero3_hooks(ctx, block)
     shards = [block.zero3_shard.clone() for block in model.blocks]
     seen = []   # which blocks hold full parameters while each block computes
-    for block in model.blocks:   # registered after the learner's hooks: they see their effect
-        block.register_forward_pre_hook(lambda module, args: seen.append(_gathered_blocks(model)))
-    out = {"logits": [], "expected": [], "seen": seen, "traffic": [], "after": []}
+    memory = _GatheredMemory()
+
+    def starting(module, args):   # before the learner's pre-hook
+        memory.tracked = []
+
+    def computing(module, args):   # after it: the parameters point at the gathered memory
+        seen.append(_gathered_blocks(model))
+        memory.track([p for p in module.parameters()])
+
+    def done(module, args, output):   # after the learner's forward hook
+        memory.kept.append(memory.still_alive())
+        memory.tracked = []
+
+    for block in model.blocks:   # around the learner's hooks, so they see their effect
+        block.register_forward_pre_hook(starting, prepend=True)
+        block.register_forward_pre_hook(computing)
+        block.register_forward_hook(done)
+    out = {"logits": [], "expected": [], "seen": seen, "traffic": [], "after": [],
+           "kept_bytes": memory.kept, "full_bytes": [4 * n for n in full_sizes]}
     with torch.no_grad():
         for tokens in inputs:
-            with CommLogger() as log:
+            with CommLogger() as log, memory.installed():
                 out["logits"].append(model(tokens))
             out["traffic"].append(log.totals())
             out["after"].append(_gathered_blocks(model))
@@ -278,6 +373,15 @@ def test_zero3_gather_free(install_zero3_hooks, world_size: int = 3, quick: bool
             assert out["shards_unchanged"], f"{where}: the hooks changed module.zero3_shard; leave the shard alone"
             assert not out["kept"], (f"{where}: a full-size tensor stays attached to a block ({out['kept']}); "
                                      "free the gathered buffer, do not keep it on the module")
+            for i, kept in enumerate(out["kept_bytes"]):
+                block = i % layers
+                assert not kept, (
+                    f"{where}, forward {i // layers + 1}: after block {block}'s forward, {kept:,} bytes of the "
+                    f"memory gathered for it (its full parameters are {out['full_bytes'][block]:,} bytes) are "
+                    "still alive: something still references the gathered buffer (a closure variable, a list or "
+                    "dict, a global, an attribute). Setting p.data to an empty tensor frees the memory only when "
+                    "nothing else holds it: keep the buffer in a local variable of the pre-hook, not anywhere "
+                    "that outlives the forward")
             for call, totals in enumerate(out["traffic"]):
                 banned = set(totals) & {"all_reduce", "broadcast", "send", "isend"}
                 assert not banned, f"{where}: gather the shards with an all-gather, not {sorted(banned)}"

@@ -22,7 +22,10 @@ While the learner's code runs, on every rank:
   receives;
 * a :class:`~ultrascale.comm.CommLogger` counts the bytes that go through ``send``,
   ``isend`` and ``batch_isend_irecv``; a ring moves every chunk exactly ``N - 1`` times per
-  phase, so the total over ranks must be ``(N-1) K`` per phase for ``K`` bytes.
+  phase, so the total over ranks must be ``(N-1) K`` per phase for ``K`` bytes;
+* a tap on ``send`` and ``isend`` notes where each message goes: every rank must send
+  only to one neighbour, one chunk per step, ``N - 1`` steps per phase. The same bytes
+  sent straight to the rank that needs them are not a ring.
 
 The learner's function is unpickled on the ranks *after* the replacements are in place,
 so that even ``from torch.distributed import all_reduce`` in the notebook is caught.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import cloudpickle
 import torch
@@ -104,6 +108,50 @@ def forbid_collectives(exercise_name: str):
             setattr(module, name, original)
 
 
+class _SendTap:
+    """While open, notes the destination (global rank) and size of every send on this rank.
+
+    ``dist.send`` and ``dist.isend`` are wrapped in ``torch.distributed`` and in its
+    defining module, where ``P2POp`` and ``batch_isend_irecv`` look ``isend`` up, so
+    sends made through ``batch_isend_irecv`` are seen too. Opened inside the
+    ``CommLogger`` (it wraps the logger's wrappers) and closed before it.
+    """
+
+    def __init__(self):
+        self.sends = []   # (destination rank, bytes)
+        self._saved = []
+
+    def __enter__(self) -> "_SendTap":
+        for name in ("send", "isend"):
+            original = getattr(dist, name)
+            wrapper = self._tap(original)
+            for module in (dist, c10d):
+                self._saved.append((module, name, getattr(module, name)))
+                setattr(module, name, wrapper)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved.clear()
+
+    def _tap(self, original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def tapped(*args, **kwargs):
+            a = signature.bind(*args, **kwargs).arguments
+            dst, group = a.get("dst"), a.get("group")
+            if dst is None and a.get("group_dst") is not None:
+                dst = a["group_dst"] if group is None or group is dist.group.WORLD else \
+                    dist.get_global_rank(group, a["group_dst"])
+            tensor = a["tensor"]
+            self.sends.append((dst, tensor.numel() * tensor.element_size()))
+            return original(*args, **kwargs)
+
+        return tapped
+
+
 def _padded_all_gather(chunk: torch.Tensor, numel: int, n: int) -> torch.Tensor:
     """The reference all-gather: dist.all_gather needs equal sizes, so pad, then trim."""
     sizes = [c.numel() for c in torch.tensor_split(torch.empty(numel), n)]
@@ -136,11 +184,11 @@ def _on_rank(ctx, kind: str, payload: bytes, shapes, seed: int, exercise_name: s
     from ultrascale.comm import CommLogger
 
     results = []
-    with forbid_collectives(exercise_name), CommLogger() as log:
+    with forbid_collectives(exercise_name), CommLogger() as log, _SendTap() as tap:
         fn = cloudpickle.loads(payload)  # after the patches: see the module docstring
         for shape, given, expected in cases:
             argument = given.clone()
-            start = len(log.events)
+            start, first_send = len(log.events), len(tap.sends)
             try:
                 if kind == "all_gather":
                     out = fn(ctx, argument, int(torch.Size(shape).numel()))
@@ -152,7 +200,8 @@ def _on_rank(ctx, kind: str, payload: bytes, shapes, seed: int, exercise_name: s
             if isinstance(out, torch.Tensor):
                 out = out.detach().cpu().clone()
             results.append({"shape": shape, "given": given, "expected": expected, "out": out,
-                            "input_kept": torch.equal(argument, given), "sent": sent})
+                            "input_kept": torch.equal(argument, given), "sent": sent,
+                            "sent_to": [dst for dst, nbytes in tap.sends[first_send:] if nbytes]})
     return {"results": results}
 
 
@@ -208,6 +257,33 @@ def _check_traffic(where: str, sent_per_rank: list, numel: int, n: int, phases: 
         f"{phases}·(N-1)·K = {expected_total} bytes for K = {total_bytes}. {hint}")
 
 
+def _check_ring(where: str, sent_to_per_rank: list, numel: int, n: int, phases: int, what: str) -> None:
+    """Each rank sends only to one neighbour, one chunk per step: ``phases`` (N-1) steps.
+
+    The bytes alone do not tell a ring from sending every chunk straight to the rank
+    that needs it (the same volume, but each rank talks to all the others at once).
+    Empty chunks are skipped, so with fewer elements than ranks some steps send nothing.
+    """
+    steps = phases * (n - 1)
+    for rank, sent_to in enumerate(sent_to_per_rank):
+        right, left = (rank + 1) % n, (rank - 1) % n
+        peers = sorted(set(sent_to))
+        if peers and peers != [right] and peers != [left]:
+            raise AssertionError(
+                f"{where}, rank {rank}: your {what} sent messages to ranks {peers}. In a ring each rank "
+                f"sends only to its right neighbour (r + 1) % N = {right} and receives only from its left "
+                f"neighbour (r - 1) % N = {left}, passing chunks along; sending each chunk straight to the rank "
+                "that needs it moves as many bytes but makes every rank talk to all the others at once")
+        if (numel >= n and len(sent_to) != steps) or len(sent_to) > steps:
+            formula = "N-1" if phases == 1 else f"{phases}·(N-1)"
+            raise AssertionError(
+                f"{where}, rank {rank}: your {what} sent {len(sent_to)} messages; a ring {what} takes "
+                f"{formula} = {steps} step{'s' if steps != 1 else ''}, and in each step every rank sends one "
+                "chunk to its neighbour, in one message"
+                + (": do not split a chunk into several messages" if len(sent_to) > steps
+                   else ": do not merge several chunks into one message"))
+
+
 # ---- a0.ring_reduce_scatter --------------------------------------------------------------
 def _diagnose_reduce_scatter(out, expected, given_all, rank, n) -> str:
     totals = torch.stack(given_all).sum(0)
@@ -243,6 +319,8 @@ def test_ring_reduce_scatter(ring_reduce_scatter, world_size: int = 3, quick: bo
                                            "work on a copy (tensor.clone()) so the caller keeps its data")
             _check_traffic(f"world_size={n}, length {length}", [per_rank[q][i]["sent"] for q in range(n)],
                            length, n, 1, "reduce-scatter")
+            _check_ring(f"world_size={n}, length {length}", [per_rank[q][i]["sent_to"] for q in range(n)],
+                        length, n, 1, "reduce-scatter")
 
 
 # ---- a0.ring_all_gather ------------------------------------------------------------------
@@ -268,6 +346,8 @@ def test_ring_all_gather(ring_all_gather, world_size: int = 3, quick: bool = Tru
                 assert res["input_kept"], f"{where}: your function changed the chunk it was given"
             _check_traffic(f"world_size={n}, length {length}", [per_rank[q][i]["sent"] for q in range(n)],
                            length, n, 1, "all-gather")
+            _check_ring(f"world_size={n}, length {length}", [per_rank[q][i]["sent_to"] for q in range(n)],
+                        length, n, 1, "all-gather")
 
 
 # ---- a0.ring_all_reduce ------------------------------------------------------------------
@@ -295,3 +375,5 @@ def test_ring_all_reduce(ring_all_reduce, world_size: int = 3, quick: bool = Tru
             numel = int(torch.Size(shape).numel())
             _check_traffic(f"world_size={n}, shape {shape}", [per_rank[q][i]["sent"] for q in range(n)],
                            numel, n, 2, "all-reduce")
+            _check_ring(f"world_size={n}, shape {shape}", [per_rank[q][i]["sent_to"] for q in range(n)],
+                        numel, n, 2, "all-reduce")

@@ -1,0 +1,283 @@
+"""The grader cannot be fooled: plausible wrong answers fail, the solutions still pass.
+
+Each test submits a wrong answer a learner could write (defined inside the test, so that
+cloudpickle ships it by value to the ranks) and expects a failure whose message says
+what to fix; the solution notebook's own answer must still pass.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+from ultrascale.grading import FAIL, PASS, check
+
+torch.set_num_threads(1)
+SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
+KINDS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
+
+
+def _load(notebook: str) -> dict:
+    """The imports, functions and classes of a solution notebook (demos and checks left out)."""
+    namespace = {"__name__": "__main__"}  # cloudpickle sends __main__ functions by value
+    for cell in nbformat.read(SOLUTIONS / notebook, as_version=4).cells:
+        if cell.cell_type != "code":
+            continue
+        body = [node for node in ast.parse(cell.source).body if isinstance(node, KINDS)]
+        exec(compile(ast.Module(body=body, type_ignores=[]), notebook, "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def ch00():
+    return _load("00_orientation_exercises.ipynb")
+
+
+@pytest.fixture(scope="module")
+def ch01():
+    return _load("01_one_gpu_exercises.ipynb")
+
+
+@pytest.fixture(scope="module")
+def ch02():
+    return _load("02_data_parallelism_exercises.ipynb")
+
+
+@pytest.fixture(scope="module")
+def ch03():
+    return _load("03_zero_exercises.ipynb")
+
+
+@pytest.fixture(scope="module")
+def a0():
+    return _load("a0_collectives_exercises.ipynb")
+
+
+def _fails(result, *phrases):
+    assert result.status == FAIL, result
+    for phrase in phrases:
+        assert phrase in result.message, f"{phrase!r} not in:\n{result.message}"
+
+
+# ---- 02: a synchronous all-reduce in the hook does not overlap -------------------------
+
+def test_overlapped_hooks_refuse_a_synchronous_all_reduce(ch02):
+    class SyncInHook:
+        def __init__(self, module, group=None):
+            self.group, self.params = group, []
+            for p in module.parameters():
+                p.register_post_accumulate_grad_hook(self.grad_ready)
+
+        def grad_ready(self, param):
+            dist.all_reduce(param.grad, group=self.group)  # blocks backward until done
+            self.params.append(param)
+
+        def finish(self):
+            for p in self.params:
+                p.grad.div_(dist.get_world_size(self.group))
+            self.params.clear()
+
+    class WaitInHook(SyncInHook):
+        def grad_ready(self, param):
+            dist.all_reduce(param.grad, group=self.group, async_op=True).wait()
+            self.params.append(param)
+
+    _fails(check("02.overlapped_dp_hooks", SyncInHook), "synchronous", "async_op=True")
+    _fails(check("02.overlapped_dp_hooks", WaitInHook), "waited for during backward")
+    assert check("02.overlapped_dp_hooks", ch02["OverlappedGradSync"]).status == PASS
+
+
+def test_bucket_manager_refuses_a_synchronous_all_reduce(ch02):
+    Solution = ch02["BucketManager"]
+
+    class SyncBuckets(Solution):
+        def grad_ready(self, param):
+            i = self.bucket_of[param]
+            start, end = self.slots[param]
+            self.buffers[i][start:end].view_as(param).copy_(param.grad)
+            self.ready[i].add(param)
+            if len(self.ready[i]) == len(self.buckets[i]):
+                dist.all_reduce(self.buffers[i], group=self.group)
+                self.handles[i] = self  # finish() waits on it: nothing to wait for
+
+        def wait(self):
+            pass
+
+    _fails(check("02.bucket_manager", SyncBuckets), "synchronous", "bucket")
+    assert check("02.bucket_manager", Solution).status == PASS
+
+
+# ---- a0: the ring, not the same bytes sent straight to their owner ----------------------
+
+def test_ring_collectives_refuse_direct_sends(a0):
+    send_recv = a0["send_recv"]
+
+    def exchange(ctx, outgoing, incoming):
+        """Post every send and receive (peer -> tensor), then wait: no deadlock."""
+        ops = [dist.P2POp(dist.isend, t, peer) for peer, t in outgoing.items() if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in incoming.items() if t.numel()]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def ring_reduce_scatter(ctx, tensor):  # every chunk straight to the rank that owns it
+        me, n = ctx.rank, ctx.world_size
+        parts = torch.tensor_split(tensor, n)
+        mine = parts[me].clone()
+        incoming = {q: torch.empty_like(mine) for q in range(n) if q != me}
+        exchange(ctx, {q: parts[q].contiguous() for q in range(n) if q != me}, incoming)
+        for t in incoming.values():
+            mine += t
+        return mine
+
+    def ring_all_gather(ctx, chunk, numel):  # own chunk straight to every other rank
+        me, n = ctx.rank, ctx.world_size
+        out = chunk.new_empty(numel)
+        places = torch.tensor_split(out, n)
+        places[me].copy_(chunk)
+        exchange(ctx, {q: chunk for q in range(n) if q != me}, {q: places[q] for q in range(n) if q != me})
+        return out
+
+    def ring_all_reduce(ctx, tensor):
+        flat = tensor.reshape(-1)
+        return ring_all_gather(ctx, ring_reduce_scatter(ctx, flat), flat.numel()).reshape(tensor.shape)
+
+    def halves_reduce_scatter(ctx, tensor):  # a ring, but each chunk in two messages
+        me, n = ctx.rank, ctx.world_size
+        right, left = (me + 1) % n, (me - 1) % n
+        parts = [part.clone() for part in torch.tensor_split(tensor, n)]
+        for step in range(n - 1):
+            out, target = parts[(me - step - 1) % n], parts[(me - step - 2) % n]
+            incoming = torch.empty_like(target)
+            for a, b in zip(torch.tensor_split(out, 2), torch.tensor_split(incoming, 2)):
+                send_recv(a, b, right, left)
+            target += incoming
+        return parts[me]
+
+    for exercise, wrong, right in [("a0.ring_reduce_scatter", ring_reduce_scatter, "ring_reduce_scatter"),
+                                   ("a0.ring_all_gather", ring_all_gather, "ring_all_gather"),
+                                   ("a0.ring_all_reduce", ring_all_reduce, "ring_all_reduce")]:
+        _fails(check(exercise, wrong), "sent messages to ranks", "right neighbour")
+        assert check(exercise, a0[right]).status == PASS, exercise
+    _fails(check("a0.ring_reduce_scatter", halves_reduce_scatter), "N-1 = 1 step", "do not split a chunk")
+
+
+# ---- 03: the gathered parameters must really be freed -----------------------------------
+
+def test_zero3_refuses_gathered_memory_kept_in_a_closure(ch03):
+    all_gather_into = ch03["all_gather_into"]
+
+    def install_zero3_hooks(ctx, module):
+        cache = []  # outlives the forward: the full parameters stay in memory
+
+        def gather(module, args):
+            shard = module.zero3_shard
+            full = torch.empty(shard.numel() * ctx.world_size, dtype=shard.dtype)
+            all_gather_into(full, shard)
+            cache.append(full)
+            for p, offset, shape in module.zero3_layout:
+                p.data = full[offset: offset + math.prod(shape)].view(shape)
+
+        def free(module, args, output):
+            for p, _, _ in module.zero3_layout:
+                p.data = torch.empty(0, dtype=p.dtype)
+
+        return [module.register_forward_pre_hook(gather), module.register_forward_hook(free)]
+
+    _fails(check("03.zero3_gather_free", install_zero3_hooks), "still alive", "closure")
+    assert check("03.zero3_gather_free", ch03["install_zero3_hooks"]).status == PASS
+
+
+# ---- 00: the input tensor stays unchanged ----------------------------------------------
+
+def test_mean_across_ranks_refuses_an_in_place_all_reduce(ch00):
+    def mean_across_ranks(ctx, tensor):
+        dist.all_reduce(tensor, group=ctx.group)
+        return tensor / ctx.world_size
+
+    _fails(check("00.mean_across_ranks", mean_across_ranks), "changed the tensor it was given", "clone()")
+    assert check("00.mean_across_ranks", ch00["mean_across_ranks"]).status == PASS
+
+
+# ---- an expected ValueError: which input, and what was expected --------------------------
+
+def test_an_unexpected_exception_names_the_input_and_the_expected_value_error(ch00, ch01, ch02):
+    def pipeline_stage_layers(num_layers, pp_degree):  # no check: divides by zero for pp_degree=0
+        share, remainder = divmod(num_layers, pp_degree)
+        return [share + (stage < remainder) for stage in range(pp_degree)]
+
+    _fails(check("00.pipeline_stage_layers", pipeline_stage_layers),
+           "pipeline_stage_layers(4, 0) raised ZeroDivisionError", "expected a ValueError")
+
+    def activation_memory(layers, hidden, heads, seq, micro_batch, recompute="none"):
+        factor = {"none": 34 + 5 * heads * seq / hidden, "selective": 34, "full": 2}[recompute]  # KeyError
+        return layers * seq * micro_batch * hidden * factor
+
+    _fails(check("01.activation_memory", activation_memory),
+           "activation_memory(2, 64, 4, 128, 1, 'partial') raised KeyError", "expected a ValueError")
+
+    def grad_acc_steps(gbs_tokens, seq_len, mbs, dp):
+        gbs = 2 ** round(math.log2(gbs_tokens / seq_len))
+        grad_acc = gbs // (mbs * dp)  # 0 when GPU-rich
+        if gbs % grad_acc:  # meant gbs % (mbs * dp): a modulo by zero when GPU-rich
+            raise ValueError("mbs x dp does not divide the global batch")
+        return grad_acc
+
+    _fails(check("02.grad_acc_steps", grad_acc_steps), "raised ZeroDivisionError", "expected a ValueError (")
+    for exercise, name in [("00.pipeline_stage_layers", "pipeline_stage_layers"),
+                           ("01.activation_memory", "activation_memory"), ("02.grad_acc_steps", "grad_acc_steps")]:
+        solutions = {**ch00, **ch01, **ch02}
+        assert check(exercise, solutions[name]).status == PASS, exercise
+
+
+# ---- the library's own implementation is not an answer -----------------------------------
+
+def test_calling_the_library_implementation_is_refused(ch01, ch02):
+    from ultrascale.batch_size import plan_batch, samples_per_step
+    from ultrascale.memory import activation_bytes
+    from ultrascale.model import GPTConfig, count_params
+    from ultrascale.parallel import build_buckets
+
+    def gpt_param_count(hidden, vocab, layers, tied=True):
+        config = GPTConfig(vocab_size=vocab, hidden=hidden, layers=layers, heads=1)
+        return count_params(config) + (0 if tied else hidden * vocab)
+
+    def activation_memory(layers, hidden, heads, seq, micro_batch, recompute="none"):
+        from types import SimpleNamespace
+        return activation_bytes(SimpleNamespace(layers=layers, hidden=hidden, heads=heads), seq, micro_batch, recompute)
+
+    def grad_acc_steps(gbs_tokens, seq_len, mbs, dp):
+        gbs = samples_per_step(gbs_tokens, seq_len)
+        if mbs * dp > gbs or gbs % (mbs * dp):
+            raise ValueError("no whole number of micro-batches")
+        return gbs // (mbs * dp)
+
+    def grad_acc_from_plan(gbs_tokens, seq_len, mbs, dp):  # through another library function
+        plan = plan_batch(gbs_tokens, seq_len, mbs, dp)
+        if plan.gpu_rich or plan.achieved_gbs != plan.gbs:
+            raise ValueError("no whole number of micro-batches")
+        return plan.grad_acc
+
+    def assign_buckets(params, bucket_cap_bytes):
+        return build_buckets(list(reversed(list(params))), bucket_cap_bytes)
+
+    for exercise, wrong, name in [("01.param_count", gpt_param_count, "ultrascale.model.count_params"),
+                                  ("01.activation_memory", activation_memory, "ultrascale.memory.activation_bytes"),
+                                  ("02.grad_acc_steps", grad_acc_steps, "ultrascale.batch_size.samples_per_step"),
+                                  ("02.grad_acc_steps", grad_acc_from_plan, "ultrascale.batch_size.samples_per_step"),
+                                  ("02.assign_buckets", assign_buckets,
+                                   "ultrascale.parallel.data_parallel.build_buckets")]:
+        _fails(check(exercise, wrong), f"{exercise}: your code called the course library's {name}",
+               "compute it yourself")
+    # the library is itself again afterwards, and the solutions pass
+    assert count_params(GPTConfig(vocab_size=10, hidden=4, layers=1, heads=1)) == 4 * 10 + 12 * 16 + 13 * 4 + 8
+    assert samples_per_step(4e6, 4096) == 1024
+    for exercise, name in [("01.param_count", "gpt_param_count"), ("01.activation_memory", "activation_memory"),
+                           ("02.grad_acc_steps", "grad_acc_steps"), ("02.assign_buckets", "assign_buckets")]:
+        assert check(exercise, {**ch01, **ch02}[name]).status == PASS, exercise
