@@ -17,17 +17,16 @@ Data, loss and PyTorch's wrappers come from ``ultrascale.parity``, as in the tes
 """
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from ultrascale.model import GPT, GPTConfig, count_params
+from ultrascale.model import GPT, count_params
 from ultrascale.parallel import BucketedDataParallel, ZeRO
 from ultrascale.parity import OPTIMIZERS, Batches, ddp, device_mesh_1d, fsdp2, make_optimizer
 from ultrascale.runtime import Cluster
+from sidebyside import config_of, measure, model_arguments
 
 
 _ADAM = dict(optimizer_cls=OPTIMIZERS["adam"][0], **OPTIMIZERS["adam"][1])   # ZeRO's optimizer, as the others'
@@ -79,39 +78,19 @@ def state_bytes(ctx, stage, cfg, param_dtype):
     return zero.state_bytes(), zero.formula_bytes(k=12)
 
 
-def measure(cluster, impls, args, cfg):
-    samples = {impl: [] for impl in impls}
-    for _ in range(args.rounds):
-        for impl in impls:
-            per_rank = cluster.run(time_steps, impl, cfg, args.mbs, args.bucket_mb, args.warmup,
-                                   args.steps, timeout=600)
-            samples[impl] += [max(step) for step in zip(*per_rank)]   # the slowest rank
-    return {impl: statistics.median(t) for impl, t in samples.items()}
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--mbs", type=int, default=2)
+    parser = model_arguments(__doc__)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="bucket_cap_mb for both DPs")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    cfg = GPTConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                    seq_len=args.seq)
+    cfg = config_of(args)
     psi = count_params(cfg)
     print(f"model: GPT h={cfg.hidden} L={cfg.layers} v={cfg.vocab_size} seq={cfg.seq_len} "
           f"mbs={args.mbs}: {psi:,} parameters; torch {torch.__version__}")
 
     with Cluster(args.world_size) as cluster:
         print(f"{args.world_size} ranks, backend {cluster.backend}, {cluster.threads} thread(s) per rank\n")
-        t = measure(cluster, ["ddp", "ours_dp", "fsdp2", "zero3", "zero1", "zero2"], args, cfg)
+        t = measure(cluster, ["ddp", "ours_dp", "fsdp2", "zero3", "zero1", "zero2"], args.rounds, time_steps,
+                    cfg, args.mbs, args.bucket_mb, args.warmup, args.steps)
         print(f"{'implementation':<34}{'step (ms)':>10}")
         names = {"ddp": "PyTorch DDP", "ours_dp": "ours: overlapped + bucketed DP",
                  "fsdp2": "PyTorch FSDP2 (fully_shard)", "zero3": "ours: ZeRO-3 + prefetch",

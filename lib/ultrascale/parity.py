@@ -20,8 +20,8 @@ numbers:
   the final weights.
 * ``assert_same`` compares outputs, gradients or weights with the tolerance stated for
   the dtype and optimizer in ``TOLERANCES`` (the reasons are written there).
-* ``ddp`` and ``fsdp2`` wrap a model the way PyTorch's production versions do, with the
-  same units as ours, so the third run is one line.
+* ``ddp``, ``fsdp2`` and ``dtensor_tp`` (``parallelize_module``) wrap a model the way
+  PyTorch's production versions do, with the same units as ours, so the third run is one line.
 
 The loss is always ``model.lm_loss`` (mean next-token cross-entropy): one definition for
 every run, so a difference can only come from the technique.
@@ -293,3 +293,54 @@ def fsdp2(model, mesh, units=None):
     for unit in (model.blocks if units is None else units):
         fully_shard(unit, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def dtensor_tp(model, device_mesh, sequence_parallel: bool = False):
+    """PyTorch's tensor (and sequence) parallelism on the course GPT or Llama, with the same
+    layout as ``parallel.tensor_parallel.apply_tp``: ``parallelize_module`` with
+    ColwiseParallel q, k, v, fc (gate, up), RowwiseParallel out, proj (down), the embedding
+    RowwiseParallel over vocabulary rows and the head ColwiseParallel over the vocabulary,
+    its logits left as a DTensor sharded on the vocabulary. So train it (forward *and*
+    backward) inside ``torch.distributed.tensor.parallel.loss_parallel()``, which makes
+    ``F.cross_entropy`` (hence ``lm_loss``) the parallel cross-entropy.
+
+    The attention and MLP modules get ``PrepareModuleInput``: their input becomes one
+    replicated DTensor (an all-gather of the sequence with SP) that q, k and v share, as
+    our ``parallel_region`` style does. With ``sequence_parallel`` the norms get
+    ``SequenceParallel`` and the residual stream stays a DTensor sharded on the sequence;
+    DTensor shapes are global, so the model computes its RoPE positions from the full length
+    without help. GPT's tied embedding and head are tied again after sharding (both are
+    sharded by vocabulary rows, ``Shard(0)``).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    tied = model.head.weight is model.embed.weight
+    sp = sequence_parallel
+    residual = Shard(1) if sp else Replicate()   # the layout between the TP regions
+
+    def region(args: int):   # Attention takes (x, cos, sin, recompute_core), the MLP just x
+        return PrepareModuleInput(input_layouts=(residual,) + (None,) * (args - 1),
+                                  desired_input_layouts=(Replicate(),) + (None,) * (args - 1),
+                                  use_local_output=False)
+
+    mlp = ("gate", "up", "down") if hasattr(model.blocks[0].mlp, "gate") else ("fc", "proj")
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual, use_local_output=not sp),
+        "blocks.*.attn": region(4),
+        "blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(),
+        "blocks.*.attn.v": ColwiseParallel(),
+        "blocks.*.attn.out": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
+        "blocks.*.mlp": region(1),
+        **{f"blocks.*.mlp.{name}": ColwiseParallel() for name in mlp[:-1]},
+        f"blocks.*.mlp.{mlp[-1]}": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
+        "head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sp:
+        plan.update({"blocks.*.norm1": SequenceParallel(), "blocks.*.norm2": SequenceParallel(),
+                     "norm": SequenceParallel()})
+    parallelize_module(model, device_mesh, plan)
+    if tied:
+        model.head.weight = model.embed.weight
+    return model

@@ -8,6 +8,8 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   ``apply_data_parallel``.
 * ``zero``: ``ZeRO`` stages 1, 2 and 3 on flat, padded parameter shards (NB03);
   ``apply_zero``.
+* ``tensor_parallel``: column/row-parallel linears, vocabulary-parallel embedding, head and
+  cross-entropy, sequence parallelism (NB04, NB05); ``apply_tp``.
 * ``mesh``: ``Mesh`` / ``init_mesh``, the process mesh over named axes (dp, pp, ep, cp, tp).
 * ``timeline``: per-rank compute and communication events, for Gantt charts.
 """
@@ -17,11 +19,13 @@ from .data_parallel import (BucketedDataParallel, DataParallel, NaiveDataParalle
                             OverlappedDataParallel, apply_data_parallel, average_gradients,
                             build_buckets)
 from .mesh import AXES, Mesh, init_mesh
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tp
 from .timeline import COMMUNICATION, COMPUTE, Event, Timeline, covered_seconds, overlap_seconds
 from .zero import FlatUnit, ZeRO, apply_zero
 
 __all__ = [
-    "AXES", "BucketedDataParallel", "COMMUNICATION", "COMPUTE", "DataParallel", "Event", "FlatUnit",
+    "AXES", "BucketedDataParallel", "COMMUNICATION", "COMPUTE", "ColumnParallelLinear", "DataParallel",
+    "Event", "FlatUnit", "RowParallelLinear", "apply_tp",
     "Mesh", "NaiveDataParallel", "OverlappedDataParallel", "Timeline", "ZeRO", "all_gather_into",
     "apply_data_parallel", "apply_zero", "average_gradients", "broadcast_parameters", "build_buckets",
     "covered_seconds", "init_mesh", "overlap_seconds", "reduce_scatter_into",

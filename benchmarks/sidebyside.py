@@ -1,0 +1,39 @@
+"""What the side-by-side benchmarks share: the model's command-line options and the timing.
+
+Implementations are timed in alternating rounds (A B A B ...), so that a slow spell of a
+shared machine hits all of them alike, and a step's time is the slowest rank's (the
+others wait for it at the next collective). The result is the median step.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from ultrascale.model import GPTConfig
+
+
+def model_arguments(doc: str, **defaults) -> argparse.ArgumentParser:
+    """A parser with the course GPT's shape and the timing options; ``defaults`` override."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options = dict(world_size=4, hidden=128, layers=4, heads=4, vocab=1024, seq=64, mbs=2,
+                   warmup=2, steps=5, rounds=3)
+    options.update(defaults)
+    for name, value in options.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    return parser
+
+
+def config_of(args) -> GPTConfig:
+    return GPTConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                     seq_len=args.seq)
+
+
+def measure(cluster, impls, rounds, time_steps, *args) -> dict:
+    """Median step time of each implementation: ``time_steps(ctx, impl, *args)`` returns
+    one rank's step times; the rounds alternate the implementations."""
+    samples = {impl: [] for impl in impls}
+    for _ in range(rounds):
+        for impl in impls:
+            per_rank = cluster.run(time_steps, impl, *args, timeout=600)
+            samples[impl] += [max(step) for step in zip(*per_rank)]   # the slowest rank
+    return {impl: statistics.median(t) for impl, t in samples.items()}
