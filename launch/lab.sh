@@ -1,11 +1,30 @@
 #!/usr/bin/env bash
-# Start JupyterLab on the course. HEADLESS=1 for a server: no browser, listens on
-# all interfaces (reach it through an SSH tunnel: ssh -L 8888:localhost:8888 host).
+# Start JupyterLab on the course: it opens on chapter 00 (launch/jupyter_server_config.py).
+# HEADLESS=1 for a server: no browser, listens on all interfaces (LAB_IP, LAB_PORT; reach
+# it through an SSH tunnel: ssh -L 8888:localhost:8888 host) and prints the URL to open.
+# Extra arguments go to `jupyter lab`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash launch/setup.sh
-ARGS=(--notebook-dir=. --ServerApp.open_browser=True)
-if [ "${HEADLESS:-0}" = "1" ]; then
-  ARGS=(--notebook-dir=. --no-browser --ip="${LAB_IP:-0.0.0.0}" --port="${LAB_PORT:-8888}")
+# Install (or update) .venv only when it is missing or older than what it is built from:
+# the same rule as `make setup`, so a lab on an installed machine starts offline, at once.
+# LAB_SETUP=0 skips this check (tests/test_lab.py).
+STAMP=.venv/.ultrascale-installed
+if [ "${LAB_SETUP:-1}" != "0" ] && { [ ! -x .venv/bin/jupyter ] || [ ! -f "$STAMP" ] || [ -n "$(find \
+    requirements.txt requirements-dev.txt pyproject.toml launch/setup.sh -newer "$STAMP")" ]; }; then
+  bash launch/setup.sh
+  touch "$STAMP"
 fi
-exec .venv/bin/jupyter lab "${ARGS[@]}" "$@" chapters/00_orientation.ipynb
+# The notebooks use the kernel "python3": let .venv's kernelspecs (the course's Python,
+# registered by setup.sh) win over any python3 kernel in ~/.local/share/jupyter.
+export JUPYTER_PREFER_ENV_PATH=1
+ARGS=(--config=launch/jupyter_server_config.py --ServerApp.root_dir=.)
+if [ "${HEADLESS:-0}" = "1" ]; then
+  ARGS+=(--no-browser --ip="${LAB_IP:-0.0.0.0}" --port="${LAB_PORT:-8888}")
+else
+  ARGS+=(--ServerApp.open_browser=True)
+fi
+if [ "$(id -u)" = "0" ]; then
+  echo "[lab] running as root (a container?): passing --allow-root, which Jupyter refuses to start without"
+  ARGS+=(--allow-root)
+fi
+exec .venv/bin/jupyter lab "${ARGS[@]}" "$@"

@@ -33,6 +33,10 @@ echo "[setup] installing the course's requirements"
 pip install -q -r requirements-dev.txt
 pip install -q --no-deps -e .
 "$VENV/bin/python" -m ipykernel install --user --name ultrascale --display-name "ultrascale (.venv)" >/dev/null
+# The notebooks' kernel is "python3" (display name "Python 3", their metadata): inside .venv
+# (make lab, papermill) that is this Python. The display name must match the metadata, or
+# JupyterLab rewrites it and marks every notebook modified as soon as it opens.
+"$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
 "$VENV/bin/python" - <<'PY'
 import torch, triton, ultrascale
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (gloo + Triton interpreter)"

@@ -1,0 +1,26 @@
+# JupyterLab settings for the course (launch/lab.sh passes this file with --config).
+# The server's root is the repository; these settings only change what the learner sees.
+c = get_config()  # noqa: F821 (defined by Jupyter when it loads this file)
+
+# Open on the course's landing page, not the bare launcher. This is also the URL that
+# the server prints (http://HOST:PORT/lab/tree/chapters/00_orientation.ipynb?token=...).
+c.LabApp.default_url = "/lab/tree/chapters/00_orientation.ipynb"
+
+# Each chapter once in the file browser. chapters/NN_name.py and aN_name.py are the jupytext
+# "percent" sources the .ipynb are built from (launch/build_notebooks.py); jupytext would list
+# them as notebooks too, so every chapter appeared twice. They are only hidden from listings:
+# they stay on disk, in git, and can still be opened by path. The patterns match file names
+# only (Jupyter's hide_globs), so a .py of your own named like "01_x.py" is hidden as well.
+c.ContentsManager.hide_globs = [
+    # Jupyter's defaults
+    "__pycache__", "*.pyc", "*.pyo", ".DS_Store", "*.so", "*.dylib", "*~",
+    # the chapters' jupytext twins
+    "[0-9][0-9]_*.py", "a[0-9]_*.py",
+]
+
+# The notebooks' kernel is "python3" (their metadata). A lab started from .venv finds
+# .venv/share/jupyter/kernels/python3 first (lab.sh sets JUPYTER_PREFER_ENV_PATH=1), which
+# launch/setup.sh registers for .venv's Python: the course's own interpreter, shown as
+# "Python 3" like the notebooks' metadata (another name would mark them modified on opening).
+# New notebooks get the same kernel.
+c.MappingKernelManager.default_kernel_name = "python3"
