@@ -305,8 +305,9 @@ assert cluster.run(lambda ctx: "still here") == ["still here"] * WORLD_SIZE
 # Chapter 01 derives where memory goes. Here is the breakdown the library computes for Llama 3 8B
 # (one micro-batch of 4096 tokens, BF16 mixed precision, Adam, 8 data-parallel ranks so that
 # the ZeRO stages differ); in JupyterLab,
-# `ultrascale.viz.memory_widget.memory_widget()` gives the same picture with sliders, including
-# the pipeline degree that the book's own widget leaves out.
+# `ultrascale.viz.memory_widget.memory_widget()` gives the same picture with controls: sliders for
+# the sequence length, the micro-batch and the TP, DP and PP degrees (the pipeline degree is one
+# the book's own widget leaves out), menus for the model, recomputation and ZeRO stage.
 
 # %%
 from ultrascale.viz.memory_widget import memory_figure

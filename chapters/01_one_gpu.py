@@ -52,7 +52,7 @@ from ultrascale.memory import (GB, GiB, activation_bytes, model_state_bytes, sav
 from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, GPTConfig, count_params, hfu,
                               mfu, rope_tables, training_flops)
 from ultrascale.runtime import Cluster
-from ultrascale.viz.live import LivePlot
+from ultrascale.viz.live import LivePlot, ProgressBar, fan_out
 
 assert isinstance(WORLD_SIZE, int) and WORLD_SIZE >= 1, "WORLD_SIZE must be a positive integer"
 torch.manual_seed(SEED)
@@ -487,9 +487,10 @@ memory_figure(preset="Llama 3 70B", seq=4096, micro_batch=1)
 memory_figure(preset="Llama 3 405B", seq=4096, micro_batch=1)
 
 # %% [markdown]
-# In JupyterLab the same figure comes with controls: pick a preset, then change the sequence
-# length, batch, recomputation or ZeRO stage and watch the bars move. (A notebook viewer that does
-# not run Python shows nothing below.)
+# In JupyterLab the same figure comes with controls: pick a preset, then move the sliders for the
+# sequence length, micro-batch and parallel degrees, or pick a recomputation mode or ZeRO stage,
+# and watch the bars move. (A notebook viewer that does not run Python shows one line of text
+# below instead.)
 
 # %% tags=["nbval-ignore-output"]
 # (a widget's output is an interactive view, different in every session: not compared in CI)
@@ -586,7 +587,7 @@ def fwd_bwd_seconds(model, idx, mode):
 # The modes take turns, and each keeps its best time: a machine busy with something else for a
 # moment then slows all modes alike instead of one. The first round warms up.
 timing = {mode: float("inf") for mode in ("none", "selective", "full")}
-for round_ in range((5 if QUICK else 10) + 1):
+for round_ in ProgressBar("timing the three modes").iterate(range((5 if QUICK else 10) + 1)):
     for mode in timing:
         seconds = fwd_bwd_seconds(rc_model, idx_rc, mode)
         if round_ > 0:
@@ -739,7 +740,8 @@ fig
 # `gbs = mbs × grad_acc × WORLD_SIZE`. The data is a toy language: arithmetic sequences modulo the
 # vocabulary, with a random start and step, so the loss can fall well below `ln 256 ≈ 5.5`.
 #
-# The plot shows each rank's loss on its own shard while the ranks train. Afterwards we replay the
+# The plot shows each rank's loss on its own shard while the ranks train, and a progress bar counts
+# rank 0's steps (`fan_out` hands every `ctx.log` to both). Afterwards we replay the
 # same steps in this process, without ranks and without accumulation, on the whole global batch
 # at once, and require the same losses and weights.
 
@@ -781,7 +783,7 @@ def train_data_parallel(ctx, config, steps, mbs, grad_acc, seq, lr, seed):
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))
         optimizer.step()
-        ctx.log(step=step, loss=local_loss)
+        ctx.log(step=step, loss=local_loss, done=step + 1)  # the plot reads step and loss, the bar done
         global_loss = local_loss.clone()
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / ctx.world_size)
@@ -796,7 +798,8 @@ print(cluster)
 plot = LivePlot("loss", x="step", title=f"{WORLD_SIZE} rank(s), grad_acc={TRAIN['grad_acc']}, "
                                         f"gbs={TRAIN['mbs'] * TRAIN['grad_acc'] * WORLD_SIZE}")
 start = time.perf_counter()
-results = cluster.run(train_data_parallel, train_config, **TRAIN, on_log=plot)
+bar = ProgressBar("training", total=TRAIN["steps"])
+results = cluster.run(train_data_parallel, train_config, **TRAIN, on_log=fan_out(plot, bar))
 plot.finish()
 print(f"{TRAIN['steps']} steps in {time.perf_counter() - start:.1f} s")
 
@@ -1060,15 +1063,16 @@ torch.manual_seed(SEED)
 mfu_model = GPT(mfu_config)
 mfu_optimizer = torch.optim.Adam(mfu_model.parameters(), lr=1e-4)
 mfu_idx = torch.randint(0, 256, (mfu_bs, mfu_seq))
-print(f"{'recompute':<10} {'step':>9} {'tokens/s':>9} {'MFU':>7} {'HFU':>7}")
 step_times = {"none": [], "full": []}
-for round_ in range((3 if QUICK else 10) + 1):  # the modes take turns; round 0 warms up
+rounds = range((3 if QUICK else 10) + 1)  # the modes take turns; round 0 warms up
+for round_ in ProgressBar("timing training steps").iterate(rounds):
     for mode, times_of_mode in step_times.items():
         mfu_model.set_recompute(mode)
         start = time.perf_counter()
         train_step(mfu_model, mfu_optimizer, mfu_idx)
         if round_ > 0:
             times_of_mode.append(time.perf_counter() - start)
+print(f"{'recompute':<10} {'step':>9} {'tokens/s':>9} {'MFU':>7} {'HFU':>7}")
 for mode, times_of_mode in step_times.items():
     tokens_per_s = tokens_per_step / min(times_of_mode)
     print(f"{mode:<10} {min(times_of_mode) * 1000:7.0f}ms {tokens_per_s:9,.0f} "

@@ -49,6 +49,7 @@ from ultrascale.parity import (Batches, assert_replicas_identical, assert_same, 
                                make_optimizer, max_difference, tolerance, train)
 from ultrascale.runtime import Cluster
 from ultrascale.viz.gantt import lane_summary, plot_gantt
+from ultrascale.viz.live import ProgressBar
 
 assert isinstance(WORLD_SIZE, int) and WORLD_SIZE >= 2, \
     "data parallelism needs at least two ranks: set WORLD_SIZE >= 2"
@@ -354,7 +355,7 @@ print("overlapped DP == single process")
 
 # %% tags=["nbval-ignore-output"]
 runs = {kind: cluster.run(train_on_rank, kind, steps=TIMED_STEPS, record=True)
-        for kind in ("naive", "overlapped")}
+        for kind in ProgressBar("timing naive and overlapped DP").iterate(("naive", "overlapped"))}
 fig, axes = plt.subplots(2, 1, figsize=(10, 0.9 * 2 * WORLD_SIZE + 2.4))
 plt.close(fig)
 for ax, (kind, results) in zip(axes, runs.items()):
@@ -551,7 +552,7 @@ assert bucket_counts == sorted(bucket_counts, reverse=True) and bucket_counts[-1
 
 # %% tags=["nbval-ignore-output"]
 sweep_ms = []
-for cap in CAPS_MB:
+for cap in ProgressBar("bucket size sweep").iterate(CAPS_MB):
     results = cluster.run(train_on_rank, "bucketed", steps=TIMED_STEPS, bucket_cap_mb=cap)
     sweep_ms.append(1e3 * statistics.median(s for res in results for s in res["step_seconds"][1:]))
 per_tensor_ms = 1e3 * statistics.median(s for res in runs["overlapped"] for s in res["step_seconds"][1:])

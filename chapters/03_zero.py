@@ -44,6 +44,7 @@ from ultrascale.parity import (OPTIMIZERS, Batches, assert_replicas_identical, a
                                fsdp2, make_optimizer, max_difference, run_steps, tolerance, train, weights)
 from ultrascale.runtime import Cluster
 from ultrascale.viz.gantt import plot_gantt
+from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)
 assert WORLD_SIZE >= 2, "ZeRO shards state across ranks: use WORLD_SIZE >= 2"
@@ -297,10 +298,9 @@ def train_zero(ctx, stage, opt_name, prefetch=True):
 
 # %%
 single = train_single_process("adam", WORLD_SIZE)
-results = {"DP": cluster.run(train_dp, "adam")}
-for stage in (1, 2, 3):
-    results[f"ZeRO-{stage}"] = cluster.run(train_zero, stage, "adam")
-results["ZeRO-3, no prefetch"] = cluster.run(train_zero, 3, "adam", False)
+runs = {"DP": (train_dp, "adam"), "ZeRO-1": (train_zero, 1, "adam"), "ZeRO-2": (train_zero, 2, "adam"),
+        "ZeRO-3": (train_zero, 3, "adam"), "ZeRO-3, no prefetch": (train_zero, 3, "adam", False)}
+results = {name: cluster.run(*call) for name, call in ProgressBar("training each variant").iterate(runs.items())}
 
 # %% [markdown]
 # **Tolerance.** Everything runs in fp32, but the gradients are summed in different orders: over
@@ -340,7 +340,7 @@ for name, per_rank in results.items():
 
 # %%
 reference_sgd = cluster.run(train_dp, "sgd")[0]
-for stage in (1, 2, 3):
+for stage in ProgressBar("ZeRO-1, 2 and 3 with SGD").iterate((1, 2, 3)):
     assert_same(cluster.run(train_zero, stage, "sgd")[0], reference_sgd, f"ZeRO-{stage} with SGD", optimizer="sgd")
 print("ZeRO-1, 2 and 3 also match plain DP with SGD: the gradients are averaged, not summed")
 
@@ -615,7 +615,8 @@ def record_step(ctx, stage, prefetch):
 
 variants = {"ZeRO-1": (1, True), "ZeRO-2": (2, True),
             "ZeRO-3 without prefetch": (3, False), "ZeRO-3 with prefetch": (3, True)}
-timelines = {name: cluster.run(record_step, stage, prefetch) for name, (stage, prefetch) in variants.items()}
+timelines = {name: cluster.run(record_step, stage, prefetch)
+             for name, (stage, prefetch) in ProgressBar("recording one step of each").iterate(variants.items())}
 
 
 # %% [markdown]

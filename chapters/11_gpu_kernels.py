@@ -52,6 +52,7 @@ import time
 # which Triton reads when each kernel is defined.
 import ultrascale.kernels as K  # noqa: I001
 from ultrascale.kernels import gpu_ideas
+from ultrascale.viz.live import ProgressBar
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -466,7 +467,7 @@ naive_loads = gpu_ideas.naive_matmul_loads(m_t, n_t, k_t)
 assert gpu_ideas.tiled_matmul_loads(m_t, n_t, k_t, 1, 1) == naive_loads  # a 1 x 1 tile is the naive kernel
 print(f"({m_t} x {k_t}) @ ({k_t} x {n_t}): naive {naive_loads:,} global loads")
 tile_sides = [1, 2, 4, 8, 16, 32, 64]
-for side in (4, 8, 16, 32):
+for side in ProgressBar("counting loads").iterate((4, 8, 16, 32)):
     c_np, loads = gpu_ideas.tiled_matmul_counting(a_np, b_np, side, side, 16)
     np.testing.assert_allclose(c_np, a_np @ b_np, atol=1e-10)
     assert loads == gpu_ideas.tiled_matmul_loads(m_t, n_t, k_t, side, side)
@@ -709,6 +710,7 @@ assert list(touched.values()) == [1 + in_flight, 3 + 2]  # 1 row + 6 columns, ag
 # padded to 128 inside the kernel and masked) and a sequence of 70 (not a block multiple).
 
 # %%
+flash_progress = ProgressBar("FlashAttention checks", total=6)  # 4 forward cases, then 2 backward
 for causal in (False, True):
     for head_dim in (32, 80):
         q, k, v = (randn(1, 2, 70, head_dim, seed=s) for s in (20, 21, 22))
@@ -719,6 +721,7 @@ for causal in (False, True):
         check_kernel(f"flash fwd logsumexp {'causal' if causal else 'full'}", (1, 2, 70), lse, lse_ref, DOT_TOL)
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
         check_kernel(f"flash fwd vs SDPA {'causal' if causal else 'full'}", (1, 2, 70, head_dim), out, sdpa, DOT_TOL)
+        flash_progress.advance()
 
 for causal in (False, True):
     q, k, v = (randn(1, 2, 70, 32, seed=s).requires_grad_() for s in (23, 24, 25))
@@ -727,6 +730,7 @@ for causal in (False, True):
     grads_ref = torch.autograd.grad(K.attention_reference(q, k, v, causal)[0], (q, k, v), do)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
         check_kernel(f"flash bwd {name} {'causal' if causal else 'full'}", (1, 2, 70, 32), g, g_ref, DOT_TOL)
+    flash_progress.advance()
 
 print(f"all {len(results)} kernel checks passed:")
 for name in dict.fromkeys(r[0].split(" d=")[0] for r in results):

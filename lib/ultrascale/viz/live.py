@@ -5,6 +5,11 @@ Both are callables with the ``on_log(rank, metrics)`` signature, so they plug in
 In a notebook they update in place (one display, redrawn at most a few times a
 second so the ranks never wait on matplotlib); the last frame stays in the
 notebook, which is what papermill and nbval see when run headless.
+
+The progress bar is an ipywidgets widget. A saved notebook keeps, beside the widget,
+a plain-text form for whatever cannot draw it (GitHub, a notebook opened without
+its kernel, nbval's comparison of outputs); ``with_text_repr`` makes that text say
+what the widget is, the same on every run, instead of its internal state.
 """
 
 from __future__ import annotations
@@ -84,25 +89,75 @@ class LivePlot:
 
 
 class ProgressBar:
-    """A progress bar fed by ``ctx.log(done=..., total=...)`` from one rank (rank 0)."""
+    """A progress bar for long work, fed by the ranks or by a loop in the notebook.
 
-    def __init__(self, description: str = "", rank: int = 0):
-        self.rank = rank
+        bar = ProgressBar("training", total=steps)
+        cluster.run(train, on_log=bar)     # rank 0 calls ctx.log(done=step + 1)
+        for x in bar.iterate(items): ...   # or: one step per item of a loop here
+        bar.advance()                      # or: one step, wherever the work is
+
+    From the ranks it reads ``done`` (and ``total``, if the ranks know it better)
+    in the metrics of ``ctx.log``, from rank ``rank`` only. Its saved plain text
+    is ``[progress bar: <description>]``, the same on every run.
+    """
+
+    def __init__(self, description: str = "", total: int = 1, rank: int = 0):
+        self.rank, self.description = rank, description
+        self.done, self.total = 0, max(int(total), 1)
         self.bar = None
         try:
             import ipywidgets
-
-            self.bar = ipywidgets.IntProgress(value=0, min=0, max=1, description=description)
-            _display(self.bar)
         except ImportError:
-            pass
+            return  # no widgets: the work runs without a bar
+        bar_class = with_text_repr(ipywidgets.IntProgress, f"[progress bar: {description}]")
+        # description_width "initial": the whole description shows, not the first few letters.
+        self.bar = bar_class(value=0, min=0, max=self.total, description=description,
+                             style={"description_width": "initial"})
+        _display(self.bar)
 
     def __call__(self, rank: int, metrics: dict) -> None:
         if rank != self.rank or "done" not in metrics:
             return
+        self.update(int(metrics["done"]), metrics.get("total"))
+
+    def update(self, done: int, total: int | None = None) -> None:
+        """Show ``done`` of ``total`` (the total given before, if None)."""
+        if total is not None:
+            self.total = max(int(total), 1)
+        self.done = done
         if self.bar is not None:
-            self.bar.max = max(int(metrics.get("total", self.bar.max)), 1)
-            self.bar.value = int(metrics["done"])
+            self.bar.max = self.total
+            self.bar.value = min(done, self.total)
+            if done >= self.total:
+                self.bar.bar_style = "success"
+
+    def advance(self, steps: int = 1) -> None:
+        """Move the bar ``steps`` forward (for loops that ``iterate`` does not fit)."""
+        self.update(self.done + steps)
+
+    def iterate(self, items):
+        """Yield ``items`` one by one, moving the bar one step after each."""
+        items = list(items)
+        self.update(0, len(items))
+        for i, item in enumerate(items, start=1):
+            yield item
+            self.update(i)
+
+
+def with_text_repr(widget_class, text: str):
+    """A subclass of an ipywidgets class whose plain-text form is ``text``.
+
+    A widget's plain text is its repr, e.g. ``IntProgress(value=0, max=1)`` or, for a
+    container, ``VBox(children=(HBox(children=...`` cut at 110 characters: what a saved
+    notebook shows where the widget cannot be drawn. ``text`` should say what is there.
+    """
+
+    class Labelled(widget_class):
+        def __repr__(self):
+            return text
+
+    Labelled.__name__ = Labelled.__qualname__ = widget_class.__name__
+    return Labelled
 
 
 def fan_out(*callbacks):

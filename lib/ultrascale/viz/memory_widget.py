@@ -1,7 +1,9 @@
 """Interactive memory breakdown of one GPU: parameters, gradients, optimizer states, activations.
 
 ``memory_figure(**inputs)`` draws a static matplotlib Figure (works headless, in CI and
-papermill); ``memory_widget()`` wraps it in ipywidgets controls that redraw on change.
+papermill); ``memory_widget()`` wraps it in ipywidgets controls that redraw on change:
+a preset menu and number boxes for the model's shape, sliders for the sequence length,
+the micro-batch and the TP, DP and PP degrees, menus and checkboxes for the rest.
 Both take the same input names, and both draw ``ultrascale.memory.breakdown``.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from matplotlib.figure import Figure
 
 from ..memory import GB, breakdown
 from ..model import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, LlamaConfig
+from .live import with_text_repr
 
 PRESETS = {"Llama 3 8B": LLAMA3_8B, "Llama 3 70B": LLAMA3_70B, "Llama 3 405B": LLAMA3_405B}
 # the model's shape: set by a preset, editable one by one
@@ -22,6 +25,11 @@ DEFAULTS = dict(seq=4096, micro_batch=1, mixed_precision=True, fp32_grad_accum=F
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer states": "#55A868",
           "activations": "#C44E52"}
 GPU_GB = 80   # an H100's memory, the line a configuration must stay under
+# Slider stops: powers of two, the values these settings take in practice.
+SEQ_STOPS = [2**n for n in range(8, 18)]        # 256 ... 131,072 tokens
+MICRO_BATCH_STOPS = [2**n for n in range(0, 7)]  # 1 ... 64
+DEGREE_STOPS = [2**n for n in range(0, 10)]      # 1 ... 512 GPUs along one axis
+PLACEHOLDER = "[memory widget: run this cell in JupyterLab for its sliders and menus]"
 
 
 def resolve_inputs(preset="Llama 3 8B", **inputs) -> dict:
@@ -94,16 +102,21 @@ def memory_widget():
     values = resolve_inputs()
     preset = w.Dropdown(options=list(PRESETS), value="Llama 3 8B", description="preset")
     controls = {name: w.IntText(value=values[name], description=name) for name in SHAPE}
+
+    def slider(stops, value, description):
+        # redraw when the slider is let go, not at every stop it passes on the way
+        return w.SelectionSlider(options=stops, value=value, description=description, continuous_update=False)
+
     controls.update(
-        seq=w.IntText(value=values["seq"], description="seq"),
-        micro_batch=w.IntText(value=values["micro_batch"], description="micro-batch"),
+        seq=slider(SEQ_STOPS, values["seq"], "seq"),
+        micro_batch=slider(MICRO_BATCH_STOPS, values["micro_batch"], "micro-batch"),
         mixed_precision=w.Checkbox(value=True, description="BF16 mixed precision"),
         fp32_grad_accum=w.Checkbox(value=False, description="FP32 grad accumulation"),
         recompute=w.Dropdown(options=["none", "selective", "full"], description="recompute"),
         zero_stage=w.Dropdown(options=[0, 1, 2, 3], description="ZeRO stage"),
-        tp=w.IntText(value=1, description="TP"),
-        dp=w.IntText(value=1, description="DP"),
-        pp=w.IntText(value=1, description="PP"),
+        tp=slider(DEGREE_STOPS, 1, "TP"),
+        dp=slider(DEGREE_STOPS, 1, "DP"),
+        pp=slider(DEGREE_STOPS, 1, "PP"),
         k=w.FloatText(value=12, description="optimizer k"),
     )
     image = w.Image(format="png")
@@ -137,4 +150,5 @@ def memory_widget():
     names = list(controls)
     shape_box = w.VBox([preset] + [controls[n] for n in names[:6]])
     training_box = w.VBox([controls[n] for n in names[6:]])
-    return w.VBox([w.HBox([shape_box, training_box]), message, image])
+    # Saved without a kernel, the widget's text is this line, not VBox(children=(HBox(...
+    return with_text_repr(w.VBox, PLACEHOLDER)([w.HBox([shape_box, training_box]), message, image])
