@@ -56,10 +56,12 @@ def broadcast_parameters(module: nn.Module, group=None) -> None:
             dist.broadcast(tensor, src=src, group=group)
 
 
-def _rank_and_size(group) -> tuple[int, int]:
+def rank_and_size(group=None, who: str = "these functions") -> tuple[int, int]:
+    """This rank's index and the size of ``group``, or a clear error outside a process group."""
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call these functions inside "
-                           "cluster.run(...) (ultrascale.runtime.Cluster) or under torchrun")
+        raise RuntimeError(f"torch.distributed is not initialized: {who} need a process group; call "
+                           "them inside cluster.run(...) (ultrascale.runtime.Cluster), under torchrun, "
+                           "or after dist.init_process_group()")
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -76,7 +78,7 @@ def _piece_size(size: int, n: int, dim: int, what: str) -> int:
 # Collectives work on whole contiguous buffers cut along dim 0. For any other dim we move
 # it to the front, copy to a contiguous buffer, communicate, and move it back.
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    _, n = _rank_and_size(group)
+    _, n = rank_and_size(group)
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((n * front.shape[0], *front.shape[1:]))
     all_gather_into(out, front, group)
@@ -84,7 +86,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    _, n = _rank_and_size(group)
+    _, n = rank_and_size(group)
     piece = _piece_size(x.shape[dim], n, dim, "reduce_scatter_to_sequence_region (g*)")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((piece, *front.shape[1:]))
@@ -93,7 +95,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _own_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    r, n = _rank_and_size(group)
+    r, n = rank_and_size(group)
     piece = _piece_size(x.shape[dim], n, dim, "split_along_dim")
     return x.narrow(dim, r * piece, piece).contiguous()  # no communication at all
 
@@ -196,7 +198,7 @@ def _all_to_all_rows(x, output_split_sizes, input_split_sizes, group) -> torch.T
 
 def _resolve_splits(x, output_split_sizes, input_split_sizes, group):
     """Both split lists as explicit lists of ``world_size`` row counts."""
-    _, n = _rank_and_size(group)
+    _, n = rank_and_size(group)
     if input_split_sizes is None:
         input_split_sizes = [_piece_size(x.shape[0], n, 0, "all_to_all")] * n
         if output_split_sizes is None:  # equal pieces of same-shaped tensors both ways
@@ -287,7 +289,7 @@ __all__ = [
     "copy_to_parallel_region", "reduce_from_parallel_region",
     "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
     "split_along_dim", "gather_along_dim", "all_to_all",
-    "all_gather_into", "reduce_scatter_into", "broadcast_parameters",
+    "all_gather_into", "reduce_scatter_into", "broadcast_parameters", "rank_and_size",
     "CopyToParallelRegion", "ReduceFromParallelRegion", "GatherFromSequenceRegion",
     "ReduceScatterToSequenceRegion", "SplitAlongDim", "GatherAlongDim", "AllToAll",
 ]

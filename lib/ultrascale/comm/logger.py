@@ -60,6 +60,7 @@ class CommEvent:
 # --------------------------------------------------------------------------------------
 _active_loggers: list["CommLogger"] = []
 _current_event: CommEvent | None = None  # the operation in progress, if any
+_label: str | None = None  # the name built-ins are logged under inside labelled(...)
 _originals: dict[str, object] = {}  # name -> original torch.distributed function
 
 
@@ -76,20 +77,18 @@ def _sync_if_cuda(tensors) -> None:
 
 
 @contextlib.contextmanager
-def record_op(op: str, group=None, source: str = "measured"):
+def record_op(op: str, group=None):
     """Time a hand-written collective; ``count_p2p`` calls inside it add their bytes.
 
     Costs almost nothing when no logger is open. When called inside another logged
     operation (a collective built from other collectives) the bytes go to the outer one.
-    ``source="algorithmic"`` when the bytes given to ``count_p2p`` are a formula's
-    (e.g. a built-in collective logged under a name of its own), not real messages.
     """
     global _current_event
     if not _active_loggers or _current_event is not None:
         yield
         return
     _, size = _group_rank_and_size(group)
-    event = CommEvent(op, dist.get_rank() if dist.is_initialized() else 0, size, 0, 0, 0.0, source)
+    event = CommEvent(op, dist.get_rank() if dist.is_initialized() else 0, size, 0, 0, 0.0, "measured")
     _current_event = event
     start = time.perf_counter()
     try:
@@ -99,6 +98,20 @@ def record_op(op: str, group=None, source: str = "measured"):
         _current_event = None
         for logger in _active_loggers:
             logger.events.append(event)
+
+
+@contextlib.contextmanager
+def labelled(op: str):
+    """Log the built-in collectives called inside the block under ``op`` instead of their
+    own names, with their usual volumes: a technique's bookkeeping traffic (e.g. ZeRO's
+    gradient flags) then stays apart from its main collectives, and out of
+    ``CommLogger.collective_elements``."""
+    global _label
+    previous, _label = _label, op
+    try:
+        yield
+    finally:
+        _label = previous
 
 
 def count_p2p(bytes_sent: int = 0, bytes_received: int = 0) -> None:
@@ -242,7 +255,7 @@ def _logging_wrapper(name: str, original):
         sent, received = _VOLUME[name](a, r, n)
         source = "measured" if name in _POINT_TO_POINT else "algorithmic"
         numel = a[_BUFFER[name]].numel() if name in _BUFFER else 0
-        event = CommEvent(name, dist.get_rank(), n, sent, received, 0.0, source, numel)
+        event = CommEvent(_label or name, dist.get_rank(), n, sent, received, 0.0, source, numel)
         tensors = [v for v in a.values() if isinstance(v, torch.Tensor)]
         blocking = not a.get("async_op", False) and name not in ("isend", "irecv", "batch_isend_irecv")
         if blocking:
@@ -342,7 +355,7 @@ class CommLogger:
         """
         out: dict = {}
         for e in self.events:
-            if e.numel:
+            if e.numel and e.op in _BUFFER:   # not a labelled(...) one
                 op = base_op(e.op)
                 out[op] = out.get(op, 0) + 1
                 out[op + " elements"] = out.get(op + " elements", 0) + e.numel

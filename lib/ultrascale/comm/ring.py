@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .functional import rank_and_size
 from .logger import count_p2p, record_op
 
 REDUCE_OPS = ("sum", "avg", "max")
@@ -37,11 +38,7 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
 
 
 def _rank_and_size(group) -> tuple[int, int]:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialized: call the ring collectives inside "
-            "cluster.run(...) (ultrascale.runtime.Cluster) or after dist.init_process_group().")
-    return dist.get_rank(group), dist.get_world_size(group)
+    return rank_and_size(group, "the ring collectives")
 
 
 def _normalise_op(op, dtype: torch.dtype) -> str:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm.functional import f, f_star, g, g_star, gather_along_dim
+from ..comm.functional import f, f_star, g, g_star, gather_along_dim, rank_and_size
 from .mesh import axis_group
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
@@ -77,9 +77,7 @@ LLAMA_PLAN = {**_VOCAB, **_NORMS, **_ATTENTION, "blocks.*.mlp": "parallel_region
 
 # --------------------------------------------------------------------------- sharding helpers
 def _rank_and_size(group) -> tuple[int, int]:
-    if not dist.is_initialized():
-        raise RuntimeError("tensor parallelism needs a process group: run it inside cluster.run(...) or torchrun")
-    return dist.get_rank(group), dist.get_world_size(group)
+    return rank_and_size(group, "tensor-parallel layers")
 
 
 def _shard(tensor, dim, group, shared=None) -> nn.Parameter:

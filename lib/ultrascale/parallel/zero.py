@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
-from ..comm.logger import count_p2p, record_op
+from ..comm.logger import labelled
 from ..memory import zero_bytes_per_rank
 from .flat import (FlatUnit, Piece, coarse_pieces, parameter_owners, resolve_param_groups,
                    split_piece)
@@ -99,8 +99,8 @@ class ZeRO:
             broadcast_parameters(model, group)
         self._build_units(model, units, param_dtype, group_of)
         self.pieces = [piece for unit in self.all_units for piece in coarse_pieces(unit)]
-        self.optimizer = optimizer_cls([dict(o, params=[pc.tensor for pc in self.pieces if pc.group == g])
-                                        for g, o in enumerate(options)], **optimizer_kwargs)
+        self.optimizer = optimizer_cls([dict(o, params=self._pieces_of_group(g)) for g, o in enumerate(options)],
+                                       **optimizer_kwargs)
         for unit in self.all_units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u, p))
@@ -252,11 +252,9 @@ class ZeRO:
         device = self.all_units[0].full.device if self.all_units else None
         flags, start = torch.tensor(local, dtype=torch.uint8, device=device), self.timeline.now()
         # Logged under its own name, so that the flat buffers' traffic (the 2Ψ and 3Ψ of
-        # the book) stays apart from these few bytes; their ring volume is counted too.
-        with record_op(GRADIENT_FLAGS, self.group, source="algorithmic"):
+        # the book) stays apart from these few bytes.
+        with labelled(GRADIENT_FLAGS):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # MAX of 0/1: any rank
-            volume = 2 * (self.world_size - 1) * flags.numel() // self.world_size
-            count_p2p(volume, volume)
         self.timeline.add(COMMUNICATION, "all_reduce gradient flags", start, self.timeline.now(),
                           flags.numel())
         flags = iter(flags.tolist())
@@ -272,10 +270,13 @@ class ZeRO:
             self.pieces = pieces
             self._sync_param_groups()
 
+    def _pieces_of_group(self, g) -> list:
+        """The tensors the optimizer steps for parameter group ``g``, in the order of ``self.pieces``."""
+        return [piece.tensor for piece in self.pieces if piece.group == g]
+
     def _sync_param_groups(self) -> None:
-        """Each optimizer group holds its pieces, in the order of ``self.pieces``."""
         for g, group in enumerate(self.optimizer.param_groups):
-            group["params"] = [piece.tensor for piece in self.pieces if piece.group == g]
+            group["params"] = self._pieces_of_group(g)
 
     def _publish_parameters(self) -> None:
         """Write the updated fp32 master weights back into the (low-precision) parameters."""
