@@ -1,4 +1,7 @@
 """The memory model: the book's tables, ZeRO, activations, and measurement on a tiny model."""
+import math
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -53,6 +56,79 @@ def test_activation_scaling():
     assert a(2048, 1) > 2 * a(1024, 1)                          # more than linear in seq
     # second difference in seq is constant: a pure quadratic term, 5*a*L*bs bytes per seq^2
     assert a(3000, 1) - 2 * a(2000, 1) + a(1000, 1) == 2 * 5 * 32 * 32 * 1000**2
+
+
+# a small shape to compute by hand: s*b*h = 128*2*64 = 16384 and 5*a*s/h = 5*4*128/64 = 40
+SMALL = SimpleNamespace(layers=2, hidden=64, heads=4)
+MODES = ("none", "selective", "full")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_activations_at_tp_1_are_the_unparallel_formulas(sequence_parallel):
+    for config, seq, bs in ((SMALL, 128, 2), (LLAMA3_8B, 4096, 1), (LLAMA3_8B, 1000, 3)):
+        for mode in MODES:
+            got = activation_bytes(config, seq, bs, mode, tp=1, sequence_parallel=sequence_parallel)
+            assert got == activation_bytes(config, seq, bs, mode) and isinstance(got, int)
+    sbh = 128 * 2 * 64
+    assert activation_bytes(SMALL, 128, 2, tp=1, sequence_parallel=sequence_parallel) == 2 * sbh * (34 + 40)
+
+
+def test_activations_with_tp_8_by_hand():
+    sbh = 128 * 2 * 64
+    tp_only = lambda mode: activation_bytes(SMALL, 128, 2, mode, tp=8)                         # noqa: E731
+    with_sp = lambda mode: activation_bytes(SMALL, 128, 2, mode, tp=8, sequence_parallel=True)  # noqa: E731
+    # TP only: s*b*h*(10 + 24/t + 5as/(h t)) = 16384*(10 + 3 + 5) per layer, 2 layers
+    assert tp_only("none") == 2 * sbh * 18 == 589_824
+    assert tp_only("selective") == 2 * sbh * 13 == 425_984
+    assert tp_only("full") == 2 * 2 * sbh == 65_536               # the layer input stays whole
+    # TP + SP: s*b*h/t*(34 + 5as/h) = 2048*74 per layer
+    assert with_sp("none") == 2 * 2048 * 74 == 303_104
+    assert with_sp("selective") == 2 * 2048 * 34 == 139_264
+    assert with_sp("full") == 2 * 2 * 2048 == 8_192
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sequence_parallel_divides_every_activation_by_tp(mode):
+    for tp in (2, 4, 8, 16):
+        alone = activation_bytes(LLAMA3_8B, 4096, 2, mode)
+        assert activation_bytes(LLAMA3_8B, 4096, 2, mode, tp=tp, sequence_parallel=True) == alone / tp
+    # an uneven split still gives the exact quotient
+    assert activation_bytes(SMALL, 3, 1, mode, tp=7, sequence_parallel=True) == pytest.approx(
+        activation_bytes(SMALL, 3, 1, mode) / 7)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tp_alone_keeps_at_least_what_tp_with_sp_keeps(mode):
+    for tp in range(1, 33):
+        tp_only = activation_bytes(LLAMA3_8B, 2048, 1, mode, tp=tp)
+        with_sp = activation_bytes(LLAMA3_8B, 2048, 1, mode, tp=tp, sequence_parallel=True)
+        assert tp_only >= with_sp
+        assert (tp_only == with_sp) == (tp == 1)
+    # without SP the replicated 10 bytes set a floor: TP alone cannot go below 10*s*b*h per layer
+    big_tp = activation_bytes(LLAMA3_8B, 2048, 1, "selective", tp=1024)
+    assert big_tp > 32 * 10 * 2048 * 4096
+
+
+@pytest.mark.parametrize("tp", [0, -1, 1.5])
+def test_activations_refuse_a_bad_tp(tp):
+    with pytest.raises(ValueError, match="tp"):
+        activation_bytes(LLAMA3_8B, 4096, 1, tp=tp)
+
+
+def test_breakdown_activations_default_to_sequence_parallel():
+    """breakdown's activations are those it always gave: per layer / tp, times ceil(L/pp)*pp."""
+    for tp, pp, mode, mixed in ((1, 1, "none", True), (4, 1, "none", True), (8, 3, "selective", True),
+                                (2, 4, "full", False), (16, 5, "none", False)):
+        per_layer = activation_bytes(LLAMA3_8B, 4096, 2, mode) / LLAMA3_8B.layers
+        old = per_layer * math.ceil(LLAMA3_8B.layers / pp) * pp / tp * (1 if mixed else 2)
+        parts = breakdown(LLAMA3_8B, seq=4096, micro_batch=2, recompute=mode, tp=tp, pp=pp,
+                          mixed_precision=mixed)
+        assert parts["activations"] == pytest.approx(old, rel=1e-12)
+        assert parts == breakdown(LLAMA3_8B, seq=4096, micro_batch=2, recompute=mode, tp=tp, pp=pp,
+                                  mixed_precision=mixed, sequence_parallel=True)
+    no_sp = breakdown(LLAMA3_8B, seq=4096, tp=8, sequence_parallel=False)
+    assert no_sp["activations"] == activation_bytes(LLAMA3_8B, 4096, 1, tp=8)
+    assert no_sp["activations"] > breakdown(LLAMA3_8B, seq=4096, tp=8)["activations"]
 
 
 def test_breakdown_single_gpu_matches_parts():

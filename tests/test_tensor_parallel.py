@@ -274,3 +274,42 @@ def test_parallel_cross_entropy_with_ignored_targets():
     assert_same(torch.cat([grad for _, grad in results], dim=-1), full.grad, "dloss/dlogits", optimizer=None)
     for loss, _ in results:
         assert_same(loss, want.detach(), "loss", optimizer=None)
+
+
+# --------------------------------------------------------------------------- SP memory
+def saved_per_rank(ctx, sp, regather, tensor_parallel=True):
+    """Bytes autograd saves in one forward, and the most tokens among saved hidden states
+    (tensors h wide: (b, s, h) or the (b*s, h) view a linear layer saves)."""
+    from ultrascale.memory import saved_activation_bytes
+
+    model = fresh_model(GPT_CFG).float()
+    if tensor_parallel:
+        apply_tp(model, init_mesh(ctx, tp=ctx.world_size), sequence_parallel=sp, regather_in_backward=regather)
+    inputs = data(GPT_CFG).global_batch(0).inputs
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    lengths = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params and t.shape[-1] == GPT_CFG.hidden:
+            lengths.append(t.numel() // GPT_CFG.hidden // len(inputs))   # tokens per sequence
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(inputs)
+    logits.float().sum().backward()   # the regathered inputs serve backward
+    return saved_activation_bytes(model, inputs), max(lengths)
+
+
+@pytest.mark.parametrize("tp", [2, 3])   # (at tp=4 the MLP's 4h/tp columns are h wide too)
+def test_sequence_parallel_saves_a_slice_of_every_hidden_state(tp):
+    """With SP and regathering, every saved hidden state holds s/tp tokens and the total
+    is within 5% of one process's over tp (Korthikanti et al.: s*b*h*34/t per layer)."""
+    whole, seq = shared_cluster(tp).run(saved_per_rank, False, False, False)[0]
+    assert seq == GPT_CFG.seq_len
+    regathered, longest = shared_cluster(tp).run(saved_per_rank, True, True)[0]
+    assert longest == GPT_CFG.seq_len // tp
+    assert abs(regathered / (whole / tp) - 1) < 0.05, (regathered, whole / tp)
+    kept, longest = shared_cluster(tp).run(saved_per_rank, True, False)[0]
+    assert longest == GPT_CFG.seq_len and kept > regathered   # the gathered input saved whole
+    tp_only, _ = shared_cluster(tp).run(saved_per_rank, False, False)[0]
+    assert tp_only > kept

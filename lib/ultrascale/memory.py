@@ -62,37 +62,66 @@ def zero_bytes_per_rank(n_params, stage: int, dp: int, k: float = 12, param_byte
 
 
 # --------------------------------------------------------------------------- activations
-def activation_bytes(config, seq: int, micro_batch: int = 1, recompute: str = "none") -> int:
-    """Activation bytes kept for backward by the transformer layers (16-bit activations).
+def activation_bytes(config, seq: int, micro_batch: int = 1, recompute: str = "none", tp: int = 1,
+                     sequence_parallel: bool = False):
+    """Activation bytes kept for backward by the transformer layers on one rank (16-bit activations).
 
-    none:      L*seq*bs*h*(34 + 5*a*seq/h)  (Korthikanti et al.; the 5as/h term is the
-               seq x seq attention scores, softmax and its dropout, quadratic in seq)
-    selective: L*seq*bs*h*34  (recompute only the attention scores in backward)
-    full:      L*2*seq*bs*h   (keep only each layer's bf16 input; the one layer being
-               recomputed in backward briefly needs its full activations again, which
-               we leave out so that the three modes compare what is stored across the step)
-    Embedding and logits activations are not counted, as in the formula.
+    Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer
+    Models", with s = seq, b = micro_batch, h = hidden, a = heads, t = tp, per layer:
+
+    none, no TP:  s*b*h*(34 + 5*a*s/h)         the 5as/h term is the s x s attention scores,
+                                               softmax and its dropout, quadratic in seq
+    none, TP:     s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    none, TP+SP:  s*b*h/t*(34 + 5*a*s/h)
+    selective:    the same without the 5as/h term (recompute only the attention scores in
+                  backward): s*b*h*34, s*b*h*(10 + 24/t), 34*s*b*h/t
+    full:         2*s*b*h, or 2*s*b*h/t with SP (keep only each layer's bf16 input; the one
+                  layer being recomputed in backward briefly needs its full activations
+                  again, which we leave out so that the three modes compare what is stored
+                  across the step)
+
+    Why 10 + 24/t: tensor parallelism splits what lives inside the sharded attention and
+    MLP blocks (Q, K, V, the output projection's input, the MLP's hidden units: 24 of the
+    34 bytes per token and hidden unit, and the scores, split by heads), but leaves the
+    rest replicated on every TP rank: the two LayerNorm inputs (2 + 2), their outputs,
+    which feed the first matmul of each block (2 + 2), and the dropout masks after
+    attention and MLP (1 + 1), 10 bytes. Sequence parallelism splits those along the
+    sequence, so everything divides by t. Without SP, full recomputation keeps the whole
+    layer input on every rank; with SP each rank keeps its s/t slice.
+    Embedding and logits activations are not counted, as in the paper.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
+    if tp < 1 or int(tp) != tp:
+        raise ValueError(f"tp (the tensor-parallel degree) must be an integer >= 1, got {tp}")
     L, h, a = config.layers, config.hidden, config.heads
     tokens = seq * micro_batch
     if recompute == "full":
-        return L * 2 * tokens * h
-    quadratic = 0 if recompute == "selective" else 5 * a * seq * tokens
-    return L * (34 * tokens * h + quadratic)
+        return _split(L * 2 * tokens * h, tp if sequence_parallel else 1)
+    quadratic = 0 if recompute == "selective" else 5 * a * seq * tokens   # split by TP's heads
+    if sequence_parallel:
+        return _split(L * (34 * tokens * h + quadratic), tp)
+    return L * 10 * tokens * h + _split(L * (24 * tokens * h + quadratic), tp)
+
+
+def _split(total: int, ways: int):
+    """``total`` bytes divided over ``ways`` ranks: an int when they divide evenly."""
+    return total // ways if total % ways == 0 else total / ways
 
 
 # --------------------------------------------------------------------------- one rank
 def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_grad_accum=False,
-              recompute="none", zero_stage=0, tp=1, dp=1, pp=1, optimizer_bytes=None) -> dict:
+              recompute="none", zero_stage=0, tp=1, dp=1, pp=1, optimizer_bytes=None,
+              sequence_parallel=True) -> dict:
     """Bytes held by one GPU, by consumer: what the memory widget draws.
 
     A simple model of the parallel degrees:
     - TP and PP split the weights, so parameters, gradients and optimizer states divide by
       tp*pp (ignoring that embeddings and norms split less evenly);
     - ZeRO then shards those states across the dp ranks (zero_bytes_per_rank);
-    - TP with sequence parallelism splits every activation, so activations divide by tp;
+    - TP with sequence parallelism (the default) splits every activation, so activations
+      divide by tp; without it (sequence_parallel=False) the LayerNorm and dropout
+      activations stay replicated (activation_bytes gives both);
     - PP gives a stage ceil(L/pp) layers, but with a 1F1B schedule the first stage holds
       pp micro-batches in flight, so its activations stay about those of L layers;
     - DP does not shrink activations: each rank runs its own micro-batch.
@@ -109,9 +138,10 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
     k = k if optimizer_bytes is None else optimizer_bytes
     n_local = count_params(config) / (tp * pp)
     result = zero_bytes_per_rank(n_local, zero_stage, dp, k, p_bytes, g_bytes)
-    per_layer = activation_bytes(config, seq, micro_batch, recompute) / config.layers
+    per_layer = activation_bytes(config, seq, micro_batch, recompute, tp=tp,
+                                 sequence_parallel=sequence_parallel) / config.layers
     stage_layers = math.ceil(config.layers / pp)
-    act = per_layer * stage_layers * pp / tp
+    act = per_layer * stage_layers * pp
     result["activations"] = act if mixed_precision else 2 * act   # fp32 activations: twice the bytes
     return result
 

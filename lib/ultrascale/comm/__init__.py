@@ -8,13 +8,15 @@
   ``reduce_scatter_into``, ``broadcast_parameters``.
 * ``logger``: ``CommLogger`` records op, bytes and time of every call on a rank.
 * ``bandwidth``: ``bus_bandwidth_sweep`` (algbw and busbw, nccl-tests conventions).
-* ``cost_model``: the alpha-beta model, its fit and the crossover size.
+* ``cost_model``: the alpha-beta model, its fit and the crossover size; a model of
+  tensor parallelism's throughput (``tensor_parallel_throughput``).
 """
 
 from . import functional
 from .bandwidth import bus_bandwidth_sweep, bus_factor, time_collective
 from .cost_model import (AlphaBeta, crossover_size, fit_alpha_beta,
-                         fit_ring_all_reduce)
+                         fit_ring_all_reduce, tensor_parallel_scaling,
+                         tensor_parallel_throughput)
 from .logger import CommEvent, CommLogger, format_bytes
 from .ring import (chunk_sizes, release_buffers, ring_all_gather, ring_all_reduce,
                    ring_reduce_scatter, send_recv)
@@ -23,5 +25,6 @@ __all__ = [
     "AlphaBeta", "CommEvent", "CommLogger", "bus_bandwidth_sweep", "bus_factor",
     "chunk_sizes", "crossover_size", "fit_alpha_beta", "fit_ring_all_reduce",
     "format_bytes", "release_buffers", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
-    "send_recv", "time_collective", "functional",
+    "send_recv", "tensor_parallel_scaling", "tensor_parallel_throughput", "time_collective",
+    "functional",
 ]

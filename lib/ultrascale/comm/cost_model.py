@@ -11,6 +11,10 @@ of one message of ``K / N`` bytes each, so
 
 Small messages are latency bound and large ones bandwidth bound; the two terms are
 equal at ``n* = alpha * beta`` bytes, the crossover size.
+
+``tensor_parallel_throughput`` puts the model to work on tensor parallelism: how much of
+a step goes to TP's all-reduces, and why per-GPU throughput falls once the TP group
+leaves the node.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..model import training_flops
 
 
 @dataclass(frozen=True)
@@ -91,3 +97,57 @@ def fit_ring_all_reduce(sizes, times, world_size: int, relative: bool = True) ->
         raise ValueError("the fitted time does not grow with size; measure larger buffers")
     steps = 2 * (n - 1)
     return AlphaBeta(max(intercept, 0.0) / steps, steps / (n * slope))
+
+
+# ---- tensor parallelism ---------------------------------------------------------------
+def tensor_parallel_throughput(config, tp: int, *, seq: int, micro_batch: int, peak_flops: float,
+                               intra_node: AlphaBeta, inter_node: AlphaBeta, gpus_per_node: int = 8,
+                               bytes_per_element: int = 2) -> dict:
+    """Per-GPU tokens/s of one tensor-parallel group, and where its step time goes.
+
+    A model, not a measurement. One training step of one micro-batch of ``b * s`` tokens
+    (b = micro_batch, s = seq) on ``tp`` GPUs:
+
+    * compute: the model's training FLOPs for those tokens (``training_flops``: 6N per
+      token plus attention), split evenly over the tp GPUs, at ``peak_flops`` each;
+    * communication: per transformer layer, 4 all-reduces of the ``b * s * h`` activation
+      (2 in forward: f* after attention's and the MLP's row-parallel layers; 2 in
+      backward: f at the input of each region), each a ring all-reduce over the tp ranks. Within a node (tp <= gpus_per_node) the
+      ring runs at ``intra_node`` (NVLink); once the group spans nodes it is only as fast
+      as its slowest link, so the whole ring runs at ``inter_node``. With sequence
+      parallelism each all-reduce becomes an all-gather plus a reduce-scatter: the same
+      bytes, so the same time here.
+    * no overlap: each all-reduce's output is the next operation's input, so TP's
+      communication sits on the critical path. That is the point of the model.
+
+    Returns a dict: ``tp``, ``compute_s``, ``comm_s`` and ``step_s`` (seconds of one step),
+    ``tokens_per_s_per_gpu``, and ``bandwidth``, "intra-node" or "inter-node".
+    Per-GPU throughput is ``b * s / (tp * (compute_s + comm_s))``. tp = 1 communicates
+    nothing. Left out: overlapping communication with compute (as in async TP), the
+    vocabulary-parallel embedding and loss, matmuls that run below peak as their shards
+    shrink, and the memory TP frees, which in practice lets the batch or sequence grow.
+
+    No hardware numbers are built in: pass your own. Illustrative H100-like inputs,
+    not measurements::
+
+        tensor_parallel_throughput(LLAMA3_8B, 16, seq=4096, micro_batch=1, peak_flops=989e12,
+                                   intra_node=AlphaBeta(5e-6, 450e9),    # NVLink, per direction
+                                   inter_node=AlphaBeta(1e-5, 50e9))     # 400 Gb/s per GPU
+    """
+    if tp < 1 or int(tp) != tp:
+        raise ValueError(f"tp (the tensor-parallel degree) must be an integer >= 1, got {tp}")
+    tokens = seq * micro_batch
+    compute_s = training_flops(config, tokens, seq_len=seq) / (tp * peak_flops)
+    spans_nodes = tp > gpus_per_node
+    link = inter_node if spans_nodes else intra_node
+    activation = tokens * config.hidden * bytes_per_element
+    all_reduces = 4 * config.layers
+    comm_s = all_reduces * float(link.ring_all_reduce_time(activation, tp)) if tp > 1 else 0.0
+    return {"tp": tp, "compute_s": compute_s, "comm_s": comm_s, "step_s": compute_s + comm_s,
+            "tokens_per_s_per_gpu": tokens / (tp * (compute_s + comm_s)),
+            "bandwidth": "inter-node" if spans_nodes else "intra-node"}
+
+
+def tensor_parallel_scaling(config, tps, **kwargs) -> list[dict]:
+    """``tensor_parallel_throughput`` for each degree in ``tps`` (same keyword inputs)."""
+    return [tensor_parallel_throughput(config, tp, **kwargs) for tp in tps]

@@ -116,18 +116,86 @@ def enter_parallel_region(x, group=None, sequence_parallel=False):
     return g(x, 1, group) if sequence_parallel else f(x, group)
 
 
+class _Regathered:
+    """What a saved-tensor hook keeps in place of (a view of) the gathered input: the slice."""
+    __slots__ = ("shard", "size", "stride", "offset")
+
+    def __init__(self, shard, t):
+        self.shard, self.size, self.stride, self.offset = shard, t.size(), t.stride(), t.storage_offset()
+
+
+class RegatherInBackward:
+    """Saved-tensor hooks: keep this rank's slice of the sequence, not g's gathered output.
+
+    With SP, the column-parallel layers after ``g`` save their input, the whole sequence
+    ``(b, s, h)``, to compute their weight gradients: tp times what the rank holds between
+    the regions. Megatron-LM keeps only the slice and all-gathers it again in backward,
+    trading one more all-gather per region for ``b*s*h*(tp-1)/tp`` fewer saved elements;
+    these hooks do the same for any layer inside the region (q, k and v save one tensor:
+    it is gathered once, when the first of them needs it, and dropped after the last).
+    Hooks already active (a checkpoint, a memory measurement) still see every saved
+    tensor: the others unchanged, and the slice in place of the gathered input.
+    """
+
+    def __init__(self, shard, gathered, group):
+        self.shard, self.group = shard.detach(), group
+        self.storage = gathered.untyped_storage().data_ptr()
+        self.packed = self.unpacked = 0
+        self.full = None
+        # Saved-tensor hooks do not nest on their own: the innermost pair is the only one
+        # called, so ours hands every tensor on to the pair that was active before it.
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.outer_pack, self.outer_unpack = outer or (lambda t: t, lambda t: t)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t):
+        if t.untyped_storage().data_ptr() != self.storage:
+            return self.outer_pack(t)
+        self.packed += 1
+        return _Regathered(self.outer_pack(self.shard), t)
+
+    def unpack(self, saved):
+        if not isinstance(saved, _Regathered):
+            return self.outer_unpack(saved)
+        full = self.full
+        if full is None:
+            with torch.no_grad():
+                full = gather_along_dim(self.outer_unpack(saved.shard), 1, self.group)
+        self.unpacked += 1
+        self.full = full if self.unpacked < self.packed else None   # drop it after the last use
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+def _enter_region_keeping_shard(module, x, group, sequence_parallel, regather):
+    """Apply f (g); with SP and ``regather``, push RegatherInBackward until the module's forward ends."""
+    gathered = enter_parallel_region(x, group, sequence_parallel)
+    if sequence_parallel and regather and torch.is_grad_enabled():
+        module._regather = RegatherInBackward(x, gathered, group)
+        module._regather.hooks.__enter__()
+    return gathered
+
+
+def _leave_region(module, *_):
+    regather = module.__dict__.pop("_regather", None)
+    if regather is not None:
+        regather.hooks.__exit__(None, None, None)
+
+
 class ColumnParallelLinear(nn.Module):
     """y_r = f(x) W_r^T + b_r: this rank's slice of the output features.
 
     With ``sequence_parallel`` the input is this rank's slice of the sequence (dim 1) and
     ``g`` all-gathers it first. The output stays split along the features.
     ``enter_region=False``: the module around this layer already applied f (g), once for all
-    its column-parallel layers (``apply_tp``'s "parallel_region" style)."""
+    its column-parallel layers (``apply_tp``'s "parallel_region" style). ``regather``: with
+    SP, save only the input's slice and all-gather it again in backward (RegatherInBackward)."""
 
-    def __init__(self, weight, bias=None, group=None, sequence_parallel=False, enter_region=True):
+    def __init__(self, weight, bias=None, group=None, sequence_parallel=False, enter_region=True,
+                 regather=True):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group, self.sequence_parallel, self.enter_region = group, sequence_parallel, enter_region
+        self.regather = regather
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel=False, enter_region=True, shared=None):
@@ -136,9 +204,13 @@ class ColumnParallelLinear(nn.Module):
         return cls(_shard(linear.weight, 0, group, shared), bias, group, sequence_parallel, enter_region)
 
     def forward(self, x):
-        if self.enter_region:
-            x = enter_parallel_region(x, self.group, self.sequence_parallel)
-        return F.linear(x, self.weight, self.bias)
+        if not self.enter_region:
+            return F.linear(x, self.weight, self.bias)
+        x = _enter_region_keeping_shard(self, x, self.group, self.sequence_parallel, self.regather)
+        try:
+            return F.linear(x, self.weight, self.bias)
+        finally:
+            _leave_region(self)
 
     def extra_repr(self):
         return (f"in_features={self.weight.shape[1]}, local out_features={self.weight.shape[0]}, "
@@ -395,7 +467,7 @@ def _check(model, chosen, n, sequence_parallel):
 
 
 def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan: dict | None = None,
-             timeline=None):
+             regather_in_backward: bool = True, timeline=None):
     """Tensor-parallel ``model`` over the ``tp`` axis of a mesh (or a group; None: all ranks).
 
     Swaps the layers ``plan`` names (``{module-name pattern: style}``, default ``GPT_PLAN`` or
@@ -403,6 +475,9 @@ def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan
     weights, and returns the model (changed in place). Everything is checked before anything
     is swapped. With ``sequence_parallel`` the activations outside the TP regions stay split
     along the sequence; see the module docstring for positions and norm gradients.
+    ``regather_in_backward`` (SP only): the layers of a TP region save this rank's slice of
+    their gathered input and all-gather it again in backward (as Megatron-LM does; see
+    :class:`RegatherInBackward`); False saves the whole gathered input instead.
     ``timeline``: per-block compute bars (``Timeline.instrument(model.blocks)``).
     """
     group = axis_group(mesh_or_group, "tp")
@@ -421,10 +496,13 @@ def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan
         elif style == "vocab_embedding":
             model.set_submodule(name, VocabParallelEmbedding.from_embedding(module, group, sp, shared))
         elif style == "vocab_head":
-            model.set_submodule(name, VocabParallelHead.from_linear(module, group, sp, True, shared))
+            head = VocabParallelHead.from_linear(module, group, sp, True, shared)
+            head.regather = regather_in_backward
+            model.set_submodule(name, head)
         elif style == "parallel_region":
-            module.register_forward_pre_hook(
-                lambda mod, args: (enter_parallel_region(args[0], group, sp), *args[1:]))
+            module.register_forward_pre_hook(lambda mod, args: (
+                _enter_region_keeping_shard(mod, args[0], group, sp, regather_in_backward), *args[1:]))
+            module.register_forward_hook(_leave_region, always_call=True)
         elif sp:   # sequence_norm: runs on a slice of the tokens
             for p in module.parameters():
                 _sum_gradient_over_tp(p, group)
