@@ -240,6 +240,31 @@ def test_logger_wraps_built_ins_and_restores_them(clusters):
         assert "all_reduce" in summary and "algorithmic" in summary
 
 
+def _logged_onto_a_timeline(ctx):
+    from ultrascale.parallel.timeline import Timeline
+
+    timeline = Timeline(ctx.rank)
+    x = torch.ones(1000)
+    with CommLogger(timeline=timeline) as log:
+        with timeline.span("compute"):
+            y = x * 2
+        dist.all_reduce(y)
+        work = dist.all_reduce(y, async_op=True)   # async: ends at wait(), not logged as a bar
+        work.wait()
+    return timeline.rows(), log.rows()
+
+
+def test_logger_draws_blocking_calls_on_a_timeline(clusters):
+    for rows, events in clusters(2).run(_logged_onto_a_timeline):
+        bars = [r for r in rows if r["lane"] == "communication"]
+        assert [b["name"] for b in bars] == ["all_reduce"]
+        compute = next(r for r in rows if r["lane"] == "compute")
+        assert compute["end"] <= bars[0]["start"] <= bars[0]["end"]
+        assert bars[0]["start"] == events[0]["start"]
+        assert abs(bars[0]["end"] - bars[0]["start"] - events[0]["seconds"]) < 1e-9
+        assert bars[0]["nbytes"] == events[0]["bytes_sent"] == 2 * 1 * 4000 // 2
+
+
 # ---- bandwidth -----------------------------------------------------------------------
 def _sweep(ctx, impl, op):
     seen = []

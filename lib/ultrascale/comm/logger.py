@@ -52,6 +52,7 @@ class CommEvent:
     seconds: float
     source: str  # "measured" or "algorithmic" (see the module docstring)
     numel: int = 0  # elements of the collective's whole buffer (K in the book's formulas)
+    start: float = 0.0  # time.perf_counter() when the call began (the Timeline's clock)
 
 
 # --------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def _logging_wrapper(name: str, original):
         if blocking:
             _sync_if_cuda(tensors)
         _current_event = event
-        start = time.perf_counter()
+        start = event.start = time.perf_counter()
         try:
             result = original(*args, **kwargs)
             if blocking:
@@ -271,6 +272,9 @@ def _logging_wrapper(name: str, original):
             _current_event = None
         for logger in _active_loggers:
             logger.events.append(event)
+            if blocking and logger.timeline is not None:   # a bar in the Timeline's communication lane
+                logger.timeline.add("communication", event.op, event.start, event.start + event.seconds,
+                                    event.bytes_sent)
         return result
 
     return wrapper
@@ -309,10 +313,15 @@ class CommLogger:
 
     Loggers nest: each open logger receives every event, and the built-ins are
     wrapped only once, while at least one logger is open.
+    ``timeline``: a ``parallel.Timeline`` that also gets a communication bar for every
+    blocking call (an async one ends at ``wait()``: record it with
+    ``Timeline.communication``), so collectives called deep inside a model, such as
+    tensor parallelism's, appear on the same per-rank Gantt chart as the compute.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeline=None) -> None:
         self.events: list[CommEvent] = []
+        self.timeline = timeline
 
     def __enter__(self) -> "CommLogger":
         if not _active_loggers:
