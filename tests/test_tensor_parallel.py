@@ -313,3 +313,16 @@ def test_sequence_parallel_saves_a_slice_of_every_hidden_state(tp):
     assert longest == GPT_CFG.seq_len and kept > regathered   # the gathered input saved whole
     tp_only, _ = shared_cluster(tp).run(saved_per_rank, False, False)[0]
     assert tp_only > kept
+
+
+def test_choosing_a_tp_degree():
+    from ultrascale.parallel.tensor_parallel import choose_tp, tp_degrees
+
+    gpt, llama = GPT(GPT_CFG), Llama(LLAMA_CFG)
+    assert tp_degrees(gpt) == [1, 2, 3, 4, 6, 12]   # 12 heads, FFN 192, vocabulary 96
+    assert tp_degrees(llama) == [1, 2]              # 2 K/V heads
+    assert [choose_tp(gpt, w, seq=12) for w in (2, 3, 4, 6, 8)] == [2, 3, 4, 6, 4]
+    with pytest.raises(ValueError, match="WORLD_SIZE=5"):
+        choose_tp(gpt, 5)
+    with pytest.raises(ValueError, match=r"allow tp in \[2\]"):
+        choose_tp(llama, 3)

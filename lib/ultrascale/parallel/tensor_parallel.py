@@ -56,7 +56,8 @@ from .mesh import axis_group
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
            "VocabParallelLogits", "vocab_parallel_cross_entropy", "apply_tp", "enter_parallel_region",
-           "fill_global_positions", "full_weights", "full_gradients", "GPT_PLAN", "LLAMA_PLAN", "STYLES"]
+           "fill_global_positions", "full_weights", "full_gradients", "tp_degrees", "choose_tp", "GPT_PLAN",
+           "LLAMA_PLAN", "STYLES", "RegatherInBackward"]
 
 # Styles: "colwise" / "rowwise" linears; "parallel_region": a module whose input enters a TP
 # region, f (g with SP) applied once for all the column-parallel layers inside it (q, k and v
@@ -436,11 +437,31 @@ def _sharded_counts(model, chosen) -> list[tuple[str, int]]:
     return counts
 
 
+def tp_degrees(model, plan: dict | None = None) -> list[int]:
+    """Every tp that ``apply_tp`` accepts for ``model``: those dividing all it shards
+    (heads, K/V heads, features, vocabulary). Nothing is changed or communicated."""
+    chosen = _match(model, _default_plan(model) if plan is None else plan)
+    counts = [c for _, c in _sharded_counts(model, chosen)]
+    return [t for t in range(1, max(counts) + 1) if all(c % t == 0 for c in counts)]
+
+
+def choose_tp(model, world_size: int, seq: int | None = None, plan: dict | None = None) -> int:
+    """The largest tp > 1 that divides ``world_size`` and that the model allows (and, for
+    sequence parallelism, ``seq``), or a clear error naming the world sizes that work."""
+    fits = [t for t in tp_degrees(model, plan) if t > 1 and (seq is None or seq % t == 0)]
+    usable = [t for t in fits if world_size % t == 0]
+    if not usable:
+        raise ValueError(f"no tensor-parallel degree > 1 divides WORLD_SIZE={world_size} and fits this model "
+                         f"(its heads, features, vocabulary{' and sequence' if seq else ''} allow tp in "
+                         f"{fits}): use a WORLD_SIZE that one of them divides")
+    return max(usable)
+
+
 def _check(model, chosen, n, sequence_parallel):
     counts = _sharded_counts(model, chosen)
     for what, count in counts:
         if count % n:
-            ok = [t for t in range(1, max(c for _, c in counts) + 1) if all(c % t == 0 for _, c in counts)]
+            ok = tp_degrees(model, {name: style for name, style in chosen.items()})
             name = type(getattr(model, "config", model)).__name__.removesuffix("Config")
             raise ValueError(f"tp={n} does not divide the {count} {what} of this {name} config: "
                              f"choose tp in {{{', '.join(map(str, ok))}}}")
