@@ -25,7 +25,7 @@ from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.timeline import Timeline
 from ultrascale.parallel.tensor_parallel import (GPT_PLAN, LLAMA_PLAN, RowParallelLinear, VocabParallelLogits,
                                                  apply_tp, full_gradients, full_weights)
-from ultrascale.parity import (Batch, Batches, assert_same, device_mesh_1d, dtensor_tp, gradients,
+from ultrascale.parity import (Batch, Batches, assert_same, device_mesh_1d, dtensor_tp, first_step, gradients,
                                max_difference, run_steps, weights)
 from ultrascale.runtime import shared_cluster
 
@@ -52,14 +52,9 @@ def data(cfg):
 
 
 # --------------------------------------------------------------------------- on the ranks
-def first_step_and_training(model, cfg, optimizer, full_grads, full_logits):
+def first_step_and_training(model, cfg, optimizer, **readers):
     """Logits, loss and gradients of one batch, then the weights after STEPS steps."""
-    batch = data(cfg).global_batch(0)
-    logits = model(batch.inputs)
-    loss = lm_loss(logits, batch.targets)
-    loss.backward()
-    out = {"logits": full_logits(logits).detach(), "loss": loss.detach(), "grads": full_grads(model)}
-    model.zero_grad(set_to_none=True)
+    out = first_step(model, data(cfg).global_batch(0), **readers)
     run_steps(model, data(cfg).global_stream(1), STEPS, optimizer)
     return out
 
@@ -69,7 +64,8 @@ def ours(ctx, name, sp, optimizer, tamper=None):
     model = apply_tp(fresh_model(CONFIGS[name]), mesh, sequence_parallel=sp)
     if tamper is not None:
         tamper(model)
-    out = first_step_and_training(model, CONFIGS[name], optimizer, full_gradients, VocabParallelLogits.full_tensor)
+    out = first_step_and_training(model, CONFIGS[name], optimizer, full_gradients=full_gradients,
+                                  full_logits=VocabParallelLogits.full_tensor)
     out["weights"] = full_weights(model)
     out["local logits"] = model(data(CONFIGS[name]).global_batch(0).inputs).shape[-1]
     out["tied"] = model.head.weight is model.embed.weight
@@ -80,8 +76,7 @@ def ours(ctx, name, sp, optimizer, tamper=None):
 def pytorch(ctx, name, sp, optimizer):
     model = dtensor_tp(fresh_model(CONFIGS[name]), device_mesh_1d(ctx), sequence_parallel=sp)
     with loss_parallel():   # F.cross_entropy on vocabulary-sharded DTensor logits, forward and backward
-        out = first_step_and_training(model, CONFIGS[name], optimizer, gradients, lambda t: t.full_tensor())
-    out["loss"] = out["loss"].full_tensor()
+        out = first_step_and_training(model, CONFIGS[name], optimizer)
     out["weights"] = weights(model)
     return out
 
@@ -89,7 +84,7 @@ def pytorch(ctx, name, sp, optimizer):
 def single_process(name, optimizer):
     cfg = CONFIGS[name]
     model = fresh_model(cfg)
-    out = first_step_and_training(model, cfg, optimizer, gradients, lambda t: t)
+    out = first_step_and_training(model, cfg, optimizer)
     out["weights"] = weights(model)
     out["names"] = [n for n, _ in model.named_parameters()]
     return out

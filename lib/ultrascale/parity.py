@@ -210,6 +210,24 @@ def run_steps(model, batches, steps: int, optimizer="sgd", *, grad_acc: int = 1,
         opt.zero_grad()
 
 
+def first_step(model, batch: Batch, *, full_logits=None, full_gradients=None, loss_context=None) -> dict:
+    """Logits, loss and every gradient of one forward and backward on ``batch``, the first
+    things a parity check compares; the gradients are cleared afterwards.
+
+    ``full_logits`` / ``full_gradients`` read a sharded model whole (TP's
+    ``VocabParallelLogits.full_tensor`` and ``full_gradients``; a DTensor is gathered by
+    default). ``loss_context``: e.g. DTensor's ``loss_parallel`` for vocabulary-sharded logits.
+    """
+    with loss_context() if loss_context is not None else contextlib.nullcontext():
+        logits = model(batch.inputs)
+        loss = lm_loss(logits, batch.targets)
+        loss.backward()
+    out = {"logits": (full_logits or _full)(logits).detach(), "loss": _full(loss),
+           "grads": (full_gradients or gradients)(model)}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 # --------------------------------------------------------------------------- reading and comparing
 def _full(t: torch.Tensor, name: str = "") -> torch.Tensor:
     """A plain CPU copy; a DTensor (FSDP2, DTensor TP) is gathered first (a collective)."""
