@@ -34,11 +34,12 @@ def _kind(name: str) -> str:
 
 
 def plot_gantt(rows, title: str = "", ax=None, lanes=LANES, min_width_ms: float = 0.05,
-               show_marks: bool = False):
+               show_marks: bool = False, label_bars: bool = False):
     """Draw one horizontal bar per event: y = (rank, lane), x = time in ms.
 
     Zero-length events (``Timeline.mark``) are drawn as ticks when ``show_marks``.
-    Returns the figure.
+    ``label_bars``: write each event's name (without "forward"/"backward") inside its bar
+    where it fits. Returns the figure.
     """
     events = _flatten(rows)
     if not events:
@@ -51,7 +52,7 @@ def plot_gantt(rows, title: str = "", ax=None, lanes=LANES, min_width_ms: float 
         plt.close(fig)  # the caller displays it; keeps notebooks from showing it twice
     else:
         fig = ax.figure
-    seen = set()
+    seen, bars = set(), []
     for e in events:
         y = rows_y.get((e["rank"], e["lane"]))
         if y is None:
@@ -66,6 +67,13 @@ def plot_gantt(rows, title: str = "", ax=None, lanes=LANES, min_width_ms: float 
         ax.broken_barh([(start, max(width, min_width_ms))], (y - 0.4, 0.8),
                        facecolors=colour, edgecolors="white", linewidth=0.3)
         seen.add(kind)
+        if label_bars:
+            bars.append((start, width, y, e["name"].split(" ", 1)[-1] if kind in ("forward", "backward")
+                         else e["name"]))
+    span = max(1e3 * (e["end"] - t0) for e in events)
+    for start, width, y, text in bars:   # only where the text fits (about 1.2% of the axis per letter)
+        if width > 0.012 * span * len(text):
+            ax.text(start + width / 2, y, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows_y)))
     ax.set_yticklabels([f"rank {r} {lane[:4]}" for (r, lane) in rows_y])
     ax.invert_yaxis()
