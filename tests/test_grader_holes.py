@@ -281,3 +281,320 @@ def test_calling_the_library_implementation_is_refused(ch01, ch02):
     for exercise, name in [("01.param_count", "gpt_param_count"), ("01.activation_memory", "activation_memory"),
                            ("02.grad_acc_steps", "grad_acc_steps"), ("02.assign_buckets", "assign_buckets")]:
         assert check(exercise, {**ch01, **ch02}[name]).status == PASS, exercise
+
+
+# ---- 04 and 05: tensor and sequence parallelism -------------------------------------------
+
+@pytest.fixture(scope="module")
+def ch04():
+    return _load("04_tensor_parallelism_exercises.ipynb")
+
+
+@pytest.fixture(scope="module")
+def ch05():
+    return _load("05_sequence_parallelism_exercises.ipynb")
+
+
+def test_tp_conjugate_pair_refuses_collectives_in_the_wrong_direction(ch04):
+    Copy, Reduce = ch04["Copy"], ch04["Reduce"]
+
+    class CopyReducingBothWays(torch.autograd.Function):  # f that all-reduces in forward too
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            total = x.clone()
+            dist.all_reduce(total, group=group)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad):
+            total = grad.clone()
+            dist.all_reduce(total, group=ctx.group)
+            return total, None
+
+    class CopyWithoutReduce(torch.autograd.Function):  # identity both ways
+        @staticmethod
+        def forward(ctx, x, group):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    class CopyOverAllRanks(torch.autograd.Function):  # forgets group=
+        @staticmethod
+        def forward(ctx, x, group):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            total = grad.clone()
+            dist.all_reduce(total)
+            return total, None
+
+    class CopyGatheringGradients(torch.autograd.Function):  # right sum, wrong collective
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+            dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+            return sum(parts), None
+
+    class ReduceBothWays(torch.autograd.Function):  # f* that also all-reduces in backward
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            total = x.clone()
+            dist.all_reduce(total, group=group)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad):
+            total = grad.clone()
+            dist.all_reduce(total, group=ctx.group)
+            return total, None
+
+    class ReduceInPlace(torch.autograd.Function):  # overwrites the caller's tensor
+        @staticmethod
+        def forward(ctx, x, group):
+            dist.all_reduce(x, group=group)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    _fails(check("04.conjugate_pair", CopyReducingBothWays, Reduce), "Copy, 2 ranks",
+           "returned the sum of x over the ranks", "identity in forward")
+    _fails(check("04.conjugate_pair", CopyWithoutReduce, Reduce), "own upstream gradient",
+           "all-reduce (sum) the gradient in backward")
+    _fails(check("04.conjugate_pair", CopyOverAllRanks, Reduce), "tp groups [0, 1] and [2]", "group=group")
+    _fails(check("04.conjugate_pair", CopyGatheringGradients, Reduce), "the backward called all_gather",
+           "exactly one all-reduce")
+    _fails(check("04.conjugate_pair", Copy, ReduceBothWays), "Reduce, 2 ranks", "backward all-reduced the gradient",
+           "f*'s backward is the identity")
+    _fails(check("04.conjugate_pair", Copy, ReduceInPlace), "changed its input x in place", "x.clone()")
+    assert check("04.conjugate_pair", Copy, Reduce).status == PASS
+
+
+def test_tp_column_parallel_linear_needs_f(ch04):
+    import torch.nn.functional as F
+
+    from ultrascale.comm.functional import f, f_star, gather_along_dim
+
+    def without_f(x, weight_shard, bias_shard, group):
+        return F.linear(x, weight_shard, bias_shard)
+
+    def with_f_star(x, weight_shard, bias_shard, group):
+        return F.linear(f_star(x, group), weight_shard, bias_shard)
+
+    def gathering_the_output(x, weight_shard, bias_shard, group):
+        return gather_along_dim(F.linear(f(x, group), weight_shard, bias_shard), -1, group)
+
+    _fails(check("04.column_parallel_linear", without_f), "x.grad holds only this rank's share",
+           "route x through f")
+    _fails(check("04.column_parallel_linear", with_f_star), "2 times too large", "f is the identity in forward")
+    _fails(check("04.column_parallel_linear", gathering_the_output), "all 8 output features",
+           "only this rank's slice")
+    assert check("04.column_parallel_linear", ch04["column_parallel_forward"]).status == PASS
+
+
+def test_tp_row_parallel_linear_adds_the_bias_once_after_the_sum(ch04):
+    import torch.nn.functional as F
+
+    from ultrascale.comm.functional import f_star
+
+    def bias_before_the_sum(x_shard, weight_shard, bias, group):
+        return f_star(F.linear(x_shard, weight_shard, bias), group)
+
+    def no_sum(x_shard, weight_shard, bias, group):
+        return F.linear(x_shard, weight_shard) + bias
+
+    def bias_on_rank_0_only(x_shard, weight_shard, bias, group):
+        partial = F.linear(x_shard, weight_shard)
+        if dist.get_rank(group) == 0:
+            partial = partial + bias
+        return f_star(partial, group)
+
+    def plain_all_reduce(x_shard, weight_shard, bias, group):  # no backward formula: autograd warns
+        partial = F.linear(x_shard, weight_shard)
+        dist.all_reduce(partial, group=group)
+        return partial + bias
+
+    _fails(check("04.row_parallel_linear", bias_before_the_sum), "the bias is counted 2 times",
+           "after the all-reduce")
+    _fails(check("04.row_parallel_linear", no_sum), "partial product only", "f_star")
+    _fails(check("04.row_parallel_linear", bias_on_rank_0_only), "rank 1", "bias.grad is None on this rank")
+    _fails(check("04.row_parallel_linear", plain_all_reduce), "dist.all_reduce directly on a tensor that autograd "
+           "tracks", "f_star(y, group)")
+    assert check("04.row_parallel_linear", ch04["row_parallel_forward"]).status == PASS
+
+
+def test_vocab_parallel_cross_entropy_refuses_gathered_logits_and_local_maxima(ch04):
+    import torch.nn.functional as F
+
+    from ultrascale.comm.functional import f_star, gather_along_dim
+
+    def gathering_the_logits(local_logits, targets, vocab_start, group):
+        return F.cross_entropy(gather_along_dim(local_logits, -1, group), targets)
+
+    def summing_padded_logits(local_logits, targets, vocab_start, group):  # the full logits on every rank
+        full = local_logits.new_zeros(local_logits.shape[0], local_logits.shape[1] * dist.get_world_size(group))
+        full[:, vocab_start: vocab_start + local_logits.shape[1]] = local_logits
+        return F.cross_entropy(f_star(full, group), targets)
+
+    def cross_entropy(local_logits, targets, vocab_start, group, shift="global", last=False):
+        local_vocab = local_logits.shape[-1]
+        with torch.no_grad():
+            top = local_logits.max(dim=-1).values
+            if shift == "global":
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            elif shift == "none":
+                top.zero_()
+        shifted = local_logits - top.unsqueeze(-1)
+        end = vocab_start + local_vocab + (1 if last else 0)  # last: the next slice's first id counted too
+        mine = (targets >= vocab_start) & (targets < end)
+        index = (targets - vocab_start).clamp(0, local_vocab - 1).unsqueeze(-1)
+        target_logit = torch.where(mine, shifted.gather(-1, index).squeeze(-1), 0.0)
+        sums = f_star(torch.stack([shifted.exp().sum(-1), target_logit]), group)
+        return (sums[0].log() - sums[1]).mean()
+
+    def own_maximum(local_logits, targets, vocab_start, group):
+        return cross_entropy(local_logits, targets, vocab_start, group, shift="local")
+
+    def no_maximum(local_logits, targets, vocab_start, group):
+        return cross_entropy(local_logits, targets, vocab_start, group, shift="none")
+
+    def off_by_one(local_logits, targets, vocab_start, group):
+        return cross_entropy(local_logits, targets, vocab_start, group, last=True)
+
+    exercise = "04.vocab_parallel_cross_entropy"
+    _fails(check(exercise, gathering_the_logits), "all_gather", "that gathers the logits")
+    _fails(check(exercise, summing_padded_logits), "all_reduce", "as much as its whole slice of the logits")
+    _fails(check(exercise, own_maximum), "every rank subtracted its own maximum", "op=dist.ReduceOp.MAX")
+    _fails(check(exercise, no_maximum), "logits of size ~1e3", "the loss is inf", "subtract the maximum")
+    _fails(check(exercise, off_by_one), "count the target's logit on the one rank whose slice holds it")
+    assert check(exercise, ch04["vocab_parallel_cross_entropy"]).status == PASS
+
+
+def test_sequence_gather_scatter_refuses_all_reduce_and_slice(ch05):
+    Gather, ReduceScatter = ch05["Gather"], ch05["ReduceScatter"]
+    gather_along, reduce_scatter_along = ch05["gather_along"], ch05["reduce_scatter_along"]
+
+    def all_reduce_and_slice(x, dim, group):  # the right numbers, twice the traffic
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        piece = x.shape[dim] // dist.get_world_size(group)
+        return total.narrow(dim, dist.get_rank(group) * piece, piece).contiguous()
+
+    class GatherAllReducingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group = dim, group
+            return gather_along(x, dim, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return all_reduce_and_slice(grad, ctx.dim, ctx.group), None, None
+
+    class ReduceScatterAllReducing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group = dim, group
+            return all_reduce_and_slice(x, dim, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return gather_along(grad, ctx.dim, ctx.group), None, None
+
+    class GatherAlongDim0(torch.autograd.Function):  # ignores dim
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group = dim, group
+            return gather_along(x, 0, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return reduce_scatter_along(grad, 0, ctx.group), None, None
+
+    class GatherKeepingOwnGradient(torch.autograd.Function):  # no sum over ranks in backward
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group = dim, group
+            return gather_along(x, dim, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            piece = grad.shape[ctx.dim] // dist.get_world_size(ctx.group)
+            return grad.narrow(ctx.dim, dist.get_rank(ctx.group) * piece, piece).contiguous(), None, None
+
+    exercise = "05.sequence_gather_scatter"
+    _fails(check(exercise, GatherAllReducingBackward, ReduceScatter), "Gather, dim 1",
+           "the backward all-reduced the whole tensor and kept one slice", "double the traffic")
+    _fails(check(exercise, Gather, ReduceScatterAllReducing), "ReduceScatter, dim 1",
+           "the forward all-reduced the whole tensor and kept one slice", "double the traffic")
+    _fails(check(exercise, GatherAlongDim0, ReduceScatter), "concatenated along dim 0", "movedim(1, 0)")
+    _fails(check(exercise, GatherKeepingOwnGradient, ReduceScatter), "slice of its own upstream gradient",
+           "a reduce-scatter")
+    assert check(exercise, Gather, ReduceScatter).status == PASS
+
+
+def test_sequence_parallel_norm_hooks_sum_before_accumulation(ch05):
+    def after_accumulation(module, group):  # right after one micro-batch, wrong after two
+        return [p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
+                for p in module.parameters()]
+
+    def no_hooks(module, group):
+        return []
+
+    def averaging(module, group):
+        def mean_over_ranks(grad):
+            total = grad.clone()
+            dist.all_reduce(total, group=group)
+            return total / dist.get_world_size(group)
+
+        return [p.register_hook(mean_over_ranks) for p in module.parameters()]
+
+    exercise = "05.sequence_parallel_norm_grads"
+    _fails(check(exercise, after_accumulation), "after 2 backward passes", "counts the first micro-batch 2 times",
+           "before it is accumulated")
+    _fails(check(exercise, no_hooks), "only the contribution of this rank's tokens", "register_hook")
+    _fails(check(exercise, averaging), "the average over the 2 tp ranks", "no division")
+    assert check(exercise, ch05["sync_norm_gradients"]).status == PASS
+
+
+def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
+    import torch.nn.functional as F
+
+    from ultrascale.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelLogits
+    from ultrascale.parallel.tensor_parallel import vocab_parallel_cross_entropy as library_loss
+
+    def column_parallel_forward(x, weight_shard, bias_shard, group):
+        return ColumnParallelLinear(weight_shard, bias_shard, group)(x)
+
+    def through_the_library(local_logits, targets, vocab_start, group):
+        return library_loss(local_logits, targets, vocab_start, group)
+
+    def through_sharded_logits(local_logits, targets, vocab_start, group):
+        return F.cross_entropy(VocabParallelLogits.wrap(local_logits, vocab_start, group), targets)
+
+    def sync_norm_gradients(module, group):
+        from ultrascale.parallel.tensor_parallel import _sum_gradient_over_tp
+
+        for p in module.parameters():
+            _sum_gradient_over_tp(p, group)
+
+    _fails(check("04.column_parallel_linear", column_parallel_forward), "the course library's",
+           "ColumnParallelLinear is the answer")
+    for wrong in (through_the_library, through_sharded_logits):
+        _fails(check("04.vocab_parallel_cross_entropy", wrong), "the course library's ultrascale.parallel."
+               "tensor_parallel.", "compute it yourself")
+    _fails(check("05.sequence_parallel_norm_grads", sync_norm_gradients), "_sum_gradient_over_tp",
+           "register the hooks yourself")
+    # the library works again afterwards, and the solutions pass
+    assert check("04.vocab_parallel_cross_entropy", ch04["vocab_parallel_cross_entropy"]).status == PASS
+    assert check("05.sequence_parallel_norm_grads", ch05["sync_norm_gradients"]).status == PASS

@@ -1,0 +1,307 @@
+"""Tests of the chapter 5 exercises (solutions/05_sequence_parallelism_exercises.ipynb):
+sequence parallelism's collectives, and the gradients of the norms it leaves split.
+
+* ``05.sequence_gather_scatter``: ``Gather`` and ``ReduceScatter``, two
+  ``torch.autograd.Function``s called as ``apply(x, dim, group)``: the book's g (all-gather
+  along ``dim`` forward, reduce-scatter backward) and g* (reduce-scatter along ``dim``
+  forward, all-gather backward). Graded against the library's ``comm.functional.g`` and
+  ``g_star`` along dims 1 (the sequence), 0 and 2, with a different input and upstream
+  gradient on every rank: the output, ``x.grad``, the input left unchanged, and the
+  collectives of each direction (``CommLogger``): exactly one all-gather or one
+  reduce-scatter, moving the library's bytes. An all-reduce followed by a slice gives the
+  right numbers but moves twice the bytes of a reduce-scatter, and fails with a message
+  that says so.
+* ``05.sequence_parallel_norm_grads``: ``sync_norm_gradients(module, group)`` registers
+  hooks so that a norm run on this rank's slice of the sequence ends with the gradient of
+  the whole sequence (the sum over the tp ranks) in ``.grad``. Graded against one
+  ``nn.LayerNorm`` in one process on the full sequence (weight and bias moved away from 1
+  and 0): its output and input gradient (which must stay local), and ``.grad`` after one
+  backward and after a second one that accumulates (a hook that all-reduces ``.grad``
+  after accumulation counts the first micro-batch again); and the gradients must be
+  bit-identical on the ranks of a tp group, since each rank's optimizer then applies them.
+
+Clusters, tp groups (the whole cluster, then 3 ranks cut into [0, 1] and [2]), the order of
+work (everything runs before anything is judged) and the refusal of the library's own
+answer (here ``g``/``g_star``'s gather and scatter helpers, and the hook of
+``parallel.tensor_parallel``) are those of ``ch04``, whose helpers these tests share. Tolerances: ``ultrascale.parity.tolerance(None)`` in float32 (rtol 1e-5,
+atol 5e-6): the sums over ranks add the same numbers as one process in another order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ultrascale.grading import exercise
+
+from .ch04 import (close, collectives, describe, layouts, off_by, randn, refused_library, same_collectives,
+                   shape_problem, tp_group)
+
+BASE = (2, 3, 4)    # what one rank holds: (batch, its slice of the sequence, hidden)
+DIMS = (1, 0, 2)    # the sequence first; dims 0 and 2 catch code that ignores dim
+
+
+def _long(dim: int, n: int) -> tuple:
+    """BASE with ``dim`` ``n`` times longer: the whole tensor the slices make up."""
+    return tuple(size * n if d == dim else size for d, size in enumerate(BASE))
+
+
+# ---- 05.sequence_gather_scatter ---------------------------------------------------------
+
+def _run_region(apply, x, dim, upstream, group, forbid=None) -> dict:
+    """Forward and backward of ``apply(x, dim, group)`` with the collectives of each direction."""
+    from ultrascale.comm import CommLogger
+
+    given = x.clone().requires_grad_()
+    with refused_library(forbid) as refusal:
+        with CommLogger() as forward:
+            y = apply(given, dim, group)
+        changed = not torch.equal(given.detach(), x)
+        with CommLogger() as backward:
+            if torch.is_tensor(y) and y.requires_grad and y.shape == upstream.shape:
+                y.backward(upstream.clone())
+    if refusal.message:
+        return {"forbidden": refusal.message}
+    return {"y": y.detach().clone() if torch.is_tensor(y) else y, "grad": given.grad, "changed": changed,
+            "forward": collectives(forward), "backward": collectives(backward)}
+
+
+def _sequence_on_rank(ctx, Gather, ReduceScatter, seed, split):
+    from ultrascale.comm import functional
+    from ultrascale.comm.functional import g, g_star
+
+    forbid = ([functional._all_gather, functional._reduce_scatter], "05.sequence_gather_scatter",
+              "g and g_star are what you are writing here: use all_gather_into and reduce_scatter_into")
+    group, layout = tp_group(ctx, split)
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    runs = []   # everything runs before anything is judged
+    for dim in DIMS:
+        x, upstream = randn(BASE, seed, 11, dim, ctx.rank), randn(_long(dim, n), seed, 12, dim, ctx.rank)
+        runs.append(("Gather", dim, x, upstream, _run_region(g, x, dim, upstream, group),
+                     _run_region(Gather.apply, x, dim, upstream, group, forbid)))
+        x, upstream = randn(_long(dim, n), seed, 13, dim, ctx.rank), randn(BASE, seed, 14, dim, ctx.rank)
+        runs.append(("ReduceScatter", dim, x, upstream, _run_region(g_star, x, dim, upstream, group),
+                     _run_region(ReduceScatter.apply, x, dim, upstream, group, forbid)))
+    for name, dim, x, upstream, library, got in runs:
+        judge = _judge_gather if name == "Gather" else _judge_reduce_scatter
+        problem = judge(got, library, x, upstream, dim, r, n)
+        if problem:
+            return f"{name}, dim {dim}, {layout}, rank {ctx.rank}: {problem}"
+    return None
+
+
+def _front(dim: int) -> str:
+    if dim == 0:
+        return ""
+    return (f". A collective works along dim 0 of contiguous buffers: for dim {dim} move it to the front "
+            f"(x.movedim({dim}, 0).contiguous()), communicate, and move it back; a view or reshape to the final "
+            "shape interleaves the slices")
+
+
+def _double_traffic(got_ops, library_ops, who: str) -> str | None:
+    if not any(op == "all_reduce" for op, _ in got_ops):
+        return None
+    sent, wanted = sum(b for _, b in got_ops), sum(b for _, b in library_ops)
+    return (f"{who} all-reduced the whole tensor and kept one slice ({describe(got_ops)}, {sent:,} bytes sent by "
+            f"this rank; one reduce-scatter sends {wanted:,}). The numbers are right, but a ring all-reduce moves "
+            "2(N-1)/N of the tensor through every rank where a reduce-scatter moves (N-1)/N: double the traffic, "
+            "which sequence parallelism exists to avoid. Use one reduce-scatter (reduce_scatter_into)")
+
+
+def _judge_gather(got, library, x, upstream, dim, r, n) -> str | None:
+    if "forbidden" in got:
+        return got["forbidden"]
+    y, want = got["y"], library["y"]
+    if torch.is_tensor(y) and dim != 0 and n > 1 and tuple(y.shape) == _long(0, n):
+        return (f"the output has shape {tuple(y.shape)}: the slices were concatenated along dim 0, expected "
+                f"{tuple(want.shape)} (along dim {dim})" + _front(dim))
+    problem = shape_problem("the output", y, want)
+    if problem:
+        return problem + f" (x's shape with dim {dim} N times longer)"
+    if got["changed"]:
+        return "the forward changed x in place; gather into a new tensor and leave x alone"
+    if not close(y, want):
+        return (f"the output is not every rank's x concatenated along dim {dim} in rank order (off by up to "
+                f"{off_by(y, want)})" + _front(dim))
+    grad = got["grad"]
+    if grad is None:
+        return "x.grad is None after backward: backward must return the gradient of x (then None, None)"
+    piece = x.shape[dim]
+    if not close(grad, library["grad"]):
+        if n > 1 and close(grad, upstream.narrow(dim, r * piece, piece)):
+            return ("x.grad is this rank's slice of its own upstream gradient. Every rank used the whole gathered "
+                    "tensor, so the gradient of this rank's slice is the sum over ranks of their gradients for "
+                    "it: a reduce-scatter")
+        return (f"x.grad differs from this rank's slice (along dim {dim}) of the sum over ranks of the upstream "
+                f"gradients by up to {off_by(grad, library['grad'])}" + _front(dim))
+    problem = same_collectives(got["forward"], library["forward"], "the forward")
+    if problem:
+        return problem + ": g's forward is one all-gather"
+    problem = _double_traffic(got["backward"], library["backward"], "the backward")
+    problem = problem or same_collectives(got["backward"], library["backward"], "the backward")
+    if problem:
+        return problem + ("" if "double the traffic" in problem else ": g's backward is one reduce-scatter")
+    return None
+
+
+def _judge_reduce_scatter(got, library, x, upstream, dim, r, n) -> str | None:
+    if "forbidden" in got:
+        return got["forbidden"]
+    y, want = got["y"], library["y"]
+    if torch.is_tensor(y) and n > 1 and tuple(y.shape) == tuple(x.shape):
+        return (f"the output has x's shape {tuple(x.shape)}: the whole sum. g* keeps only this rank's slice along "
+                f"dim {dim}, shape {tuple(want.shape)}")
+    problem = shape_problem("the output", y, want)
+    if problem:
+        return problem + f" (x's shape with dim {dim} N times shorter)"
+    if got["changed"]:
+        return ("the forward changed x in place (an all-reduce on x itself?). The caller may still need it: "
+                "reduce-scatter into a new tensor")
+    piece = want.shape[dim]
+    if not close(y, want):
+        if n > 1 and close(y, x.narrow(dim, r * piece, piece)):
+            return "the output is this rank's slice of its own x: the sum over the ranks is missing"
+        return (f"the output is not slice {r} (along dim {dim}) of the sum over ranks of x (off by up to "
+                f"{off_by(y, want)})" + _front(dim))
+    grad = got["grad"]
+    if grad is None:
+        return "x.grad is None after backward: backward must return the gradient of x (then None, None)"
+    if not close(grad, library["grad"]):
+        return (f"x.grad must be every rank's upstream gradient concatenated along dim {dim} in rank order (an "
+                "all-gather): each rank's x contributed to every slice of the sum. It differs by up to "
+                f"{off_by(grad, library['grad'])}" + _front(dim))
+    problem = _double_traffic(got["forward"], library["forward"], "the forward")
+    problem = problem or same_collectives(got["forward"], library["forward"], "the forward")
+    if problem:
+        return problem + ("" if "double the traffic" in problem else ": g*'s forward is one reduce-scatter")
+    problem = same_collectives(got["backward"], library["backward"], "the backward")
+    if problem:
+        return problem + ": g*'s backward is one all-gather"
+    return None
+
+
+@exercise("05.sequence_gather_scatter", points=2)
+def test_sequence_gather_scatter(Gather, ReduceScatter, world_size: int = 3, quick: bool = True, seed: int = 0,
+                                 timeout: float = 60):
+    from ultrascale.runtime import shared_cluster
+
+    for name, cls in (("Gather", Gather), ("ReduceScatter", ReduceScatter)):
+        assert isinstance(cls, type) and issubclass(cls, torch.autograd.Function), (
+            f"pass your {name} class itself (a subclass of torch.autograd.Function), got {cls!r}")
+    for size, split in layouts(world_size, quick):
+        for problem in shared_cluster(size).run(_sequence_on_rank, Gather, ReduceScatter, seed, split,
+                                                timeout=timeout):
+            if problem:
+                raise AssertionError(problem)
+
+
+# ---- 05.sequence_parallel_norm_grads ----------------------------------------------------
+
+HIDDEN, PER_RANK, BATCH = 8, 3, 2   # each rank holds PER_RANK tokens of every sequence
+MICRO_BATCHES = 2                   # two backward passes accumulate into .grad
+
+
+def _layer_norm(seed: int) -> nn.LayerNorm:
+    """The same norm in every process, weight and bias away from 1 and 0."""
+    norm = nn.LayerNorm(HIDDEN)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * randn((HIDDEN,), seed, 20))
+        norm.bias.copy_(randn((HIDDEN,), seed, 21))
+    return norm
+
+
+def _grads(module) -> dict:
+    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in module.named_parameters()}
+
+
+def _norm_on_rank(ctx, sync_norm_gradients, seed, split):
+    from ultrascale.parallel import tensor_parallel
+
+    group, layout = tp_group(ctx, split)
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    norm, reference, alone = _layer_norm(seed), _layer_norm(seed), _layer_norm(seed)
+    forbid = ([tensor_parallel._sum_gradient_over_tp], "05.sequence_parallel_norm_grads",
+              "register the hooks yourself")
+    with refused_library(forbid) as refusal:
+        sync_norm_gradients(norm, group)
+    if refusal.message:
+        return {"problem": f"{layout}, rank {ctx.rank}: {refusal.message}", "group": [], "grads": {}}
+    mine = slice(r * PER_RANK, (r + 1) * PER_RANK)
+    steps = []
+    for micro in range(MICRO_BATCHES):
+        x = randn((BATCH, PER_RANK * n, HIDDEN), seed, 22, micro)   # the whole sequences, on every rank
+        dy = randn((BATCH, PER_RANK * n, HIDDEN), seed, 23, micro)
+        given = x[:, mine].clone().requires_grad_()
+        out = norm(given)
+        if torch.is_tensor(out) and out.shape == given.shape:
+            out.backward(dy[:, mine])
+        full = x.clone().requires_grad_()
+        expected = reference(full)              # one process, the whole sequence
+        expected.backward(dy)
+        alone(x[:, mine]).backward(dy[:, mine])   # this rank's tokens only, nothing summed
+        steps.append({"out": out.detach() if torch.is_tensor(out) else out, "x": given.grad,
+                      "grads": _grads(norm), "expected_out": expected.detach()[:, mine],
+                      "expected_x": full.grad[:, mine], "expected": _grads(reference), "alone": _grads(alone)})
+    problem = _judge_norm(steps, n)
+    return {"problem": f"{layout}, rank {ctx.rank}: {problem}" if problem else None,
+            "group": dist.get_process_group_ranks(group), "grads": steps[-1]["grads"]}
+
+
+def _judge_norm(steps, n) -> str | None:
+    for micro, step in enumerate(steps):
+        when = "after one backward" if micro == 0 else f"after {micro + 1} backward passes (gradient accumulation)"
+        problem = shape_problem("the norm's output", step["out"], step["expected_out"])
+        if problem or not close(step["out"], step["expected_out"]):
+            return (problem or "the norm's output changed") + ": the hooks must leave the forward alone"
+        if not close(step["x"], step["expected_x"]):
+            return (f"{when}, the gradient of the norm's input differs from the one-process norm's. The norm works "
+                    "token by token, so its input gradient stays this rank's own: sum only the parameters' "
+                    "gradients")
+        for name, want in step["expected"].items():
+            got = step["grads"][name]
+            if got is None:
+                return f"{when}, {name}.grad is None"
+            if close(got, want):
+                continue
+            if micro == 0 and n > 1 and close(got, step["alone"][name]):
+                return (f"{name}.grad holds only the contribution of this rank's tokens. The norm's parameters are "
+                        "replicated, but each rank saw a different slice of the sequence, so the gradient of the "
+                        "whole sequence is the sum over the tp ranks: all-reduce each parameter's gradient in a "
+                        "hook (Tensor.register_hook on the parameter), and return the sum from the hook: its "
+                        "return value replaces the gradient")
+            if micro == 0 and n > 1 and close(got * n, want):
+                return (f"{name}.grad is the average over the {n} tp ranks; it must be the sum (each rank holds "
+                        "different tokens, not a copy of the same gradient): no division")
+            if micro > 0:
+                first = steps[0]["expected"][name]
+                if close(got, n * first + (want - first)):
+                    return (f"{when}, {name}.grad counts the first micro-batch {n} times (it was right after one "
+                            "backward): the hook summed the accumulated .grad over the ranks again. All-reduce "
+                            "each new gradient before it is accumulated (Tensor.register_hook on the parameter), "
+                            "not .grad after accumulation")
+                return (f"{when}, {name}.grad must be the sum of every micro-batch's full-sequence gradient; it "
+                        f"differs by up to {off_by(got, want)}")
+            return f"{when}, {name}.grad differs from the one-process norm's by up to {off_by(got, want)}"
+    return None
+
+
+@exercise("05.sequence_parallel_norm_grads", points=1)
+def test_sequence_parallel_norm_grads(sync_norm_gradients, world_size: int = 3, quick: bool = True, seed: int = 0,
+                                      timeout: float = 60):
+    from ultrascale.runtime import shared_cluster
+
+    assert callable(sync_norm_gradients), f"pass your function, got {sync_norm_gradients!r}"
+    for size, split in layouts(world_size, quick):
+        results = shared_cluster(size).run(_norm_on_rank, sync_norm_gradients, seed, split, timeout=timeout)
+        for result in results:
+            if result["problem"]:
+                raise AssertionError(result["problem"])
+        for rank, result in enumerate(results):   # the copies on one tp group must stay equal
+            first = results[result["group"][0]]
+            for name, grad in result["grads"].items():
+                assert torch.equal(grad, first["grads"][name]), (
+                    f"{size} ranks, tp group {result['group']}: {name}.grad on rank {rank} is not identical to "
+                    f"rank {result['group'][0]}'s (off by {off_by(grad, first['grads'][name])}). Each rank's "
+                    "optimizer updates its own copy of the norm: the copies drift apart unless every rank gets "
+                    "the very same gradient, the result of one all-reduce")
