@@ -16,6 +16,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
 from ultrascale.grading import skip_if_not_implemented
 from ultrascale.grading.check import GRADE_FILE_ENV
@@ -66,6 +67,12 @@ class OverlappedGradSync:
         raise NotImplementedError("exercise: register the hooks")
 
 
+class Copy(torch.autograd.Function):   # an autograd Function's methods are static
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("exercise: all-reduce the gradient")
+
+
 def test_a_stub_that_raised_on_the_ranks_is_named_with_its_class(capsys):
     with skip_if_not_implemented():
         raise FakeRankError("NotImplementedError", "mean_across_ranks")
@@ -74,9 +81,13 @@ def test_a_stub_that_raised_on_the_ranks_is_named_with_its_class(capsys):
     line = OverlappedGradSync.__init__.__code__.co_firstlineno + 1
     with skip_if_not_implemented():
         raise FakeRankError("NotImplementedError", "__init__", filename=__file__, line=line)
+    line = Copy.backward.__code__.co_firstlineno + 1
+    with skip_if_not_implemented():
+        raise FakeRankError("NotImplementedError", "backward", filename=__file__, line=line)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("not implemented yet: mean_across_ranks ")
     assert out[1].startswith("not implemented yet: OverlappedGradSync.__init__ ")
+    assert out[2].startswith("not implemented yet: Copy.backward ")
 
 
 def test_other_errors_and_finished_work_are_left_alone(capsys):

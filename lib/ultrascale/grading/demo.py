@@ -63,6 +63,7 @@ def _qualified(name: str, filename: str, line: int, namespace: dict) -> str:
     function, so find the notebook class whose method of that name holds the line."""
     for value in list(namespace.values()):
         method = value.__dict__.get(name) if isinstance(value, type) else None
+        method = getattr(method, "__func__", method)   # a staticmethod or classmethod wraps the function
         code = getattr(method, "__code__", None)
         if code is not None and code.co_filename == filename and line in {n for _, _, n in code.co_lines()}:
             return f"{value.__name__}.{name}"
