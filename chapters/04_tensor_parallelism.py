@@ -45,15 +45,14 @@ from matplotlib.figure import Figure
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ultrascale.comm import AlphaBeta, CommLogger, tensor_parallel_scaling
-from ultrascale.comm.functional import f, f_star
 from ultrascale.memory import GB, activation_bytes, breakdown, saved_activation_bytes, state_bytes
 from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, MLP, GPTConfig, Llama, LlamaConfig, count_params,
                               rope_tables)
 from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelLogits,
                                                  apply_tp, choose_tp, full_gradients, full_weights, tp_degrees)
-from ultrascale.parity import (Batches, assert_same, dtensor_tp, first_step, gradients, make_optimizer,
-                               run_steps, weights)
+from ultrascale.parity import (Batches, assert_same, dtensor_tp, first_step_and_train, gradients, make_optimizer,
+                               perturbed, run_steps)
 from ultrascale.runtime import Cluster
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
@@ -281,34 +280,23 @@ DATA = Batches(CFG, mbs=2, seed=SEED)
 
 def fresh_model():
     torch.manual_seed(SEED)
-    model = GPT(CFG).double()
-    with torch.no_grad():   # biases away from 0 and norm weights away from 1: a misplaced one shows
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
-
-
-def train_and_report(model, **readers):
-    out = first_step(model, DATA.global_batch(0), **readers)
-    run_steps(model, DATA.global_stream(1), STEPS, "sgd")
-    return out
+    return perturbed(GPT(CFG).double(), seed=SEED)   # biases off 0, norm weights off 1: a misplaced one shows
 
 
 def ours(ctx):
     model = apply_tp(fresh_model(), tp_group(ctx))
-    out = train_and_report(model, full_logits=VocabParallelLogits.full_tensor, full_gradients=full_gradients)
-    return {**out, "weights": full_weights(model), "local vocabulary": model.head.weight.shape[0]}
+    out = first_step_and_train(model, DATA, STEPS, "sgd", full_logits=VocabParallelLogits.full_tensor,
+                               full_gradients=full_gradients, full_weights=full_weights)
+    return {**out, "local vocabulary": model.head.weight.shape[0]}
 
 
 def pytorch(ctx):
     model = dtensor_tp(fresh_model(), init_mesh(ctx, dp=REPLICAS, tp=TP).to_device_mesh()["tp"])
-    with loss_parallel():   # F.cross_entropy on vocabulary-sharded DTensor logits
-        out = train_and_report(model)
-    return {**out, "weights": weights(model)}
+    # loss_parallel: F.cross_entropy on vocabulary-sharded DTensor logits
+    return first_step_and_train(model, DATA, STEPS, "sgd", loss_context=loss_parallel)
 
 
-single = fresh_model()
-reference = {**train_and_report(single), "weights": weights(single)}
+reference = first_step_and_train(fresh_model(), DATA, STEPS, "sgd")
 runs = {"ours": ours, "PyTorch parallelize_module": pytorch}
 results = {name: cluster.run(fn) for name, fn in ProgressBar("TP training runs").iterate(runs.items())}
 for name, per_rank in results.items():

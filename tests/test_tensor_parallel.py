@@ -25,8 +25,8 @@ from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.timeline import Timeline
 from ultrascale.parallel.tensor_parallel import (GPT_PLAN, LLAMA_PLAN, RowParallelLinear, VocabParallelLogits,
                                                  apply_tp, full_gradients, full_weights)
-from ultrascale.parity import (Batch, Batches, assert_same, device_mesh_1d, dtensor_tp, first_step, gradients,
-                               max_difference, run_steps, weights)
+from ultrascale.parity import (Batch, Batches, assert_same, device_mesh_1d, dtensor_tp, first_step_and_train,
+                               gradients, max_difference, perturbed, run_steps, weights)
 from ultrascale.runtime import shared_cluster
 
 # 12 heads, FFN 192, vocabulary 96 and 12 tokens: tp = 2, 3 and 4 all divide them.
@@ -40,11 +40,7 @@ DT = torch.float64
 
 def fresh_model(cfg):
     torch.manual_seed(0)
-    model = (GPT if isinstance(cfg, GPTConfig) else Llama)(cfg).to(DT)
-    with torch.no_grad():   # biases away from 0, norm weights away from 1
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+    return perturbed((GPT if isinstance(cfg, GPTConfig) else Llama)(cfg).to(DT))
 
 
 def data(cfg):
@@ -52,21 +48,13 @@ def data(cfg):
 
 
 # --------------------------------------------------------------------------- on the ranks
-def first_step_and_training(model, cfg, optimizer, **readers):
-    """Logits, loss and gradients of one batch, then the weights after STEPS steps."""
-    out = first_step(model, data(cfg).global_batch(0), **readers)
-    run_steps(model, data(cfg).global_stream(1), STEPS, optimizer)
-    return out
-
-
 def ours(ctx, name, sp, optimizer, tamper=None):
     mesh = init_mesh(ctx, tp=ctx.world_size)
     model = apply_tp(fresh_model(CONFIGS[name]), mesh, sequence_parallel=sp)
     if tamper is not None:
         tamper(model)
-    out = first_step_and_training(model, CONFIGS[name], optimizer, full_gradients=full_gradients,
-                                  full_logits=VocabParallelLogits.full_tensor)
-    out["weights"] = full_weights(model)
+    out = first_step_and_train(model, data(CONFIGS[name]), STEPS, optimizer, full_gradients=full_gradients,
+                               full_logits=VocabParallelLogits.full_tensor, full_weights=full_weights)
     out["local logits"] = model(data(CONFIGS[name]).global_batch(0).inputs).shape[-1]
     out["tied"] = model.head.weight is model.embed.weight
     out["names"] = [n for n, _ in model.named_parameters()]
@@ -75,17 +63,14 @@ def ours(ctx, name, sp, optimizer, tamper=None):
 
 def pytorch(ctx, name, sp, optimizer):
     model = dtensor_tp(fresh_model(CONFIGS[name]), device_mesh_1d(ctx), sequence_parallel=sp)
-    with loss_parallel():   # F.cross_entropy on vocabulary-sharded DTensor logits, forward and backward
-        out = first_step_and_training(model, CONFIGS[name], optimizer)
-    out["weights"] = weights(model)
-    return out
+    # loss_parallel: F.cross_entropy on vocabulary-sharded DTensor logits, forward and backward
+    return first_step_and_train(model, data(CONFIGS[name]), STEPS, optimizer, loss_context=loss_parallel)
 
 
 def single_process(name, optimizer):
     cfg = CONFIGS[name]
     model = fresh_model(cfg)
-    out = first_step_and_training(model, cfg, optimizer)
-    out["weights"] = weights(model)
+    out = first_step_and_train(model, data(cfg), STEPS, optimizer)
     out["names"] = [n for n, _ in model.named_parameters()]
     return out
 

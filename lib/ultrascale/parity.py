@@ -127,41 +127,73 @@ class Batches:
         tokens = torch.randint(0, self.config.vocab_size, shape, generator=g)
         return Batch(tokens[:, :-1], tokens[:, 1:])
 
-    def rank_batch(self, rank: int, world_size: int, step: int, micro: int = 0, by: str = "data") -> Batch:
-        return split(self.global_batch(step, world_size if by == "data" else 1, micro), rank, world_size, by)
+    def rank_batch(self, rank: int, world_size: int, step: int, micro: int = 0, by: str = "data",
+                   layout: str = "contiguous") -> Batch:
+        return split(self.global_batch(step, world_size if by == "data" else 1, micro), rank, world_size, by,
+                     layout)
 
     def global_stream(self, world_size: int = 1):
         """``(step, micro) -> Batch``: what one process trains on in place of ``world_size`` ranks."""
         return lambda step, micro=0: self.global_batch(step, world_size, micro)
 
-    def rank_stream(self, rank: int, world_size: int, by: str = "data"):
-        """``(step, micro) -> Batch``: this rank's share of each step."""
-        return lambda step, micro=0: self.rank_batch(rank, world_size, step, micro, by)
+    def rank_stream(self, rank: int, world_size: int, by: str = "data", layout: str = "contiguous"):
+        """``(step, micro) -> Batch``: this rank's share of each step (``layout``: see ``split``)."""
+        return lambda step, micro=0: self.rank_batch(rank, world_size, step, micro, by, layout)
 
 
-def split(batch: Batch, rank: int, world_size: int, by: str = "data") -> Batch:
+SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
+
+
+def sequence_positions(seq: int, rank: int, world_size: int, layout: str = "contiguous") -> torch.Tensor:
+    """The global positions of the tokens that rank ``rank`` holds of a ``seq``-token sequence.
+
+    * ``"contiguous"``: the sequence cut into ``world_size`` chunks; rank r holds chunk r;
+    * ``"zigzag"``: cut into ``2 * world_size`` chunks; rank r holds chunks r and
+      ``2 * world_size - 1 - r``. Under a causal mask an early chunk has few keys to attend
+      to and a late one many, so pairing them gives every rank the same work (context
+      parallelism's load balancing; with "contiguous" the last rank does the most).
+    A rank's positions are ascending in both. A length that does not cut into equal chunks
+    is refused, not padded (padding would need masking in attention and in the loss).
+    """
+    if layout not in SEQUENCE_LAYOUTS:
+        raise ValueError(f"layout={layout!r}: choose one of {SEQUENCE_LAYOUTS}")
+    per_rank = 2 if layout == "zigzag" else 1
+    chunks = per_rank * world_size
+    how = f" in the zigzag layout ({chunks} chunks, 2 per rank)" if layout == "zigzag" else ""
+    if seq < chunks:
+        raise ValueError(f"{world_size} ranks is larger than the number of chunks: a sequence of {seq} tokens "
+                         f"gives fewer than {chunks} chunks{how}: use at most {seq // per_rank} ranks or a "
+                         "longer sequence")
+    if seq % chunks:
+        raise ValueError(f"{seq} tokens per sequence do not split evenly over {world_size} ranks{how}: pad the "
+                         f"sequence to {-(-seq // chunks) * chunks} tokens or choose a length that {chunks} divides")
+    size = seq // chunks
+    ids = [rank] if layout == "contiguous" else [rank, chunks - 1 - rank]
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in ids])
+
+
+def split(batch: Batch, rank: int, world_size: int, by: str = "data", layout: str = "contiguous") -> Batch:
     """Rank ``rank``'s share of ``batch``.
 
     * ``"data"``: rows ``rank*b .. (rank+1)*b`` (b = rows / world_size), as a sampler would;
-    * ``"sequence"``: a contiguous slice of every row's tokens, with their global positions
-      (RoPE must rotate a token by where it is in the whole sequence, not in the slice).
+    * ``"sequence"``: a slice of every row's tokens, with their global positions (RoPE must
+      rotate a token by where it is in the whole sequence, not in the slice). ``layout``:
+      ``"contiguous"`` (one slice per rank) or ``"zigzag"`` (two chunks per rank, balanced
+      for causal attention), see ``sequence_positions``.
     The mean loss over equal shares, averaged over the ranks, is the mean loss of the batch:
     so shares must be equal, and an uneven split is an error rather than a silent bias.
     """
     if by not in ("data", "sequence"):
         raise ValueError(f"by={by!r}: choose 'data' or 'sequence' (micro_batches() cuts micro-batches)")
-    dim = 0 if by == "data" else 1
-    length = batch.inputs.shape[dim]
-    if length % world_size:
-        what = "rows" if by == "data" else "tokens per sequence"
-        raise ValueError(f"{length} {what} do not split evenly over {world_size} ranks: "
+    if by == "sequence":
+        positions = sequence_positions(batch.inputs.shape[1], rank, world_size, layout)
+        return Batch(batch.inputs[:, positions], batch.targets[:, positions], positions)
+    rows = batch.inputs.shape[0]
+    if rows % world_size:
+        raise ValueError(f"{rows} rows do not split evenly over {world_size} ranks: "
                          f"choose sizes that {world_size} divides")
-    share = length // world_size
-    start, stop = rank * share, (rank + 1) * share
-    if by == "data":
-        return batch.rows(start, stop)
-    positions = torch.arange(batch.inputs.shape[1])[start:stop]
-    return Batch(batch.inputs[:, start:stop], batch.targets[:, start:stop], positions)
+    share = rows // world_size
+    return batch.rows(rank * share, (rank + 1) * share)
 
 
 def micro_batches(batch: Batch, n: int) -> list[Batch]:
@@ -208,6 +240,31 @@ def run_steps(model, batches, steps: int, optimizer="sgd", *, grad_acc: int = 1,
                 after_backward()
         opt.step()
         opt.zero_grad()
+
+
+def perturbed(model, scale: float = 0.05, seed: int = 0):
+    """``model`` with every parameter moved by ``scale`` * N(0, 1), in place, and returned.
+
+    Freshly built, biases are 0 and norm weights 1, so a bias added on every rank or a norm
+    gradient left unsummed can hide behind them; after this they cannot."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device))
+    return model
+
+
+def first_step_and_train(model, data: "Batches", steps: int, optimizer="sgd", *, full_weights=None,
+                         loss_context=None, **readers) -> dict:
+    """``first_step`` on batch 0 of ``data``, then ``steps`` optimizer steps on its global
+    batches, then the weights: ``{"logits", "loss", "grads", "weights"}``, what a parity
+    check of a model-parallel technique compares. ``readers``: ``full_logits`` and
+    ``full_gradients`` as in ``first_step``; ``full_weights`` reads the weights (default
+    ``weights``). ``loss_context`` wraps the whole run (DTensor's ``loss_parallel``)."""
+    with loss_context() if loss_context is not None else contextlib.nullcontext():
+        out = first_step(model, data.global_batch(0), **readers)
+        run_steps(model, data.global_stream(1), steps, optimizer)
+    return {**out, "weights": (full_weights or weights)(model)}
 
 
 def first_step(model, batch: Batch, *, full_logits=None, full_gradients=None, loss_context=None) -> dict:

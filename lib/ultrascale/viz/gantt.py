@@ -14,6 +14,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
+from ..comm.logger import base_op
+
 LANES = ("compute", "communication")
 # Colour by the first word of an event's name: forward, backward, all_reduce, ...
 COLOURS = {
@@ -30,7 +32,9 @@ def _flatten(rows) -> list[dict]:
 
 
 def _kind(name: str) -> str:
-    return name.split()[0] if name else ""
+    """The colour key: the first word, with a torch function named by its collective
+    (``all_gather_single`` -> ``all_gather``, as ``CommLogger`` logs it)."""
+    return base_op(name.split()[0]) if name else ""
 
 
 def plot_gantt(rows, title: str = "", ax=None, lanes=LANES, min_width_ms: float = 0.05,
