@@ -28,6 +28,7 @@ import torch
 
 import ultrascale.kernels as K
 from ultrascale.kernels import gpu_ideas
+from ultrascale.kernels.tiled_attention import merge_partial_attention
 
 DEVICE = K.kernel_device()
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,6 +214,23 @@ def test_tiled_attention_reference_equals_naive_attention(causal):
     out_ref, lse_ref = K.naive_attention(q, k, v, causal)
     torch.testing.assert_close(out, out_ref, **ELEMENTWISE_TOL)
     torch.testing.assert_close(lse, lse_ref, **ELEMENTWISE_TOL)
+
+
+def test_merging_partial_attention_equals_attention_over_all_keys():
+    """The one merge rule (tiled attention's key blocks, ring attention's ranks): attention over
+    two parts of the keys, merged by their log-sum-exp, is attention over all of them."""
+    q, k, v = (randn(2, 3, 10, 16, seed=s, dtype=torch.float64) for s in (40, 41, 42))
+    out, lse = K.naive_attention(q, k, v)   # (computed in fp32 inside: ELEMENTWISE_TOL)
+    out_a, lse_a = K.naive_attention(q, k[..., :4, :], v[..., :4, :])
+    out_b, lse_b = K.naive_attention(q, k[..., 4:, :], v[..., 4:, :])
+    merged, merged_lse = merge_partial_attention(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(merged, out, **ELEMENTWISE_TOL)
+    torch.testing.assert_close(merged_lse, lse, **ELEMENTWISE_TOL)
+    # A part a row does not see (lse = -inf) has weight 0; a row that sees nothing stays 0, not NaN.
+    nothing = torch.full_like(lse_b, float("-inf"))
+    assert torch.equal(merge_partial_attention(out_a, lse_a, torch.zeros_like(out_b), nothing)[0], out_a)
+    empty, empty_lse = merge_partial_attention(torch.zeros_like(out_a), nothing, torch.zeros_like(out_b), nothing)
+    assert torch.equal(empty, torch.zeros_like(out_a)) and torch.isneginf(empty_lse).all()
 
 
 def test_naive_attention_agrees_with_torch_sdpa():

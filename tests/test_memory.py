@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from ultrascale.memory import (GB, GiB, activation_bytes, breakdown, cuda_peak_bytes, model_state_bytes,
-                               saved_activation_bytes, state_bytes, zero_bytes_per_rank)
+from ultrascale.memory import (GB, GiB, activation_bytes, breakdown, cp_kv_buffer_bytes, cuda_peak_bytes,
+                               model_state_bytes, saved_activation_bytes, state_bytes, zero_bytes_per_rank)
 from ultrascale.model import GPT, LLAMA3_8B, LLAMA_TINY, GPTConfig, Llama, count_params
 
 torch.set_num_threads(1)
@@ -113,6 +113,47 @@ def test_tp_alone_keeps_at_least_what_tp_with_sp_keeps(mode):
 def test_activations_refuse_a_bad_tp(tp):
     with pytest.raises(ValueError, match="tp"):
         activation_bytes(LLAMA3_8B, 4096, 1, tp=tp)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_context_parallel_divides_every_activation_by_cp(mode):
+    """CP gives each rank seq/cp tokens through the whole layer (and seq/cp query rows of the
+    scores), on top of whatever TP and SP split."""
+    for cp in (2, 4, 8):
+        alone = activation_bytes(LLAMA3_8B, 131072, 1, mode)
+        assert activation_bytes(LLAMA3_8B, 131072, 1, mode, cp=cp) == alone / cp
+        for sp in (False, True):
+            with_tp = activation_bytes(LLAMA3_8B, 131072, 1, mode, tp=8, sequence_parallel=sp)
+            assert activation_bytes(LLAMA3_8B, 131072, 1, mode, tp=8, sequence_parallel=sp, cp=cp) == with_tp / cp
+    with pytest.raises(ValueError, match="cp"):
+        activation_bytes(LLAMA3_8B, 4096, 1, cp=0)
+
+
+def test_breakdown_with_cp_splits_activations_not_weights():
+    base, cp = breakdown(LLAMA3_8B, seq=131072), breakdown(LLAMA3_8B, seq=131072, cp=8)
+    assert cp["activations"] == pytest.approx(base["activations"] / 8)
+    assert all(cp[key] == base[key] for key in ("parameters", "gradients", "optimizer states"))
+    with pytest.raises(ValueError, match="cp"):
+        breakdown(LLAMA3_8B, cp=0)
+
+
+def test_cp_kv_buffer_bytes_by_hand():
+    # Llama 3 8B at 128k tokens, cp = 8, bf16 K/V: a block is 8 K/V heads x 16384 tokens x 128
+    # = 16 Mi elements, 32 MiB. The ring holds K and V twice (attended, arriving): 128 MiB;
+    # the all-gather variant the whole sequence's K and V: 8 x 2 x 32 MiB = 512 MiB.
+    args = (1, 8, 131072, 128, 8)
+    assert cp_kv_buffer_bytes(*args, "ring") == 128 * 2 ** 20
+    assert cp_kv_buffer_bytes(*args, "all_gather") == 512 * 2 ** 20
+    # backward adds fp32 dK/dV accumulators: two pairs for the ring, one per rank for the all-gather
+    assert cp_kv_buffer_bytes(*args, "ring", backward=True) == (128 + 256) * 2 ** 20
+    assert cp_kv_buffer_bytes(*args, "all_gather", backward=True) == (512 + 1024) * 2 ** 20
+    # cp = 2: the ring needs one receive buffer only; cp = 1: none
+    assert cp_kv_buffer_bytes(1, 8, 4096, 128, 2, "ring") == 2 * 8 * 2048 * 128 * 2
+    assert cp_kv_buffer_bytes(1, 8, 4096, 128, 1, "ring") == 0
+    with pytest.raises(ValueError, match="kind"):
+        cp_kv_buffer_bytes(*args, "all_to_all")
+    with pytest.raises(ValueError, match="divide"):
+        cp_kv_buffer_bytes(1, 8, 100, 128, 8)
 
 
 def test_breakdown_activations_default_to_sequence_parallel():

@@ -194,6 +194,37 @@ def test_attention_with_a_slice_of_the_heads_is_a_slice_of_attention(config):
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_attention_core_can_be_replaced_from_outside(recompute):
+    """What context parallelism relies on: ``attn.core`` set on an instance is used in place of
+    causal attention, gets K/V with their own (grouped-query) head count, and selective
+    recomputation runs it again in backward."""
+    config = LlamaConfig(hidden=64, heads=4, kv_heads=2, layers=2)
+    torch.manual_seed(0)
+    model = build_model(config).set_recompute(recompute)
+    replaced = copy.deepcopy(model)
+    calls = []
+
+    def core(attn):
+        def recorded(q, k, v):
+            calls.append((q.shape[1], k.shape[1], v.shape[1]))
+            return type(attn).core(attn, q, k, v)   # the default core, called from outside
+        return recorded
+
+    for block in replaced.blocks:
+        block.attn.core = core(block.attn)
+    idx = torch.randint(0, config.vocab_size, (2, 12))
+    assert torch.equal(replaced(idx), model(idx))
+    replaced.loss(idx, idx).backward()
+    model.loss(idx, idx).backward()
+    for (name, p), q in zip(model.named_parameters(), replaced.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    runs = {"none": 2, "selective": 3, "full": 3}[recompute]   # forward, loss forward, recomputation
+    assert calls == [(4, 2, 2)] * config.layers * runs
+    replaced.blocks[0].attn.core = lambda q, k, v: torch.zeros_like(q)
+    assert not torch.allclose(replaced(idx), model(idx))
+
+
 def test_positions_are_global():
     """RoPE takes the tokens' global positions, so a slice of the sequence is rotated as in the
     whole sequence, and shifting every position leaves attention (relative) unchanged."""

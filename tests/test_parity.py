@@ -4,8 +4,8 @@ import torch
 
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parity import (Batch, Batches, assert_replicas_identical, assert_same, gradients,
-                               make_optimizer, max_difference, micro_batches, split, tolerance, train,
-                               weights)
+                               make_optimizer, max_difference, micro_batches, sequence_positions, split,
+                               tolerance, train, weights)
 
 CFG = GPTConfig(vocab_size=50, hidden=16, layers=1, heads=2, seq_len=12)
 DATA = Batches(CFG, mbs=2, seed=3)
@@ -39,6 +39,21 @@ def test_sequence_split_keeps_global_positions():
         split(batch, 0, 5, by="sequence")
     with pytest.raises(ValueError, match="by="):
         split(batch, 0, 2, by="heads")
+
+
+def test_zigzag_sequence_split_pairs_an_early_chunk_with_a_late_one():
+    batch = DATA.global_batch(0)   # 12 tokens: 6 chunks of 2 over 3 ranks
+    pieces = [split(batch, r, 3, by="sequence", layout="zigzag") for r in range(3)]
+    assert [p.positions.tolist() for p in pieces] == [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
+    for p in pieces:   # the tokens and targets at those positions
+        assert torch.equal(p.inputs, batch.inputs[:, p.positions])
+        assert torch.equal(p.targets, batch.targets[:, p.positions])
+    assert torch.equal(DATA.rank_stream(1, 3, by="sequence", layout="zigzag")(0).positions, pieces[1].positions)
+    assert [sequence_positions(12, r, 2).tolist() for r in range(2)] == [list(range(6)), list(range(6, 12))]
+    with pytest.raises(ValueError, match="pad the sequence to 16 tokens or choose a length that 8 divides"):
+        split(batch, 0, 4, by="sequence", layout="zigzag")
+    with pytest.raises(ValueError, match="7 ranks need more chunks than a sequence of 12 tokens has"):
+        split(batch, 0, 7, by="sequence", layout="zigzag")
 
 
 def test_micro_batches_cut_rows():

@@ -2,7 +2,7 @@
 
 Four consumers share a GPU: parameters, gradients, optimizer states and activations.
 The analytic half predicts their bytes from a config (precision, recomputation, ZeRO
-stage, TP/PP degrees); the measured half counts the real bytes of a small model, on
+stage, TP/PP/CP degrees); the measured half counts the real bytes of a small model, on
 CPU through autograd's saved-tensor hooks, on GPU through the CUDA caching allocator.
 Sizes are in bytes; GB means 1e9 bytes, as in the book's tables.
 """
@@ -63,7 +63,7 @@ def zero_bytes_per_rank(n_params, stage: int, dp: int, k: float = 12, param_byte
 
 # --------------------------------------------------------------------------- activations
 def activation_bytes(config, seq: int, micro_batch: int = 1, recompute: str = "none", tp: int = 1,
-                     sequence_parallel: bool = False):
+                     sequence_parallel: bool = False, cp: int = 1):
     """Activation bytes kept for backward by the transformer layers on one rank (16-bit activations).
 
     Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer
@@ -89,19 +89,28 @@ def activation_bytes(config, seq: int, micro_batch: int = 1, recompute: str = "n
     sequence, so everything divides by t. Without SP, full recomputation keeps the whole
     layer input on every rank; with SP each rank keeps its s/t slice.
     Embedding and logits activations are not counted, as in the paper.
+
+    Context parallelism (``cp``) gives each rank seq/cp of the tokens through the whole
+    layer, so every term divides by cp, on top of TP: the linear ones hold seq/cp tokens,
+    and the score term holds seq/cp query rows against all seq keys. Ring attention (ours,
+    like FlashAttention) keeps no scores at all but recomputes them in backward: for it
+    take ``recompute="selective"``, which leaves the quadratic term out.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
-    if tp < 1 or int(tp) != tp:
-        raise ValueError(f"tp (the tensor-parallel degree) must be an integer >= 1, got {tp}")
+    for name, degree in (("tp (the tensor-parallel degree)", tp), ("cp (the context-parallel degree)", cp)):
+        if degree < 1 or int(degree) != degree:
+            raise ValueError(f"{name} must be an integer >= 1, got {degree}")
     L, h, a = config.layers, config.hidden, config.heads
     tokens = seq * micro_batch
-    if recompute == "full":
-        return _split(L * 2 * tokens * h, tp if sequence_parallel else 1)
     quadratic = 0 if recompute == "selective" else 5 * a * seq * tokens   # split by TP's heads
-    if sequence_parallel:
-        return _split(L * (34 * tokens * h + quadratic), tp)
-    return L * 10 * tokens * h + _split(L * (24 * tokens * h + quadratic), tp)
+    if recompute == "full":
+        per_rank = _split(L * 2 * tokens * h, tp if sequence_parallel else 1)
+    elif sequence_parallel:
+        per_rank = _split(L * (34 * tokens * h + quadratic), tp)
+    else:
+        per_rank = L * 10 * tokens * h + _split(L * (24 * tokens * h + quadratic), tp)
+    return _split(per_rank, cp)   # CP: every rank holds seq/cp of the tokens
 
 
 def _split(total: int, ways: int):
@@ -112,7 +121,7 @@ def _split(total: int, ways: int):
 # --------------------------------------------------------------------------- one rank
 def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_grad_accum=False,
               recompute="none", zero_stage=0, tp=1, dp=1, pp=1, optimizer_bytes=None,
-              sequence_parallel=True) -> dict:
+              sequence_parallel=True, cp=1) -> dict:
     """Bytes held by one GPU, by consumer: what the memory widget draws.
 
     A simple model of the parallel degrees:
@@ -124,10 +133,11 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
       activations stay replicated (activation_bytes gives both);
     - PP gives a stage ceil(L/pp) layers, but with a 1F1B schedule the first stage holds
       pp micro-batches in flight, so its activations stay about those of L layers;
-    - DP does not shrink activations: each rank runs its own micro-batch.
+    - DP does not shrink activations: each rank runs its own micro-batch;
+    - CP splits the sequence: activations divide by cp, the weights stay whole on every rank.
     optimizer_bytes (k) defaults to 12 in mixed precision (fp32 master + Adam m, v), 8 in fp32.
     """
-    for name, degree in (("tp", tp), ("dp", dp), ("pp", pp)):
+    for name, degree in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp)):
         if degree < 1:
             raise ValueError(f"{name} must be >= 1, got {degree}")
     seq = seq or config.seq_len
@@ -139,11 +149,35 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
     n_local = count_params(config) / (tp * pp)
     result = zero_bytes_per_rank(n_local, zero_stage, dp, k, p_bytes, g_bytes)
     per_layer = activation_bytes(config, seq, micro_batch, recompute, tp=tp,
-                                 sequence_parallel=sequence_parallel) / config.layers
+                                 sequence_parallel=sequence_parallel, cp=cp) / config.layers
     stage_layers = math.ceil(config.layers / pp)
     act = per_layer * stage_layers * pp
     result["activations"] = act if mixed_precision else 2 * act   # fp32 activations: twice the bytes
     return result
+
+
+def cp_kv_buffer_bytes(batch: int, kv_heads: int, seq: int, head_dim: int, cp: int, kind: str = "ring", *,
+                       backward: bool = False, bytes_per_element: int = 2, grad_bytes_per_element: int = 4) -> int:
+    """Peak bytes of the K/V buffers that context-parallel attention allocates on one rank.
+
+    A "block" is one rank's K (or V): batch * kv_heads * (seq / cp) * head_dim elements.
+    * ring: two buffers of K and V take turns, the block attended to and the one arriving
+      (one with cp = 2, none with cp = 1): at most 2 * 2 blocks, whatever cp is;
+    * all_gather: the gathered K and V of all cp ranks: 2 * cp blocks, growing with cp.
+    ``backward``: attention's backward moves K/V again and, besides, dK/dV accumulators of
+    ``grad_bytes_per_element`` (fp32 in ``parallel.ring_attention``): the ring passes one
+    pair along as another arrives (2 * 2 blocks; 2 with cp = 1), the all-gather variant
+    fills dK/dV for every rank's block before the reduce-scatter (2 * cp blocks).
+    ``parallel.ring_attention.KVBufferMeter`` measures the same buffers.
+    """
+    if kind not in ("ring", "all_gather"):
+        raise ValueError(f"kind={kind!r}: choose 'ring' or 'all_gather'")
+    if cp < 1 or seq % cp:
+        raise ValueError(f"cp={cp} must be >= 1 and divide seq={seq}")
+    block = batch * kv_heads * (seq // cp) * head_dim
+    kv_blocks = 2 * (min(2, cp - 1) if kind == "ring" else cp)
+    grad_blocks = 2 * (min(2, cp) if kind == "ring" else cp) if backward else 0
+    return block * (kv_blocks * bytes_per_element + grad_blocks * grad_bytes_per_element)
 
 
 # --------------------------------------------------------------------------- measurement

@@ -143,6 +143,13 @@ class Attention(nn.Module):
 
     Head counts are read from the projections' output shapes, never stored: a layer
     whose projections hold only some of the heads (a tensor-parallel shard) just works.
+
+    The attention *core*, ``core(q, k, v) -> y``, is what comes between RoPE and the
+    output projection: softmax(Q K^T / sqrt(d)) V with a causal mask, q of shape
+    (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim), y shaped
+    like q. Assigning a function to ``attn.core`` on an instance replaces it; context
+    parallelism does that from outside (ring attention, ``parallel.context_parallel``).
+    Selective recomputation (``recompute_core``) checkpoints whatever the core is.
     """
 
     def __init__(self, hidden, heads, kv_heads, bias, kind):
@@ -162,14 +169,18 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.split_heads(self.q(x)), self.split_heads(self.k(x)), self.split_heads(self.v(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if recompute_core:   # selective recomputation: drop the seq x seq tensors, redo them in backward
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            y = self.core(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+    def core(self, q, k, v):
+        """Causal attention of the whole sequence (see the class docstring; replaceable)."""
         group = q.shape[1] // k.shape[1]
         if group > 1:                        # each K/V head serves a group of query heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if recompute_core:   # selective recomputation: drop the seq x seq tensors, redo them in backward
-            y = checkpoint(causal_attention, q, k, v, self.kind, use_reentrant=False)
-        else:
-            y = causal_attention(q, k, v, self.kind)
-        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+        return causal_attention(q, k, v, self.kind)
 
 
 class MLP(nn.Module):

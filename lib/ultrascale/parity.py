@@ -161,9 +161,8 @@ def sequence_positions(seq: int, rank: int, world_size: int, layout: str = "cont
     chunks = per_rank * world_size
     how = f" in the zigzag layout ({chunks} chunks, 2 per rank)" if layout == "zigzag" else ""
     if seq < chunks:
-        raise ValueError(f"{world_size} ranks is larger than the number of chunks: a sequence of {seq} tokens "
-                         f"gives fewer than {chunks} chunks{how}: use at most {seq // per_rank} ranks or a "
-                         "longer sequence")
+        raise ValueError(f"{world_size} ranks need more chunks than a sequence of {seq} tokens has{how}: use at "
+                         f"most {seq // per_rank} ranks or a longer sequence")
     if seq % chunks:
         raise ValueError(f"{seq} tokens per sequence do not split evenly over {world_size} ranks{how}: pad the "
                          f"sequence to {-(-seq // chunks) * chunks} tokens or choose a length that {chunks} divides")

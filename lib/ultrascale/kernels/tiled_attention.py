@@ -9,9 +9,16 @@ only three things: the running maximum ``m`` of the scores seen so far, the
 running sum ``l`` of exp(score - m), and the running (unnormalised) output.
 When a new block of keys raises the maximum, the old sum and output are
 rescaled by exp(m_old - m_new) ("online softmax"), so the result equals the
-softmax over all keys at the end. Only a block_m x block_n piece of S exists
+softmax over all keys at the end. (``tiled_attention_reference`` keeps the same
+information as the normalised output and lse = m + log l.) Only a block_m x block_n piece of S exists
 at any time. The FlashAttention kernel (flash_attention.py) is this same loop,
 run with the blocks in on-chip SRAM.
+
+``merge_partial_attention`` is that rescaling written once, for two partial
+results that each carry their log-sum-exp (lse = m + log l): the reference loop
+below uses it for every key block, and ring attention (context parallelism,
+``ultrascale.parallel.context_parallel``) uses it for the key blocks that arrive
+from other ranks. One merge rule for both.
 
 ``peak_intermediate_bytes`` measures (it does not model) how many bytes of
 tensors a function keeps alive at once, so the two can be compared as s grows.
@@ -47,6 +54,25 @@ def naive_attention(q, k, v, causal: bool = False, sm_scale=None):
     return out.to(q.dtype), lse
 
 
+def merge_partial_attention(out_a, lse_a, out_b, lse_b):
+    """Attention over the keys of two parts, from each part's normalised result.
+
+    ``out_x`` (..., rows, d) is softmax attention over part x's keys alone, ``lse_x``
+    (..., rows) the log-sum-exp of those scores. Over both parts the softmax
+    denominator is exp(lse_a) + exp(lse_b), so
+        lse = logaddexp(lse_a, lse_b),   out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse):
+    each part is weighted by its share of the total. Working with lse instead of
+    exp(lse) keeps every exponent <= 0, so nothing overflows. A row that sees no key
+    in a part (a causal mask) has lse = -inf there, and weight 0; a row that sees no
+    key at all keeps lse = -inf and output 0 (not the NaN of -inf - -inf).
+    Returns ``(out, lse)``.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    out = out_a * torch.exp(lse_a - finite)[..., None] + out_b * torch.exp(lse_b - finite)[..., None]
+    return out, lse
+
+
 def tiled_attention_reference(q, k, v, causal: bool = False, sm_scale=None, block_m: int = 64, block_n: int = 64):
     """The same result as ``naive_attention`` with online softmax over key blocks: no s x s tensor."""
     scale = _scale(q, sm_scale)
@@ -62,9 +88,9 @@ def tiled_attention_reference(q, k, v, causal: bool = False, sm_scale=None, bloc
 
 def _attend_one_query_block(q_blk, k, v, start_m, causal, scale, block_n):
     n_rows = q_blk.shape[-2]
-    m = torch.full(q_blk.shape[:-1], float("-inf"), device=q_blk.device)  # running max per row
-    l = torch.zeros(q_blk.shape[:-1], device=q_blk.device)  # running sum of exp(score - m)
-    acc = torch.zeros(q_blk.shape[:-1] + (v.shape[-1],), device=q_blk.device)  # running P V, unnormalised
+    # Nothing seen yet: output 0 and lse = log(0) = -inf, which the first merge replaces.
+    out = torch.zeros(q_blk.shape[:-1] + (v.shape[-1],), device=q_blk.device)
+    lse = torch.full(q_blk.shape[:-1], float("-inf"), device=q_blk.device)
     # With causal masking, key blocks entirely to the right of the last query row are skipped.
     end_n = min(k.shape[-2], start_m + n_rows) if causal else k.shape[-2]
     for start_n in range(0, end_n, block_n):
@@ -74,14 +100,15 @@ def _attend_one_query_block(q_blk, k, v, start_m, causal, scale, block_n):
             q_idx = torch.arange(start_m, start_m + n_rows, device=q_blk.device)[:, None]
             k_idx = torch.arange(cols.start, cols.stop, device=q_blk.device)[None, :]
             s = s.masked_fill(k_idx > q_idx, float("-inf"))
-        m_new = torch.maximum(m, s.amax(dim=-1))
-        rescale = torch.exp(m - m_new)  # how much the old sum and output shrink under the new max
-        p = torch.exp(s - m_new[..., None])
-        l = l * rescale + p.sum(dim=-1)
-        acc = acc * rescale[..., None] + p @ v[..., cols, :].float()
-        m = m_new
-    # Key 0 is visible to every query, so l > 0 and m is finite for every row.
-    return acc / l[..., None], m + torch.log(l)
+        # This block's own softmax result, then merged into what the earlier blocks gave.
+        lse_blk = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse_blk[..., None])
+        # A row whose keys here are all in its future has lse_blk = -inf and p = NaN
+        # (exp(-inf - -inf)); its output is zeroed and the merge gives it weight 0.
+        out_blk = p.nan_to_num(0.0) @ v[..., cols, :].float()
+        out, lse = merge_partial_attention(out, lse, out_blk, lse_blk)
+    # Key 0 is visible to every query, so every row has a finite lse at the end.
+    return out, lse
 
 
 # ---- Measuring the memory of intermediates --------------------------------------------------

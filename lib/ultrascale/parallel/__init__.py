@@ -10,11 +10,16 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   ``apply_zero``.
 * ``tensor_parallel``: column/row-parallel linears, vocabulary-parallel embedding, head and
   cross-entropy, sequence parallelism (NB04, NB05); ``apply_tp``.
+* ``context_parallel``: the sequence split across ranks, contiguous or zig-zag (NB06);
+  ``apply_cp``. Its attention is ``ring_attention``: K/V blocks passed round a ring of ranks
+  while each block is attended to (or all-gathered), forward and backward.
 * ``mesh``: ``Mesh`` / ``init_mesh``, the process mesh over named axes (dp, pp, ep, cp, tp).
 * ``timeline``: per-rank compute and communication events, for Gantt charts.
 """
 
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
+from .context_parallel import (all_gather_attention, apply_cp, causal_tile_counts, context_parallel_attention,
+                               ring_attention, split_sequence)
 from .data_parallel import (BucketedDataParallel, DataParallel, NaiveDataParallel,
                             OverlappedDataParallel, apply_data_parallel, average_gradients,
                             build_buckets)
@@ -26,6 +31,8 @@ from .zero import FlatUnit, ZeRO, apply_zero
 __all__ = [
     "AXES", "BucketedDataParallel", "COMMUNICATION", "COMPUTE", "ColumnParallelLinear", "DataParallel",
     "Event", "FlatUnit", "RowParallelLinear", "apply_tp",
+    "all_gather_attention", "apply_cp", "causal_tile_counts", "context_parallel_attention", "ring_attention",
+    "split_sequence",
     "Mesh", "NaiveDataParallel", "OverlappedDataParallel", "Timeline", "ZeRO", "all_gather_into",
     "apply_data_parallel", "apply_zero", "average_gradients", "broadcast_parameters", "build_buckets",
     "covered_seconds", "init_mesh", "overlap_seconds", "reduce_scatter_into",

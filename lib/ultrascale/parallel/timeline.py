@@ -168,20 +168,25 @@ class WatchedWork:
     """An async collective whose backend offers no completion callback (gloo's
     reduce-scatter has no future): a helper thread waits for it and records its bar when
     the transfer really ends, instead of a zero-length mark at launch. Wait on this
-    object instead of the work it wraps."""
+    object instead of the work it wraps: the work is waited for once, by the thread (a
+    gloo point-to-point work must not be waited for twice), and ``wait`` joins it."""
 
     def __init__(self, work, on_done):
-        self.work = work
+        self.work, self.error = work, None
         self.thread = threading.Thread(target=self._watch, args=(on_done,), daemon=True)
         self.thread.start()
 
     def _watch(self, on_done):
-        self.work.wait()
+        try:
+            self.work.wait()
+        except Exception as err:   # raised again in the rank's own thread, by wait()
+            self.error = err
         on_done()
 
     def wait(self):
-        self.work.wait()
         self.thread.join()   # the bar is recorded before anyone reads the timeline
+        if self.error is not None:
+            raise self.error
         return True
 
 

@@ -1,0 +1,131 @@
+"""Context parallelism (CP): the sequence split across ranks, applied from outside.
+
+Under CP every rank holds a slice of the sequence through the whole model: embeddings,
+norms, MLPs and the loss treat tokens one at a time and need nothing from the other ranks.
+Only attention mixes tokens; ``parallel.ring_attention`` gives every rank's queries the
+other ranks' keys and values, by a ring of point-to-point transfers overlapped with the
+compute (or by one all-gather, for comparison), forward and backward.
+
+**Layouts** (``parity.sequence_positions`` is the one definition of both). "contiguous"
+gives rank r the r-th slice: under a causal mask rank 0's queries see one block of keys
+and the last rank's all cp, so every layer waits for the last rank. "zigzag" cuts the
+sequence into 2*cp chunks and gives rank r chunks r and 2*cp-1-r: an early chunk with
+little to attend to and a late one with much, the same work on every rank.
+``causal_tile_counts`` counts that work per rank.
+
+**The model.** ``apply_cp`` replaces the attention core of every block (``Attention.core``:
+``model.py`` stays free of parallel code) and fills in, or checks, the global positions
+the model is given (RoPE rotates a token by where it is in the whole sequence). The loss
+on a rank is the mean over its tokens; the slices are equal, so the mean of the ranks'
+losses is the loss of the whole sequence, and the gradient of one process is the
+*average* of the ranks' gradients: a hook on every parameter all-reduces its gradient over
+the cp group and divides by cp as it is computed, inside backward (as sequence
+parallelism's hooks do; nothing to call after backward, and gradient accumulation stays
+right). Turn it off (``sync_gradients=False``) when data parallelism averages over the
+joint (dp, cp) group instead.
+
+Refused rather than padded: a sequence that does not cut into equal chunks (2*cp for
+zigzag, cp for contiguous), a cp larger than the number of chunks, ranks holding slices of
+different lengths, q and k with different head dims (padding would need masking in
+attention and in the loss; the messages say what to change).
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ..comm.functional import rank_and_size
+from ..parity import sequence_positions
+from .mesh import axis_group
+from .ring_attention import (KINDS, LAYOUTS, KVBufferMeter, all_gather_attention, context_parallel_attention,
+                             ring_attention)
+
+__all__ = ["LAYOUTS", "KINDS", "sequence_positions", "split_sequence", "causal_tile_counts",
+           "context_parallel_attention", "ring_attention", "all_gather_attention", "apply_cp",
+           "KVBufferMeter"]
+
+
+# --------------------------------------------------------------------------- layouts and work
+def split_sequence(x: torch.Tensor, rank: int, cp: int, layout: str = "zigzag", dim: int = 1):
+    """This rank's tokens of ``x`` along ``dim`` (the sequence) and their global positions."""
+    positions = sequence_positions(x.shape[dim], rank, cp, layout).to(x.device)
+    return x.index_select(dim, positions), positions
+
+
+def causal_tile_counts(seq: int, cp: int, layout: str = "zigzag", tile: int | None = None) -> list[int]:
+    """Per rank: the (query tile, key tile) pairs with anything left to compute under a
+    causal mask, tiles being ``tile`` consecutive tokens (default: one zigzag chunk, seq / 2cp).
+
+    Key tile j is needed by a query tile iff its first key, j * tile, is not after the
+    tile's last query. Equal counts mean balanced ranks."""
+    tile = tile or max(seq // (2 * cp), 1)
+    chunk = seq // (cp * (2 if layout == "zigzag" else 1))
+    if chunk % tile:
+        raise ValueError(f"tile={tile} does not divide the {layout} chunks of {chunk} tokens: choose a divisor")
+    return [sum(int(last) // tile + 1 for last in sequence_positions(seq, r, cp, layout).view(-1, tile)[:, -1])
+            for r in range(cp)]
+
+
+# --------------------------------------------------------------------------- the model
+def _positions_hook(group, layout):
+    """Before the model runs: fill in, or check, the global positions of this rank's tokens."""
+    def hook(model, args, kwargs):
+        r, n = rank_and_size(group)
+        x, given = args[0], (args[1] if len(args) > 1 else kwargs.pop("positions", None))
+        expected = sequence_positions(x.shape[1] * n, r, n, layout).to(x.device)
+        if given is not None and not torch.equal(given.to(expected.device), expected):
+            raise ValueError(f"rank {r} got positions {given.tolist()[:8]}..., but the {layout} layout puts its "
+                             f"tokens at {expected.tolist()[:8]}...: take the batch from parity.split(batch, rank, "
+                             f"{n}, by='sequence', layout={layout!r})")
+        return (x, expected, *args[2:]), kwargs
+    return hook
+
+
+def _average_gradient_over_cp(param, group, n):
+    """Each rank's gradient is that of the mean loss over its own tokens; the model's is the
+    mean over ranks. The hook changes the gradient *before* it is accumulated into .grad,
+    so gradient accumulation over micro-batches stays right."""
+    def average(grad):
+        grad = grad.clone()   # the incoming gradient may be used elsewhere in backward
+        dist.all_reduce(grad, group=group)
+        return grad.div_(n)
+
+    param._cp_grad_sync = param.register_hook(average)   # kept so that it can be removed
+
+
+def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "ring", plan: dict | None = None,
+             timeline=None, sync_gradients: bool = True):
+    """Context-parallel ``model`` over the ``cp`` axis of a mesh (or a group; None: all ranks).
+
+    ``plan``: ``{module-name pattern: kind}`` of the attention modules whose core becomes
+    context-parallel attention (default ``{"blocks.*.attn": kind}``). Afterwards the model
+    takes this rank's tokens, ``model(idx_local, positions)`` (``parity.split(batch, rank, cp,
+    by="sequence", layout=layout)`` gives both); positions left out are filled in, wrong ones
+    refused. ``sync_gradients``: average every gradient over the cp group inside backward
+    (turn it off when a data-parallel wrapper averages over the joint (dp, cp) group, as
+    torchtitan's FSDP does). ``timeline``: the ring's per-step compute and transfer bars.
+    Returns the model, changed in place.
+    """
+    group = axis_group(mesh_or_group, "cp")
+    _, n = rank_and_size(group, "context parallelism")
+    plan = {"blocks.*.attn": kind} if plan is None else plan
+    if layout not in LAYOUTS or not set(plan.values()) <= set(KINDS):
+        raise ValueError(f"layout={layout!r}, plan kinds {sorted(set(plan.values()))}: choose a layout in "
+                         f"{LAYOUTS} and kinds in {KINDS}")
+    for pattern, attention_kind in plan.items():
+        matched = [m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, pattern)]
+        if not matched or not all(hasattr(m, "core") for m in matched):
+            raise ValueError(f"plan pattern {pattern!r} must match attention modules (with a core), "
+                             f"matched {len(matched)} module(s)")
+        for module in matched:
+            module.core = functools.partial(context_parallel_attention, group=group, causal=True, layout=layout,
+                                            kind=attention_kind, timeline=timeline)
+    model.register_forward_pre_hook(_positions_hook(group, layout), with_kwargs=True)
+    if sync_gradients and n > 1:
+        for p in model.parameters():
+            if p.requires_grad:
+                _average_gradient_over_cp(p, group, n)
+    return model

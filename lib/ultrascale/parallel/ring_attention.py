@@ -1,0 +1,365 @@
+"""Ring attention: attention over a sequence split across ranks, forward and backward.
+
+Each rank of the group holds a slice of the sequence: its queries, keys and values,
+(batch, heads, seq_local, head_dim). Its queries need every rank's keys and values:
+
+* **ring**: the K/V blocks travel round the ring of ranks. At each of the cp steps a rank
+  (1) starts sending the block it holds to the next rank and receiving the previous rank's,
+  without waiting, (2) attends its queries to the block it holds, (3) waits for the
+  transfer. The partial results are merged with their log-sum-exp,
+  ``kernels.tiled_attention.merge_partial_attention``: the online softmax of
+  FlashAttention (chapter 11), across ranks instead of across tiles. Besides its own
+  block a rank holds two in flight (the one it attends to and the one arriving), whatever cp is;
+* **all-gather**: gather every rank's K/V at once, then attend to the same blocks in the
+  same order (Llama 3's choice): one collective, and a buffer of the whole sequence's K/V.
+
+Backward is real, not autograd over a gathered copy (ring-flash-attention's design): the
+forward saves Q, K, V, the output and each row's log-sum-exp (lse); backward sends the K/V
+round the ring again, rebuilds each block's probabilities from the saved lse (as
+FlashAttention's backward does), and passes each block's dK/dV accumulator round the ring
+with it, every rank adding its share, so that it ends, complete, at the rank that owns the
+block. The all-gather variant gathers again and reduce-scatters dK/dV.
+
+The causal mask is computed from the tokens' *global* positions (``parity.sequence_positions``
+for the layout), so the contiguous and zig-zag layouts both work; a block, or the rows and
+keys of a block, that the mask hides entirely is skipped. ``parallel.context_parallel``
+applies this to the course model.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..comm.functional import all_gather_into, rank_and_size, reduce_scatter_into
+from ..comm.logger import labelled
+from ..kernels.tiled_attention import merge_partial_attention
+from ..parity import SEQUENCE_LAYOUTS as LAYOUTS
+from ..parity import sequence_positions
+
+__all__ = ["KINDS", "LAYOUTS", "context_parallel_attention", "ring_attention", "all_gather_attention",
+           "ContextParallelAttention", "KVBufferMeter"]
+
+KINDS = ("ring", "all_gather")
+_K, _V, _DKV = 0, 1, 2   # message tags: K, V and dK/dV transfers may be in flight together
+
+
+# --------------------------------------------------------------------------- which keys a query block sees
+def _visible(pos_q, pos_k, causal):
+    """What a causal mask leaves of a (queries x keys) block: ``(first_row, last_key, mask)``,
+    or None. Positions are ascending on every rank, so the queries that see at least one
+    of these keys are a suffix and the keys seen by at least one query a prefix."""
+    if not causal:
+        return 0, len(pos_k), None
+    first_row = int(torch.searchsorted(pos_q, pos_k[0]))            # first query at or after key 0
+    last_key = int(torch.searchsorted(pos_k, pos_q[-1], right=True))  # keys up to the last query
+    if first_row == len(pos_q) or last_key == 0:
+        return None                                                   # all in the future: skip
+    mask = pos_k[None, :last_key] <= pos_q[first_row:, None]
+    return first_row, last_key, (None if bool(mask.all()) else mask)
+
+
+# --------------------------------------------------------------------------- one block of keys
+def _repeat_kv(t, q):
+    """K or V as q's dtype and heads: with grouped-query attention each K/V head serves
+    q.heads / kv.heads query heads (the K/V heads travel, not their copies)."""
+    group = q.shape[1] // t.shape[1]
+    t = t.to(q.dtype)
+    return t.repeat_interleave(group, dim=1) if group > 1 else t
+
+
+def _sum_groups(grad, like):
+    """The gradient of a K/V head is the sum over the query heads it served."""
+    b, kv_heads, s, d = like.shape
+    return grad.view(b, kv_heads, -1, s, d).sum(2)
+
+
+def _scores(q, k, mask, scale):
+    s = (q @ k.transpose(-2, -1)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _attend(q, k, v, mask, scale):
+    """Softmax attention of ``q`` to one block of keys alone: normalised output and lse.
+    Every row of the visible part sees at least one key, so no row is all -inf."""
+    s = _scores(q, _repeat_kv(k, q), mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ _repeat_kv(v, q), lse
+
+
+def _attend_backward(q, k, v, grad_out, lse, delta, mask, scale):
+    """This block's share of dQ, dK, dV (FlashAttention's backward): the probabilities are
+    rebuilt from the *final* lse, so they are the block's columns of the full softmax."""
+    kr, vr = _repeat_kv(k, q), _repeat_kv(v, q)
+    p = torch.exp(_scores(q, kr, mask, scale) - lse[..., None])
+    dv = p.transpose(-2, -1) @ grad_out
+    ds = p * (grad_out @ vr.transpose(-2, -1) - delta[..., None])   # softmax backward, delta = rowsum(dO * O)
+    return ds @ kr * scale, _sum_groups(ds.transpose(-2, -1) @ q * scale, k), _sum_groups(dv, v)
+
+
+# --------------------------------------------------------------------------- moving K/V
+class KVBufferMeter:
+    """Measures the bytes of the K/V (and dK/dV) buffers that context-parallel attention
+    allocates for other ranks' blocks, alive at once on this rank: ``with KVBufferMeter()
+    as meter: ...; meter.peak``. (``memory.cp_kv_buffer_bytes`` is the model.)"""
+
+    _open: list = []
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def __enter__(self):
+        KVBufferMeter._open.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        KVBufferMeter._open.remove(self)
+
+    def _add(self, nbytes):
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+
+def _buffer(t):
+    """Count a new communication buffer in the open meters until it is garbage."""
+    for meter in KVBufferMeter._open:
+        meter._add(t.nbytes)
+        weakref.finalize(t, meter._add, -t.nbytes)
+    return t
+
+
+def _exchange(sends, recvs, group, tag, timeline=None, what="K/V"):
+    """Start sending ``sends`` to the next rank and receiving ``recvs`` from the previous one;
+    return what to wait for. Nothing is waited for here: the caller computes meanwhile."""
+    r, n = rank_and_size(group)
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(r + 1) % n, tag=tag + i) for i, t in enumerate(sends)]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(r - 1) % n, tag=tag + i) for i, t in enumerate(recvs)]
+    works = dist.batch_isend_irecv(ops)
+    if timeline is not None:   # a bar from now until the last block has arrived
+        works[-1] = timeline.communication(f"receive {what}", works[-1], sum(t.nbytes for t in recvs))
+    return works
+
+
+def _wait(works):
+    for work in works:
+        work.wait()
+
+
+def _ring_blocks(k, v, group, timeline=None):
+    """Yield ``(owner rank, (k, v))`` for every rank's block, own block first: at step s a
+    rank holds the block of rank r - s. The next block's transfer starts *before* this one
+    is handed to the caller, so it travels while the caller computes; it is waited for
+    when the caller asks for the next. Two receive buffers take turns."""
+    r, n = rank_and_size(group)
+    current, free = (k, v), []
+    for step in range(n):
+        works = []
+        if step < n - 1:
+            incoming = free.pop() if free else _buffer(k.new_empty((2, *k.shape)))
+            works = _exchange(current, incoming, group, _K, timeline)
+        yield (r - step) % n, current
+        _wait(works)
+        if step < n - 1:
+            if step > 0:
+                free.append(current)   # a received buffer: its block has been sent on
+            current = incoming
+
+
+def _gathered_blocks(k, v, group, timeline=None):
+    """The same blocks in the same order, from one all-gather of every rank's K and V."""
+    r, n = rank_and_size(group)
+    gathered = []
+    for t in (k, v):
+        full = _buffer(t.new_empty((n, *t.shape)))
+        with timeline.span("all-gather K/V", "communication") if timeline else contextlib.nullcontext():
+            all_gather_into(full.flatten(0, 1), t, group)
+        gathered.append(full)
+    for step in range(n):
+        src = (r - step) % n
+        yield src, (gathered[0][src], gathered[1][src])
+
+
+class _TravellingGradients:
+    """Ring backward: the dK/dV accumulator of a block follows the block round the ring,
+    each rank adding its share, and one last step brings it home to the block's owner."""
+
+    def __init__(self, k, dtype, group, timeline):
+        self.group, self.timeline, self.n = group, timeline, rank_and_size(group)[1]
+        self.acc = _buffer(k.new_zeros((2, *k.shape), dtype=dtype))
+        self.incoming = _buffer(torch.empty_like(self.acc)) if self.n > 1 else None
+        self.works, self.step = [], 0
+
+    def add(self, src, part):
+        if self.step > 0:   # the accumulator of the block just attended, from the previous rank
+            _wait(self.works)
+            self.acc, self.incoming = self.incoming, self.acc
+        if part is not None:
+            last_key, dk, dv = part
+            self.acc[0, ..., :last_key, :] += dk
+            self.acc[1, ..., :last_key, :] += dv
+        if self.n > 1:
+            self.works = _exchange([self.acc], [self.incoming], self.group, _DKV, self.timeline, "dK/dV")
+        self.step += 1
+
+    def finish(self):
+        _wait(self.works)
+        return self.incoming if self.n > 1 else self.acc
+
+
+class _GatheredGradients:
+    """All-gather backward: dK/dV for every rank's block, then a reduce-scatter sums the
+    ranks' contributions and leaves each rank those of its own block."""
+
+    def __init__(self, k, dtype, group, timeline):
+        self.group, self.timeline = group, timeline
+        self.full = _buffer(k.new_zeros((rank_and_size(group)[1], 2, *k.shape), dtype=dtype))
+
+    def add(self, src, part):
+        if part is not None:
+            last_key, dk, dv = part
+            self.full[src, 0, ..., :last_key, :] += dk
+            self.full[src, 1, ..., :last_key, :] += dv
+
+    def finish(self):
+        mine = self.full.new_empty(self.full.shape[1:])
+        with self.timeline.span("reduce-scatter dK/dV", "communication") if self.timeline else contextlib.nullcontext():
+            reduce_scatter_into(mine, self.full.flatten(0, 1), self.group)
+        return mine
+
+
+_BLOCKS = {"ring": (_ring_blocks, _TravellingGradients), "all_gather": (_gathered_blocks, _GatheredGradients)}
+
+
+# --------------------------------------------------------------------------- the autograd Function
+def _span(timeline, name):
+    return timeline.span(name) if timeline is not None else contextlib.nullcontext()
+
+
+class ContextParallelAttention(torch.autograd.Function):
+    """Attention of this rank's queries to every rank's keys; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, layout, kind, scale, timeline):
+        ctx.dtypes = q.dtype, k.dtype, v.dtype
+        # Compute and accumulate in at least fp32; K and V travel as they are (sent whole:
+        # contiguous), and each block is converted when it is used.
+        q = q.to(torch.promote_types(q.dtype, torch.float32))
+        k, v = k.contiguous(), v.contiguous()
+        r, n = rank_and_size(group)
+        positions = [sequence_positions(q.shape[2] * n, src, n, layout).to(q.device) for src in range(n)]
+        visible = {src: _visible(positions[r], positions[src], causal) for src in range(n)}
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)   # nothing seen yet
+        blocks, _ = _BLOCKS[kind]
+        for src, (k_blk, v_blk) in blocks(k, v, group, timeline):
+            with _span(timeline, f"attend to K/V of rank {src}"):
+                if visible[src] is None:
+                    continue
+                first, last, mask = visible[src]
+                part = _attend(q[..., first:, :], k_blk[..., :last, :], v_blk[..., :last, :], mask, scale)
+                out[..., first:, :], lse[..., first:] = merge_partial_attention(
+                    out[..., first:, :], lse[..., first:], *part)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.setup = (group, kind, scale, timeline, visible)
+        return out.to(ctx.dtypes[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, kind, scale, timeline, visible = ctx.setup
+        grad_out = grad_out.to(q.dtype)
+        delta = (grad_out * out).sum(-1)
+        dq = torch.zeros_like(q)
+        blocks, Gradients = _BLOCKS[kind]
+        grads = Gradients(k, q.dtype, group, timeline)   # dK/dV accumulated in q's (>= fp32) dtype
+        for src, (k_blk, v_blk) in blocks(k, v, group, timeline):
+            part = None
+            with _span(timeline, f"backward for K/V of rank {src}"):
+                if visible[src] is not None:
+                    first, last, mask = visible[src]
+                    dq_part, dk, dv = _attend_backward(q[..., first:, :], k_blk[..., :last, :], v_blk[..., :last, :],
+                                                       grad_out[..., first:, :], lse[..., first:],
+                                                       delta[..., first:], mask, scale)
+                    dq[..., first:, :] += dq_part
+                    part = (last, dk, dv)
+            grads.add(src, part)
+        dkv = grads.finish()
+        dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dkv[0], dkv[1]), ctx.dtypes))
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------- checks
+_SIZES = ("batch", "heads", "sequence length", "head_dim", "K/V heads")
+
+
+def _local_problem(q, k, v, layout, kind):
+    """What is wrong with this rank's own inputs, or None."""
+    if layout not in LAYOUTS or kind not in KINDS:
+        return f"layout={layout!r}, kind={kind!r}: choose a layout in {LAYOUTS} and a kind in {KINDS}"
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q (batch, heads, "
+                "seq_local, head_dim) and k, v both (batch, kv_heads, seq_local, head_dim)")
+    if q.shape[-1] != k.shape[-1]:
+        return (f"head_dim mismatch: q has head_dim {q.shape[-1]}, k and v {k.shape[-1]}: the q, k and v "
+                "projections must give heads of the same size")
+    if (q.shape[0], q.shape[2]) != (k.shape[0], k.shape[2]) or q.shape[1] % k.shape[1]:
+        return (f"q {tuple(q.shape)} and k {tuple(k.shape)}: they need the same batch and sequence length, "
+                "and a number of query heads that the K/V heads divide")
+    if layout == "zigzag" and q.shape[2] % 2:
+        return (f"the zigzag layout gives every rank 2 equal chunks, but this rank holds {q.shape[2]} tokens: "
+                "split the sequence with parity.split(..., by='sequence', layout='zigzag')")
+    return None
+
+
+def _check(q, k, v, group, layout, kind):
+    """Refuse bad inputs on *every* rank of the group, so that none is left waiting in the ring.
+
+    One small all-reduce (max of each size and of minus each size) tells every rank the
+    largest and smallest of every size and whether some rank found a problem of its own."""
+    problem = _local_problem(q, k, v, layout, kind)
+    sizes = [*q.shape, k.shape[1]] if problem is None else [0] * 5
+    stats = torch.tensor(sizes + [problem is not None], dtype=torch.int64, device=q.device)
+    stats = torch.cat([stats, -stats])
+    with labelled("cp shape check"):
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+    if problem is not None:
+        raise ValueError(problem)
+    if stats[5]:
+        raise ValueError("another rank of the cp group refused its attention inputs (see its error)")
+    high, low = stats[:5].tolist(), (-stats[6:11]).tolist()
+    differ = [f"{name} from {lo} to {hi}" for name, lo, hi in zip(_SIZES, low, high) if lo != hi]
+    if differ:
+        raise ValueError(f"the ranks of the cp group hold attention inputs of different shapes ({', '.join(differ)}; "
+                         f"this rank: q {tuple(q.shape)}): every rank must hold an equal slice of the sequence; "
+                         "split the batch with parity.split(..., by='sequence', layout=...)")
+
+
+# --------------------------------------------------------------------------- the functions to call
+def context_parallel_attention(q, k, v, group=None, *, causal: bool = True, layout: str = "contiguous",
+                               kind: str = "ring", sm_scale: float | None = None, timeline=None):
+    """softmax(Q K^T * scale) V of this rank's queries against the whole sequence's keys.
+
+    q: (batch, heads, seq_local, head_dim); k, v: (batch, kv_heads, seq_local, head_dim),
+    this rank's tokens in ``layout`` ("contiguous" or "zigzag", over the ranks of ``group``);
+    kv_heads may divide heads (grouped-query attention: the K/V heads travel, not copies).
+    ``kind``: "ring" (point-to-point, overlapped) or "all_gather". The causal mask follows
+    the tokens' global positions. Differentiable (see ``ContextParallelAttention``).
+    ``timeline``: a bar per block attended to and per transfer, for a Gantt chart.
+    Every rank of ``group`` must call it, with inputs of the same shapes.
+    """
+    rank_and_size(group, "context-parallel attention")   # a clear error outside a process group
+    _check(q, k, v, group, layout, kind)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    return ContextParallelAttention.apply(q, k, v, group, causal, layout, kind, scale, timeline)
+
+
+def ring_attention(q, k, v, group=None, **options):
+    """``context_parallel_attention`` with the K/V passed round the ring, point to point."""
+    return context_parallel_attention(q, k, v, group, kind="ring", **options)
+
+
+def all_gather_attention(q, k, v, group=None, **options):
+    """``context_parallel_attention`` with the K/V all-gathered first (and dK/dV reduce-scattered)."""
+    return context_parallel_attention(q, k, v, group, kind="all_gather", **options)
