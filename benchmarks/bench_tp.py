@@ -7,6 +7,9 @@ backward, Adam step) of the course GPT made tensor-parallel by our ``apply_tp`` 
 ``torch.distributed.tensor.parallel.parallelize_module`` with the same layout
 (``parity.dtensor_tp``: vocabulary-parallel embedding and head, parallel cross-entropy),
 without and with sequence parallelism. Target: ours / PyTorch's <= 1.1.
+Then the activation memory autograd saves per rank in one forward with SP (our regathering
+SP keeps a 1/tp slice of every hidden state), against one process's divided by tp:
+target within 5% (Korthikanti et al.: b*s*h*34/tp per layer with SP, all of it split).
 
 Implementations are timed in alternating rounds (A B A B ...), so a slow spell of a
 shared machine hits all of them alike; we report the median step over all rounds.
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ultrascale.memory import saved_activation_bytes
 from ultrascale.model import GPT, count_params
 from ultrascale.parallel.tensor_parallel import apply_tp
 from ultrascale.parity import Batches, device_mesh_1d, dtensor_tp, make_optimizer
@@ -62,6 +66,15 @@ def time_steps(ctx, impl, cfg, mbs, warmup, steps):
     return times
 
 
+def saved_bytes(ctx, cfg, mbs, tp):
+    """Bytes autograd saves in one forward on this rank: one process (tp=1) or ours with SP."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(ctx.device)
+    if tp > 1:
+        apply_tp(model, sequence_parallel=True)
+    return saved_activation_bytes(model, Batches(cfg, mbs).global_batch(0).inputs.to(ctx.device))
+
+
 def main():
     args = model_arguments(__doc__, hidden=256, heads=8, vocab=4096, seq=128, mbs=4).parse_args()
     cfg = config_of(args)
@@ -78,6 +91,12 @@ def main():
         for mine, theirs, what in (("ours_tp", "torch_tp", "TP"), ("ours_sp", "torch_sp", "TP+SP")):
             ratio = t[mine] / t[theirs]
             print(f"ours / PyTorch, {what:<6} = {ratio:.3f}  (target <= 1.10) {'OK' if ratio <= 1.1 else 'MISSED'}")
+        n = args.world_size
+        whole = cluster.run(saved_bytes, cfg, args.mbs, 1)[0]
+        per_rank = max(cluster.run(saved_bytes, cfg, args.mbs, n))
+        share = per_rank / (whole / n)
+        print(f"\nsaved activations per rank with SP: {per_rank:,} bytes; one process / tp: {whole / n:,.0f} bytes")
+        print(f"measured / predicted = {share:.3f}  (target within 5%) {'OK' if abs(share - 1) <= 0.05 else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
 * ``context_parallel``: the sequence split across ranks, contiguous or zig-zag (NB06);
   ``apply_cp``. Its attention is ``ring_attention``: K/V blocks passed round a ring of ranks
   while each block is attended to (or all-gathered), forward and backward.
+* ``pipeline_parallel``: the model cut into stages, run by ``ultrascale.schedule``'s action
+  lists (NB07); ``apply_pp``. ``pipeline_runs``: its training loop and PyTorch's counterpart.
 * ``mesh``: ``Mesh`` / ``init_mesh``, the process mesh over named axes (dp, pp, ep, cp, tp).
 * ``timeline``: per-rank compute and communication events, for Gantt charts.
 """
@@ -24,6 +26,8 @@ from .data_parallel import (BucketedDataParallel, DataParallel, NaiveDataParalle
                             OverlappedDataParallel, apply_data_parallel, average_gradients,
                             build_buckets)
 from .mesh import AXES, Mesh, init_mesh
+from .pipeline_parallel import Pipeline, apply_pp, backward_input, backward_weight, split_layers, stage_modules
+from .pipeline_runs import calibrate_compute, merge_ranks, pytorch_pipeline, run_pipeline_steps
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tp
 from .timeline import COMMUNICATION, COMPUTE, Event, Timeline, covered_seconds, overlap_seconds
 from .zero import FlatUnit, ZeRO, apply_zero
@@ -35,5 +39,6 @@ __all__ = [
     "split_sequence",
     "Mesh", "NaiveDataParallel", "OverlappedDataParallel", "Timeline", "ZeRO", "all_gather_into",
     "apply_data_parallel", "apply_zero", "average_gradients", "broadcast_parameters", "build_buckets",
-    "covered_seconds", "init_mesh", "overlap_seconds", "reduce_scatter_into",
+    "covered_seconds", "Pipeline", "apply_pp", "backward_input", "backward_weight", "split_layers",
+    "stage_modules", "calibrate_compute", "merge_ranks", "pytorch_pipeline", "run_pipeline_steps", "init_mesh", "overlap_seconds", "reduce_scatter_into",
 ]

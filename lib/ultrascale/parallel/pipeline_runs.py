@@ -1,0 +1,127 @@
+"""Running and checking pipelines: the training loop, whole-model tensors from the ranks,
+sleep-calibrated compute for measuring the bubble, and PyTorch's ``torch.distributed.pipelining``
+on the very same stages.
+
+    pipe = apply_pp(GPT(config), schedule="1f1b", microbatches=m)        # ours
+    torch_pipe = pytorch_pipeline(GPT(config), schedule="1f1b", microbatches=m)   # PyTorch's
+    run_pipeline_steps(pipe, batches, steps=3)       # batches(step, micro), as parity.run_steps
+    merge_ranks(cluster.run(lambda ctx: ...weights()))   # the whole model, named as in it
+
+``pytorch_pipeline`` wraps the same stage modules (``stage_modules``) in ``PipelineStage``s
+and runs them with the PyTorch schedule of the same name: ``ScheduleGPipe`` (AFAB),
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (ZB-H1 with
+one stage per rank) or ``ScheduleDualPipeV``. Its ``pipeline_order()`` gives PyTorch's
+per-rank compute actions in our notation, to set against our generators' lists.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model import lm_loss
+from ..parity import Batch, make_optimizer
+from ..schedule import Action, duration, make_schedule
+from .mesh import axis_group
+from .pipeline_parallel import Pipeline
+
+__all__ = ["PyTorchPipeline", "TORCH_SCHEDULES", "calibrate_compute", "merge_ranks", "pytorch_pipeline",
+           "run_pipeline_steps"]
+
+
+def run_pipeline_steps(pipe: Pipeline, batches, steps: int, optimizer="sgd", first_step: int = 0) -> list:
+    """``parity.run_steps`` for a pipeline: each step, ``pipe.step`` on the m micro-batches
+    ``batches(step, micro)`` (the same ones ``run_steps(..., grad_acc=m)`` trains one process
+    on), then the optimizer. Returns the losses (None on ranks without the last stage)."""
+    m = pipe.schedule.microbatches
+    opt = make_optimizer(pipe.parameters(), optimizer) if isinstance(optimizer, str) else optimizer
+    losses = []
+    for step in range(first_step, first_step + steps):
+        losses.append(pipe.step([batches(step, micro) for micro in range(m)]))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def merge_ranks(per_rank: list) -> dict:
+    """The whole model's tensors from every rank's ``weights()`` or ``gradients()``. A tensor two
+    ranks hold (the tied embedding) must be bit-identical on both."""
+    out = {}
+    for rank, tensors in enumerate(per_rank):
+        for name, t in tensors.items():
+            if name in out and not (t is None and out[name] is None or torch.equal(t, out[name])):
+                raise AssertionError(f"{name} differs between rank {rank} and an earlier rank")
+            out[name] = t
+    return out
+
+
+# --------------------------------------------------------------------------- calibrated compute
+def calibrate_compute(pipe: Pipeline, t_f: float, t_b: float | None = None, t_w: float | None = None) -> None:
+    """Make every compute action last what the simulator gives it: F ``t_f / v`` seconds, a
+    whole B ``t_b / v`` (default t_b = 2 t_f, the book's assumption), a split one
+    ``(t_b - t_w) / v`` and W ``t_w / v`` (default t_w = t_b / 2), by sleeping what the real
+    compute left of it. With times well above the model's compute, a measured bubble can be
+    set against (p-1)/m whatever the machine. ``pipe.durations = None`` undoes it."""
+    pipe.durations = lambda action: duration(action, pipe.schedule, t_f, 2 * t_f if t_b is None else t_b, t_w)
+
+
+# --------------------------------------------------------------------------- PyTorch's own
+TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zb-h1": "ScheduleInterleavedZeroBubble", "dualpipe-v": "ScheduleDualPipeV"}
+_TORCH_OPS = {"F": "F", "B": "B", "I": "B", "W": "W"}   # PyTorch's I is our split B
+
+
+class PyTorchPipeline(Pipeline):
+    """Our stages (same modules, names, tied-weight handling) run by a torch.distributed.pipelining
+    schedule instead of our executor."""
+
+    def __init__(self, model, name: str, schedule, group=None, plan=None):
+        from torch.distributed import pipelining
+
+        super().__init__(model, schedule, group, plan=plan)
+        m = schedule.microbatches
+        device = next(model.parameters()).device
+        stages = [pipelining.PipelineStage(chunk, int(s), schedule.stages, device, group=group)
+                  for s, chunk in self.chunks.items()]
+        cls = getattr(pipelining, TORCH_SCHEDULES[name])
+        single = name in ("afab", "1f1b")   # the schedules that take one stage, not a list
+        # The loss divided by m, as ours, rather than scale_grads: that divides every stage's
+        # gradients, so a weight shared by two stages of one rank (GPT's tied embedding on rank 0
+        # of a V) would be divided twice.
+        self.torch_schedule = cls(stages[0] if single else stages, n_microbatches=m,
+                                  loss_fn=lambda logits, targets: lm_loss(logits, targets) / m, scale_grads=False)
+
+    def step(self, batches):
+        """The same contract as ``Pipeline.step``: a Batch, or the list of its m micro-batches."""
+        if not isinstance(batches, Batch):
+            batches = Batch(torch.cat([b.inputs for b in batches]), torch.cat([b.targets for b in batches]))
+        first, last = "0" in self.chunks, str(self.last) in self.chunks
+        losses = [] if last else None
+        args = (batches.inputs,) if first else ()
+        kwargs = {"target": batches.targets, "losses": losses} if last else {}
+        # Like ours, keep the losses but not the logits (by default the last stage concatenates them).
+        self.torch_schedule.step(*args, return_outputs=False, **kwargs)
+        if self.tied_peer is not None:
+            self._add_tied_gradients()
+        return sum(loss.detach() for loss in losses) if last else None
+
+    def pipeline_order(self) -> list[list[Action]]:
+        """PyTorch's compute actions per rank, in our notation (its overlapped F+B pairs unfolded)."""
+        def ours(a):
+            if a.sub_actions:
+                return [x for sub in a.sub_actions for x in ours(sub)]
+            op = _TORCH_OPS.get(a.computation_type.value)
+            return [Action(op, a.microbatch_index, a.stage_index)] if op else []
+
+        order = self.torch_schedule.pipeline_order
+        return [[x for a in order[r] if a is not None for x in ours(a)] for r in sorted(order)]
+
+
+def pytorch_pipeline(model, mesh_or_group=None, *, schedule: str = "1f1b", microbatches: int,
+                     chunks: int | None = None, plan=None) -> PyTorchPipeline:
+    """``apply_pp``'s counterpart run by torch.distributed.pipelining (see ``TORCH_SCHEDULES``)."""
+    import torch.distributed as dist
+
+    if schedule not in TORCH_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: PyTorch's counterparts exist for {sorted(TORCH_SCHEDULES)}")
+    group = axis_group(mesh_or_group, "pp")
+    ours = make_schedule(schedule, dist.get_world_size(group), microbatches, chunks)
+    return PyTorchPipeline(model, schedule, ours, group, plan)

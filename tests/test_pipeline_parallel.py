@@ -1,0 +1,300 @@
+"""Pipeline parallelism (parallel.pipeline_parallel, NB07) on real ranks: the schedules'
+action lists executed with send/recv, against single-process gradient accumulation and
+against torch.distributed.pipelining on the same stages and micro-batches.
+
+Every run starts from the same weights and trains on the same seeded micro-batches: step t's
+batch has M rows and micro-batch i is row i (``parity.micro_batches``). The reference is one
+process running ``parity.run_steps(..., grad_acc=M)``: each micro-batch's loss divided by M,
+gradients summed over the micro-batches, then the SGD step. We compare the loss, every
+gradient of the first step (gathered by name from the stages' ranks) and the weights after
+STEPS steps, with M = 5, which no p here divides.
+
+Why float64 and ``parity.TOLERANCES``: a pipeline computes the same operations on the same
+rows as one process. Only GPT's tied embedding/head weight gets its two gradient parts
+summed in another order (across the first and last stage's ranks, Megatron-LM's embedding
+all-reduce), and PyTorch's schedules add the micro-batches' gradients in their own order:
+rounding of ~1e-16 relative, which the float64 tolerances (1e-10 for one backward and for
+SGD) allow and a wrong scale, a lost micro-batch or a missing tied part cannot meet.
+"""
+import contextlib
+
+import matplotlib
+import pytest
+import torch
+
+from ultrascale.comm import CommLogger
+from ultrascale.model import GPT, GPTConfig
+from ultrascale.parallel.mesh import init_mesh
+from ultrascale.parallel.pipeline_parallel import apply_pp, backward_input, backward_weight, build_stage, split_layers
+from ultrascale.parallel.pipeline_runs import calibrate_compute, merge_ranks, pytorch_pipeline, run_pipeline_steps
+from ultrascale.parallel.timeline import Timeline
+from ultrascale.parity import Batches, assert_same, gradients, micro_batches, run_steps, weights
+from ultrascale.runtime import shared_cluster
+from ultrascale.schedule import (Schedule, ScheduleError, bubble_fraction, draw, make_schedule, one_f_one_b_rank,
+                                 simulate)
+
+matplotlib.use("Agg")
+
+CFG = GPTConfig(vocab_size=64, hidden=32, layers=8, heads=2, seq_len=8)   # 8 layers: p=4 with v=2
+DT = torch.float64
+M = 5        # micro-batches per step: not a multiple of p = 2, 3 or 4
+STEPS = 3
+
+
+def fresh_model():
+    torch.manual_seed(0)
+    model = GPT(CFG).to(DT)
+    with torch.no_grad():   # biases away from 0, norm weights away from 1: every gradient path shows
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def stream(m):
+    """(step, micro) -> micro-batch: the rows of step's seeded batch, one per micro-batch."""
+    data = Batches(CFG, mbs=m, seed=0)
+    return lambda step, micro: micro_batches(data.global_batch(step), m)[micro]
+
+
+def run_on(p, fn, *args, **kwargs):
+    """fn on p ranks; a hang (a schedule waiting for a message) fails in a minute, with stacks."""
+    return shared_cluster(p).run(fn, *args, timeout=60, **kwargs)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The model is tiny: a second intra-op thread only spins against the ranks for the cores
+    (measured on 2 busy cores: one forward and backward 17 ms with one thread, 340 ms with two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+_REFERENCES = {}
+
+
+def reference(m):
+    """One process, gradient accumulation over m micro-batches: the loss, the first step's
+    gradients and the weights after STEPS steps."""
+    if m not in _REFERENCES:
+        model, grads = fresh_model(), []
+        with one_thread(), torch.no_grad():
+            loss = sum(stream(m)(0, i).loss(model) / m for i in range(m))
+        # no_sync: the hook runs once per step, after the last micro-batch's backward
+        with one_thread():
+            run_steps(model, stream(m), STEPS, "sgd", grad_acc=m, no_sync=contextlib.nullcontext,
+                      after_backward=lambda: grads.append(gradients(model)))
+        _REFERENCES[m] = {"loss": loss, "grads": grads[0], "weights": weights(model)}
+    return _REFERENCES[m]
+
+
+# --------------------------------------------------------------------------- on the ranks
+def train(pipe, m):
+    """The first step's loss and gradients, then STEPS steps of SGD; this rank's share."""
+    loss = pipe.step([stream(m)(0, i) for i in range(m)])
+    out = {"loss": loss, "grads": pipe.gradients(), "peak": pipe.peak_activations}
+    pipe.zero_grad()
+    run_pipeline_steps(pipe, stream(m), STEPS)
+    out["weights"] = pipe.weights()
+    return out
+
+
+def ours(ctx, schedule, v, m=M):
+    mesh = init_mesh(ctx, pp=ctx.world_size)
+    return train(apply_pp(fresh_model(), mesh, schedule=schedule, microbatches=m, chunks=v), m)
+
+
+def pytorchs(ctx, schedule, v, m):
+    pipe = pytorch_pipeline(fresh_model(), schedule=schedule, microbatches=m, chunks=v)
+    return {**train(pipe, m), "order": pipe.pipeline_order()}
+
+
+def assert_matches_reference(results, m, what):
+    want = reference(m)
+    losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert len(losses) == 1, f"{what}: exactly one rank holds the last stage"
+    assert_same(losses[0], want["loss"], f"{what} loss", optimizer=None)
+    grads = merge_ranks([r["grads"] for r in results])   # also: the tied weight is equal on its two ranks
+    assert_same(grads, want["grads"], f"{what} gradients", optimizer=None)   # every name, none extra
+    assert_same(merge_ranks([r["weights"] for r in results]), want["weights"], f"{what} weights after {STEPS} steps")
+
+
+# --------------------------------------------------------------------------- parity
+# DualPipeV needs m >= 2p: m = 7 on 3 ranks. Interleaved on 2 ranks and DualPipeV on 3 also
+# receive some messages before they are needed (not in the order a rank needs them).
+CASES = [(p, name, v, M) for p in (2, 3, 4) for name, v in
+         (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))] + [(2, "dualpipe-v", 2, M),
+                                                                          (3, "dualpipe-v", 2, 7)]
+
+
+@pytest.mark.parametrize("p,schedule,v,m", CASES, ids=[f"p{p}-{s}-m{m}" for p, s, _, m in CASES])
+def test_same_as_gradient_accumulation_in_one_process(p, schedule, v, m):
+    results = run_on(p, ours, schedule, v, m)
+    assert_matches_reference(results, m, f"{schedule} p={p}")
+    # The activations each rank really held at once are the simulator's count.
+    assert [r["peak"] for r in results] == simulate(make_schedule(schedule, p, m, v)).peak_activations
+
+
+# --------------------------------------------------------------------------- PyTorch
+TORCH_CASES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("dualpipe-v", 2)]
+
+
+@pytest.mark.parametrize("schedule,v", TORCH_CASES, ids=[s for s, _ in TORCH_CASES])
+def test_same_as_torch_distributed_pipelining(schedule, v):
+    """PyTorch's schedule on our stages: the same numbers as one process and as ours, and the
+    same per-rank action lists as our generator. m = 4: ScheduleInterleaved1F1B wants m to be a
+    multiple of its rounds (m // p), ScheduleDualPipeV m >= 2p."""
+    m = 4
+    theirs = run_on(2, pytorchs, schedule, v, m)
+    assert_matches_reference(theirs, m, f"torch.distributed.pipelining {schedule}")
+    mine = run_on(2, ours, schedule, v, m)
+    for a, b in zip(mine, theirs):
+        assert_same(a["grads"], b["grads"], f"ours against PyTorch's {schedule}", optimizer=None)
+    assert_same_lists(theirs[0]["order"], make_schedule(schedule, 2, m, v), schedule)
+
+
+def assert_same_lists(torch_lists, schedule, name):
+    """PyTorch's per-rank compute lists equal our generator's. One known difference:
+    Schedule1F1B's ``pipeline_order`` (a description; ``step`` runs its own loop) numbers the
+    last rank's forwards from 1 (F1 .. Fm, no F0), a list our simulator would reject."""
+    ours = [list(acts) for acts in schedule.compute]
+    if name == "1f1b":
+        ours[-1] = [a._replace(microbatch=a.microbatch + 1) if a.op == "F" else a for a in ours[-1]]
+        with pytest.raises(ScheduleError, match="outside micro-batches"):
+            Schedule("PyTorch's 1F1B pipeline_order", torch_lists, schedule.microbatches)
+    assert torch_lists == ours, name
+
+
+def _torch_orders(ctx, m):
+    return {name: pytorch_pipeline(fresh_model(), schedule=name, microbatches=m, chunks=v).pipeline_order()
+            for name, v in TORCH_CASES}
+
+
+def test_action_lists_same_as_pytorchs_on_4_ranks():
+    """PyTorch's per-rank lists for p=4, m=8 (built, not run) against our generators'."""
+    orders = run_on(4, _torch_orders, 8)[0]
+    for name, v in TORCH_CASES:
+        assert_same_lists(orders[name], make_schedule(name, 4, 8, v), name)
+
+
+def test_split_backward_is_the_whole_backward():
+    """B (input gradient, graph kept) then W (weight gradients, accumulated) give what one
+    backward() gives, on a stage that takes hidden states, over two micro-batches."""
+    def stage():
+        model = fresh_model()
+        return build_stage(model, range(2, 5), first=False, last=False)
+
+    xs = [torch.randn(1, CFG.seq_len, CFG.hidden, dtype=DT, generator=torch.Generator().manual_seed(i))
+          for i in range(2)]
+    dys = [torch.randn_like(x) for x in xs]
+    whole, split = stage(), stage()
+    want = []
+    for x, dy in zip(xs, dys):
+        x = x.clone().requires_grad_()
+        whole(x).backward(dy)
+        want.append(x.grad)
+    params = list(split.parameters())
+    for x, dy, dx in zip(xs, dys, want):
+        x = x.clone().requires_grad_()
+        y = split(x)
+        before = gradients(split)
+        assert_same(backward_input(y, x, dy), dx, "B's input gradient", optimizer=None)
+        assert_same(gradients(split), before, "B leaves the weights' gradients alone", tol=dict(rtol=0, atol=0))
+        backward_weight(y, params, dy)
+    assert_same(gradients(split), gradients(whole), "W's weight gradients", optimizer=None)
+
+
+# --------------------------------------------------------------------------- learners' schedules
+def custom(ctx, lists):
+    schedule = Schedule("mine", lists, M)
+    return train(apply_pp(fresh_model(), schedule=schedule), M)
+
+
+def test_a_hand_written_schedule_runs():
+    """What an exercise builds: per-rank lists, checked by the simulator, run as they are."""
+    lists = [one_f_one_b_rank(3, M, r) for r in range(3)]
+    assert_matches_reference(run_on(3, custom, lists), M, "hand-written 1F1B")
+
+
+# --------------------------------------------------------------------------- timelines and bytes
+def logged(ctx, schedule, delay):
+    tl = Timeline(ctx.rank)
+    pipe = apply_pp(fresh_model(), schedule=schedule, microbatches=4, timeline=tl)
+    if delay:
+        calibrate_compute(pipe, t_f=delay)
+    with CommLogger() as log:
+        pipe.step([stream(4)(0, i) for i in range(4)])
+    return {"rows": tl.rows(), "p2p": {op: t["bytes_sent"] + t["bytes_received"] for op, t in log.totals().items()}}
+
+
+def test_timeline_and_communication_are_logged():
+    results = run_on(2, logged, "1f1b", 0.0)
+    rows = [r["rows"] for r in results]
+    names = {e["name"] for e in rows[1]}
+    assert {"forward 0 stage 1", "backward 3 stage 1", "recv activation 2 for stage 1"} <= names
+    assert 0 < bubble_fraction(rows) < 10
+    assert draw(rows).axes[0].get_xlabel() == "time (ms)"
+    # Each micro-batch crosses the one link twice: its activation forward, its gradient back;
+    # then the first and last stage swap their parts of the tied embedding's gradient.
+    activation = 1 * CFG.seq_len * CFG.hidden * 8   # a row of hidden states in float64
+    embedding = CFG.vocab_size * CFG.hidden * 8
+    assert results[0]["p2p"] == {"isend": 4 * activation, "irecv": 4 * activation,
+                                 "batch_isend_irecv": 2 * embedding}
+
+
+def test_calibrated_compute_sleeps_the_stated_times():
+    """The forward bars last at least t_f (the sleep fills what the compute left), the backward
+    ones at least t_b = 2 t_f: the premise of measuring the bubble against (p-1)/m."""
+    rows = [e for r in run_on(2, logged, "1f1b", 0.01) for e in r["rows"]]
+    forward = [e["end"] - e["start"] for e in rows if e["name"].startswith("forward")]
+    backward = [e["end"] - e["start"] for e in rows if e["name"].startswith("backward")]
+    assert len(forward) == len(backward) == 8
+    assert min(forward) >= 0.01 and min(backward) >= 0.02
+
+
+def held(ctx, schedule):
+    pipe = apply_pp(fresh_model(), schedule=schedule, microbatches=4, measure_activations=True)
+    pipe.step([stream(4)(0, i) for i in range(4)])
+    return pipe.peak_activations, pipe.peak_activation_bytes
+
+
+def test_afab_holds_m_micro_batches_1f1b_at_most_p():
+    """Measured on the ranks (bytes autograd saved): AFAB keeps all m = 4 micro-batches'
+    activations, 1F1B p - rank of them: half as many bytes on rank 0, a quarter on rank 1."""
+    afab, one = run_on(2, held, "afab"), run_on(2, held, "1f1b")
+    assert [n for n, _ in afab] == [4, 4] and [n for n, _ in one] == [2, 1]
+    assert afab[0][1] == 2 * one[0][1] and afab[1][1] == 4 * one[1][1] > 0
+
+
+# --------------------------------------------------------------------------- bad input
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ValueError, match=r"9 stages but the model has 8 layers.*p\*v <= 8"):
+        split_layers(8, 9)
+    with pytest.raises(ValueError, match="add up to 8"):
+        split_layers(8, 2, plan=[3, 4])
+    assert split_layers(8, 3) == [range(0, 3), range(3, 6), range(6, 8)]
+
+
+def _apply(ctx, **options):
+    apply_pp(fresh_model(), **options)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(schedule="interleaved", microbatches=4, chunks=5), "10 stages but the model has 8 layers"),
+    (dict(schedule="1f1b", microbatches=0), "m=0"),
+    (dict(schedule="1f1b"), "microbatches=m"),
+    (dict(schedule=make_schedule("1f1b", 3, 4)), "p=3 ranks but the pipeline group has 2"),
+])
+def test_bad_input_on_the_ranks(options, message):
+    with pytest.raises(Exception, match=message):
+        run_on(2, _apply, **options)
+
+
+def test_a_pipeline_is_not_called_like_a_model():
+    def call(ctx):
+        apply_pp(fresh_model(), schedule="1f1b", microbatches=2)(torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(Exception, match=r"call pipe\.step\(micro_batches\)"):
+        run_on(2, call)
