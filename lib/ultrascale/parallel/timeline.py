@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..schedule.simulate import covered_seconds   # pure Python: the pipeline simulator uses it too
+
 COMPUTE, COMMUNICATION = "compute", "communication"
 
 
@@ -188,16 +190,6 @@ class WatchedWork:
         if self.error is not None:
             raise self.error
         return True
-
-
-def covered_seconds(intervals) -> float:
-    """Length of the union of (start, end) intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 def overlap_seconds(rows, lane_a: str = COMPUTE, lane_b: str = COMMUNICATION, rank: int | None = None) -> float:

@@ -249,7 +249,7 @@ def bubble_fraction(timelines) -> float:
     start, end = min(e["start"] for e in rows), max(e["end"] for e in rows)
     busy = {}
     for r in {e["rank"] for e in rows}:
-        busy[r] = _covered([(e["start"], e["end"]) for e in rows if e["rank"] == r])
+        busy[r] = covered_seconds([(e["start"], e["end"]) for e in rows if e["rank"] == r])
     compute = sum(busy.values())
     return (len(busy) * (end - start) - compute) / compute
 
@@ -259,7 +259,7 @@ def predicted_bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m)
 
 
-def _covered(intervals) -> float:
+def covered_seconds(intervals) -> float:
     """Length of the union of (start, end) intervals (a rank's overlapping events count once)."""
     total, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):
