@@ -35,8 +35,8 @@ import torch.nn as nn
 
 from ultrascale.grading import exercise
 
-from .ch04 import (close, collectives, describe, layouts, off_by, randn, refused_library, same_collectives,
-                   shape_problem, tp_group)
+from .ch04 import (_run_pair, close, collectives, describe, layouts, off_by, randn, refused_library,
+                   same_collectives, shape_problem, tp_group)
 
 BASE = (2, 3, 4)    # what one rank holds: (batch, its slice of the sequence, hidden)
 DIMS = (1, 0, 2)    # the sequence first; dims 0 and 2 catch code that ignores dim
@@ -50,21 +50,9 @@ def _long(dim: int, n: int) -> tuple:
 # ---- 05.sequence_gather_scatter ---------------------------------------------------------
 
 def _run_region(apply, x, dim, upstream, group, forbid=None) -> dict:
-    """Forward and backward of ``apply(x, dim, group)`` with the collectives of each direction."""
-    from ultrascale.comm import CommLogger
-
-    given = x.clone().requires_grad_()
-    with refused_library(forbid) as refusal:
-        with CommLogger() as forward:
-            y = apply(given, dim, group)
-        changed = not torch.equal(given.detach(), x)
-        with CommLogger() as backward:
-            if torch.is_tensor(y) and y.requires_grad and y.shape == upstream.shape:
-                y.backward(upstream.clone())
-    if refusal.message:
-        return {"forbidden": refusal.message}
-    return {"y": y.detach().clone() if torch.is_tensor(y) else y, "grad": given.grad, "changed": changed,
-            "forward": collectives(forward), "backward": collectives(backward)}
+    """Forward and backward of ``apply(x, dim, group)`` with the collectives of each direction
+    (chapter 04's harness for f / f*, with ``dim`` fixed)."""
+    return _run_pair(lambda t, g: apply(t, dim, g), x, upstream, group, forbid)
 
 
 def _sequence_on_rank(ctx, Gather, ReduceScatter, seed, split):
