@@ -23,7 +23,7 @@
 # (`data_parallel.py` is about 300 lines and worth reading beside this notebook).
 
 # %% tags=["parameters"]
-WORLD_SIZE = 4  # data-parallel ranks; any value >= 2 works
+WORLD_SIZE = 4  # data-parallel ranks: any value of 2 or more works
 QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU cores
 SEED = 0
 

@@ -598,3 +598,183 @@ def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
     # the library works again afterwards, and the solutions pass
     assert check("04.vocab_parallel_cross_entropy", ch04["vocab_parallel_cross_entropy"]).status == PASS
     assert check("05.sequence_parallel_norm_grads", ch05["sync_norm_gradients"]).status == PASS
+
+
+# ---- 12: mixed precision ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ch12():
+    return _load("12_mixed_precision_exercises.ipynb")
+
+
+def _fields(x, exponent_bits, mantissa_bits, mask=True):
+    bits = 1 + exponent_bits + mantissa_bits
+    raw = int(x.reshape(1).view({32: torch.int32, 16: torch.int16, 8: torch.uint8}[bits]).item())
+    raw = raw & ((1 << bits) - 1) if mask else raw
+    return raw >> (bits - 1), (raw >> mantissa_bits) & ((1 << exponent_bits) - 1), raw & ((1 << mantissa_bits) - 1)
+
+
+def test_ch12_decode_float_refuses_signed_bits_float32_fields_and_wrong_widths(ch12):
+    widths = {torch.float32: (8, 23), torch.float16: (5, 10), torch.bfloat16: (8, 7),
+              torch.float8_e4m3fn: (4, 3), torch.float8_e5m2: (5, 2)}
+
+    def signed(x):  # the signed view, never masked: a negative number's sign comes out as -1
+        return _fields(x, *widths[x.dtype], mask=False)
+
+    def via_float32(x):  # converted first: these are float32's fields
+        return _fields(x.float(), 8, 23)
+
+    def by_width(x):  # 16 bits taken to mean float16's layout, bfloat16 included
+        return _fields(x, *{32: (8, 23), 16: (5, 10), 8: widths[x.dtype]}[torch.finfo(x.dtype).bits])
+
+    def library(x):
+        from ultrascale.precision import decode
+
+        f = decode(x)
+        return f.sign, f.exponent, f.mantissa
+
+    _fails(check("12.decode_float", signed), "sign came out as -1", "Mask it")
+    _fails(check("12.decode_float", via_float32), "converted to float32", "x.view(")
+    _fails(check("12.decode_float", by_width), "5 exponent and 10 mantissa bits", "torch.bfloat16 has 8 and 7")
+    _fails(check("12.decode_float", library), "the course library's ultrascale.precision.formats.decode")
+    assert check("12.decode_float", ch12["decode_float"]).status == PASS
+
+
+def test_ch12_quantize_per_tensor_refuses_an_inverted_scale_the_wrong_maximum_and_nan_for_zeros(ch12):
+    def inverted(x, dtype=torch.float8_e4m3fn):  # the quantising factor returned as the scale
+        scale = torch.finfo(dtype).max / x.abs().max().clamp(min=1e-12)
+        return (x * scale).to(dtype), scale
+
+    def e4m3_maximum(x, dtype=torch.float8_e4m3fn):  # 448 for both formats
+        scale = x.abs().max().clamp(min=1e-12) / 448
+        return (x / scale).clamp(-448, 448).to(dtype), scale
+
+    def unclamped_amax(x, dtype=torch.float8_e4m3fn):  # 0 / 0 for a tensor of zeros
+        scale = x.abs().max() / torch.finfo(dtype).max
+        return (x / scale).to(dtype), scale
+
+    def dequantised(x, dtype=torch.float8_e4m3fn):  # returns q * scale, not the FP8 tensor
+        scale = x.abs().max().clamp(min=1e-12) / torch.finfo(dtype).max
+        return (x / scale).to(dtype).float() * scale, scale
+
+    exercise = "12.quantize_per_tensor"
+    _fails(check(exercise, inverted), "fp8_max / amax", "x ~ q * scale")
+    _fails(check(exercise, e4m3_maximum), "e5m2's is 57,344")
+    _fails(check(exercise, unclamped_amax), "torch.zeros(4, 4)", "Clamp amax")
+    _fails(check(exercise, dequantised), "q must be a tensor of dtype torch.float8_e4m3fn")
+    assert check(exercise, ch12["quantize_per_tensor"]).status == PASS
+
+
+def test_ch12_quantize_tiles_refuses_one_scale_first_rows_transposed_scales_and_no_refusal(ch12):
+    def one_scale(x, tile_rows, tile_cols, dtype=torch.float8_e4m3fn):
+        rows, cols = x.shape
+        if rows % tile_rows or cols % tile_cols:
+            raise ValueError("uneven tiles")
+        scale = x.abs().max() / torch.finfo(dtype).max
+        return (x / scale).to(dtype), scale.expand(rows // tile_rows, cols // tile_cols)
+
+    def first_rows(x, tile_rows, tile_cols, dtype=torch.float8_e4m3fn):  # a tile taken as one row
+        rows, cols = x.shape
+        if rows % tile_rows or cols % tile_cols:
+            raise ValueError("uneven tiles")
+        top = torch.finfo(dtype).max
+        scales = x[::tile_rows].reshape(rows // tile_rows, cols // tile_cols, tile_cols).abs().amax(-1) / top
+        full = scales.repeat_interleave(tile_rows, 0).repeat_interleave(tile_cols, 1)
+        return (x / full).clamp(-top, top).to(dtype), scales
+
+    def transposed(x, tile_rows, tile_cols, dtype=torch.float8_e4m3fn):
+        q, scales = ch12["quantize_tiles"](x, tile_rows, tile_cols, dtype)
+        return q, scales.t()
+
+    def no_refusal(x, tile_rows, tile_cols, dtype=torch.float8_e4m3fn):  # the reshape fails instead
+        rows, cols = x.shape
+        top = torch.finfo(dtype).max
+        tiles = x.reshape(rows // tile_rows, tile_rows, cols // tile_cols, tile_cols)
+        scales = tiles.abs().amax(dim=(1, 3)) / top
+        return (tiles / scales[:, None, :, None]).to(dtype).reshape(rows, cols), scales
+
+    exercise = "12.quantize_tiles"
+    _fails(check(exercise, one_scale), "whole tensor's scale")
+    _fails(check(exercise, first_rows), "Only the first row of each tile")
+    _fails(check(exercise, transposed), "(transposed?)")
+    _fails(check(exercise, no_refusal), "raised RuntimeError", "expected a ValueError, because 4 x 200")
+    assert check(exercise, ch12["quantize_tiles"]).status == PASS
+
+
+def test_ch12_fp8_backward_refuses_e4m3_gradients_float32_products_a_transposed_wgrad_and_the_library(ch12):
+    quantize = ch12["quantize_per_tensor"]
+
+    def deq(t, dtype):
+        q, scale = quantize(t, dtype)
+        return q.float() * scale
+
+    def e4m3_gradients(x, weight, dy):
+        g = deq(dy, torch.float8_e4m3fn)
+        return g @ deq(weight, torch.float8_e4m3fn), g.t() @ deq(x, torch.float8_e4m3fn)
+
+    def float32(x, weight, dy):
+        return dy @ weight, dy.t() @ x
+
+    def transposed_wgrad(x, weight, dy):
+        g = deq(dy, torch.float8_e5m2)
+        return g @ deq(weight, torch.float8_e4m3fn), deq(x, torch.float8_e4m3fn).t() @ g
+
+    def library(x, weight, dy):
+        from ultrascale.precision import FP8Linear
+
+        layer = FP8Linear(torch.nn.Parameter(weight.clone()), None, "tensorwise")
+        x = x.clone().requires_grad_()
+        layer(x).backward(dy)
+        return x.grad, layer.weight.grad
+
+    exercise = "12.fp8_backward"
+    _fails(check(exercise, e4m3_gradients), "dy quantised to e4m3", "e5m2")
+    _fails(check(exercise, float32), "these are the float32 gradients")
+    _fails(check(exercise, transposed_wgrad), "dW (Wgrad) must have the shape of the weight", "dW = dy^T @ x")
+    _fails(check(exercise, library), "the course library's ultrascale.precision.fp8_linear.")
+    assert check(exercise, ch12["fp8_backward"]).status == PASS
+
+
+def test_ch12_update_scale_refuses_forgotten_resets_late_growth_and_an_infinite_scale(ch12):
+    def no_reset_after_growth(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5,
+                              growth_interval=2000):
+        if found_inf:
+            return scale * backoff_factor, 0
+        growth_tracker += 1
+        if growth_tracker % growth_interval == 0 and scale * growth_factor <= 3.4e38:
+            return scale * growth_factor, growth_tracker
+        return scale, growth_tracker
+
+    def no_reset_after_overflow(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5,
+                                growth_interval=2000):
+        if found_inf:
+            return scale * backoff_factor, growth_tracker
+        return ch12["update_scale"](scale, growth_tracker, False, growth_factor, backoff_factor, growth_interval)
+
+    def one_step_late(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        if found_inf:
+            return scale * backoff_factor, 0
+        if growth_tracker == growth_interval:
+            return scale * growth_factor, 0
+        return scale, growth_tracker + 1
+
+    def to_infinity(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        if found_inf:
+            return scale * backoff_factor, 0
+        growth_tracker += 1
+        if growth_tracker == growth_interval:
+            return scale * growth_factor, 0
+        return scale, growth_tracker
+
+    def library(scale, growth_tracker, found_inf, **settings):
+        from ultrascale.precision import update_scale
+
+        return update_scale(scale, growth_tracker, found_inf, **settings)
+
+    exercise = "12.update_scale"
+    _fails(check(exercise, no_reset_after_growth), "After growing, the count of good steps starts again from 0")
+    _fails(check(exercise, no_reset_after_overflow), "After an overflow the count of good steps starts again")
+    _fails(check(exercise, one_step_late), "the scale grows by growth_factor now")
+    _fails(check(exercise, to_infinity), "past float32's largest value")
+    _fails(check(exercise, library), "the course library's ultrascale.precision.loss_scaling.update_scale")
+    assert check(exercise, ch12["update_scale"]).status == PASS

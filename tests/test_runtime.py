@@ -310,3 +310,70 @@ def test_works_after_the_notebook_initialised_cuda():
     with Cluster(1) as c:
         assert c.backend == "nccl"
         assert c.run(lambda ctx: str(ctx.device)) == ["cuda:0"]
+
+
+# ---- clear errors for the smaller slips of issue 11 ----------------------------------------
+
+def test_run_refuses_what_is_not_a_function_before_the_ranks_see_it(cluster):
+    pids = cluster.pids
+    with pytest.raises(TypeError, match="needs a function to run on the ranks.*got int 42"):
+        cluster.run(42)
+    with pytest.raises(ValueError, match="timeout must be a number of seconds above 0"):
+        cluster.run(lambda ctx: 0, timeout=0)
+    assert cluster.pids == pids and cluster.run(lambda ctx: ctx.rank) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kwargs, complaint", [
+    ({"timeout": -1}, "timeout must be a number of seconds above 0"),
+    ({"timeout": float("nan")}, "timeout must be"),
+    ({"grace": -0.5}, "grace must be a number of seconds at least 0"),
+    ({"threads": 0}, "threads must be a positive integer"),
+])
+def test_bad_cluster_options_are_clear_errors(kwargs, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        Cluster(2, **kwargs)
+
+
+def test_numpy_integers_are_world_sizes():
+    np = pytest.importorskip("numpy")
+    with Cluster(np.int64(2)) as c:
+        assert c.world_size == 2 and type(c.world_size) is int
+        assert c.run(_all_reduce_rank) == [3.0, 3.0]
+
+
+def test_run_after_close_is_a_clear_error():
+    c = Cluster(1)
+    c.close()
+    with pytest.raises(RuntimeError, match=r"was closed.*Cluster\(1\)"):
+        c.run(lambda ctx: 0)
+    assert not c.alive and "closed" in repr(c)
+
+
+def test_a_result_the_notebook_cannot_unpickle_names_its_rank(cluster):
+    def explode():
+        raise ValueError("cannot rebuild this object here")
+
+    class Bomb:  # pickles fine on the rank, fails to unpickle in the notebook
+        def __reduce__(self):
+            return explode, ()
+
+    with pytest.raises(RankError) as info:
+        cluster.run(lambda ctx: Bomb() if ctx.rank == 1 else ctx.rank)
+    assert set(info.value.failures) == {1}
+    assert "rank 1 returned a result the notebook cannot unpickle" in str(info.value)
+    assert "cannot rebuild this object here" in str(info.value)
+    assert cluster.run(lambda ctx: ctx.rank) == [0, 1, 2]
+
+
+def test_a_dead_rank_is_counted_once_not_with_its_peers():
+    def die_in_a_collective(ctx):
+        if ctx.rank == 2:
+            os._exit(3)
+        return _all_reduce_rank(ctx)
+
+    with Cluster(4) as c:
+        with pytest.raises(RankError) as info:
+            c.run(die_in_a_collective, timeout=60)
+        assert str(info.value).startswith("1 of 4 ranks failed in `die_in_a_collective` (rank 2 died)")
+        assert info.value.failures[2].type_name == "died"
+        assert c.run(_all_reduce_rank) == [10.0] * 4

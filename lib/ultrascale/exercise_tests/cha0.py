@@ -84,28 +84,24 @@ def _library_ring(*args, **kwargs):
                               "write the ring yourself with dist.isend / dist.irecv")
 
 
+ADVICE = ("build it from point-to-point calls only (dist.isend / dist.irecv, dist.batch_isend_irecv, "
+          "or the send_recv helper)")
+
+
 @contextlib.contextmanager
 def forbid_collectives(exercise_name: str):
-    """Replace the built-in collectives (and ultrascale.comm's ring) by raising stand-ins."""
+    """Make every built-in collective raise (torch.distributed's functions, the process group's
+    methods and the c10d operators: guards.forbid_collectives), and the course's own ring."""
     from ultrascale.comm import ring as ring_module
+    from ultrascale.grading.guards import forbid_collectives as forbid_builtins
 
-    saved = []
-    for name in FORBIDDEN:
-        original = getattr(dist, name, None)
-        if original is None:  # not in this torch version
-            continue
-        stand_in = _forbidden(name, exercise_name, original)
-        for module in (dist, c10d):
-            if getattr(module, name, None) is original:
-                saved.append((module, name, original))
-                setattr(module, name, stand_in)
-    saved.append((ring_module, "send_recv", ring_module.send_recv))
+    saved = ring_module.send_recv
     ring_module.send_recv = _library_ring
     try:
-        yield
+        with forbid_builtins(exercise_name, ADVICE, error=ForbiddenCollective):
+            yield
     finally:
-        for module, name, original in reversed(saved):
-            setattr(module, name, original)
+        ring_module.send_recv = saved
 
 
 class _SendTap:

@@ -10,9 +10,14 @@ turns whatever happens into one of three verdicts a learner can act on:
   generated exercise notebook, raised locally or on a worker rank.
 
 It never raises (an interrupt from the stop button excepted), so the rest of the
-notebook still runs and the command-line grader sees every exercise. When the
-environment variable ``ULTRASCALE_GRADE_FILE`` is set, each verdict is also
-appended to that file as one JSON line; that is how the grader collects scores.
+notebook still runs and the command-line grader sees every exercise.
+
+Under the command-line grader (the environment variable ``ULTRASCALE_GRADE_FILE`` is
+set), each verdict is also appended to that file as one JSON line, and what ``check``
+was given (the learner's functions and classes, and the keyword arguments) is saved
+beside it with cloudpickle. The grader does not take the verdicts' word for it: a
+notebook can write anything into that file. It runs the registered test again, in a
+process of its own, on the saved objects (``cli.regrade``), and scores that.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import html
 import inspect
 import json
 import os
+import re
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .registry import get_exercise
 
@@ -112,23 +120,35 @@ def check(exercise_id: str, *objects, **kwargs) -> CheckResult:
     ``kwargs`` go to the test too (e.g. ``world_size=WORLD_SIZE, quick=QUICK``).
     Returns a :class:`CheckResult`; never raises.
     """
-    start = time.perf_counter()
+    _save_submission(exercise_id, objects, kwargs)  # before the test runs: as the learner gave them
     try:
-        result = _grade(exercise_id, objects, kwargs)
-    except Exception as err:  # a bug in the grading code itself must not stop the notebook
+        ex = get_exercise(exercise_id)
+    except KeyError as err:
+        result = CheckResult(exercise_id, ERROR, 0, 0, str(err.args[0]))
+    except Exception as err:  # a test module that does not import: not the learner's fault
         result = CheckResult(exercise_id, ERROR, 0, 0, f"the checker itself failed: {_one_line(err)}",
                              details=traceback.format_exc())
-    result.seconds = time.perf_counter() - start
+    else:
+        result = grade_exercise(ex, objects, kwargs)
     _record(result)
     _show(result)
     return result
 
 
-def _grade(exercise_id: str, objects: tuple, kwargs: dict) -> CheckResult:
+def grade_exercise(ex, objects: tuple, kwargs: dict) -> CheckResult:
+    """Run the test of exercise ``ex`` on the learner's objects; never raises (but KeyboardInterrupt)."""
+    start = time.perf_counter()
     try:
-        ex = get_exercise(exercise_id)
-    except KeyError as err:
-        return CheckResult(exercise_id, ERROR, 0, 0, str(err.args[0]))
+        result = _grade(ex, objects, kwargs)
+    except Exception as err:  # a bug in the grading code itself must not stop the notebook
+        result = CheckResult(ex.id, ERROR, 0, ex.points, f"the checker itself failed: {_one_line(err)}",
+                             details=traceback.format_exc())
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _grade(ex, objects: tuple, kwargs: dict) -> CheckResult:
+    exercise_id = ex.id
 
     def verdict(status: str, message: str = "", details: str = "") -> CheckResult:
         points = ex.points if status == PASS else 0
@@ -243,6 +263,42 @@ def _num(x: float) -> str:
 
 
 # ---- where the verdict goes -------------------------------------------------------
+
+def submission_path(grade_file, exercise_id: str) -> Path:
+    """Where ``check`` saves what it was given for ``exercise_id`` (a cloudpickle of
+    ``(objects, kwargs)``), beside the grade file; ``.json`` beside it holds the context."""
+    safe = re.sub(r"[^\w.\-]", "_", exercise_id)
+    return Path(f"{grade_file}.submissions") / f"{safe}.pkl"
+
+
+def _save_submission(exercise_id: str, objects: tuple, kwargs: dict) -> None:
+    """Under the grader: save what check() was given, for the grader to test again itself.
+
+    The kernel's environment variables and import path go along (as JSON), because a
+    notebook may set some that its code needs, e.g. ``TRITON_INTERPRET=1`` for Triton's
+    CPU interpreter."""
+    path = os.environ.get(GRADE_FILE_ENV)
+    if not path:
+        return
+    target = submission_path(path, exercise_id)
+    context = {"environ": dict(os.environ), "sys_path": list(sys.path)}
+    try:
+        import cloudpickle
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_whole(target, cloudpickle.dumps((objects, kwargs)))
+        _write_whole(target.with_suffix(".json"), json.dumps(context).encode())
+    except Exception as err:  # noqa: BLE001 - the notebook goes on; the grader scores it 0
+        target.unlink(missing_ok=True)
+        print(f"ultrascale.grading: what check({exercise_id!r}, ...) was given cannot be saved for the grader "
+              f"({type(err).__name__}: {err}); the grader cannot test it again, so it will score 0")
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # a later check() of the same exercise replaces it whole
+
 
 def _record(result: CheckResult) -> None:
     path = os.environ.get(GRADE_FILE_ENV)

@@ -7,8 +7,21 @@ Each notebook runs in a fresh kernel (``python3``) with ``QUICK=True`` injected 
 its ``parameters`` cell. Cells keep running after an error, because an unfinished
 exercise raises ``NotImplementedError`` and the checks after it must still run.
 Every ``check`` call appends its verdict to the file named by
-``ULTRASCALE_GRADE_FILE``; the grader reads those lines back. An exercise whose
-check never ran (deleted, or the kernel died first) scores 0 as "not run".
+``ULTRASCALE_GRADE_FILE`` and saves what it was given beside it.
+
+The notebook's word is not taken for a pass: its cells can write anything into that
+file, or swap the tests in the kernel's registry. So the score is the grader's own.
+For each exercise the notebook says it passed, a fresh process of the grader's (one
+per notebook) looks the test up in the library's registry, loads the saved objects
+and runs the test on them; only a pass there scores, and it scores the exercise's
+registered points. A verdict other than a pass scores 0 without a second run (a
+notebook gains nothing by saying it failed). Ids that no test is registered under
+are ignored. An exercise whose check never ran (deleted, or the kernel died first)
+scores 0 as "not run".
+
+The learner's code does run in that process (it has to, to be tested), so a function
+written to attack the test that calls it is beyond what this grader can stop; what a
+notebook's cells write, or change in their own kernel, no longer counts.
 
 The exit code is 0 whatever the scores (this is a grader, not a test); it is
 non-zero only when a notebook could not be run at all (missing file, kernel that
@@ -22,6 +35,7 @@ import ast
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +44,8 @@ from pathlib import Path
 
 import nbformat
 
-from .check import GRADE_FILE_ENV, NOT_RUN
+from .check import (ERROR, FAIL, GRADE_FILE_ENV, NOT_IMPLEMENTED, NOT_RUN, PASS, CheckResult, _one_line,
+                    grade_exercise, submission_path)
 from .registry import exercises_of_chapter, get_exercise
 
 # check("00.mean_across_ranks", ...) as written in a notebook cell
@@ -74,7 +89,8 @@ def expected_exercises(nb_path: Path) -> dict:
 
     The ids the notebook checks, plus every registered exercise of its chapter
     (the ``00`` of ``00_orientation_exercises.ipynb``), so that deleting a check
-    call scores "not run" rather than vanishing from the table.
+    call scores "not run" rather than vanishing from the table. Ids without a
+    registered test are left out: they are worth nothing.
     """
     ids = []
     try:
@@ -90,78 +106,201 @@ def expected_exercises(nb_path: Path) -> dict:
     for exercise_id in ids:
         if exercise_id in expected:
             continue
-        try:
-            expected[exercise_id] = get_exercise(exercise_id).points
-        except KeyError:
-            expected[exercise_id] = 0  # check() will report the unknown id itself
+        points = registered_points(exercise_id)
+        if points is not None:
+            expected[exercise_id] = points
     return expected
+
+
+def registered_points(exercise_id: str):
+    """The points the library's registry gives ``exercise_id``; None if it has no test."""
+    try:
+        return get_exercise(exercise_id).points
+    except KeyError:
+        return None
 
 
 def _read_grades(path: Path) -> dict:
     """The last verdict of each exercise (a re-run check replaces the earlier one)."""
     grades = {}
     if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
-                grades[record["exercise"]] = record
-            except (ValueError, KeyError):
+            except ValueError:
                 continue  # a torn line from a killed kernel: ignore it
+            if isinstance(record, dict) and isinstance(record.get("exercise"), str):
+                grades[record["exercise"]] = record
     return grades
 
 
 def grade_notebook(nb_path: Path, timeout: float, parameters: dict, keep_dir: Path | None = None) -> NotebookReport:
-    """Execute one notebook and collect its verdicts."""
-    import papermill
-    from papermill.exceptions import PapermillExecutionError
-
+    """Execute one notebook, then score it: see the module's docstring."""
     report = NotebookReport(str(nb_path))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ultrascale-grade-") as tmp:
         grade_file = Path(tmp) / "grades.jsonl"
-        output = (keep_dir or Path(tmp)) / nb_path.name
-        # The kernel inherits our environment; that is how check() finds the file.
-        old = os.environ.get(GRADE_FILE_ENV)
-        os.environ[GRADE_FILE_ENV] = str(grade_file)
-        try:
-            if not nb_path.is_file():
-                raise FileNotFoundError(f"no such notebook: {nb_path}")
-            executed = papermill.execute_notebook(
-                str(nb_path), str(output),
-                parameters=parameters,
-                kernel_name="python3",
-                cwd=str(nb_path.parent),
-                progress_bar=False,
-                execution_timeout=timeout,
-                # nbclient options: keep going after a cell raises, and interrupt a
-                # cell that passes the timeout instead of abandoning the notebook.
-                allow_errors=True,
-                interrupt_on_timeout=True,
-            )
-            report.cell_errors = _count_error_cells(executed)
-        except PapermillExecutionError:
-            # With allow_errors every cell ran; papermill still raises at the end to
-            # say some of them failed. That is normal for an unfinished notebook.
-            report.cell_errors = _count_error_cells(nbformat.read(output, as_version=4))
-        except Exception as err:
-            report.status = "infrastructure error"
-            report.error = f"{type(err).__name__}: {err}"
-        finally:
-            if old is None:
-                os.environ.pop(GRADE_FILE_ENV, None)
-            else:
-                os.environ[GRADE_FILE_ENV] = old
-        grades = _read_grades(grade_file)
+        _execute(nb_path, grade_file, (keep_dir or Path(tmp)) / nb_path.name, timeout, parameters, report)
+        report.exercises = score(nb_path, grade_file, timeout)
     report.seconds = time.perf_counter() - start
-
-    for exercise_id, max_points in expected_exercises(nb_path).items():
-        record = grades.pop(exercise_id, None) or {
-            "exercise": exercise_id, "status": NOT_RUN, "points": 0, "max_points": max_points,
-            "message": "its check() never ran",
-        }
-        report.exercises.append(record)
-    report.exercises += grades.values()  # checks of other chapters, if a notebook has any
     return report
+
+
+def _execute(nb_path: Path, grade_file: Path, output: Path, timeout: float, parameters: dict,
+             report: NotebookReport) -> None:
+    """Run the notebook with papermill; its check() calls write into ``grade_file``."""
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    # The kernel inherits our environment; that is how check() finds the file.
+    old = os.environ.get(GRADE_FILE_ENV)
+    os.environ[GRADE_FILE_ENV] = str(grade_file)
+    try:
+        if not nb_path.is_file():
+            raise FileNotFoundError(f"no such notebook: {nb_path}")
+        executed = papermill.execute_notebook(
+            str(nb_path), str(output),
+            parameters=parameters,
+            kernel_name="python3",
+            cwd=str(nb_path.parent),
+            progress_bar=False,
+            execution_timeout=timeout,
+            # nbclient options: keep going after a cell raises, and interrupt a
+            # cell that passes the timeout instead of abandoning the notebook.
+            allow_errors=True,
+            interrupt_on_timeout=True,
+        )
+        report.cell_errors = _count_error_cells(executed)
+    except PapermillExecutionError:
+        # With allow_errors every cell ran; papermill still raises at the end to
+        # say some of them failed. That is normal for an unfinished notebook.
+        report.cell_errors = _count_error_cells(nbformat.read(output, as_version=4))
+    except Exception as err:
+        report.status = "infrastructure error"
+        report.error = f"{type(err).__name__}: {err}"
+    finally:
+        if old is None:
+            os.environ.pop(GRADE_FILE_ENV, None)
+        else:
+            os.environ[GRADE_FILE_ENV] = old
+
+
+def score(nb_path: Path, grade_file: Path, timeout: float) -> list:
+    """One row per registered exercise the notebook has or checks, scored by the grader."""
+    claims = _read_grades(grade_file)
+    exercises = expected_exercises(nb_path)
+    for exercise_id in claims:  # checks of other chapters, if a notebook has any
+        points = registered_points(exercise_id)
+        if exercise_id not in exercises and points is not None:
+            exercises[exercise_id] = points
+    claimed = [e for e in exercises if claims.get(e, {}).get("status") == PASS]
+    verdicts = regrade(nb_path.parent, {e: submission_path(grade_file, e) for e in claimed}, timeout)
+    return [_row(e, points, claims.get(e), verdicts.get(e)) for e, points in exercises.items()]
+
+
+def _row(exercise_id: str, max_points: float, claim: dict | None, verdict: dict | None) -> dict:
+    """The table's row: points are the registry's, and only for the grader's own pass."""
+    def row(status: str, message: str) -> dict:
+        return {"exercise": exercise_id, "status": status, "points": max_points if status == PASS else 0,
+                "max_points": max_points, "message": message}
+
+    if claim is None:
+        return row(NOT_RUN, "its check() never ran")
+    if claim.get("status") != PASS:
+        status = claim.get("status") if claim.get("status") in (FAIL, NOT_IMPLEMENTED, ERROR) else FAIL
+        return row(status, str(claim.get("message", ""))[:4000])
+    if verdict is not None and verdict.get("status") == PASS:
+        return row(PASS, "")
+    status = verdict.get("status") if verdict and verdict.get("status") in (FAIL, NOT_IMPLEMENTED, ERROR) else FAIL
+    message = str(verdict.get("message", "")) if verdict else "no verdict"
+    return row(status, f"check() passed in the notebook, but not when the grader ran the test itself: {message}")
+
+
+# ---- the grader's own run of the tests ------------------------------------------------
+
+_REGRADE = "import sys; from ultrascale.grading.cli import regrade_main; sys.exit(regrade_main(sys.argv[1]))"
+# Variables of the kernel's environment that belong to Jupyter, not to the notebook's code.
+_KERNEL_ONLY_ENV = ("MPLBACKEND", GRADE_FILE_ENV, "JPY_PARENT_PID", "JPY_SESSION_NAME")
+
+
+def regrade(cwd: Path, submissions: dict, timeout: float) -> dict:
+    """{exercise id: verdict} from a fresh process that runs each registered test on what
+    the notebook's check() was given (``submissions``: id -> saved file)."""
+    if not submissions:
+        return {}
+    limit = timeout * len(submissions) + 120  # what the cells got, plus a start-up
+    with tempfile.TemporaryDirectory(prefix="ultrascale-regrade-") as tmp:
+        spec, results = Path(tmp) / "spec.json", Path(tmp) / "verdicts.jsonl"
+        spec.write_text(json.dumps({"results": str(results),
+                                    "submissions": {e: str(p) for e, p in submissions.items()}}))
+        env = {k: v for k, v in os.environ.items() if k != GRADE_FILE_ENV}
+        try:
+            proc = subprocess.run([sys.executable, "-c", _REGRADE, str(spec)], cwd=cwd, env=env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True, errors="replace", timeout=limit)
+            trouble = f"it exited with code {proc.returncode}: {proc.stderr[-2000:]}" if proc.returncode else ""
+        except subprocess.TimeoutExpired:
+            trouble = f"it did not finish within {limit:g} s"
+        verdicts = _read_grades(results)
+    for exercise_id in submissions:
+        verdicts.setdefault(exercise_id, {"status": FAIL, "message": f"the grader's run of the test gave no "
+                                                                     f"verdict ({trouble or 'no reason given'})"})
+    return verdicts
+
+
+def regrade_main(spec_path: str) -> int:
+    """In the grader's process: each exercise's registered test on what check() was given."""
+    spec = json.loads(Path(spec_path).read_text())
+    # Every test is looked up before any learner object is loaded: the registry as the
+    # library defines it judges them, whatever the notebook did to its own kernel's.
+    tests = {exercise_id: _lookup(exercise_id) for exercise_id in spec["submissions"]}
+    with open(spec["results"], "a", encoding="utf-8") as out:
+        for exercise_id, path in spec["submissions"].items():
+            result = _regrade_one(exercise_id, tests[exercise_id], Path(path))
+            out.write(json.dumps(result.to_json()) + "\n")
+            out.flush()  # a later test that kills the process leaves the earlier verdicts
+    return 0
+
+
+def _lookup(exercise_id: str):
+    try:
+        return get_exercise(exercise_id)
+    except KeyError:
+        return None
+
+
+def _regrade_one(exercise_id: str, ex, path: Path) -> CheckResult:
+    if ex is None:
+        return CheckResult(exercise_id, ERROR, 0, 0, "no test is registered under this id")
+    if not path.is_file():
+        return CheckResult(exercise_id, ERROR, 0, ex.points,
+                           "no copy of what check() was given was saved: check() did not run under the "
+                           "grader, or what it was given could not be pickled (see the notebook's output)")
+    try:
+        _apply_context(path.with_suffix(".json"))
+        import cloudpickle
+
+        objects, kwargs = cloudpickle.loads(path.read_bytes())
+        objects, kwargs = tuple(objects), dict(kwargs)
+    except Exception as err:  # noqa: BLE001 - whatever the file holds, it scores 0
+        return CheckResult(exercise_id, ERROR, 0, ex.points,
+                           f"the grader could not load what check() was given: {_one_line(err)}")
+    return grade_exercise(ex, objects, kwargs)
+
+
+def _apply_context(path: Path) -> None:
+    """The kernel's environment variables and import path, as check() saved them."""
+    try:
+        context = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    environ = context.get("environ") if isinstance(context, dict) else None
+    for key, value in (environ or {}).items():
+        if isinstance(key, str) and isinstance(value, str) and key not in _KERNEL_ONLY_ENV:
+            os.environ[key] = value
+    for entry in (context.get("sys_path") or []) if isinstance(context, dict) else []:
+        if isinstance(entry, str) and entry not in sys.path:
+            sys.path.append(entry)  # after ours: a notebook's folder must not shadow the library
 
 
 def _count_error_cells(nb) -> int:

@@ -23,7 +23,9 @@ Safety rules, each of which makes the command refuse to write anything:
 
 A learner's work is never overwritten: exercises/.generated.json records a hash
 of each notebook as generated. If the file on disk no longer matches it, the
-learner has edited it, so the new version goes to ``<name>.updated.ipynb`` instead.
+learner has edited it, so the new version goes to ``<name>.updated.ipynb`` instead,
+once per new version of the solution (the manifest records which version it holds),
+and never over an ``.updated.ipynb`` the learner has edited in turn.
 The hash covers cell types and sources only, so running a notebook (which adds
 outputs) does not count as an edit, while changing any code does.
 
@@ -232,17 +234,33 @@ def generate(solutions_dir: Path, exercises_dir: Path, log=print) -> dict:
             outcome[name] = "kept (edited by you)"
             continue
         else:
-            updated = target.with_name(target.stem + ".updated.ipynb")
-            _write_atomic(updated, notebook_text(nb))
-            outcome[name] = "updated-copy"
-            log(f"exercises/{name} has your changes, so it was left alone; the new version of the "
-                f"exercise is in exercises/{updated.name}. Copy what you need across, then delete it.")
+            entry = manifest.setdefault(name, {"source": f"solutions/{name}"})
+            outcome[name] = _offer_update(target, nb, new_hash, entry, log)
             continue  # keep the old hash: the on-disk file still descends from it
         manifest[name] = {"sha256": new_hash, "source": f"solutions/{name}"}
     manifest = {k: v for k, v in manifest.items() if k in built}
     _write_atomic(exercises_dir / MANIFEST_NAME,
                   json.dumps({"generated_by": "ultrascale-exercises", "notebooks": manifest}, indent=1, sort_keys=True) + "\n")
     return outcome
+
+
+def _offer_update(target: Path, nb, new_hash: str, entry: dict, log) -> str:
+    """The learner changed ``target`` and the solution changed since it was generated: write
+    the new version beside it, once per version, and never over a copy the learner edited."""
+    updated = target.with_name(target.stem + ".updated.ipynb")
+    on_disk = content_hash(updated) if updated.exists() else None
+    written = entry.get("updated_sha256")  # the version last written there
+    if new_hash in (on_disk, written):
+        return "kept (updated copy already written)"  # deleted since, perhaps: as the message asked
+    if on_disk is not None and on_disk != written:
+        log(f"exercises/{updated.name} has your changes, so the newer version of the exercise was not "
+            "written; move that file aside and run again to get it.")
+        return "kept (updated copy edited by you)"
+    _write_atomic(updated, notebook_text(nb))
+    entry["updated_sha256"] = new_hash
+    log(f"exercises/{target.name} has your changes, so it was left alone; the new version of the "
+        f"exercise is in exercises/{updated.name}. Copy what you need across, then delete it.")
+    return "updated-copy"
 
 
 def check_in_sync(solutions_dir: Path, exercises_dir: Path) -> list:

@@ -6,6 +6,8 @@
 * :func:`expect_value_error` calls a learner's function on an input it must refuse,
   and names that input and what was expected when something else happens.
 * :func:`call_learner` calls a learner's function and, when it raises, names the input.
+* :func:`forbid_collectives` makes every built-in collective raise while a learner's code
+  runs on a rank (an exercise that asks for a ring built from sends and receives).
 """
 
 from __future__ import annotations
@@ -118,3 +120,139 @@ def expect_value_error(fn: Callable, *args, why: str, call: str | None = None, *
                              f"{why}. Check the input first and `raise ValueError(...)` with a message that "
                              "says what is wrong") from err
     raise AssertionError(f"{call} returned {result!r}; it should raise ValueError, because {why}")
+
+
+# ---- the built-in collectives ---------------------------------------------------------------
+
+# torch.distributed's functions that move data between several ranks at once. Point-to-point
+# calls (send, recv, isend, irecv, batch_isend_irecv) and barrier stay available.
+DIST_COLLECTIVES = (
+    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_single",
+    "all_gather_into_tensor", "_all_gather_base", "reduce_scatter", "reduce_scatter_single",
+    "reduce_scatter_tensor", "_reduce_scatter_base", "gather", "scatter", "all_to_all",
+    "all_to_all_single", "all_gather_object", "gather_object", "broadcast_object_list",
+    "scatter_object_list", "all_reduce_coalesced", "all_gather_coalesced",
+)
+# The same, as methods of a ProcessGroup (``ctx.group.allreduce([t])``) or of its backend
+# (``group._get_backend(device).allreduce([t])``), which torch.distributed's functions call.
+GROUP_COLLECTIVES = (
+    "broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgather", "all_gather_single",
+    "_allgather_base", "allgather_coalesced", "all_gather_single_coalesced",
+    "allgather_into_tensor_coalesced", "gather", "scatter", "reduce_scatter", "reduce_scatter_single",
+    "_reduce_scatter_base", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+    "all_to_all_single", "alltoall_base", "alltoall",
+)
+# The dispatcher's operators behind them all (``torch.ops.c10d.allreduce_``, the functional
+# collectives' ``torch.ops._c10d_functional.all_reduce``), but the point-to-point ones.
+COLLECTIVE_OP_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+POINT_TO_POINT_OPS = ("send", "recv_", "recv_any_source_", "isend", "irecv", "batch_p2p_ops", "barrier",
+                      "monitored_barrier_", "wait_tensor", "check_for_nan")
+
+
+@contextlib.contextmanager
+def forbid_collectives(who: str, advice: str, error: type = ForbiddenCall):
+    """While open, every built-in collective raises ``error(f"{who} called NAME: {advice}")``.
+
+    Three doors lead to a collective, and each is closed: torch.distributed's functions
+    (swapped in ``torch.distributed`` and its defining module, so ``from torch.distributed
+    import all_reduce`` is caught when it runs after the swap), the methods of the process
+    group and of its backend classes, and the dispatcher's operators as Python reaches them
+    (``torch.ops.c10d.*``, which the functional collectives use too). Open it on the rank,
+    around the learner's code only. (A ``TorchDispatchMode`` would see the operators however
+    they are reached, but its first use imports torch._dynamo: seconds on every new rank.)
+    """
+    def refusal(name: str) -> BaseException:
+        return error(f"{who} called {name}: {advice}")
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_swapped_dist_functions(refusal))
+        stack.enter_context(_swapped_group_methods(refusal))
+        stack.enter_context(_refusing_collective_ops(refusal))
+        yield
+
+
+@contextlib.contextmanager
+def _swapped_dist_functions(refusal: Callable):
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    saved = []
+    try:
+        for name in DIST_COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:  # not in this torch version
+                continue
+            stand_in = _refusing_function(f"dist.{name}", original, refusal)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    saved.append((module, name, original))
+                    setattr(module, name, stand_in)
+        yield
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+
+
+def _refusing_function(name: str, original: Callable, refusal: Callable) -> Callable:
+    @functools.wraps(original)  # keeps the signature, which a CommLogger reads
+    def refuse(*args, **kwargs):
+        raise refusal(name)
+
+    return refuse
+
+
+@contextlib.contextmanager
+def _swapped_group_methods(refusal: Callable):
+    from torch._C import _distributed_c10d as C
+
+    classes = [c for c in vars(C).values()
+               if isinstance(c, type) and issubclass(c, (C.ProcessGroup, C.Backend))]
+    saved = []
+    try:
+        for cls in classes:
+            for name in GROUP_COLLECTIVES:
+                if name in cls.__dict__:
+                    saved.append((cls, name, cls.__dict__[name]))
+                    setattr(cls, name, _refusing_method(f"{cls.__name__}.{name}", refusal))
+        yield
+    finally:
+        for cls, name, original in reversed(saved):
+            setattr(cls, name, original)
+
+
+def _refusing_method(name: str, refusal: Callable) -> Callable:
+    def refuse(self, *args, **kwargs):
+        raise refusal(name)
+
+    return refuse
+
+
+@contextlib.contextmanager
+def _refusing_collective_ops(refusal: Callable):
+    import torch
+
+    saved = []
+    try:
+        for qualified in torch._C._dispatch_get_all_op_names():
+            namespace, _, op = qualified.partition("::")
+            if namespace in COLLECTIVE_OP_NAMESPACES and op not in POINT_TO_POINT_OPS:
+                space = getattr(torch.ops, namespace)
+                saved.append((space, op, getattr(space, op)))  # the packet, cached on the namespace
+                setattr(space, op, _RefusedOp(f"torch.ops.{namespace}.{op}", refusal))
+        yield
+    finally:
+        for space, op, packet in reversed(saved):
+            setattr(space, op, packet)
+
+
+class _RefusedOp:
+    """Stands in for an operator packet: calling it, or one of its overloads, raises."""
+
+    def __init__(self, name: str, refusal: Callable):
+        self._name, self._refusal = name, refusal
+
+    def __call__(self, *args, **kwargs):
+        raise self._refusal(self._name)
+
+    def __getattr__(self, overload: str) -> "_RefusedOp":  # torch.ops.c10d.allreduce_.default
+        return self

@@ -15,13 +15,19 @@ A call ends in one of four ways, and the cluster stays usable after each:
                             the ranks are restarted, which rebuilds the process group;
   * the stop button      -> the ranks are interrupted, KeyboardInterrupt comes back
                             within about a second, stale results are dropped (job ids).
+After a failure or a stop, the ranks are restarted on the next call if the call had
+used a process group (see ``call.py``: nothing it left unmatched may pair with a later
+call's), and keep their ``ctx.state`` otherwise; the message says which.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import multiprocessing.spawn as mp_spawn
+import numbers
+import operator
 import os
 import sys
 import time
@@ -33,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .call import Call
+from .pipe import read_message
 from .worker import worker_main
 
 _LIVE_CLUSTERS: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
@@ -92,6 +99,28 @@ def _mp_context():
     return ctx
 
 
+def _positive_int(name: str, value) -> int:
+    """``value`` as an int if it is a positive integer of any integer type (numpy's too)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return number
+
+
+def _seconds(name: str, value, minimum_excluded: bool = True) -> float:
+    """A duration: a real number above 0 (or at least 0), ``math.inf`` for no limit."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+    if not ok or value < 0 or (minimum_excluded and value == 0):
+        bound = "above 0" if minimum_excluded else "at least 0"
+        raise ValueError(f"{name} must be a number of seconds {bound} (math.inf for no limit), got {value!r}")
+    return float(value)
+
+
 class Cluster:
     """``world_size`` ranks that live beside the notebook, each in a process group.
 
@@ -108,21 +137,23 @@ class Cluster:
         threads: int | None = None,
         grace: float = 2.0,
     ):
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        world_size = _positive_int("world_size", world_size)
         if output not in ("ordered", "live"):
             raise ValueError(f"output must be 'ordered' or 'live', got {output!r}")
         self.world_size = world_size
         self.backend = resolve_backend(backend, world_size)
-        self.timeout = timeout
+        self.timeout = _seconds("timeout", timeout)
         self.output = output  # "ordered": each rank's lines after the call; "live": as they come
-        self.grace = grace  # how long other ranks may run on after one rank has failed
-        self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+        self.grace = _seconds("grace", grace, minimum_excluded=False)  # how long other ranks
+        # may run on after one rank has failed
+        self.threads = (_positive_int("threads", threads) if threads is not None
+                        else max(1, (os.cpu_count() or 1) // world_size))
         self._job_id = 0
         self._generation = 0
         self._procs: list = []
         self._conns: list = []
         self._needs_restart = False
+        self._closed = False
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
         self._start()
         _LIVE_CLUSTERS.add(self)
@@ -131,6 +162,15 @@ class Cluster:
 
     # ----------------------------------------------------------------- lifecycle
     def _start(self) -> None:
+        try:
+            self._spawn()
+            self._wait_ready()
+        except BaseException:  # a stop or an error half-way: no half-started ranks linger
+            self._lose()
+            raise
+        self._needs_restart = False
+
+    def _spawn(self) -> None:
         mpctx = _mp_context()
         self._generation += 1  # a fresh key prefix in the store: a new process group
         for rank in range(self.world_size):
@@ -147,30 +187,31 @@ class Cluster:
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
-        self._wait_ready()
-        self._needs_restart = False
 
     def _wait_ready(self, timeout: float = 120.0) -> None:
         pending = set(range(self.world_size))
         deadline = time.monotonic() + timeout
         while pending:
             if time.monotonic() > deadline:
-                self._kill()
                 raise RuntimeError(f"ranks {sorted(pending)} did not start within {timeout:.0f} s")
             for rank in list(pending):
                 proc, conn = self._procs[rank], self._conns[rank]
-                if conn.poll(0.05):
-                    kind, _, _, payload = conn.recv()
-                    if kind == "ready":
-                        pending.discard(rank)
-                    elif kind == "error":
-                        self._kill()
-                        raise RuntimeError(f"rank {rank} could not join the process group:\n{payload[1]}")
-                    elif kind == "out":
-                        sys.stdout.write(f"[rank {rank}] {payload[1]}")
-                elif not proc.is_alive():
-                    self._kill()
-                    raise RuntimeError(f"rank {rank} exited during start-up (exit code {proc.exitcode})")
+                try:
+                    message = read_message(conn, deadline) if conn.poll(0.05) else None
+                except EOFError:  # the rank is gone: its exit code says more
+                    message = None
+                    proc.join(timeout=1.0)
+                if message is None:
+                    if not proc.is_alive():
+                        raise RuntimeError(f"rank {rank} exited during start-up (exit code {proc.exitcode})")
+                    continue
+                kind, _, _, payload = message
+                if kind == "ready":
+                    pending.discard(rank)
+                elif kind == "error":
+                    raise RuntimeError(f"rank {rank} could not join the process group:\n{payload[1]}")
+                elif kind == "out":
+                    sys.stdout.write(f"[rank {rank}] {payload[1]}")
 
     def _kill(self) -> None:
         """Stop every rank now (SIGKILL) and forget them."""
@@ -183,13 +224,26 @@ class Cluster:
             conn.close()
         self._procs, self._conns = [], []
 
+    def _lose(self) -> None:
+        """Kill the ranks now and start new ones on the next call: what is left in their
+        pipes or their process group can't be trusted."""
+        self._kill()
+        self._needs_restart = True
+
     def restart(self) -> None:
         """Kill and start all ranks again: a new process group, empty ``ctx.state``."""
+        self._check_open()
         self._kill()
         self._start()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this Cluster was closed (cluster.close()); start a new one: "
+                               f"Cluster({self.world_size})")
+
     def close(self) -> None:
         """Let the ranks leave their process group and exit; kill any that linger."""
+        self._closed = True
         for conn in self._conns:
             try:
                 conn.send(("stop", 0))
@@ -224,7 +278,7 @@ class Cluster:
             pass
 
     def __repr__(self) -> str:
-        state = "running" if self.alive else "stopped"
+        state = "closed" if self._closed else "running" if self.alive else "stopped"
         return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # -------------------------------------------------------------------- calls
@@ -234,32 +288,40 @@ class Cluster:
         Returns the results as a list in rank order. ``on_log(rank, metrics)`` is
         called in the notebook for every ``ctx.log(...)`` while the call runs.
         """
-        if self._needs_restart or not self.alive:
-            print(f"[ultrascale] restarting {self.world_size} ranks (per-rank state was lost)")
-            self.restart()
+        self._check_open()
+        if not callable(fn):
+            raise TypeError(f"cluster.run needs a function to run on the ranks, called as fn(ctx, *args); "
+                            f"got {type(fn).__name__} {fn!r}")
+        if on_log is not None and not callable(on_log):
+            raise TypeError(f"on_log must be a function on_log(rank, metrics), got {type(on_log).__name__}")
+        timeout = self.timeout if timeout is None else _seconds("timeout", timeout)
         ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
         if not ranks or any(not 0 <= r < self.world_size for r in ranks):
             raise ValueError(f"ranks must be a non-empty subset of 0..{self.world_size - 1}, got {ranks}")
+        payload = cloudpickle.dumps((fn, args, kwargs))  # before anything is sent: fails here, cleanly
+        if self._needs_restart or not self.alive:
+            print(f"[ultrascale] restarting {self.world_size} ranks (per-rank state was lost)")
+            self.restart()
         self._job_id += 1
-        job_id = self._job_id
-        payload = cloudpickle.dumps((fn, args, kwargs))
-        for rank in ranks:
-            self._conns[rank].send(("run", job_id, payload))
-        call = Call(self, job_id, ranks, on_log, getattr(fn, "__name__", "fn"))
-        return call.collect(self.timeout if timeout is None else timeout)
+        call = Call(self, self._job_id, ranks, on_log, getattr(fn, "__name__", "fn"))
+        call.send(payload)
+        return call.collect(timeout)
 
     def _stacks(self, job_id: int, ranks, wait_s: float = 2.0) -> dict:
         """Ask the listener thread of each rank where its main thread is right now."""
-        for rank in ranks:
-            self._conns[rank].send(("stack", job_id))
         stacks, deadline = {}, time.monotonic() + wait_s
-        while len(stacks) < len(ranks) and time.monotonic() < deadline:
+        try:
             for rank in ranks:
-                conn = self._conns[rank]
-                while rank not in stacks and conn.poll(0.01):
-                    kind, jid, _, payload = conn.recv()
-                    if kind == "stack" and jid == job_id:
-                        stacks[rank] = payload
+                self._conns[rank].send(("stack", job_id))
+            while len(stacks) < len(ranks) and time.monotonic() < deadline:
+                for rank in ranks:
+                    conn = self._conns[rank]
+                    while rank not in stacks and conn.poll(0.01):
+                        kind, jid, _, payload = read_message(conn)
+                        if kind == "stack" and jid == job_id:
+                            stacks[rank] = payload
+        except (OSError, EOFError):  # a dead or broken pipe: the caller kills the ranks next
+            pass
         for rank in ranks:
             stacks.setdefault(rank, "(no answer: the rank is not responding)\n")
         return stacks
@@ -272,7 +334,7 @@ def shared_cluster(world_size: int, backend: str = "auto") -> Cluster:
     """A cached cluster of ``world_size`` ranks, started on first use (for graders)."""
     key = (world_size, backend)
     cluster = _SHARED.get(key)
-    if cluster is None or not cluster._procs:
+    if cluster is None or cluster._closed:
         cluster = _SHARED[key] = Cluster(world_size, backend=backend)
     return cluster
 

@@ -17,8 +17,10 @@ a notebook cell can be shipped to the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -28,6 +30,7 @@ import _thread
 import cloudpickle
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from .context import RankContext, to_cpu
 
@@ -62,6 +65,50 @@ def _watch_notebook(notebook_pid: int) -> None:
             pass
 
 
+class _StopGate:
+    """When the stop button may raise KeyboardInterrupt in the main thread.
+
+    The stop button reaches a rank as SIGINT: from the listener (``interrupt_main``) or
+    from Jupyter itself, which signals the kernel's whole process group. Python's own
+    handler would raise KeyboardInterrupt at any bytecode, also in the middle of writing
+    a message to the notebook, and half a message garbles the pipe for every later one.
+    So the interrupt is raised only while the learner's code runs, and while the main
+    thread writes a message it is held back until the message is complete.
+    """
+
+    def __init__(self):
+        self.open = False  # the learner's code is running
+        self.writing = False  # the main thread is in the middle of a message
+        self.held = False  # an interrupt arrived while writing
+
+    def handler(self, signum, frame) -> None:
+        if not self.open:
+            return  # idle, or between the job and its reply: nothing to stop
+        if self.writing:
+            self.held = True
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def learner_code(self):
+        self.held, self.open = False, True
+        try:
+            yield
+        finally:
+            self.open = self.held = False
+
+    @contextlib.contextmanager
+    def writing_message(self):
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+        if self.held and self.open:  # the message is out: now the stop may land
+            self.held = False
+            raise KeyboardInterrupt
+
+
 class _Channel:
     """The pipe to the notebook, safe to use from both threads."""
 
@@ -70,14 +117,18 @@ class _Channel:
         self.rank = rank
         self.lock = threading.Lock()
         self.job_id = 0  # the job the main thread is running (tags every message)
+        self.gate = _StopGate()
+        self.main_ident = threading.get_ident()  # created by the main thread
 
     def send(self, kind: str, payload=None, job_id: int | None = None) -> None:
         msg = (kind, self.job_id if job_id is None else job_id, self.rank, payload)
-        with self.lock:
-            try:
-                self.conn.send(msg)
-            except (BrokenPipeError, OSError):
-                os._exit(1)  # the notebook is gone
+        in_main = threading.get_ident() == self.main_ident  # only it receives interrupts
+        with self.gate.writing_message() if in_main else contextlib.nullcontext():
+            with self.lock:
+                try:
+                    self.conn.send(msg)
+                except (BrokenPipeError, OSError):
+                    os._exit(1)  # the notebook is gone
 
 
 class _RankStream:
@@ -168,6 +219,7 @@ def worker_main(rank, world_size, backend, conn, store_port, generation, noteboo
     torch.set_num_threads(threads)  # ranks share the machine's cores: don't oversubscribe
 
     channel = _Channel(conn, rank)
+    signal.signal(signal.SIGINT, channel.gate.handler)
     sys.stdout = _RankStream(channel, "stdout")
     sys.stderr = _RankStream(channel, "stderr")
 
@@ -193,10 +245,8 @@ def worker_main(rank, world_size, backend, conn, store_port, generation, noteboo
             msg = jobs.get()
             if msg[0] == "stop":
                 break
-            _, job_id, payload = msg
-            _run_job(ctx, channel, job_id, payload)
-        except KeyboardInterrupt:
-            # An interrupt that arrived just after its job finished: nothing to stop.
+            _run_job(ctx, channel, msg[1], msg[2])
+        except KeyboardInterrupt:  # only if the learner's code replaced the gate's handler
             channel.job_id = 0
     try:
         dist.destroy_process_group()
@@ -205,18 +255,43 @@ def worker_main(rank, world_size, backend, conn, store_port, generation, noteboo
 
 
 def _run_job(ctx: RankContext, channel: _Channel, job_id: int, payload: bytes) -> None:
+    """Run one job and reply with its result or error, and whether it used a process group."""
     channel.job_id = job_id
+    before = _group_counters()
     try:
-        fn, args, kwargs = cloudpickle.loads(payload)
-        result = to_cpu(fn(ctx, *args, **kwargs))
-        reply = ("result", cloudpickle.dumps(result))
+        with channel.gate.learner_code():
+            fn, args, kwargs = cloudpickle.loads(payload)
+            result = fn(ctx, *args, **kwargs)
+        reply = ("result", cloudpickle.dumps(to_cpu(result)))
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is reported too
         reply = ("error", (type(exc).__name__, _format_exception(exc), _pickle_or_none(exc)))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    channel.send(*reply)
-    channel.job_id = 0
+    # Ranks that posted anything on a group may have left an operation behind that a
+    # later call's would pair with; the notebook restarts them if the call failed.
+    used = _group_counters() != before
+    channel.job_id = 0  # from here on, a late interrupt for this job is ignored
+    channel.send(reply[0], (reply[1], used), job_id=job_id)
+
+
+def _group_counters():
+    """Each process group's sequence number on this rank: it counts every collective,
+    send and receive posted on the group, so any change means the group was used.
+    Groups created or destroyed change the result too."""
+    if not dist.is_initialized():
+        return None
+    try:
+        groups = list(c10d._world.pg_map)
+    except AttributeError:  # a torch without this registry: assume every call used a group
+        return object()
+    counters = {}
+    for group in groups:
+        try:
+            counters[group] = group._get_sequence_number_for_group()
+        except Exception:  # a backend without sequence numbers: assume it was used
+            counters[group] = object()
+    return counters
 
 
 def _pickle_or_none(exc: BaseException):
