@@ -1,8 +1,12 @@
-"""Our ring all-reduce (send/recv only) against the backend's own all-reduce.
+"""Our all-reduces (send/recv only) against the backend's own all-reduce.
 
-Both run on the same tensors in the same ranks, alternating, and the table shows the
-bus bandwidth (nccl-tests convention, busbw = size / time * 2 (N-1) / N) of each and
-their ratio. Every time is the slowest rank's per call, the median of alternating rounds.
+Four implementations run on the same tensors in the same ranks, alternating: the backend's
+all-reduce, our ring, our recursive doubling, and our size-based choice between the two
+(``ultrascale.comm.recursive.all_reduce``, with an alpha-beta model fitted on the spot). The
+table shows the bus bandwidth (nccl-tests convention, busbw = size / time * 2 (N-1) / N) of
+each, and the ratios against the backend: the target is the chosen one at 0.9x or better from
+1 MiB up, and never slower than the ring. Every time is the slowest rank's per call, the
+median of alternating rounds.
 
     .venv/bin/python benchmarks/bench_ring_allreduce.py            # 4 ranks, 4 KiB .. 64 MiB
     .venv/bin/python benchmarks/bench_ring_allreduce.py --quick    # small sizes, seconds
@@ -20,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.comm import bus_factor, fit_ring_all_reduce, format_bytes, ring_all_reduce, time_collective
+from ultrascale.comm.recursive import (all_reduce as chosen_all_reduce, choose_algorithm, crossover_bytes, fit_on_the_spot,
+                                       recursive_doubling_all_reduce)
 from ultrascale.runtime import Cluster
 
 
@@ -29,15 +35,18 @@ def _iterations(nbytes: int) -> int:
 
 
 def measure(ctx, sizes, rounds):
-    """On every rank: [(size, builtin_seconds, ring_seconds)], the slowest rank's.
+    """On every rank: the fitted model and [(size, {implementation: seconds})], the slowest rank's.
 
     The two implementations alternate round by round on the same tensor and each
     reports its median over the rounds, so a burst of load from other programs on the
     machine hits both alike instead of one of them.
     """
+    model = fit_on_the_spot(ctx.group, device=ctx.device)
     implementations = {
         "builtin": lambda t: dist.all_reduce(t, group=ctx.group),
         "ring": lambda t: ring_all_reduce(t, group=ctx.group),
+        "doubling": lambda t: recursive_doubling_all_reduce(t, group=ctx.group),
+        "chosen": lambda t: chosen_all_reduce(t, group=ctx.group, model=model),
     }
     rows = []
     for nbytes in sizes:
@@ -50,8 +59,8 @@ def measure(ctx, sizes, rounds):
                 x.normal_()  # fresh values, so repeated sums never overflow
                 times[name].append(time_collective(lambda: all_reduce(x), _iterations(nbytes),
                                                    warmup=0, group=ctx.group, device=ctx.device))
-        rows.append((nbytes, statistics.median(times["builtin"]), statistics.median(times["ring"])))
-    return rows
+        rows.append((nbytes, {name: statistics.median(t) for name, t in times.items()}))
+    return model, rows
 
 
 def main(argv=None) -> list:
@@ -70,20 +79,28 @@ def main(argv=None) -> list:
         size *= 4
 
     with Cluster(args.world_size, backend="auto") as cluster:
-        rows = cluster.run(measure, sizes, args.rounds, timeout=600)[0]
+        model, rows = cluster.run(measure, sizes, args.rounds, timeout=900)[0]
         backend = cluster.backend
     n = args.world_size
     factor = bus_factor("all_reduce", n)
-    print(f"all-reduce, {n} ranks, backend {backend}, float32, busbw = size/time * {factor:g}")
-    print(f"{'size':>10} {'builtin ms':>11} {'busbw GB/s':>11} {'ring ms':>9} {'busbw GB/s':>11} "
-          f"{'ring/builtin':>13}")
-    for nbytes, builtin, ring in rows:
-        print(f"{format_bytes(nbytes):>10} {1e3 * builtin:>11.3f} {nbytes / builtin * factor / 1e9:>11.3f} "
-              f"{1e3 * ring:>9.3f} {nbytes / ring * factor / 1e9:>11.3f} {builtin / ring:>13.2f}")
+    busbw = lambda nbytes, seconds: nbytes / seconds * factor / 1e9  # noqa: E731
+    print(f"all-reduce, {n} ranks, backend {backend}, float32, busbw = size/time * {factor:g} (GB/s)")
+    print(f"fitted on the spot: alpha = {1e6 * model.alpha:.0f} us, beta = {model.beta / 1e9:.2f} GB/s; "
+          f"ring beats doubling above {format_bytes(crossover_bytes(model, n))}")
+    print(f"{'size':>10} {'builtin':>8} {'ring':>8} {'doubling':>9} {'chosen':>8}   {'ring/b':>6} "
+          f"{'doubl/b':>7} {'chosen/b':>8}  chosen algorithm, target")
+    for nbytes, t in rows:
+        ratio = {name: t["builtin"] / t[name] for name in ("ring", "doubling", "chosen")}
+        target = "" if nbytes < (1 << 20) else ("  >= 0.9x: met" if ratio["chosen"] >= 0.9 else "  >= 0.9x: MISSED")
+        if ratio["chosen"] < 0.95 * ratio["ring"]:
+            target += " (slower than the ring)"
+        print(f"{format_bytes(nbytes):>10} {busbw(nbytes, t['builtin']):>8.3f} {busbw(nbytes, t['ring']):>8.3f} "
+              f"{busbw(nbytes, t['doubling']):>9.3f} {busbw(nbytes, t['chosen']):>8.3f}   {ratio['ring']:>6.2f} "
+              f"{ratio['doubling']:>7.2f} {ratio['chosen']:>8.2f}  {choose_algorithm(nbytes, n, model)}{target}")
     if n > 1 and len(rows) >= 2:
-        model = fit_ring_all_reduce([r[0] for r in rows], [r[2] for r in rows], n)
-        print(f"alpha-beta fit of the ring: alpha = {1e6 * model.alpha:.1f} us per message, "
-              f"beta = {model.beta / 1e9:.2f} GB/s, crossover n* = {format_bytes(model.crossover_bytes)}")
+        ring = fit_ring_all_reduce([r[0] for r in rows], [r[1]["ring"] for r in rows], n)
+        print(f"alpha-beta fit of the ring's own times: alpha = {1e6 * ring.alpha:.1f} us per message, "
+              f"beta = {ring.beta / 1e9:.2f} GB/s")
     return rows
 
 

@@ -385,3 +385,103 @@ def test_tp_model_throughput_drops_and_falls_off_a_cliff_past_the_node():
     assert per_gpu[16] / per_gpu[8] < per_gpu[8] / per_gpu[4]     # leaving NVLink costs the most
     with pytest.raises(ValueError, match="tp"):
         tensor_parallel_throughput(LLAMA3_8B, 0, seq=4096, micro_batch=1, **H100_LIKE)
+
+
+# ---- recursive doubling and the choice by size ---------------------------------------------
+def _recursive_doubling_on_rank(ctx):
+    """Recursive doubling against the built-in; its peers and message count; equal on all ranks."""
+    import ultrascale.comm.recursive as recursive
+
+    n, r = ctx.world_size, ctx.rank
+    failures, peers, original = [], [], recursive.send_recv
+
+    def spy(send, recv, right, left, group):
+        peers.append((right if send.numel() else None, left if recv.numel() else None))
+        original(send, recv, right, left, group)
+
+    recursive.send_recv = spy
+    try:
+        for length in LENGTHS:
+            x = _rank_input(r, length)
+            abs_sum = x.abs()
+            dist.all_reduce(abs_sum)
+            for op in OPS:
+                ref = _built_in(x, op)
+                y = x.clone()
+                peers.clear()
+                out = recursive.recursive_doubling_all_reduce(y, op)
+                if out is not y:
+                    failures.append("recursive_doubling_all_reduce did not return its input")
+                _check(failures, f"rank {r} N={n} len={length} {op}", y, ref, _tolerance(op, abs_sum, ref, n))
+                everyone = [torch.empty_like(y) for _ in range(n)]
+                dist.all_gather(everyone, y)
+                if not all(torch.equal(everyone[0], other) for other in everyone):
+                    failures.append(f"N={n} len={length} {op}: ranks hold different results")
+    finally:
+        recursive.send_recv = original
+    return failures, peers
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4, 5))
+def test_recursive_doubling_matches_the_built_in_in_log2_steps(clusters, world_size):
+    from ultrascale.comm.recursive import doubling_steps
+
+    n = world_size
+    power = 1 << (n.bit_length() - 1)
+    for r, (failures, peers) in enumerate(clusters(n).run(_recursive_doubling_on_rank)):
+        assert failures == []
+        # The last call's messages: XOR partners at distance 1, 2, 4, ...; extra ranks fold.
+        if r >= power:
+            expected = [(r - power, None), (None, r - power)]
+        else:
+            expected = [(None, r + power)] if r + power < n else []
+            expected += [(r ^ d, r ^ d) for d in (1 << k for k in range(power.bit_length() - 1))]
+            expected += [(r + power, None)] if r + power < n else []
+        assert peers == expected, (r, peers)
+        assert len(peers) <= doubling_steps(n)
+    assert doubling_steps(n) == {1: 0, 2: 1, 3: 3, 4: 2, 5: 4}[n]
+
+
+def test_doubling_and_ring_times_cross_where_the_model_says():
+    from ultrascale.comm.recursive import choose_algorithm, crossover_bytes, doubling_time
+
+    model = AlphaBeta(alpha=1e-3, beta=1e9)
+    for n in (2, 3, 4, 5, 8, 16):
+        star = crossover_bytes(model, n)
+        ring = lambda k: float(model.ring_all_reduce_time(k, n))  # noqa: E731
+        doubling = lambda k: float(doubling_time(model, k, n))  # noqa: E731
+        if n == 2:   # one exchange of everything vs two half-size steps: doubling always wins
+            assert star == float("inf") and doubling(1e9) < ring(1e9)
+            continue
+        assert 0 < star < float("inf")
+        assert ring(star) == pytest.approx(doubling(star))
+        assert doubling(star / 2) < ring(star / 2) and ring(2 * star) < doubling(2 * star)
+        assert choose_algorithm(int(star / 2), n, model) == "recursive_doubling"
+        assert choose_algorithm(int(2 * star), n, model) == "ring"
+    # By hand, N = 4: ring 6 alpha + 1.5 n/beta, doubling 2 alpha + 2 n/beta -> n* = 8 alpha beta.
+    assert crossover_bytes(model, 4) == pytest.approx(8 * model.alpha * model.beta)
+
+
+def _chosen_all_reduce(ctx):
+    from ultrascale.comm.recursive import all_reduce, fit_on_the_spot
+
+    model = fit_on_the_spot(sizes=(1 << 10, 64 << 10, 512 << 10), iters=2)
+    results = []
+    for length in (3, 1 << 18):
+        x = _rank_input(ctx.rank, length)
+        with CommLogger() as log:
+            all_reduce(x.clone(), model=model)
+        results.append(log.events[0].op)
+    return model, results
+
+
+def test_all_reduce_chooses_by_size_with_a_model_fitted_on_the_spot(clusters):
+    from ultrascale.comm.recursive import choose_algorithm
+
+    models_and_ops = clusters(4).run(_chosen_all_reduce)
+    model = models_and_ops[0][0]
+    assert model.alpha > 0 and model.beta > 0
+    assert all(m == model for m, _ in models_and_ops), "ranks fitted different models"
+    expected = [f"{choose_algorithm(length * 4, 4, model)}_all_reduce" for length in (3, 1 << 18)]
+    assert all(ops == expected for _, ops in models_and_ops)
+    assert expected[0] == "recursive_doubling_all_reduce"   # 12 bytes: latency decides

@@ -1,0 +1,144 @@
+"""A latency-optimal all-reduce (recursive doubling), and a choice by size against the ring.
+
+The ring (``ring.py``) is bandwidth-optimal: each rank sends ``2 (N-1) K / N`` bytes, the least
+possible, but in ``2 (N-1)`` steps, and every step pays the start-up latency ``alpha`` of one
+message. For a small buffer that latency is the whole cost.
+
+**Recursive doubling** needs only ``log2 N`` steps. In step ``k`` rank ``r`` swaps its *whole*
+running sum with rank ``r XOR 2**k`` and adds what it receives: after step 0 pairs hold the sum
+of two inputs, after step 1 groups of four, and after ``log2 N`` steps everyone holds all ``N``.
+The price is bandwidth: every step sends all ``K`` bytes, ``K log2 N`` in total.
+
+A world size that is not a power of two is folded first: with ``P`` the largest power of two
+not above ``N``, rank ``P + i`` hands its input to rank ``i`` and waits; the first ``P`` ranks
+run recursive doubling; then rank ``i`` hands the result back. Two more steps, each of ``K``.
+
+Under the alpha-beta model (``cost_model.AlphaBeta``, ``n`` = ``K`` bytes)::
+
+    ring                      2 (N-1) alpha + 2 (N-1)/N * n / beta
+    recursive doubling        S alpha + S * n / beta,   S = log2 P + (2 if N > P else 0)
+
+so doubling wins below a crossover size and the ring above it. ``all_reduce`` picks between
+them with a model fitted on the spot (``fit_on_the_spot``), as NCCL and gloo pick an algorithm
+by size instead of using one for everything.
+
+Sums come out bitwise the same on every rank: each addition pairs the same two partial sums
+on both partners, and ``a + b == b + a`` exactly in floating point.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .cost_model import AlphaBeta, fit_alpha_beta
+from .logger import record_op
+from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, ring_all_reduce, send_recv
+
+NOTHING = torch.empty(0)
+
+
+def doubling_steps(world_size: int) -> int:
+    """Messages each rank takes part in: ``log2 P``, plus the fold and unfold when ``N != P``."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    power = 1 << (world_size.bit_length() - 1)
+    return int(math.log2(power)) + (2 if world_size != power else 0)
+
+
+def doubling_time(model: AlphaBeta, nbytes, world_size: int):
+    """Seconds for a recursive-doubling all-reduce of ``nbytes`` under the alpha-beta model."""
+    return doubling_steps(world_size) * model.message_time(nbytes)
+
+
+def crossover_bytes(model: AlphaBeta, world_size: int) -> float:
+    """Buffer size above which the ring beats recursive doubling (``inf``: never, ``0``: always).
+
+    Setting the two times equal: ``n* = alpha beta (2(N-1) - S) / (S - 2(N-1)/N)``.
+    """
+    n, steps = world_size, doubling_steps(world_size)
+    latency_saved = 2 * (n - 1) - steps          # in units of alpha
+    bandwidth_lost = steps - 2 * (n - 1) / n     # in units of n / beta
+    if n < 2 or latency_saved <= 0:
+        return 0.0
+    if bandwidth_lost <= 0:
+        return math.inf
+    return model.alpha * model.beta * latency_saved / bandwidth_lost
+
+
+@torch.no_grad()
+def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+    """All-reduce ``tensor`` in place by recursive doubling; returns ``tensor``. Any world size."""
+    op = _normalise_op(op, tensor.dtype)
+    rank, n = _rank_and_size(group)
+    power = 1 << (n.bit_length() - 1)
+    with record_op("recursive_doubling_all_reduce", group):
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        incoming = _receive_buffer(flat.numel(), flat)
+        if rank >= power:                       # an extra rank: fold in, wait for the answer
+            send_recv(flat, NOTHING, rank - power, rank - power, group)
+            send_recv(NOTHING, flat, rank - power, rank - power, group)
+        else:
+            if rank + power < n:                # take the extra rank's input first
+                send_recv(NOTHING, incoming, rank + power, rank + power, group)
+                _reduce_into(flat, incoming, op)
+            distance = 1
+            while distance < power:             # log2 P swaps of the whole running sum
+                partner = rank ^ distance
+                send_recv(flat, incoming, partner, partner, group)
+                _reduce_into(flat, incoming, op)
+                distance *= 2
+            if op == "avg":
+                flat.div_(n)
+            if rank + power < n:                # and hand the result back
+                send_recv(flat, NOTHING, rank + power, rank + power, group)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
+    return tensor
+
+
+def choose_algorithm(nbytes: int, world_size: int, model: AlphaBeta) -> str:
+    """``"recursive_doubling"`` below the model's crossover size, ``"ring"`` from it on."""
+    return "recursive_doubling" if nbytes < crossover_bytes(model, world_size) else "ring"
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, *, model: AlphaBeta) -> torch.Tensor:
+    """All-reduce in place with the algorithm the alpha-beta ``model`` predicts to be faster."""
+    _, n = _rank_and_size(group)
+    nbytes = tensor.numel() * tensor.element_size()
+    if choose_algorithm(nbytes, n, model) == "ring":
+        return ring_all_reduce(tensor, op, group)
+    return recursive_doubling_all_reduce(tensor, op, group)
+
+
+def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), iters: int = 5,
+                    device=None) -> AlphaBeta:
+    """Fit alpha and beta from exchanges timed while *every* rank exchanges at once.
+
+    Call on every rank. Rank ``r`` swaps a buffer with rank ``r XOR 1`` (a last, unpaired rank
+    waits), as in a step of either algorithm, so the fit sees the same load on the machine's
+    cores and links as the collectives will; each size's time is the slowest rank's. Every
+    rank gets the same model and so chooses the same algorithm for the same size.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    rank, n = _rank_and_size(group)
+    if n < 2:
+        raise ValueError("fitting alpha-beta needs at least two ranks")
+    partner = rank ^ 1
+    times = []
+    for nbytes in sizes:
+        send, receive = torch.zeros(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
+        if partner < n:
+            send_recv(send, receive, partner, partner, group)        # warm the connection up
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(iters if partner < n else 0):
+            send_recv(send, receive, partner, partner, group)
+        elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        times.append(float(elapsed))
+    return fit_alpha_beta(sizes, times)
