@@ -3,6 +3,10 @@
 Measured side by side in one run, 4 ranks by default:
   * cold start  - the first Cluster(4) in a fresh Python process (torch already imported,
                   as it is in a notebook), fork server start included;
+  * notebook    - in a real Jupyter kernel (jupyter_client), what a learner waits for: a
+                  chapter's import cell, then the cell with Cluster(4), each timed; once with
+                  the fork server started at `import ultrascale.runtime` (the default in a
+                  kernel) and once with ULTRASCALE_EAGER_FORKSERVER=0 (started by Cluster);
   * warm start  - a second Cluster(4) in the same process;
   * call        - a no-op cluster.run(...), averaged over many calls;
   * restart     - the first call after a failed call whose ranks were stuck (kill + start
@@ -13,7 +17,8 @@ Measured side by side in one run, 4 ranks by default:
     python benchmarks/bench_runtime.py [--world-size 4] [--calls 500]
 
 Targets (foundation issue): cold start <= 1.5 s, call <= 3 ms, restart <= 1.5 s, and a
-no-op call at least 500x cheaper than a per-call spawn.
+no-op call at least 500x cheaper than a per-call spawn; (issue 22) the notebook's Cluster(4)
+cell <= 1.0 s.
 """
 
 import argparse
@@ -67,6 +72,40 @@ def cold_start(world_size):
     return float(out.stdout.strip().splitlines()[-1])
 
 
+IMPORT_CELL = """
+import time; _t = time.perf_counter()
+import matplotlib.pyplot as plt, numpy as np, torch, torch.nn as nn
+from ultrascale.runtime import Cluster
+from ultrascale import model, memory, parity
+from ultrascale.comm import CommLogger
+from ultrascale.viz import live
+print(time.perf_counter() - _t)
+"""
+CLUSTER_CELL = """
+_t = time.perf_counter(); cluster = Cluster({n}); print(time.perf_counter() - _t); cluster.close()
+"""
+
+
+def _cell_seconds(client, code):
+    outputs = []
+    client.execute_interactive(code, timeout=300, output_hook=lambda m: outputs.append(
+        m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+    return float("".join(outputs).split()[-1])
+
+
+def notebook_cells(world_size, eager: bool):
+    """Seconds of a chapter-like import cell and of the Cluster cell, in a fresh kernel."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = dict(os.environ, ULTRASCALE_EAGER_FORKSERVER="1" if eager else "0")
+    manager, client = start_new_kernel(kernel_name="python3", env=env)
+    try:
+        return _cell_seconds(client, IMPORT_CELL), _cell_seconds(client, CLUSTER_CELL.format(n=world_size))
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
 def main():
     from ultrascale.runtime import Cluster, RankError
 
@@ -78,6 +117,7 @@ def main():
     n = args.world_size
 
     colds = [cold_start(n) for _ in range(args.repeats)]
+    kernels = {eager: [notebook_cells(n, eager) for _ in range(args.repeats)] for eager in (False, True)}
     spawns = [spawn_per_call(n) for _ in range(args.repeats)]
 
     cluster = Cluster(n)
@@ -108,8 +148,13 @@ def main():
     cluster.close()
 
     cold, spawn, restart = statistics.median(colds), statistics.median(spawns), statistics.median(restarts)
+    cell = {eager: [statistics.median(t) for t in zip(*runs)] for eager, runs in kernels.items()}
     rows = [
         ("cold start (first Cluster)", cold, 1.5),
+        ("notebook: import cell, lazy", cell[False][0], None),
+        ("notebook: Cluster cell, lazy", cell[False][1], None),
+        ("notebook: import cell, eager", cell[True][0], None),
+        ("notebook: Cluster cell, eager", cell[True][1], 1.0),
         ("warm start (another Cluster)", warm, None),
         ("no-op call", call, 0.003),
         ("restart after failed call", restart, 1.5),
@@ -121,6 +166,9 @@ def main():
         tgt = f"<={target:g}" if target else ""
         ok = "" if target is None else ("  ok" if value <= target else "  MISSED")
         print(f"{name:34s} {value:10.4f} {tgt:>8s} {spawn / value:9.1f}x{ok}")
+    print(f"\nstarting the fork server at import: the Cluster cell {cell[False][1]:.2f} s -> {cell[True][1]:.2f} s "
+          f"({cell[False][1] / cell[True][1]:.1f}x), import + Cluster cells {sum(cell[False]):.2f} s -> "
+          f"{sum(cell[True]):.2f} s")
     ratio = spawn / call
     print(f"\na no-op call is {ratio:,.0f}x cheaper than a per-call spawn (target >= 500x):"
           f" {'ok' if ratio >= 500 else 'MISSED'}")

@@ -123,6 +123,24 @@ def test_bucketing_makes_fewer_larger_calls(cluster):
     assert per_tensor == n_params and bucketed == n_buckets < n_params
 
 
+def gradients_live_in_buckets(ctx):
+    """Two steps, the second with zero_grad(set_to_none=False): where do the gradients live?"""
+    model = _model_on_rank(ctx)
+    dp = WRAPPERS["bucket"](model)
+    storages = {b.buffer.untyped_storage().data_ptr() for b in dp.buckets}
+    for step in range(2):
+        model.zero_grad(set_to_none=step == 0)
+        DATA.rank_batch(ctx.rank, ctx.world_size, step).loss(dp).backward()
+        dp.finish_gradient_synchronization()
+    return all(p.grad.untyped_storage().data_ptr() in storages for p in model.parameters())
+
+
+def test_bucketed_gradients_are_views_of_the_buckets(cluster):
+    """No second copy of the gradients: .grad points into the bucket that was all-reduced
+    (what DDP's gradient_as_bucket_view does); the parity tests above check the values."""
+    assert all(cluster.run(gradients_live_in_buckets))
+
+
 def test_build_buckets_respects_cap_and_order():
     params = [torch.zeros(n) for n in (10, 10, 30, 5, 5, 5)]   # fp32: 40, 40, 120, 20, 20, 20 bytes
     buckets = build_buckets(params, bucket_cap_bytes=80)

@@ -232,7 +232,14 @@ class BucketedDataParallel(DataParallel):
         self.ready_order.append(name)
         self.timeline.mark(f"grad ready {name}")
         bucket = self.bucket_of[p]
-        bucket.view_of(p).copy_(p.grad)   # contiguous home for the gradient
+        view = bucket.view_of(p)
+        if p.grad.data_ptr() != view.data_ptr():
+            # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): copy it
+            # into the bucket once and make .grad a view of it. Later backwards then add straight
+            # into the bucket, and the averaged result needs no copy back (DDP's
+            # gradient_as_bucket_view).
+            view.copy_(p.grad)
+            p.grad = view
         bucket.ready.add(p)
         self._launch_full_buckets()
 
@@ -250,16 +257,11 @@ class BucketedDataParallel(DataParallel):
         for bucket in self.buckets[self.next_to_launch:]:
             for p in bucket.params:          # no gradient this step: contribute zeros
                 if p not in bucket.ready:
-                    bucket.view_of(p).zero_()
+                    p.grad = bucket.view_of(p).zero_()
                     bucket.ready.add(p)
             self._launch(bucket)
         for bucket in self.buckets:
-            bucket.work.wait()
-            for p in bucket.params:          # hand the averaged gradient back to .grad
-                if p.grad is None:
-                    p.grad = bucket.view_of(p).clone()
-                else:
-                    p.grad.copy_(bucket.view_of(p))
+            bucket.work.wait()               # every .grad is a view: averaged where it lies
             bucket.reset()
         self.next_to_launch = 0
         self.num_syncs += 1

@@ -99,6 +99,32 @@ def _mp_context():
     return ctx
 
 
+_EAGER = "ULTRASCALE_EAGER_FORKSERVER"
+
+
+def start_fork_server() -> bool:
+    """Start the fork server now, so that it imports torch while the notebook does other work.
+
+    Almost all of a first ``Cluster(...)``'s time is the fork server importing torch (a fresh
+    interpreter: it cannot share the notebook's import); the ranks it then forks start in
+    tens of milliseconds. ``import ultrascale.runtime`` in a notebook (an IPython kernel) calls
+    this, so that import runs beside the rest of the notebook's first cells instead of inside
+    the cell that makes the cluster; scripts, torchrun ranks and tests make their clusters
+    right after the import and gain nothing. It returns at once. Never in ranks or in the fork
+    server itself (they inherit the variable set here); off with ULTRASCALE_EAGER_FORKSERVER=0.
+    Returns whether it started one.
+    """
+    if sys.platform == "win32" or os.environ.get(_EAGER, "1") != "1":
+        return False
+    os.environ[_EAGER] = "started"      # inherited by the server and every rank: never twice
+    from multiprocessing import forkserver
+
+    _mp_context()                       # the preload list, before the server starts
+    with _no_main_reimport():           # as for the ranks: never re-run the caller's script
+        forkserver.ensure_running()
+    return True
+
+
 def _positive_int(name: str, value) -> int:
     """``value`` as an int if it is a positive integer of any integer type (numpy's too)."""
     try:
@@ -178,7 +204,7 @@ class Cluster:
             proc = mpctx.Process(
                 target=worker_main,
                 args=(rank, self.world_size, self.backend, child_conn, self._store.port,
-                      self._generation, os.getpid(), self.threads),
+                      self._generation, os.getpid(), self.threads, list(sys.path), os.getcwd()),
                 name=f"ultrascale-rank{rank}",
                 daemon=True,
             )

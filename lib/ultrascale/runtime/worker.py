@@ -212,9 +212,16 @@ def _init_process_group(backend: str, rank: int, world_size: int, store_port: in
     )
 
 
-def worker_main(rank, world_size, backend, conn, store_port, generation, notebook_pid, threads):
+def worker_main(rank, world_size, backend, conn, store_port, generation, notebook_pid, threads,
+                sys_path=None, cwd=None):
     """Entry point of one rank (runs in a fresh process from the fork server)."""
     _set_parent_death_signal()
+    # The fork server may have started before the notebook changed its import path or folder
+    # (it starts at ``import ultrascale.runtime``): a rank sees the notebook's as they are now.
+    if sys_path is not None:
+        sys.path[:] = sys_path
+    if cwd is not None and os.path.isdir(cwd):
+        os.chdir(cwd)
     threading.Thread(target=_watch_notebook, args=(notebook_pid,), daemon=True).start()
     torch.set_num_threads(threads)  # ranks share the machine's cores: don't oversubscribe
 

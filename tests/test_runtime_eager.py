@@ -1,0 +1,51 @@
+"""The fork server starts at ``import ultrascale.runtime`` in a notebook kernel, not in scripts.
+
+In a kernel the ranks' fork server begins importing torch as soon as the runtime is imported,
+so the cell that makes the cluster no longer waits for it (benchmarks/bench_runtime.py times
+both). What must hold: it starts in a kernel and not when switched off; ranks still see the
+notebook's import path and folder as they are when the cluster starts, even if they changed
+after the import.
+"""
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+PROBE = """
+import os, sys, multiprocessing.forkserver as fs
+import ultrascale.runtime
+print("server", fs._forkserver._forkserver_pid is not None)
+sys.path.append(os.path.abspath("added-after-import"))
+from ultrascale.runtime import Cluster
+with Cluster(2) as c:
+    print("ranks", all("added-after-import" in p[-1] for p in c.run(lambda ctx: __import__("sys").path)))
+"""
+
+
+def _run_in_kernel(env_value, tmp_path):
+    import os
+
+    env = dict(os.environ, ULTRASCALE_EAGER_FORKSERVER=env_value)
+    manager, client = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path))
+    lines = []
+    try:
+        reply = client.execute_interactive(PROBE, timeout=300, output_hook=lambda m: lines.append(
+            m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    return "".join(lines).split()
+
+
+@pytest.mark.parametrize("env_value, started", [("1", "True"), ("0", "False")])
+def test_fork_server_starts_at_import_in_a_kernel_unless_switched_off(env_value, started, tmp_path):
+    assert _run_in_kernel(env_value, tmp_path) == ["server", started, "ranks", "True"]
+
+
+def test_a_script_does_not_start_it_at_import():
+    import subprocess
+    import sys
+
+    code = ("import multiprocessing.forkserver as fs, ultrascale.runtime; "
+            "print(fs._forkserver._forkserver_pid is None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
