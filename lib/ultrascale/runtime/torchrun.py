@@ -4,15 +4,17 @@ The function has the same signature as for ``Cluster.run``: ``fn(ctx, *args)``.
 
     torchrun --nproc_per_node=4 -m ultrascale.runtime.torchrun mymodule:experiment '[1024]'
 
+(``launch/torchrun.sh`` and the SLURM templates in ``launch/`` wrap this line.)
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; we join
 the process group from them (``env://``), call the function, gather every rank's
-result on rank 0 and print them as JSON (or write them with ``--out``).
+result on rank 0 and print them as JSON (also written to ``--out`` if given).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -24,17 +26,38 @@ from .context import RankContext, to_cpu
 
 
 def load_function(spec: str):
-    """``package.module:function`` or ``path/to/file.py:function``."""
+    """``package.module:function`` or ``path/to/file.py:function``.
+
+    Both are looked up from the current directory first (``python -m`` puts it on
+    ``sys.path``): ``launch/torchrun.sh`` runs where it is called, so a learner's own
+    module beside them is found.
+    """
     target, _, name = spec.rpartition(":")
     if not target or not name:
         raise ValueError(f"expected MODULE:FUNCTION or FILE.py:FUNCTION, got {spec!r}")
     if target.endswith(".py"):
+        if not os.path.isfile(target):
+            raise FileNotFoundError(f"{target}: no such file in {os.getcwd()}")
         spec_ = importlib.util.spec_from_file_location("_experiment", target)
         module = importlib.util.module_from_spec(spec_)
         spec_.loader.exec_module(module)
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            if not (target == exc.name or target.startswith(f"{exc.name}.")):
+                raise   # the module was found; something it imports was not
+            raise ModuleNotFoundError(f"no module {target!r} in {os.getcwd()} nor on PYTHONPATH: run from "
+                                      "the folder that holds it, or add that folder to PYTHONPATH",
+                                      name=exc.name) from None
     return getattr(module, name)
+
+
+def ranks_per_node() -> int:
+    """How many ranks the launchers start on this node: one per GPU torch can see (SLURM
+    shows a job only its GPUs), else one per CPU SLURM gave the job here, else 2."""
+    gpus = torch.cuda.device_count()
+    return gpus or int(os.environ.get("SLURM_CPUS_ON_NODE") or 2)
 
 
 def run_under_torchrun(fn, *args, backend: str = "auto", **kwargs) -> list | None:
