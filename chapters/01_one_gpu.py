@@ -585,9 +585,10 @@ def fwd_bwd_seconds(model, idx, mode):
 
 
 # The modes take turns, and each keeps its best time: a machine busy with something else for a
-# moment then slows all modes alike instead of one. The first round warms up.
+# moment then slows all modes alike instead of one. The first round warms up. (Each round is a
+# few seconds of BF16 on a CPU: QUICK keeps two rounds, QUICK = False ten for steadier numbers.)
 timing = {mode: float("inf") for mode in ("none", "selective", "full")}
-for round_ in ProgressBar("timing the three modes").iterate(range((5 if QUICK else 10) + 1)):
+for round_ in ProgressBar("timing the three modes").iterate(range((2 if QUICK else 10) + 1)):
     for mode in timing:
         seconds = fwd_bwd_seconds(rc_model, idx_rc, mode)
         if round_ > 0:

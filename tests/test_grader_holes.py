@@ -113,6 +113,51 @@ def test_bucket_manager_refuses_a_synchronous_all_reduce(ch02):
     assert check("02.bucket_manager", Solution).status == PASS
 
 
+def test_dp_exercises_refuse_the_librarys_data_parallel(ch02):
+    from torch import nn
+
+    from ultrascale.parallel import BucketedDataParallel, OverlappedDataParallel
+    from ultrascale.parallel.data_parallel import Bucket
+
+    class LibraryBuckets:   # the library's wrapper registers its own hooks and buckets
+        def __init__(self, params, bucket_cap_bytes, group=None):
+            holder = nn.Module()
+            holder.params = nn.ParameterList(params)
+            self.ddp = BucketedDataParallel(holder, bucket_cap_mb=bucket_cap_bytes / 2**20, group=group,
+                                            broadcast=False)
+            self.buckets = [b.params for b in self.ddp.buckets]
+
+        def grad_ready(self, param):
+            pass
+
+        def finish(self):
+            self.ddp.finish_gradient_synchronization()
+
+    class LibraryBufferBuckets(ch02["BucketManager"]):   # the library's Bucket as the flat buffer
+        def __init__(self, params, bucket_cap_bytes, group=None):
+            super().__init__(params, bucket_cap_bytes, group)
+            flat = [Bucket(i, b, b[0].dtype, b[0].device) for i, b in enumerate(self.buckets)]
+            self.buffers = [b.buffer for b in flat]
+            self.slots = {p: b.offsets[p] for b in flat for p in b.params}
+
+    class LibraryHooks:
+        def __init__(self, module, group=None):
+            self.ddp = OverlappedDataParallel(module, group=group, broadcast=False)
+
+        def finish(self):
+            self.ddp.finish_gradient_synchronization()
+
+    refused = "your code called the course library's ultrascale.parallel.data_parallel."
+    _fails(check("02.bucket_manager", LibraryBuckets), refused + "Bucket.__init__")  # its buckets
+    _fails(check("02.bucket_manager", LibraryBufferBuckets), refused + "Bucket.__init__")
+    _fails(check("02.overlapped_dp_hooks", LibraryHooks), refused + "DataParallel._all_reduce")
+    # The library is itself again on the ranks afterwards. (That the solutions still pass under
+    # the refusal: the tests above and the grader's run of solutions/ in test_grading.py.)
+    from ultrascale.runtime import shared_cluster
+    flat = shared_cluster(2).run(lambda ctx: Bucket(0, [torch.zeros(3)], torch.float32, "cpu").buffer.numel())
+    assert flat == [3, 3]
+
+
 # ---- a0: the ring, not the same bytes sent straight to their owner ----------------------
 
 def test_ring_collectives_refuse_direct_sends(a0):

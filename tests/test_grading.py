@@ -1,15 +1,14 @@
 """Tests of ultrascale.grading: the exercise generator, check() and the grader.
 
 The last two tests run real notebooks through papermill (a kernel per notebook,
-about 10-15 s each on 2 cores); they are marked ``slow`` and share one grader run.
+about 10-15 s each on 2 cores); they are marked ``slow`` and share one grader run
+with tests/test_run_all.py (``graded_course`` in tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
@@ -362,19 +361,10 @@ def test_grader_fails_only_on_infrastructure_errors(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    """One grader run (papermill, real kernels) over solutions/ and exercises/."""
-    out = tmp_path_factory.mktemp("grade") / "scores.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ultrascale.grading.cli", "solutions", "exercises", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=1200,  # the grader runs the passed tests twice
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    scores = json.loads(out.read_text())
-    by_dir = {}
-    for nb in scores["notebooks"]:
-        by_dir.setdefault(Path(nb["notebook"]).parent.name, []).append(nb)
-    return by_dir, proc.stdout
+def graded(graded_course):
+    """The grader's run over solutions/ and exercises/ (tests/conftest.py: shared with test_run_all)."""
+    by_dir = {folder: run.notebooks for folder, run in graded_course.items()}
+    return by_dir, "\n".join(run.table for run in graded_course.values())
 
 
 def _names(notebooks):
@@ -382,7 +372,7 @@ def _names(notebooks):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # the shared grader run: every notebook, passed tests twice
+@pytest.mark.timeout(2 * 1800)  # the shared grader run (conftest.GRADER_TIMEOUT per folder)
 def test_e2e_papermill_solutions_score_full_marks(graded):
     by_dir, table = graded
     assert _names(by_dir["solutions"]) == sorted(p.name for p in (REPO / "solutions").glob("*.ipynb"))
@@ -392,7 +382,7 @@ def test_e2e_papermill_solutions_score_full_marks(graded):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # the shared grader run: every notebook, passed tests twice
+@pytest.mark.timeout(2 * 1800)  # the shared grader run (conftest.GRADER_TIMEOUT per folder)
 def test_e2e_papermill_exercises_run_and_score_zero(graded):
     by_dir, table = graded
     assert _names(by_dir["exercises"]) == _names(by_dir["solutions"])

@@ -28,14 +28,23 @@ import torch.distributed as dist
 
 from ultrascale.batch_size import nearest_power_of_two, samples_per_step
 from ultrascale.grading import exercise
-from ultrascale.grading.guards import call_learner, without_library
+from ultrascale.grading.guards import call_learner, forbid_library, without_library
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import build_buckets
+from ultrascale.parallel.data_parallel import Bucket, DataParallel, average_gradients
 from ultrascale.parity import Batches, make_optimizer, max_difference, tolerance, train
 
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
 DATA = Batches(CFG, mbs=2, seed=0)   # the same tokens on every rank and in the reference
 SIZES = (2, 3)
+# The library's own data parallelism is the answer to these exercises, not a way to one: every
+# wrapper (naive, overlapped, bucketed) talks through DataParallel._all_reduce, and Bucket is the
+# flat buffer with each gradient's slot. (Their __init__ methods call super(): a closure, which
+# forbid_library cannot swap; the methods below are what any use of them reaches.)
+LIBRARY_DP = (DataParallel._all_reduce, Bucket.__init__, Bucket.view_of, average_gradients)
+LIBRARY_DP_HINT = ("register the hooks, keep the buffers and launch the all-reduces in your own class "
+                   "(ultrascale.parallel's OverlappedDataParallel, BucketedDataParallel and Bucket are "
+                   "this exercise's answer)")
 
 
 # ---- 02.grad_acc_steps ---------------------------------------------------------------
@@ -164,13 +173,19 @@ class _AllReduceWatch:
                 "waited_in_backward": sum(c["async"] and c["waited"] == "backward" for c in during)}
 
 
-def _train_on_rank(ctx, make_sync, steps, register_hooks):
+def _train_on_rank(ctx, make_sync, steps, register_hooks, exercise_id):
     """Train on this rank's rows; count all-reduces launched during backward and in total,
     and those that blocked backward (synchronous, or waited for in the hook).
 
     ``make_sync(model)`` builds the learner's object; with ``register_hooks`` the harness
-    connects every parameter's post-accumulate-grad hook to ``sync.grad_ready``.
+    connects every parameter's post-accumulate-grad hook to ``sync.grad_ready``. The
+    library's data-parallel wrappers are refused while the learner's code runs (LIBRARY_DP).
     """
+    with forbid_library(LIBRARY_DP, exercise_id, LIBRARY_DP_HINT):
+        return _train_watched(ctx, make_sync, steps, register_hooks)
+
+
+def _train_watched(ctx, make_sync, steps, register_hooks):
     from ultrascale.comm import CommLogger
 
     model = _fresh_model()
@@ -265,7 +280,7 @@ def test_overlapped_dp_hooks(OverlappedGradSync, quick: bool = True, timeout: fl
     n_tensors = len(list(_fresh_model().parameters()))
     for size in SIZES:
         results = shared_cluster(size).run(_train_on_rank, _overlapped(OverlappedGradSync), steps, False,
-                                           timeout=timeout)
+                                           "02.overlapped_dp_hooks", timeout=timeout)
         where = f"world_size={size}"
         for res in results:
             assert res["total"] == [n_tensors] * steps, (
@@ -353,7 +368,7 @@ def test_bucket_manager(BucketManager, quick: bool = True, timeout: float = 120)
         for cap in caps:
             expected = [[name_of[id(p)] for p in b] for b in build_buckets(list(reversed(params)), cap)]
             results = shared_cluster(size).run(_train_on_rank, _bucketed(BucketManager, cap), steps, True,
-                                               timeout=timeout)
+                                               "02.bucket_manager", timeout=timeout)
             where = f"world_size={size}, bucket_cap_bytes={cap}"
             for res in results:
                 assert res["buckets"] is not None, \

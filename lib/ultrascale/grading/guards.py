@@ -36,7 +36,7 @@ def _refusing_code(message: str):
 
 
 def _forbidden_message(fn: Callable, exercise_id: str, hint: str) -> str:
-    where = f"{fn.__module__}.{fn.__name__}"
+    where = f"{fn.__module__}.{fn.__qualname__}"
     return (f"{exercise_id}: your code called the course library's {where} (directly, or through another "
             f"library function that uses it). This exercise asks you to compute it yourself"
             + (f": {hint}" if hint else "."))

@@ -1,0 +1,70 @@
+"""Fixtures shared by several test files.
+
+``graded_course``: one grader run (papermill, a real kernel per notebook) serves both
+tests/test_grading.py (the scores) and tests/test_run_all.py (the executed exercise
+notebooks). The grader runs every exercise notebook exactly as a learner's Run All would
+(``QUICK=True``, the notebook's folder as working directory, 300 s per cell); it only
+keeps going after a cell that raises, and test_run_all asserts that no cell raised, which
+is the same verdict as a run that stops at the first error. Before, each notebook of
+exercises/ ran twice (once per file): about 15 s each on 2 cores.
+
+Only the notebooks that the selected tests need are graded: ``-k 06`` grades chapter 06's,
+while a test that needs the whole course (no ``notebook`` parameter) grades everything.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GRADED_FOLDERS = ("solutions", "exercises")
+GRADER_TIMEOUT = 1800  # seconds for one folder: 17 notebooks, the passed tests run twice (notebook + grader)
+
+
+@dataclass
+class GradedFolder:
+    notebooks: list   # the grader's JSON rows, one per notebook
+    table: str        # the grader's printed table (for failure messages)
+    executed: Path    # the executed notebooks (the grader's --keep)
+
+
+def _wanted(session) -> set | None:
+    """Names of the notebooks the selected tests grade; None for all of them."""
+    names = set()
+    for item in session.items:
+        if "graded_course" not in getattr(item, "fixturenames", ()):
+            continue
+        callspec = getattr(item, "callspec", None)
+        notebook = callspec.params.get("notebook") if callspec else None
+        if notebook is None:
+            return None
+        names.add(notebook)
+    return names
+
+
+def _grade(folder: str, names: set | None, out: Path) -> GradedFolder:
+    paths = [folder] if names is None else [f"{folder}/{n}" for n in sorted(names)
+                                            if (REPO / folder / n).is_file()]
+    scores, keep = out / f"{folder}.json", out / folder
+    if not paths:
+        return GradedFolder([], "", keep)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ultrascale.grading.cli", *paths, "--json", str(scores), "--keep", str(keep)],
+        cwd=REPO, capture_output=True, text=True, timeout=GRADER_TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return GradedFolder(json.loads(scores.read_text())["notebooks"], proc.stdout, keep)
+
+
+@pytest.fixture(scope="session")
+def graded_course(request, tmp_path_factory) -> dict:
+    """{"solutions": GradedFolder, "exercises": GradedFolder}: one grader run per folder."""
+    out = tmp_path_factory.mktemp("grade")
+    names = _wanted(request.session)
+    return {folder: _grade(folder, names, out) for folder in GRADED_FOLDERS}
