@@ -328,3 +328,65 @@ def test_memory_widget_constructs_and_redraws():
     assert hidden.value == 8192
     hidden.value = 8191                                   # not divisible by heads: message, no crash
     assert "divisible" in widget.children[1].value
+
+
+# ------------------------------------------------------------------------ pipeline schedules (NB07)
+def test_pp_in_flight_is_the_simulators_count():
+    """AFAB holds all m micro-batches on every rank, 1F1B p - rank of them (at most m)."""
+    from ultrascale.memory import pp_in_flight
+    from ultrascale.schedule import interleaved_1f1b, simulate
+
+    for p, m in [(4, 8), (4, 3), (2, 5), (8, 32)]:
+        assert pp_in_flight("afab", p, m) == [m] * p
+        assert pp_in_flight("1f1b", p, m) == [min(p - r, m) for r in range(p)]
+    schedule = interleaved_1f1b(4, 8, v=2, order="breadth-first")
+    assert pp_in_flight(schedule, 4, 8) == simulate(schedule).peak_activations
+    with pytest.raises(ValueError, match="schedule is for p=4, m=8"):
+        pp_in_flight(schedule, 2, 8)
+
+
+def test_breakdown_with_a_pipeline_schedule():
+    """Activations: the busiest rank's in-flight micro-batches times one chunk's layers;
+    no schedule keeps the numbers breakdown always gave (ceil(L/pp) * pp layers)."""
+    from ultrascale.schedule import interleaved_1f1b
+
+    base = dict(seq=4096, pp=4)
+    per_layer = activation_bytes(LLAMA3_8B, 4096, 1) / LLAMA3_8B.layers   # 32 layers: 8 per stage
+    assert breakdown(LLAMA3_8B, **base)["activations"] == per_layer * 8 * 4
+    afab = breakdown(LLAMA3_8B, **base, schedule="afab", micro_batches=16)
+    one = breakdown(LLAMA3_8B, **base, schedule="1f1b", micro_batches=16)
+    few = breakdown(LLAMA3_8B, **base, schedule="1f1b", micro_batches=2)
+    assert afab["activations"] == per_layer * 8 * 16 and one["activations"] == per_layer * 8 * 4
+    assert few["activations"] == per_layer * 8 * 2   # m < p: only m ever in flight
+    for key in ("parameters", "gradients", "optimizer states"):   # the schedule changes activations only
+        assert afab[key] == one[key] == breakdown(LLAMA3_8B, **base)[key]
+    # Interleaved, v = 2: pairs of (micro-batch, chunk of 4 layers), rank 0's peak from the simulator.
+    inter = breakdown(LLAMA3_8B, **base, schedule=interleaved_1f1b(4, 16, v=2), micro_batches=16)
+    assert inter["activations"] == per_layer * 4 * 11
+    with pytest.raises(ValueError, match="micro_batches=m"):
+        breakdown(LLAMA3_8B, **base, schedule="1f1b")
+    with pytest.raises(ValueError, match="m=0"):
+        breakdown(LLAMA3_8B, **base, schedule="1f1b", micro_batches=0)
+
+
+def test_breakdown_divides_only_the_expert_parameters_by_ep():
+    from dataclasses import dataclass
+
+    from ultrascale.memory import expert_params
+
+    @dataclass(frozen=True)
+    class MoE(GPTConfig):   # the two fields breakdown reads of an MoE config
+        experts: int = 8
+        top_k: int = 2
+
+    dense, moe = GPTConfig(hidden=64, layers=4), MoE(hidden=64, layers=4)
+    assert expert_params(dense) == 0 and breakdown(dense, ep=4) == breakdown(dense)
+    assert expert_params(moe) == 4 * 8 * (8 * 64 * 64 + 5 * 64)
+    for tp, pp in ((1, 1), (2, 2)):
+        one, four = breakdown(moe, tp=tp, pp=pp), breakdown(moe, ep=4, tp=tp, pp=pp)
+        saved = expert_params(moe) * 3 / 4 / (tp * pp)   # three quarters of the experts live elsewhere
+        assert one["parameters"] - four["parameters"] == pytest.approx(2 * saved)
+        assert one["optimizer states"] - four["optimizer states"] == pytest.approx(12 * saved)
+        assert one["activations"] == four["activations"]   # ep ranks run their own tokens
+    with pytest.raises(ValueError, match="ep=3 does not divide the 8 experts"):
+        breakdown(moe, ep=3)

@@ -8,7 +8,8 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, LLAMA_TINY, GPTConfig, Llama,
-                              LlamaConfig, attention_flops_per_token, build_model, count_params, hfu,
+                              LlamaConfig, active_params, attention_flops_per_token, build_model, count_params, hfu,
+                              lm_loss,
                               matmul_params, mfu, rope_tables, training_flops)
 
 torch.set_num_threads(1)
@@ -250,3 +251,98 @@ def test_pipeline_stages_leave_out_embedding_norm_and_head(config):
     hidden = first(idx)
     assert hidden.shape == (2, 10, config.hidden)
     assert torch.equal(last(hidden), model(idx))
+
+
+# --------------------------------------------------------------------------- mixture of experts
+MOE_CONFIGS = [GPTConfig(experts=4), GPTConfig(experts=8, top_k=2, layers=1),
+               LlamaConfig(experts=4, top_k=2), LlamaConfig(experts=3, tie_embeddings=True)]
+
+
+@pytest.mark.parametrize("config", MOE_CONFIGS)
+def test_moe_parameter_count_is_exact(config):
+    dense = dataclasses.replace(config, experts=0, top_k=1)
+    h, E, L = config.hidden, config.experts, config.layers
+    expert = 8 * h * h + 5 * h if isinstance(config, GPTConfig) else 3 * h * config.ffn
+    # each block trades its one feed-forward for a router (h x E, no bias) and E feed-forwards
+    assert count_params(config) == count_params(dense) + L * (h * E + (E - 1) * expert)
+    assert count_params(config) == numel(build_model(config))
+    assert active_params(config) == count_params(dense) + L * (h * E + (config.top_k - 1) * expert)
+
+
+@pytest.mark.parametrize("config", MOE_CONFIGS[:3])
+def test_moe_flop_formula_is_exact_whatever_the_routing(config):
+    """Every token goes through exactly top_k experts, so the matmul FLOPs do not depend on
+    which experts the router picks (an expert that gets no token costs nothing)."""
+    seq, batch = 16, 2
+    idx = torch.randint(0, config.vocab_size, (batch, seq))
+    expected = batch * seq * (6 * matmul_params(config) + attention_flops_per_token(config, seq))
+    assert measured_training_flops(build_model(config), idx) == expected
+
+
+def per_token_reference(moe, x):
+    """The MoE output computed token by token, the slow obvious way."""
+    weights, chosen, _ = moe.router(x)
+    return torch.stack([sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weights[t], chosen[t]))
+                        for t in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_moe_gathers_tokens_per_expert_like_a_per_token_loop(top_k):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(experts=4, top_k=top_k, layers=1))
+    moe = model.blocks[0].mlp
+    x = torch.randn(2, 8, 64)
+    torch.testing.assert_close(moe(x).view(-1, 64), per_token_reference(moe, x.view(-1, 64)))
+
+
+def test_router_weights_renormalised_for_top_k_above_one():
+    from ultrascale.moe import Router
+    torch.manual_seed(0)
+    x = torch.randn(10, 64)
+    w2, c2, probs = Router(64, 4, 2)(x)
+    torch.testing.assert_close(w2.sum(-1), torch.ones(10))
+    assert torch.equal(c2, probs.topk(2).indices)
+    router = Router(64, 4, 1)
+    w1, c1, probs = router(x)     # Switch: the probability itself, so the router gets a gradient
+    torch.testing.assert_close(w1[:, 0], probs.max(-1).values)
+
+
+def test_group_limited_routing_keeps_each_token_within_its_groups():
+    from ultrascale.moe import Router
+    torch.manual_seed(0)
+    x = torch.randn(200, 64)
+    free = Router(64, 8, 4, expert_groups=4)
+    limited = Router(64, 8, 4, expert_groups=4, group_limit=2)
+    limited.load_state_dict(free.state_dict())
+    groups = lambda chosen: torch.tensor([len(set((c // 2).tolist())) for c in chosen])   # noqa: E731
+    assert groups(limited(x)[1]).max() == 2 < groups(free(x)[1]).max()
+    # the best expert always stays (its group is the best group)
+    assert torch.equal(limited(x)[1][:, 0], free(x)[1][:, 0])
+
+
+def test_balance_loss_is_one_when_even_and_reaches_the_training_loss():
+    from ultrascale.moe import auxiliary_loss, balance_loss
+    E, seq = 4, 8
+    probs = torch.full((2 * seq, E), 1 / E)
+    chosen = torch.arange(2 * seq).remainder(E).view(-1, 1)
+    assert balance_loss(probs, chosen, E, 2).item() == pytest.approx(1.0)
+    skewed = torch.zeros_like(chosen)               # everything to expert 0, which has prob 1
+    assert balance_loss(torch.eye(E)[0].expand(2 * seq, E), skewed, E, 2).item() == pytest.approx(E)
+    config = GPTConfig(experts=4, top_k=2, aux_loss_coef=0.01)
+    model = GPT(config)
+    idx = torch.randint(0, 256, (2, 16))
+    loss = model.loss(idx, idx)
+    aux = auxiliary_loss(model)
+    assert aux.requires_grad and aux.item() > 0
+    assert loss.item() == pytest.approx(lm_loss(model(idx), idx).item() + auxiliary_loss(model).item())
+
+
+def test_moe_config_errors():
+    with pytest.raises(ValueError, match="top_k=3 must be between 1 and experts=2"):
+        GPTConfig(experts=2, top_k=3)
+    with pytest.raises(ValueError, match="experts=-1"):
+        GPTConfig(experts=-1)
+    with pytest.raises(ValueError, match="expert_groups=3 must divide"):
+        LlamaConfig(experts=4, expert_groups=3)
+    with pytest.raises(ValueError, match="group_limit"):
+        GPTConfig(experts=8, top_k=4, expert_groups=4, group_limit=1)

@@ -26,9 +26,10 @@ from ultrascale.comm import CommLogger
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.pipeline_parallel import apply_pp, backward_input, backward_weight, build_stage, split_layers
-from ultrascale.parallel.pipeline_runs import calibrate_compute, merge_ranks, pytorch_pipeline, run_pipeline_steps
+from ultrascale.parallel.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
+                                               one_process, pytorch_pipeline)
 from ultrascale.parallel.timeline import Timeline
-from ultrascale.parity import Batches, assert_same, gradients, micro_batches, run_steps, weights
+from ultrascale.parity import Batches, assert_same, gradients, micro_batches
 from ultrascale.runtime import shared_cluster
 from ultrascale.schedule import (Schedule, ScheduleError, bubble_fraction, draw, make_schedule, one_f_one_b_rank,
                                  simulate)
@@ -80,26 +81,15 @@ def reference(m):
     """One process, gradient accumulation over m micro-batches: the loss, the first step's
     gradients and the weights after STEPS steps."""
     if m not in _REFERENCES:
-        model, grads = fresh_model(), []
-        with one_thread(), torch.no_grad():
-            loss = sum(stream(m)(0, i).loss(model) / m for i in range(m))
-        # no_sync: the hook runs once per step, after the last micro-batch's backward
         with one_thread():
-            run_steps(model, stream(m), STEPS, "sgd", grad_acc=m, no_sync=contextlib.nullcontext,
-                      after_backward=lambda: grads.append(gradients(model)))
-        _REFERENCES[m] = {"loss": loss, "grads": grads[0], "weights": weights(model)}
+            _REFERENCES[m] = one_process(fresh_model(), stream(m), m, STEPS, fresh=fresh_model)
     return _REFERENCES[m]
 
 
 # --------------------------------------------------------------------------- on the ranks
 def train(pipe, m):
     """The first step's loss and gradients, then STEPS steps of SGD; this rank's share."""
-    loss = pipe.step([stream(m)(0, i) for i in range(m)])
-    out = {"loss": loss, "grads": pipe.gradients(), "peak": pipe.peak_activations}
-    pipe.zero_grad()
-    run_pipeline_steps(pipe, stream(m), STEPS)
-    out["weights"] = pipe.weights()
-    return out
+    return first_step_and_train(pipe, stream(m), STEPS)
 
 
 def ours(ctx, schedule, v, m=M):
@@ -113,13 +103,8 @@ def pytorchs(ctx, schedule, v, m):
 
 
 def assert_matches_reference(results, m, what):
-    want = reference(m)
-    losses = [r["loss"] for r in results if r["loss"] is not None]
-    assert len(losses) == 1, f"{what}: exactly one rank holds the last stage"
-    assert_same(losses[0], want["loss"], f"{what} loss", optimizer=None)
-    grads = merge_ranks([r["grads"] for r in results])   # also: the tied weight is equal on its two ranks
-    assert_same(grads, want["grads"], f"{what} gradients", optimizer=None)   # every name, none extra
-    assert_same(merge_ranks([r["weights"] for r in results]), want["weights"], f"{what} weights after {STEPS} steps")
+    # merge_ranks inside also checks that the tied weight is equal on its two ranks; every name, none extra
+    assert_same_as_one_process(results, reference(m), what)
 
 
 # --------------------------------------------------------------------------- parity

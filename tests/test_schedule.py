@@ -238,3 +238,25 @@ def test_draw_puts_micro_batch_ids_in_the_boxes():
 def test_schedule_needs_no_torch():
     code = "import sys, ultrascale.schedule as s; s.simulate(s.one_f_one_b(4, 8)); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- the interactive view
+def test_schedule_figure_and_widget():
+    """The static figure with its summary; the widget redraws, shows the generators' refusals as
+    text, and saves as one readable line."""
+    from ultrascale.schedule import schedule_figure, schedule_widget
+
+    fig, text = schedule_figure("interleaved", p=4, m=8, v=2)
+    assert "bubble 0.188 (formula (p-1)/(v m) = 0.188)" in text and "[11, 9, 7, 5]" in text
+    assert "bubble fraction 0.188" in fig.axes[0].get_title()
+    assert "1F1B: bubble 0.375" in schedule_figure("1f1b", p=4, m=8, v=3)[1]   # v ignored for one-stage schedules
+    widget = schedule_widget()
+    assert repr(widget) == "[pipeline simulator: run this cell in JupyterLab for its menus and sliders]"
+    controls, message, image = widget.children
+    name, p, m, v = controls.children
+    assert image.value and "1F1B: bubble 0.375" in message.value
+    name.value = "dualpipe-v"
+    m.value = 5   # DualPipeV needs m >= 2p = 8
+    assert "Cannot build" in message.value and "needs m >= 8" in message.value
+    m.value = 8
+    assert "DualPipeV: bubble 0.062" in message.value

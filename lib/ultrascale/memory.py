@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .model import RECOMPUTE_MODES, count_params
+from .model import RECOMPUTE_MODES, LlamaConfig, count_params
 
 GB = 1e9
 GiB = 2 ** 30
@@ -118,10 +118,40 @@ def _split(total: int, ways: int):
     return total // ways if total % ways == 0 else total / ways
 
 
+def pp_in_flight(schedule, pp: int, micro_batches: int, chunks: int | None = None) -> list[int]:
+    """Per pipeline rank, the most micro-batches whose activations it holds at once (NB07).
+
+    Counted in (micro-batch, chunk) pairs, each chunk holding 1/v of the rank's layers. The
+    number is the simulator's (``ultrascale.schedule.simulate(...).peak_activations``), not a
+    formula: AFAB holds all m on every rank, 1F1B ``min(p - rank, m)``, interleaved and Zero
+    Bubble schedules what their order gives. ``schedule``: a name ("afab", "1f1b",
+    "interleaved", "zb-h1", "dualpipe-v", ...) or a built ``Schedule`` for ``pp`` ranks.
+    """
+    from .schedule import Schedule, make_schedule, simulate   # pure Python, no torch
+
+    if not isinstance(schedule, Schedule):
+        schedule = make_schedule(schedule, pp, micro_batches, chunks)
+    elif schedule.ranks != pp or schedule.microbatches != micro_batches:
+        raise ValueError(f"the schedule is for p={schedule.ranks}, m={schedule.microbatches}; "
+                         f"got pp={pp}, micro_batches={micro_batches}")
+    return simulate(schedule).peak_activations
+
+
+def expert_params(config) -> int:
+    """Parameters in the experts of an MoE config, 0 for a dense one: E expert MLPs in every
+    layer (GPT's fc and proj, 8h^2 + 5h each; Llama's gate, up and down, 3 h ffn each)."""
+    experts = getattr(config, "experts", 0)
+    if not experts:
+        return 0
+    h = config.hidden
+    per_expert = 3 * h * config.ffn if isinstance(config, LlamaConfig) else 8 * h * h + 5 * h
+    return config.layers * experts * per_expert
+
+
 # --------------------------------------------------------------------------- one rank
 def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_grad_accum=False,
               recompute="none", zero_stage=0, tp=1, dp=1, pp=1, optimizer_bytes=None,
-              sequence_parallel=True, cp=1) -> dict:
+              sequence_parallel=True, cp=1, schedule=None, micro_batches=None, ep=1) -> dict:
     """Bytes held by one GPU, by consumer: what the memory widget draws.
 
     A simple model of the parallel degrees:
@@ -132,12 +162,18 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
       divide by tp; without it (sequence_parallel=False) the LayerNorm and dropout
       activations stay replicated (activation_bytes gives both);
     - PP gives a stage ceil(L/pp) layers, but with a 1F1B schedule the first stage holds
-      pp micro-batches in flight, so its activations stay about those of L layers;
+      pp micro-batches in flight, so its activations stay about those of L layers. Given a
+      pipeline ``schedule`` (a name or a ``Schedule``) and ``micro_batches`` (m), the count
+      is the schedule's instead: its busiest rank's peak from ``pp_in_flight``, times the
+      layers of one chunk (ceil(L/(pp*v))); AFAB then holds m micro-batches, 1F1B min(pp, m);
     - DP does not shrink activations: each rank runs its own micro-batch;
-    - CP splits the sequence: activations divide by cp, the weights stay whole on every rank.
+    - CP splits the sequence: activations divide by cp, the weights stay whole on every rank;
+    - EP splits the experts of an MoE config (``config.experts`` > 0): their parameters
+      (``expert_params``) divide by ep as well; a dense model is unaffected. The ep ranks run
+      different tokens, as dp ranks do, so activations do not shrink.
     optimizer_bytes (k) defaults to 12 in mixed precision (fp32 master + Adam m, v), 8 in fp32.
     """
-    for name, degree in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp)):
+    for name, degree in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if degree < 1:
             raise ValueError(f"{name} must be >= 1, got {degree}")
     seq = seq or config.seq_len
@@ -146,12 +182,24 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
     else:
         p_bytes, g_bytes, k = 4, 4, 8
     k = k if optimizer_bytes is None else optimizer_bytes
-    n_local = count_params(config) / (tp * pp)
+    experts = getattr(config, "experts", 0)
+    if experts and experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {experts} experts: choose an ep that divides them")
+    n_local = (count_params(config) - expert_params(config) * (1 - 1 / ep)) / (tp * pp)
     result = zero_bytes_per_rank(n_local, zero_stage, dp, k, p_bytes, g_bytes)
     per_layer = activation_bytes(config, seq, micro_batch, recompute, tp=tp,
                                  sequence_parallel=sequence_parallel, cp=cp) / config.layers
-    stage_layers = math.ceil(config.layers / pp)
-    act = per_layer * stage_layers * pp
+    if schedule is None:
+        act = per_layer * math.ceil(config.layers / pp) * pp
+    else:
+        if micro_batches is None:
+            raise ValueError("a pipeline schedule needs its number of micro-batches: breakdown(..., micro_batches=m)")
+        from .schedule import Schedule, make_schedule
+
+        if not isinstance(schedule, Schedule):
+            schedule = make_schedule(schedule, pp, micro_batches)
+        in_flight = max(pp_in_flight(schedule, pp, micro_batches))
+        act = per_layer * math.ceil(config.layers / (pp * schedule.chunks)) * in_flight
     result["activations"] = act if mixed_precision else 2 * act   # fp32 activations: twice the bytes
     return result
 

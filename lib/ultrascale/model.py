@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .moe import MoE, auxiliary_loss, moe_params_per_layer
+
 RECOMPUTE_MODES = ("none", "selective", "full")
 ATTENTION_KINDS = ("eager", "sdpa")
 
@@ -42,6 +44,13 @@ class GPTConfig:
     seq_len: int = 64          # default length for FLOP counting; RoPE has no length limit
     attention: str = "eager"   # "eager": explicit softmax(QK^T/sqrt(d))V; "sdpa": fused kernel
     rope_theta: float = 10000.0
+    # Mixture of experts (ultrascale.moe): 0 keeps the dense MLP; E > 0 puts E expert MLPs
+    # and a router choosing top_k of them per token in every block.
+    experts: int = 0
+    top_k: int = 1
+    aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the training loss
+    expert_groups: int = 1      # experts cut into this many groups (e.g. nodes) ...
+    group_limit: int = 0        # ... of which a token may use at most this many (0: no limit)
 
     def __post_init__(self):
         _validate(self)
@@ -72,6 +81,11 @@ class LlamaConfig:
     attention: str = "eager"
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    experts: int = 0           # mixture of experts: as in GPTConfig, SwiGLU experts
+    top_k: int = 1
+    aux_loss_coef: float = 0.0
+    expert_groups: int = 1
+    group_limit: int = 0
 
     def __post_init__(self):
         _validate(self)
@@ -90,6 +104,23 @@ def _validate(c) -> None:
         raise ValueError(f"RoPE rotates pairs of features: head_dim={c.head_dim} must be even")
     if c.attention not in ATTENTION_KINDS:
         raise ValueError(f"attention={c.attention!r}: choose one of {ATTENTION_KINDS}")
+    _validate_experts(c)
+
+
+def _validate_experts(c) -> None:
+    if c.experts < 0:
+        raise ValueError(f"experts={c.experts} must be 0 (dense MLP) or a positive number of experts")
+    if not c.experts:
+        return
+    if not 1 <= c.top_k <= c.experts:
+        raise ValueError(f"top_k={c.top_k} must be between 1 and experts={c.experts}: "
+                         "a token cannot choose more experts than the layer has")
+    if c.expert_groups < 1 or c.experts % c.expert_groups:
+        raise ValueError(f"expert_groups={c.expert_groups} must divide experts={c.experts}")
+    per_group = c.experts // c.expert_groups
+    if c.group_limit and not (1 <= c.group_limit <= c.expert_groups and c.top_k <= c.group_limit * per_group):
+        raise ValueError(f"group_limit={c.group_limit}: choose 1..{c.expert_groups} groups holding at least "
+                         f"top_k={c.top_k} experts ({per_group} per group)")
 
 
 # Published Llama 3 shapes (untied embeddings, 8 KV heads, 128K vocabulary).
@@ -208,6 +239,11 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+def feed_forward(config, make_expert):
+    """The dense MLP, or an MoE layer of ``config.experts`` such MLPs (``ultrascale.moe``)."""
+    return MoE(config.hidden, config, make_expert) if config.experts else make_expert()
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
@@ -264,7 +300,8 @@ class _Decoder(nn.Module):
         return self.head(x) if self.head is not None else x
 
     def loss(self, idx, targets, positions=None):
-        return lm_loss(self(idx, positions), targets)
+        """The training loss: next-token cross-entropy plus any MoE load-balancing loss."""
+        return lm_loss(self(idx, positions), targets) + auxiliary_loss(self)
 
 
 class GPT(_Decoder):
@@ -273,7 +310,7 @@ class GPT(_Decoder):
     def __init__(self, config: GPTConfig):
         h = config.hidden
         blocks = [Block(nn.LayerNorm(h), Attention(h, config.heads, config.heads, True, config.attention),
-                        nn.LayerNorm(h), MLP(h)) for _ in range(config.layers)]
+                        nn.LayerNorm(h), feed_forward(config, lambda: MLP(h))) for _ in range(config.layers)]
         super().__init__(config, blocks, nn.LayerNorm(h), tie_embeddings=True)
 
 
@@ -283,7 +320,8 @@ class Llama(_Decoder):
     def __init__(self, config: LlamaConfig):
         h, eps = config.hidden, config.norm_eps
         blocks = [Block(nn.RMSNorm(h, eps=eps), Attention(h, config.heads, config.kv_heads, False, config.attention),
-                        nn.RMSNorm(h, eps=eps), SwiGLU(h, config.ffn)) for _ in range(config.layers)]
+                        nn.RMSNorm(h, eps=eps), feed_forward(config, lambda: SwiGLU(h, config.ffn)))
+                  for _ in range(config.layers)]
         super().__init__(config, blocks, nn.RMSNorm(h, eps=eps), config.tie_embeddings)
 
 
@@ -314,13 +352,32 @@ def lm_loss(logits, targets):
 def count_params(config) -> int:
     """Number of parameters, from the config alone (never builds the model)."""
     h, v, L = config.hidden, config.vocab_size, config.layers
+    moe = L * _moe_extra_params(config)
     if isinstance(config, GPTConfig):
         # per block: two LayerNorms (2h each), q, k, v (3h^2 + 3h), out (h^2 + h),
         # fc (4h^2 + 4h), proj (4h^2 + h)  ->  12h^2 + 13h; final LayerNorm 2h; tied embedding h*v
-        return h * v + L * (12 * h * h + 13 * h) + 2 * h
+        return h * v + L * (12 * h * h + 13 * h) + 2 * h + moe
     per_layer = _llama_matmul_params_per_layer(config) + 2 * h   # + two RMSNorm weights
     embeddings = h * v if config.tie_embeddings else 2 * h * v   # input table (+ separate head)
-    return embeddings + L * per_layer + h                        # + final RMSNorm
+    return embeddings + L * per_layer + h + moe                  # + final RMSNorm
+
+
+def active_params(config) -> int:
+    """Parameters one token uses: all of them for a dense model; for an MoE model the
+    router and the ``top_k`` experts it is sent to, not all E (the 6N of ``training_flops``)."""
+    idle = config.experts - config.top_k if config.experts else 0
+    return count_params(config) - config.layers * idle * _ffn_params(config)
+
+
+def _ffn_params(c) -> int:
+    """Parameters of one dense feed-forward (one expert): GPT's MLP with biases, or SwiGLU."""
+    h = c.hidden
+    return 8 * h * h + 5 * h if isinstance(c, GPTConfig) else 3 * h * c.ffn
+
+
+def _moe_extra_params(c) -> int:
+    """What an MoE layer adds to a dense block: its router and E - 1 more feed-forwards."""
+    return moe_params_per_layer(c.hidden, c.experts, _ffn_params(c)) - _ffn_params(c) if c.experts else 0
 
 
 def _llama_matmul_params_per_layer(c: LlamaConfig) -> int:
@@ -333,12 +390,15 @@ def matmul_params(config) -> int:
     """Parameters used in a matrix multiply (2 FLOPs per token each in forward).
 
     Excludes norms and biases (element-wise) and an untied input embedding (a lookup);
-    the head always multiplies, tied or not.
+    the head always multiplies, tied or not. In an MoE layer a token multiplies with the
+    router (h x E) and its ``top_k`` experts only.
     """
     h, v, L = config.hidden, config.vocab_size, config.layers
+    ffn = 8 * h * h if isinstance(config, GPTConfig) else 3 * h * config.ffn   # one feed-forward's matmuls
+    moe = L * (h * config.experts + (config.top_k - 1) * ffn) if config.experts else 0
     if isinstance(config, GPTConfig):
-        return h * v + L * 12 * h * h
-    return h * v + L * _llama_matmul_params_per_layer(config)
+        return h * v + L * 12 * h * h + moe
+    return h * v + L * _llama_matmul_params_per_layer(config) + moe
 
 
 def attention_flops_per_token(config, seq_len=None, causal=False) -> int:
@@ -355,12 +415,13 @@ def attention_flops_per_token(config, seq_len=None, causal=False) -> int:
 
 
 def training_flops(config, tokens, seq_len=None, causal=False) -> int:
-    """Forward + backward FLOPs for `tokens` tokens: 6*N per token plus the attention term.
+    """Forward + backward FLOPs for `tokens` tokens: 6*N per token plus the attention term
+    (N: the parameters a token uses, ``active_params``; all of them in a dense model).
 
     6N: each parameter does a multiply-add (2 FLOPs) per token in forward, and backward
     needs twice that (gradients with respect to inputs and to weights).
     """
-    return tokens * (6 * count_params(config) + attention_flops_per_token(config, seq_len, causal))
+    return tokens * (6 * active_params(config) + attention_flops_per_token(config, seq_len, causal))
 
 
 def mfu(tokens_per_s, config, peak_flops, seq_len=None, causal=False) -> float:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .model import lm_loss
+from .model import auxiliary_loss, lm_loss
 
 # --------------------------------------------------------------------------- tolerances
 # Why the runs differ at all: each rank averages the loss over its own samples and the
@@ -100,10 +100,11 @@ class Batch:
         return Batch(move(self.inputs), move(self.targets), move(self.positions))
 
     def loss(self, model) -> torch.Tensor:
-        """Mean next-token cross-entropy of ``model`` on this batch."""
+        """Mean next-token cross-entropy of ``model`` on this batch (plus the load-balancing
+        loss of its MoE layers, if they have one: ``ultrascale.model.auxiliary_loss``)."""
         if self.positions is None:
-            return lm_loss(model(self.inputs), self.targets)
-        return lm_loss(model(self.inputs, self.positions), self.targets)
+            return lm_loss(model(self.inputs), self.targets) + auxiliary_loss(model)
+        return lm_loss(model(self.inputs, self.positions), self.targets) + auxiliary_loss(model)
 
     def rows(self, start: int, stop: int) -> "Batch":
         return replace(self, inputs=self.inputs[start:stop], targets=self.targets[start:stop])
@@ -212,7 +213,7 @@ def train(model, batches, steps: int, optimizer="sgd", **options) -> dict:
 
 
 def run_steps(model, batches, steps: int, optimizer="sgd", *, grad_acc: int = 1, module=None,
-              no_sync=None, after_backward=None, device=None, first_step: int = 0) -> None:
+              no_sync=None, after_backward=None, device=None, first_step: int = 0) -> list:
     """Train ``model`` for ``steps`` optimizer steps: the one training loop of the course.
 
     ``batches(step, micro)`` gives each micro-batch; losses are divided by ``grad_acc`` so
@@ -225,20 +226,27 @@ def run_steps(model, batches, steps: int, optimizer="sgd", *, grad_acc: int = 1,
     (DDP's and our DP's ``no_sync``). ``after_backward``: called after every backward
     that is not inside ``no_sync`` (our DP's ``finish_gradient_synchronization``; DDP
     does that job inside backward by itself). ``first_step``: the index of the first
-    step's data, to go on where an earlier call stopped.
+    step's data, to go on where an earlier call stopped. Returns the loss curve: each
+    step's loss on this process (the mean over its micro-batches), as floats.
     """
     module = model if module is None else module
     opt = make_optimizer(model.parameters(), optimizer) if isinstance(optimizer, str) else optimizer
+    losses = []
     for step in range(first_step, first_step + steps):
+        loss = 0.0
         for micro in range(grad_acc):
             local = no_sync is not None and micro < grad_acc - 1
             with no_sync() if local else contextlib.nullcontext():
                 batch = batches(step, micro)
-                (batch.to(device).loss(module) / grad_acc).backward()
+                part = batch.to(device).loss(module) / grad_acc
+                part.backward()
+                loss += part.item()
             if after_backward is not None and not local:
                 after_backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss)
+    return losses
 
 
 def perturbed(model, scale: float = 0.05, seed: int = 0):
@@ -276,7 +284,7 @@ def first_step(model, batch: Batch, *, full_logits=None, full_gradients=None, lo
     """
     with loss_context() if loss_context is not None else contextlib.nullcontext():
         logits = model(batch.inputs)
-        loss = lm_loss(logits, batch.targets)
+        loss = lm_loss(logits, batch.targets) + auxiliary_loss(model)
         loss.backward()
     out = {"logits": (full_logits or _full)(logits).detach(), "loss": _full(loss),
            "grads": (full_gradients or gradients)(model)}

@@ -15,6 +15,8 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   while each block is attended to (or all-gathered), forward and backward.
 * ``pipeline_parallel``: the model cut into stages, run by ``ultrascale.schedule``'s action
   lists (NB07); ``apply_pp``. ``pipeline_runs``: its training loop and PyTorch's counterpart.
+* ``expert_parallel``: the experts of every MoE layer split over ranks, tokens dispatched and
+  combined by all-to-all (NB08); ``apply_ep``, ``expert_parameters``. ``expert_runs``: its parity runs.
 * ``mesh``: ``Mesh`` / ``init_mesh``, the process mesh over named axes (dp, pp, ep, cp, tp).
 * ``timeline``: per-rank compute and communication events, for Gantt charts.
 """
@@ -25,6 +27,7 @@ from .context_parallel import (all_gather_attention, apply_cp, causal_tile_count
 from .data_parallel import (BucketedDataParallel, DataParallel, NaiveDataParallel,
                             OverlappedDataParallel, apply_data_parallel, average_gradients,
                             build_buckets)
+from .expert_parallel import apply_ep, expert_parameters
 from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import Pipeline, apply_pp, backward_input, backward_weight, split_layers, stage_modules
 from .pipeline_runs import calibrate_compute, merge_ranks, pytorch_pipeline, run_pipeline_steps
@@ -34,7 +37,7 @@ from .zero import FlatUnit, ZeRO, apply_zero
 
 __all__ = [
     "AXES", "BucketedDataParallel", "COMMUNICATION", "COMPUTE", "ColumnParallelLinear", "DataParallel",
-    "Event", "FlatUnit", "RowParallelLinear", "apply_tp",
+    "Event", "FlatUnit", "RowParallelLinear", "apply_tp", "apply_ep", "expert_parameters",
     "all_gather_attention", "apply_cp", "causal_tile_counts", "context_parallel_attention", "ring_attention",
     "split_sequence",
     "Mesh", "NaiveDataParallel", "OverlappedDataParallel", "Timeline", "ZeRO", "all_gather_into",

@@ -137,6 +137,19 @@ class Mesh:
             lines.append(str(rank).rjust(width) + "".join(str(c).rjust(4) for c in coords))
         return "\n".join(lines)
 
+    def group_map(self, axes: Iterable[Axes] | None = None) -> dict:
+        """The rank-to-group map: ``{axis: group_ranks(axis)}`` for every axis (default: the
+        axes of size > 1), or for the given axes and joint tuples of axes."""
+        axes = [a for a in self.axes if self.sizes[a] > 1] if axes is None else list(axes)
+        return {a if isinstance(a, str) else "x".join(a): self.group_ranks(a) for a in axes}
+
+    def groups_table(self, axes: Iterable[Axes] | None = None) -> str:
+        """The rank-to-group map as text, one axis per line: which ranks communicate together."""
+        groups = self.group_map(axes)
+        width = max(len(a) for a in groups) if groups else 4
+        return "\n".join(f"{a.ljust(width)}  " + " ".join("[" + " ".join(map(str, g)) + "]" for g in gs)
+                         for a, gs in groups.items())
+
     def __repr__(self) -> str:
         return f"Mesh({', '.join(f'{a}={s}' for a, s in self.sizes.items())})"
 

@@ -15,16 +15,18 @@ per-rank compute actions in our notation, to set against our generators' lists.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..model import lm_loss
-from ..parity import Batch, make_optimizer
+from ..parity import Batch, assert_same, gradients, make_optimizer, run_steps, weights
 from ..schedule import Action, duration, make_schedule
 from .mesh import axis_group
 from .pipeline_parallel import Pipeline
 
-__all__ = ["PyTorchPipeline", "TORCH_SCHEDULES", "calibrate_compute", "merge_ranks", "pytorch_pipeline",
-           "run_pipeline_steps"]
+__all__ = ["PyTorchPipeline", "TORCH_SCHEDULES", "assert_same_as_one_process", "calibrate_compute",
+           "first_step_and_train", "merge_ranks", "one_process", "pytorch_pipeline", "run_pipeline_steps"]
 
 
 def run_pipeline_steps(pipe: Pipeline, batches, steps: int, optimizer="sgd", first_step: int = 0) -> list:
@@ -39,6 +41,44 @@ def run_pipeline_steps(pipe: Pipeline, batches, steps: int, optimizer="sgd", fir
         opt.step()
         opt.zero_grad()
     return losses
+
+
+def first_step_and_train(pipe: Pipeline, batches, steps: int, optimizer="sgd") -> dict:
+    """This rank's share of a pipeline's parity check: the first step's loss (None off the last
+    stage), gradients and activations held at once, then ``steps`` optimizer steps from step 0's
+    data on, then the weights. Set against ``one_process`` with ``assert_same_as_one_process``."""
+    m = pipe.schedule.microbatches
+    loss = pipe.step([batches(0, micro) for micro in range(m)])
+    out = {"loss": loss, "grads": pipe.gradients(), "peak": pipe.peak_activations}
+    pipe.zero_grad()
+    run_pipeline_steps(pipe, batches, steps, optimizer)
+    return {**out, "weights": pipe.weights()}
+
+
+def one_process(model, batches, m: int, steps: int, optimizer="sgd", fresh=None) -> dict:
+    """Gradient accumulation over the m micro-batches ``batches(step, micro)`` in one process:
+    the loss and gradients of step 0 and, on ``fresh()`` (a model equal to ``model``), the weights
+    after ``steps`` steps: what ``first_step_and_train`` gives, merged over the ranks."""
+    grads = []
+    with torch.no_grad():
+        loss = sum(batches(0, micro).loss(model) / m for micro in range(m))
+    # no_sync: the hook runs once per step, after the last micro-batch's backward
+    run_steps(model, batches, 1, optimizer, grad_acc=m, no_sync=contextlib.nullcontext,
+              after_backward=lambda: grads.append(gradients(model)))
+    model = fresh()
+    run_steps(model, batches, steps, optimizer, grad_acc=m)
+    return {"loss": loss, "grads": grads[0], "weights": weights(model)}
+
+
+def assert_same_as_one_process(per_rank: list, want: dict, what: str, optimizer="sgd") -> None:
+    """``first_step_and_train``'s results of every rank against ``one_process``'s: one loss, on
+    the last stage's rank; every gradient and weight by name, none missing or extra."""
+    losses = [r["loss"] for r in per_rank if r["loss"] is not None]
+    assert len(losses) == 1, f"{what}: exactly one rank holds the last stage"
+    assert_same(losses[0], want["loss"], f"{what}: loss", optimizer=None)
+    assert_same(merge_ranks([r["grads"] for r in per_rank]), want["grads"], f"{what}: gradients", optimizer=None)
+    assert_same(merge_ranks([r["weights"] for r in per_rank]), want["weights"], f"{what}: weights after the steps",
+                optimizer=optimizer)
 
 
 def merge_ranks(per_rank: list) -> dict:

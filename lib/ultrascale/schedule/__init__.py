@@ -16,7 +16,8 @@ simulator here and the real ranks in ``ultrascale.parallel.pipeline_parallel``::
 
 Modules: ``actions`` (Action, Schedule, the placement of stages on ranks), ``generators``
 (naive, AFAB, 1F1B, interleaved, ZB-H1, DualPipeV), ``simulate`` (the discrete-event
-simulator, the bubble fraction, deadlock detection), ``draw``. Nothing here imports torch.
+simulator, the bubble fraction, deadlock detection), ``draw``, ``widget`` (the simulator
+behind menus and sliders). Nothing here imports torch.
 """
 
 from .actions import COMM_OPS, COMPUTE_OPS, Action, Schedule, ScheduleError, parse, rank_of_stage
@@ -26,11 +27,12 @@ from .generators import (SCHEDULES, afab, afab_rank, dualpipe_v, dualpipe_v_rank
                          one_forward_one_backward, zb_h1, zb_h1_rank)
 from .simulate import (DeadlockError, Simulation, Span, action_of, bubble_fraction, duration, event_name,
                        predicted_bubble_fraction, simulate)
+from .widget import schedule_figure, schedule_widget
 
 __all__ = [
     "Action", "COMM_OPS", "COMPUTE_OPS", "DeadlockError", "SCHEDULES", "Schedule", "ScheduleError", "Simulation",
     "Span", "action_of", "afab", "afab_rank", "bubble_fraction", "draw", "dualpipe_v", "dualpipe_v_rank", "duration",
     "event_name", "interleaved_1f1b", "interleaved_rank", "make_schedule", "naive", "one_f_one_b",
     "one_f_one_b_rank", "one_forward_one_backward", "parse", "predicted_bubble_fraction", "rank_of_stage",
-    "simulate", "zb_h1", "zb_h1_rank",
+    "schedule_figure", "schedule_widget", "simulate", "zb_h1", "zb_h1_rank",
 ]

@@ -1,0 +1,426 @@
+# %% [markdown]
+# # 09 · 5D parallelism: every axis on one mesh
+#
+# Chapters 02 to 07 each cut the training job along one dimension: data parallelism (DP) the
+# batch, ZeRO the optimizer states, gradients and weights of the DP replicas, tensor parallelism
+# (TP) the hidden dimension inside each layer, sequence and context parallelism (SP, CP) the
+# sequence, pipeline parallelism (PP) the layers; expert parallelism (EP, chapter 08) splits the
+# experts of a mixture-of-experts model. A real job uses several at once: the GPUs are laid out
+# as a grid with one axis per technique, the **device mesh**, and every rank belongs to one group
+# along each axis.
+#
+# This chapter puts them together on the course GPT and checks the one thing that matters: the
+# composed run trains *exactly* like one process. In this notebook you will
+# 1. lay out `WORLD_SIZE` ranks on a mesh and print and draw its rank-to-group maps;
+# 2. apply TP/SP, CP, EP, PP and DP/ZeRO in one fixed order with `apply_parallelisms`, and see
+#    which ranks average which gradients;
+# 3. train the model for several steps under every factorisation of `WORLD_SIZE` the chapter
+#    picks (2 x 2 ways at 4 ranks, dp 2 x pp 2 x tp 2 at 8; with experts, ep 2 x pp 2 at 4 and
+#    dp 2 x ep 2 x pp 2 at 8) and compare the loss curve and the weights with one process;
+# 4. extend the memory calculator to all axes, including the pipeline's in-flight micro-batches,
+#    and check it against the memory each rank of the run really holds;
+# 5. read the book's comparison tables, generated from data and from the calculator, and answer
+#    a quiz about them.
+#
+# The implementation: `lib/ultrascale/parallel/compose.py` (`apply_parallelisms`), `mesh.py`
+# (the mesh and its groups), `methods.py` (the tables) and `memory.py` (`breakdown`).
+
+# %% tags=["parameters"]
+WORLD_SIZE = 4  # ranks; 4 gives four 2 x 2 factorisations, 8 gives dp 2 x pp 2 x tp 2
+QUICK = True  # small sizes: about 45 s on 2 CPU cores
+SEED = 0
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import Markdown, display
+from matplotlib.figure import Figure
+
+from ultrascale.memory import breakdown, pp_in_flight, state_bytes
+from ultrascale.model import GPT, GPTConfig, count_params
+from ultrascale.parallel.compose import (DENSE_AXES, ParallelConfig, apply_parallelisms, assert_composition_matches,
+                                         build_mesh, data_index, rank_parameters, train_composed, train_one_process)
+from ultrascale.parallel.methods import (TP_CP_EP, ZERO3_VS_PP, comparison, example_config, markdown, quiz,
+                                         summary_rows)
+from ultrascale.parity import Batches, perturbed
+from ultrascale.runtime import Cluster
+from ultrascale.viz.live import ProgressBar
+from ultrascale.viz.mesh import draw_mesh_groups
+
+torch.manual_seed(SEED)
+plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell shows by returning them
+
+# %% [markdown]
+# ## 1. Which factorisations
+#
+# A factorisation gives each axis a degree whose product is the number of ranks. The chapter picks
+# them from `WORLD_SIZE`: at 8 ranks the book's three-axis example, dp 2 x pp 2 x tp 2; at 4 ranks
+# every pair of two axes that the course model allows (dp x tp, pp x tp, dp x pp, cp x tp); other
+# sizes get what divides them (the model has 4 heads, so tp is 1, 2 or 4). The model is tiny
+# (4 layers, hidden 32) and the checks run in float64 (the reason is in section 4).
+
+# %%
+def factorisations(world: int, quick: bool) -> list[ParallelConfig]:
+    if world % 8 == 0:
+        d = world // 8
+        configs = [ParallelConfig(dp=2 * d, pp=2, tp=2, microbatches=2)]
+        if not quick:
+            configs += [ParallelConfig(dp=2 * d, cp=2, tp=2), ParallelConfig(dp=d, pp=2, cp=2, tp=2, microbatches=2)]
+        return configs
+    if world % 4 == 0:
+        d = world // 4
+        return [ParallelConfig(dp=2 * d, tp=2), ParallelConfig(dp=d, pp=2, tp=2, microbatches=2),
+                ParallelConfig(dp=2 * d, pp=2, microbatches=2), ParallelConfig(dp=d, cp=2, tp=2)]
+    if world % 2 == 0:
+        return [ParallelConfig(dp=world // 2, tp=2), ParallelConfig(dp=world // 2, pp=2, microbatches=2)]
+    return [ParallelConfig(dp=world)] + ([ParallelConfig(pp=world, microbatches=world)] if world <= 4 else [])
+
+
+CONFIGS = factorisations(WORLD_SIZE, QUICK)
+CAPSTONE = max(CONFIGS, key=lambda c: (sum(s > 1 for s in c.sizes.values()), c.pp))   # the most axes, PP first
+MODEL = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=24)
+DATA = Batches(MODEL, mbs=2, seed=SEED)
+STEPS = 4 if QUICK else 10
+print(f"WORLD_SIZE = {WORLD_SIZE}: factorisations " + ", ".join(str(c) for c in CONFIGS))
+print(f"capstone: {CAPSTONE}; model {count_params(MODEL):,} parameters, {STEPS} steps of {DATA.mbs} rows "
+      f"of {MODEL.seq_len} tokens per data rank")
+
+cluster = Cluster(WORLD_SIZE)
+
+# %% [markdown]
+# ## 2. The mesh and its rank-to-group maps
+#
+# The ranks are numbered along the axes in the order dp, pp, ep, cp, tp, **tp innermost**:
+# neighbouring ranks (GPUs of one node) form a tp group, because TP communicates inside every
+# layer and needs the fastest link; dp is outermost, its one all-reduce per step can cross nodes.
+# A rank's group along an axis is the ranks that differ from it only in that coordinate.
+
+# %%
+layout = CAPSTONE.layout()
+print(layout)
+print()
+print(layout.groups_table())
+
+# %%
+draw_mesh_groups(layout)
+
+# %% [markdown]
+# Along the pp axis, rank 0 sends its activations to the rank with the same tp (and dp)
+# coordinate in the next stage: each pipeline stage is itself a tensor-parallel group, and the
+# pipeline runs once per tp coordinate. Every rank checks the groups it got from `init_mesh`
+# against this map:
+
+# %%
+def my_groups(ctx, config):
+    mesh = build_mesh(ctx, config)
+    return {axis: torch.distributed.get_process_group_ranks(mesh.group(axis))
+            for axis in layout.axes}
+
+
+got = cluster.run(my_groups, CAPSTONE)
+for rank, groups in enumerate(got):
+    for axis, ranks in groups.items():
+        assert ranks in layout.group_ranks(axis) and rank in ranks, (rank, axis, ranks)
+print(f"every rank's process groups are the map's: {', '.join(layout.axes)}")
+
+# %% [markdown]
+# ## 3. One order for all the techniques
+#
+# `apply_parallelisms(model, mesh, config)` applies each technique from outside, in the order
+# torchtitan uses:
+#
+# 1. **TP/SP** first: it swaps the linears for column- and row-parallel ones and must see the
+#    whole model;
+# 2. **CP** replaces the attention cores, **EP** the MoE layers;
+# 3. **PP** cuts what is left into stages: each stage keeps layers that TP already sharded;
+# 4. **DP/ZeRO** last: it must see the parameters the others sharded, and it averages each
+#    gradient over every rank that saw *different data* for that parameter.
+#
+# Different data: the dp ranks get different rows, the cp ranks different tokens of the same rows,
+# and the ep ranks different rows too (for the dense layers of an MoE model). So one all-reduce
+# over the joint group of those axes does what CP's gradient average and DP's would do one after
+# the other. The tp and pp ranks hold different parameters, or (TP's norms and row-parallel biases)
+# the same gradient already: nothing is averaged over them. Here is who averages with whom and
+# which rows each rank trains on:
+
+# %%
+for config in CONFIGS:
+    mesh = config.layout()
+    data_axes = [a for a in DENSE_AXES if a in mesh.axes]
+    groups = mesh.group_map([tuple(data_axes)])["x".join(data_axes)] if data_axes else [[r] for r in range(WORLD_SIZE)]
+    rows = [data_index(mesh, r)[0] for r in range(mesh.world_size)]
+    print(f"{str(config):<16} gradient all-reduce over {'x'.join(data_axes) or 'nobody'}: "
+          f"{' '.join('[' + ' '.join(map(str, g)) + ']' for g in groups)};  rows block of each rank: {rows}")
+
+# %% [markdown]
+# ## 4. The capstone: every factorisation trains as one process
+#
+# Each rank builds the same model from the same seed, applies the factorisation and trains
+# `STEPS` SGD steps on its share of the same seeded batches; one process trains on the whole
+# batches. The loss curve (mean over the data ranks, read on the last pipeline stage) and every
+# weight (TP shards gathered, PP stages merged) must match.
+#
+# **Tolerance.** The ranks add their gradients (and, under CP, attention's partial results) in
+# another order than one process: the same numbers in exact arithmetic, about 1e-16 apart in
+# float64. We use float64 and `parity`'s float64 SGD tolerance (1e-10 relative, 1e-12 absolute),
+# which only the right composition can meet: a gradient averaged over the wrong group, a stage
+# left out or a wrong slice of the batch is off by many orders of magnitude more.
+
+# %%
+def fresh_model():
+    torch.manual_seed(SEED)
+    return perturbed(GPT(MODEL).double())   # biases and norms moved away from 0 and 1
+
+
+def capstone(ctx, configs):
+    results = []
+    for i, config in enumerate(configs):
+        ctx.log(done=i)
+        results.append(train_composed(ctx, fresh_model(), config, DATA, STEPS))
+    return results
+
+
+runs = cluster.run(capstone, CONFIGS, on_log=ProgressBar("training every factorisation", total=len(CONFIGS)))
+curves = {}
+for i, config in enumerate(CONFIGS):
+    reference = train_one_process(fresh_model(), config, DATA, STEPS)
+    merged = assert_composition_matches([per_rank[i] for per_rank in runs], reference, config)
+    curves[str(config)] = merged["losses"], reference["losses"]
+    print(f"{str(config):<16} loss curve {' '.join(f'{x:.3f}' for x in merged['losses'])} and "
+          f"{len(merged['weights'])} weights = one process (float64)")
+
+# %%
+fig = Figure(figsize=(6.5, 3.2), layout="constrained")
+ax = fig.add_subplot()
+for name, (ours, one) in curves.items():
+    line, = ax.plot(range(1, STEPS + 1), ours, marker="o", label=f"{name} (ranks)")
+    ax.plot(range(1, STEPS + 1), one, color=line.get_color(), linestyle=":", linewidth=3, alpha=0.5)
+ax.set_xlabel("step")
+ax.set_ylabel("loss")
+ax.set_title("composed runs (markers) on top of one process (dotted)")
+ax.legend(fontsize=8)
+fig
+
+# %% [markdown]
+# **With experts.** The same check for a mixture-of-experts variant of the model (4 experts per
+# block, top-2 routing, chapter 08), with expert parallelism on its own axis. Its dense gradients
+# are averaged over (dp, ep, cp); an expert's gradient already sums the contributions of every ep
+# rank's tokens (the all-to-all's backward brought them to it), so it is summed over the expert's
+# replicas (dp x cp) and divided by all the data ranks.
+
+# %%
+MOE_MODEL = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=24, experts=4, top_k=2)
+MOE_DATA = Batches(MOE_MODEL, mbs=2, seed=SEED)
+if WORLD_SIZE % 4 == 0:
+    MOE_CONFIG = ParallelConfig(dp=WORLD_SIZE // 4, ep=2, pp=2, microbatches=2)
+elif WORLD_SIZE % 2 == 0:
+    MOE_CONFIG = ParallelConfig(dp=WORLD_SIZE // 2, ep=2)
+else:
+    MOE_CONFIG = ParallelConfig(ep=WORLD_SIZE) if 4 % WORLD_SIZE == 0 else None   # ep must divide the 4 experts
+
+
+def fresh_moe():
+    torch.manual_seed(SEED)
+    return perturbed(GPT(MOE_MODEL).double())
+
+
+if MOE_CONFIG is not None:
+    moe_runs = cluster.run(lambda ctx: train_composed(ctx, fresh_moe(), MOE_CONFIG, MOE_DATA, STEPS))
+    merged = assert_composition_matches(moe_runs, train_one_process(fresh_moe(), MOE_CONFIG, MOE_DATA, STEPS),
+                                        MOE_CONFIG)
+    print(f"{str(MOE_CONFIG):<16} (MoE, 4 experts, top-2) loss curve {' '.join(f'{x:.3f}' for x in merged['losses'])} "
+          f"and {len(merged['weights'])} weights = one process (float64)")
+else:
+    print(f"WORLD_SIZE = {WORLD_SIZE}: no ep divides both the ranks and the 4 experts; no MoE run")
+
+# %% [markdown]
+# Different factorisations see different batches (the number of data ranks sets the global batch),
+# so their curves differ from each other; each lies on its own one-process reference.
+#
+# ## 5. The memory calculator with every axis, and what a rank really holds
+#
+# `memory.breakdown(config, dp=, tp=, pp=, cp=, ep=, zero_stage=, ...)` extends chapter 01's
+# calculator to all the axes: TP and PP divide the model states, ZeRO shards them over dp, EP
+# divides the experts' share, TP+SP and CP divide the activations. The book's widget stops there.
+# A pipeline, though, keeps the activations of several micro-batches *in flight*: under 1F1B the
+# first stage has run `min(pp, m)` forwards before its first backward frees one, so it holds that
+# many micro-batches of its layers. Given `schedule=` and `micro_batches=`, `breakdown` multiplies
+# by the schedule's peak (chapter 07's simulator).
+#
+# We train the capstone factorisation one step in float32 with Adam and measure, on every rank,
+# the bytes of its parameters, gradients and optimizer states, and the activations autograd saves
+# at the pipeline's peak.
+
+# %%
+MEMORY = ParallelConfig(**{**CAPSTONE.sizes, "microbatches": 4 if CAPSTONE.pp > 1 else 1}, optimizer="adam")
+
+
+class Measured:
+    """An optimizer that, right after its step, records what the rank holds (grads still there)."""
+
+    def __init__(self, par):
+        self.par, self.inner = par, par.optimizer
+
+    def step(self):
+        self.inner.step()
+        self.bytes = state_bytes(self.par.module, self.inner)
+        self.tensors = len(list(dict.fromkeys(self.par.module.parameters())))
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+
+def measure_memory(ctx, config):
+    torch.manual_seed(SEED)
+    par = apply_parallelisms(GPT(MODEL), build_mesh(ctx, config), config)
+    if par.pipeline is not None:
+        par.pipeline.measure_activations = True
+    par.optimizer = Measured(par)
+    par.train(par.batches(DATA), 1)
+    peak = (par.pipeline.peak_activation_bytes, par.pipeline.peak_activations) if par.pipeline else (None, None)
+    return par.optimizer.bytes, par.optimizer.tensors, peak
+
+
+measured = cluster.run(measure_memory, MEMORY)
+mesh = MEMORY.layout()
+for rank, (held, tensors, _) in enumerate(measured):
+    stage = mesh.coordinate(rank).get("pp", 0)
+    params = rank_parameters(MODEL, tp=MEMORY.tp, pp=MEMORY.pp, stage=stage)
+    # fp32: 4 bytes per parameter and gradient; Adam: two fp32 moments, and a step counter per tensor
+    assert held == {"parameters": 4 * params, "gradients": 4 * params,
+                    "optimizer states": 8 * params + 4 * tensors}, (rank, held)
+print(f"{MEMORY}: every rank holds exactly rank_parameters(...) parameters and gradients, and Adam's states")
+bd = breakdown(MODEL, seq=MODEL.seq_len, micro_batch=DATA.mbs, mixed_precision=False, optimizer_bytes=8,
+               tp=MEMORY.tp, pp=MEMORY.pp, dp=MEMORY.dp, cp=MEMORY.cp, sequence_parallel=False,
+               **({"schedule": MEMORY.schedule, "micro_batches": MEMORY.microbatches} if MEMORY.pp > 1 else {}))
+print(f"{'rank':>4} {'stage':>5} {'parameters':>11} {'breakdown':>10}")
+for rank, (held, _, _) in enumerate(measured):
+    print(f"{rank:>4} {mesh.coordinate(rank).get('pp', 0):>5} {held['parameters']:>11,} {bd['parameters']:>10,.0f}")
+
+# %% [markdown]
+# The calculator divides every parameter by tp x pp. A rank holds a little more: the tied
+# embedding lives on the first *and* the last stage, and TP leaves the norms and the row-parallel
+# biases whole on every tp rank (`rank_parameters` counts them exactly; exercise 09.3). On this
+# tiny model that is a few percent; on a real one, where the blocks dominate, less.
+#
+# **Activations.** The pipeline's first stage must hold the activations of `min(pp, m)`
+# micro-batches at its peak; the executor counts the pairs it holds and the bytes autograd saved:
+
+# %%
+if MEMORY.pp > 1:
+    in_flight = pp_in_flight(MEMORY.schedule, MEMORY.pp, MEMORY.microbatches)
+    for rank, (_, _, (peak_bytes, peak_pairs)) in enumerate(measured):
+        assert peak_pairs == in_flight[mesh.coordinate(rank)["pp"]], (rank, peak_pairs, in_flight)
+    first = max(peak for _, _, (peak, _) in measured)
+    without = bd["activations"] / max(in_flight)   # the same stage with one micro-batch in flight
+    # The formula counts Korthikanti et al.'s bytes per token (dropout masks included, embedding
+    # and logits left out); our fp32 course model has no dropout but saves its logits. Measured at
+    # 0.8 of the formula here; we accept 25% either way, which forgetting the in-flight micro-batches
+    # (half the bytes at pp = 2) does not meet.
+    assert abs(first / bd["activations"] - 1) < 0.25, (first, bd["activations"])
+    assert abs(first / without - 1) > 0.25
+    print(f"in flight per stage (simulator = executor): {in_flight}")
+    print(f"first stage: measured / breakdown(schedule='{MEMORY.schedule}', m={MEMORY.microbatches}) "
+          f"is within 25%; without the in-flight term it would be {max(in_flight)} times too small")
+else:
+    print(f"{MEMORY} has no pipeline: no micro-batches in flight")
+
+# %% tags=["nbval-ignore-output"]
+if MEMORY.pp > 1:
+    print(f"measured first-stage activations {first:,} bytes, breakdown {bd['activations']:,.0f} "
+          f"(ratio {first / bd['activations']:.2f})")
+
+# %% [markdown]
+# The same calculator at the scale that matters, a 70B-like model on 1024 GPUs (8 per node):
+# TP 8 inside a node, PP 8 across nodes, DP 16 with ZeRO-1, sequence 4096, micro-batch 1 and
+# 16 micro-batches under 1F1B. Each step of the list switches one more axis on.
+
+# %%
+from ultrascale.model import LLAMA3_70B  # noqa: E402
+
+GB = 1e9
+steps = [("one GPU", {}), ("+ TP 8 (with SP)", dict(tp=8)), ("+ PP 8, 1F1B, m = 16", dict(pp=8, schedule="1f1b", micro_batches=16)),
+         ("+ DP 16 with ZeRO-1", dict(dp=16, zero_stage=1))]
+args = dict(seq=4096, micro_batch=1, recompute="selective")
+print(f"{'':<24}" + "".join(f"{k:>18}" for k in ("parameters", "gradients", "optimizer states", "activations")))
+for name, extra in steps:
+    args.update(extra)
+    row = breakdown(LLAMA3_70B, **args)
+    print(f"{name:<24}" + "".join(f"{row[k] / GB:>16.1f}GB" for k in row))
+assert breakdown(LLAMA3_70B, **args)["optimizer states"] < breakdown(LLAMA3_70B, **{**args, "zero_stage": 0})["optimizer states"]
+
+# %% [markdown]
+# ## 6. The book's tables, generated
+#
+# The methods' facts are data in `parallel/methods.py`; the column "saves memory of" is computed:
+# switch one method on in `breakdown` and see which of the four consumers shrink. (DP saves
+# activations because, at a fixed global batch, each rank's batch shrinks; PP under 1F1B does
+# *not* save activations, the in-flight term above.)
+
+# %%
+display(Markdown(markdown(summary_rows())))
+
+# %%
+display(Markdown(markdown(comparison(ZERO3_VS_PP))))
+
+# %% [markdown]
+# ZeRO-3 and PP both spread the model, in opposite ways: ZeRO-3 keeps a slice of every layer and
+# gathers the weights, PP keeps whole layers and passes activations. Combining them needs a larger
+# global batch (PP wants many micro-batches, ZeRO-3 large ones); ZeRO-1 and 2 combine with PP
+# easily (DeepSeek-V3 trained with PP and ZeRO-1), and TP+SP complements both.
+
+# %%
+display(Markdown(markdown(comparison(TP_CP_EP))))
+
+# %% [markdown]
+# A few questions over the tables; exercise 09.4 asks you to answer them, and grades the answers
+# against the same data:
+
+# %%
+for question, answer in quiz().items():
+    print(f"{question}\n    {', '.join(sorted(answer)) if isinstance(answer, set) else answer}")
+
+# %% [markdown]
+# ## 7. Inputs that cannot be composed
+#
+# A mesh must cover the ranks exactly; a technique must divide what it splits. The errors say
+# what to change.
+
+# %%
+def error_of(fn):
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    raise AssertionError("expected a ValueError")
+
+
+def wrong_mesh(ctx):
+    return error_of(lambda: build_mesh(ctx, ParallelConfig(dp=2, tp=2 * WORLD_SIZE)))
+
+
+messages = {"a mesh of the wrong size": cluster.run(wrong_mesh)[0],
+            "sp with pp": error_of(lambda: ParallelConfig(pp=2, tp=2, sp=True)),
+            "ZeRO with pp": error_of(lambda: ParallelConfig(pp=2, dp=2, zero=1)),
+            "ep=3, 8 experts": error_of(lambda: breakdown(example_config(moe=True), ep=3))}
+assert f"but the cluster has {WORLD_SIZE}" in messages["a mesh of the wrong size"]
+assert "ep=3 does not divide the 8 experts" in messages["ep=3, 8 experts"]
+for case, message in messages.items():
+    print(f"{case}:\n  ValueError: {message}")
+
+# %% [markdown]
+# ## Summary
+#
+# - One mesh, five axes, tp innermost: a rank's group along an axis is the ranks that differ only
+#   in that coordinate. `init_mesh` builds every group once per rank.
+# - `apply_parallelisms` applies TP/SP, CP, EP, PP and then DP/ZeRO from outside; the gradients
+#   are averaged over the ranks that saw different data (dp, cp, and ep for dense layers), never
+#   over tp or pp.
+# - Every factorisation trains to the same loss curve and weights as one process (float64).
+# - The calculator covers every axis and the pipeline's in-flight micro-batches; each rank holds
+#   exactly the parameters we count, and the activations the calculator predicts within 25%.
+#
+# Next, chapter 10 searches these factorisations for the fastest one that fits.
+
+# %%
+cluster.close()

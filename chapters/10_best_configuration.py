@@ -1,0 +1,483 @@
+# %% [markdown]
+# # 10 · Finding the best training configuration
+#
+# Chapters 02 to 09 built every axis of parallelism one at a time. A real run has to choose all
+# of them at once: the data, tensor, pipeline, context and expert degrees, the ZeRO stage, the
+# micro-batch, the gradient accumulation and the recomputation. The book's benchmark ran several
+# thousand such configurations on 1 to 64 nodes of 8 H100s, at 4096-token sequences and 1M-token
+# batches, and distilled three steps: fit one step in memory, reach the target global batch, then
+# make it fast.
+#
+# This chapter does the search itself, on paper first and then on real ranks:
+# 1. the book's steps 1-3 as small functions (`ultrascale.plan.rules`);
+# 2. the enumerator: every layout with `dp·pp·ep·cp·tp = GPUs` and `mbs·gas·dp·ep·seq = batch`,
+#    and the rules a layout must obey; impossible requests explained;
+# 3. the memory filter, on the course's one memory model (`memory.breakdown`);
+# 4. the step-time model: compute at 6N per token plus attention, appendix A3's overlap of DP,
+#    ZeRO-3, TP and PP communication, and the pipeline bubble;
+# 5. the book's heatmap, recomputed: the best layout per model size and node count, coloured by MFU;
+# 6. the planner against published setups: Llama 3 405B and DeepSeek-V3;
+# 7. an explorer for your own model and cluster;
+# 8. the planner against reality: calibrated on this machine, its predictions held against step
+#    times measured on `WORLD_SIZE` real ranks;
+# 9. the lesson from the book's sweep that no formula teaches: hung ranks, found by a timeout and
+#    cleaned up.
+#
+# The library is `lib/ultrascale/plan/` (`hardware`, `enumerate`, `fit`, `steptime`, `search`,
+# `rules`, `published`, `calibrate`). It is arithmetic: only `calibrate` runs anything.
+
+# %% tags=["parameters"]
+WORLD_SIZE = 4  # ranks for the calibration (2 and 4 work; TP needs it to divide the 4 heads)
+QUICK = True  # fewer timing rounds: about 45 s on 2 CPU cores
+SEED = 0
+
+# %%
+# %matplotlib inline
+import io
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from matplotlib.figure import Figure
+
+from ultrascale.model import LLAMA3_8B, LLAMA3_70B, LLAMA_TINY
+from ultrascale.plan import H100, ParallelConfig, PlanError, enumerate_configs, plan, violations
+from ultrascale.plan import calibrate as cal
+from ultrascale.plan import published, rules
+from ultrascale.runtime import CallTimeout, Cluster
+from ultrascale.viz.live import ProgressBar, with_text_repr
+
+assert WORLD_SIZE >= 2, "the calibration compares parallel layouts: set WORLD_SIZE >= 2"
+torch.manual_seed(SEED)
+torch.set_num_threads(1)
+SEQ, BATCH = 4096, 2**20  # the book's sweep: 4096-token sequences, 1M-token (2^20) batches
+
+
+def gb(x):
+    return f"{x / 1e9:.1f} GB"
+
+# %% [markdown]
+# ## 1. The book's three steps, as rules
+#
+# **Step 1: fit a step in memory.** On a GPU-rich cluster the book suggests: below 10B parameters
+# one technique on a node (TP, or ZeRO-3/DP with full recomputation); from 10B to 100B, TP 8 with
+# PP, TP 8 with ZeRO-3, or ZeRO-3 alone; from 512 GPUs, pure DP or ZeRO-3 loses efficiency and
+# needs TP or PP beside it; from 1024 GPUs, TP 8 with ZeRO-2 data parallelism and PP. Long
+# sequences add CP across nodes, a mixture of experts adds EP across nodes. A GPU-poor cluster
+# trades compute for memory: full recomputation and more gradient accumulation.
+#
+# **Step 2: reach the global batch.** Too small: more DP or more accumulation (or CP for long
+# sequences). Too big: fewer DP replicas in favour of other axes (or less CP).
+#
+# **Step 3: make it fast.** Grow TP to the node size; grow DP with ZeRO-3 at a fixed batch; move
+# to PP once DP's communication is the bottleneck; one axis at a time; sweep the micro-batch.
+
+# %%
+for n_params, gpus in ((3e9, 8), (70e9, 64), (70e9, 512), (405e9, 16384)):
+    options = [" + ".join(sorted(o)) for o in rules.step1_techniques(n_params, gpus)]
+    print(f"{n_params / 1e9:>4.0f}B on {gpus:>5} GPUs: {' | '.join(options)}")
+print("GPU-poor:", rules.gpu_poor(gas=4))
+print("step 2, 16 sequences of 4096 per step with mbs 2 on 8 replicas: gas =",
+      rules.step2_gradient_accumulation(16 * 4096, 4096, mbs=2, replicas=8))
+print("step 2, 512K tokens for a 1M target:", rules.step2_adjust(BATCH, BATCH // 2))
+assert rules.step1_techniques(405e9, 16384) == [frozenset({"TP", "PP", "ZeRO-2"})]
+assert rules.step2_gradient_accumulation(BATCH, SEQ, mbs=1, replicas=64) == 4
+
+# %% [markdown]
+# ## 2. The search space, and what cannot be
+#
+# A layout (`ParallelConfig`) fixes `dp, tp, pp, cp, ep`, the ZeRO stage, `mbs`, `gas`, the
+# recomputation and the pipeline schedule. The enumerator keeps those that obey the rules:
+# TP inside a node and dividing the heads, at least one layer per stage, CP splitting the sequence
+# into `2·cp` zig-zag chunks, EP dividing the experts, and a batch shared evenly. For Llama 3 8B at
+# the book's sequence and batch:
+
+# %%
+for nodes in (1, 8, 64):
+    count = sum(1 for _ in enumerate_configs(LLAMA3_8B, gpus=8 * nodes, global_batch_tokens=BATCH, seq=SEQ))
+    print(f"{nodes:>2} node(s), {8 * nodes:>3} GPUs: {count:>5} valid layouts")
+
+bad = ParallelConfig(dp=2, tp=16, pp=1, mbs=64, gas=1)
+for line in violations(LLAMA3_8B, bad, gpus=32, global_batch_tokens=BATCH, seq=SEQ):
+    print(" -", line)
+assert len(violations(LLAMA3_8B, bad, gpus=32, global_batch_tokens=BATCH, seq=SEQ)) == 3   # tp twice, the batch once
+
+# %% [markdown]
+# Requests that no layout can meet get a reason and a way out, not a traceback from deep inside:
+
+# %%
+requests = {"Llama 3 8B, a batch of 256.02 sequences": dict(model=LLAMA3_8B, gpus=8, global_batch_tokens=BATCH + 100, seq=SEQ),
+            "Llama 3 70B on one node": dict(model=LLAMA3_70B, gpus=8, global_batch_tokens=BATCH, seq=SEQ),
+            "a 2-layer model, 2 sequences, 9 GPUs": dict(model=LLAMA_TINY, gpus=9, global_batch_tokens=128, seq=64)}
+for label, request in requests.items():
+    try:
+        plan(**request)
+        raise AssertionError("this request should have been refused")
+    except PlanError as err:
+        print(f"{label}:\n  {err}\n")
+
+# %% [markdown]
+# ## 3. Memory, then time
+#
+# The filter asks `memory.breakdown` for the busiest GPU's bytes (parameters, gradients, optimizer
+# states, activations, the first pipeline stage's in-flight micro-batches included) and keeps the
+# layouts under the usable memory: 80 GB less 10% for what the model leaves out.
+#
+# The step-time model then charges each survivor (details in `plan/steptime.py`): compute at the
+# model's FLOPs divided over `tp·cp` and the slowest pipeline stage, at an H100's 989 TFLOP/s times
+# an assumed 70% matmul efficiency (lower for short micro-batches); TP's collectives in full
+# (each feeds the next matmul); CP, PP, DP and ZeRO-3 traffic only where appendix A3's ratio says it
+# cannot hide; the bubble `(pp-1)/(v·gas)`. Links are NVLink (450 GB/s) inside a node and
+# InfiniBand (50 GB/s per GPU) across nodes, as in A3. The top layouts for Llama 3 8B on 8 nodes:
+
+# %%
+def show(rows):
+    keys = ["rank", "config", "GB/GPU", "step s", "MFU", "compute", "recompute", "TP", "PP", "bubble", "DP"]
+    print("  ".join(f"{k:>9}" if k != "config" else f"{k:<32}" for k in keys))
+    for row in rows:
+        print("  ".join(f"{row[k]:<32}" if k == "config" else f"{row[k]:>9}" if isinstance(row[k], int)
+                        else f"{row[k]:>9.3f}" for k in keys))
+
+
+eight_nodes = plan(LLAMA3_8B, gpus=64, global_batch_tokens=BATCH, seq=SEQ)
+print(f"{eight_nodes.candidates} layouts, {len(eight_nodes.ranked)} fit in {gb(H100.usable_memory)}")
+show(eight_nodes.table(5))
+best = eight_nodes.best
+assert best.memory["total"] <= H100.usable_memory and all(s.step >= best.step * (1 - 0.01) for s in eight_nodes.ranked)
+
+# %% [markdown]
+# ## 4. The heatmap
+#
+# The book's figure: for each model size and node count, the best layout, coloured by its MFU.
+# We sweep five published shapes (Llama 3.2 1B and 3B, Llama 3 8B, 70B and 405B) over 1 to 64
+# nodes at 4096-token sequences and 1M-token batches, without CP as in the book's sweep.
+
+# %%
+bar = ProgressBar("heatmap cells", total=len(published.SWEEP_MODELS) * len(published.SWEEP_NODES))
+cells = published.heatmap(progress=lambda done, total: bar.update(done, total))
+names, nodes = list(published.SWEEP_MODELS), list(published.SWEEP_NODES)
+mfu = np.array([[cells[m, n].mfu if cells[m, n] else np.nan for n in nodes] for m in names])
+
+
+def heatmap_figure():
+    fig = Figure(figsize=(13, 4.6), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(mfu, cmap="viridis", vmin=0, vmax=0.7, aspect="auto")
+    for i, m in enumerate(names):
+        for j, n in enumerate(nodes):
+            cell = cells[m, n]
+            text = "does not fit" if cell is None else (cell.config.short().replace(" z", "\nz", 1)
+                                                       + f"\nMFU {cell.mfu:.0%}")
+            ax.text(j, i, text, ha="center", va="center", fontsize=6.5,
+                    color="black" if cell is not None and cell.mfu > 0.45 else "white")
+    ax.set(xticks=range(len(nodes)), xticklabels=[f"{n} node{'s' * (n > 1)}" for n in nodes],
+           yticks=range(len(names)), yticklabels=names, xlabel="8 H100 per node",
+           title="the planner's best layout per model and cluster (seq 4096, 1M-token batches), colour = MFU")
+    fig.colorbar(image, ax=ax, label="predicted MFU")
+    return fig
+
+
+heatmap_figure()
+
+# %% [markdown]
+# The book's findings, checked on the planner's numbers:
+# - **efficiency falls as nodes are added**, and most for small models: a fixed 1M-token batch
+#   spread over more GPUs leaves each fewer tokens to hide its communication behind (the big
+#   models, squeezed by memory on few nodes, can gain a little before they lose);
+# - **big models either do not fit or run near the memory limit**: 405B fits nowhere below 16
+#   nodes, 70B (the book's 80B) nowhere on one node and near the limit on four.
+
+# %%
+print("best MFU by nodes:", " ".join(str(n).rjust(5) for n in nodes))
+for m in names:
+    print(f"{m:>17}:", " ".join(f"{cells[m, n].mfu:5.2f}" if cells[m, n] else "    -" for n in nodes))
+for m in ("1B", "3B", "8B"):   # small models fit everywhere: only efficiency changes
+    row = [cells[m, n].mfu for n in nodes]
+    assert all(b <= a + 1e-9 for a, b in zip(row, row[1:])), f"{m}: MFU should not rise with nodes"
+drop = {m: cells[m, 64].mfu / max(c.mfu for n in nodes if (c := cells[m, n]) is not None) for m in names}
+print("MFU on 64 nodes / best MFU:", {m: f"{d:.2f}" for m, d in drop.items()})
+assert drop["1B"] < drop["70B"] and drop["1B"] == min(drop.values())
+assert cells["405B", 1] is None and cells["405B", 8] is None and cells["405B", 16] is not None
+assert cells["70B", 1] is None
+near = cells["70B", 4].memory["total"] / H100.usable_memory
+print(f"70B on 4 nodes: {cells['70B', 4].config.short()}, {gb(cells['70B', 4].memory['total'])} "
+      f"= {near:.0%} of the usable memory")
+assert near > 0.8
+
+# %% [markdown]
+# ## 5. Against published setups
+#
+# Two teams reported the layouts they trained with. We give the planner their model, cluster and
+# batch, let it search, and look up where their layout lands (fields they did not report, such as
+# the recomputation or the interleaving, are the planner's best for that layout):
+#
+# - **Llama 3 405B** on 16,384 H100s: TP 8, PP 16, DP 128, 8K sequences, 16M-token batches
+#   (and CP 16 for its 128K-token stage);
+# - **DeepSeek-V3** on 2,048 H800s (NVLink cut to about 160 GB/s): PP 16, EP 64, ZeRO-1, no TP,
+#   approximated by the course's MoE config (about 700B parameters, 36B active).
+
+# %%
+comparisons = {}
+for setup in published.PUBLISHED:
+    max_cp = 64 if setup.seq > 8192 else 1
+    comparisons[setup.name] = r = published.compare(setup, max_cp=max_cp)
+    p, b = r["published"], r["best"]
+    print(f"{setup.name} ({setup.source})")
+    print(f"  published {p.config.short():<44} MFU {p.mfu:.0%}, {gb(p.memory['total'])}: rank {r['rank']} "
+          f"of {r['of']}, {r['slowdown']:.2f} x the best step")
+    print(f"  planner   {b.config.short():<44} MFU {b.mfu:.0%}, {gb(b.memory['total'])}")
+    print("  published step by part:", ", ".join(f"{k} {v:.2f} s" for k, v in p.time.items()
+                                                if k not in ("step", "mfu", "tokens/s/gpu") and v > 0))
+
+# %% [markdown]
+# Where the planner and the teams agree, and where not, and why:
+# - **Llama 3 405B, 8K**: the published layout is among the planner's best (within 10% of its
+#   fastest step). The planner's own favourite leans on ZeRO-3 over thousands of ranks: our ring
+#   model charges one collective per micro-batch, while a real FSDP run issues one per layer and
+#   pays a latency per ring step at every one, which is why teams stop scaling pure DP/ZeRO-3 at a
+#   few hundred GPUs (step 1's rule).
+# - **Llama 3 405B, 128K**: same TP and PP; the planner would rather double CP to 32 and keep
+#   selective instead of full recomputation, because it believes ring attention's K/V passing
+#   always hides behind attention. Across 32 nodes that belief is optimistic (more hops, slower
+#   links, kernels on shorter blocks).
+# - **DeepSeek-V3**: far from the planner's best, and the reason is one term: the all-to-all of
+#   expert parallelism, which our model charges in full. DeepSeek built DualPipe precisely to hide
+#   it behind the other micro-batch's compute, limited each token to 4 nodes, and trained in FP8;
+#   none of that is in our model. Without the EP term their layout would be close to the best.
+
+# %%
+llama, long, deepseek = (comparisons[s.name] for s in published.PUBLISHED)
+assert llama["slowdown"] <= 1.10 and llama["rank"] <= 0.05 * llama["of"]     # among the best
+assert long["published"] is not None and long["slowdown"] <= 1.35                 # the CP disagreement
+ep_share = deepseek["published"].time["EP"] / deepseek["published"].step
+without_ep = (deepseek["published"].step - deepseek["published"].time["EP"]) / deepseek["best"].step
+print(f"DeepSeek-V3: EP all-to-all is {ep_share:.0%} of the published step; without it the step would be "
+      f"{without_ep:.2f} x the planner's best")
+assert ep_share > 0.4 and without_ep < 1.5
+
+# %% [markdown]
+# ## 6. An explorer
+#
+# Pick a model, a cluster, a batch, a sequence length and the GPU memory: the explorer runs the
+# planner and shows its top layouts, with the memory and the time of the best one by part. (Run
+# the cell in JupyterLab; the saved notebook shows the default case underneath.)
+
+# %%
+EXPLORER_MODELS = {**published.SWEEP_MODELS, "DeepSeek-V3 (MoE)": published.DEEPSEEK_V3}
+
+
+def explorer_figure(result, top=8):
+    fig = Figure(figsize=(12, 3.6), layout="constrained")
+    mem_ax, time_ax = fig.subplots(1, 2)
+    rows = result.ranked[:top]
+    labels = [s.config.short() for s in rows]
+    left = np.zeros(len(rows))
+    for key, colour in (("parameters", "#4c72b0"), ("gradients", "#dd8452"), ("optimizer states", "#55a868"),
+                        ("activations", "#c44e52")):
+        values = np.array([s.memory[key] / 1e9 for s in rows])
+        mem_ax.barh(labels, values, left=left, color=colour, label=key)
+        left += values
+    mem_ax.axvline(result.hardware.usable_memory / 1e9, color="black", ls="--", lw=1)
+    mem_ax.invert_yaxis()
+    mem_ax.set(xlabel="GB per GPU (dashed: usable)", title="memory of the top layouts")
+    mem_ax.legend(fontsize=7, loc="lower right")
+    left = np.zeros(len(rows))
+    for key in ("compute", "recompute", "TP", "CP", "EP", "PP", "bubble", "DP"):
+        values = np.array([s.time[key] for s in rows])
+        time_ax.barh(labels, values, left=left, label=key)
+        left += values
+    time_ax.invert_yaxis()
+    time_ax.set(xlabel="seconds per step", title="step time by part")
+    time_ax.set_yticks(range(len(rows)), [f"MFU {s.mfu:.0%}" for s in rows])
+    time_ax.legend(fontsize=7, loc="lower right", ncol=2)
+    return fig
+
+
+def explore(model="8B", gpus=64, batch_tokens=BATCH, seq=SEQ, memory_gb=80, top=8):
+    """The planner's top layouts for one request, as a figure; a refused request as its reason."""
+    try:
+        result = plan(EXPLORER_MODELS[model], gpus=gpus, global_batch_tokens=batch_tokens, seq=seq,
+                      hardware=H100.with_memory(memory_gb * 1e9), max_cp=8)
+    except PlanError as err:
+        return None, str(err)
+    return result, explorer_figure(result, top)
+
+
+def explorer_widget():
+    import ipywidgets as w
+
+    controls = dict(model=w.Dropdown(options=list(EXPLORER_MODELS), value="8B", description="model"),
+                    gpus=w.Dropdown(options=[8 * 2**k for k in range(0, 10)], value=64, description="GPUs"),
+                    batch_tokens=w.Dropdown(options=[2**k for k in range(18, 25)], value=BATCH, description="batch"),
+                    seq=w.Dropdown(options=[2**k for k in range(11, 18)], value=SEQ, description="seq"),
+                    memory_gb=w.Dropdown(options=[24, 40, 80, 141], value=80, description="GB/GPU"))
+    image, text = w.Image(format="png"), w.HTML()
+
+    def redraw(_=None):
+        result, figure = explore(**{k: c.value for k, c in controls.items()})
+        if result is None:
+            text.value, image.value = f"<b>refused:</b> {figure}", b""
+            return
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=80)
+        image.value = buffer.getvalue()
+        text.value = "<br>".join(f"{i}. {s.config.short()}: {s.step:.2f} s, MFU {s.mfu:.0%}, "
+                                 f"{s.memory['total'] / 1e9:.1f} GB" for i, s in enumerate(result.ranked[:5], 1))
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
+    return with_text_repr(w.VBox, "[configuration explorer: run this cell in JupyterLab to use it]")(
+        [w.HBox(list(controls.values())), text, image])
+
+
+# %% tags=["nbval-ignore-output"]
+# (a widget is an interactive view, different in every session: its output is not compared)
+explorer_widget()
+
+# %%
+default, figure = explore()
+show(default.table(5))
+figure
+
+# %% [markdown]
+# ## 7. The planner against real ranks
+#
+# A cost model earns trust by predicting something measurable. On this machine we can run small
+# layouts for real with the chapters' own techniques. The recipe:
+#
+# 1. **calibrate**: the FLOP/s one rank achieves in an unsharded forward and backward of the
+#    course GPT (every rank at once, as in the layouts), and gloo's all-reduce times over a sweep
+#    of sizes, fitted with appendix A0's alpha-beta model. A CPU's gloo collectives run on the
+#    cores that compute, so the calibrated hardware hides nothing (`overlap=False`);
+# 2. **predict** the step of each layout (DP, ZeRO-3, TP with SP, PP with 1F1B) on `WORLD_SIZE`
+#    ranks with the same `step_time` that planned the H100 clusters;
+# 3. **measure** the same layouts: `apply_data_parallel`, `apply_zero`, `apply_tp`, `apply_pp`.
+#
+# Other work shares this machine's two cores, and its load changes from second to second: two
+# timings of the same step taken a minute apart can differ by a factor of three. So each layout's
+# step is timed right after an unsharded compute step (the calibration's own), round after round,
+# and we compare quotients: the measured step in units of the compute step beside it (the median
+# over rounds) against the predicted step in units of the predicted compute step.
+
+# %%
+cluster = Cluster(WORLD_SIZE, backend="gloo")
+configs = cal.calibration_configs(WORLD_SIZE)
+model = cal.CALIBRATION_MODEL
+bandwidth = cluster.run(cal.measure_bandwidth, repeats=3 if QUICK else 10)[0]
+rounds = 7 if QUICK else 15
+bar = ProgressBar("calibration rounds", total=rounds + 1)
+pairs = cluster.run(cal.measure_steps, configs, rounds=rounds, progress=True,
+                    on_log=lambda rank, m: rank == 0 and bar.update(m["round"], m["rounds"]))[0]
+machine = cal.machine_hardware([a for rows in pairs.values() for a, _ in rows], bandwidth, WORLD_SIZE)
+comparison = cal.compare(pairs, configs, machine)
+ratios = {name: r["ratio"] for name, r in comparison.items()}
+print(f"layouts measured: {', '.join(f'{k} ({c.short()})' for k, c in configs.items())}")
+
+# %% tags=["nbval-ignore-output"]
+print(f"calibrated: {machine.peak_flops / 1e9:.2f} GFLOP/s per rank (course GPT, h {model.hidden}, "
+      f"{model.layers} layers, seq {model.seq_len}), gloo alpha {machine.intra_node.alpha * 1e6:.0f} us, "
+      f"beta {machine.intra_node.beta / 1e9:.2f} GB/s")
+for name, r in comparison.items():
+    p = r["predicted"]
+    parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in p.items() if k not in ("step", "mfu", "tokens/s/gpu") and v)
+    print(f"{name:>6} {configs[name].short():<24} predicted {1e3 * p['step']:6.1f} ms ({parts}) = "
+          f"{r['predicted_units']:.2f} compute steps; measured {r['measured_units']:.2f} compute steps "
+          f"(rounds: {', '.join(f'{b / a:.2f}' for a, b in pairs[name])}); measured / predicted {r['ratio']:.2f}")
+
+# %% [markdown]
+# What to expect. The target is 30%, and the model should meet it where it knows everything that
+# happens: **DP** (one all-reduce of the gradients beside the backward; on a CPU nothing hides)
+# and **PP** (one activation per micro-batch, and the bubble). Where it does not, the measurement
+# comes out slower than the prediction, for reasons we can name:
+# - **TP** does more than the model counts on a CPU: besides its 8 collectives per layer, the
+#   vocabulary-parallel embedding and loss and the sequence-parallel norms communicate; each
+#   collective is a few small messages at gloo's latency of about a millisecond; and matmuls split
+#   four ways over a 128-wide model run below the calibrated speed.
+# - **ZeRO-3** gathers and frees each block's weights in flat buffers, forward and backward:
+#   copies and Python work per block that the model, which counts bytes on the wire, leaves out.
+#   Its prefetch can also use a core another rank leaves idle, which pulls the other way.
+#
+# Load still reaches the quotients: a layout that communicates, or whose ranks wait for each other
+# (PP), waits for a core more often than the compute step beside it, and the per-round quotients
+# printed above show how far apart rounds can land. On a quiet machine (load average about 1) the
+# rounds agree to within about 20%, and we measured DP at 1.28 and PP at 1.23, within the 30%
+# target, and ZeRO-3 at 2.0 and TP at 4.2: steady gaps, the model's missing pieces named above, not
+# noise. With other work keeping the load average above 10 on these two cores, the rounds spread by
+# factors of two to five, and we saw DP anywhere from 1.03 to 1.9, PP up to 2.3 and TP up to 5.4.
+# So the asserted band is what this shared machine lets us promise: DP and PP within a factor of
+# 1.5 below and 2.5 above their prediction, ZeRO-3 within 2 below and 5 above, and TP within 2
+# below and 10 above, the one direction its missing pieces push it. Which layouts met the 30%
+# target in this run is printed below.
+
+# %% tags=["nbval-ignore-output"]
+within = [name for name, r in ratios.items() if 1 / 1.3 <= r <= 1.3]
+print("within 30%:", ", ".join(within) or "none", "| outside:",
+      ", ".join(n for n in ratios if n not in within) or "none")
+
+# %%
+for name in ("DP", "PP"):
+    assert name not in ratios or 1 / 1.5 <= ratios[name] <= 2.5, (name, ratios[name])
+assert 1 / 2 <= ratios["ZeRO-3"] <= 5, ratios["ZeRO-3"]
+assert "TP" not in ratios or 1 / 2 <= ratios["TP"] <= 10, ratios["TP"]
+
+# %% [markdown]
+# ## 8. Robustness: a hung rank, found and cleaned up
+#
+# The book's sweep met problems no cost model has: processes that did not clean up, jobs killed,
+# benchmarks that hung for hours. The usual cause of a hang is a collective that not every rank
+# joins. Here rank 0 all-reduces while the others skip it: rank 0 waits forever. The runtime's
+# timeout turns that into a `CallTimeout` that shows where each rank was, then restarts the ranks,
+# which destroys the stuck process group; closing the cluster leaves no process behind.
+
+# %%
+def mismatched_collective(ctx):
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(1))   # nobody else joins: rank 0 hangs here
+    return ctx.rank
+
+
+hung_pids = cluster.pids
+started = time.perf_counter()
+try:
+    cluster.run(mismatched_collective, timeout=3)
+    raise AssertionError("the mismatched collective should have timed out")
+except CallTimeout as err:
+    waited = time.perf_counter() - started
+    print(type(err).__name__ + ":", str(err).splitlines()[0])
+    assert "all_reduce" in str(err)   # the message shows rank 0 stuck in the all-reduce
+assert waited < 30
+assert cluster.run(lambda ctx: ctx.rank) == list(range(WORLD_SIZE))   # usable again, new ranks
+new_pids = cluster.pids
+assert not set(new_pids) & set(hung_pids)
+cluster.close()
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:          # a reaped process is gone; a zombie counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+leftover = [pid for pid in hung_pids + new_pids if os.path.exists(f"/proc/{pid}") and alive(pid)]
+print(f"ranks started: {len(hung_pids) + len(new_pids)}, still running after close: {len(leftover)}")
+assert not leftover
+
+# %% [markdown]
+# ## Summary
+#
+# - The book's three steps become rules (`plan.rules`) and a search (`plan.plan`): enumerate the
+#   layouts that can exist, keep those that fit in memory, rank the rest by a step-time model.
+# - The step-time model is appendix A3 put to work: compute at 6N per token plus attention, TP's
+#   collectives on the critical path, DP, ZeRO-3, CP and PP traffic only where it cannot hide, the
+#   pipeline bubble. Its inputs are a `Hardware` (H100 defaults with their sources), and a
+#   measurement turns this machine into one.
+# - It reproduces the book's heatmap findings, puts Llama 3 405B's layout among its best, and
+#   misses DeepSeek-V3's by exactly the expert all-to-all that DeepSeek built DualPipe to hide.
+# - On real ranks it predicts the layouts it models fully; where it does not, the gap has a reason.
+# - And the lesson of large sweeps: put a timeout on everything, and make sure nothing survives it.

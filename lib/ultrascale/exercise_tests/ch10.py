@@ -1,0 +1,154 @@
+"""Tests of the chapter 10 exercises (solutions/10_best_configuration_exercises.ipynb).
+
+* ``10.enumerate``: ``layouts(gpus, global_batch_tokens, seq, layers, heads, kv_heads,
+  gpus_per_node=8)``, the set of ``(dp, tp, pp, cp, mbs, gas)`` tuples of a dense model
+  (``dp*pp*cp*tp = gpus``, ``mbs*gas*dp*seq = batch``, TP inside a node and dividing the
+  heads and K/V heads, ``pp <= layers``, cp > 1 cutting seq into ``2*cp`` chunks), compared
+  with ``plan.enumerate_configs`` on the book's sizes and random ones; a batch that is not a
+  whole number of sequences must raise ValueError.
+* ``10.memory_filter``: ``fitting(model, configs, seq, memory_bytes, headroom)``, the configs
+  whose busiest GPU fits in ``memory_bytes * (1 - headroom)``, each with the bytes it needs,
+  through ``memory.breakdown`` (allowed); compared with ``plan.fit.memory_filter``.
+* ``10.step1``: ``step1_techniques(n_params, gpus, gpus_per_node=8, long_sequence=False,
+  moe=False)``, the book's step-1 rule as a list of sets of technique names, compared (as a set
+  of sets) with ``plan.rules.step1_techniques`` at the rule's boundaries and on random inputs.
+
+While the learner's code runs, the planner's own functions (``ultrascale.plan``) refuse to run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from ultrascale import plan as _plan
+from ultrascale.grading import exercise
+from ultrascale.grading.guards import call_learner, expect_value_error, without_library
+from ultrascale.model import LLAMA3_8B, LLAMA3_70B, LlamaConfig
+from ultrascale.plan import enumerate as _enumerate
+from ultrascale.plan import fit as _fit
+from ultrascale.plan import rules as _rules
+from ultrascale.plan import search as _search
+from ultrascale.plan import steptime as _steptime
+
+PLANNER = [_enumerate.enumerate_configs, _enumerate.violations, _enumerate.sequences_per_step, _enumerate.divisors,
+           _fit.memory_per_gpu, _fit.memory_filter, _fit.fits, _search.plan, _steptime.step_time,
+           _rules.step1_techniques, _rules.step2_gradient_accumulation, _rules.techniques]
+
+
+def _model(layers, heads, kv_heads):
+    return LlamaConfig(vocab_size=256, hidden=8 * heads, layers=layers, heads=heads, kv_heads=kv_heads,
+                       ffn=16 * heads, seq_len=64)
+
+
+def _reference_layouts(gpus, batch, seq, layers, heads, kv_heads, gpus_per_node=8) -> set:
+    model = _model(layers, heads, kv_heads)
+    return {(c.dp, c.tp, c.pp, c.cp, c.mbs, c.gas)
+            for c in _plan.enumerate_configs(model, gpus=gpus, global_batch_tokens=batch, seq=seq,
+                                             gpus_per_node=gpus_per_node, zero_stages=(0,), recompute=("none",),
+                                             max_cp=gpus)}
+
+
+def _enumerate_cases(quick: bool):
+    fixed = [(8, 2**20, 4096, 32, 32, 8), (16, 2**20, 4096, 32, 32, 8), (12, 24 * 64, 64, 6, 12, 4),
+             (6, 6 * 32, 32, 2, 6, 6), (7, 14 * 64, 64, 8, 4, 4), (32, 64 * 128, 128, 4, 24, 8, 4),
+             (8, 8 * 24, 24, 1, 4, 4)]   # cp 8 divides seq 24 but 2 cp does not: the zig-zag rule
+    rng = random.Random(10)
+    more = []
+    for _ in range(6 if quick else 40):
+        heads = rng.choice([4, 6, 8, 12, 16, 32])
+        more.append((rng.randint(1, 24), rng.choice([1, 2, 3, 4, 6, 8, 12, 16]) * 64 * rng.randint(1, 4), 64,
+                     rng.randint(1, 12), heads, rng.choice([k for k in (1, 2, 4, heads) if heads % k == 0])))
+    return fixed + more
+
+
+def _layout_hint(got: set, expected: set) -> str:
+    extra, missing = sorted(got - expected), sorted(expected - got)
+    text = ""
+    if extra:
+        dp, tp, pp, cp, mbs, gas = extra[0]
+        text += f" You return {len(extra)} layout(s) that break a rule, e.g. (dp, tp, pp, cp, mbs, gas) = {extra[0]}"
+    if missing:
+        text += f"{';' if text else ''} you miss {len(missing)} valid layout(s), e.g. {missing[0]}"
+    return text + ". Rules: TP divides the GPUs of a node and the heads and K/V heads; pp <= layers; cp > 1 needs seq " \
+                  "divisible by 2*cp; dp*pp*cp*tp = gpus; mbs*gas*dp*seq = batch."
+
+
+@exercise("10.enumerate", points=1)
+def test_enumerate(layouts, quick: bool = True):
+    """The set of valid layouts equals the planner's on the book's sizes and random small ones."""
+    layouts = without_library(layouts, PLANNER, "10.enumerate", "enumerate the degrees yourself")
+    for case in _enumerate_cases(quick):
+        gpus, batch, seq, layers, heads, kv = case[:6]
+        node = case[6] if len(case) > 6 else 8
+        call = (f"layouts(gpus={gpus}, global_batch_tokens={batch}, seq={seq}, layers={layers}, heads={heads}, "
+                f"kv_heads={kv}, gpus_per_node={node})")
+        expected = _reference_layouts(gpus, batch, seq, layers, heads, kv, node)
+        got = call_learner(layouts, gpus, batch, seq, layers, heads, kv, gpus_per_node=node, call=call)
+        assert got is not None, f"{call} returned None; return a set of (dp, tp, pp, cp, mbs, gas) tuples"
+        got = {tuple(int(x) for x in t) for t in got}
+        assert got == expected, f"{call}: {len(got)} layouts, expected {len(expected)}.{_layout_hint(got, expected)}"
+    expect_value_error(layouts, 8, 2**20 + 1, 4096, 32, 32, 8, why="the batch is not a whole number of sequences")
+
+
+def _filter_cases(quick: bool):
+    rng = random.Random(11)
+    cases = []
+    for model, gpus in ((LLAMA3_8B, 16), (LLAMA3_70B, 64)):
+        configs = list(_plan.enumerate_configs(model, gpus=gpus, global_batch_tokens=2**20, seq=4096, max_cp=4))
+        cases.append((model, rng.sample(configs, 30 if quick else 200), 4096, rng.choice([40e9, 80e9, 141e9]),
+                      rng.choice([0.0, 0.1])))
+    return cases
+
+
+@exercise("10.memory_filter", points=1)
+def test_memory_filter(fitting, quick: bool = True):
+    """The configs that fit and their bytes equal the planner's filter (within 1e-9 relative)."""
+    fitting = without_library(fitting, PLANNER, "10.memory_filter", "call memory.breakdown yourself")
+    for model, configs, seq, memory_bytes, headroom in _filter_cases(quick):
+        usable = memory_bytes * (1 - headroom)
+        expected, _ = _fit.memory_filter(model, configs, seq, _plan.Hardware(memory_bytes=memory_bytes,
+                                                                             memory_headroom=headroom))
+        call = f"fitting({model.hidden=}, {len(configs)} configs, seq={seq}, memory_bytes={memory_bytes:.3g}, " \
+               f"headroom={headroom})"
+        got = call_learner(fitting, model, configs, seq, memory_bytes, headroom, call=call)
+        assert got is not None, f"{call} returned None; return a list of (config, bytes) pairs"
+        got = list(got)
+        expected_set = {c for c, _ in expected}
+        got_set = {c for c, _ in got}
+        if got_set != expected_set:
+            wrong = sorted(got_set ^ expected_set)[0]
+            need = _fit.memory_per_gpu(model, wrong, seq)["total"]
+            raise AssertionError(
+                f"{call}: {wrong.short()} needs {need / 1e9:.2f} GB of the {usable / 1e9:.2f} GB usable, so it "
+                f"{'fits' if wrong in expected_set else 'does not fit'}, but you "
+                f"{'left it out' if wrong in expected_set else 'kept it'}. Pass ZeRO the ranks that hold the same "
+                "weights (dp * cp), the memory model tp, pp, cp and the micro-batch, and compare with "
+                "memory_bytes * (1 - headroom).")
+        for c, nbytes in got:
+            want = _fit.memory_per_gpu(model, c, seq)["total"]
+            assert math.isclose(nbytes, want, rel_tol=1e-9), (
+                f"{call}: {c.short()} needs {want / 1e9:.4f} GB, you say {nbytes / 1e9:.4f}: call breakdown with "
+                "the layout's degrees (ZeRO shards over dp * cp ranks) and add parameters, gradients, optimizer "
+                "states and activations")
+
+
+STEP1_CASES = [(3e9, 8), (9.99e9, 8), (10e9, 8), (3e9, 16), (70e9, 64), (70e9, 511), (70e9, 512), (8e9, 1023),
+               (405e9, 1024), (405e9, 16384), (1e9, 1), (100e9, 256)]
+
+
+@exercise("10.step1", points=1)
+def test_step1(step1_techniques, quick: bool = True):
+    """The combinations equal the library's rule at its boundaries, with CP and EP extras."""
+    step1_techniques = without_library(step1_techniques, PLANNER, "10.step1", "write the rule's branches")
+    rng = random.Random(12)
+    cases = STEP1_CASES + [(10 ** rng.uniform(8, 12), rng.randint(1, 20000)) for _ in range(10 if quick else 100)]
+    for n, gpus in cases:
+        for long_sequence, moe in ((False, False), (True, False), (False, True), (True, True)):
+            call = f"step1_techniques({n:.4g}, {gpus}, long_sequence={long_sequence}, moe={moe})"
+            expected = {frozenset(o) for o in _rules.step1_techniques(n, gpus, long_sequence=long_sequence, moe=moe)}
+            got = call_learner(step1_techniques, n, gpus, long_sequence=long_sequence, moe=moe, call=call)
+            assert got is not None, f"{call} returned None; return a list of sets of technique names"
+            got = {frozenset(o) for o in got}
+            assert got == expected, (f"{call}: expected {sorted(sorted(o) for o in expected)}, got "
+                                     f"{sorted(sorted(o) for o in got)}")

@@ -1,0 +1,145 @@
+"""Mixture of experts (MoE): a router and E feed-forward experts in place of one MLP.
+
+A dense block sends every token through the same MLP. An MoE block holds E MLPs, the
+*experts*, and a *router* that picks k of them per token (Switch Transformer: k = 1;
+Mixtral: k = 2; DeepSeek-V3: 8 of 256). A token's output is the weighted sum of its k
+experts' outputs, so the model has E times the MLP parameters but each token pays for
+only k MLPs: more parameters at nearly the same FLOPs.
+
+* ``Router``: a linear layer to E logits, softmax, top-k. With k > 1 the k weights are
+  renormalised to sum to 1 (Mixtral); with k = 1 the weight is the probability itself
+  (Switch), since a renormalised single weight is always 1 and the router would get no
+  gradient from the loss. *Group-limited* routing (DeepSeek's node-limited routing) lets a
+  token choose experts from at most ``group_limit`` of ``expert_groups`` groups of experts:
+  the groups with the highest best-expert probability.
+* ``apply_experts``: the tokens gathered per expert (sorted by expert id), each expert run
+  once on its batch of tokens, the outputs weighted and added back to their tokens.
+* ``MoE``: the module. ``experts_forward`` is the step expert parallelism replaces from
+  outside (``parallel.expert_parallel``): the router and the weighting stay the same.
+* ``balance_loss``: the load-balancing loss, per sequence as DeepSeek-V3's complementary
+  loss, so that the mean over ranks holding different sequences is the loss of the whole
+  batch. It is recorded on the module (``aux_loss``) and added by ``auxiliary_loss(model)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Router(nn.Module):
+    """Token -> (weights (T, k), chosen experts (T, k), probabilities (T, E))."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, expert_groups: int = 1, group_limit: int = 0):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.top_k, self.expert_groups, self.group_limit = top_k, expert_groups, group_limit
+        # Added to the probabilities when choosing, not to the weights (DeepSeek-V3's bias for
+        # balancing without a loss). Zero by default; chapter 08 skews it to load one expert.
+        self.register_buffer("selection_bias", torch.zeros(experts))
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x), dim=-1)
+        scores = probs + self.selection_bias
+        if self.group_limit:
+            scores = limit_groups(scores, self.expert_groups, self.group_limit)
+        chosen = scores.topk(self.top_k, dim=-1).indices
+        weights = probs.gather(-1, chosen)
+        if self.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, chosen, probs
+
+
+def limit_groups(scores, groups: int, limit: int):
+    """``scores`` (T, E) with the experts outside each token's ``limit`` best groups set to
+    -inf, so top-k never picks them. A group's score is its best expert's score."""
+    t, e = scores.shape
+    best = scores.detach().view(t, groups, e // groups).amax(-1)          # (T, groups)
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter(1, best.topk(limit, dim=-1).indices, True)
+    return scores.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
+
+
+def apply_experts(experts, x, chosen, weights):
+    """``y[t] = sum_j weights[t, j] * experts[chosen[t, j]](x[t])``, skipping ``chosen = -1``.
+
+    ``experts`` is a sequence; ``chosen`` indexes it. Every (token, slot) pair is sorted by
+    expert, so each expert runs once on one contiguous batch of its tokens (and on an empty
+    batch if none came: its gradient is then zero, not missing, on every rank alike).
+    """
+    rows, slots = (chosen >= 0).nonzero(as_tuple=True)
+    ids = chosen[rows, slots]
+    order = torch.argsort(ids, stable=True)
+    rows, slots, ids = rows[order], slots[order], ids[order]
+    counts = torch.bincount(ids, minlength=len(experts)).tolist()
+    out = torch.cat([expert(part) for expert, part in zip(experts, x[rows].split(counts))])
+    out = out * weights[rows, slots].unsqueeze(-1)
+    return x.new_zeros(x.shape).index_add(0, rows, out)
+
+
+def grouped_mlp(experts, x_sorted, counts):
+    """The experts of ``apply_experts`` as one batched matmul per layer (GPT-style MLP experts).
+
+    A per-expert loop launches E small matmuls; a grouped GEMM launches one. Here the tokens
+    are padded to the busiest expert's count and run as ``torch.bmm`` over stacked weights,
+    the simplest grouped form (real kernels skip the padding). Same result as the loop.
+    """
+    e, most = len(counts), max(counts)
+    padded = x_sorted.new_zeros(e, most, x_sorted.shape[-1])
+    mask = torch.arange(most, device=x_sorted.device) < torch.tensor(counts, device=x_sorted.device)[:, None]
+    padded[mask] = x_sorted
+    fc_w = torch.stack([m.fc.weight for m in experts]).transpose(1, 2)
+    proj_w = torch.stack([m.proj.weight for m in experts]).transpose(1, 2)
+    hidden = F.gelu(torch.bmm(padded, fc_w) + torch.stack([m.fc.bias for m in experts])[:, None],
+                    approximate="tanh")
+    out = torch.bmm(hidden, proj_w) + torch.stack([m.proj.bias for m in experts])[:, None]
+    return out[mask]
+
+
+def balance_loss(probs, chosen, experts: int, sequences: int):
+    """Sequence-wise load-balancing loss: mean over sequences of ``sum_i f_i * P_i``.
+
+    ``f_i``: the fraction of the sequence's (token, slot) choices that went to expert i,
+    times E; ``P_i``: the mean router probability of expert i over the sequence. It is 1 for
+    a perfectly even split and grows as the router favours a few experts.
+    """
+    t, k = chosen.shape
+    per_seq = t // sequences
+    chosen_counts = F.one_hot(chosen, experts).sum(1).view(sequences, per_seq, experts).sum(1)
+    f = chosen_counts.to(probs.dtype) * experts / (k * per_seq)
+    p = probs.view(sequences, per_seq, experts).mean(1)
+    return (f * p).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward: ``router``, ``experts`` (made by ``make_expert``)."""
+
+    def __init__(self, hidden: int, config, make_expert):
+        super().__init__()
+        self.router = Router(hidden, config.experts, config.top_k, config.expert_groups, config.group_limit)
+        self.experts = nn.ModuleList(make_expert() for _ in range(config.experts))
+        self.num_experts, self.aux_loss_coef = config.experts, config.aux_loss_coef
+        self.aux_loss = None   # coef * balance loss of the last forward (when coef > 0)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        tokens = x.reshape(-1, h)
+        weights, chosen, probs = self.router(tokens)
+        if self.aux_loss_coef:
+            self.aux_loss = self.aux_loss_coef * balance_loss(probs, chosen, self.num_experts, b)
+        return self.experts_forward(tokens, chosen, weights).view(b, s, h)
+
+    def experts_forward(self, tokens, chosen, weights):
+        """Run every token through its chosen experts (replaced by expert parallelism)."""
+        return apply_experts(self.experts, tokens, chosen, weights)
+
+
+def auxiliary_loss(model):
+    """The sum of the MoE layers' load-balancing losses of the last forward (0 if none):
+    what the training loss adds to the language-model loss."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    return sum(losses) if losses else 0.0
+
+
+def moe_params_per_layer(hidden: int, experts: int, expert_params: int) -> int:
+    """Parameters of one MoE feed-forward: the router (h x E, no bias) and E experts."""
+    return hidden * experts + experts * expert_params

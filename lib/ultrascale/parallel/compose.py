@@ -1,0 +1,312 @@
+"""5D parallelism: the chapters' techniques applied together to one model, on one mesh.
+
+Each technique of chapters 02-08 takes its own axis of the mesh (``parallel.mesh``):
+``tp`` (tensor, with optional sequence parallelism), ``cp`` (context), ``ep`` (expert),
+``pp`` (pipeline) and ``dp`` (data, plain or ZeRO). ``apply_parallelisms`` applies them
+from outside in one fixed order, torchtitan's:
+
+1. **TP/SP** swaps the linears for their sharded versions: it must see the whole model;
+2. **CP** replaces the attention cores, and **EP** the MoE layers (they run inside a stage);
+3. **PP** cuts what is left into stages; a stage keeps the layers TP already sharded, so
+   every pipeline stage is itself tensor-parallel (the tp ranks of one stage share a pp
+   coordinate, so the pipeline pairs ranks of equal tp coordinate);
+4. **DP/ZeRO** last: it must see the parameters the others have sharded, and it averages
+   the gradients over every rank that saw *different data* for the same parameter.
+
+Which ranks see different data? The dp ranks (different rows), the cp ranks (different
+tokens of the same rows) and, for the dense layers of an MoE model, the ep ranks (different
+rows too: ep "borrows" ranks from dp). So the dense gradients are averaged over the joint
+group ``("dp", "ep", "cp")`` and the expert gradients over ``("dp", "cp")``: one all-reduce
+per parameter does what CP's own gradient hook and DP's all-reduce would do one after the
+other. The tp and pp ranks hold *different* parameters (or, for TP's replicated norms and
+biases, the same gradient already), so nothing is reduced over them.
+
+    config = ParallelConfig(dp=2, pp=2, tp=2, microbatches=2)
+    def fn(ctx):
+        mesh = build_mesh(ctx, config)
+        par = apply_parallelisms(GPT(gpt_config), mesh, config)
+        losses = par.train(par.batches(data), steps=3)   # data: a parity.Batches
+        return par.full_weights()                        # whole tensors, named as in the model
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..comm.functional import gather_along_dim
+from ..parity import OPTIMIZERS, Batches, assert_same, make_optimizer, run_steps, split, weights
+from .context_parallel import apply_cp
+from .data_parallel import apply_data_parallel
+from .mesh import AXES, Mesh, init_mesh
+from .pipeline_parallel import apply_pp
+from .pipeline_runs import merge_ranks, run_pipeline_steps
+from .tensor_parallel import apply_tp
+from .zero import apply_zero
+
+__all__ = ["ParallelConfig", "Parallelized", "apply_parallelisms", "build_mesh", "data_index", "mean_loss",
+           "DENSE_AXES", "EXPERT_AXES", "JOINT_GROUPS", "train_composed", "train_one_process",
+           "assert_composition_matches", "rank_parameters"]
+
+DENSE_AXES = ("dp", "ep", "cp")    # the ranks whose data differ, for a parameter every one of them holds
+EXPERT_AXES = ("dp", "cp")         # an expert lives on one ep rank: its replicas differ along dp and cp only
+JOINT_GROUPS = [DENSE_AXES, EXPERT_AXES, ("dp", "ep")]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The degree of every axis and how the data and pipeline axes run.
+
+    ``zero``: 0 for plain data parallelism (an all-reduce of the gradients), 1 or 2 for ZeRO
+    over the data ranks. ``microbatches``: the pipeline's m (gradient accumulation without PP).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    zero: int = 0
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    cp_layout: str = "zigzag"
+    optimizer: str = "sgd"
+
+    def __post_init__(self):
+        for axis in AXES + ("microbatches",):
+            value = getattr(self, axis)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{axis} must be a positive integer, got {value!r}")
+        if self.sp and self.tp == 1:
+            raise ValueError("sequence parallelism splits the sequence over the tp ranks: it needs tp > 1")
+        if self.zero not in (0, 1, 2):
+            raise ValueError(f"zero={self.zero!r}: 0 (plain DP), 1 or 2 (ZeRO-3 is not composed here: "
+                             "it gathers each block's weights per forward; see chapter 03)")
+        if self.sp and self.pp > 1:
+            raise ValueError("sp=True with pp > 1: the pipeline sends whole sequences between stages, "
+                             "sequence parallelism would leave each rank a slice; use sp=False with pp")
+        if self.zero and self.pp > 1:
+            raise ValueError("ZeRO with pp > 1: ZeRO moves each gradient into its flat buffer during backward, "
+                             "before the pipeline adds the two halves of the tied embedding's gradient; "
+                             "use zero=0 (a plain all-reduce) with pp")
+
+    @property
+    def sizes(self) -> dict:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def layout(self) -> Mesh:
+        """The mesh of the axes used (size > 1), for printing and drawing."""
+        used = {a: s for a, s in self.sizes.items() if s > 1}
+        return Mesh(**(used or {"dp": 1}))
+
+    def __str__(self) -> str:
+        used = [f"{a}{s}" for a, s in self.sizes.items() if s > 1] or ["one rank"]
+        extras = (["sp"] if self.sp else []) + ([f"zero{self.zero}"] if self.zero else [])
+        return " x ".join(used) + "".join(f" +{e}" for e in extras)
+
+
+def build_mesh(ctx, config: ParallelConfig) -> Mesh:
+    """This rank's mesh of all five axes, with the joint data groups (call on every rank)."""
+    if config.world_size != ctx.world_size:
+        product = " x ".join(f"{a}={s}" for a, s in config.sizes.items() if s > 1) or "1"
+        raise ValueError(f"{product} = {config.world_size} ranks, but the cluster has {ctx.world_size}: "
+                         f"choose degrees whose product is {ctx.world_size}")
+    return init_mesh(ctx, joint=JOINT_GROUPS, **config.sizes)
+
+
+def data_index(mesh: Mesh, rank: int) -> tuple[int, int]:
+    """Which rows a rank trains on: (index, ways) over the dp x ep ranks (dp outer)."""
+    c = mesh.coordinate(rank)
+    return c.get("dp", 0) * mesh.size("ep") + c.get("ep", 0), mesh.size(("dp", "ep"))
+
+
+def mean_loss(per_rank_losses: list, mesh: Mesh) -> list:
+    """The loss curve of the whole batch from every rank's curve: the mean over the ranks with
+    different data (tp coordinate 0, and only the pipeline's last stage, which holds the loss)."""
+    curves = [c for r, c in enumerate(per_rank_losses)
+              if mesh.coordinate(r).get("tp", 0) == 0 and c is not None and None not in c]
+    return [sum(float(c[t]) for c in curves) / len(curves) for t in range(len(curves[0]))]
+
+
+@dataclass
+class Parallelized:
+    """A model with every axis applied: what ``apply_parallelisms`` returns on each rank."""
+
+    model: nn.Module                   # after TP, CP and EP (the pipeline's stages share its layers)
+    mesh: Mesh
+    config: ParallelConfig
+    pipeline: object = None            # the Pipeline, with pp > 1
+    data_parallel: object = None       # the DP wrapper (zero=0 and data ranks > 1)
+    optimizer: object = None           # a torch optimizer, or the ZeRO object
+    shard_dims: dict = field(default_factory=dict)   # TP-sharded parameter name -> its split dim
+
+    @property
+    def module(self) -> nn.Module:
+        """What holds this rank's parameters: the pipeline's stages, or the model."""
+        return self.pipeline if self.pipeline is not None else self.model
+
+    def batches(self, data: Batches):
+        """``(step, micro) -> Batch``: this rank's share of ``data``: rows by its dp (x ep) index,
+        then, under CP, its tokens of those rows in the CP layout."""
+        index, ways = data_index(self.mesh, self.mesh.rank)
+        cp, cp_rank = self.mesh.size("cp"), self.mesh.rank_in("cp")
+
+        def stream(step, micro=0):
+            rows = split(data.global_batch(step, ways, micro), index, ways, "data")
+            return split(rows, cp_rank, cp, "sequence", self.config.cp_layout) if cp > 1 else rows
+        return stream
+
+    def train(self, batches, steps: int, first_step: int = 0) -> list:
+        """``steps`` optimizer steps, each over ``config.microbatches`` micro-batches of
+        ``batches(step, micro)``. Returns this rank's loss curve (None without the loss:
+        a pipeline rank before the last stage)."""
+        if self.pipeline is not None:
+            losses = run_pipeline_steps(self.pipeline, batches, steps, _SyncThenStep(self), first_step)
+            return [None if loss is None else float(loss) for loss in losses]
+        dp = self.data_parallel
+        return run_steps(self.model, batches, steps, self.optimizer, grad_acc=self.config.microbatches,
+                         module=dp, no_sync=dp.no_sync if dp else None,
+                         after_backward=dp.finish_gradient_synchronization if dp else None,
+                         first_step=first_step)
+
+    def full_weights(self) -> dict:
+        """This rank's parameters at full size (TP shards all-gathered over the tp group), named
+        as in the whole model; merge the ranks' with ``pipeline_runs.merge_ranks``. A collective."""
+        out = {}
+        chunks = self.pipeline.chunks.items() if self.pipeline is not None else [(None, self.model)]
+        for stage, chunk in chunks:
+            for name, p in chunk.named_parameters():
+                name = name if stage is None else self.pipeline.global_name(int(stage), name)
+                t = p.detach()
+                if name in self.shard_dims:
+                    with torch.no_grad():
+                        t = gather_along_dim(t, self.shard_dims[name], self.mesh.group("tp"))
+                out[name] = t.cpu().clone()
+        return out
+
+
+class _SyncThenStep:
+    """The optimizer a pipeline run steps: DP's gradient all-reduce first, then the update."""
+
+    def __init__(self, par: Parallelized):
+        self.par = par
+
+    def step(self):
+        if self.par.data_parallel is not None:
+            self.par.data_parallel.finish_gradient_synchronization()
+        self.par.optimizer.step()
+
+    def zero_grad(self):
+        self.par.optimizer.zero_grad()
+
+
+def _check_experts(model, ep: int) -> None:
+    experts = getattr(getattr(model, "config", None), "experts", 0)
+    if ep > 1 and not experts:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model (config.experts > 0); this one is dense")
+    if ep > 1 and experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {experts} experts: every ep rank must hold the same "
+                         f"number of experts; choose ep in {[d for d in range(1, experts + 1) if experts % d == 0]}")
+
+
+def apply_parallelisms(model, mesh: Mesh, config: ParallelConfig) -> Parallelized:
+    """Apply TP/SP, CP, EP, PP and then DP/ZeRO to ``model`` on ``mesh`` (from ``build_mesh``),
+    each only where its degree is above 1. Returns a :class:`Parallelized` with its optimizer."""
+    if mesh.sizes != config.sizes:
+        raise ValueError(f"the mesh {mesh!r} does not have the degrees of {config}: build it with build_mesh")
+    _check_experts(model, config.ep)
+    if config.tp > 1:
+        apply_tp(model, mesh, sequence_parallel=config.sp)
+    shard_dims = {n: p.tp_shard_dim for n, p in model.named_parameters() if hasattr(p, "tp_shard_dim")}
+    if config.cp > 1:   # the data-parallel all-reduce below also averages over cp
+        apply_cp(model, mesh, layout=config.cp_layout, sync_gradients=False)
+    if config.ep > 1:   # its gradients are averaged below, with cp's and dp's
+        from .expert_parallel import apply_ep
+        apply_ep(model, mesh, sync_gradients=False)
+    par = Parallelized(model, mesh, config, shard_dims=shard_dims)
+    if config.pp > 1:
+        par.pipeline = apply_pp(model, mesh, schedule=config.schedule, microbatches=config.microbatches)
+    _apply_data_parallel(par)
+    return par
+
+
+def _apply_data_parallel(par: Parallelized) -> None:
+    """Average the gradients over the ranks with different data: one group for a dense model;
+    dense and expert parameters over their own groups for an MoE model."""
+    config, mesh, module = par.config, par.mesh, par.module
+    if config.zero:
+        if config.ep > 1:
+            raise ValueError("ZeRO with ep > 1 is not composed here: its flat buffers would mix expert and "
+                             "dense parameters, which average over different groups; use zero=0")
+        cls, options = OPTIMIZERS[config.optimizer]   # the same optimizer as make_optimizer's
+        par.optimizer = apply_zero(module, mesh.group(DENSE_AXES), stage=config.zero, optimizer_cls=cls, **options)
+        return
+    par.optimizer = make_optimizer(module.parameters(), config.optimizer)
+    if config.ep > 1:
+        # An expert's gradient already sums every ep rank's tokens (the all-to-all brought them):
+        # sum it over its replicas (dp x cp) and divide by all the data ranks; dense ones average
+        # over (dp, ep, cp). Hooks in backward, as expert parallelism's own sync does.
+        from .expert_parallel import _average_in_backward
+        _average_in_backward(par.model, mesh.group(DENSE_AXES), mesh.group(EXPERT_AXES))
+    elif mesh.size(DENSE_AXES) > 1:
+        par.data_parallel = apply_data_parallel(module, mesh.group(DENSE_AXES), kind="naive")
+
+
+# --------------------------------------------------------------------------- what a rank holds
+def rank_parameters(config, *, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+    """Exactly how many parameters a rank of pipeline stage ``stage`` holds, for the course GPT
+    under ``apply_tp`` and ``apply_pp`` (``memory.breakdown`` divides everything by tp*pp instead).
+
+    Per block, TP splits the q, k, v, out, fc and proj weights (12h^2) and the biases of the
+    column-parallel layers (q, k, v: 3h; fc: 4h); the row-parallel biases (out, proj: 2h) and the
+    two LayerNorms (4h) stay whole on every tp rank. The tied embedding (v*h, split by vocabulary)
+    lives on the first stage *and* on the last; the final LayerNorm (2h) on the last.
+    """
+    from .pipeline_parallel import split_layers
+
+    h, v = config.hidden, config.vocab_size
+    block = (12 * h * h + 7 * h) // tp + 6 * h
+    total = len(split_layers(config.layers, pp)[stage]) * block
+    if stage == 0:
+        total += v * h // tp
+    if stage == pp - 1:
+        total += 2 * h + (v * h // tp if pp > 1 else 0)   # one tensor when one stage holds both ends
+    return total
+
+
+# --------------------------------------------------------------------------- checking a composition
+def train_composed(ctx, model, config: ParallelConfig, data: Batches, steps: int) -> dict:
+    """On every rank: apply ``config`` to ``model`` and train it ``steps`` steps on this rank's
+    share of ``data``. Returns this rank's loss curve and its whole-size weights."""
+    par = apply_parallelisms(model, build_mesh(ctx, config), config)
+    losses = par.train(par.batches(data), steps)
+    return {"losses": losses, "weights": par.full_weights()}
+
+
+def train_one_process(model, config: ParallelConfig, data: Batches, steps: int) -> dict:
+    """The reference: the same steps on one process, the whole batch of every step at once
+    (its ``microbatches`` accumulated), with the same optimizer."""
+    losses = run_steps(model, data.global_stream(config.dp * config.ep), steps, config.optimizer,
+                       grad_acc=config.microbatches)
+    return {"losses": losses, "weights": weights(model)}
+
+
+def assert_composition_matches(per_rank: list, reference: dict, config: ParallelConfig) -> dict:
+    """The ranks' results equal one process: the loss curve (mean over the data ranks) and every
+    weight, merged from the ranks, within ``parity``'s tolerance for the optimizer. Returns the
+    merged result."""
+    merged = {"losses": mean_loss([r["losses"] for r in per_rank], config.layout()),
+              "weights": merge_ranks([r["weights"] for r in per_rank])}
+    what = str(config)
+    assert_same(torch.tensor(merged["losses"], dtype=torch.float64),
+                torch.tensor(reference["losses"], dtype=torch.float64), f"{what}: loss curve",
+                optimizer=config.optimizer)
+    assert_same(merged["weights"], reference["weights"], f"{what}: weights", optimizer=config.optimizer)
+    return merged

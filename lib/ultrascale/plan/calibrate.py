@@ -1,0 +1,166 @@
+"""The planner against reality on this machine: calibrate it, predict, measure, compare.
+
+1. **Calibrate** (:func:`measure_machine`, on every rank at once, so that the ranks share the
+   cores as they will in the steps): the FLOP/s the course GPT achieves in a forward and
+   backward of one rank's micro-batch without any communication, and gloo's all-reduce
+   times over a sweep of sizes, fitted with chapter A0's alpha-beta model. Together they
+   make a :class:`~ultrascale.plan.hardware.Hardware` for this machine (one "node" holding
+   all the ranks, fp32 on the wire).
+2. **Predict** each configuration's step with ``steptime.step_time`` on that hardware.
+3. **Measure** (:func:`measure_steps`): the same configuration run for real with the
+   chapters' techniques (``apply_data_parallel``, ``apply_zero``, ``apply_tp``,
+   ``apply_pp``), each step timed by its slowest rank and paired with an unsharded compute
+   step run just before it; :func:`compare` sets the median quotient against the predicted one.
+
+The planner itself stays arithmetic: this is the one module of ``ultrascale.plan`` that
+runs anything, and it imports the parallel techniques inside the functions that use them.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..comm.bandwidth import bus_bandwidth_sweep
+from ..comm.cost_model import fit_ring_all_reduce
+from ..model import GPT, GPTConfig
+from ..parity import Batches
+from .enumerate import ParallelConfig
+from .hardware import Hardware, hardware_from_measurements
+from .steptime import micro_batch_flops
+
+CALIBRATION_MODEL = GPTConfig(vocab_size=256, hidden=128, layers=4, heads=4, seq_len=64)
+SWEEP_BYTES = (2**12, 2**16, 2**20, 2**22)
+
+
+def calibration_configs(world_size: int, model=CALIBRATION_MODEL, mbs: int = 2) -> dict:
+    """A few single-axis layouts of ``world_size`` ranks sharing one global batch of
+    ``mbs * world_size`` sequences: DP (bucketed), ZeRO-3, TP (with SP, when it divides the
+    heads) and PP (1F1B with 2 * world_size micro-batches)."""
+    w = world_size
+    configs = {"DP": ParallelConfig(dp=w, mbs=mbs), "ZeRO-3": ParallelConfig(dp=w, zero=3, mbs=mbs)}
+    if model.heads % w == 0:
+        configs["TP"] = ParallelConfig(tp=w, mbs=mbs * w)
+    if w <= model.layers and mbs % 2 == 0:
+        configs["PP"] = ParallelConfig(pp=w, mbs=mbs // 2, gas=2 * w)
+    return configs
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure_bandwidth(ctx, sizes=SWEEP_BYTES, repeats: int = 5) -> dict:
+    """gloo all-reduce times (the slowest rank's) for buffers of ``sizes`` bytes: for each size
+    the fastest of ``repeats`` sweeps, since other work on the machine only ever adds time."""
+    times = None
+    for _ in range(repeats):
+        points = bus_bandwidth_sweep(ctx, list(sizes), op="all_reduce", iters=3, warmup=1)
+        sweep = [p["time_s"] for p in points]
+        times = sweep if times is None else [min(a, b) for a, b in zip(times, sweep)]
+    return {"sizes": [p["size"] for p in points], "times": times}
+
+
+def machine_hardware(compute_seconds: list, bandwidth: dict, world_size: int, model=CALIBRATION_MODEL,
+                     mbs: int = 2) -> Hardware:
+    """This machine as a ``Hardware``: the FLOP/s of one rank's unsharded forward and backward
+    (median seconds of ``mbs`` sequences), the alpha-beta fit of the all-reduce times, fp32 on
+    the wire, all ranks in one node, and no overlap (gloo computes on the same cores)."""
+    flops = micro_batch_flops(model, mbs, model.seq_len) / statistics.median(compute_seconds)
+    link = fit_ring_all_reduce(bandwidth["sizes"], bandwidth["times"], world_size)
+    return hardware_from_measurements(peak_flops=flops, link=link, memory_bytes=1e12, gpus_per_node=world_size,
+                     name=f"this machine, {world_size} gloo ranks")
+
+
+def _setup(ctx, name: str, c: ParallelConfig, model, seed: int):
+    """One training step of configuration ``name`` as a function of the step number."""
+    from ..parallel import apply_data_parallel, apply_pp, apply_tp, apply_zero
+
+    torch.manual_seed(seed)
+    net = GPT(model)
+    data = Batches(model, mbs=c.mbs, seed=seed)
+    if name == "compute":          # the unsharded model on one rank's micro-batch, no communication
+        def step(i):
+            data.global_batch(i).loss(net).backward()
+            net.zero_grad(set_to_none=True)
+    elif name == "DP":
+        wrapped = apply_data_parallel(net, None, kind="bucketed")
+
+        def step(i):
+            data.rank_batch(ctx.rank, ctx.world_size, i).loss(wrapped).backward()
+            wrapped.finish_gradient_synchronization()
+            net.zero_grad(set_to_none=True)
+    elif name == "ZeRO-3":
+        zero = apply_zero(net, None, stage=3, prefetch=True, lr=1e-3)
+
+        def step(i):
+            data.rank_batch(ctx.rank, ctx.world_size, i).loss(net).backward()
+            zero.step()
+            zero.zero_grad()
+    elif name == "TP":
+        apply_tp(net, None, sequence_parallel=True)
+
+        def step(i):
+            data.global_batch(i).loss(net).backward()
+            net.zero_grad(set_to_none=True)
+    elif name == "PP":
+        pipe = apply_pp(net, None, schedule="1f1b", microbatches=c.gas)
+
+        def step(i):
+            pipe.step([data.global_batch(i, 1, micro) for micro in range(c.gas)])
+            pipe.zero_grad(set_to_none=True)
+    else:
+        raise ValueError(f"no measurement for {name!r}: choose compute, DP, ZeRO-3, TP or PP")
+    return step
+
+
+def measure_steps(ctx, configs: dict, model=CALIBRATION_MODEL, mbs: int = 2, rounds: int = 5,
+                  seed: int = 0, progress: bool = False) -> dict:
+    """Seconds of real training steps (forward, backward, gradient synchronisation), each the
+    slowest rank's: for every configuration in ``configs``, and paired with each, a
+    ``"compute"`` step (one rank's unsharded step on ``mbs`` sequences, every rank at once).
+
+    Returns ``{name: [(compute seconds, configuration seconds) per round]}``. Each pair is
+    timed back to back, after a warm-up round: on a machine whose load changes (other work
+    sharing the cores), the two members of a pair meet nearly the same load, so their
+    quotient, the step in units of the compute step, is far steadier than either time."""
+    compute = _setup(ctx, "compute", ParallelConfig(mbs=mbs), model, seed)
+    steps = {name: _setup(ctx, name, c, model, seed) for name, c in configs.items()}
+    pairs = {name: [] for name in steps}
+    for r in range(rounds + 1):
+        for name, step in steps.items():
+            pair = []
+            for fn in (compute, step):
+                dist.barrier()
+                start = time.perf_counter()
+                fn(r)
+                pair.append(_slowest(time.perf_counter() - start))
+            if r:
+                pairs[name].append(tuple(pair))
+        if progress:
+            ctx.log(round=r + 1, rounds=rounds + 1)
+    return pairs
+
+
+def compare(pairs: dict, configs: dict, hardware: Hardware, model=CALIBRATION_MODEL) -> dict:
+    """Measured against predicted, for each configuration: the median over rounds of
+    (configuration step / paired compute step), over the predicted same quotient."""
+    from .steptime import step_time
+
+    compute = step_time(model, ParallelConfig(mbs=configs_mbs(configs)), model.seq_len, hardware)["step"]
+    out = {}
+    for name, c in configs.items():
+        predicted = step_time(model, c, model.seq_len, hardware)
+        measured = statistics.median(b / a for a, b in pairs[name])
+        out[name] = {"predicted": predicted, "predicted_units": predicted["step"] / compute,
+                     "measured_units": measured, "ratio": measured / (predicted["step"] / compute)}
+    return out
+
+
+def configs_mbs(configs: dict) -> int:
+    """The per-rank micro-batch of the DP layout, which the compute step runs."""
+    return configs["DP"].mbs

@@ -1,0 +1,122 @@
+"""The chapter 10 exercises cannot be fooled: plausible wrong answers fail with a message that
+says what to fix, calling the planner is refused, and the solution notebook's answers pass."""
+
+from __future__ import annotations
+
+import pytest
+from test_grader_holes import _fails, _load
+
+from ultrascale.grading import PASS, check
+from ultrascale.memory import breakdown
+
+
+@pytest.fixture(scope="module")
+def ch10():
+    return _load("10_best_configuration_exercises.ipynb")
+
+
+def test_solutions_pass(ch10):
+    assert check("10.enumerate", ch10["layouts"], quick=True).status == PASS
+    assert check("10.memory_filter", ch10["fitting"], quick=True).status == PASS
+    assert check("10.step1", ch10["step1_techniques"], quick=True).status == PASS
+
+
+# ---- 10.enumerate ----------------------------------------------------------------------
+
+def _layouts_without(rule):
+    """The solution's enumerator with one rule dropped (``rule`` names it)."""
+    def layouts(gpus, global_batch_tokens, seq, layers, heads, kv_heads, gpus_per_node=8):
+        if global_batch_tokens % seq:
+            raise ValueError("not whole sequences")
+        sequences = global_batch_tokens // seq
+        divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
+        found = set()
+        for tp in divisors(gpus if rule == "tp within a node" else gpus_per_node):
+            if heads % tp or (rule != "kv heads" and kv_heads % tp):
+                continue
+            for pp in divisors(gpus):
+                for cp in divisors(gpus):
+                    if gpus % (tp * pp * cp):
+                        continue
+                    if rule != "pp <= layers" and pp > layers:
+                        continue
+                    if cp > 1 and seq % (cp if rule == "zig-zag" else 2 * cp):
+                        continue
+                    dp = gpus // (tp * pp * cp)
+                    if sequences % dp:
+                        continue
+                    for mbs in divisors(sequences // dp):
+                        found.add((dp, tp, pp, cp, mbs, sequences // (dp * mbs)))
+        return found
+    return layouts
+
+
+@pytest.mark.parametrize("rule", ["tp within a node", "kv heads", "pp <= layers", "zig-zag"])
+def test_enumerate_refuses_a_missing_rule(rule):
+    _fails(check("10.enumerate", _layouts_without(rule), quick=True), "break a rule")
+
+
+def test_enumerate_refuses_missing_layouts_and_bad_batches(ch10):
+    def powers_of_two_only(*args, **kwargs):
+        return {t for t in ch10["layouts"](*args, **kwargs) if all(x & (x - 1) == 0 for x in t)}
+
+    def no_error(gpus, global_batch_tokens, seq, *args, **kwargs):
+        return ch10["layouts"](gpus, global_batch_tokens // seq * seq, seq, *args, **kwargs)
+
+    def calls_the_planner(gpus, global_batch_tokens, seq, layers, heads, kv_heads, gpus_per_node=8):
+        from ultrascale.plan import enumerate_configs
+        from ultrascale.model import LlamaConfig
+        model = LlamaConfig(vocab_size=256, hidden=8 * heads, layers=layers, heads=heads, kv_heads=kv_heads)
+        return {(c.dp, c.tp, c.pp, c.cp, c.mbs, c.gas) for c in enumerate_configs(
+            model, gpus=gpus, global_batch_tokens=global_batch_tokens, seq=seq, gpus_per_node=gpus_per_node,
+            zero_stages=(0,), recompute=("none",), max_cp=gpus)}
+
+    _fails(check("10.enumerate", powers_of_two_only, quick=True), "you miss")
+    _fails(check("10.enumerate", no_error, quick=True), "should raise ValueError")
+    _fails(check("10.enumerate", calls_the_planner, quick=True), "course library")
+
+
+# ---- 10.memory_filter ------------------------------------------------------------------
+
+def _fitting(dp_of, usable_of=lambda m, h: m * (1 - h), total_of=None):
+    def fitting(model, configs, seq, memory_bytes, headroom):
+        kept = []
+        for c in configs:
+            parts = breakdown(model, seq=seq, micro_batch=c.mbs, recompute=c.recompute, zero_stage=c.zero, tp=c.tp,
+                              dp=dp_of(c), pp=c.pp, cp=c.cp, sequence_parallel=True, ep=c.ep)
+            need = (total_of or (lambda p: sum(p[k] for k in ("parameters", "gradients", "optimizer states",
+                                                                "activations"))))(parts)
+            if need <= usable_of(memory_bytes, headroom):
+                kept.append((c, need))
+        return kept
+    return fitting
+
+
+def test_memory_filter_refuses_wrong_sharding_headroom_and_totals():
+    _fails(check("10.memory_filter", _fitting(lambda c: c.dp), quick=True), "dp * cp")
+    _fails(check("10.memory_filter", _fitting(lambda c: c.dp * c.cp, usable_of=lambda m, h: m), quick=True),
+           "usable")
+    states_only = _fitting(lambda c: c.dp * c.cp, total_of=lambda p: p["parameters"] + p["gradients"]
+                           + p["optimizer states"])
+    _fails(check("10.memory_filter", states_only, quick=True), "GB")
+
+
+# ---- 10.step1 --------------------------------------------------------------------------
+
+def test_step1_refuses_wrong_thresholds_and_extras(ch10):
+    def swapped(n_params, gpus, gpus_per_node=8, long_sequence=False, moe=False):
+        return ch10["step1_techniques"](n_params, {1024: 512, 512: 1024}.get(gpus, gpus), gpus_per_node,
+                                        long_sequence, moe)
+
+    def strict_1024(n_params, gpus, gpus_per_node=8, long_sequence=False, moe=False):
+        return ch10["step1_techniques"](n_params, gpus - 1 if gpus == 1024 else gpus, gpus_per_node, long_sequence, moe)
+
+    def no_extras(n_params, gpus, gpus_per_node=8, long_sequence=False, moe=False):
+        return ch10["step1_techniques"](n_params, gpus, gpus_per_node)
+
+    def ten_billion_is_small(n_params, gpus, gpus_per_node=8, long_sequence=False, moe=False):
+        return ch10["step1_techniques"](n_params - 1 if n_params == 10e9 else n_params, gpus, gpus_per_node,
+                                        long_sequence, moe)
+
+    for wrong in (swapped, strict_1024, no_extras, ten_billion_is_small):
+        _fails(check("10.step1", wrong, quick=True), "expected")
