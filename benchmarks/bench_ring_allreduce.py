@@ -18,49 +18,17 @@ node with enough GPUs it is NCCL.
 from __future__ import annotations
 
 import argparse
-import statistics
 
-import torch
-import torch.distributed as dist
-
-from ultrascale.comm import bus_factor, fit_ring_all_reduce, format_bytes, ring_all_reduce, time_collective
-from ultrascale.comm.recursive import (all_reduce as chosen_all_reduce, choose_algorithm, crossover_bytes, fit_on_the_spot,
-                                       recursive_doubling_all_reduce)
+from ultrascale.comm import bus_factor, fit_ring_all_reduce, format_bytes
+from ultrascale.comm.recursive import (all_reduce_contenders, choose_algorithm, crossover_bytes, fit_on_the_spot,
+                                       race_all_reduces)
 from ultrascale.runtime import Cluster
 
 
-def _iterations(nbytes: int) -> int:
-    # Calls per timing: several for small sizes (timer noise), one for big ones.
-    return max(1, min(10, (16 << 20) // max(nbytes, 1)))
-
-
 def measure(ctx, sizes, rounds):
-    """On every rank: the fitted model and [(size, {implementation: seconds})], the slowest rank's.
-
-    The two implementations alternate round by round on the same tensor and each
-    reports its median over the rounds, so a burst of load from other programs on the
-    machine hits both alike instead of one of them.
-    """
+    """On every rank: the model fitted on the spot and ``race_all_reduces``' rows for the four."""
     model = fit_on_the_spot(ctx.group, device=ctx.device)
-    implementations = {
-        "builtin": lambda t: dist.all_reduce(t, group=ctx.group),
-        "ring": lambda t: ring_all_reduce(t, group=ctx.group),
-        "doubling": lambda t: recursive_doubling_all_reduce(t, group=ctx.group),
-        "chosen": lambda t: chosen_all_reduce(t, group=ctx.group, model=model),
-    }
-    rows = []
-    for nbytes in sizes:
-        x = torch.randn(nbytes // 4, device=ctx.device)
-        times = {name: [] for name in implementations}
-        for all_reduce in implementations.values():  # warm up: buffers, connections
-            all_reduce(x)
-        for _ in range(rounds):
-            for name, all_reduce in implementations.items():
-                x.normal_()  # fresh values, so repeated sums never overflow
-                times[name].append(time_collective(lambda: all_reduce(x), _iterations(nbytes),
-                                                   warmup=0, group=ctx.group, device=ctx.device))
-        rows.append((nbytes, {name: statistics.median(t) for name, t in times.items()}))
-    return model, rows
+    return model, race_all_reduces(all_reduce_contenders(ctx.group, model), sizes, rounds, ctx.group, ctx.device)
 
 
 def main(argv=None) -> list:

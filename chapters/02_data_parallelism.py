@@ -429,9 +429,19 @@ for kind, results in runs.items():
 # at most `bucket_cap_mb` MiB (PyTorch DDP's default is 25 MiB), in the order backward produces
 # them, i.e. reverse parameter order. When the last gradient of a bucket is ready, the bucket is
 # all-reduced in one call, still during backward. A collective needs one contiguous buffer anyway,
-# which is why frameworks allocate these flat buffers up front; the price is extra memory (our
-# `BucketedDataParallel` keeps a second copy of every gradient in its buckets; DDP's
-# `gradient_as_bucket_view=True` avoids that by making `.grad` a view into the bucket).
+# which is why frameworks allocate these flat buffers up front.
+#
+# The buckets need not hold a *second* copy of the gradients. The first time a parameter's
+# gradient is ready, `BucketedDataParallel` copies it into its slot in the bucket, once, and then
+# makes `.grad` a view of that slot. As long as that `.grad` lives, backward accumulates straight
+# into the bucket, and the all-reduce averages the gradients in the very place the optimizer
+# reads them, with nothing to copy back. PyTorch's DDP does this only with
+# `gradient_as_bucket_view=True`; by default it keeps `.grad` and its buckets apart, copying each
+# gradient in before the all-reduce and the average back out after it, so it holds every
+# gradient twice. (`optimizer.zero_grad()` sets `.grad` to `None` by default, which ends the
+# view: the next step's backward creates a fresh gradient, which is copied in once more and then
+# freed. With `zero_grad(set_to_none=False)` the view is zeroed in place and kept.) We measure
+# this below, after the bucketed run.
 #
 # How our model's tensors land in buckets of `BUCKET_MB` MiB (each coloured run is one bucket,
 # in launch order, from the output end of the model back to the embedding):
@@ -537,6 +547,61 @@ assert_same(bucketed[0]["params"], reference, "bucketed DP vs single process")
 print("bucketed DP == single process")
 
 # %% [markdown]
+# ### One copy of the gradients, not two
+# Where do the gradients live after the all-reduce, when `optimizer.step()` reads them? On every
+# rank and after every step, a check compares the storage of each `.grad` with the storage of the
+# bucket buffers, and adds up the gradient memory: the bucket buffers plus any `.grad` outside
+# them, relative to the bytes of the parameters. Ours reads its buckets directly; for DDP a
+# communication hook records the buffer of each bucket it is handed (`bucket.buffer()`), once
+# with DDP's default and once with `gradient_as_bucket_view=True`.
+
+# %%
+def where_gradients_live(ctx, kind, steps=2):
+    torch.manual_seed(SEED)
+    model = GPT(CONFIG).to(ctx.device)
+    buckets = {}  # storage address -> bytes, for every bucket buffer of this step
+
+    def record(buffer):
+        buckets[buffer.untyped_storage().data_ptr()] = buffer.untyped_storage().nbytes()
+
+    if kind == "ours":
+        dp = BucketedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+    else:  # DDP has averaged the gradients by the time backward returns
+        dp = torch_ddp(model, bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=kind.endswith("True"))
+
+        def recording_all_reduce(state, bucket):
+            record(bucket.buffer())
+            work = dist.all_reduce(bucket.buffer().div_(ctx.world_size), async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+
+        dp.register_comm_hook(None, recording_all_reduce)
+    checks = []
+
+    def check():  # runs after each step's backward, just before optimizer.step()
+        if kind == "ours":
+            dp.finish_gradient_synchronization()
+            for bucket in dp.buckets:
+                record(bucket.buffer)
+        grads = [p.grad for p in model.parameters()]
+        outside = sum(g.nbytes for g in grads if g.untyped_storage().data_ptr() not in buckets)
+        param_bytes = sum(p.nbytes for p in model.parameters())
+        checks.append((outside == 0, (sum(buckets.values()) + outside) / param_bytes))
+        buckets.clear()
+
+    train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, make_optimizer(model.parameters(), "sgd", lr=LR),
+          module=dp, after_backward=check, device=ctx.device)
+    return checks
+
+
+print("after the all-reduce, on every rank and every step:")
+for kind, copies in (("ours", 1), ("DDP, gradient_as_bucket_view=False", 2), ("DDP, gradient_as_bucket_view=True", 1)):
+    checks = [c for rank_checks in cluster.run(where_gradients_live, kind) for c in rank_checks]
+    views, ratio = all(v for v, _ in checks), max(r for _, r in checks)
+    print(f"  {kind:>34}: every .grad inside a bucket: {views!s:5}  "
+          f"gradient memory = {ratio:.2f}x the parameter bytes")
+    assert all(v == (copies == 1) and r == copies for v, r in checks)
+
+# %% [markdown]
 # ### How big should a bucket be?
 # Too small and we are back to many latency-bound calls; too large and the first all-reduce starts
 # late in backward (a bucket is sent only when *all* its gradients are ready), and with a single
@@ -624,6 +689,18 @@ assert calls_saved == (GRAD_ACC - 1) * len(layout)
 # backward returns, and skips communication inside `no_sync()`. Train it and our bucketed DP with
 # the same cap, the same accumulation and the same data, and compare the weights. We also count
 # DDP's buckets, with a communication hook that forwards each bucket to a normal all-reduce.
+#
+# DDP also does more than ours. Its reducer is C++ (`torch/csrc/distributed/c10d/reducer.cpp`)
+# and waits for the buckets from a callback queued on the autograd engine, so no call like
+# `finish_gradient_synchronization()` is needed. After the first iteration it rebuilds its
+# buckets once, in the order the gradients actually arrived, where ours assumes reverse
+# registration order. `find_unused_parameters=True` walks the autograd graph after every forward
+# and marks the parameters that will get no gradient as ready, so their buckets still go out
+# during backward (ours fills in zeros for them only when it finishes). `static_graph=True`
+# promises the same graph every iteration, which lets DDP support reentrant backward and
+# checkpointing a module more than once. And it can broadcast buffers (e.g. BatchNorm statistics)
+# at every forward, let ranks with uneven amounts of data finish together (`join()`), and run
+# other communication hooks, such as fp16 compression of the buckets.
 
 # %%
 def train_ddp_counting_buckets(ctx, steps, grad_acc, bucket_cap_mb):

@@ -15,12 +15,14 @@
 #    followed by an all-gather), watch its steps, and count the bytes it moves,
 # 3. time it against gloo's own all-reduce, measure **bus bandwidth** the way nccl-tests does
 #    and fit the **alpha-beta** cost model,
-# 4. see when to pick NCCL, gloo or MPI.
+# 4. build **recursive doubling**, which needs `log2 N` steps instead of `2(N-1)`, find where it
+#    and the ring cross, and pick between them by size as NCCL does,
+# 5. see when to pick NCCL, gloo or MPI.
 #
 # The book runs its snippets with `torchrun --nproc_per_node=3` on three GPUs with NCCL. We use
 # the course's persistent ranks instead, with the gloo backend and CPU tensors on any machine, and
 # the same function names (`example_broadcast`, `example_reduce`, ...) so you can compare. When
-# the machine has a GPU for every rank, section 5 runs the same functions with NCCL.
+# the machine has a GPU for every rank, section 6 runs the same functions with NCCL.
 
 # %% tags=["parameters"]
 WORLD_SIZE = 3  # number of ranks; the book's examples use 3, anything from 2 to about 8 works
@@ -37,9 +39,12 @@ import torch
 import torch.distributed as dist
 from matplotlib.figure import Figure
 
+import ultrascale.comm.recursive as recursive_module
 import ultrascale.comm.ring as ring_module
-from ultrascale.comm import (CommLogger, bus_bandwidth_sweep, chunk_sizes, fit_ring_all_reduce, format_bytes,
-                             ring_all_gather, ring_all_reduce, ring_reduce_scatter, time_collective)
+from ultrascale.comm import (AlphaBeta, CommLogger, bus_bandwidth_sweep, bus_factor, chunk_sizes, fit_ring_all_reduce,
+                             format_bytes, ring_all_gather, ring_all_reduce, ring_reduce_scatter, time_collective)
+from ultrascale.comm.recursive import (all_reduce_contenders, choose_algorithm, crossover_bytes, doubling_steps,
+                                       doubling_time, fit_on_the_spot, race_all_reduces, recursive_doubling_all_reduce)
 from ultrascale.runtime import Cluster, resolve_backend
 from ultrascale.viz.collectives import collective_figure, contributors, ring_steps_figure
 from ultrascale.viz.live import LivePlot
@@ -670,7 +675,180 @@ for name, fit in fits.items():
 print("alpha > 0, beta > 0 and a monotone model for:", ", ".join(fits))
 
 # %% [markdown]
-# ## 5. Why is our ring slower than gloo's, and which backend to use?
+# ## 5. Fewer steps for small buffers: recursive doubling
+# The ring is as economical with bytes as an all-reduce can be, but it needs `2(N-1)` messages one
+# after the other, and every message pays the latency `α`. For a small buffer that is almost all
+# the time it takes. **Recursive doubling** trades bytes for steps. In step `k` rank `r` swaps its
+# whole running sum with rank `r XOR 2^k` and adds what arrives: after step 0 each pair holds the
+# sum of its two inputs, after step 1 each group of four, and after `log2 N` steps every rank holds
+# all `N`. Every step sends the full `K` bytes, so the bandwidth term grows to `K·log2 N`.
+#
+# When `N` is not a power of two, let `P` be the largest power of two below it. The `N-P` extra
+# ranks first hand their input to a partner among the first `P` (rank `P+i` to rank `i`), those `P`
+# ranks run recursive doubling, and the partners hand the result back: two more steps. With
+# `S = log2 P` (plus 2 when `N ≠ P`) steps, the alpha-beta model gives
+#
+# | algorithm | messages in a row | bytes sent by the busiest rank | time |
+# |---|---|---|---|
+# | ring | `2(N-1)` | `2(N-1)K/N` | `2(N-1)α + 2(N-1)/N · K/β` |
+# | recursive doubling | `S` | `K·log2 P` (`+K` when `N ≠ P`) | `S·α + S·K/β` |
+#
+# and setting the two times equal gives the buffer size above which the ring wins:
+#
+# $$K^* = \alpha\beta\;\frac{2(N-1) - S}{S - 2(N-1)/N}.$$
+#
+# For `N = 2` doubling is one swap of `K` bytes where the ring makes two swaps of `K/2`: the same
+# bytes in half the messages, so it always wins; for larger `N` the crossover grows with `N`, because the ring's message count grows
+# linearly and doubling's only logarithmically. NCCL and gloo make the same kind of choice inside
+# one call (trees or halving-doubling for small messages, rings for large ones);
+# `ultrascale.comm.recursive` does it in the open. First the algorithm itself, with a spy on its
+# one-exchange helper `send_recv`, on a length that no world size divides:
+
+# %%
+def traced_doubling(ctx, length):
+    """Recursive doubling on random inputs: its messages, bytes and result against dist.all_reduce."""
+    x = torch.randn(length, generator=torch.Generator().manual_seed(SEED + ctx.rank))
+    reference, abs_sum = x.clone(), x.abs()
+    dist.all_reduce(reference)
+    dist.all_reduce(abs_sum)
+    messages, original = [], recursive_module.send_recv
+
+    def spy(send, recv, right, left, group):
+        kind = "swap" if send.numel() and recv.numel() else "send" if send.numel() else "recv"
+        messages.append((kind, right if send.numel() else left))
+        return original(send, recv, right, left, group)
+
+    recursive_module.send_recv = spy
+    try:
+        with CommLogger() as log:
+            recursive_doubling_all_reduce(x)
+    finally:
+        recursive_module.send_recv = original
+    everyone = [torch.empty_like(x) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, x)
+    bound = 2 * (ctx.world_size - 1) * torch.finfo(torch.float32).eps * abs_sum   # as for the ring
+    return {"messages": messages, "sent": log.events[0].bytes_sent, "received": log.events[0].bytes_received,
+            "close": bool(((x - reference).abs() <= bound).all()),
+            "identical": all(torch.equal(everyone[0], other) for other in everyone)}
+
+
+length = 1000 * N + 1
+K = 4 * length
+P = 1 << (N.bit_length() - 1)
+S = doubling_steps(N)
+traced = cluster.run(traced_doubling, length)
+print(f"N = {N}, P = {P}, S = {S} steps; K = {K} bytes")
+for rank, t in enumerate(traced):
+    arrows = {"swap": "<->", "send": "->", "recv": "<-"}
+    print(f"rank {rank}: " + ", ".join(f"{arrows[kind]} {peer}" for kind, peer in t["messages"])
+          + f"; sent {t['sent'] // K} K, received {t['received'] // K} K")
+    swaps = [peer for kind, peer in t["messages"] if kind == "swap"]
+    if rank < P:   # the doubling ranks swap with r XOR 1, r XOR 2, r XOR 4, ...
+        assert swaps == [rank ^ (1 << k) for k in range(P.bit_length() - 1)], (rank, swaps)
+    assert len(t["messages"]) <= S
+    assert t["sent"] == K * sum(kind != "recv" for kind, _ in t["messages"])   # every message is all K bytes
+    assert t["close"] and t["identical"]
+assert max(len(t["messages"]) for t in traced) == S
+print(f"equal to dist.all_reduce within the rounding bound, and bit-identical on all {N} ranks")
+
+# %% [markdown]
+# And the formulas side by side for larger worlds. The crossover is in units of `α·β`, the size at
+# which one message's latency and transfer time are equal:
+
+# %%
+unit = AlphaBeta(alpha=1.0, beta=1.0)   # crossover_bytes(unit, N) is K* / (alpha beta)
+print(f"{'N':>6} {'ring steps':>11} {'doubling steps':>15} {'ring bytes/K':>13} {'doubling bytes/K':>17} "
+      f"{'K* / (alpha beta)':>18}")
+for ranks in (2, 3, 4, 5, 8, 16, 64, 1024):
+    power = 1 << (ranks.bit_length() - 1)
+    busiest = power.bit_length() - 1 + (ranks != power)
+    print(f"{ranks:>6} {2 * (ranks - 1):>11} {doubling_steps(ranks):>15} {2 * (ranks - 1) / ranks:>13.3f} "
+          f"{busiest:>17} {crossover_bytes(unit, ranks):>18.1f}")
+assert crossover_bytes(unit, 2) == math.inf and crossover_bytes(unit, 4) == 8.0
+
+# %% [markdown]
+# Where does the crossover fall on this machine? `fit_on_the_spot` measures `α` and `β` from
+# exchanges that *all* ranks make at once, as in a step of either algorithm, so the fit sees the
+# cores and links as busy as the collectives will. `race_all_reduces` then times gloo's all-reduce,
+# our ring, our recursive doubling and `all_reduce(..., model=...)`, which picks one of the two by
+# size with that model. The four take turns on the same tensor, and each keeps its median over the
+# rounds. Timings depend on the machine and its load, so this output is not compared.
+
+# %% tags=["nbval-ignore-output"]
+RACE_SIZES = [1 << k for k in range(10, 23, 2)] if QUICK else [1 << k for k in range(10, 27, 2)]  # 1 KiB-4 MiB (64 MiB)
+RACE_ROUNDS = 3 if QUICK else 7
+bus = bus_factor("all_reduce", N)
+
+
+def race(ctx, sizes, rounds):
+    model = fit_on_the_spot(ctx.group)
+
+    def stream(row):   # rank 0: one point per contender on the live plot
+        nbytes, times = row
+        ctx.log(**{"log2(bytes)": math.log2(nbytes),
+                   **{f"{name} busbw (MB/s)": nbytes / t * bus / 1e6 for name, t in times.items()}})
+
+    return model, race_all_reduces(all_reduce_contenders(ctx.group, model), sizes, rounds, ctx.group,
+                                   callback=stream)
+
+
+names = ("builtin", "ring", "doubling", "chosen")
+plot = LivePlot(*(f"{name} busbw (MB/s)" for name in names), x="log2(bytes)",
+                title=f"all-reduce bus bandwidth on {N} ranks")
+fitted, rows = cluster.run(race, RACE_SIZES, RACE_ROUNDS, on_log=plot)[0]
+plot.finish();
+model_crossover = crossover_bytes(fitted, N)
+ring_wins = [nbytes for nbytes, t in rows if t["ring"] < t["doubling"]]
+# the measured crossover: the smallest size from which the ring is faster at every larger size
+measured_crossover = next((s for s, _ in rows if all(t["ring"] < t["doubling"] for n_, t in rows if n_ >= s)), None)
+print(f"fitted on the spot: alpha = {fitted.alpha * 1e6:.0f} µs, beta = {fitted.beta / 1e9:.2f} GB/s")
+print(f"{'size':>10} " + " ".join(f"{name + ' (µs)':>14}" for name in names) + "   chosen   chosen/gloo busbw")
+for nbytes, t in rows:
+    print(f"{format_bytes(nbytes):>10} " + " ".join(f"{t[name] * 1e6:>14.0f}" for name in names)
+          + f"   {choose_algorithm(nbytes, N, fitted):<8} {t['builtin'] / t['chosen']:>6.2f}x")
+print(f"model crossover K* = {format_bytes(model_crossover) if model_crossover < math.inf else 'never'}; "
+      f"measured: the ring is faster from "
+      f"{format_bytes(measured_crossover) if measured_crossover else 'no size measured here'} on")
+
+fig = Figure(figsize=(11, 3.8), layout="constrained")
+ax_time, ax_bw = fig.subplots(1, 2)
+sizes = np.array([nbytes for nbytes, _ in rows], dtype=float)
+grid = np.logspace(np.log10(sizes[0]), np.log10(sizes[-1]), 200)
+for name, colour in zip(names, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+    times = np.array([t[name] for _, t in rows])
+    ax_time.loglog(sizes, times * 1e6, "o-", color=colour, label=f"{name}: measured")
+    ax_bw.semilogx(sizes, sizes / times * bus / 1e9, "o-", color=colour, label=name)
+ax_time.loglog(grid, fitted.ring_all_reduce_time(grid, N) * 1e6, ":", color="tab:orange", label="ring: model")
+ax_time.loglog(grid, doubling_time(fitted, grid, N) * 1e6, ":", color="tab:green", label="doubling: model")
+for ax in (ax_time, ax_bw):
+    if model_crossover < math.inf:
+        ax.axvline(model_crossover, color="black", linestyle="--", linewidth=1, label="K* of the model")
+    if measured_crossover:
+        ax.axvline(measured_crossover, color="grey", linestyle="-.", linewidth=1, label="measured crossover")
+ax_time.set(xlabel="buffer size K (bytes)", ylabel="time per all-reduce (µs)", title="time: measured and modelled")
+ax_bw.set(xlabel="buffer size K (bytes)", ylabel="bus bandwidth (GB/s)", title="bus bandwidth")
+ax_time.legend(fontsize="x-small")
+ax_bw.legend(fontsize="x-small")
+fig
+
+# %% [markdown]
+# What holds on any machine is checked below: the fit found a positive latency and bandwidth, and
+# where the model predicts doubling needs at most two thirds of the ring's messages, doubling is
+# faster than our ring at the smallest size, where latency is everything. (With `N = 3`, 3
+# messages against 4, the margin is too thin to assert on a busy machine.)
+
+# %%
+assert fitted.alpha > 0 and fitted.beta > 0
+fewer = 2 * (N - 1) / S
+smallest = rows[0][1]
+if fewer >= 1.5:
+    assert smallest["doubling"] < smallest["ring"], smallest
+    print(f"at {format_bytes(rows[0][0])}, recursive doubling ({S} messages) beat the ring ({2 * (N - 1)} messages)")
+else:
+    print(f"N = {N}: doubling sends {S} messages against the ring's {2 * (N - 1)}; too close to assert a winner")
+
+# %% [markdown]
+# ## 6. Why is our ring slower than gloo's, and which backend to use?
 # Look at the `ring/gloo` column of the table in section 4, and at the summary line under it.
 # These are your machine's numbers and they change from run to run, but the pattern is the
 # same: the ratio is largest for the smallest buffers, where our ring is typically several times
@@ -685,7 +863,7 @@ print("alpha > 0, beta > 0 and a monotone model for:", ", ".join(fits))
 # cluster; the shape of the curves carries over.)
 #
 # That is the general lesson: a collective library wins on latency (fused, native code, fewer
-# synchronisations, algorithms that use fewer steps for small messages, such as trees) and on
+# synchronisations, algorithms with fewer steps for small messages, like section 5's) and on
 # bandwidth only as far as the hardware allows. The ring's bandwidth term is already optimal.
 #
 # **Which backend?** PyTorch ships three:
@@ -737,6 +915,9 @@ else:
 #   whatever the number of ranks, in `2(N-1)` steps.
 # - Cost ≈ latency × number of steps + bytes / bandwidth. Small messages are latency bound, large
 #   ones bandwidth bound; the crossover is at about `α·β` bytes per message.
+# - Recursive doubling needs `log2 N` steps (two more when `N` is not a power of two) but sends
+#   the whole buffer in each: it wins below `K*`, the ring above. Choosing by size with a model
+#   fitted on the spot gets the better of both.
 #
 # ## Your turn
 # Open `exercises/a0_collectives_exercises.ipynb`: write the ring reduce-scatter, the ring

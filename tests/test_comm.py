@@ -486,3 +486,19 @@ def test_all_reduce_chooses_by_size_with_a_model_fitted_on_the_spot(clusters):
     expected = [f"{choose_algorithm(length * 4, 4, model)}_all_reduce" for length in (3, 1 << 18)]
     assert all(ops == expected for _, ops in models_and_ops)
     assert expected[0] == "recursive_doubling_all_reduce"   # 12 bytes: latency decides
+
+
+def _race(ctx):
+    from ultrascale.comm.recursive import AlphaBeta, all_reduce_contenders, race_all_reduces
+
+    contenders = all_reduce_contenders(model=AlphaBeta(1e-4, 1e9))
+    return race_all_reduces(contenders, sizes=(1 << 10, 1 << 14), rounds=2)
+
+
+def test_race_times_every_contender_and_agrees_across_ranks(clusters):
+    rows = clusters(3).run(_race)
+    assert all(r == rows[0] for r in rows), "ranks must report the slowest rank's times"
+    assert [nbytes for nbytes, _ in rows[0]] == [1 << 10, 1 << 14]
+    for _, times in rows[0]:
+        assert set(times) == {"builtin", "ring", "doubling", "chosen"}
+        assert all(0 < t < 10 for t in times.values())

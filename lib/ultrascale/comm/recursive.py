@@ -146,3 +146,49 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         times.append(float(elapsed))
     return fit_alpha_beta(sizes, times)
+
+
+def all_reduce_contenders(group=None, model: AlphaBeta | None = None) -> dict:
+    """The all-reduces to compare, by name: the backend's, the ring, doubling and (with a model) the choice."""
+    import torch.distributed as dist
+
+    contenders = {
+        "builtin": lambda t: dist.all_reduce(t, group=group),
+        "ring": lambda t: ring_all_reduce(t, group=group),
+        "doubling": lambda t: recursive_doubling_all_reduce(t, group=group),
+    }
+    if model is not None:
+        contenders["chosen"] = lambda t: all_reduce(t, group=group, model=model)
+    return contenders
+
+
+def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, device=None,
+                     callback=None) -> list[tuple[int, dict]]:
+    """Time every contender on every size; ``[(bytes, {name: seconds per call})]``, the same on all ranks.
+
+    Call on every rank. The contenders take turns round by round on the same tensor and each
+    keeps its median over the rounds, so a burst of load from another program on the machine
+    hits all of them alike instead of one. Each time is the slowest rank's. ``callback`` gets
+    each row on rank 0 as soon as it is measured (for a live plot).
+    """
+    import statistics
+
+    import torch.distributed as dist
+
+    from .bandwidth import time_collective
+
+    rows = []
+    for nbytes in sizes:
+        x = torch.randn(max(1, nbytes // 4), device=device)
+        calls = max(1, min(10, (16 << 20) // max(nbytes, 1)))   # several calls when one is too short to time
+        times = {name: [] for name in contenders}
+        for run in contenders.values():                          # warm up: buffers, connections
+            run(x)
+        for _ in range(rounds):
+            for name, run in contenders.items():
+                x.normal_()                                      # fresh values: repeated sums never overflow
+                times[name].append(time_collective(lambda: run(x), calls, warmup=0, group=group, device=device))
+        rows.append((x.numel() * 4, {name: statistics.median(t) for name, t in times.items()}))
+        if callback is not None and dist.get_rank(group) == 0:
+            callback(rows[-1])
+    return rows

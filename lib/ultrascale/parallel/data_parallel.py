@@ -14,8 +14,9 @@ Three versions, each fixing a weakness of the one before:
   autograd has finished accumulating it, while backward continues with earlier
   layers; wait for all of them only before ``optimizer.step()``.
 * ``BucketedDataParallel``: many small all-reduces each pay a fixed latency, so
-  gradients are copied into a few large flat buffers ("buckets") and one all-reduce
-  is launched per full bucket.
+  gradients live in a few large flat buffers ("buckets"; each ``.grad`` becomes a view
+  of its slot after its first copy in, like DDP's ``gradient_as_bucket_view``) and one
+  all-reduce is launched per full bucket.
 
 All three share ``no_sync()`` for gradient accumulation: inside it gradients just
 accumulate locally, and only the last micro-batch's backward communicates.
