@@ -4,7 +4,7 @@
 
 Prints, on 4 ranks (gloo on CPU, NCCL with 4 GPUs):
   * step time of our overlapped + bucketed DP against DistributedDataParallel with the
-    same bucket size (target: ratio <= 1.15);
+    same bucket size (target: ratio <= 1.0, issue 22; it was 1.15);
   * step time of our ZeRO-3 with prefetch against FSDP2 ``fully_shard`` with the same
     units, one per block plus the root (target: ratio <= 1.3); ZeRO-1/2 for reference;
   * measured per-rank state bytes for ZeRO stages 0-3 against the book's formulas at
@@ -98,8 +98,8 @@ def main():
         for impl, seconds in t.items():
             print(f"{names[impl]:<34}{1e3 * seconds:>10.1f}")
         dp_ratio, z3_ratio = t["ours_dp"] / t["ddp"], t["zero3"] / t["fsdp2"]
-        print(f"\nours DP / DDP      = {dp_ratio:.3f}  (target <= 1.15) "
-              f"{'OK' if dp_ratio <= 1.15 else 'MISSED'}")
+        print(f"\nours DP / DDP      = {dp_ratio:.3f}  (target <= 1.00, no slower than DDP) "
+              f"{'OK' if dp_ratio <= 1.00 else 'MISSED'}")
         print(f"ours ZeRO-3 / FSDP2 = {z3_ratio:.3f}  (target <= 1.30) "
               f"{'OK' if z3_ratio <= 1.30 else 'MISSED'}\n")
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.grading import FAIL, NOT_IMPLEMENTED, PASS, check, cli, registry
-from ultrascale.grading.check import ERROR, GRADE_FILE_ENV, NOT_RUN, submission_path
+from ultrascale.grading.check import ERROR, GRADE_FILE_ENV, NOT_RUN, SUBMITTED, submission_path
 from ultrascale.grading.guards import ForbiddenCall, forbid_collectives
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def _submit(grade_file: str, exercise_id: str, *objects, **kwargs) -> None:
     path.write_bytes(cloudpickle.dumps((objects, kwargs)))
 
 
-def _grade_with(monkeypatch, cells) -> cli.NotebookReport:
+def _grade_with(monkeypatch, cells, feedback: bool = False) -> cli.NotebookReport:
     """Grade solutions/00's notebook, with papermill replaced by ``cells(grade_file)``."""
     import papermill
 
@@ -65,7 +65,7 @@ def _grade_with(monkeypatch, cells) -> cli.NotebookReport:
 
     monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
     return cli.grade_notebook(REPO / "solutions" / "00_orientation_exercises.ipynb", timeout=120,
-                              parameters={"QUICK": True})
+                              parameters={"QUICK": True}, feedback=feedback)
 
 
 def _rows(report) -> dict:
@@ -75,19 +75,21 @@ def _rows(report) -> dict:
 STUB = "def pipeline_stage_layers(num_layers, pp):\n    raise NotImplementedError('exercise: split the layers')\n"
 
 
-def test_forged_lines_unknown_ids_and_a_swapped_registry_score_nothing(monkeypatch):
+@pytest.mark.parametrize("feedback", [True, False], ids=["tests-in-kernel-too", "deferred"])
+def test_forged_lines_unknown_ids_and_a_swapped_registry_score_nothing(monkeypatch, feedback):
     def cells(grade_file):
         # A cell swaps the test for one that passes anything, then checks its stub...
         real = registry.get_exercise("00.pipeline_stage_layers")
         registry._REGISTRY[real.id] = registry.Exercise(real.id, real.points, lambda *a, **k: None)
         try:
-            assert check(real.id, _in_main(STUB, "pipeline_stage_layers")).status == PASS  # fooled here
+            status = check(real.id, _in_main(STUB, "pipeline_stage_layers")).status
+            assert status == (PASS if feedback else SUBMITTED)  # fooled here, when the kernel runs the test
         finally:
             registry._REGISTRY[real.id] = real
         # ... and another writes verdicts straight into the grade file.
         _forge(grade_file, *[(e, 1000) for e in CH00], ("00.bonus", 1000), ("zz.not_an_exercise", 5))
 
-    report = _grade_with(monkeypatch, cells)
+    report = _grade_with(monkeypatch, cells, feedback)
     rows = _rows(report)
     assert list(rows) == list(CH00), "ids without a registered test must not appear"
     assert (report.points, report.max_points) == (0, 3)

@@ -17,7 +17,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from ultrascale.grading import FAIL, NOT_IMPLEMENTED, PASS, check, exercise
 from ultrascale.grading import cli, generate
-from ultrascale.grading.check import ERROR, GRADE_FILE_ENV
+from ultrascale.grading.check import DEFER_ENV, ERROR, GRADE_FILE_ENV, SUBMITTED
 from ultrascale.grading.generate import GenerateError, make_exercise, stub_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -353,6 +353,56 @@ def test_grader_counts_checks_that_never_ran(tmp_path, monkeypatch):
     assert status == {"00.mean_across_ranks": "not run", "00.pipeline_stage_layers": PASS,
                       "00.memory_per_stage": "not run"}
     assert (report.points, report.max_points) == (1, 3)
+
+
+def test_grader_runs_each_deferred_test_once_in_its_own_process(tmp_path, monkeypatch):
+    """Under the grader check() only saves what it was given; the grader's run gives every verdict."""
+    import papermill
+    from ultrascale.exercise_tests import ch00
+
+    src = REPO / "solutions" / "00_orientation_exercises.ipynb"
+    in_kernel = []
+
+    def fake_execute(input_path, output_path, **kwargs):
+        assert os.environ.get(DEFER_ENV) == "1"
+        def wrong_layers(num_layers, pp):     # plausible mistake: the remainder on the last stages
+            base, extra = divmod(num_layers, pp)
+            return [base] * (pp - extra) + [base + 1] * extra
+        def stub(*args, **kwargs):
+            raise NotImplementedError("exercise: memory per stage")
+        in_kernel.append(check("00.pipeline_stage_layers", wrong_layers, quick=True))
+        in_kernel.append(check("00.memory_per_stage", stub, quick=True))
+        in_kernel.append(check("00.mean_across_ranks", quick=True))  # forgot the function: wrong arguments
+        nbformat.write(nbformat.read(input_path, as_version=4), output_path)
+
+    monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
+    report = cli.grade_notebook(src, timeout=60, parameters={"QUICK": True})
+    assert [r.status for r in in_kernel] == [SUBMITTED, SUBMITTED, ERROR]   # nothing ran in the "kernel"
+    rows = {e["exercise"]: e for e in report.exercises}
+    assert rows["00.pipeline_stage_layers"]["status"] == FAIL
+    assert "expected [2, 1], got [1, 2]" in rows["00.pipeline_stage_layers"]["message"]
+    assert rows["00.memory_per_stage"]["status"] == NOT_IMPLEMENTED
+    assert rows["00.mean_across_ranks"]["status"] == ERROR and "wrong arguments" in rows["00.mean_across_ranks"]["message"]
+    assert report.points == 0
+    assert os.environ.get(DEFER_ENV) is None   # the grader's own environment is left as it was
+
+
+def test_deferred_submissions_of_the_right_answers_score_through_the_grader(tmp_path, monkeypatch):
+    import papermill
+    from ultrascale.exercise_tests import ch00
+
+    src = REPO / "solutions" / "00_orientation_exercises.ipynb"
+
+    def fake_execute(input_path, output_path, **kwargs):
+        check("00.pipeline_stage_layers", ch00.reference_stage_layers, quick=True)
+        check("00.memory_per_stage", ch00.reference_memory_per_stage, quick=True)
+        nbformat.write(nbformat.read(input_path, as_version=4), output_path)
+
+    monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
+    report = cli.grade_notebook(src, timeout=60, parameters={"QUICK": True})
+    status = {e["exercise"]: e["status"] for e in report.exercises}
+    assert status == {"00.mean_across_ranks": "not run", "00.pipeline_stage_layers": PASS,
+                      "00.memory_per_stage": PASS}
 
 
 def test_grader_fails_only_on_infrastructure_errors(tmp_path, capsys):

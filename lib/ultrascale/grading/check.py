@@ -18,6 +18,11 @@ was given (the learner's functions and classes, and the keyword arguments) is sa
 beside it with cloudpickle. The grader does not take the verdicts' word for it: a
 notebook can write anything into that file. It runs the registered test again, in a
 process of its own, on the saved objects (``cli.regrade``), and scores that.
+
+Since only that run counts, the grader also sets ``ULTRASCALE_GRADE_DEFER``: ``check``
+then saves what it was given and records "submitted" without running the test, so each
+test runs once per graded notebook instead of twice (the grader's ``--feedback`` keeps
+the run in the notebook, for kept notebooks that show every verdict).
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ FAIL = "fail"
 NOT_IMPLEMENTED = "not implemented"
 ERROR = "error"  # the check itself could not run: unknown id, wrong arguments
 NOT_RUN = "not run"  # used by the command-line grader for checks never reached
+SUBMITTED = "submitted"  # under the grader with DEFER_ENV set: saved for its own run, not run here
 
 GRADE_FILE_ENV = "ULTRASCALE_GRADE_FILE"
+DEFER_ENV = "ULTRASCALE_GRADE_DEFER"
 _MAX_MESSAGE_IN_FILE = 4000  # keep the JSON lines readable; the notebook shows all
 
 
@@ -73,7 +80,8 @@ class CheckResult:
 
     # ---- how it looks -------------------------------------------------------
     def to_text(self) -> str:
-        label = {PASS: "PASS", FAIL: "FAIL", NOT_IMPLEMENTED: "NOT IMPLEMENTED YET", ERROR: "ERROR"}.get(
+        label = {PASS: "PASS", FAIL: "FAIL", NOT_IMPLEMENTED: "NOT IMPLEMENTED YET", ERROR: "ERROR",
+                 SUBMITTED: "SUBMITTED"}.get(
             self.status, self.status.upper()
         )
         head = f"[{label}] {self.exercise} ({_num(self.points)}/{_num(self.max_points)} points)"
@@ -84,6 +92,7 @@ class CheckResult:
             PASS: ("#1a7f37", "&#10004; Passed"),
             FAIL: ("#cf222e", "&#10008; Failed"),
             NOT_IMPLEMENTED: ("#9a6700", "&#9998; Not implemented yet"),
+            SUBMITTED: ("#0969da", "&#8599; Submitted to the grader"),
         }.get(self.status, ("#6e7781", "&#9888; Could not check"))
         parts = [
             f'<div style="border-left:4px solid {colour};padding:4px 10px;margin:4px 0">',
@@ -120,7 +129,7 @@ def check(exercise_id: str, *objects, **kwargs) -> CheckResult:
     ``kwargs`` go to the test too (e.g. ``world_size=WORLD_SIZE, quick=QUICK``).
     Returns a :class:`CheckResult`; never raises.
     """
-    _save_submission(exercise_id, objects, kwargs)  # before the test runs: as the learner gave them
+    saved = _save_submission(exercise_id, objects, kwargs)  # before the test runs: as the learner gave them
     try:
         ex = get_exercise(exercise_id)
     except KeyError as err:
@@ -129,7 +138,12 @@ def check(exercise_id: str, *objects, **kwargs) -> CheckResult:
         result = CheckResult(exercise_id, ERROR, 0, 0, f"the checker itself failed: {_one_line(err)}",
                              details=traceback.format_exc())
     else:
-        result = grade_exercise(ex, objects, kwargs)
+        result = _argument_error(ex, objects, kwargs)
+        if result is None and saved and os.environ.get(DEFER_ENV):
+            result = CheckResult(exercise_id, SUBMITTED, 0, ex.points,
+                                 "saved for the grader, which runs the test in a process of its own")
+        elif result is None:
+            result = grade_exercise(ex, objects, kwargs)
     _record(result)
     _show(result)
     return result
@@ -147,6 +161,17 @@ def grade_exercise(ex, objects: tuple, kwargs: dict) -> CheckResult:
     return result
 
 
+def _argument_error(ex, objects: tuple, kwargs: dict) -> CheckResult | None:
+    """Wrong arguments to check() are the learner's slip, not a failed exercise: say what the
+    test expects instead of reporting a TypeError from deep inside. None when they fit."""
+    try:
+        inspect.signature(ex.test).bind(*objects, **kwargs)
+    except TypeError as err:
+        return CheckResult(ex.id, ERROR, 0, ex.points, f"check({ex.id!r}, ...) was called with the wrong "
+                                                       f"arguments ({err}); it expects {_signature_hint(ex.test)}")
+    return None
+
+
 def _grade(ex, objects: tuple, kwargs: dict) -> CheckResult:
     exercise_id = ex.id
 
@@ -154,13 +179,9 @@ def _grade(ex, objects: tuple, kwargs: dict) -> CheckResult:
         points = ex.points if status == PASS else 0
         return CheckResult(exercise_id, status, points, ex.points, message, details)
 
-    # Wrong arguments to check() are the learner's slip, not a failed exercise:
-    # say what the test expects instead of reporting a TypeError from deep inside.
-    try:
-        inspect.signature(ex.test).bind(*objects, **kwargs)
-    except TypeError as err:
-        return verdict(ERROR, f"check({exercise_id!r}, ...) was called with the wrong arguments ({err}); "
-                              f"it expects {_signature_hint(ex.test)}")
+    wrong_arguments = _argument_error(ex, objects, kwargs)
+    if wrong_arguments is not None:
+        return wrong_arguments
 
     try:
         ex.test(*objects, **kwargs)
@@ -271,15 +292,15 @@ def submission_path(grade_file, exercise_id: str) -> Path:
     return Path(f"{grade_file}.submissions") / f"{safe}.pkl"
 
 
-def _save_submission(exercise_id: str, objects: tuple, kwargs: dict) -> None:
-    """Under the grader: save what check() was given, for the grader to test again itself.
+def _save_submission(exercise_id: str, objects: tuple, kwargs: dict) -> bool:
+    """Under the grader: save what check() was given, for the grader to test again itself (True if saved).
 
     The kernel's environment variables and import path go along (as JSON), because a
     notebook may set some that its code needs, e.g. ``TRITON_INTERPRET=1`` for Triton's
     CPU interpreter."""
     path = os.environ.get(GRADE_FILE_ENV)
     if not path:
-        return
+        return False
     target = submission_path(path, exercise_id)
     context = {"environ": dict(os.environ), "sys_path": list(sys.path)}
     try:
@@ -292,6 +313,8 @@ def _save_submission(exercise_id: str, objects: tuple, kwargs: dict) -> None:
         target.unlink(missing_ok=True)
         print(f"ultrascale.grading: what check({exercise_id!r}, ...) was given cannot be saved for the grader "
               f"({type(err).__name__}: {err}); the grader cannot test it again, so it will score 0")
+        return False
+    return True
 
 
 def _write_whole(path: Path, data: bytes) -> None:

@@ -11,13 +11,17 @@ Every ``check`` call appends its verdict to the file named by
 
 The notebook's word is not taken for a pass: its cells can write anything into that
 file, or swap the tests in the kernel's registry. So the score is the grader's own.
-For each exercise the notebook says it passed, a fresh process of the grader's (one
-per notebook) looks the test up in the library's registry, loads the saved objects
-and runs the test on them; only a pass there scores, and it scores the exercise's
-registered points. A verdict other than a pass scores 0 without a second run (a
-notebook gains nothing by saying it failed). Ids that no test is registered under
-are ignored. An exercise whose check never ran (deleted, or the kernel died first)
-scores 0 as "not run".
+For each exercise the notebook submitted (or says it passed), a fresh process of the
+grader's (one per notebook) looks the test up in the library's registry, loads the
+saved objects and runs the test on them; only a pass there scores, and it scores the
+exercise's registered points. Because only that run counts, ``check`` in the graded
+kernel does not run the test itself: it saves what it was given and records
+"submitted" (``ULTRASCALE_GRADE_DEFER``), so each test runs once, not twice. With
+``--feedback`` it runs there too, as in a learner's session, and the kept notebooks
+show every verdict; a verdict other than a pass then scores 0 without a second run (a
+notebook gains nothing by saying it failed). Ids that no test is registered under are
+ignored. An exercise whose check never ran (deleted, or the kernel died first) scores
+0 as "not run".
 
 The learner's code does run in that process (it has to, to be tested), so a function
 written to attack the test that calls it is beyond what this grader can stop; what a
@@ -44,8 +48,8 @@ from pathlib import Path
 
 import nbformat
 
-from .check import (ERROR, FAIL, GRADE_FILE_ENV, NOT_IMPLEMENTED, NOT_RUN, PASS, CheckResult, _one_line,
-                    grade_exercise, submission_path)
+from .check import (DEFER_ENV, ERROR, FAIL, GRADE_FILE_ENV, NOT_IMPLEMENTED, NOT_RUN, PASS, SUBMITTED, CheckResult,
+                    _one_line, grade_exercise, submission_path)
 from .registry import exercises_of_chapter, get_exercise
 
 # check("00.mean_across_ranks", ...) as written in a notebook cell
@@ -134,27 +138,33 @@ def _read_grades(path: Path) -> dict:
     return grades
 
 
-def grade_notebook(nb_path: Path, timeout: float, parameters: dict, keep_dir: Path | None = None) -> NotebookReport:
+def grade_notebook(nb_path: Path, timeout: float, parameters: dict, keep_dir: Path | None = None,
+                   feedback: bool = False) -> NotebookReport:
     """Execute one notebook, then score it: see the module's docstring."""
     report = NotebookReport(str(nb_path))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ultrascale-grade-") as tmp:
         grade_file = Path(tmp) / "grades.jsonl"
-        _execute(nb_path, grade_file, (keep_dir or Path(tmp)) / nb_path.name, timeout, parameters, report)
+        _execute(nb_path, grade_file, (keep_dir or Path(tmp)) / nb_path.name, timeout, parameters, report,
+                 defer=not feedback)
         report.exercises = score(nb_path, grade_file, timeout)
     report.seconds = time.perf_counter() - start
     return report
 
 
 def _execute(nb_path: Path, grade_file: Path, output: Path, timeout: float, parameters: dict,
-             report: NotebookReport) -> None:
+             report: NotebookReport, defer: bool = True) -> None:
     """Run the notebook with papermill; its check() calls write into ``grade_file``."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
     # The kernel inherits our environment; that is how check() finds the file.
-    old = os.environ.get(GRADE_FILE_ENV)
+    old = {name: os.environ.get(name) for name in (GRADE_FILE_ENV, DEFER_ENV)}
     os.environ[GRADE_FILE_ENV] = str(grade_file)
+    if defer:
+        os.environ[DEFER_ENV] = "1"
+    else:
+        os.environ.pop(DEFER_ENV, None)
     try:
         if not nb_path.is_file():
             raise FileNotFoundError(f"no such notebook: {nb_path}")
@@ -179,10 +189,11 @@ def _execute(nb_path: Path, grade_file: Path, output: Path, timeout: float, para
         report.status = "infrastructure error"
         report.error = f"{type(err).__name__}: {err}"
     finally:
-        if old is None:
-            os.environ.pop(GRADE_FILE_ENV, None)
-        else:
-            os.environ[GRADE_FILE_ENV] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def score(nb_path: Path, grade_file: Path, timeout: float) -> list:
@@ -193,7 +204,7 @@ def score(nb_path: Path, grade_file: Path, timeout: float) -> list:
         points = registered_points(exercise_id)
         if exercise_id not in exercises and points is not None:
             exercises[exercise_id] = points
-    claimed = [e for e in exercises if claims.get(e, {}).get("status") == PASS]
+    claimed = [e for e in exercises if claims.get(e, {}).get("status") in (PASS, SUBMITTED)]
     verdicts = regrade(nb_path.parent, {e: submission_path(grade_file, e) for e in claimed}, timeout)
     return [_row(e, points, claims.get(e), verdicts.get(e)) for e, points in exercises.items()]
 
@@ -206,6 +217,10 @@ def _row(exercise_id: str, max_points: float, claim: dict | None, verdict: dict 
 
     if claim is None:
         return row(NOT_RUN, "its check() never ran")
+    if claim.get("status") == SUBMITTED:   # the grader's run is the only one: its verdict as it is
+        status = verdict.get("status") if verdict and verdict.get("status") in (PASS, FAIL, NOT_IMPLEMENTED,
+                                                                                  ERROR) else FAIL
+        return row(status, str(verdict.get("message", "")) if verdict else "no verdict")
     if claim.get("status") != PASS:
         status = claim.get("status") if claim.get("status") in (FAIL, NOT_IMPLEMENTED, ERROR) else FAIL
         return row(status, str(claim.get("message", ""))[:4000])
@@ -220,7 +235,7 @@ def _row(exercise_id: str, max_points: float, claim: dict | None, verdict: dict 
 
 _REGRADE = "import sys; from ultrascale.grading.cli import regrade_main; sys.exit(regrade_main(sys.argv[1]))"
 # Variables of the kernel's environment that belong to Jupyter, not to the notebook's code.
-_KERNEL_ONLY_ENV = ("MPLBACKEND", GRADE_FILE_ENV, "JPY_PARENT_PID", "JPY_SESSION_NAME")
+_KERNEL_ONLY_ENV = ("MPLBACKEND", GRADE_FILE_ENV, DEFER_ENV, "JPY_PARENT_PID", "JPY_SESSION_NAME")
 
 
 def regrade(cwd: Path, submissions: dict, timeout: float) -> dict:
@@ -233,7 +248,7 @@ def regrade(cwd: Path, submissions: dict, timeout: float) -> dict:
         spec, results = Path(tmp) / "spec.json", Path(tmp) / "verdicts.jsonl"
         spec.write_text(json.dumps({"results": str(results),
                                     "submissions": {e: str(p) for e, p in submissions.items()}}))
-        env = {k: v for k, v in os.environ.items() if k != GRADE_FILE_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in (GRADE_FILE_ENV, DEFER_ENV)}
         try:
             proc = subprocess.run([sys.executable, "-c", _REGRADE, str(spec)], cwd=cwd, env=env,
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -354,6 +369,9 @@ def main(argv=None) -> int:
     parser.add_argument("-p", "--param", action="append", type=_parse_param, default=[],
                         help="extra notebook parameter NAME=VALUE (QUICK=True is always set unless overridden)")
     parser.add_argument("--keep", type=Path, help="save the executed notebooks in this directory")
+    parser.add_argument("--feedback", action="store_true",
+                        help="also run each test inside the notebook, so the kept notebooks show every verdict "
+                             "(the tests that pass then run twice: there and in the grader's own process)")
     args = parser.parse_args(argv)
 
     notebooks = find_notebooks(args.paths)
@@ -367,7 +385,7 @@ def main(argv=None) -> int:
     reports = []
     for nb_path in notebooks:
         print(f"grading {nb_path} ...", flush=True)
-        reports.append(grade_notebook(nb_path, args.timeout, parameters, args.keep))
+        reports.append(grade_notebook(nb_path, args.timeout, parameters, args.keep, feedback=args.feedback))
         if reports[-1].status != "ok":
             print(f"  could not run it: {reports[-1].error}", file=sys.stderr)
 
