@@ -33,7 +33,7 @@ from ultrascale.memory import cp_kv_buffer_bytes
 from ultrascale.parallel.context_parallel import KVBufferMeter, causal_tile_counts, context_parallel_attention
 from ultrascale.parallel.context_parallel import split_sequence
 from ultrascale.runtime import Cluster
-from sidebyside import measure, model_arguments
+from sidebyside import measure, model_arguments, timed_steps
 
 KINDS = {"ring": "ring (isend/irecv, overlapped)", "all_gather": "all-gather K/V, reduce-scatter dK/dV"}
 
@@ -56,14 +56,7 @@ def forward_backward(q, k, v, grad_out, layout, kind):
 def time_steps(ctx, kind, shape, warmup, steps):
     """Wall-clock seconds of forward + backward on this rank, one per step."""
     q, k, v, grad_out = inputs(ctx, shape, "zigzag")
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
-        forward_backward(q, k, v, grad_out, "zigzag", kind)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+    return timed_steps(ctx, lambda: forward_backward(q, k, v, grad_out, "zigzag", kind), warmup, steps)
 
 
 def peak_buffers(ctx, kind, shape):

@@ -17,16 +17,14 @@ Data, loss and PyTorch's wrappers come from ``ultrascale.parity``, as in the tes
 """
 from __future__ import annotations
 
-import time
 
 import torch
-import torch.distributed as dist
 
 from ultrascale.model import GPT, count_params
 from ultrascale.parallel import BucketedDataParallel, ZeRO
 from ultrascale.parity import OPTIMIZERS, Batches, ddp, device_mesh_1d, fsdp2, make_optimizer
 from ultrascale.runtime import Cluster
-from sidebyside import config_of, measure, model_arguments
+from sidebyside import config_of, measure, model_arguments, timed_steps
 
 
 _ADAM = dict(optimizer_cls=OPTIMIZERS["adam"][0], **OPTIMIZERS["adam"][1])   # ZeRO's optimizer, as the others'
@@ -56,17 +54,12 @@ def build(ctx, impl, cfg, bucket_mb):
 def time_steps(ctx, impl, cfg, mbs, bucket_mb, warmup, steps):
     module, finish = build(ctx, impl, cfg, bucket_mb)
     batch = Batches(cfg, mbs).rank_batch(ctx.rank, ctx.world_size, step=0).to(ctx.device)
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step():
         batch.loss(module).backward()
         finish()
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+
+    return timed_steps(ctx, step, warmup, steps)
 
 
 def state_bytes(ctx, stage, cfg, param_dtype):

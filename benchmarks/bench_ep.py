@@ -17,10 +17,8 @@ One MoE layer of the course GPT (router + ``--experts`` GPT MLPs, top-``--top-k`
 """
 from __future__ import annotations
 
-import time
 
 import torch
-import torch.distributed as dist
 
 from ultrascale.comm import format_bytes
 from ultrascale.model import MLP, GPTConfig
@@ -29,7 +27,7 @@ from ultrascale.parallel.expert_parallel import apply_ep
 from ultrascale.parallel.expert_runs import layer_traffic
 from ultrascale.parity import make_optimizer
 from ultrascale.runtime import Cluster
-from sidebyside import measure, model_arguments
+from sidebyside import measure, model_arguments, timed_steps
 
 IMPLS = {"ep": "ours: apply_ep over the ranks", "one": "one process, all experts"}
 
@@ -52,19 +50,13 @@ def time_steps(ctx, impl, cfg, mbs, warmup, steps):
     rows = mbs if impl == "ep" else mbs * ctx.world_size
     x = tokens(cfg, rows, ctx.rank if impl == "ep" else 0).to(ctx.device)
     opt = make_optimizer(moe.parameters(), "sgd")
-    times = []
-    for i in range(warmup + steps):
-        if impl == "ep":
-            dist.barrier()
-        start = time.perf_counter()
+
+    def step():
         moe(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+
+    return timed_steps(ctx, step, warmup, steps, barrier=impl == "ep")   # one process alone: no barrier
 
 
 def logged_bytes(ctx, cfg, mbs):

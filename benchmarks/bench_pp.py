@@ -23,7 +23,6 @@ is the slowest rank's: the optimizer step follows the pipeline's flush.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,7 @@ from ultrascale.parallel.timeline import Timeline
 from ultrascale.parity import Batches, make_optimizer
 from ultrascale.runtime import Cluster
 from ultrascale.schedule import bubble_fraction, predicted_bubble_fraction
-from sidebyside import config_of, measure, model_arguments
+from sidebyside import config_of, measure, model_arguments, timed_steps
 
 IMPLS = {"ours": "ours: apply_pp, 1F1B", "torch": "PyTorch Schedule1F1B"}
 
@@ -52,18 +51,13 @@ def time_steps(ctx, impl, cfg, m, mbs, warmup, steps):
     pipe = build(ctx, impl, cfg, m)
     opt = make_optimizer(pipe.parameters(), "sgd")
     batch = Batches(cfg, mbs * m).global_batch(0).to(ctx.device)   # cut into m micro-batches of mbs rows
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step():
         pipe.step(batch)
         opt.step()
         opt.zero_grad()
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+
+    return timed_steps(ctx, step, warmup, steps)
 
 
 def measured_bubble(ctx, cfg, m, mbs, t_f, steps):

@@ -19,10 +19,8 @@ Data, loss and PyTorch's version come from ``ultrascale.parity``, as in the test
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ultrascale.memory import saved_activation_bytes
@@ -30,7 +28,7 @@ from ultrascale.model import GPT, count_params
 from ultrascale.parallel.tensor_parallel import apply_tp
 from ultrascale.parity import Batches, device_mesh_1d, dtensor_tp, make_optimizer
 from ultrascale.runtime import Cluster
-from sidebyside import config_of, measure, model_arguments
+from sidebyside import config_of, measure, model_arguments, timed_steps
 
 IMPLS = {"ours_tp": "ours: apply_tp", "torch_tp": "PyTorch parallelize_module",
          "ours_sp": "ours: apply_tp, SP", "torch_sp": "PyTorch parallelize_module, SP"}
@@ -51,19 +49,14 @@ def time_steps(ctx, impl, cfg, mbs, warmup, steps):
     model, context = build(ctx, impl, cfg)
     opt = make_optimizer(model.parameters(), "adam")
     batch = Batches(cfg, mbs).global_batch(0).to(ctx.device)   # TP: every rank sees the whole batch
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step():
         with context():
             batch.loss(model).backward()
         opt.step()
         opt.zero_grad()
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+
+    return timed_steps(ctx, step, warmup, steps)
 
 
 def saved_bytes(ctx, cfg, mbs, tp):

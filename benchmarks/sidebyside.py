@@ -37,3 +37,28 @@ def measure(cluster, impls, rounds, time_steps, *args) -> dict:
             per_rank = cluster.run(time_steps, impl, *args, timeout=600)
             samples[impl] += [max(step) for step in zip(*per_rank)]   # the slowest rank
     return {impl: statistics.median(t) for impl, t in samples.items()}
+
+
+def timed_steps(ctx, step, warmup: int, steps: int, barrier: bool = True) -> list:
+    """This rank's wall-clock seconds for ``step()``, ``steps`` times after ``warmup`` untimed ones.
+
+    With ``barrier`` the ranks line up before each step, so that no rank's clock starts while
+    another is still finishing the last one; on a GPU the device is synchronized before the
+    clock stops, since kernels return before they finish.
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for i in range(warmup + steps):
+        if barrier:
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
