@@ -330,6 +330,22 @@ def test_memory_widget_constructs_and_redraws():
     assert "divisible" in widget.children[1].value
 
 
+def test_memory_widget_says_when_its_own_drawing_breaks(monkeypatch):
+    """Any other error is shown beside the plot (not a silently frozen plot) and still raised for the log."""
+    import ultrascale.viz.memory_widget as mw
+
+    widget = mw.memory_widget()
+
+    def broken(fig):
+        raise RuntimeError("drawing broke")
+
+    monkeypatch.setattr(mw, "_png", broken)
+    hidden = next(c for c in widget.children[0].children[0].children if c.description == "hidden")
+    with pytest.raises(RuntimeError, match="drawing broke"):
+        hidden.value = 2048
+    assert "RuntimeError" in widget.children[1].value and "drawing broke" in widget.children[1].value
+
+
 # ------------------------------------------------------------------------ pipeline schedules (NB07)
 def test_pp_in_flight_is_the_simulators_count():
     """AFAB holds all m micro-batches on every rank, 1F1B p - rank of them (at most m)."""

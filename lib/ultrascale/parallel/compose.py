@@ -253,8 +253,8 @@ def _apply_data_parallel(par: Parallelized) -> None:
         # An expert's gradient already sums every ep rank's tokens (the all-to-all brought them):
         # sum it over its replicas (dp x cp) and divide by all the data ranks; dense ones average
         # over (dp, ep, cp). Hooks in backward, as expert parallelism's own sync does.
-        from .expert_parallel import _average_in_backward
-        _average_in_backward(par.model, mesh.group(DENSE_AXES), mesh.group(EXPERT_AXES))
+        from .expert_parallel import average_in_backward
+        average_in_backward(par.model, mesh.group(DENSE_AXES), mesh.group(EXPERT_AXES))
     elif mesh.size(DENSE_AXES) > 1:
         par.data_parallel = apply_data_parallel(module, mesh.group(DENSE_AXES), kind="naive")
 

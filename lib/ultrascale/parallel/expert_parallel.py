@@ -48,7 +48,7 @@ from ..moe import MoE, apply_experts
 from .mesh import Mesh, axis_group
 
 __all__ = ["apply_ep", "local_experts", "dispatch_plan", "exchange_counts", "ExpertParallelDispatch",
-           "expert_parameters", "expert_parameter_names", "average_gradients", "rank_load", "dispatch_volume",
+           "expert_parameters", "expert_parameter_names", "average_gradients", "average_in_backward", "rank_load", "dispatch_volume",
            "DispatchPlan"]
 
 DEFAULT_PLAN = {"blocks.*.mlp": "ep"}
@@ -174,7 +174,7 @@ def average_gradients(model: nn.Module, data_group=None, expert_group=None) -> N
             p.grad.copy_(_reduce(p.grad, expert_group if id(p) in experts else data_group, ranks))
 
 
-def _average_in_backward(model, data_group, expert_group) -> None:
+def average_in_backward(model, data_group, expert_group) -> None:
     """``average_gradients`` as hooks that run while backward computes each gradient, as
     context parallelism's do, so parity's plain training loop needs no extra call."""
     ranks = dist.get_world_size(data_group)
@@ -226,7 +226,7 @@ def apply_ep(model: nn.Module, mesh_or_group=None, *, plan: dict | None = None, 
         moe.experts = nn.ModuleDict({str(i): moe.experts[i] for i in keep})
         moe.experts_forward = ExpertParallelDispatch(moe.experts, moe.num_experts, group, timeline)
     if sync_gradients:
-        _average_in_backward(model, *_data_groups(mesh_or_group, group))
+        average_in_backward(model, *_data_groups(mesh_or_group, group))
     if timeline is not None and hasattr(model, "blocks"):
         timeline.instrument(model.blocks)
     return model

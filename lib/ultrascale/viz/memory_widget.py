@@ -131,6 +131,10 @@ def memory_widget():
             message.value = ""
         except (ValueError, TypeError) as error:   # e.g. hidden not divisible by heads
             message.value = f"<b style='color:#C44E52'>Cannot draw: {error}</b>"
+        except Exception as error:   # a bug of ours: say so beside the plot, and let Jupyter log it too
+            message.value = (f"<b style='color:#C44E52'>Cannot draw ({type(error).__name__}): {error}. "
+                             f"This is a bug in the course; the log console has the traceback.</b>")
+            raise
 
     def apply_preset(change):
         loading_preset[0] = True
