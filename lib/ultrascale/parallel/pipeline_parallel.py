@@ -299,8 +299,8 @@ class Pipeline(nn.Module):
     @contextlib.contextmanager
     def _compute(self, action):
         """A compute action's bar; with ``durations`` set, it lasts at least its simulated time."""
-        start = time.perf_counter()
         with self._span(action):
+            start = time.perf_counter()   # inside the bar: the bar then lasts at least the duration
             yield
             if self.durations is not None:
                 time.sleep(max(0.0, self.durations(action) - (time.perf_counter() - start)))
