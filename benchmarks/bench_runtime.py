@@ -4,9 +4,10 @@ Measured side by side in one run, 4 ranks by default:
   * cold start  - the first Cluster(4) in a fresh Python process (torch already imported,
                   as it is in a notebook), fork server start included;
   * notebook    - in a real Jupyter kernel (jupyter_client), what a learner waits for: a
-                  chapter's import cell, then the cell with Cluster(4), each timed; once with
-                  the fork server started at `import ultrascale.runtime` (the default in a
-                  kernel) and once with ULTRASCALE_EAGER_FORKSERVER=0 (started by Cluster);
+                  chapter's import cell (the runtime imported first, as the chapters do),
+                  then the cell with Cluster(4), each timed; once with the fork server
+                  started at `import ultrascale.runtime`, before torch (the default in a
+                  kernel), and once with ULTRASCALE_EAGER_FORKSERVER=0 (started by Cluster);
   * warm start  - a second Cluster(4) in the same process;
   * call        - a no-op cluster.run(...), averaged over many calls;
   * restart     - the first call after a failed call whose ranks were stuck (kill + start
@@ -74,8 +75,8 @@ def cold_start(world_size):
 
 IMPORT_CELL = """
 import time; _t = time.perf_counter()
+from ultrascale.runtime import Cluster   # first, as in the chapters: the fork server starts before torch loads
 import matplotlib.pyplot as plt, numpy as np, torch, torch.nn as nn
-from ultrascale.runtime import Cluster
 from ultrascale import model, memory, parity
 from ultrascale.comm import CommLogger
 from ultrascale.viz import live

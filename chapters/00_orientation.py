@@ -21,6 +21,7 @@ QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU core
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster, RankError  # first: the ranks' fork server loads torch meanwhile
 import platform
 import os
 
@@ -28,7 +29,6 @@ import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 
-from ultrascale.runtime import Cluster, RankError
 from ultrascale.viz.live import LivePlot
 
 torch.manual_seed(SEED)

@@ -27,6 +27,7 @@ QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU core
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import copy
 import json
 import math
@@ -51,7 +52,6 @@ from ultrascale.memory import (GB, GiB, activation_bytes, model_state_bytes, sav
                                state_bytes)
 from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, GPTConfig, count_params, hfu,
                               mfu, rope_tables, training_flops)
-from ultrascale.runtime import Cluster
 from ultrascale.viz.live import LivePlot, ProgressBar, fan_out
 
 assert isinstance(WORLD_SIZE, int) and WORLD_SIZE >= 1, "WORLD_SIZE must be a positive integer"

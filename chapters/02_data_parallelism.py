@@ -28,6 +28,7 @@ QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU core
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import contextlib
 import inspect
 import statistics
@@ -47,7 +48,6 @@ from ultrascale.parallel import (BucketedDataParallel, NaiveDataParallel, Overla
                                  Timeline, build_buckets)
 from ultrascale.parity import (Batches, assert_replicas_identical, assert_same, ddp as torch_ddp,
                                make_optimizer, max_difference, tolerance, train)
-from ultrascale.runtime import Cluster
 from ultrascale.viz.gantt import lane_summary, plot_gantt
 from ultrascale.viz.live import ProgressBar
 

@@ -27,6 +27,7 @@ QUICK = True  # small model and few steps: about a minute on 2 CPU cores
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import math
 import time
 
@@ -42,7 +43,6 @@ from ultrascale.model import GPT, GPTConfig, count_params
 from ultrascale.parallel import NaiveDataParallel, Timeline, ZeRO, covered_seconds, overlap_seconds
 from ultrascale.parity import (OPTIMIZERS, Batches, assert_replicas_identical, assert_same, device_mesh_1d,
                                fsdp2, make_optimizer, max_difference, run_steps, tolerance, train, weights)
-from ultrascale.runtime import Cluster
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 

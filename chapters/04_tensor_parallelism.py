@@ -32,6 +32,7 @@ QUICK = True  # small model and few steps: about a minute on 2 CPU cores
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import inspect
 import math
 
@@ -53,7 +54,6 @@ from ultrascale.parallel.tensor_parallel import (ColumnParallelLinear, RowParall
                                                  apply_tp, choose_tp, full_gradients, full_weights, tp_degrees)
 from ultrascale.parity import (Batches, assert_same, dtensor_tp, first_step_and_train, gradients, make_optimizer,
                                perturbed, run_steps)
-from ultrascale.runtime import Cluster
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 

@@ -36,6 +36,7 @@ QUICK = True  # small model and few steps: about a minute on 2 CPU cores
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import re
 from collections import Counter
 
@@ -55,7 +56,6 @@ from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.tensor_parallel import (VocabParallelLogits, apply_tp, choose_tp, full_gradients,
                                                  full_weights)
 from ultrascale.parity import Batches, assert_same, dtensor_tp, first_step_and_train, perturbed, tolerance
-from ultrascale.runtime import Cluster
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 

@@ -38,6 +38,7 @@ QUICK = True  # small sizes: about 45 s on 2 CPU cores
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import contextlib
 import math
 
@@ -57,7 +58,6 @@ from ultrascale.parallel.context_parallel import (KVBufferMeter, apply_cp, causa
                                                   context_parallel_attention, split_sequence)
 from ultrascale.parallel.timeline import overlap_seconds
 from ultrascale.parity import Batches, assert_same, first_step, gradients, perturbed, split, tolerance, train
-from ultrascale.runtime import Cluster
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 

@@ -39,6 +39,7 @@ QUICK = True  # small sizes: about 45 s on 2 CPU cores
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import statistics
 import time
 
@@ -52,7 +53,6 @@ from ultrascale.parallel.pipeline_parallel import apply_pp, build_stage, split_l
 from ultrascale.parallel.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
                                                one_process, pytorch_pipeline)
 from ultrascale.parity import Batch, Batches, micro_batches, perturbed, tolerance
-from ultrascale.runtime import Cluster
 from ultrascale.schedule import (Schedule, afab, bubble_fraction, draw, dualpipe_v, interleaved_1f1b,
                                  make_schedule, naive, one_f_one_b, parse, predicted_bubble_fraction, schedule_widget,
                                  simulate, zb_h1)

@@ -34,6 +34,7 @@ QUICK = True  # small sizes: about 45 s on 2 CPU cores
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import math
 import time
 from dataclasses import replace
@@ -47,7 +48,6 @@ from ultrascale.model import GPT, GPTConfig, active_params, count_params
 from ultrascale.moe import apply_experts, grouped_mlp
 from ultrascale.parallel.expert_parallel import apply_ep, dispatch_plan, expert_parameter_names, local_experts
 from ultrascale.parallel.expert_runs import assert_ep_matches, ep_rank_run, layer_traffic, moe_model, one_process_run
-from ultrascale.runtime import Cluster
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)

@@ -31,6 +31,7 @@ QUICK = True  # small sizes: about 45 s on 2 CPU cores
 SEED = 0
 
 # %%
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import matplotlib.pyplot as plt
 import torch
 from IPython.display import Markdown, display
@@ -43,7 +44,6 @@ from ultrascale.parallel.compose import (DENSE_AXES, ParallelConfig, apply_paral
 from ultrascale.parallel.methods import (TP_CP_EP, ZERO3_VS_PP, comparison, example_config, markdown, quiz,
                                          summary_rows)
 from ultrascale.parity import Batches, perturbed
-from ultrascale.runtime import Cluster
 from ultrascale.viz.live import ProgressBar
 from ultrascale.viz.mesh import draw_mesh_groups
 

@@ -33,6 +33,7 @@ SEED = 0
 
 # %%
 # %matplotlib inline
+from ultrascale.runtime import CallTimeout, Cluster  # first: the ranks' fork server loads torch meanwhile
 import io
 import os
 import time
@@ -46,7 +47,6 @@ from ultrascale.model import LLAMA3_8B, LLAMA3_70B, LLAMA_TINY
 from ultrascale.plan import H100, ParallelConfig, PlanError, enumerate_configs, plan, violations
 from ultrascale.plan import calibrate as cal
 from ultrascale.plan import published, rules
-from ultrascale.runtime import CallTimeout, Cluster
 from ultrascale.viz.live import ProgressBar, with_text_repr
 
 assert WORLD_SIZE >= 2, "the calibration compares parallel layouts: set WORLD_SIZE >= 2"

@@ -31,6 +31,7 @@ SEED = 0
 
 # %%
 # %matplotlib inline
+from ultrascale.runtime import Cluster, resolve_backend  # first: the ranks' fork server loads torch meanwhile
 import math
 import time
 
@@ -45,7 +46,6 @@ from ultrascale.comm import (AlphaBeta, CommLogger, bus_bandwidth_sweep, bus_fac
                              format_bytes, ring_all_gather, ring_all_reduce, ring_reduce_scatter, time_collective)
 from ultrascale.comm.recursive import (all_reduce_contenders, choose_algorithm, crossover_bytes, doubling_steps,
                                        doubling_time, fit_on_the_spot, race_all_reduces, recursive_doubling_all_reduce)
-from ultrascale.runtime import Cluster, resolve_backend
 from ultrascale.viz.collectives import collective_figure, contributors, ring_steps_figure
 from ultrascale.viz.live import LivePlot
 

@@ -26,6 +26,7 @@ SEED = 0
 
 # %%
 # %matplotlib inline
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import collections
 import os
 import queue
@@ -47,7 +48,6 @@ from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import apply_data_parallel
 from ultrascale.parity import Batches, make_optimizer
 from ultrascale.profiling import chrome_trace_events, quiet_native_stderr
-from ultrascale.runtime import Cluster
 
 assert WORLD_SIZE >= 2, "the distributed sections need at least two ranks: set WORLD_SIZE >= 2"
 torch.manual_seed(SEED)

@@ -34,6 +34,7 @@ SEED = 0
 
 # %%
 # %matplotlib inline
+from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import io
 import statistics
 import time
@@ -49,7 +50,6 @@ from ultrascale.comm import CommLogger, bus_bandwidth_sweep, format_bytes
 from ultrascale.model import GPT, GPTConfig, count_params, training_flops
 from ultrascale.parallel import Timeline, apply_data_parallel, apply_zero, covered_seconds, overlap_seconds
 from ultrascale.parity import Batches
-from ultrascale.runtime import Cluster
 from ultrascale.scales import block_params
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar, with_text_repr

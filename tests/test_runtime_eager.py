@@ -1,4 +1,4 @@
-"""The fork server starts at ``import ultrascale.runtime`` in a notebook kernel, not in scripts.
+"""The fork server starts at ``import ultrascale.runtime`` in a notebook kernel (before torch), not in scripts.
 
 In a kernel the ranks' fork server begins importing torch as soon as the runtime is imported,
 so the cell that makes the cluster no longer waits for it (benchmarks/bench_runtime.py times
@@ -49,3 +49,23 @@ def test_a_script_does_not_start_it_at_import():
             "print(fs._forkserver._forkserver_pid is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+def test_the_fork_server_can_start_before_torch_is_imported():
+    """runtime/__init__ starts the server before it imports torch, so the two imports overlap:
+    the module it uses must not import torch itself."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, types, multiprocessing.forkserver as fs
+shell = types.SimpleNamespace(kernel=object())                     # as if in a notebook kernel
+sys.modules["IPython"] = types.SimpleNamespace(get_ipython=lambda: shell)
+seen = []
+fs.ensure_running = lambda: seen.append("torch" in sys.modules)   # was torch loaded when it started?
+import ultrascale.runtime
+print(seen, "torch" in sys.modules)
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "ULTRASCALE_EAGER_FORKSERVER"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[False] True"

@@ -10,25 +10,21 @@ receives), ``magic`` (the ``%%ranks`` cell magic), ``torchrun`` (the same functi
 under torchrun or SLURM), ``errors``.
 """
 
-import sys
+from .forkserver import in_a_notebook, start_fork_server
 
-from .cluster import Cluster, current_cluster, resolve_backend, shared_cluster, start_fork_server
-from .context import RankContext
-from .errors import CallTimeout, RankError, RankFailure
+if in_a_notebook():
+    # Before anything below imports torch: the ranks' fork server imports it on another core
+    # meanwhile (see forkserver.py), so the cell that makes the first Cluster need not wait.
+    start_fork_server()
+
+from .cluster import Cluster, current_cluster, resolve_backend, shared_cluster  # noqa: E402
+from .context import RankContext  # noqa: E402
+from .errors import CallTimeout, RankError, RankFailure  # noqa: E402
 
 __all__ = [
     "Cluster", "shared_cluster", "current_cluster", "resolve_backend", "start_fork_server",
     "RankContext", "RankError", "CallTimeout", "RankFailure", "load_ipython_extension",
 ]
-
-
-def _in_a_notebook() -> bool:
-    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-    return shell is not None and hasattr(shell, "kernel")
-
-
-if _in_a_notebook():
-    start_fork_server()   # the ranks' fork server imports torch from now on (see its docstring)
 
 
 def load_ipython_extension(ipython):

@@ -23,9 +23,7 @@ call's), and keep their ``ctx.state`` otherwise; the message says which.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import math
-import multiprocessing.spawn as mp_spawn
 import numbers
 import operator
 import os
@@ -36,9 +34,9 @@ import weakref
 import cloudpickle
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .call import Call
+from .forkserver import mp_context, no_main_reimport
 from .pipe import read_message
 from .worker import worker_main
 
@@ -60,69 +58,6 @@ def resolve_backend(backend: str, world_size: int) -> str:
             "Use backend='gloo' (CPU) or a smaller world_size."
         )
     return backend
-
-
-@contextlib.contextmanager
-def _no_main_reimport():
-    """Start ranks without re-running the caller's main script in them.
-
-    multiprocessing's spawn/forkserver children normally import the parent's
-    ``__main__`` first, so a script without an ``if __name__ == "__main__"`` guard
-    would start a Cluster inside every rank. Our ranks never need it: functions
-    from ``__main__`` (a notebook or a script) travel by value with cloudpickle.
-    """
-    original = mp_spawn.get_preparation_data
-
-    def preparation_data(name):
-        data = original(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        return data
-
-    mp_spawn.get_preparation_data = preparation_data
-    try:
-        yield
-    finally:
-        mp_spawn.get_preparation_data = original
-
-
-def _mp_context():
-    """A fork server with torch preloaded: new ranks start in tens of milliseconds.
-
-    ``fork`` would be faster still but is unsafe once the notebook has started
-    threads or initialised CUDA; ``spawn`` re-imports torch in every rank (seconds).
-    """
-    if sys.platform == "win32":
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["ultrascale.runtime.worker"])
-    return ctx
-
-
-_EAGER = "ULTRASCALE_EAGER_FORKSERVER"
-
-
-def start_fork_server() -> bool:
-    """Start the fork server now, so that it imports torch while the notebook does other work.
-
-    Almost all of a first ``Cluster(...)``'s time is the fork server importing torch (a fresh
-    interpreter: it cannot share the notebook's import); the ranks it then forks start in
-    tens of milliseconds. ``import ultrascale.runtime`` in a notebook (an IPython kernel) calls
-    this, so that import runs beside the rest of the notebook's first cells instead of inside
-    the cell that makes the cluster; scripts, torchrun ranks and tests make their clusters
-    right after the import and gain nothing. It returns at once. Never in ranks or in the fork
-    server itself (they inherit the variable set here); off with ULTRASCALE_EAGER_FORKSERVER=0.
-    Returns whether it started one.
-    """
-    if sys.platform == "win32" or os.environ.get(_EAGER, "1") != "1":
-        return False
-    os.environ[_EAGER] = "started"      # inherited by the server and every rank: never twice
-    from multiprocessing import forkserver
-
-    _mp_context()                       # the preload list, before the server starts
-    with _no_main_reimport():           # as for the ranks: never re-run the caller's script
-        forkserver.ensure_running()
-    return True
 
 
 def _positive_int(name: str, value) -> int:
@@ -197,7 +132,7 @@ class Cluster:
         self._needs_restart = False
 
     def _spawn(self) -> None:
-        mpctx = _mp_context()
+        mpctx = mp_context()
         self._generation += 1  # a fresh key prefix in the store: a new process group
         for rank in range(self.world_size):
             parent_conn, child_conn = mpctx.Pipe(duplex=True)
@@ -208,7 +143,7 @@ class Cluster:
                 name=f"ultrascale-rank{rank}",
                 daemon=True,
             )
-            with _no_main_reimport():
+            with no_main_reimport():
                 proc.start()
             child_conn.close()
             self._procs.append(proc)
