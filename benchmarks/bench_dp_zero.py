@@ -17,7 +17,6 @@ Data, loss and PyTorch's wrappers come from ``ultrascale.parity``, as in the tes
 """
 from __future__ import annotations
 
-
 import torch
 
 from ultrascale.model import GPT, count_params

@@ -17,7 +17,6 @@ One MoE layer of the course GPT (router + ``--experts`` GPT MLPs, top-``--top-k`
 """
 from __future__ import annotations
 
-
 import torch
 
 from ultrascale.comm import format_bytes

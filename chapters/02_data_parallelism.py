@@ -556,6 +556,16 @@ print("bucketed DP == single process")
 # with DDP's default and once with `gradient_as_bucket_view=True`.
 
 # %%
+def averaging_hook(ctx, watch):
+    """A DDP communication hook that does the default hook's job (average the bucket over the
+    ranks) after handing the bucket to ``watch``: how we look inside DDP here and in section 5."""
+    def hook(state, bucket):
+        watch(bucket)
+        work = dist.all_reduce(bucket.buffer().div_(ctx.world_size), async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    return hook
+
+
 def where_gradients_live(ctx, kind, steps=2):
     torch.manual_seed(SEED)
     model = GPT(CONFIG).to(ctx.device)
@@ -568,13 +578,7 @@ def where_gradients_live(ctx, kind, steps=2):
         dp = BucketedDataParallel(model, bucket_cap_mb=BUCKET_MB)
     else:  # DDP has averaged the gradients by the time backward returns
         dp = torch_ddp(model, bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=kind.endswith("True"))
-
-        def recording_all_reduce(state, bucket):
-            record(bucket.buffer())
-            work = dist.all_reduce(bucket.buffer().div_(ctx.world_size), async_op=True)
-            return work.get_future().then(lambda fut: fut.value()[0])
-
-        dp.register_comm_hook(None, recording_all_reduce)
+        dp.register_comm_hook(None, averaging_hook(ctx, lambda bucket: record(bucket.buffer())))
     checks = []
 
     def check():  # runs after each step's backward, just before optimizer.step()
@@ -708,13 +712,7 @@ def train_ddp_counting_buckets(ctx, steps, grad_acc, bucket_cap_mb):
     model = GPT(CONFIG).to(ctx.device)
     ddp = torch_ddp(model, bucket_cap_mb=bucket_cap_mb)
     buckets_per_step, seen = [], []
-
-    def counting_all_reduce(state, bucket):  # the default hook's job, plus a tally
-        seen.append(bucket.index())
-        work = dist.all_reduce(bucket.buffer().div_(ctx.world_size), async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-
-    ddp.register_comm_hook(None, counting_all_reduce)
+    ddp.register_comm_hook(None, averaging_hook(ctx, lambda bucket: seen.append(bucket.index())))  # a tally
     opt = make_optimizer(model.parameters(), "sgd", lr=LR)
     for step in range(steps):
         seen.clear()

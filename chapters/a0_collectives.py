@@ -798,9 +798,8 @@ plot = LivePlot(*(f"{name} busbw (MB/s)" for name in names), x="log2(bytes)",
 fitted, rows = cluster.run(race, RACE_SIZES, RACE_ROUNDS, on_log=plot)[0]
 plot.finish();
 model_crossover = crossover_bytes(fitted, N)
-ring_wins = [nbytes for nbytes, t in rows if t["ring"] < t["doubling"]]
 # the measured crossover: the smallest size from which the ring is faster at every larger size
-measured_crossover = next((s for s, _ in rows if all(t["ring"] < t["doubling"] for n_, t in rows if n_ >= s)), None)
+measured_crossover = next((s for s, _ in rows if all(t["ring"] < t["doubling"] for size, t in rows if size >= s)), None)
 print(f"fitted on the spot: alpha = {fitted.alpha * 1e6:.0f} µs, beta = {fitted.beta / 1e9:.2f} GB/s")
 print(f"{'size':>10} " + " ".join(f"{name + ' (µs)':>14}" for name in names) + "   chosen   chosen/gloo busbw")
 for nbytes, t in rows:

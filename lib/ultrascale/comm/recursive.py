@@ -188,7 +188,7 @@ def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, devic
             for name, run in contenders.items():
                 x.normal_()                                      # fresh values: repeated sums never overflow
                 times[name].append(time_collective(lambda: run(x), calls, warmup=0, group=group, device=device))
-        rows.append((x.numel() * 4, {name: statistics.median(t) for name, t in times.items()}))
+        rows.append((x.numel() * x.element_size(), {name: statistics.median(t) for name, t in times.items()}))
         if callback is not None and dist.get_rank(group) == 0:
             callback(rows[-1])
     return rows

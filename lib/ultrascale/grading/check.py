@@ -139,11 +139,12 @@ def check(exercise_id: str, *objects, **kwargs) -> CheckResult:
                              details=traceback.format_exc())
     else:
         result = _argument_error(ex, objects, kwargs)
-        if result is None and saved and os.environ.get(DEFER_ENV):
-            result = CheckResult(exercise_id, SUBMITTED, 0, ex.points,
-                                 "saved for the grader, which runs the test in a process of its own")
-        elif result is None:
-            result = grade_exercise(ex, objects, kwargs)
+        if result is None:
+            if saved and os.environ.get(DEFER_ENV):
+                result = CheckResult(exercise_id, SUBMITTED, 0, ex.points,
+                                     "saved for the grader, which runs the test in a process of its own")
+            else:
+                result = grade_exercise(ex, objects, kwargs)
     _record(result)
     _show(result)
     return result

@@ -215,20 +215,21 @@ def _row(exercise_id: str, max_points: float, claim: dict | None, verdict: dict 
         return {"exercise": exercise_id, "status": status, "points": max_points if status == PASS else 0,
                 "max_points": max_points, "message": message}
 
+    def status_of(record: dict | None, allowed=(FAIL, NOT_IMPLEMENTED, ERROR)) -> str:
+        # a status outside the known ones (or none at all) counts as a failure
+        return record["status"] if record and record.get("status") in allowed else FAIL
+
     if claim is None:
         return row(NOT_RUN, "its check() never ran")
+    message = str(verdict.get("message", "")) if verdict else "no verdict"
     if claim.get("status") == SUBMITTED:   # the grader's run is the only one: its verdict as it is
-        status = verdict.get("status") if verdict and verdict.get("status") in (PASS, FAIL, NOT_IMPLEMENTED,
-                                                                                  ERROR) else FAIL
-        return row(status, str(verdict.get("message", "")) if verdict else "no verdict")
+        return row(status_of(verdict, (PASS, FAIL, NOT_IMPLEMENTED, ERROR)), message)
     if claim.get("status") != PASS:
-        status = claim.get("status") if claim.get("status") in (FAIL, NOT_IMPLEMENTED, ERROR) else FAIL
-        return row(status, str(claim.get("message", ""))[:4000])
+        return row(status_of(claim), str(claim.get("message", ""))[:4000])
     if verdict is not None and verdict.get("status") == PASS:
         return row(PASS, "")
-    status = verdict.get("status") if verdict and verdict.get("status") in (FAIL, NOT_IMPLEMENTED, ERROR) else FAIL
-    message = str(verdict.get("message", "")) if verdict else "no verdict"
-    return row(status, f"check() passed in the notebook, but not when the grader ran the test itself: {message}")
+    return row(status_of(verdict), f"check() passed in the notebook, but not when the grader ran the test itself: "
+                                   f"{message}")
 
 
 # ---- the grader's own run of the tests ------------------------------------------------

@@ -48,8 +48,8 @@ from ..moe import MoE, apply_experts
 from .mesh import Mesh, axis_group
 
 __all__ = ["apply_ep", "local_experts", "dispatch_plan", "exchange_counts", "ExpertParallelDispatch",
-           "expert_parameters", "expert_parameter_names", "average_gradients", "average_in_backward", "rank_load", "dispatch_volume",
-           "DispatchPlan"]
+           "expert_parameters", "expert_parameter_names", "average_gradients", "average_in_backward", "rank_load",
+           "dispatch_volume", "DispatchPlan"]
 
 DEFAULT_PLAN = {"blocks.*.mlp": "ep"}
 
