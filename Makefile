@@ -30,8 +30,8 @@ batch: $(STAMP)  ## run every chapter headless with papermill into out/ (WORLD_S
 exercises: $(STAMP)  ## regenerate exercises/ from solutions/ (never overwrites your edits)
 	$(PY) -m ultrascale.grading.generate
 
-grade: $(STAMP)  ## grade exercise notebooks: make grade NB=exercises
-	$(PY) -m ultrascale.grading.cli $(or $(NB),exercises)
+grade: $(STAMP)  ## grade exercise notebooks: make grade NB=exercises JOBS=2
+	$(PY) -m ultrascale.grading.cli $(or $(NB),exercises) --jobs $(or $(JOBS),1)
 
 bench: $(STAMP)  ## side-by-side benchmarks, printing ratios (GPU ones say so and skip without a GPU)
 	$(PY) benchmarks/bench_runtime.py

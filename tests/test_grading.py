@@ -439,3 +439,22 @@ def test_e2e_papermill_exercises_run_and_score_zero(graded):
     for exercises in by_dir["exercises"]:
         assert exercises["status"] == "ok" and exercises["points"] == 0, table
         assert {e["status"] for e in exercises["exercises"]} == {NOT_IMPLEMENTED}, table
+
+
+@pytest.mark.slow
+def test_jobs_grade_notebooks_side_by_side_each_with_its_own_grade_file(tmp_path):
+    """--jobs 2: two kernels at once must not share a grade file (it reaches them through the environment),
+    and the table keeps the notebooks' order, not the order they finish in."""
+    def notebook(name, stage_layers):
+        nb = _solution_nb(new_code_cell("from ultrascale.grading import check\n"
+                                        "from ultrascale.exercise_tests import ch00\n" + stage_layers),
+                          new_code_cell('check("00.pipeline_stage_layers", stage_layers, quick=True)'))
+        nbformat.write(nb, tmp_path / name)
+
+    notebook("a_right.ipynb", "import time; time.sleep(3)  # finishes last\nstage_layers = ch00.reference_stage_layers")
+    notebook("b_wrong.ipynb", "def stage_layers(num_layers, pp):\n    return [num_layers // pp] * pp")
+    reports = cli.grade_all(sorted(tmp_path.glob("*.ipynb")), timeout=120, parameters={}, keep_dir=None,
+                            feedback=False, jobs=2)
+    assert [Path(r.notebook).name for r in reports] == ["a_right.ipynb", "b_wrong.ipynb"]
+    assert [[(e["exercise"], e["status"]) for e in r.exercises] for r in reports] == [
+        [("00.pipeline_stage_layers", PASS)], [("00.pipeline_stage_layers", FAIL)]]

@@ -1,6 +1,6 @@
 """Command-line grader: run exercise notebooks with papermill and print a score table.
 
-    python -m ultrascale.grading.cli exercises/ [--json scores.json] [--timeout 300]
+    python -m ultrascale.grading.cli exercises/ [--json scores.json] [--timeout 300] [--jobs 2]
     ultrascale-grade solutions/00_orientation_exercises.ipynb
 
 Each notebook runs in a fresh kernel (``python3``) with ``QUICK=True`` injected into
@@ -26,6 +26,12 @@ ignored. An exercise whose check never ran (deleted, or the kernel died first) s
 The learner's code does run in that process (it has to, to be tested), so a function
 written to attack the test that calls it is beyond what this grader can stop; what a
 notebook's cells write, or change in their own kernel, no longer counts.
+
+``--jobs N`` grades N notebooks at a time, each in its own worker process (the kernel
+finds its grade file through the environment, so two notebooks must not share one
+process). A notebook spends much of its time starting a kernel and a cluster and
+waiting on its ranks, so on 2 cores two at a time take about half as long; the table
+keeps the notebooks' order whatever order they finish in.
 
 The exit code is 0 whatever the scores (this is a grader, not a test); it is
 non-zero only when a notebook could not be run at all (missing file, kernel that
@@ -352,6 +358,35 @@ def _short_path(path: str) -> str:
         return path
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text}")
+    return value
+
+
+def grade_all(notebooks: list, timeout: float, parameters: dict, keep_dir: Path | None, feedback: bool,
+              jobs: int = 1) -> list:
+    """``grade_notebook`` on each notebook, ``jobs`` at a time; the reports in the notebooks' order."""
+    def announce(nb_path: Path, report: NotebookReport) -> NotebookReport:
+        print(f"graded {nb_path} in {report.seconds:.0f} s", flush=True)
+        if report.status != "ok":
+            print(f"  could not run it: {report.error}", file=sys.stderr)
+        return report
+
+    arguments = (timeout, parameters, keep_dir, feedback)
+    if jobs == 1 or len(notebooks) == 1:
+        return [announce(nb, grade_notebook(nb, *arguments)) for nb in notebooks]
+    import concurrent.futures
+    import multiprocessing
+
+    # spawn: a fresh interpreter per worker, nothing inherited from this one's threads
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(notebooks)),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(grade_notebook, nb, *arguments) for nb in notebooks]
+        return [announce(nb, future.result()) for nb, future in zip(notebooks, futures)]
+
+
 def _parse_param(text: str):
     name, sep, value = text.partition("=")
     if not sep or not name.isidentifier():
@@ -370,6 +405,8 @@ def main(argv=None) -> int:
     parser.add_argument("-p", "--param", action="append", type=_parse_param, default=[],
                         help="extra notebook parameter NAME=VALUE (QUICK=True is always set unless overridden)")
     parser.add_argument("--keep", type=Path, help="save the executed notebooks in this directory")
+    parser.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                        help="grade N notebooks at a time, each in its own process (default 1)")
     parser.add_argument("--feedback", action="store_true",
                         help="also run each test inside the notebook, so the kept notebooks show every verdict "
                              "(the tests that pass then run twice: there and in the grader's own process)")
@@ -383,12 +420,7 @@ def main(argv=None) -> int:
         args.keep.mkdir(parents=True, exist_ok=True)
     parameters = {"QUICK": True, **dict(args.param)}
 
-    reports = []
-    for nb_path in notebooks:
-        print(f"grading {nb_path} ...", flush=True)
-        reports.append(grade_notebook(nb_path, args.timeout, parameters, args.keep, feedback=args.feedback))
-        if reports[-1].status != "ok":
-            print(f"  could not run it: {reports[-1].error}", file=sys.stderr)
+    reports = grade_all(notebooks, args.timeout, parameters, args.keep, args.feedback, args.jobs)
 
     print()
     print(format_table(reports))
