@@ -40,10 +40,13 @@ import torch
 import torch.distributed as dist
 from matplotlib.figure import Figure
 
+import ultrascale.comm.halving_doubling as halving_module
 import ultrascale.comm.recursive as recursive_module
 import ultrascale.comm.ring as ring_module
 from ultrascale.comm import (AlphaBeta, CommLogger, bus_bandwidth_sweep, bus_factor, chunk_sizes, fit_ring_all_reduce,
                              format_bytes, ring_all_gather, ring_all_reduce, ring_reduce_scatter, time_collective)
+from ultrascale.comm.halving_doubling import (halving_doubling_all_reduce, halving_doubling_bytes,
+                                              halving_doubling_steps, halving_doubling_time)
 from ultrascale.comm.recursive import (all_reduce_contenders, choose_algorithm, crossover_bytes, doubling_steps,
                                        doubling_time, fit_on_the_spot, race_all_reduces, recursive_doubling_all_reduce)
 from ultrascale.viz.collectives import collective_figure, contributors, ring_steps_figure
@@ -705,25 +708,26 @@ print("alpha > 0, beta > 0 and a monotone model for:", ", ".join(fits))
 # one-exchange helper `send_recv`, on a length that no world size divides:
 
 # %%
-def traced_doubling(ctx, length):
-    """Recursive doubling on random inputs: its messages, bytes and result against dist.all_reduce."""
+def traced_doubling(ctx, length, module=recursive_module, all_reduce=recursive_doubling_all_reduce):
+    """An all-reduce built on ``module.send_recv`` (recursive doubling unless told otherwise) on random
+    inputs: its messages (kind, peer, bytes sent), bytes and result against dist.all_reduce."""
     x = torch.randn(length, generator=torch.Generator().manual_seed(SEED + ctx.rank))
     reference, abs_sum = x.clone(), x.abs()
     dist.all_reduce(reference)
     dist.all_reduce(abs_sum)
-    messages, original = [], recursive_module.send_recv
+    messages, original = [], module.send_recv
 
     def spy(send, recv, right, left, group):
         kind = "swap" if send.numel() and recv.numel() else "send" if send.numel() else "recv"
-        messages.append((kind, right if send.numel() else left))
+        messages.append((kind, right if send.numel() else left, send.numel() * send.element_size()))
         return original(send, recv, right, left, group)
 
-    recursive_module.send_recv = spy
+    module.send_recv = spy
     try:
         with CommLogger() as log:
-            recursive_doubling_all_reduce(x)
+            all_reduce(x)
     finally:
-        recursive_module.send_recv = original
+        module.send_recv = original
     everyone = [torch.empty_like(x) for _ in range(ctx.world_size)]
     dist.all_gather(everyone, x)
     bound = 2 * (ctx.world_size - 1) * torch.finfo(torch.float32).eps * abs_sum   # as for the ring
@@ -740,39 +744,86 @@ traced = cluster.run(traced_doubling, length)
 print(f"N = {N}, P = {P}, S = {S} steps; K = {K} bytes")
 for rank, t in enumerate(traced):
     arrows = {"swap": "<->", "send": "->", "recv": "<-"}
-    print(f"rank {rank}: " + ", ".join(f"{arrows[kind]} {peer}" for kind, peer in t["messages"])
+    print(f"rank {rank}: " + ", ".join(f"{arrows[kind]} {peer}" for kind, peer, _ in t["messages"])
           + f"; sent {t['sent'] // K} K, received {t['received'] // K} K")
-    swaps = [peer for kind, peer in t["messages"] if kind == "swap"]
+    swaps = [peer for kind, peer, _ in t["messages"] if kind == "swap"]
     if rank < P:   # the doubling ranks swap with r XOR 1, r XOR 2, r XOR 4, ...
         assert swaps == [rank ^ (1 << k) for k in range(P.bit_length() - 1)], (rank, swaps)
     assert len(t["messages"]) <= S
-    assert t["sent"] == K * sum(kind != "recv" for kind, _ in t["messages"])   # every message is all K bytes
+    assert t["sent"] == K * sum(kind != "recv" for kind, _, _ in t["messages"])   # every message is all K bytes
     assert t["close"] and t["identical"]
 assert max(len(t["messages"]) for t in traced) == S
 print(f"equal to dist.all_reduce within the rounding bound, and bit-identical on all {N} ranks")
 
 # %% [markdown]
+# ### Halving-doubling: the ring's bytes in `2·log2 N` messages
+# Doubling saves messages by sending everything every time. **Halving-doubling** (Rabenseifner's
+# algorithm, which MPI libraries use for large buffers) saves them without the extra bytes. It is a
+# reduce-scatter followed by an all-gather, like the ring, but each phase pairs ranks the way
+# doubling does:
+#
+# - *reduce-scatter by halving*: in step `k` rank `r` and rank `r XOR 2^k` hold the same range of
+#   the buffer; each keeps one half, sends the other half to its partner, and adds the half it
+#   receives. The range halves at every step, so after `log2 P` steps each rank owns `1/P` of the
+#   buffer, fully summed, having sent `K/2 + K/4 + … = (P-1)K/P` bytes;
+# - *all-gather by doubling*: the same pairs in reverse order, each sending the range it has, so
+#   the range doubles back to the whole buffer.
+#
+# That is the ring's `2(P-1)K/P` bytes in `2·log2 P` messages instead of `2(P-1)`, the time
+# `2·log2 P·α + 2(P-1)/P·K/β`. Extra ranks fold in and out as for doubling, at the price of two
+# more messages of the whole buffer. The same spy, on the same length:
+
+# %%
+H = halving_doubling_steps(N)
+traced = cluster.run(traced_doubling, length, halving_module, halving_doubling_all_reduce)
+print(f"N = {N}, P = {P}: halving-doubling takes {H} messages on the busiest rank; K = {K} bytes")
+for rank, t in enumerate(traced):
+    print(f"rank {rank}: " + ", ".join(f"{arrows[kind]} {peer} ({nbytes / K:.3g} K)" if nbytes else
+                                       f"{arrows[kind]} {peer}" for kind, peer, nbytes in t["messages"]))
+    swaps = [(peer, nbytes) for kind, peer, nbytes in t["messages"] if kind == "swap"]
+    if rank < P:   # partners r XOR 1, 2, 4, ... while halving, then the same in reverse
+        distances = [1 << k for k in range(P.bit_length() - 1)]
+        assert [peer for peer, _ in swaps] == [rank ^ d for d in distances + distances[::-1]], (rank, swaps)
+        # each halving step sends half of what the one before sent (up to one element of rounding)
+        halving = [nbytes for _, nbytes in swaps[:len(distances)]]
+        assert all(abs(nbytes - K / 2 ** (k + 1)) <= 4 for k, nbytes in enumerate(halving)), halving
+    assert len(t["messages"]) <= H
+    assert t["close"] and t["identical"]
+busiest = max(t["sent"] for t in traced)
+assert abs(busiest - halving_doubling_bytes(K, N)) <= 4 * 2 * H
+assert max(len(t["messages"]) for t in traced) == H
+print(f"the busiest rank sent {busiest / K:.3f} K (the formula: 2(P-1)/P K{' + K' if N != P else ''} = "
+      f"{halving_doubling_bytes(K, N) / K:.3f} K); equal to dist.all_reduce within the rounding bound, "
+      f"bit-identical on all {N} ranks")
+
+# %% [markdown]
 # And the formulas side by side for larger worlds. The crossover is in units of `α·β`, the size at
-# which one message's latency and transfer time are equal:
+# which one message's latency and transfer time are equal. Halving-doubling has the ring's bytes
+# in fewer messages, so under this model it never loses to the ring when `N` is a power of two;
+# the ring keeps its place on real clusters because it only ever talks to its neighbours and
+# so can follow the physical links (NVLink inside a node, one NIC each way between nodes), while
+# halving-doubling's later steps pair ranks far apart across the network:
 
 # %%
 unit = AlphaBeta(alpha=1.0, beta=1.0)   # crossover_bytes(unit, N) is K* / (alpha beta)
-print(f"{'N':>6} {'ring steps':>11} {'doubling steps':>15} {'ring bytes/K':>13} {'doubling bytes/K':>17} "
-      f"{'K* / (alpha beta)':>18}")
+print(f"{'N':>6} {'ring steps':>11} {'doubling steps':>15} {'halving steps':>14} {'ring bytes/K':>13} "
+      f"{'doubling bytes/K':>17} {'halving bytes/K':>16} {'K* / (alpha beta)':>18}")
 for ranks in (2, 3, 4, 5, 8, 16, 64, 1024):
     power = 1 << (ranks.bit_length() - 1)
     busiest = power.bit_length() - 1 + (ranks != power)
-    print(f"{ranks:>6} {2 * (ranks - 1):>11} {doubling_steps(ranks):>15} {2 * (ranks - 1) / ranks:>13.3f} "
-          f"{busiest:>17} {crossover_bytes(unit, ranks):>18.1f}")
+    print(f"{ranks:>6} {2 * (ranks - 1):>11} {doubling_steps(ranks):>15} {halving_doubling_steps(ranks):>14} "
+          f"{2 * (ranks - 1) / ranks:>13.3f} {busiest:>17} {halving_doubling_bytes(1, ranks):>16.3f} "
+          f"{crossover_bytes(unit, ranks):>18.1f}")
 assert crossover_bytes(unit, 2) == math.inf and crossover_bytes(unit, 4) == 8.0
 
 # %% [markdown]
 # Where does the crossover fall on this machine? `fit_on_the_spot` measures `α` and `β` from
 # exchanges that *all* ranks make at once, as in a step of either algorithm, so the fit sees the
 # cores and links as busy as the collectives will. `race_all_reduces` then times gloo's all-reduce,
-# our ring, our recursive doubling and `all_reduce(..., model=...)`, which picks one of the two by
-# size with that model. The four take turns on the same tensor, and each keeps its median over the
-# rounds. Timings depend on the machine and its load, so this output is not compared.
+# our ring, our recursive doubling, our halving-doubling and `all_reduce(..., model=...)`, which
+# picks the one of the three that the model predicts to be fastest for the size. The five take
+# turns on the same tensor, and each keeps its median over the rounds. Timings depend on the
+# machine and its load, so this output is not compared.
 
 # %% tags=["nbval-ignore-output"]
 RACE_SIZES = [1 << k for k in range(10, 23, 2)] if QUICK else [1 << k for k in range(10, 27, 2)]  # 1 KiB-4 MiB (64 MiB)
@@ -792,7 +843,7 @@ def race(ctx, sizes, rounds):
                                    callback=stream)
 
 
-names = ("builtin", "ring", "doubling", "chosen")
+names = ("builtin", "ring", "doubling", "halving", "chosen")
 plot = LivePlot(*(f"{name} busbw (MB/s)" for name in names), x="log2(bytes)",
                 title=f"all-reduce bus bandwidth on {N} ranks")
 fitted, rows = cluster.run(race, RACE_SIZES, RACE_ROUNDS, on_log=plot)[0]
@@ -804,8 +855,8 @@ print(f"fitted on the spot: alpha = {fitted.alpha * 1e6:.0f} µs, beta = {fitted
 print(f"{'size':>10} " + " ".join(f"{name + ' (µs)':>14}" for name in names) + "   chosen   chosen/gloo busbw")
 for nbytes, t in rows:
     print(f"{format_bytes(nbytes):>10} " + " ".join(f"{t[name] * 1e6:>14.0f}" for name in names)
-          + f"   {choose_algorithm(nbytes, N, fitted):<8} {t['builtin'] / t['chosen']:>6.2f}x")
-print(f"model crossover K* = {format_bytes(model_crossover) if model_crossover < math.inf else 'never'}; "
+          + f"   {choose_algorithm(nbytes, N, fitted):<18} {t['builtin'] / t['chosen']:>6.2f}x")
+print(f"model crossover of ring and doubling K* = {format_bytes(model_crossover) if model_crossover < math.inf else 'never'}; "
       f"measured: the ring is faster from "
       f"{format_bytes(measured_crossover) if measured_crossover else 'no size measured here'} on")
 
@@ -813,12 +864,13 @@ fig = Figure(figsize=(11, 3.8), layout="constrained")
 ax_time, ax_bw = fig.subplots(1, 2)
 sizes = np.array([nbytes for nbytes, _ in rows], dtype=float)
 grid = np.logspace(np.log10(sizes[0]), np.log10(sizes[-1]), 200)
-for name, colour in zip(names, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+for name, colour in zip(names, ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")):
     times = np.array([t[name] for _, t in rows])
     ax_time.loglog(sizes, times * 1e6, "o-", color=colour, label=f"{name}: measured")
     ax_bw.semilogx(sizes, sizes / times * bus / 1e9, "o-", color=colour, label=name)
 ax_time.loglog(grid, fitted.ring_all_reduce_time(grid, N) * 1e6, ":", color="tab:orange", label="ring: model")
 ax_time.loglog(grid, doubling_time(fitted, grid, N) * 1e6, ":", color="tab:green", label="doubling: model")
+ax_time.loglog(grid, halving_doubling_time(fitted, grid, N) * 1e6, ":", color="tab:purple", label="halving: model")
 for ax in (ax_time, ax_bw):
     if model_crossover < math.inf:
         ax.axvline(model_crossover, color="black", linestyle="--", linewidth=1, label="K* of the model")
@@ -916,7 +968,8 @@ else:
 #   ones bandwidth bound; the crossover is at about `α·β` bytes per message.
 # - Recursive doubling needs `log2 N` steps (two more when `N` is not a power of two) but sends
 #   the whole buffer in each: it wins below `K*`, the ring above. Choosing by size with a model
-#   fitted on the spot gets the better of both.
+#   fitted on the spot gets the better of both. Halving-doubling sends the ring's bytes in
+#   `2·log2 N` messages; the ring keeps its place on real clusters by talking to neighbours only.
 #
 # ## Your turn
 # Open `exercises/a0_collectives_exercises.ipynb`: write the ring reduce-scatter, the ring

@@ -388,18 +388,21 @@ def test_tp_model_throughput_drops_and_falls_off_a_cliff_past_the_node():
 
 
 # ---- recursive doubling and the choice by size ---------------------------------------------
-def _recursive_doubling_on_rank(ctx):
-    """Recursive doubling against the built-in; its peers and message count; equal on all ranks."""
-    import ultrascale.comm.recursive as recursive
+def _pairwise_all_reduce_on_rank(ctx, module_name="recursive", function="recursive_doubling_all_reduce"):
+    """An all-reduce of ``ultrascale.comm.<module_name>`` against the built-in; the last call's
+    messages as (send peer, receive peer, elements sent); results equal on all ranks."""
+    import importlib
 
+    module = importlib.import_module(f"ultrascale.comm.{module_name}")
     n, r = ctx.world_size, ctx.rank
-    failures, peers, original = [], [], recursive.send_recv
+    failures, peers, sent, original = [], [], [], module.send_recv
 
     def spy(send, recv, right, left, group):
         peers.append((right if send.numel() else None, left if recv.numel() else None))
+        sent.append(send.numel())
         original(send, recv, right, left, group)
 
-    recursive.send_recv = spy
+    module.send_recv = spy
     try:
         for length in LENGTHS:
             x = _rank_input(r, length)
@@ -409,17 +412,18 @@ def _recursive_doubling_on_rank(ctx):
                 ref = _built_in(x, op)
                 y = x.clone()
                 peers.clear()
-                out = recursive.recursive_doubling_all_reduce(y, op)
+                sent.clear()
+                out = getattr(module, function)(y, op)
                 if out is not y:
-                    failures.append("recursive_doubling_all_reduce did not return its input")
+                    failures.append(f"{function} did not return its input")
                 _check(failures, f"rank {r} N={n} len={length} {op}", y, ref, _tolerance(op, abs_sum, ref, n))
                 everyone = [torch.empty_like(y) for _ in range(n)]
                 dist.all_gather(everyone, y)
                 if not all(torch.equal(everyone[0], other) for other in everyone):
                     failures.append(f"N={n} len={length} {op}: ranks hold different results")
     finally:
-        recursive.send_recv = original
-    return failures, peers
+        module.send_recv = original
+    return failures, peers, sent
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4, 5))
@@ -428,7 +432,7 @@ def test_recursive_doubling_matches_the_built_in_in_log2_steps(clusters, world_s
 
     n = world_size
     power = 1 << (n.bit_length() - 1)
-    for r, (failures, peers) in enumerate(clusters(n).run(_recursive_doubling_on_rank)):
+    for r, (failures, peers, _) in enumerate(clusters(n).run(_pairwise_all_reduce_on_rank)):
         assert failures == []
         # The last call's messages: XOR partners at distance 1, 2, 4, ...; extra ranks fold.
         if r >= power:
@@ -442,8 +446,42 @@ def test_recursive_doubling_matches_the_built_in_in_log2_steps(clusters, world_s
     assert doubling_steps(n) == {1: 0, 2: 1, 3: 3, 4: 2, 5: 4}[n]
 
 
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4, 5))
+def test_halving_doubling_matches_the_built_in_with_the_rings_bytes_in_2_log2_steps(clusters, world_size):
+    from ultrascale.comm.halving_doubling import halving_doubling_steps
+
+    n = world_size
+    power = 1 << (n.bit_length() - 1)
+    distances = [1 << k for k in range(power.bit_length() - 1)]
+    length = LENGTHS[-1]
+    results = clusters(n).run(_pairwise_all_reduce_on_rank, "halving_doubling", "halving_doubling_all_reduce")
+    for r, (failures, peers, sent) in enumerate(results):
+        assert failures == []
+        # The last call's messages: XOR partners at distance 1, 2, 4, ... and back; extra ranks fold.
+        if r >= power:
+            assert peers == [(r - power, None), (None, r - power)] and sent == [length, 0], (r, peers, sent)
+            continue
+        fold = r + power < n
+        expected = [(None, r + power)] if fold else []
+        expected += [(r ^ d, r ^ d) for d in distances + distances[::-1]]
+        expected += [(r + power, None)] if fold else []
+        assert peers == expected, (r, peers)
+        assert len(peers) <= halving_doubling_steps(n)
+        # Each halving step gives away one half of the range and keeps the other; the doubling
+        # steps send back, in reverse, what was kept. In all about the ring's 2 (P-1)/P of the buffer.
+        exchange = sent[1:-1] if fold else sent
+        steps = len(distances)
+        given, kept = exchange[:steps], exchange[steps:][::-1]
+        in_range = length
+        for k in range(steps):
+            assert given[k] + kept[k] == in_range and abs(given[k] - kept[k]) <= 1, (r, given, kept)
+            in_range = kept[k]
+        assert abs(sum(exchange) - 2 * (power - 1) / power * length) <= 2 * steps
+    assert halving_doubling_steps(n) == {1: 0, 2: 2, 3: 4, 4: 4, 5: 6}[n]
+
+
 def test_doubling_and_ring_times_cross_where_the_model_says():
-    from ultrascale.comm.recursive import choose_algorithm, crossover_bytes, doubling_time
+    from ultrascale.comm.recursive import choose_algorithm, crossover_bytes, doubling_time, predicted_times
 
     model = AlphaBeta(alpha=1e-3, beta=1e9)
     for n in (2, 3, 4, 5, 8, 16):
@@ -456,10 +494,21 @@ def test_doubling_and_ring_times_cross_where_the_model_says():
         assert 0 < star < float("inf")
         assert ring(star) == pytest.approx(doubling(star))
         assert doubling(star / 2) < ring(star / 2) and ring(2 * star) < doubling(2 * star)
-        assert choose_algorithm(int(star / 2), n, model) == "recursive_doubling"
-        assert choose_algorithm(int(2 * star), n, model) == "ring"
-    # By hand, N = 4: ring 6 alpha + 1.5 n/beta, doubling 2 alpha + 2 n/beta -> n* = 8 alpha beta.
+        # the choice is the fastest of the three, whatever the size
+        for nbytes in (1, star / 8, star / 2, 2 * star, 1e9):
+            times = predicted_times(model, int(nbytes), n)
+            assert times[choose_algorithm(int(nbytes), n, model)] == min(times.values())
+        assert choose_algorithm(1, n, model) == "recursive_doubling"
+        # above the crossover: halving-doubling where N is a power of two (the ring's bytes in fewer
+        # messages), else the ring (the fold's two whole-buffer messages cost more than it saves)
+        assert choose_algorithm(int(2 * star), n, model) == ("ring" if n & (n - 1) else "halving_doubling")
+    # By hand, N = 4: ring 6 alpha + 1.5 n/beta, doubling 2 alpha + 2 n/beta -> n* = 8 alpha beta;
+    # halving-doubling 4 alpha + 1.5 n/beta: below the ring everywhere, below doubling from 4 alpha beta.
     assert crossover_bytes(model, 4) == pytest.approx(8 * model.alpha * model.beta)
+    ab = model.alpha * model.beta
+    assert predicted_times(model, ab, 4)["halving_doubling"] == pytest.approx(5.5 * model.alpha)
+    assert [choose_algorithm(int(k * ab), 4, model) for k in (3.9, 4.1, 100)] == [
+        "recursive_doubling", "halving_doubling", "halving_doubling"]
 
 
 def _chosen_all_reduce(ctx):
@@ -500,5 +549,5 @@ def test_race_times_every_contender_and_agrees_across_ranks(clusters):
     assert all(r == rows[0] for r in rows), "ranks must report the slowest rank's times"
     assert [nbytes for nbytes, _ in rows[0]] == [1 << 10, 1 << 14]
     for _, times in rows[0]:
-        assert set(times) == {"builtin", "ring", "doubling", "chosen"}
+        assert set(times) == {"builtin", "ring", "doubling", "halving", "chosen"}
         assert all(0 < t < 10 for t in times.values())

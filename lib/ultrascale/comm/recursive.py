@@ -18,9 +18,11 @@ Under the alpha-beta model (``cost_model.AlphaBeta``, ``n`` = ``K`` bytes)::
     ring                      2 (N-1) alpha + 2 (N-1)/N * n / beta
     recursive doubling        S alpha + S * n / beta,   S = log2 P + (2 if N > P else 0)
 
-so doubling wins below a crossover size and the ring above it. ``all_reduce`` picks between
-them with a model fitted on the spot (``fit_on_the_spot``), as NCCL and gloo pick an algorithm
-by size instead of using one for everything.
+so doubling wins below a crossover size and the ring above it. A third contender,
+halving-doubling (``halving_doubling.py``), sends the ring's bytes in ``2 log2 P`` messages.
+``all_reduce`` picks whichever of the three the alpha-beta model, fitted on the spot
+(``fit_on_the_spot``), predicts to be fastest, as NCCL and gloo pick an algorithm by size
+instead of using one for everything.
 
 Sums come out bitwise the same on every rank: each addition pairs the same two partial sums
 on both partners, and ``a + b == b + a`` exactly in floating point.
@@ -33,6 +35,7 @@ import math
 import torch
 
 from .cost_model import AlphaBeta, fit_alpha_beta
+from .halving_doubling import halving_doubling_all_reduce, halving_doubling_time
 from .logger import record_op
 from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, ring_all_reduce, send_recv
 
@@ -98,18 +101,34 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) ->
     return tensor
 
 
+ALGORITHMS = {"recursive_doubling": recursive_doubling_all_reduce, "halving_doubling": halving_doubling_all_reduce,
+              "ring": ring_all_reduce}
+
+
+def predicted_times(model: AlphaBeta, nbytes, world_size: int) -> dict:
+    """Seconds for each algorithm of ``ALGORITHMS`` under the alpha-beta ``model``."""
+    return {"recursive_doubling": doubling_time(model, nbytes, world_size),
+            "halving_doubling": halving_doubling_time(model, nbytes, world_size),
+            "ring": model.ring_all_reduce_time(nbytes, world_size)}
+
+
 def choose_algorithm(nbytes: int, world_size: int, model: AlphaBeta) -> str:
-    """``"recursive_doubling"`` below the model's crossover size, ``"ring"`` from it on."""
-    return "recursive_doubling" if nbytes < crossover_bytes(model, world_size) else "ring"
+    """The name of the algorithm the model predicts to be fastest (the first of a tie).
+
+    Recursive doubling for small buffers; above ``crossover_bytes`` the ring, or halving-doubling
+    where ``N`` is a power of two: it has the ring's bytes in fewer messages, so under this model
+    it never loses to the ring. (With a fold, its two whole-buffer messages make it lose to one
+    or the other at every size.)
+    """
+    times = predicted_times(model, nbytes, world_size)
+    return min(times, key=times.get)
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, *, model: AlphaBeta) -> torch.Tensor:
-    """All-reduce in place with the algorithm the alpha-beta ``model`` predicts to be faster."""
+    """All-reduce in place with the algorithm the alpha-beta ``model`` predicts to be fastest."""
     _, n = _rank_and_size(group)
     nbytes = tensor.numel() * tensor.element_size()
-    if choose_algorithm(nbytes, n, model) == "ring":
-        return ring_all_reduce(tensor, op, group)
-    return recursive_doubling_all_reduce(tensor, op, group)
+    return ALGORITHMS[choose_algorithm(nbytes, n, model)](tensor, op, group)
 
 
 def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), iters: int = 5,
@@ -149,13 +168,15 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
 
 
 def all_reduce_contenders(group=None, model: AlphaBeta | None = None) -> dict:
-    """The all-reduces to compare, by name: the backend's, the ring, doubling and (with a model) the choice."""
+    """The all-reduces to compare, by name: the backend's, the ring, doubling, halving-doubling and (with
+    a model) the choice among the three."""
     import torch.distributed as dist
 
     contenders = {
         "builtin": lambda t: dist.all_reduce(t, group=group),
         "ring": lambda t: ring_all_reduce(t, group=group),
         "doubling": lambda t: recursive_doubling_all_reduce(t, group=group),
+        "halving": lambda t: halving_doubling_all_reduce(t, group=group),
     }
     if model is not None:
         contenders["chosen"] = lambda t: all_reduce(t, group=group, model=model)

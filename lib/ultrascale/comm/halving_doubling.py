@@ -1,0 +1,115 @@
+"""Halving-doubling (Rabenseifner's all-reduce): the ring's bytes in ``2 log2 N`` messages.
+
+The ring (``ring.py``) sends the fewest bytes, ``2 (N-1)/N * K`` per rank, but in ``2 (N-1)``
+messages; recursive doubling (``recursive.py``) sends only ``log2 N`` messages, but all ``K``
+bytes in each. Halving-doubling keeps the best of both:
+
+* **reduce-scatter by recursive halving.** In step ``k`` rank ``r`` pairs with ``r XOR 2**k``.
+  Both hold the same range of the buffer; each keeps one half of it, sends the other half to
+  its partner and adds the half it receives. The range halves at every step, so after
+  ``log2 N`` steps each rank holds ``1/N`` of the buffer, summed over all ranks, having sent
+  ``K/2 + K/4 + ... = (N-1)/N * K`` bytes.
+* **all-gather by recursive doubling**: the same pairs in reverse order, each rank sending the
+  range it has and receiving its partner's, so the range doubles back to the whole buffer.
+
+Under the alpha-beta model that is ``2 log2 N alpha + 2 (N-1)/N * K / beta``: the ring's bytes
+with fewer messages, so on a network where every pair of ranks is as close as any other it
+never loses to the ring. It does on real machines, which is why NCCL still runs rings: its
+later steps pair ranks far apart (across nodes, through switches), while a ring only ever
+talks to its neighbours and so can follow the physical links (NVLink, then one NIC each way).
+
+A world size that is not a power of two is folded as in recursive doubling: with ``P`` the
+largest power of two not above ``N``, rank ``P + i`` hands its whole input to rank ``i``, the
+first ``P`` ranks run halving-doubling, and rank ``i`` hands the result back (two more
+messages of ``K``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .cost_model import AlphaBeta
+from .logger import record_op
+from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, send_recv
+
+NOTHING = torch.empty(0)
+
+
+def _largest_power_of_two(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def halving_doubling_steps(world_size: int) -> int:
+    """Messages on the busiest rank: ``2 log2 P``, plus the fold and unfold when ``N != P``."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    power = _largest_power_of_two(world_size)
+    return 2 * int(math.log2(power)) + (2 if world_size != power else 0)
+
+
+def halving_doubling_bytes(nbytes, world_size: int):
+    """Bytes the busiest rank sends for an all-reduce of ``nbytes``."""
+    power = _largest_power_of_two(world_size)
+    return 2 * (power - 1) / power * nbytes + (nbytes if world_size != power else 0)
+
+
+def halving_doubling_time(model: AlphaBeta, nbytes, world_size: int):
+    """Seconds under the alpha-beta model; the fold's two messages carry the whole buffer each."""
+    power = _largest_power_of_two(world_size)
+    fold = 2 * model.message_time(nbytes) if world_size != power else 0.0
+    return fold + 2 * math.log2(power) * model.alpha + 2 * (power - 1) / power * nbytes / model.beta
+
+
+def _halves(lo: int, hi: int, upper: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(the half of ``[lo, hi)`` this rank keeps, the half it gives away). Both partners split
+    the same range at the same point, so what one keeps is exactly what the other gives."""
+    mid = lo + (hi - lo) // 2
+    return ((mid, hi), (lo, mid)) if upper else ((lo, mid), (mid, hi))
+
+
+def _halving_then_doubling(flat: torch.Tensor, op: str, rank: int, power: int, world_size: int, group) -> None:
+    """Ranks ``0 .. power-1``: reduce-scatter by halving, then all-gather by doubling, in place."""
+    incoming = _receive_buffer(flat.numel() - flat.numel() // 2, flat)
+    lo, hi, exchanges = 0, flat.numel(), []
+    distance = 1
+    while distance < power:                     # reduce-scatter: the range halves at every step
+        partner = rank ^ distance
+        (k_lo, k_hi), (g_lo, g_hi) = _halves(lo, hi, upper=bool(rank & distance))
+        send_recv(flat[g_lo:g_hi], incoming[: k_hi - k_lo], partner, partner, group)
+        _reduce_into(flat[k_lo:k_hi], incoming[: k_hi - k_lo], op)
+        exchanges.append((partner, (k_lo, k_hi), (g_lo, g_hi)))
+        lo, hi = k_lo, k_hi
+        distance *= 2
+    if op == "avg":
+        flat[lo:hi].div_(world_size)      # once, on the 1/P of the buffer this rank owns
+    for partner, (k_lo, k_hi), (g_lo, g_hi) in reversed(exchanges):   # all-gather: it doubles back
+        send_recv(flat[k_lo:k_hi], flat[g_lo:g_hi], partner, partner, group)
+
+
+@torch.no_grad()
+def halving_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+    """All-reduce ``tensor`` in place by recursive halving then doubling; returns ``tensor``.
+
+    Any world size, shape and length (ranges may be empty when the buffer is shorter than N).
+    """
+    op = _normalise_op(op, tensor.dtype)
+    rank, n = _rank_and_size(group)
+    power = _largest_power_of_two(n)
+    with record_op("halving_doubling_all_reduce", group):
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        if rank >= power:                       # an extra rank: fold in, wait for the answer
+            send_recv(flat, NOTHING, rank - power, rank - power, group)
+            send_recv(NOTHING, flat, rank - power, rank - power, group)
+        else:
+            if rank + power < n:                # take the extra rank's input first
+                incoming = _receive_buffer(flat.numel(), flat)
+                send_recv(NOTHING, incoming, rank + power, rank + power, group)
+                _reduce_into(flat, incoming, op)
+            _halving_then_doubling(flat, op, rank, power, n, group)
+            if rank + power < n:                # and hand the result back
+                send_recv(flat, NOTHING, rank + power, rank + power, group)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
+    return tensor
