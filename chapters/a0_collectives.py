@@ -883,6 +883,17 @@ ax_bw.legend(fontsize="x-small")
 fig
 
 # %% [markdown]
+# When the measured crossover misses the model's, the model is missing something, and on a
+# small machine two things stand out. First, `α` here comes from lone exchanges. Inside an
+# algorithm each message also waits for its partner to finish the step before, and with more
+# ranks than cores for its turn on a core, so a message in a chain costs more than a lone one
+# (on the 2-core machine this course is tested on: about 0.3 ms alone, 1.2 to 1.5 ms per
+# message in the ring's own fit, `fit_ring_all_reduce`). A model that underrates `α` places
+# every crossover too early. Second, the model has no term for the additions. Recursive
+# doubling adds the whole buffer `log2 P` times, halving-doubling and the ring add about
+# `K` in all; fuller models (Thakur, Rabenseifner and Gropp's) add a cost `γ` per byte reduced,
+# which on a CPU is far from free. The choice is then still by model, but by a better one.
+#
 # What holds on any machine is checked below: the fit found a positive latency and bandwidth, and
 # where the model predicts doubling needs at most two thirds of the ring's messages, doubling is
 # faster than our ring at the smallest size, where latency is everything. (With `N = 3`, 3
