@@ -3,10 +3,9 @@
 Five implementations run on the same tensors in the same ranks, alternating: the backend's
 all-reduce, our ring, our recursive doubling, our halving-doubling, and our size-based choice
 among those three (``ultrascale.comm.recursive.all_reduce``, with an alpha-beta model fitted on
-the spot). The
-table shows the bus bandwidth (nccl-tests convention, busbw = size / time * 2 (N-1) / N) of
-each, and the ratios against the backend: the target is the chosen one at 0.9x or better from
-1 MiB up, and never slower than the ring. Every time is the slowest rank's per call, the
+the spot). The table shows the bus bandwidth (nccl-tests convention, busbw = size / time *
+2 (N-1) / N) of each, and the ratios against the backend: the target is the chosen one at 0.9x
+or better from 1 MiB up, and never slower than the ring. Every time is the slowest rank's per call, the
 median of alternating rounds.
 
     .venv/bin/python benchmarks/bench_ring_allreduce.py            # 4 ranks, 4 KiB .. 64 MiB
