@@ -370,7 +370,7 @@ ZERO_MBS = 4
 FP32 = 4  # bytes per element: these CPU runs train in fp32
 dp_bytes = FP32 * count_params(DP_CONFIG)
 zero_block_params = sum(p.numel() for p in GPT(ZERO_CONFIG).blocks[0].parameters())
-print(f"chapter 02's DP: {format_bytes(dp_bytes)} of gradients in buckets of at most {DP_BUCKET_MB} MiB; "
+print(f"chapter 02's DP: {format_bytes(dp_bytes)} of gradients in buckets closed at {DP_BUCKET_MB} MiB; "
       f"chapter 03's ZeRO-3: blocks of {format_bytes(FP32 * zero_block_params)}")
 
 cluster = Cluster(WORLD_SIZE, backend="gloo")  # gloo and CPU tensors, on any machine

@@ -6,6 +6,7 @@ Tolerances: ``ultrascale.parity.TOLERANCES`` (fp32, SGD), where the reason is wr
 import matplotlib
 import pytest
 import torch
+import torch.distributed as dist
 
 from ultrascale.batch_size import global_batch_size, plan_batch, samples_per_step
 from ultrascale.comm import CommLogger
@@ -141,11 +142,26 @@ def test_bucketed_gradients_are_views_of_the_buckets(cluster):
     assert all(cluster.run(gradients_live_in_buckets))
 
 
-def test_build_buckets_respects_cap_and_order():
-    params = [torch.zeros(n) for n in (10, 10, 30, 5, 5, 5)]   # fp32: 40, 40, 120, 20, 20, 20 bytes
+def test_build_buckets_closes_a_bucket_once_it_reaches_the_cap_as_ddp_does():
+    params = [torch.zeros(n) for n in (10, 5, 10, 30, 5, 20, 20)]   # fp32: 40, 20, 40, 120, 20, 80, 80 bytes
     buckets = build_buckets(params, bucket_cap_bytes=80)
-    assert [[p.numel() for p in b] for b in buckets] == [[10, 10], [30], [5, 5, 5]]
+    # 40 + 20 + 40 passes 80 with its last parameter, 120 is over by itself, 20 + 80 passes it,
+    # and the last 80 reaches it exactly
+    assert [[p.numel() for p in b] for b in buckets] == [[10, 5, 10], [30], [5, 20], [20]]
     assert [p for b in buckets for p in b] == params
+    # the same grouping as PyTorch DDP's own bucket assignment, on these and on random sizes
+    gen = torch.Generator().manual_seed(0)
+    cases = [(params, 80)] + [([torch.zeros(int(n)) for n in torch.randint(1, 300, (25,), generator=gen)],
+                               int(torch.randint(4, 3000, (1,), generator=gen))) for _ in range(20)]
+    for ps, cap in cases:
+        ours = [[i for i, q in enumerate(ps) for p in b if p is q] for b in build_buckets(ps, cap)]
+        theirs, _ = dist._compute_bucket_assignment_by_size(ps, [cap], [False] * len(ps))
+        assert ours == [list(b) for b in theirs], (cap, [p.numel() for p in ps])
+
+
+def test_build_buckets_never_mixes_dtypes():
+    params = [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)]
+    assert [[p.dtype for p in b] for b in build_buckets(params, 1000)] == [[torch.float32], [torch.bfloat16] * 2]
 
 
 def test_timeline_interval_arithmetic():

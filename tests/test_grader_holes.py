@@ -113,6 +113,33 @@ def test_bucket_manager_refuses_a_synchronous_all_reduce(ch02):
     assert check("02.bucket_manager", Solution).status == PASS
 
 
+def test_assign_buckets_refuses_buckets_closed_before_the_cap_and_a_strict_comparison(ch02):
+    def close_before_passing(params, bucket_cap_bytes):   # never over the cap: more, smaller buckets
+        buckets, current, size = [], [], 0
+        for p in reversed(list(params)):
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > bucket_cap_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        return buckets + [current] if current else buckets
+
+    def strictly_over(params, bucket_cap_bytes):          # > where DDP has >=: a bucket at the cap stays open
+        buckets, current, size = [], [], 0
+        for p in reversed(list(params)):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size > bucket_cap_bytes:
+                buckets.append(current)
+                current, size = [], 0
+        return buckets + [current] if current else buckets
+
+    _fails(check("02.assign_buckets", close_before_passing), "expected buckets", "reach the cap")
+    _fails(check("02.assign_buckets", strictly_over), "expected buckets", "reach the cap")
+    assert check("02.assign_buckets", ch02["assign_buckets"]).status == PASS
+
+
 def test_dp_exercises_refuse_the_librarys_data_parallel(ch02):
     from torch import nn
 

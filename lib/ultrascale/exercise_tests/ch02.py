@@ -3,7 +3,7 @@
 * ``02.grad_acc_steps``: the batch-size recipe, gbs = mbs x grad_acc x dp, from tokens.
 * ``02.overlapped_dp_hooks``: post-accumulate-grad hooks that launch one async all-reduce
   per parameter during backward, and a ``finish()`` that waits and averages.
-* ``02.assign_buckets``: group parameters into buckets of at most a byte cap, in reverse order.
+* ``02.assign_buckets``: group parameters, in reverse order, into buckets closed once they reach a byte cap.
 * ``02.bucket_manager``: flat bucket buffers, one all-reduce per full bucket.
 
 The distributed ones train the course GPT for a few SGD steps on clusters of 2 and 3
@@ -342,9 +342,9 @@ def test_assign_buckets(assign_buckets, quick: bool = True):
         if _describe(got, index) != _describe(expected, index):
             raise AssertionError(
                 f"{call}: expected buckets (by parameter index) {_describe(expected, index)}, got "
-                f"{_describe(got, index)}. Start a new bucket when adding the next parameter would take the "
-                "current one past the cap (a parameter larger than the cap gets a bucket of its own); "
-                "count bytes (numel x element_size), not elements")
+                f"{_describe(got, index)}. Add each parameter to the current bucket, then close the bucket "
+                "as soon as its bytes reach the cap (>= cap, as DDP does: a bucket may pass the cap by its "
+                "last parameter); count bytes (numel x element_size), not elements")
 
 
 # ---- 02.bucket_manager ---------------------------------------------------------------

@@ -14,9 +14,9 @@ Three versions, each fixing a weakness of the one before:
   autograd has finished accumulating it, while backward continues with earlier
   layers; wait for all of them only before ``optimizer.step()``.
 * ``BucketedDataParallel``: many small all-reduces each pay a fixed latency, so
-  gradients live in a few large flat buffers ("buckets"; each ``.grad`` becomes a view
-  of its slot after its first copy in, like DDP's ``gradient_as_bucket_view``) and one
-  all-reduce is launched per full bucket.
+  gradients live in a few large flat buffers ("buckets", each closed once it reaches the
+  cap, as DDP's are; each ``.grad`` becomes a view of its slot after its first copy in,
+  like DDP's ``gradient_as_bucket_view``) and one all-reduce is launched per full bucket.
 
 All three share ``no_sync()`` for gradient accumulation: inside it gradients just
 accumulate locally, and only the last micro-batch's backward communicates.
@@ -170,6 +170,9 @@ class Bucket:
             self.offsets[p] = (total, total + p.numel())
             total += p.numel()
         self.buffer = torch.zeros(total, dtype=dtype, device=device)
+        # each parameter's slot, viewed in its shape once: the hooks run for every parameter
+        # in every backward, and slicing a fresh view each time is a measurable part of them
+        self.views = {p: self.buffer[start:end].view_as(p) for p, (start, end) in self.offsets.items()}
         self.ready: set = set()
         self.work = None
 
@@ -178,8 +181,7 @@ class Bucket:
         return len(self.ready) == len(self.params)
 
     def view_of(self, p: torch.Tensor) -> torch.Tensor:
-        start, end = self.offsets[p]
-        return self.buffer[start:end].view_as(p)
+        return self.views[p]
 
     def reset(self) -> None:
         self.ready.clear()
@@ -187,19 +189,25 @@ class Bucket:
 
 
 def build_buckets(params: list, bucket_cap_bytes: int) -> list[list]:
-    """Group parameters, in the given order, into lists of at most ``bucket_cap_bytes``.
+    """Group parameters, in the given order, into buckets that close once they hold ``bucket_cap_bytes``.
 
-    A parameter larger than the cap gets a bucket of its own. Parameters of
-    different dtypes never share a bucket (one flat buffer has one dtype).
+    PyTorch DDP's rule: keep adding parameters to the current bucket and close it as soon as it
+    reaches the cap, so a bucket may pass the cap by its last parameter (and a parameter larger
+    than the cap fills a bucket by itself). Closing *before* the cap would be passed instead makes
+    more, smaller buckets, and every extra all-reduce pays the latency again: on the bench model
+    that is 5 buckets to DDP's 4 and a step a few percent slower than DDP's.
+    Parameters of different dtypes never share a bucket (one flat buffer has one dtype).
     """
     buckets, current, size = [], [], 0
     for p in params:
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > bucket_cap_bytes or p.dtype != current[0].dtype):
+        if current and p.dtype != current[0].dtype:
             buckets.append(current)
             current, size = [], 0
         current.append(p)
-        size += nbytes
+        size += p.numel() * p.element_size()
+        if size >= bucket_cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
     if current:
         buckets.append(current)
     return buckets
