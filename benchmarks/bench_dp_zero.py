@@ -4,7 +4,8 @@
 
 Prints, on 4 ranks (gloo on CPU, NCCL with 4 GPUs):
   * step time of our overlapped + bucketed DP against DistributedDataParallel with the
-    same bucket size (target: ratio <= 1.0, issue 22; it was 1.15);
+    same bucket size (target: ratio <= 1.0, issue 22; it was 1.15, and 0.98-1.14 while our
+    buckets closed before the cap, one more all-reduce per step than DDP);
   * step time of our ZeRO-3 with prefetch against FSDP2 ``fully_shard`` with the same
     units, one per block plus the root (target: ratio <= 1.3); ZeRO-1/2 for reference;
   * measured per-rank state bytes for ZeRO stages 0-3 against the book's formulas at

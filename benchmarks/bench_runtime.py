@@ -19,7 +19,8 @@ Measured side by side in one run, 4 ranks by default:
 
 Targets (foundation issue): cold start <= 1.5 s, call <= 3 ms, restart <= 1.5 s, and a
 no-op call at least 500x cheaper than a per-call spawn; (issue 22) the notebook's Cluster(4)
-cell <= 1.0 s.
+cell <= 1.0 s, and a cold start <= 1.0 s, which a script cannot reach: the fork server's
+``import torch`` alone (measured and printed beside it) takes longer on 2 cores.
 """
 
 import argparse
@@ -65,6 +66,17 @@ def spawn_per_call(world_size):
     start = time.perf_counter()
     mp.spawn(_spawned_rank, args=(world_size, _free_port()), nprocs=world_size, join=True)
     return time.perf_counter() - start
+
+
+TORCH_IMPORT = "import time; t = time.perf_counter(); import torch.distributed; print(time.perf_counter() - t)"
+
+
+def torch_import():
+    """Seconds for ``import torch.distributed`` in a fresh interpreter: what the fork server pays
+    before it can fork the first rank, and so the floor under any cold start that does not fork
+    the caller itself (``fork`` is faster but unsafe once the caller has threads; see forkserver.py)."""
+    out = subprocess.run([sys.executable, "-c", TORCH_IMPORT], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def cold_start(world_size):
@@ -118,6 +130,7 @@ def main():
     n = args.world_size
 
     colds = [cold_start(n) for _ in range(args.repeats)]
+    imports = [torch_import() for _ in range(args.repeats)]
     kernels = {eager: [notebook_cells(n, eager) for _ in range(args.repeats)] for eager in (False, True)}
     spawns = [spawn_per_call(n) for _ in range(args.repeats)]
 
@@ -152,6 +165,7 @@ def main():
     cell = {eager: [statistics.median(t) for t in zip(*runs)] for eager, runs in kernels.items()}
     rows = [
         ("cold start (first Cluster)", cold, 1.5),
+        ("  of it: import torch (fork server)", statistics.median(imports), None),
         ("notebook: import cell, lazy", cell[False][0], None),
         ("notebook: Cluster cell, lazy", cell[False][1], None),
         ("notebook: import cell, eager", cell[True][0], None),
@@ -170,6 +184,10 @@ def main():
     print(f"\nstarting the fork server at import: the Cluster cell {cell[False][1]:.2f} s -> {cell[True][1]:.2f} s "
           f"({cell[False][1] / cell[True][1]:.1f}x), import + Cluster cells {sum(cell[False]):.2f} s -> "
           f"{sum(cell[True]):.2f} s")
+    floor = statistics.median(imports)
+    print(f"\ncold start in a script: {cold:.2f} s, of which {floor:.2f} s is the fork server's import of torch "
+          f"(issue 22 asked for <= 1.0 s: {'met' if cold <= 1.0 else 'MISSED'}; in a notebook the fork server "
+          f"imports torch beside the kernel, and the Cluster cell takes {cell[True][1]:.2f} s)")
     ratio = spawn / call
     print(f"\na no-op call is {ratio:,.0f}x cheaper than a per-call spawn (target >= 500x):"
           f" {'ok' if ratio >= 500 else 'MISSED'}")
