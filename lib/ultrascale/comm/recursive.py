@@ -131,7 +131,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, *, model: AlphaBeta) 
     return ALGORITHMS[choose_algorithm(nbytes, n, model)](tensor, op, group)
 
 
-def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), iters: int = 5,
+def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), iters: int = 7,
                     device=None) -> AlphaBeta:
     """Fit alpha and beta from exchanges timed while *every* rank exchanges at once.
 
@@ -148,23 +148,26 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
     if n < 2:
         raise ValueError("fitting alpha-beta needs at least two ranks")
     partner = rank ^ 1
-    times = []
-    for nbytes in sizes:
-        send, receive = torch.zeros(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
-        if partner < n:
-            send_recv(send, receive, partner, partner, group)        # warm the connection up
-        dist.barrier(group=group)
-        best = 0.0 if partner >= n else float("inf")
-        for _ in range(iters if partner < n else 0):
+    buffers = [(torch.zeros(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device))
+               for nbytes in sizes]
+    best = [0.0 if partner >= n else float("inf") for _ in sizes]
+    if partner < n:
+        for send, receive in buffers:
+            send_recv(send, receive, partner, partner, group)    # warm the connection and buffers up
+    dist.barrier(group=group)
+    # Each try times every size once, so that a slow spell of the machine (another process taking
+    # a core for a few milliseconds) spoils one try of each size rather than all tries of one: a
+    # whole size measured slow bends the line, and one fit once came out with alpha near 2 ms.
+    for _ in range(iters if partner < n else 0):
+        for i, (send, receive) in enumerate(buffers):
             start = time.perf_counter()
             send_recv(send, receive, partner, partner, group)
             # the fastest of the tries: a busy machine only ever adds time, so the minimum is
             # the estimate least disturbed by another process taking the core for a while
-            best = min(best, time.perf_counter() - start)
-        elapsed = torch.tensor([best], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        times.append(float(elapsed))
-    return fit_alpha_beta(sizes, times)
+            best[i] = min(best[i], time.perf_counter() - start)
+    elapsed = torch.tensor(best, dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return fit_alpha_beta(sizes, elapsed.tolist())
 
 
 def all_reduce_contenders(group=None, model: AlphaBeta | None = None) -> dict:
