@@ -551,3 +551,48 @@ def test_race_times_every_contender_and_agrees_across_ranks(clusters):
     for _, times in rows[0]:
         assert set(times) == {"builtin", "ring", "doubling", "halving", "chosen"}
         assert all(0 < t < 10 for t in times.values())
+
+
+def _works_kept_then_released(ctx):
+    """During each hand-written collective every exchange's Work objects stay alive (the next
+    exchange would otherwise wait a kernel tick); when it returns they are all let go, so the
+    tensor it was given is not kept alive by them."""
+    import gc
+    import importlib
+    import weakref
+
+    from ultrascale.comm import ring as ring_module
+    from ultrascale.comm.halving_doubling import halving_doubling_all_reduce
+    from ultrascale.comm.recursive import recursive_doubling_all_reduce
+
+    report, original = {}, ring_module.send_recv
+    kept_counts = []
+
+    def spy(send, recv, right, left, group):
+        original(send, recv, right, left, group)
+        kept_counts.append(len(ring_module._kept_works))   # fails (TypeError) if nothing is kept
+
+    for name, collective in (("ring", ring_module.ring_all_reduce), ("doubling", recursive_doubling_all_reduce),
+                             ("halving", halving_doubling_all_reduce)):
+        kept_counts.clear()
+        module = importlib.import_module(collective.__module__)
+        module.send_recv = spy
+        try:
+            x = torch.ones(1 << 12)
+            collective(x)
+        finally:
+            module.send_recv = original
+        alive = weakref.ref(x)
+        del x
+        gc.collect()
+        report[name] = (kept_counts[:], ring_module._kept_works is None, alive() is None)
+    return report
+
+
+def test_collectives_keep_their_exchanges_alive_until_they_return(clusters):
+    for report in clusters(4).run(_works_kept_then_released):
+        for name, (kept, released, tensor_freed) in report.items():
+            # each exchange posts a send and a receive: the kept list grows by two per step
+            assert kept == list(range(2, 2 * len(kept) + 1, 2)) and len(kept) >= 2, (name, kept)
+            assert released, f"{name}: Work objects still held after the collective returned"
+            assert tensor_freed, f"{name}: the input tensor outlived the call"

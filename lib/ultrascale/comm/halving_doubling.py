@@ -32,7 +32,7 @@ import torch
 
 from .cost_model import AlphaBeta
 from .logger import record_op
-from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, send_recv
+from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keeping_exchanges, send_recv
 
 NOTHING = torch.empty(0)
 
@@ -97,7 +97,7 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> t
     op = _normalise_op(op, tensor.dtype)
     rank, n = _rank_and_size(group)
     power = _largest_power_of_two(n)
-    with record_op("halving_doubling_all_reduce", group):
+    with record_op("halving_doubling_all_reduce", group), keeping_exchanges():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         if rank >= power:                       # an extra rank: fold in, wait for the answer
             send_recv(flat, NOTHING, rank - power, rank - power, group)

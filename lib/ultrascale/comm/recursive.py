@@ -37,7 +37,8 @@ import torch
 from .cost_model import AlphaBeta, fit_alpha_beta
 from .halving_doubling import halving_doubling_all_reduce, halving_doubling_time
 from .logger import record_op
-from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, ring_all_reduce, send_recv
+from .ring import (_normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keeping_exchanges, ring_all_reduce,
+                   send_recv)
 
 NOTHING = torch.empty(0)
 
@@ -76,7 +77,7 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) ->
     op = _normalise_op(op, tensor.dtype)
     rank, n = _rank_and_size(group)
     power = 1 << (n.bit_length() - 1)
-    with record_op("recursive_doubling_all_reduce", group):
+    with record_op("recursive_doubling_all_reduce", group), keeping_exchanges():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         incoming = _receive_buffer(flat.numel(), flat)
         if rank >= power:                       # an extra rank: fold in, wait for the answer
@@ -151,20 +152,21 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
     buffers = [(torch.zeros(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device))
                for nbytes in sizes]
     best = [0.0 if partner >= n else float("inf") for _ in sizes]
-    if partner < n:
-        for send, receive in buffers:
-            send_recv(send, receive, partner, partner, group)    # warm the connection and buffers up
-    dist.barrier(group=group)
-    # Each try times every size once, so that a slow spell of the machine (another process taking
-    # a core for a few milliseconds) spoils one try of each size rather than all tries of one: a
-    # whole size measured slow bends the line, and one fit once came out with alpha near 2 ms.
-    for _ in range(iters if partner < n else 0):
-        for i, (send, receive) in enumerate(buffers):
-            start = time.perf_counter()
-            send_recv(send, receive, partner, partner, group)
-            # the fastest of the tries: a busy machine only ever adds time, so the minimum is
-            # the estimate least disturbed by another process taking the core for a while
-            best[i] = min(best[i], time.perf_counter() - start)
+    with keeping_exchanges():           # as inside the collectives (see ring.keeping_exchanges)
+        if partner < n:
+            for send, receive in buffers:
+                send_recv(send, receive, partner, partner, group)    # warm the connection and buffers up
+        dist.barrier(group=group)
+        # Each try times every size once, so that a slow spell of the machine (another process taking
+        # a core for a few milliseconds) spoils one try of each size rather than all tries of one: a
+        # whole size measured slow bends the line, and one fit once came out with alpha near 2 ms.
+        for _ in range(iters if partner < n else 0):
+            for i, (send, receive) in enumerate(buffers):
+                start = time.perf_counter()
+                send_recv(send, receive, partner, partner, group)
+                # the fastest of the tries: a busy machine only ever adds time, so the minimum is
+                # the estimate least disturbed by another process taking the core for a while
+                best[i] = min(best[i], time.perf_counter() - start)
     elapsed = torch.tensor(best, dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return fit_alpha_beta(sizes, elapsed.tolist())
