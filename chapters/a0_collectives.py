@@ -349,9 +349,11 @@ fig
 # 2. **all-gather**, `N-1` steps: in step `s` rank `r` forwards chunk `r-s`, which is complete,
 #    and receives chunk `r-s-1`, which overwrites its partial copy.
 #
-# `ultrascale.comm` implements exactly this with `dist.batch_isend_irecv` (post both the send and
-# the receive, then wait: a rank that waited for its send to finish before receiving could
-# deadlock the ring). Read `lib/ultrascale/comm/ring.py`: under two hundred lines, comments included.
+# `ultrascale.comm` implements exactly this with `dist.isend` and `dist.irecv` (post both the send
+# and the receive, then wait: a rank that waited for its send to finish before receiving could
+# deadlock the ring; on GPUs the pair goes through `dist.batch_isend_irecv`, which NCCL needs to
+# launch them together). Read `lib/ultrascale/comm/ring.py`: under two hundred and fifty lines,
+# comments included.
 #
 # To watch it, we run it on **5 ranks with a tensor of 5 elements**, so each chunk is one
 # element, as in the book's animations. Rank `r` starts with `2**r` everywhere: any sum of those
@@ -887,8 +889,8 @@ fig
 # small machine two things stand out. First, `α` here comes from lone exchanges. Inside an
 # algorithm each message also waits for its partner to finish the step before, and with more
 # ranks than cores for its turn on a core, so a message in a chain costs more than a lone one
-# (on the 2-core machine this course is tested on: about 0.3 ms alone, 1.2 to 1.5 ms per
-# message in the ring's own fit, `fit_ring_all_reduce`). A model that underrates `α` places
+# (on the 2-core machine this course is tested on: about 0.2 to 0.3 ms alone, 0.55 to 0.65 ms
+# per message in the ring's own fit, `fit_ring_all_reduce`). A model that underrates `α` places
 # every crossover too early. Second, the model has no term for the additions. Recursive
 # doubling adds the whole buffer `log2 P` times, halving-doubling and the ring add about
 # `K` in all; fuller models (Thakur, Rabenseifner and Gropp's) add a cost `γ` per byte reduced,
@@ -910,19 +912,28 @@ else:
     print(f"N = {N}: doubling sends {S} messages against the ring's {2 * (N - 1)}; too close to assert a winner")
 
 # %% [markdown]
-# ## 6. Why is our ring slower than gloo's, and which backend to use?
+# ## 6. How does our ring compare with gloo's, and which backend to use?
 # Look at the `ring/gloo` column of the table in section 4, and at the summary line under it.
-# These are your machine's numbers and they change from run to run, but the pattern is the
-# same: the ratio is largest for the smallest buffers, where our ring is typically several times
-# slower, and it shrinks towards 1 for the largest ones. The two alpha-beta fits explain it: the
-# ring's `α`, the cost of one step whatever its size, is larger than gloo's. Each of our `2(N-1)`
-# steps goes through Python (building the operations, `batch_isend_irecv`, waiting, an `add_` in
-# PyTorch), while gloo runs its whole algorithm in C++ after one call. For small buffers those
-# per-step costs are nearly the whole time. For large buffers both spend their time moving bytes
-# through the same transport and adding them up, so the bandwidth terms are alike and the
-# per-step overhead becomes a small fraction. (On a CPU machine gloo's "links" are TCP connections
-# over loopback and all ranks share a few cores, so the absolute numbers say little about a GPU
+# These are your machine's numbers and they change from run to run. On the 2-core machine this
+# course is tested on, our ring now takes about 1.1 to 1.3 times gloo's time at most sizes, and
+# the two fitted `α` are close. The differences that remain are in how each step is run. Each of
+# our `2(N-1)` steps goes through Python (posting the send and the receive, waiting, an `add_` in
+# PyTorch) and does one thing at a time, while gloo runs its whole algorithm in C++ after one call
+# and splits every chunk in two, so that it adds one half while the other is still on the wire
+# (read `ring` in gloo's `allreduce.cc`). For small buffers the per-step costs are nearly the
+# whole time; for large ones both move the same bytes through the same transport, and the
+# overlap is what gloo has over us. (On a CPU machine gloo's "links" are TCP connections over
+# loopback and all ranks share a few cores, so the absolute numbers say little about a GPU
 # cluster; the shape of the curves carries over.)
+#
+# How much a step costs can hang on details no model shows. Each `dist.isend` and `dist.irecv`
+# returns a `Work` object; our ring used to let go of them as soon as a step was done. Measured
+# (`benchmarks/bench_send_recv.py`, 4 ranks on 2 cores), many of the following exchanges then
+# lasted one kernel tick, about 4 ms, instead of a fraction of a millisecond. gloo's own
+# algorithms keep their buffers for the whole collective; every collective in `ultrascale.comm`
+# now keeps its steps' `Work` objects until it returns, and the ring's `α`, fitted to its times
+# in `benchmarks/bench_ring_allreduce.py`, fell from about 1.4 ms to about 0.6 ms, close to gloo's. Why gloo behaves so we have not pinned down: measure
+# first, then explain.
 #
 # That is the general lesson: a collective library wins on latency (fused, native code, fewer
 # synchronisations, algorithms with fewer steps for small messages, like section 5's) and on
