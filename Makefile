@@ -35,6 +35,7 @@ grade: $(STAMP)  ## grade exercise notebooks: make grade NB=exercises JOBS=2
 
 bench: $(STAMP)  ## side-by-side benchmarks, printing ratios (GPU ones say so and skip without a GPU)
 	$(PY) benchmarks/bench_runtime.py
+	$(PY) benchmarks/bench_send_recv.py
 	$(PY) benchmarks/bench_ring_allreduce.py
 	$(PY) benchmarks/bench_dp_zero.py
 	$(PY) benchmarks/bench_tp.py

@@ -23,7 +23,7 @@ from ultrascale.parallel.context_parallel import (KVBufferMeter, apply_cp, causa
                                                   context_parallel_attention, split_sequence)
 from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.timeline import Timeline
-from ultrascale.parity import Batches, assert_same, gradients, split, tolerance, train, weights
+from ultrascale.parity import Batches, assert_same, gradients, split, tolerance, train
 from ultrascale.runtime import shared_cluster
 
 DT = torch.float64

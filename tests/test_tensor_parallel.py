@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ultrascale.comm.functional import f_star
-from ultrascale.model import GPT, GPTConfig, Llama, LlamaConfig, lm_loss
+from ultrascale.model import GPT, GPTConfig, Llama, LlamaConfig
 from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.timeline import Timeline
 from ultrascale.parallel.tensor_parallel import (GPT_PLAN, LLAMA_PLAN, RowParallelLinear, VocabParallelLogits,
                                                  apply_tp, full_gradients, full_weights)
 from ultrascale.parity import (Batch, Batches, assert_same, device_mesh_1d, dtensor_tp, first_step_and_train,
-                               gradients, max_difference, perturbed, run_steps, weights)
+                               max_difference, perturbed)
 from ultrascale.runtime import shared_cluster
 
 # 12 heads, FFN 192, vocabulary 96 and 12 tokens: tp = 2, 3 and 4 all divide them.

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from ultrascale.grading import exercise
 
-from .ch04 import (_run_pair, close, collectives, describe, layouts, off_by, randn, refused_library,
+from .ch04 import (_run_pair, close, describe, layouts, off_by, randn, refused_library,
                    same_collectives, shape_problem, tp_group)
 
 BASE = (2, 3, 4)    # what one rank holds: (batch, its slice of the sequence, hidden)

@@ -76,7 +76,7 @@ def merge_partial_attention(out_a, lse_a, out_b, lse_b):
 def tiled_attention_reference(q, k, v, causal: bool = False, sm_scale=None, block_m: int = 64, block_n: int = 64):
     """The same result as ``naive_attention`` with online softmax over key blocks: no s x s tensor."""
     scale = _scale(q, sm_scale)
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    seq_q = q.shape[-2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for start_m in range(0, seq_q, block_m):
