@@ -7,7 +7,8 @@ is busy in every step and no rank is a bottleneck.
 * ``ring_reduce_scatter``: after ``N - 1`` steps rank ``r`` holds chunk ``r`` of the sum.
 * ``ring_all_gather``: after ``N - 1`` more steps every rank holds every chunk.
 * ``ring_all_reduce`` = reduce-scatter followed by all-gather.
-* ``send_recv``: the one step they are made of (send right, receive left, together).
+* ``send_recv``: the one step they are made of (send right, receive left, together);
+  ``keeping_exchanges``: how every collective holds its steps' Work objects until it returns.
 
 Chunking rule: the tensor is flattened and cut with ``torch.tensor_split(flat, N)``,
 so with ``K = q * N + m`` elements the first ``m`` chunks have ``q + 1`` elements and
@@ -64,8 +65,9 @@ def keeping_exchanges():
     """Keep every exchange's Work objects alive until the block ends (one collective).
 
     Measured with gloo (4 ranks on 2 cores, ``benchmarks/bench_send_recv.py``): when the Work of
-    an exchange is let go as soon as it is done, the next exchange usually takes one kernel tick
-    (about 4 ms here) instead of 0.15 ms for 4 KiB or 0.7 ms for 1 MiB. gloo's own collectives
+    an exchange is let go as soon as it is done, many of the next exchanges take one kernel tick
+    (about 4 ms here) instead of about 0.2 ms for 4 KiB or 0.8-1.2 ms for 1 MiB. Why is not
+    settled (it depends on the order the Works are destroyed in); gloo's own collectives
     keep their buffers for the whole algorithm; ours now do the same, and let go of them all when
     the collective returns, so no tensor outlives the call it was passed to. Nested blocks (a
     collective made of collectives) keep everything until the outermost one ends.
@@ -98,7 +100,7 @@ def send_recv(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
         works = dist.batch_isend_irecv(ops) if ops else []
     else:
         # gloo: batch_isend_irecv would post the two one after the other all the same, and its
-        # bookkeeping cost about 50 us more per exchange (benchmarks/bench_send_recv.py)
+        # bookkeeping cost 50-80 us more per exchange (benchmarks/bench_send_recv.py)
         works = ([dist.isend(send, group=group, group_dst=right)] if sending else []) + \
                 ([dist.irecv(recv, group=group, group_src=left)] if receiving else [])
     for work in works:
