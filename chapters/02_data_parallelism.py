@@ -429,9 +429,9 @@ for kind, results in runs.items():
 # the order backward produces them, i.e. reverse parameter order, closing a bucket as soon as it
 # holds `bucket_cap_mb` MiB (PyTorch DDP's default is 25 MiB). That is DDP's rule: a bucket may
 # pass the cap by its last tensor. Closing it *before* the cap would be passed makes more, smaller
-# buckets, and each extra one pays the latency again. When the last gradient of a bucket is ready, the bucket is
-# all-reduced in one call, still during backward. A collective needs one contiguous buffer anyway,
-# which is why frameworks allocate these flat buffers up front.
+# buckets, and each extra one pays the latency again. When the last gradient of a bucket is
+# ready, the bucket is all-reduced in one call, still during backward. A collective needs one
+# contiguous buffer anyway, which is why frameworks allocate these flat buffers up front.
 #
 # The buckets need not hold a *second* copy of the gradients. The first time a parameter's
 # gradient is ready, `BucketedDataParallel` copies it into its slot in the bucket, once, and then
@@ -741,8 +741,8 @@ assert with_no_sync[0]["all_reduce_calls"][1:] == ddp_acc[0]["buckets_per_step"]
 # bucket; after that iteration it rebuilds the buckets in the order it observed. From then on it
 # makes as many buckets as ours, since both close a bucket once it has *reached* the cap. (An
 # earlier version of `build_buckets` closed a bucket before it would *exceed* the cap: one bucket
-# more than DDP on the benchmark model, and a step a few percent slower than DDP's, all of it
-# the extra all-reduce's latency.) The averaged gradients are the same either way.
+# more than DDP on the benchmark model, and a step a few percent slower than DDP's, which the
+# change of rule alone took back.) The averaged gradients are the same either way.
 #
 # ## 6. The batch-size recipe, and where DP stops scaling
 #
