@@ -514,7 +514,7 @@ def test_doubling_and_ring_times_cross_where_the_model_says():
 def _chosen_all_reduce(ctx):
     from ultrascale.comm.recursive import all_reduce, fit_on_the_spot
 
-    # sizes up to MiBs and the best of 3 tries: under a loaded CI machine 512 KiB x 2 once fitted no slope
+    # sizes up to MiBs (the median of 3 tries each): under a loaded CI machine 512 KiB x 2 once fitted no slope
     model = fit_on_the_spot(sizes=(4 << 10, 1 << 20, 4 << 20), iters=3)
     results = []
     for length in (3, 1 << 18):

@@ -138,9 +138,10 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
 
     Call on every rank. Rank ``r`` swaps a buffer with rank ``r XOR 1`` (a last, unpaired rank
     waits), as in a step of either algorithm, so the fit sees the same load on the machine's
-    cores and links as the collectives will; each size's time is the slowest rank's best try. Every
+    cores and links as the collectives will; each size's time is the slowest rank's median try. Every
     rank gets the same model and so chooses the same algorithm for the same size.
     """
+    import statistics
     import time
 
     import torch.distributed as dist
@@ -151,7 +152,7 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
     partner = rank ^ 1
     buffers = [(torch.zeros(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device))
                for nbytes in sizes]
-    best = [0.0 if partner >= n else float("inf") for _ in sizes]
+    tries = [[0.0] if partner >= n else [] for _ in sizes]
     with keeping_exchanges():           # as inside the collectives (see ring.keeping_exchanges)
         if partner < n:
             for send, receive in buffers:
@@ -164,10 +165,14 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
             for i, (send, receive) in enumerate(buffers):
                 start = time.perf_counter()
                 send_recv(send, receive, partner, partner, group)
-                # the fastest of the tries: a busy machine only ever adds time, so the minimum is
-                # the estimate least disturbed by another process taking the core for a while
-                best[i] = min(best[i], time.perf_counter() - start)
-    elapsed = torch.tensor(best, dtype=torch.float64, device=device)
+                tries[i].append(time.perf_counter() - start)
+    # The median try, not the fastest: inside a collective a message usually waits a little for its
+    # partner (with more ranks than cores, for a core), and the fastest try is the rare one that
+    # did not. Fitted on the fastest try, alpha came out 165-225 us (4 ranks, 2 cores) and the model
+    # picked halving-doubling at 1 MiB in 3 fits of 14, where recursive doubling is measured faster
+    # (the two cross at 2-3 MiB there); on the median of the same tries, alpha 215-350 us (once 614),
+    # it picked doubling at 1 MiB in 14 of 14 and halving-doubling at 4 MiB in 14 of 14.
+    elapsed = torch.tensor([statistics.median(t) for t in tries], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return fit_alpha_beta(sizes, elapsed.tolist())
 
@@ -189,17 +194,20 @@ def all_reduce_contenders(group=None, model: AlphaBeta | None = None) -> dict:
 
 
 def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, device=None,
-                     callback=None) -> list[tuple[int, dict]]:
+                     callback=None, keep=None) -> list[tuple[int, dict]]:
     """Time every contender on every size; ``[(bytes, {name: seconds per call})]``, the same on all ranks.
 
     Call on every rank. The contenders take turns round by round on the same tensor and each
-    keeps its median over the rounds, so a burst of load from another program on the machine
-    hits all of them alike instead of one. Each time is the slowest rank's. ``callback`` gets
-    each row on rank 0 as soon as it is measured (for a live plot).
+    keeps its median over the rounds (or ``keep(times)``: ``min`` for the least disturbed round),
+    so a burst of load from another program on the machine hits all of them alike instead of
+    one. Each time is the slowest rank's. ``callback`` gets each row on rank 0 as soon as it is
+    measured (for a live plot).
     """
     import statistics
 
     import torch.distributed as dist
+
+    keep = keep or statistics.median
 
     from .bandwidth import time_collective
 
@@ -214,7 +222,7 @@ def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, devic
             for name, run in contenders.items():
                 x.normal_()                                      # fresh values: repeated sums never overflow
                 times[name].append(time_collective(lambda: run(x), calls, warmup=0, group=group, device=device))
-        rows.append((x.numel() * x.element_size(), {name: statistics.median(t) for name, t in times.items()}))
+        rows.append((x.numel() * x.element_size(), {name: keep(t) for name, t in times.items()}))
         if callback is not None and dist.get_rank(group) == 0:
             callback(rows[-1])
     return rows
