@@ -62,6 +62,8 @@ class DataParallel(nn.Module):
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.num_syncs = 0                      # gradient synchronisations (one per step)
         self.names = {p: n for n, p in module.named_parameters()}
+        self.ready_order: list[str] = []        # parameter names, in the order their hooks fired
+        self._ready_order_sync = 0              # the sync that order belongs to (the latest)
         if broadcast:
             broadcast_parameters(module, group)
 
@@ -84,6 +86,17 @@ class DataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def _note_ready(self, p: torch.Tensor) -> str:
+        """Record that ``p``'s gradient is final; returns its name. ``ready_order`` holds the
+        latest synchronised backward's order only, so it stays one name per parameter however
+        long the run."""
+        if self._ready_order_sync != self.num_syncs:
+            self.ready_order, self._ready_order_sync = [], self.num_syncs
+        name = self.names[p]
+        self.ready_order.append(name)
+        self.timeline.mark(f"grad ready {name}")
+        return name
 
     def _all_reduce(self, tensor: torch.Tensor, name: str, async_op: bool):
         """Sum ``tensor`` over the ranks (pre-divided by world size: the sum is the mean)."""
@@ -127,7 +140,6 @@ class OverlappedDataParallel(DataParallel):
         super().__init__(module, group, timeline, broadcast)
         self.handles: list = []
         self.reduced: set = set()          # parameters whose all-reduce is in flight
-        self.ready_order: list[str] = []   # parameter names, in the order their hooks fired
         self.register_backward_hook(self._on_grad_ready)
 
     def register_backward_hook(self, hook) -> None:
@@ -138,9 +150,7 @@ class OverlappedDataParallel(DataParallel):
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self.require_backward_grad_sync:
             return   # accumulating: keep the gradient local
-        name = self.names[p]
-        self.ready_order.append(name)
-        self.timeline.mark(f"grad ready {name}")
+        name = self._note_ready(p)
         self.reduced.add(p)
         self.handles.append(self._all_reduce(p.grad, f"all_reduce {name}", async_op=True))
 
@@ -230,16 +240,13 @@ class BucketedDataParallel(DataParallel):
                         for i, ps in enumerate(build_buckets(params, cap))]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.next_to_launch = 0
-        self.ready_order: list[str] = []
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self.require_backward_grad_sync:
             return
-        name = self.names[p]
-        self.ready_order.append(name)
-        self.timeline.mark(f"grad ready {name}")
+        self._note_ready(p)
         bucket = self.bucket_of[p]
         view = bucket.view_of(p)
         if p.grad.data_ptr() != view.data_ptr():
