@@ -292,12 +292,14 @@ assert max_difference(forgot_to_divide, reference) > 100 * TOL["atol"], "the che
 # embedding/head matrix, after both contributions). `OverlappedDataParallel` registers one such
 # hook per trainable parameter, and each hook launches an **asynchronous** all-reduce
 # (`async_op=True` returns a handle at once). Before `optimizer.step()`,
-# `finish_gradient_synchronization()` waits on all the handles. Here is the registration and the
-# hook, straight from the library:
+# `finish_gradient_synchronization()` waits on all the handles. Here is the registration, the
+# hook, and the bookkeeping it does first (the order the hooks fired in, which the next cell reads),
+# straight from the library:
 
 # %%
 print(inspect.getsource(OverlappedDataParallel.register_backward_hook))
 print(inspect.getsource(OverlappedDataParallel._on_grad_ready))
+print(inspect.getsource(OverlappedDataParallel._note_ready))
 
 # %% [markdown]
 # The hooks fire in the order backward reaches the parameters, so we can simply record it. It
