@@ -407,8 +407,14 @@ for name, r in comparison.items():
 # target, and ZeRO-3 at 2.0 and TP at 4.2: steady gaps, the model's missing pieces named above, not
 # noise. With other work keeping the load average above 10 on these two cores, the rounds spread by
 # factors of two to five, and we saw DP anywhere from 1.03 to 1.9, PP up to 2.3 and TP up to 5.4.
-# So the asserted band is what this shared machine lets us promise: DP and PP within a factor of
-# 1.5 below and 2.5 above their prediction, ZeRO-3 within 2 below and 5 above, and TP within 2
+# One effect pushes PP the other way when there are more ranks than cores (3 or 4 ranks on 2
+# cores): a stage waiting for its neighbour, in the bubble or for an activation, leaves its core
+# to a stage that computes, which then runs faster than the calibration saw, with every rank
+# computing at once. PP can then beat its prediction by up to `ranks / cores`, the more so when
+# other work takes cores too; at `WORLD_SIZE = 3` we once measured PP at 0.666 beside another
+# chapter's run. So the asserted band is what this shared machine lets us promise: DP within a
+# factor of 1.5 below and 2.5 above its prediction, PP the same but with the lower bound divided
+# by `ranks / cores` where that is above one, ZeRO-3 within 2 below and 5 above, and TP within 2
 # below and 10 above, the one direction its missing pieces push it. Which layouts met the 30%
 # target in this run is printed below.
 
@@ -418,8 +424,9 @@ print("within 30%:", ", ".join(within) or "none", "| outside:",
       ", ".join(n for n in ratios if n not in within) or "none")
 
 # %%
-for name in ("DP", "PP"):
-    assert name not in ratios or 1 / 1.5 <= ratios[name] <= 2.5, (name, ratios[name])
+oversubscribed = max(1.0, WORLD_SIZE / (os.cpu_count() or 1))   # ranks per core, when above one
+for name, low in (("DP", 1 / 1.5), ("PP", 1 / (1.5 * oversubscribed))):
+    assert name not in ratios or low <= ratios[name] <= 2.5, (name, ratios[name], low)
 assert 1 / 2 <= ratios["ZeRO-3"] <= 5, ratios["ZeRO-3"]
 assert "TP" not in ratios or 1 / 2 <= ratios["TP"] <= 10, ratios["TP"]
 
