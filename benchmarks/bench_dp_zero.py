@@ -24,7 +24,7 @@ from ultrascale.model import GPT, count_params
 from ultrascale.parallel import BucketedDataParallel, ZeRO
 from ultrascale.parity import OPTIMIZERS, Batches, ddp, device_mesh_1d, fsdp2, make_optimizer
 from ultrascale.runtime import Cluster
-from sidebyside import config_of, measure, model_arguments, timed_steps
+from sidebyside import config_of, measure_rounds, median_step, model_arguments, round_ratios, timed_steps
 
 
 _ADAM = dict(optimizer_cls=OPTIMIZERS["adam"][0], **OPTIMIZERS["adam"][1])   # ZeRO's optimizer, as the others'
@@ -82,8 +82,9 @@ def main():
 
     with Cluster(args.world_size) as cluster:
         print(f"{args.world_size} ranks, backend {cluster.backend}, {cluster.threads} thread(s) per rank\n")
-        t = measure(cluster, ["ddp", "ours_dp", "fsdp2", "zero3", "zero1", "zero2"], args.rounds, time_steps,
-                    cfg, args.mbs, args.bucket_mb, args.warmup, args.steps)
+        rounds = measure_rounds(cluster, ["ddp", "ours_dp", "fsdp2", "zero3", "zero1", "zero2"], args.rounds,
+                                time_steps, cfg, args.mbs, args.bucket_mb, args.warmup, args.steps)
+        t = {impl: median_step(r) for impl, r in rounds.items()}
         print(f"{'implementation':<34}{'step (ms)':>10}")
         names = {"ddp": "PyTorch DDP", "ours_dp": "ours: overlapped + bucketed DP",
                  "fsdp2": "PyTorch FSDP2 (fully_shard)", "zero3": "ours: ZeRO-3 + prefetch",
@@ -93,6 +94,8 @@ def main():
         dp_ratio, z3_ratio = t["ours_dp"] / t["ddp"], t["zero3"] / t["fsdp2"]
         print(f"\nours DP / DDP      = {dp_ratio:.3f}  (target <= 1.00, no slower than DDP) "
               f"{'OK' if dp_ratio <= 1.00 else 'MISSED'}")
+        print(f"  round by round:    {', '.join(f'{r:.3f}' for r in round_ratios(rounds, 'ours_dp', 'ddp'))}"
+              f"  (the spread is this machine's noise on the ratio)")
         print(f"ours ZeRO-3 / FSDP2 = {z3_ratio:.3f}  (target <= 1.30) "
               f"{'OK' if z3_ratio <= 1.30 else 'MISSED'}\n")
 

@@ -28,15 +28,32 @@ def config_of(args) -> GPTConfig:
                      seq_len=args.seq)
 
 
-def measure(cluster, impls, rounds, time_steps, *args) -> dict:
-    """Median step time of each implementation: ``time_steps(ctx, impl, *args)`` returns
-    one rank's step times; the rounds alternate the implementations."""
+def measure_rounds(cluster, impls, rounds, time_steps, *args) -> dict:
+    """Each implementation's steps, round by round: ``{impl: [[seconds per step] per round]}``.
+    ``time_steps(ctx, impl, *args)`` returns one rank's step times; the rounds alternate the
+    implementations; a step's time is the slowest rank's."""
     samples = {impl: [] for impl in impls}
     for _ in range(rounds):
         for impl in impls:
             per_rank = cluster.run(time_steps, impl, *args, timeout=600)
-            samples[impl] += [max(step) for step in zip(*per_rank)]   # the slowest rank
-    return {impl: statistics.median(t) for impl, t in samples.items()}
+            samples[impl].append([max(step) for step in zip(*per_rank)])
+    return samples
+
+
+def median_step(per_round) -> float:
+    """The median step over all rounds of ``measure_rounds``' list for one implementation."""
+    return statistics.median(t for steps in per_round for t in steps)
+
+
+def measure(cluster, impls, rounds, time_steps, *args) -> dict:
+    """Median step time of each implementation, over all its rounds' steps (``measure_rounds``)."""
+    return {impl: median_step(r) for impl, r in measure_rounds(cluster, impls, rounds, time_steps, *args).items()}
+
+
+def round_ratios(samples: dict, impl: str, baseline: str) -> list:
+    """``impl`` / ``baseline``, round by round (the median step of each): how far the ratio moves
+    between rounds a few seconds apart, which is what one run's ratio can be trusted to."""
+    return [statistics.median(a) / statistics.median(b) for a, b in zip(samples[impl], samples[baseline])]
 
 
 def timed_steps(ctx, step, warmup: int, steps: int, barrier: bool = True) -> list:
