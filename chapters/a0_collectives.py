@@ -942,8 +942,12 @@ else:
 # lasted one kernel tick, about 4 ms, instead of a fraction of a millisecond. gloo's own
 # algorithms keep their buffers for the whole collective; every collective in `ultrascale.comm`
 # now keeps its steps' `Work` objects until it returns, and the ring's `α`, fitted to its times
-# in `benchmarks/bench_ring_allreduce.py`, fell from about 1.4 ms to about 0.6 ms, close to gloo's. Why gloo behaves so we have not pinned down: measure
-# first, then explain.
+# in `benchmarks/bench_ring_allreduce.py`, fell from about 1.4 ms to about 0.6 ms, close to gloo's.
+# Why, we have not pinned down, but we did rule out the obvious suspect: letting go of a `Work`
+# takes a few microseconds. The lost time is in the *next* exchange's wait, and it hangs on
+# microseconds of timing: in one test a 50 µs pause before letting go removed the tick, and
+# 200 µs brought it back. That points at how the operating system wakes gloo's threads when four
+# ranks share two cores, not at a cost of the `Work` itself. Measure first, then explain.
 #
 # That is the general lesson: a collective library wins on latency (fused, native code, fewer
 # synchronisations, algorithms with fewer steps for small messages, like section 5's) and on

@@ -67,7 +67,10 @@ def keeping_exchanges():
     Measured with gloo (4 ranks on 2 cores, ``benchmarks/bench_send_recv.py``): when the Work of
     an exchange is let go as soon as it is done, many of the next exchanges take one kernel tick
     (about 4 ms here) instead of about 0.2 ms for 4 KiB or 0.8-1.2 ms for 1 MiB. Why is not
-    settled (it depends on the order the Works are destroyed in); gloo's own collectives
+    settled: destroying a Work takes microseconds, the time is lost in the next exchange's wait,
+    and it comes and goes with microseconds of timing (a 50 us pause before letting go removed
+    it once, 200 us brought it back), which points at thread wake-ups on an oversubscribed
+    machine. gloo's own collectives
     keep their buffers for the whole algorithm; ours now do the same, and let go of them all when
     the collective returns, so no tensor outlives the call it was passed to. Nested blocks (a
     collective made of collectives) keep everything until the outermost one ends.
