@@ -553,6 +553,21 @@ def test_race_times_every_contender_and_agrees_across_ranks(clusters):
         assert all(0 < t < 10 for t in times.values())
 
 
+def _race_order(ctx):
+    from ultrascale.comm.recursive import race_all_reduces
+
+    calls = []
+    contenders = {name: (lambda t, name=name: calls.append(name)) for name in "abc"}
+    race_all_reduces(contenders, sizes=(1 << 10,), rounds=4)
+    return [name for i, name in enumerate(calls) if i == 0 or calls[i - 1] != name]
+
+
+def test_race_rotates_which_contender_goes_first(clusters):
+    # one warm-up call each, then rounds starting with a, b, c, a: no contender always follows the same one
+    order = clusters(2).run(_race_order)[0]
+    assert order == list("abc") + list("abc") + list("bca") + list("cab") + list("abc"), order
+
+
 def _works_kept_then_released(ctx):
     """During each hand-written collective every exchange's Work objects stay alive (the next
     exchange would otherwise wait a kernel tick); when it returns they are all let go, so the

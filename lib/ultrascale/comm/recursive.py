@@ -197,8 +197,8 @@ def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, devic
                      callback=None, keep=None) -> list[tuple[int, dict]]:
     """Time every contender on every size; ``[(bytes, {name: seconds per call})]``, the same on all ranks.
 
-    Call on every rank. The contenders take turns round by round on the same tensor and each
-    keeps its median over the rounds (or ``keep(times)``: ``min`` for the least disturbed round),
+    Call on every rank. The contenders take turns round by round on the same tensor, each round
+    starting with the next one, and each keeps its median over the rounds (or ``keep(times)``: ``min`` for the least disturbed round),
     so a burst of load from another program on the machine hits all of them alike instead of
     one. Each time is the slowest rank's. ``callback`` gets each row on rank 0 as soon as it is
     measured (for a live plot).
@@ -218,9 +218,16 @@ def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, devic
         times = {name: [] for name in contenders}
         for run in contenders.values():                          # warm up: buffers, connections
             run(x)
-        for _ in range(rounds):
-            for name, run in contenders.items():
+        names = list(contenders)
+        for round_ in range(rounds):
+            # each round starts one contender later, so that none always runs right after the same one:
+            # what ran just before can cost the next call (on gloo, 4 ranks, 1 MiB recursive doubling
+            # came out 1.3x the backend in one fixed order and 1.5-2.4x in another), and rotating
+            # spreads that over all of them
+            start = round_ % len(names)
+            for name in names[start:] + names[:start]:
                 x.normal_()                                      # fresh values: repeated sums never overflow
+                run = contenders[name]
                 times[name].append(time_collective(lambda: run(x), calls, warmup=0, group=group, device=device))
         rows.append((x.numel() * x.element_size(), {name: keep(t) for name, t in times.items()}))
         if callback is not None and dist.get_rank(group) == 0:
