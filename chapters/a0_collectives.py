@@ -824,8 +824,11 @@ assert crossover_bytes(unit, 2) == math.inf and crossover_bytes(unit, 4) == 8.0
 # cores and links as busy as the collectives will. `race_all_reduces` then times gloo's all-reduce,
 # our ring, our recursive doubling, our halving-doubling and `all_reduce(..., model=...)`, which
 # picks the one of the three that the model predicts to be fastest for the size. The five take
-# turns on the same tensor, and each keeps its median over the rounds. Timings depend on the
-# machine and its load, so this output is not compared.
+# turns on the same tensor, each round starting with the next one (what ran just before can cost
+# a call), and each keeps its median over the rounds. gloo's all-reduce runs once more, as
+# `again`: gloo against itself should be 1.00x, and how far it is not is how far this machine's
+# noise alone moves every other ratio. Timings depend on the machine and its load, so this output
+# is not compared.
 
 # %% tags=["nbval-ignore-output"]
 RACE_SIZES = [1 << k for k in range(10, 23, 2)] if QUICK else [1 << k for k in range(10, 27, 2)]  # 1 KiB-4 MiB (64 MiB)
@@ -835,14 +838,15 @@ bus = bus_factor("all_reduce", N)
 
 def race(ctx, sizes, rounds):
     model = fit_on_the_spot(ctx.group)
+    contenders = all_reduce_contenders(ctx.group, model)
+    contenders["again"] = contenders["builtin"]   # gloo once more: the noise floor of every ratio
 
-    def stream(row):   # rank 0: one point per contender on the live plot
+    def stream(row):   # rank 0: one point per plotted contender on the live plot
         nbytes, times = row
         ctx.log(**{"log2(bytes)": math.log2(nbytes),
-                   **{f"{name} busbw (MB/s)": nbytes / t * bus / 1e6 for name, t in times.items()}})
+                   **{f"{name} busbw (MB/s)": nbytes / times[name] * bus / 1e6 for name in names}})
 
-    return model, race_all_reduces(all_reduce_contenders(ctx.group, model), sizes, rounds, ctx.group,
-                                   callback=stream)
+    return model, race_all_reduces(contenders, sizes, rounds, ctx.group, callback=stream)
 
 
 names = ("builtin", "ring", "doubling", "halving", "chosen")
@@ -858,6 +862,9 @@ print(f"{'size':>10} " + " ".join(f"{name + ' (µs)':>14}" for name in names) + 
 for nbytes, t in rows:
     print(f"{format_bytes(nbytes):>10} " + " ".join(f"{t[name] * 1e6:>14.0f}" for name in names)
           + f"   {choose_algorithm(nbytes, N, fitted):<18} {t['builtin'] / t['chosen']:>6.2f}x")
+again = [t["builtin"] / t["again"] for _, t in rows]
+print(f"gloo against itself ('again'): {min(again):.2f}x to {max(again):.2f}x over the sizes, "
+      f"how far noise alone moves a ratio in this run")
 print(f"model crossover of ring and doubling K* = {format_bytes(model_crossover) if model_crossover < math.inf else 'never'}; "
       f"measured: the ring is faster from "
       f"{format_bytes(measured_crossover) if measured_crossover else 'no size measured here'} on")
