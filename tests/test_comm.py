@@ -553,6 +553,14 @@ def test_race_times_every_contender_and_agrees_across_ranks(clusters):
         assert all(0 < t < 10 for t in times.values())
 
 
+def test_again_races_the_backend_once_more_only_when_asked():
+    from ultrascale.comm.recursive import all_reduce_contenders
+
+    contenders = all_reduce_contenders(again=True)
+    assert contenders["again"] is contenders["builtin"]
+    assert "again" not in all_reduce_contenders()
+
+
 def _race_order(ctx):
     from ultrascale.comm.recursive import race_all_reduces
 

@@ -177,9 +177,10 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
     return fit_alpha_beta(sizes, elapsed.tolist())
 
 
-def all_reduce_contenders(group=None, model: AlphaBeta | None = None) -> dict:
+def all_reduce_contenders(group=None, model: AlphaBeta | None = None, again: bool = False) -> dict:
     """The all-reduces to compare, by name: the backend's, the ring, doubling, halving-doubling and (with
-    a model) the choice among the three."""
+    a model) the choice among the three. With ``again`` the backend's runs a second time, as
+    ``"again"``: its ratio to ``"builtin"`` is how far the machine's noise alone moves a ratio."""
     import torch.distributed as dist
 
     contenders = {
@@ -190,6 +191,8 @@ def all_reduce_contenders(group=None, model: AlphaBeta | None = None) -> dict:
     }
     if model is not None:
         contenders["chosen"] = lambda t: all_reduce(t, group=group, model=model)
+    if again:
+        contenders["again"] = contenders["builtin"]
     return contenders
 
 
@@ -198,18 +201,18 @@ def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, devic
     """Time every contender on every size; ``[(bytes, {name: seconds per call})]``, the same on all ranks.
 
     Call on every rank. The contenders take turns round by round on the same tensor, each round
-    starting with the next one, and each keeps its median over the rounds (or ``keep(times)``: ``min`` for the least disturbed round),
-    so a burst of load from another program on the machine hits all of them alike instead of
-    one. Each time is the slowest rank's. ``callback`` gets each row on rank 0 as soon as it is
-    measured (for a live plot).
+    starting with the next one, and each keeps its median over the rounds (or ``keep(times)``:
+    ``min`` for the least disturbed round), so a burst of load from another program on the
+    machine hits all of them alike instead of one. Each time is the slowest rank's. ``callback``
+    gets each row on rank 0 as soon as it is measured (for a live plot).
     """
     import statistics
 
     import torch.distributed as dist
 
-    keep = keep or statistics.median
-
     from .bandwidth import time_collective
+
+    keep = keep or statistics.median
 
     rows = []
     for nbytes in sizes:

@@ -70,10 +70,10 @@ def keeping_exchanges():
     settled: destroying a Work takes microseconds, the time is lost in the next exchange's wait,
     and it comes and goes with microseconds of timing (a 50 us pause before letting go removed
     it once, 200 us brought it back), which points at thread wake-ups on an oversubscribed
-    machine. gloo's own collectives
-    keep their buffers for the whole algorithm; ours now do the same, and let go of them all when
-    the collective returns, so no tensor outlives the call it was passed to. Nested blocks (a
-    collective made of collectives) keep everything until the outermost one ends.
+    machine. gloo's own collectives keep their buffers for the whole algorithm; ours now do the
+    same, and let go of them all when the collective returns, so no tensor outlives the call it
+    was passed to. Nested blocks (a collective made of collectives) keep everything until the
+    outermost one ends.
     """
     global _kept_works
     if _kept_works is not None:
