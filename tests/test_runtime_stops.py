@@ -13,17 +13,18 @@ handler raises KeyboardInterrupt. The soak test at the end presses it at random 
 
 from __future__ import annotations
 
+import functools
 import random
 import signal
-import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from ultrascale.runtime import Cluster, RankError
+from ultrascale.runtime import Cluster, RankError, pipe
 
 WORLD = 3
 MIB = 2**20
@@ -53,29 +54,46 @@ def _press_stop(delay: float) -> threading.Timer:
 
 
 # Where the notebook's main thread is while bytes move through a rank's pipe: the loops
-# that read and write them in multiprocessing's Connection, and in the runtime's reader.
-RECEIVING = {"_recv", "_read_exactly"}
-SENDING = {"_send"}
+# that write them in multiprocessing's Connection, and that read them in the runtime.
+RECEIVING = {(pipe, "_read_exactly")}
+SENDING = {(Connection, "_send")}
 
 
-def _press_stop_inside(functions: set, done: threading.Event) -> threading.Thread:
-    """The stop button, pressed as soon as the main thread is inside one of ``functions``
-    (not at all if ``done`` is set first)."""
-    main = threading.main_thread().ident
+def _press_stop_inside(functions: set, done: threading.Event):
+    """The stop button, pressed as soon as the main thread enters one of ``functions``
+    ((owner, name) pairs; not at all if ``done`` is set first). Returns the watcher thread
+    and a function that puts the original functions back.
+
+    Each function is wrapped for the duration to announce its entry; a watcher thread
+    then signals the main thread, which is by then moving bytes inside it. (Walking the
+    main thread's frames from the watcher instead, with ``sys._current_frames``, crashed
+    CPython 3.11 with a segfault in CI: another thread's frames are not safe to follow.)"""
+    main, entered = threading.main_thread().ident, threading.Event()
+    originals = {(owner, name): getattr(owner, name) for owner, name in functions}
+
+    def announcing(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if threading.get_ident() == main:
+                entered.set()
+            return original(*args, **kwargs)
+        return wrapper
 
     def watch():
         while not done.is_set():
-            frame = sys._current_frames().get(main)
-            while frame is not None:
-                if frame.f_code.co_name in functions:
-                    signal.pthread_kill(main, signal.SIGINT)
-                    return
-                frame = frame.f_back
-            time.sleep(0.0002)
+            if entered.wait(0.01):
+                signal.pthread_kill(main, signal.SIGINT)
+                return
 
+    def restore():
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+
+    for (owner, name), original in originals.items():
+        setattr(owner, name, announcing(original))
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    return watcher
+    return watcher, restore
 
 
 def _run_and_stop(start_call, delay: float | None = None, inside: set | None = None):
@@ -83,7 +101,7 @@ def _run_and_stop(start_call, delay: float | None = None, inside: set | None = N
     ourselves ``delay`` s after the start, or as soon as the notebook is ``inside`` one of
     those functions. The KeyboardInterrupt is swallowed wherever it lands, in the call or
     just after it. Returns what the call raised (None: it finished)."""
-    timers, done = [], threading.Event()
+    timers, done, unwrap = [], threading.Event(), []
 
     def press(d):
         if not timers:
@@ -93,7 +111,9 @@ def _run_and_stop(start_call, delay: float | None = None, inside: set | None = N
         if delay is not None:
             press(delay)
         if inside is not None:
-            timers.append(_press_stop_inside(inside, done))
+            watcher, restore = _press_stop_inside(inside, done)
+            timers.append(watcher)
+            unwrap.append(restore)
         try:
             start_call(press)
         except (KeyboardInterrupt, RankError) as err:
@@ -109,6 +129,8 @@ def _run_and_stop(start_call, delay: float | None = None, inside: set | None = N
     done.set()
     for t in timers:
         t.join()
+    for restore in unwrap:  # only once no press can land any more
+        restore()
     return outcome
 
 

@@ -172,10 +172,23 @@ def _format_exception(exc: BaseException) -> str:
 
 
 def _main_thread_stack(main_ident: int) -> str:
-    frame = sys._current_frames().get(main_ident)
-    if frame is None:
+    # Following another thread's frames is only safe while that thread stands still:
+    # CPython 3.11 can crash if it pops a frame during the walk. So the walk (which reads
+    # no files, so keeps the GIL) runs with the GIL's switch interval raised, and the
+    # source lines are read only after it.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    try:
+        frame = sys._current_frames().get(main_ident)
+        stack = None if frame is None else traceback.StackSummary.extract(
+            traceback.walk_stack(frame), lookup_lines=False)
+        del frame
+    finally:
+        sys.setswitchinterval(interval)
+    if stack is None:
         return "(no stack: the main thread is not running Python code)\n"
-    frames = _user_frames(traceback.extract_stack(frame))
+    stack.reverse()  # outermost call first, as in a traceback
+    frames = _user_frames(stack)
     if not frames:
         return "(idle: waiting for the next call)\n"
     return "".join(traceback.format_list(frames))
