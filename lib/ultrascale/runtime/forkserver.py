@@ -46,8 +46,10 @@ def no_main_reimport():
 def mp_context():
     """A fork server with torch preloaded: new ranks start in tens of milliseconds.
 
-    ``fork`` would be faster still but is unsafe once the notebook has started
-    threads or initialised CUDA; ``spawn`` re-imports torch in every rank (seconds).
+    ``fork`` would be faster still but is unsafe once the caller has started threads
+    or initialised CUDA, and even a plain script has: ``import torch`` leaves a second
+    OS thread behind (``/proc/self/task`` lists two). ``spawn`` re-imports torch in
+    every rank (seconds).
     (torch.multiprocessing's contexts are the standard library's: this is the same one.)
     """
     if sys.platform == "win32":
