@@ -24,7 +24,7 @@ from ultrascale.model import GPT, count_params
 from ultrascale.parallel import BucketedDataParallel, ZeRO
 from ultrascale.parity import OPTIMIZERS, Batches, ddp, device_mesh_1d, fsdp2, make_optimizer
 from ultrascale.runtime import Cluster
-from sidebyside import config_of, measure_rounds, median_step, model_arguments, round_ratios, timed_steps
+from sidebyside import config_of, measure_rounds, median_steps, model_arguments, round_ratios, timed_steps
 
 
 _ADAM = dict(optimizer_cls=OPTIMIZERS["adam"][0], **OPTIMIZERS["adam"][1])   # ZeRO's optimizer, as the others'
@@ -84,7 +84,7 @@ def main():
         print(f"{args.world_size} ranks, backend {cluster.backend}, {cluster.threads} thread(s) per rank\n")
         rounds = measure_rounds(cluster, ["ddp", "ours_dp", "fsdp2", "zero3", "zero1", "zero2"], args.rounds,
                                 time_steps, cfg, args.mbs, args.bucket_mb, args.warmup, args.steps)
-        t = {impl: median_step(r) for impl, r in rounds.items()}
+        t = median_steps(rounds)
         print(f"{'implementation':<34}{'step (ms)':>10}")
         names = {"ddp": "PyTorch DDP", "ours_dp": "ours: overlapped + bucketed DP",
                  "fsdp2": "PyTorch FSDP2 (fully_shard)", "zero3": "ours: ZeRO-3 + prefetch",

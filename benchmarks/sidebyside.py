@@ -45,9 +45,14 @@ def median_step(per_round) -> float:
     return statistics.median(t for steps in per_round for t in steps)
 
 
+def median_steps(samples: dict) -> dict:
+    """``{impl: median step}`` from ``measure_rounds``' samples, over all of each one's rounds."""
+    return {impl: median_step(per_round) for impl, per_round in samples.items()}
+
+
 def measure(cluster, impls, rounds, time_steps, *args) -> dict:
     """Median step time of each implementation, over all its rounds' steps (``measure_rounds``)."""
-    return {impl: median_step(r) for impl, r in measure_rounds(cluster, impls, rounds, time_steps, *args).items()}
+    return median_steps(measure_rounds(cluster, impls, rounds, time_steps, *args))
 
 
 def round_ratios(samples: dict, impl: str, baseline: str) -> list:
