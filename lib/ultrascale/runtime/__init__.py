@@ -10,11 +10,11 @@ receives), ``magic`` (the ``%%ranks`` cell magic), ``torchrun`` (the same functi
 under torchrun or SLURM), ``errors``.
 """
 
-from .forkserver import in_a_notebook, start_fork_server
+from .forkserver import start_fork_server, starts_at_import
 
-if in_a_notebook():
+if starts_at_import():
     # Before anything below imports torch: the ranks' fork server imports it on another core
-    # meanwhile (see forkserver.py), so the cell that makes the first Cluster need not wait.
+    # meanwhile (see forkserver.py), so the cell or line that makes the first Cluster need not wait.
     start_fork_server()
 
 from .cluster import Cluster, current_cluster, resolve_backend, shared_cluster  # noqa: E402
