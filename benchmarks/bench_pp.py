@@ -16,7 +16,7 @@ Prints, on 4 ranks (gloo on CPU, NCCL with 4 GPUs):
     in 1F1B's steady phase every action waits for a neighbour's message, so it adds up over
     about 2(m+p-1) hops (``schedule.simulate(..., t_comm=...)`` shows the same).
 
-Implementations are timed in alternating rounds (A B A B ...), so a slow spell of a
+Implementations are timed in alternating rounds (A B, B A, ...), so a slow spell of a
 shared machine hits both alike; we report the median step over all rounds. A step's time
 is the slowest rank's: the optimizer step follows the pipeline's flush.
 """

@@ -7,7 +7,8 @@ the spot); the backend's runs once more ("again"), to show how far noise alone m
 The table shows the bus bandwidth (nccl-tests convention, busbw = size / time * 2 (N-1) / N) of
 each, and the ratios against the backend: the target is the chosen one at 0.9x or better from
 1 MiB up, and never slower than the ring. Every time is the slowest rank's per call, the median
-of alternating rounds.
+of rounds in balanced orders (``balanced_orders``: each contender in every position, and after
+every other one, equally often).
 
     .venv/bin/python benchmarks/bench_ring_allreduce.py            # 4 ranks, 4 KiB .. 64 MiB
     .venv/bin/python benchmarks/bench_ring_allreduce.py --quick    # small sizes, seconds
@@ -40,7 +41,7 @@ def main(argv=None) -> list:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--min-bytes", type=int, default=4 << 10)
     parser.add_argument("--max-bytes", type=int, default=64 << 20)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=12, help="12: two full balanced blocks of the six")
     parser.add_argument("--quick", action="store_true", help="4 KiB to 1 MiB, three rounds")
     args = parser.parse_args(argv)
     if args.quick:

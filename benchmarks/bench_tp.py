@@ -11,7 +11,7 @@ Then the activation memory autograd saves per rank in one forward with SP (our r
 SP keeps a 1/tp slice of every hidden state), against one process's divided by tp:
 target within 5% (Korthikanti et al.: b*s*h*34/tp per layer with SP, all of it split).
 
-Implementations are timed in alternating rounds (A B A B ...), so a slow spell of a
+Implementations are timed in alternating rounds (A B, B A, ...), so a slow spell of a
 shared machine hits all of them alike; we report the median step over all rounds.
 A step's time is the slowest rank's: every layer waits for all the tp ranks.
 Data, loss and PyTorch's version come from ``ultrascale.parity``, as in the tests.

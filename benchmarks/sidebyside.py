@@ -1,6 +1,6 @@
 """What the side-by-side benchmarks share: the model's command-line options and the timing.
 
-Implementations are timed in alternating rounds (A B A B ...), so that a slow spell of a
+Implementations are timed in alternating rounds (A B, B A, ...), so that a slow spell of a
 shared machine hits all of them alike, and a step's time is the slowest rank's (the
 others wait for it at the next collective). The result is the median step.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from ultrascale.comm.bandwidth import balanced_orders
 from ultrascale.model import GPTConfig
 
 
@@ -30,11 +31,12 @@ def config_of(args) -> GPTConfig:
 
 def measure_rounds(cluster, impls, rounds, time_steps, *args) -> dict:
     """Each implementation's steps, round by round: ``{impl: [[seconds per step] per round]}``.
-    ``time_steps(ctx, impl, *args)`` returns one rank's step times; the rounds alternate the
-    implementations; a step's time is the slowest rank's."""
+    ``time_steps(ctx, impl, *args)`` returns one rank's step times; the rounds take the
+    implementations in balanced orders (``balanced_orders``: A B, B A, ... for two), so none
+    always runs after the same one; a step's time is the slowest rank's."""
     samples = {impl: [] for impl in impls}
-    for _ in range(rounds):
-        for impl in impls:
+    for order in balanced_orders(list(impls), rounds):
+        for impl in order:
             per_rank = cluster.run(time_steps, impl, *args, timeout=600)
             samples[impl].append([max(step) for step in zip(*per_rank)])
     return samples

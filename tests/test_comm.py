@@ -570,10 +570,30 @@ def _race_order(ctx):
     return [name for i, name in enumerate(calls) if i == 0 or calls[i - 1] != name]
 
 
-def test_race_rotates_which_contender_goes_first(clusters):
-    # one warm-up call each, then rounds starting with a, b, c, a: no contender always follows the same one
+def test_race_takes_the_contenders_in_balanced_orders(clusters):
+    # one warm-up call each, then the rounds of balanced_orders: b follows a in one, c follows a in another
     order = clusters(2).run(_race_order)[0]
-    assert order == list("abc") + list("abc") + list("bca") + list("cab") + list("abc"), order
+    assert order == list("abc") + list("abc") + list("bca") + list("cab") + list("cba"), order
+
+
+@pytest.mark.parametrize("count", range(1, 8))
+def test_balanced_orders_give_every_position_and_predecessor_equally_often(count):
+    from collections import Counter
+
+    from ultrascale.comm.bandwidth import balanced_orders
+
+    names = [f"c{i}" for i in range(count)]
+    square = 2 * count if count % 2 else count          # rounds in one balanced block
+    rounds = balanced_orders(names, 2 * square)
+    assert rounds[0] == names and rounds[square:] == rounds[:square]
+    assert all(sorted(r) == names for r in rounds)
+    positions = Counter((pos, name) for r in rounds for pos, name in enumerate(r))
+    assert set(positions.values()) == {2 * square // count}
+    assert len(positions) == count * count
+    followers = Counter((a, b) for r in rounds for a, b in zip(r, r[1:]))
+    if count > 1:
+        assert len(followers) == count * (count - 1)     # every ordered pair of two contenders ...
+        assert len(set(followers.values())) == 1         # ... equally often
 
 
 def _works_kept_then_released(ctx):

@@ -77,6 +77,26 @@ def _max_over_ranks(seconds: float, group, device) -> float:
     return value.item()
 
 
+def balanced_orders(names: list, rounds: int) -> list[list]:
+    """The order to run ``names`` in, round by round, when timing them against each other.
+
+    What ran just before can cost a call (buffers left in the caches, a rank still waking up),
+    so in a fixed order, or one merely rotated, each contender keeps the same predecessor and
+    carries its cost. These rounds follow a Williams design: every ``len(names)`` rounds (twice
+    that for an odd count) each contender runs once in every position and runs right after
+    every other contender equally often. The first round is ``names`` itself.
+    """
+    n = len(names)
+    # the first round's indices 0, 1, n-1, 2, n-2, ...: the steps between neighbours, +1, -2, +3,
+    # ... (mod n), all differ, so the shifted rounds below pair every two contenders once each way
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[(i + shift) % n for i in first] for shift in range(n)]
+    if n % 2:                                 # an odd count needs the mirrored square as well
+        rows += [row[::-1] for row in rows]
+    name_of = {index: name for index, name in zip(first, names)}    # so that the first round is ``names``
+    return [[name_of[i] for i in rows[r % len(rows)]] for r in range(rounds)]
+
+
 def time_collective(fn: Callable[[], object], iters: int = 10, warmup: int = 2, group=None,
                     device: torch.device | None = None) -> float:
     """Seconds per call of ``fn`` (a collective every rank calls), the slowest rank's.

@@ -200,17 +200,18 @@ def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, devic
                      callback=None, keep=None) -> list[tuple[int, dict]]:
     """Time every contender on every size; ``[(bytes, {name: seconds per call})]``, the same on all ranks.
 
-    Call on every rank. The contenders take turns round by round on the same tensor, each round
-    starting with the next one, and each keeps its median over the rounds (or ``keep(times)``:
-    ``min`` for the least disturbed round), so a burst of load from another program on the
-    machine hits all of them alike instead of one. Each time is the slowest rank's. ``callback``
-    gets each row on rank 0 as soon as it is measured (for a live plot).
+    Call on every rank. The contenders take turns round by round on the same tensor, in the
+    balanced orders of ``bandwidth.balanced_orders`` (each runs in every position and after
+    every other one equally often), and each keeps its median over the rounds (or
+    ``keep(times)``: ``min`` for the least disturbed round), so a burst of load from another
+    program on the machine hits all of them alike instead of one. Each time is the slowest
+    rank's. ``callback`` gets each row on rank 0 as soon as it is measured (for a live plot).
     """
     import statistics
 
     import torch.distributed as dist
 
-    from .bandwidth import time_collective
+    from .bandwidth import balanced_orders, time_collective
 
     keep = keep or statistics.median
 
@@ -221,14 +222,11 @@ def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, devic
         times = {name: [] for name in contenders}
         for run in contenders.values():                          # warm up: buffers, connections
             run(x)
-        names = list(contenders)
-        for round_ in range(rounds):
-            # each round starts one contender later, so that none always runs right after the same one:
-            # what ran just before can cost the next call (on gloo, 4 ranks, 1 MiB recursive doubling
-            # came out 1.3x the backend in one fixed order and 1.5-2.4x in another), and rotating
-            # spreads that over all of them
-            start = round_ % len(names)
-            for name in names[start:] + names[:start]:
+        # what ran just before can cost the next call (on gloo, 4 ranks, 1 MiB recursive doubling
+        # came out 1.3x the backend in one fixed order and 1.5-2.4x in another): balanced orders
+        # spread that over all of them
+        for order in balanced_orders(list(contenders), rounds):
+            for name in order:
                 x.normal_()                                      # fresh values: repeated sums never overflow
                 run = contenders[name]
                 times[name].append(time_collective(lambda: run(x), calls, warmup=0, group=group, device=device))
