@@ -33,7 +33,7 @@ from ultrascale.memory import cp_kv_buffer_bytes
 from ultrascale.parallel.context_parallel import KVBufferMeter, causal_tile_counts, context_parallel_attention
 from ultrascale.parallel.context_parallel import split_sequence
 from ultrascale.runtime import Cluster
-from sidebyside import measure, model_arguments, timed_steps
+from sidebyside import measure, model_arguments, timed_steps, verdict
 
 KINDS = {"ring": "ring (isend/irecv, overlapped)", "all_gather": "all-gather K/V, reduce-scatter dK/dV"}
 
@@ -113,7 +113,7 @@ def main():
             tiles = causal_tile_counts(args.seq, n, layout)
             print(f"{layout:<12}{' '.join(f'{1e3 * s:8.1f}' for s in per_rank):>40}{ratio[layout]:>15.2f}x"
                   f"{str(tiles):>22}")
-        ok = "OK" if ratio["zigzag"] <= 1.15 else "MISSED"
+        ok = verdict(ratio["zigzag"], high=1.15, digits=2)
         print(f"\nslowest / mean rank: zig-zag {ratio['zigzag']:.2f}x (target <= 1.15) {ok}; contiguous "
               f"{ratio['contiguous']:.2f}x (blocks of keys attended to: {2 * n / (n + 1):.2f}x)")
 

@@ -34,7 +34,7 @@ from ultrascale.parallel.timeline import Timeline
 from ultrascale.parity import Batches, make_optimizer
 from ultrascale.runtime import Cluster
 from ultrascale.schedule import bubble_fraction, predicted_bubble_fraction
-from sidebyside import config_of, measure, model_arguments, timed_steps
+from sidebyside import config_of, measure, model_arguments, timed_steps, verdict
 
 IMPLS = {"ours": "ours: apply_pp, 1F1B", "torch": "PyTorch Schedule1F1B"}
 
@@ -90,7 +90,7 @@ def main():
         for impl, seconds in t.items():
             print(f"{IMPLS[impl]:<30}{1e3 * seconds:>10.1f}")
         ratio = t["ours"] / t["torch"]
-        print(f"\nours / PyTorch = {ratio:.3f}  (target <= 1.10) {'OK' if ratio <= 1.1 else 'MISSED'}")
+        print(f"\nours / PyTorch = {ratio:.3f}  (target <= 1.10) {verdict(ratio, high=1.10)}")
 
         t_f = args.t_f_ms / 1e3
         print(f"\nbubble fraction, 1F1B with t_f = {args.t_f_ms:g} ms and t_b = 2 t_f of sleep "
@@ -101,9 +101,8 @@ def main():
             measured = statistics.median(bubble_fraction([rows[s] for rows in per_rank])
                                          for s in range(args.bubble_steps))
             want = predicted_bubble_fraction(p, mb)
-            ok = abs(measured / want - 1) <= 0.15
             print(f"{mb:>4}{measured:>10.3f}{want:>10.3f}{measured / want:>8.3f}  (target within 15%) "
-                  f"{'OK' if ok else 'MISSED'}")
+                  f"{verdict(measured / want, 0.85, 1.15)}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from ultrascale.model import GPT, count_params
 from ultrascale.parallel.tensor_parallel import apply_tp
 from ultrascale.parity import Batches, device_mesh_1d, dtensor_tp, make_optimizer
 from ultrascale.runtime import Cluster
-from sidebyside import config_of, measure, model_arguments, timed_steps
+from sidebyside import config_of, measure, model_arguments, timed_steps, verdict
 
 IMPLS = {"ours_tp": "ours: apply_tp", "torch_tp": "PyTorch parallelize_module",
          "ours_sp": "ours: apply_tp, SP", "torch_sp": "PyTorch parallelize_module, SP"}
@@ -83,13 +83,13 @@ def main():
         print()
         for mine, theirs, what in (("ours_tp", "torch_tp", "TP"), ("ours_sp", "torch_sp", "TP+SP")):
             ratio = t[mine] / t[theirs]
-            print(f"ours / PyTorch, {what:<6} = {ratio:.3f}  (target <= 1.10) {'OK' if ratio <= 1.1 else 'MISSED'}")
+            print(f"ours / PyTorch, {what:<6} = {ratio:.3f}  (target <= 1.10) {verdict(ratio, high=1.10)}")
         n = args.world_size
         whole = cluster.run(saved_bytes, cfg, args.mbs, 1)[0]
         per_rank = max(cluster.run(saved_bytes, cfg, args.mbs, n))
         share = per_rank / (whole / n)
         print(f"\nsaved activations per rank with SP: {per_rank:,} bytes; one process / tp: {whole / n:,.0f} bytes")
-        print(f"measured / predicted = {share:.3f}  (target within 5%) {'OK' if abs(share - 1) <= 0.05 else 'MISSED'}")
+        print(f"measured / predicted = {share:.3f}  (target within 5%) {verdict(share, 0.95, 1.05)}")
 
 
 if __name__ == "__main__":

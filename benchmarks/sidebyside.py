@@ -63,6 +63,16 @@ def round_ratios(samples: dict, impl: str, baseline: str) -> list:
     return [statistics.median(a) / statistics.median(b) for a, b in zip(samples[impl], samples[baseline])]
 
 
+def verdict(value: float, low: float | None = None, high: float | None = None, digits: int = 3) -> str:
+    """``"OK"`` when ``value`` lies in ``[low, high]`` (either bound may be left open), else ``"MISSED"``.
+
+    Judged on the value rounded to the ``digits`` it is printed with, so that a line never reads
+    "1.15x (target <= 1.15) MISSED" because the unprinted digits were 1.153.
+    """
+    shown = round(value, digits)
+    return "OK" if (low is None or shown >= low) and (high is None or shown <= high) else "MISSED"
+
+
 def timed_steps(ctx, step, warmup: int, steps: int, barrier: bool = True) -> list:
     """This rank's wall-clock seconds for ``step()``, ``steps`` times after ``warmup`` untimed ones.
 
