@@ -826,10 +826,9 @@ assert crossover_bytes(unit, 2) == math.inf and crossover_bytes(unit, 4) == 8.0
 # picks the one of the three that the model predicts to be fastest for the size. The five take
 # turns on the same tensor in balanced orders: over the rounds each runs in every position and
 # right after every other one equally often (what ran just before can cost a call), and each
-# keeps its median over the rounds. gloo's all-reduce runs once more, as
-# `again`: gloo against itself should be 1.00x, and how far it is not is how far this machine's
-# noise alone moves every other ratio. Timings depend on the machine and its load, so this output
-# is not compared.
+# keeps its median over the rounds. gloo's all-reduce runs once more, as `again`: gloo against
+# itself should be 1.00x, and how far it is not is how far this machine's noise alone moves
+# every other ratio. Timings depend on the machine and its load, so this output is not compared.
 
 # %% tags=["nbval-ignore-output"]
 RACE_SIZES = [1 << k for k in range(10, 23, 2)] if QUICK else [1 << k for k in range(10, 27, 2)]  # 1 KiB-4 MiB (64 MiB)
