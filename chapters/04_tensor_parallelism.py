@@ -54,6 +54,7 @@ from ultrascale.parallel.tensor_parallel import (ColumnParallelLinear, RowParall
                                                  apply_tp, choose_tp, full_gradients, full_weights, tp_degrees)
 from ultrascale.parity import (Batches, assert_same, dtensor_tp, first_step_and_train, gradients, make_optimizer,
                                perturbed, run_steps)
+from ultrascale.refusal import refusal
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 
@@ -248,11 +249,9 @@ GQA = LlamaConfig(vocab_size=96, hidden=48, heads=4, kv_heads=2, ffn=96, layers=
 print(f"a small GQA model (4 query heads, 2 K/V heads) allows tp in {tp_degrees(Llama(GQA))}")
 
 
-def refused(ctx):
-    try:   # one K/V head: no tp > 1 can split it
-        apply_tp(Llama(LlamaConfig(vocab_size=96, hidden=48, heads=12, kv_heads=1, ffn=96, layers=1)), tp_group(ctx))
-    except ValueError as err:
-        return str(err)
+def refused(ctx):   # one K/V head: no tp > 1 can split it
+    return refusal(lambda: apply_tp(Llama(LlamaConfig(vocab_size=96, hidden=48, heads=12, kv_heads=1, ffn=96,
+                                                      layers=1)), tp_group(ctx)))
 
 
 message = cluster.run(refused)[0]

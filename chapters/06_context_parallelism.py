@@ -58,6 +58,7 @@ from ultrascale.parallel.context_parallel import (KVBufferMeter, apply_cp, causa
                                                   context_parallel_attention, split_sequence)
 from ultrascale.parallel.timeline import overlap_seconds
 from ultrascale.parity import Batches, assert_same, first_step, gradients, perturbed, split, tolerance, train
+from ultrascale.refusal import refusal
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 
@@ -755,23 +756,15 @@ print(f"without the gradient hook: each rank's {example} gradient differs from t
 # a cp larger than the number of chunks. The messages say what to change.
 
 # %%
-def error_of(fn):
-    try:
-        fn()
-    except ValueError as err:
-        return str(err)
-    raise AssertionError("expected a ValueError")
-
-
 odd = Batches(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=2, seq_len=S + 2), mbs=2, seed=SEED)
 messages = {
-    f"{S + 2} tokens, cp = {CP}": error_of(lambda: split(odd.global_batch(0), 0, CP, by="sequence", layout="zigzag")),
-    f"{S} tokens, cp = {S}": error_of(lambda: split(DATA.global_batch(0), 0, S, by="sequence", layout="zigzag")),
+    f"{S + 2} tokens, cp = {CP}": refusal(lambda: split(odd.global_batch(0), 0, CP, by="sequence", layout="zigzag")),
+    f"{S} tokens, cp = {S}": refusal(lambda: split(DATA.global_batch(0), 0, S, by="sequence", layout="zigzag")),
 }
 assert "pad the sequence to" in messages[f"{S + 2} tokens, cp = {CP}"]
 assert f"use at most {S // 2} ranks" in messages[f"{S} tokens, cp = {S}"]
 for case, message in messages.items():
-    print(f"{case}:\n  ValueError: {message}")
+    print(f"{case}:\n  {message}")
 
 
 # %% [markdown]
@@ -788,10 +781,10 @@ def refusals(ctx):
     model = apply_cp(fresh_model(), init_mesh(ctx, cp=ctx.world_size), layout="zigzag")
     wrong_layout = DATA.rank_batch(ctx.rank, ctx.world_size, 0, by="sequence", layout="contiguous")
     errors = {
-        "rank 0 holds 2 tokens fewer": error_of(lambda: context_parallel_attention(*shorter, layout="zigzag")),
-        "k and v with head_dim 6": error_of(lambda: context_parallel_attention(local[0], local[1][..., :6],
+        "rank 0 holds 2 tokens fewer": refusal(lambda: context_parallel_attention(*shorter, layout="zigzag")),
+        "k and v with head_dim 6": refusal(lambda: context_parallel_attention(local[0], local[1][..., :6],
                                                                                 local[2][..., :6], layout="zigzag")),
-        "a contiguous batch for a zig-zag model": error_of(lambda: wrong_layout.loss(model)),
+        "a contiguous batch for a zig-zag model": refusal(lambda: wrong_layout.loss(model)),
     }
     out = context_parallel_attention(*local, layout="zigzag")
     return errors, tuple(out.shape)
@@ -801,7 +794,7 @@ refused = cluster.run(refusals)
 for case in refused[0][0]:
     print(f"{case}:")
     for rank in (0, 1):
-        print(f"  rank {rank}: ValueError: {refused[rank][0][case]}")
+        print(f"  rank {rank}: {refused[rank][0][case]}")
 for rank, (errors, shape) in enumerate(refused):
     assert "sequence length from" in errors["rank 0 holds 2 tokens fewer"]
     assert "head_dim mismatch" in errors["k and v with head_dim 6"]

@@ -53,6 +53,7 @@ from ultrascale.parallel.pipeline_parallel import apply_pp, build_stage, split_l
 from ultrascale.parallel.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
                                                one_process, pytorch_pipeline)
 from ultrascale.parity import Batch, Batches, micro_batches, perturbed, tolerance
+from ultrascale.refusal import refusal
 from ultrascale.schedule import (Schedule, afab, bubble_fraction, draw, dualpipe_v, interleaved_1f1b,
                                  make_schedule, naive, one_f_one_b, parse, predicted_bubble_fraction, schedule_widget,
                                  simulate, zb_h1)
@@ -547,22 +548,14 @@ schedule_widget("interleaved", p=4, m=8, v=2)
 # it runs `B0`. Each waits for the other; the simulator finds it before any rank runs.
 
 # %%
-def error_of(fn):
-    try:
-        fn()
-    except ValueError as err:
-        return f"{type(err).__name__}: {err}"
-    raise AssertionError("expected an error")
-
-
 def too_many_stages(ctx):
-    return error_of(lambda: apply_pp(fresh_model(), schedule="interleaved", microbatches=M, chunks=CFG.layers))
+    return refusal(lambda: apply_pp(fresh_model(), schedule="interleaved", microbatches=M, chunks=CFG.layers))
 
 
 errors = {
     f"p = {P} ranks with v = {CFG.layers} chunks each, {CFG.layers} blocks": cluster.run(too_many_stages)[0],
-    "m = 0 micro-batches": error_of(lambda: one_f_one_b(P, 0)),
-    "1F1B without warm-up on 2 ranks": error_of(
+    "m = 0 micro-batches": refusal(lambda: one_f_one_b(P, 0)),
+    "1F1B without warm-up on 2 ranks": refusal(
         lambda: Schedule("no warm-up", [parse("F0 B0 F1 B1"), parse("F0 F1 B0 B1", stage=1)], 2)),
 }
 assert "every stage needs at least one block" in next(iter(errors.values()))

@@ -117,3 +117,17 @@ def test_weights_and_gradients_are_plain_cpu_copies():
     params["embed.weight"].zero_()   # a copy: the model is untouched
     assert model.embed.weight.abs().sum() > 0
     assert isinstance(Batch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long)).to("cpu"), Batch)
+
+
+def test_refusal_returns_the_refused_message_and_fails_when_nothing_is_refused():
+    from ultrascale.refusal import refusal
+
+    def bad():
+        raise ValueError("cp=3 does not divide 8 chunks")
+
+    assert refusal(bad) == "ValueError: cp=3 does not divide 8 chunks"
+    with pytest.raises(AssertionError, match="accepted"):
+        refusal(lambda: 42)                          # accepted: a chapter must not print a refusal
+    with pytest.raises(KeyError):
+        refusal(lambda: {}["x"])                     # another error is a bug, not a refusal
+    assert refusal(lambda: {}["x"], KeyError) == "KeyError: 'x'"
