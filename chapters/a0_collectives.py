@@ -271,8 +271,13 @@ def example_reduce_scatter(ctx):
 
 before, after = show(cluster.run(example_reduce_scatter))
 formula = [sum(((r + 1) * torch.tensor([1.0, 2.0])) ** (j + 1) for r in range(N)) for j in range(N)]
+exact = max(f.max().item() for f in formula) < 2 ** 24    # whole numbers float32 holds exactly
 for j in range(N):
-    assert torch.equal(after[j]["output"], formula[j]), (j, after[j], formula[j])
+    if exact:
+        assert torch.equal(after[j]["output"], formula[j]), (j, after[j], formula[j])
+    else:    # two sums of N positive float32 terms, in different orders: each within (N-1) eps
+        bound = 2 * (N - 1) * torch.finfo(torch.float32).eps * formula[j]
+        assert ((after[j]["output"] - formula[j]).abs() <= bound).all(), (j, after[j], formula[j])
 if N == 3:  # the book's table
     assert [a["output"].tolist() for a in after] == [[6.0, 12.0], [14.0, 56.0], [36.0, 288.0]]
 collective_figure(before, after, "reduce-scatter (sum)")
@@ -280,7 +285,8 @@ collective_figure(before, after, "reduce-scatter (sum)")
 # %% [markdown]
 # At `WORLD_SIZE = 3` these are the book's numbers: rank 0 gets `[6, 12]`, rank 1 `[14, 56]` and
 # rank 2 `[36, 288]`. (All of them are whole numbers well below 2^24, so float32 holds them
-# exactly and the checks above can ask for equality.)
+# exactly and the checks above can ask for equality. From 7 ranks on, the largest pass 2^24:
+# float32 rounds them, gloo adds in its own order, and the check allows a sum's rounding.)
 #
 # ### Barrier
 # A barrier carries no data: no rank leaves it until every rank has entered it. In the book's
@@ -758,7 +764,7 @@ assert max(len(t["messages"]) for t in traced) == S
 print(f"equal to dist.all_reduce within the rounding bound, and bit-identical on all {N} ranks")
 
 # %% [markdown]
-# ### Halving-doubling: the ring's bytes in `2·log2 N` messages
+# ### Halving-doubling: the ring's bytes in `2·log2 N − 1` messages
 # Doubling saves messages by sending everything every time. **Halving-doubling** (Rabenseifner's
 # algorithm, which MPI libraries use for large buffers) saves them without the extra bytes. It is a
 # reduce-scatter followed by an all-gather, like the ring, but each phase pairs ranks the way
@@ -771,9 +777,18 @@ print(f"equal to dist.all_reduce within the rounding bound, and bit-identical on
 # - *all-gather by doubling*: the same pairs in reverse order, each sending the range it has, so
 #   the range doubles back to the whole buffer.
 #
-# That is the ring's `2(P-1)K/P` bytes in `2·log2 P` messages instead of `2(P-1)`, the time
-# `2·log2 P·α + 2(P-1)/P·K/β`. Extra ranks fold in and out as for doubling, at the price of two
-# more messages of the whole buffer. The same spy, on the same length:
+# Look at the middle: the last halving step and the first doubling step pair the *same* two ranks,
+# which hold the same range `m`. Halving sends `m/2` each way and adds; doubling then sends the
+# summed `m/2` back. Our version swaps the whole range once instead and both ranks add all of it:
+# the same `m` bytes in one message instead of two, for `m/2` more additions. The model says one
+# `α` saved for free; on the 2-core machine the course is tested on, it made halving-doubling
+# 1.2-1.5x as fast at 1 MiB and 1.03-1.1x at 4 MiB, and changed nothing measurable from 16 MiB,
+# where a message's latency is a small part of its time. (With `N = 2` the one swap that is left
+# is recursive doubling.)
+#
+# That is the ring's `2(P-1)K/P` bytes in `2·log2 P − 1` messages instead of `2(P-1)`, the time
+# `(2·log2 P − 1)·α + 2(P-1)/P·K/β`. Extra ranks fold in and out as for doubling, at the price of
+# two more messages of the whole buffer. The same spy, on the same length:
 
 # %%
 H = halving_doubling_steps(N)
@@ -783,12 +798,14 @@ for rank, t in enumerate(traced):
     print(f"rank {rank}: " + ", ".join(f"{arrows[kind]} {peer} ({nbytes / K:.3g} K)" if nbytes else
                                        f"{arrows[kind]} {peer}" for kind, peer, nbytes in t["messages"]))
     swaps = [(peer, nbytes) for kind, peer, nbytes in t["messages"] if kind == "swap"]
-    if rank < P:   # partners r XOR 1, 2, 4, ... while halving, then the same in reverse
+    if rank < P:   # partners r XOR 1, 2, 4, ... while halving, then back, the farthest only once
         distances = [1 << k for k in range(P.bit_length() - 1)]
-        assert [peer for peer, _ in swaps] == [rank ^ d for d in distances + distances[::-1]], (rank, swaps)
-        # each halving step sends half of what the one before sent (up to one element of rounding)
+        assert [peer for peer, _ in swaps] == [rank ^ d for d in distances + distances[-2::-1]], (rank, swaps)
+        # each halving step sends half of what the one before sent (up to one element of rounding),
+        # and the merged innermost swap sends all that is left: as much as the last halving step
         halving = [nbytes for _, nbytes in swaps[:len(distances)]]
-        assert all(abs(nbytes - K / 2 ** (k + 1)) <= 4 for k, nbytes in enumerate(halving)), halving
+        want = [K / 2 ** min(k + 1, len(distances) - 1) for k in range(len(distances))]
+        assert all(abs(nbytes - w) <= 4 for nbytes, w in zip(halving, want)), (halving, want)
     assert len(t["messages"]) <= H
     assert t["close"] and t["identical"]
 busiest = max(t["sent"] for t in traced)
@@ -1011,7 +1028,7 @@ else:
 # - Recursive doubling needs `log2 N` steps (two more when `N` is not a power of two) but sends
 #   the whole buffer in each: it wins below `K*`, the ring above. Choosing by size with a model
 #   fitted on the spot gets the better of both. Halving-doubling sends the ring's bytes in
-#   `2·log2 N` messages; the ring keeps its place on real clusters by talking to neighbours only.
+#   `2·log2 N − 1` messages; the ring keeps its place on real clusters by talking to neighbours only.
 #
 # ## Your turn
 # Open `exercises/a0_collectives_exercises.ipynb`: write the ring reduce-scatter, the ring

@@ -447,7 +447,7 @@ def test_recursive_doubling_matches_the_built_in_in_log2_steps(clusters, world_s
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4, 5))
-def test_halving_doubling_matches_the_built_in_with_the_rings_bytes_in_2_log2_steps(clusters, world_size):
+def test_halving_doubling_matches_the_built_in_with_the_rings_bytes_in_2_log2_minus_1_steps(clusters, world_size):
     from ultrascale.comm.halving_doubling import halving_doubling_steps
 
     n = world_size
@@ -457,27 +457,31 @@ def test_halving_doubling_matches_the_built_in_with_the_rings_bytes_in_2_log2_st
     results = clusters(n).run(_pairwise_all_reduce_on_rank, "halving_doubling", "halving_doubling_all_reduce")
     for r, (failures, peers, sent) in enumerate(results):
         assert failures == []
-        # The last call's messages: XOR partners at distance 1, 2, 4, ... and back; extra ranks fold.
+        # The last call's messages: XOR partners at distance 1, 2, 4, ... and back, the farthest
+        # once (the innermost level is one swap); extra ranks fold.
         if r >= power:
             assert peers == [(r - power, None), (None, r - power)] and sent == [length, 0], (r, peers, sent)
             continue
         fold = r + power < n
         expected = [(None, r + power)] if fold else []
-        expected += [(r ^ d, r ^ d) for d in distances + distances[::-1]]
+        expected += [(r ^ d, r ^ d) for d in distances + distances[-2::-1]]
         expected += [(r + power, None)] if fold else []
         assert peers == expected, (r, peers)
         assert len(peers) <= halving_doubling_steps(n)
-        # Each halving step gives away one half of the range and keeps the other; the doubling
-        # steps send back, in reverse, what was kept. In all about the ring's 2 (P-1)/P of the buffer.
+        # Each halving step gives away one half of the range and keeps the other; the innermost
+        # level swaps the whole range left; the doubling steps send back, in reverse, what was
+        # kept. In all about the ring's 2 (P-1)/P of the buffer.
         exchange = sent[1:-1] if fold else sent
-        steps = len(distances)
-        given, kept = exchange[:steps], exchange[steps:][::-1]
+        halvings = max(len(distances) - 1, 0)
+        given, kept = exchange[:halvings], exchange[halvings + 1:][::-1]
         in_range = length
-        for k in range(steps):
+        for k in range(halvings):
             assert given[k] + kept[k] == in_range and abs(given[k] - kept[k]) <= 1, (r, given, kept)
             in_range = kept[k]
-        assert abs(sum(exchange) - 2 * (power - 1) / power * length) <= 2 * steps
-    assert halving_doubling_steps(n) == {1: 0, 2: 2, 3: 4, 4: 4, 5: 6}[n]
+        if distances:
+            assert exchange[halvings] == in_range, (r, exchange)     # the innermost swap: all of it
+        assert abs(sum(exchange) - 2 * (power - 1) / power * length) <= 2 * len(distances)
+    assert halving_doubling_steps(n) == {1: 0, 2: 1, 3: 3, 4: 3, 5: 5}[n]
 
 
 def test_doubling_and_ring_times_cross_where_the_model_says():
@@ -503,12 +507,15 @@ def test_doubling_and_ring_times_cross_where_the_model_says():
         # messages), else the ring (the fold's two whole-buffer messages cost more than it saves)
         assert choose_algorithm(int(2 * star), n, model) == ("ring" if n & (n - 1) else "halving_doubling")
     # By hand, N = 4: ring 6 alpha + 1.5 n/beta, doubling 2 alpha + 2 n/beta -> n* = 8 alpha beta;
-    # halving-doubling 4 alpha + 1.5 n/beta: below the ring everywhere, below doubling from 4 alpha beta.
+    # halving-doubling 3 alpha + 1.5 n/beta: below the ring everywhere, below doubling from 2 alpha beta.
     assert crossover_bytes(model, 4) == pytest.approx(8 * model.alpha * model.beta)
     ab = model.alpha * model.beta
-    assert predicted_times(model, ab, 4)["halving_doubling"] == pytest.approx(5.5 * model.alpha)
-    assert [choose_algorithm(int(k * ab), 4, model) for k in (3.9, 4.1, 100)] == [
+    assert predicted_times(model, ab, 4)["halving_doubling"] == pytest.approx(4.5 * model.alpha)
+    assert [choose_algorithm(int(k * ab), 4, model) for k in (1.9, 2.1, 100)] == [
         "recursive_doubling", "halving_doubling", "halving_doubling"]
+    # N = 2: halving-doubling's one merged swap is recursive doubling's; a tie goes to doubling
+    assert predicted_times(model, ab, 2)["halving_doubling"] == pytest.approx(2 * model.alpha)
+    assert choose_algorithm(int(10 * ab), 2, model) == "recursive_doubling"
 
 
 def _chosen_all_reduce(ctx):

@@ -5,7 +5,7 @@
 * ``recursive``: ``recursive_doubling_all_reduce`` (log2 N steps, latency-optimal) and
   ``all_reduce``, which picks it, halving-doubling or the ring by size with an alpha-beta model.
 * ``halving_doubling``: ``halving_doubling_all_reduce`` (Rabenseifner: the ring's bytes in
-  2 log2 N steps).
+  2 log2 N - 1 steps).
 * ``functional``: collectives that autograd differentiates, for the model-parallel
   chapters: the book's ``f``, ``f_star``, ``g``, ``g_star``, ``split_along_dim``,
   ``gather_along_dim``, ``all_to_all``; and the plain ``all_gather_into``,

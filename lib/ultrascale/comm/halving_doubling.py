@@ -1,4 +1,4 @@
-"""Halving-doubling (Rabenseifner's all-reduce): the ring's bytes in ``2 log2 N`` messages.
+"""Halving-doubling (Rabenseifner's all-reduce): the ring's bytes in ``2 log2 N - 1`` messages.
 
 The ring (``ring.py``) sends the fewest bytes, ``2 (N-1)/N * K`` per rank, but in ``2 (N-1)``
 messages; recursive doubling (``recursive.py``) sends only ``log2 N`` messages, but all ``K``
@@ -11,9 +11,17 @@ bytes in each. Halving-doubling keeps the best of both:
   ``K/2 + K/4 + ... = (N-1)/N * K`` bytes.
 * **all-gather by recursive doubling**: the same pairs in reverse order, each rank sending the
   range it has and receiving its partner's, so the range doubles back to the whole buffer.
+* **the innermost level, merged.** The last halving step and the first doubling step pair the
+  same two ranks, which hold the same range ``m``: halving sends ``m/2`` each way, then doubling
+  sends the summed ``m/2`` back. Swapping the whole range once and adding it on both sides sends
+  the same ``m`` bytes in one message instead of two, for ``m/2`` more additions per rank. (For
+  ``N = 2`` that leaves one swap of the whole buffer: recursive doubling.) Measured with gloo,
+  4 ranks on 2 cores, 18-30 rounds in balanced orders, against the unmerged form: 1.2-1.5x as
+  fast at 1 MiB, 1.1-1.2x at 2 MiB, 1.03-1.1x at 4 MiB, and within noise (0.95-1.03x) at 16 and
+  64 MiB, where one message's latency is a small part of its time.
 
-Under the alpha-beta model that is ``2 log2 N alpha + 2 (N-1)/N * K / beta``: the ring's bytes
-with fewer messages, so on a network where every pair of ranks is as close as any other it
+Under the alpha-beta model that is ``(2 log2 N - 1) alpha + 2 (N-1)/N * K / beta``: the ring's
+bytes with fewer messages, so on a network where every pair of ranks is as close as any other it
 never loses to the ring. It does on real machines, which is why NCCL still runs rings: its
 later steps pair ranks far apart (across nodes, through switches), while a ring only ever
 talks to its neighbours and so can follow the physical links (NVLink, then one NIC each way).
@@ -41,12 +49,18 @@ def _largest_power_of_two(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def _exchanges(power: int) -> int:
+    """Messages among the ``power`` ranks: ``log2 P`` halving, ``log2 P - 1`` doubling (the
+    innermost level is one swap), none for one rank."""
+    return max(2 * int(math.log2(power)) - 1, 0)
+
+
 def halving_doubling_steps(world_size: int) -> int:
-    """Messages on the busiest rank: ``2 log2 P``, plus the fold and unfold when ``N != P``."""
+    """Messages on the busiest rank: ``2 log2 P - 1``, plus the fold and unfold when ``N != P``."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     power = _largest_power_of_two(world_size)
-    return 2 * int(math.log2(power)) + (2 if world_size != power else 0)
+    return _exchanges(power) + (2 if world_size != power else 0)
 
 
 def halving_doubling_bytes(nbytes, world_size: int):
@@ -59,7 +73,7 @@ def halving_doubling_time(model: AlphaBeta, nbytes, world_size: int):
     """Seconds under the alpha-beta model; the fold's two messages carry the whole buffer each."""
     power = _largest_power_of_two(world_size)
     fold = 2 * model.message_time(nbytes) if world_size != power else 0.0
-    return fold + 2 * math.log2(power) * model.alpha + 2 * (power - 1) / power * nbytes / model.beta
+    return fold + _exchanges(power) * model.alpha + 2 * (power - 1) / power * nbytes / model.beta
 
 
 def _halves(lo: int, hi: int, upper: bool) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -70,20 +84,26 @@ def _halves(lo: int, hi: int, upper: bool) -> tuple[tuple[int, int], tuple[int, 
 
 
 def _halving_then_doubling(flat: torch.Tensor, op: str, rank: int, power: int, world_size: int, group) -> None:
-    """Ranks ``0 .. power-1``: reduce-scatter by halving, then all-gather by doubling, in place."""
-    incoming = _receive_buffer(flat.numel() - flat.numel() // 2, flat)
+    """Ranks ``0 .. power-1``: reduce-scatter by halving, one swap at the innermost level, then
+    all-gather by doubling, in place."""
     lo, hi, exchanges = 0, flat.numel(), []
     distance = 1
-    while distance < power:                     # reduce-scatter: the range halves at every step
+    while 2 * distance < power:                 # reduce-scatter: the range halves at every level
         partner = rank ^ distance
         (k_lo, k_hi), (g_lo, g_hi) = _halves(lo, hi, upper=bool(rank & distance))
-        send_recv(flat[g_lo:g_hi], incoming[: k_hi - k_lo], partner, partner, group)
-        _reduce_into(flat[k_lo:k_hi], incoming[: k_hi - k_lo], op)
+        incoming = _receive_buffer(k_hi - k_lo, flat)
+        send_recv(flat[g_lo:g_hi], incoming, partner, partner, group)
+        _reduce_into(flat[k_lo:k_hi], incoming, op)
         exchanges.append((partner, (k_lo, k_hi), (g_lo, g_hi)))
         lo, hi = k_lo, k_hi
         distance *= 2
+    if distance < power:                        # the innermost level: both hold [lo, hi); swap it whole
+        partner = rank ^ distance
+        incoming = _receive_buffer(hi - lo, flat)
+        send_recv(flat[lo:hi], incoming, partner, partner, group)
+        _reduce_into(flat[lo:hi], incoming, op)
     if op == "avg":
-        flat[lo:hi].div_(world_size)      # once, on the 1/P of the buffer this rank owns
+        flat[lo:hi].div_(world_size)      # once, on the part of the buffer this rank has summed
     for partner, (k_lo, k_hi), (g_lo, g_hi) in reversed(exchanges):   # all-gather: it doubles back
         send_recv(flat[k_lo:k_hi], flat[g_lo:g_hi], partner, partner, group)
 

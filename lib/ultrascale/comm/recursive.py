@@ -19,7 +19,7 @@ Under the alpha-beta model (``cost_model.AlphaBeta``, ``n`` = ``K`` bytes)::
     recursive doubling        S alpha + S * n / beta,   S = log2 P + (2 if N > P else 0)
 
 so doubling wins below a crossover size and the ring above it. A third contender,
-halving-doubling (``halving_doubling.py``), sends the ring's bytes in ``2 log2 P`` messages.
+halving-doubling (``halving_doubling.py``), sends the ring's bytes in ``2 log2 P - 1`` messages.
 ``all_reduce`` picks whichever of the three the alpha-beta model, fitted on the spot
 (``fit_on_the_spot``), predicts to be fastest, as NCCL and gloo pick an algorithm by size
 instead of using one for everything.
@@ -171,7 +171,9 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
     # did not. Fitted on the fastest try, alpha came out 165-225 us (4 ranks, 2 cores) and the model
     # picked halving-doubling at 1 MiB in 3 fits of 14, where recursive doubling is measured faster
     # (the two cross at 2-3 MiB there); on the median of the same tries, alpha 215-350 us (once 614),
-    # it picked doubling at 1 MiB in 14 of 14 and halving-doubling at 4 MiB in 14 of 14.
+    # it picked doubling at 1 MiB in 14 of 14 and halving-doubling at 4 MiB in 14 of 14. (That was
+    # halving-doubling in 4 messages; with its innermost level merged, 3, the model has the two
+    # cross at 2 alpha beta, 0.5-0.9 MiB here, and measured they are within noise at 1 MiB.)
     elapsed = torch.tensor([statistics.median(t) for t in tries], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return fit_alpha_beta(sizes, elapsed.tolist())
