@@ -113,8 +113,8 @@ def main():
             for stage in (0, 1, 2, 3):
                 measured, formula = cluster.run(state_bytes, stage, cfg, dtype)[0]
                 m, f = sum(measured.values()), sum(formula.values())
-                ok = verdict(100 * (m - f) / f, -2, 2)
-                print(f"{stage:<7}{m / 1e6:>15.3f}{f / 1e6:>15.3f}{100 * (m - f) / f:>8.3f}%  {ok}")
+                percent = 100 * (m - f) / f
+                print(f"{stage:<7}{m / 1e6:>15.3f}{f / 1e6:>15.3f}{percent:>8.3f}%  {verdict(percent, -2, 2)}")
             print()
 
 

@@ -101,8 +101,9 @@ def main():
             measured = statistics.median(bubble_fraction([rows[s] for rows in per_rank])
                                          for s in range(args.bubble_steps))
             want = predicted_bubble_fraction(p, mb)
-            print(f"{mb:>4}{measured:>10.3f}{want:>10.3f}{measured / want:>8.3f}  (target within 15%) "
-                  f"{verdict(measured / want, 0.85, 1.15)}")
+            of_model = measured / want
+            print(f"{mb:>4}{measured:>10.3f}{want:>10.3f}{of_model:>8.3f}  (target within 15%) "
+                  f"{verdict(of_model, 0.85, 1.15)}")
 
 
 if __name__ == "__main__":

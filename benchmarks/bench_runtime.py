@@ -149,8 +149,9 @@ def main():
     spawns = [spawn_per_call(n) for _ in range(args.repeats)]
 
     # only now: this script's own import of the runtime starts a fork server, whose import of
-    # torch would have run beside the fresh processes timed above
+    # torch would have run beside the fresh processes timed above (sidebyside imports the library)
     from ultrascale.runtime import Cluster, RankError
+    from sidebyside import verdict
 
     cluster = Cluster(n)
     t = time.perf_counter()
@@ -178,7 +179,6 @@ def main():
         cluster.run(noop)
         restarts.append(time.perf_counter() - t)
     cluster.close()
-    from sidebyside import verdict      # here: it imports the library, which the cold starts above must not find loaded
 
     cold = {order: [statistics.median(t) for t in zip(*runs)] for order, runs in colds.items()}
     spawn, restart = statistics.median(spawns), statistics.median(restarts)
