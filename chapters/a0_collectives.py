@@ -948,16 +948,19 @@ else:
 # ## 6. How does our ring compare with gloo's, and which backend to use?
 # Look at the `ring/gloo` column of the table in section 4, and at the summary line under it.
 # These are your machine's numbers and they change from run to run. On the 2-core machine this
-# course is tested on, our ring now takes about 1.1 to 1.3 times gloo's time at most sizes, and
-# the two fitted `α` are close. The differences that remain are in how each step is run. Each of
-# our `2(N-1)` steps goes through Python (posting the send and the receive, waiting, an `add_` in
-# PyTorch) and does one thing at a time, while gloo runs its whole algorithm in C++ after one call
-# and splits every chunk in two, so that it adds one half while the other is still on the wire
-# (read `ring` in gloo's `allreduce.cc`). For small buffers the per-step costs are nearly the
-# whole time; for large ones both move the same bytes through the same transport, and the
-# overlap is what gloo has over us. (On a CPU machine gloo's "links" are TCP connections over
-# loopback and all ranks share a few cores, so the absolute numbers say little about a GPU
-# cluster; the shape of the curves carries over.)
+# course is tested on, our ring takes about 1.0 to 1.35 times gloo's time from 1 MiB up and up to
+# about twice below that, where each step's fixed costs weigh most. The differences that remain
+# are in how each step is run. Each of our `2(N-1)` steps goes through Python (posting the send
+# and the receive, waiting, an `add_` in PyTorch) and does one thing at a time, while gloo runs
+# its whole algorithm in C++ after one call and splits every chunk into segments (at least two, at
+# most 1 MiB each), so that it adds one segment while the next is still on the wire (read `ring`
+# in gloo's `allreduce.cc`). For small buffers the per-step costs are nearly the whole time; for
+# large ones both move the same bytes through the same transport, and the overlap is what gloo has
+# over us. `benchmarks/bench_ring_allreduce.py` shows it: it also times our halving-doubling with
+# its additions skipped (wrong sums, timed only), and that alone brings it level with gloo at 16
+# MiB. (On a CPU machine gloo's "links" are TCP connections over loopback and all ranks share a
+# few cores, so the absolute numbers say little about a GPU cluster; the shape of the curves
+# carries over.)
 #
 # How much a step costs can hang on details no model shows. Each `dist.isend` and `dist.irecv`
 # returns a `Work` object; our ring used to let go of them as soon as a step was done. Measured
