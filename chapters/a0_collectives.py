@@ -1035,8 +1035,10 @@ else:
 #
 # ## Your turn
 # Open `exercises/a0_collectives_exercises.ipynb`: write the ring reduce-scatter, the ring
-# all-gather and the ring all-reduce yourself, from `isend` and `irecv` only. The checks run them
-# on clusters of several sizes and awkward lengths, and compare with `torch.distributed`.
+# all-gather, the ring all-reduce and recursive doubling (with the fold for a world size that is
+# not a power of two) yourself, from `isend` and `irecv` only. The checks run them on clusters of
+# several sizes and awkward lengths, compare with `torch.distributed`, and read every message
+# you send: the right sum by another algorithm does not pass.
 
 # %%
 cluster.close()

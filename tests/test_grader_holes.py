@@ -850,3 +850,70 @@ def test_ch12_update_scale_refuses_forgotten_resets_late_growth_and_an_infinite_
     _fails(check(exercise, to_infinity), "past float32's largest value")
     _fails(check(exercise, library), "the course library's ultrascale.precision.loss_scaling.update_scale")
     assert check(exercise, ch12["update_scale"]).status == PASS
+
+
+# ---- a0: recursive doubling, not any all-reduce with the right sum -------------------------
+
+def test_recursive_doubling_refuses_rings_shifts_halves_and_a_missing_fold(a0):
+    send_recv = a0["send_recv"]
+
+    def doubling(partners, hand_back=True):
+        """Recursive doubling with the fold, sending to and receiving from ``partners(me, distance, P)``."""
+        def all_reduce(ctx, tensor):
+            me, n = ctx.rank, ctx.world_size
+            power = 1 << (n.bit_length() - 1)
+            total = tensor.reshape(-1).clone()
+            incoming = torch.empty_like(total)
+            if me >= power:
+                dist.send(total, me - power)
+                if hand_back:
+                    dist.recv(total, me - power)
+                return total.reshape(tensor.shape)
+            if me + power < n:
+                dist.recv(incoming, me + power)
+                total += incoming
+            distance = 1
+            while distance < power:
+                send_recv(total, incoming, *partners(me, distance, power))
+                total += incoming
+                distance *= 2
+            if hand_back and me + power < n:
+                dist.send(total, me + power)
+            return total.reshape(tensor.shape)
+        return all_reduce
+
+    # right sums for a power of two, but passed round a circle instead of swapped
+    shifted = doubling(lambda me, distance, power: ((me + distance) % power, (me - distance) % power))
+    # folds the extra ranks in, never hands them the sum
+    no_answer_for_the_extra_ranks = doubling(lambda me, distance, power: (me ^ distance,) * 2, hand_back=False)
+
+    def halving_doubling(ctx, tensor):  # the ring's bytes in 2 log2 N messages (N = 2, 4 here)
+        me, n = ctx.rank, ctx.world_size
+        flat = tensor.reshape(-1).clone()
+        lo, hi, steps, distance = 0, flat.numel(), [], 1
+        while distance < n:
+            partner, mid = me ^ distance, lo + (hi - lo) // 2
+            keep, give = ((mid, hi), (lo, mid)) if me & distance else ((lo, mid), (mid, hi))
+            incoming = torch.empty(keep[1] - keep[0])
+            send_recv(flat[give[0]:give[1]], incoming, partner, partner)
+            flat[keep[0]:keep[1]] += incoming
+            steps.append((partner, keep, give))
+            lo, hi = keep
+            distance *= 2
+        for partner, keep, give in reversed(steps):
+            send_recv(flat[keep[0]:keep[1]], flat[give[0]:give[1]], partner, partner)
+        return flat.reshape(tensor.shape)
+
+    def the_library(ctx, tensor):  # the course's own recursive doubling, right messages and all
+        from ultrascale.comm.recursive import recursive_doubling_all_reduce
+        return recursive_doubling_all_reduce(tensor.clone())
+
+    exercise = "a0.recursive_doubling"
+    _fails(check(exercise, the_library), "the course library's collectives")
+    _fails(check(exercise, a0["ring_all_reduce"]), "recursive doubling sends 1, to ranks [1]")
+    _fails(check(exercise, shifted), "r XOR 2**k")
+    _fails(check(exercise, halving_doubling, world_size=4), "whole tensor")
+    _fails(check(exercise, no_answer_for_the_extra_ranks), "world_size=3", "rank 2: wrong values",
+           "own input")
+    assert check(exercise, a0["recursive_doubling_all_reduce"]).status == PASS
+    assert check(exercise, a0["recursive_doubling_all_reduce"], world_size=7, quick=False).status == PASS

@@ -7,6 +7,10 @@ built from point-to-point sends and receives only.
   chunk concatenated in rank order, a 1-D tensor of ``numel`` elements.
 * ``a0.ring_all_reduce``: ``ring_all_reduce(ctx, tensor)`` returns the sum over ranks,
   in the shape of ``tensor``.
+* ``a0.recursive_doubling``: ``recursive_doubling_all_reduce(ctx, tensor)`` returns the same
+  sum in ``log2 P`` swaps of the whole tensor with rank ``r XOR 2**k`` (``P`` the largest power
+  of two not above ``N``; the other ranks fold their input into rank ``r - P`` first and get
+  the result back at the end).
 
 Each test runs the learner's function on clusters of several sizes, on lengths that the
 world size does not divide (chunks then differ by one element, or are empty), and
@@ -23,9 +27,11 @@ While the learner's code runs, on every rank:
 * a :class:`~ultrascale.comm.CommLogger` counts the bytes that go through ``send``,
   ``isend`` and ``batch_isend_irecv``; a ring moves every chunk exactly ``N - 1`` times per
   phase, so the total over ranks must be ``(N-1) K`` per phase for ``K`` bytes;
-* a tap on ``send`` and ``isend`` notes where each message goes: every rank must send
-  only to one neighbour, one chunk per step, ``N - 1`` steps per phase. The same bytes
-  sent straight to the rank that needs them are not a ring.
+* a tap on ``send`` and ``isend`` notes where each message goes and its size: in a ring every
+  rank must send only to one neighbour, one chunk per step, ``N - 1`` steps per phase (the
+  same bytes sent straight to the rank that needs them are not a ring); in recursive
+  doubling every message must carry the whole tensor, to the partners of the algorithm, in
+  its order (a ring or halving-doubling gives the same sum with other messages).
 
 The learner's function is unpickled on the ranks *after* the replacements are in place,
 so that even ``from torch.distributed import all_reduce`` in the notebook is caught.
@@ -80,8 +86,8 @@ def _forbidden(name: str, exercise_name: str, original):
 
 
 def _library_ring(*args, **kwargs):
-    raise ForbiddenCollective("your code called the course library's ring (ultrascale.comm): "
-                              "write the ring yourself with dist.isend / dist.irecv")
+    raise ForbiddenCollective("your code called the course library's collectives (ultrascale.comm: the ring, "
+                              "recursive doubling, halving-doubling): write yours with dist.isend / dist.irecv")
 
 
 ADVICE = ("build it from point-to-point calls only (dist.isend / dist.irecv, dist.batch_isend_irecv, "
@@ -91,17 +97,21 @@ ADVICE = ("build it from point-to-point calls only (dist.isend / dist.irecv, dis
 @contextlib.contextmanager
 def forbid_collectives(exercise_name: str):
     """Make every built-in collective raise (torch.distributed's functions, the process group's
-    methods and the c10d operators: guards.forbid_collectives), and the course's own ring."""
-    from ultrascale.comm import ring as ring_module
+    methods and the c10d operators: guards.forbid_collectives), and the course's own all-reduces:
+    each module of them calls its own ``send_recv``."""
+    from ultrascale.comm import halving_doubling, recursive, ring
     from ultrascale.grading.guards import forbid_collectives as forbid_builtins
 
-    saved = ring_module.send_recv
-    ring_module.send_recv = _library_ring
+    modules = (ring, recursive, halving_doubling)
+    saved = [module.send_recv for module in modules]
+    for module in modules:
+        module.send_recv = _library_ring
     try:
         with forbid_builtins(exercise_name, ADVICE, error=ForbiddenCollective):
             yield
     finally:
-        ring_module.send_recv = saved
+        for module, original in zip(modules, saved):
+            module.send_recv = original
 
 
 class _SendTap:
@@ -116,6 +126,7 @@ class _SendTap:
     def __init__(self):
         self.sends = []   # (destination rank, bytes)
         self._saved = []
+        self._inside = False   # dist.send calls isend itself: one message, noted once
 
     def __enter__(self) -> "_SendTap":
         for name in ("send", "isend"):
@@ -136,6 +147,8 @@ class _SendTap:
 
         @functools.wraps(original)
         def tapped(*args, **kwargs):
+            if self._inside:
+                return original(*args, **kwargs)
             a = signature.bind(*args, **kwargs).arguments
             dst, group = a.get("dst"), a.get("group")
             if dst is None and a.get("group_dst") is not None:
@@ -143,7 +156,11 @@ class _SendTap:
                     dist.get_global_rank(group, a["group_dst"])
             tensor = a["tensor"]
             self.sends.append((dst, tensor.numel() * tensor.element_size()))
-            return original(*args, **kwargs)
+            self._inside = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside = False
 
         return tapped
 
@@ -195,9 +212,10 @@ def _on_rank(ctx, kind: str, payload: bytes, shapes, seed: int, exercise_name: s
             sent = sum(e.bytes_sent for e in log.events[start:] if e.op in P2P_OPS)
             if isinstance(out, torch.Tensor):
                 out = out.detach().cpu().clone()
+            messages = [(dst, nbytes) for dst, nbytes in tap.sends[first_send:] if nbytes]
             results.append({"shape": shape, "given": given, "expected": expected, "out": out,
-                            "input_kept": torch.equal(argument, given), "sent": sent,
-                            "sent_to": [dst for dst, nbytes in tap.sends[first_send:] if nbytes]})
+                            "input_kept": torch.equal(argument, given), "sent": sent, "messages": messages,
+                            "sent_to": [dst for dst, _ in messages]})
     return {"results": results}
 
 
@@ -347,6 +365,21 @@ def test_ring_all_gather(ring_all_gather, world_size: int = 3, quick: bool = Tru
 
 
 # ---- a0.ring_all_reduce ------------------------------------------------------------------
+def _check_sum(where: str, res: dict, n: int) -> None:
+    """The result of an all-reduce on one rank: the sum over ranks, in the input's shape."""
+    _check_output(where, res["out"], res["expected"])
+    if torch.equal(res["out"].float(), res["expected"]):
+        return
+    if torch.equal(res["out"].float(), res["given"]):
+        hint = "This is the rank's own input: the values were never combined."
+    elif torch.equal(res["out"].float(), res["expected"] * n):
+        hint = f"This is {n} times the sum: is some chunk added once per step too often?"
+    else:
+        bad = (res["out"].float() != res["expected"]).flatten().nonzero().flatten().tolist()
+        hint = f"Elements {bad[:10]}{'...' if len(bad) > 10 else ''} are wrong."
+    raise AssertionError(f"{where}: wrong values. {hint}")
+
+
 @exercise("a0.ring_all_reduce", points=1)
 def test_ring_all_reduce(ring_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0,
                          timeout: float = 60):
@@ -356,20 +389,64 @@ def test_ring_all_reduce(ring_all_reduce, world_size: int = 3, quick: bool = Tru
     for n, per_rank in _run("all_reduce", ring_all_reduce, shapes, world_size, quick, seed, timeout):
         for i, shape in enumerate(shapes):
             for rank in range(n):
-                res = per_rank[rank][i]
-                where = f"world_size={n}, shape {shape}, rank {rank}"
-                _check_output(where, res["out"], res["expected"])
-                if not torch.equal(res["out"].float(), res["expected"]):
-                    if torch.equal(res["out"].float(), res["given"]):
-                        hint = "This is the rank's own input: the values were never combined."
-                    elif torch.equal(res["out"].float(), res["expected"] * n):
-                        hint = f"This is {n} times the sum: is some chunk added once per step too often?"
-                    else:
-                        bad = (res["out"].float() != res["expected"]).flatten().nonzero().flatten().tolist()
-                        hint = f"Elements {bad[:10]}{'...' if len(bad) > 10 else ''} are wrong."
-                    raise AssertionError(f"{where}: wrong values. {hint}")
+                _check_sum(f"world_size={n}, shape {shape}, rank {rank}", per_rank[rank][i], n)
             numel = int(torch.Size(shape).numel())
             _check_traffic(f"world_size={n}, shape {shape}", [per_rank[q][i]["sent"] for q in range(n)],
                            numel, n, 2, "all-reduce")
             _check_ring(f"world_size={n}, shape {shape}", [per_rank[q][i]["sent_to"] for q in range(n)],
                         numel, n, 2, "all-reduce")
+
+
+# ---- a0.recursive_doubling ---------------------------------------------------------------
+def doubling_messages(rank: int, n: int, nbytes: int) -> list:
+    """The messages rank ``rank`` sends in recursive doubling on ``n`` ranks, in order:
+    ``(destination, bytes)``. With ``P`` the largest power of two not above ``n``, rank
+    ``P + i`` hands its tensor to rank ``i`` (and receives the result back); rank ``r < P``
+    swaps its running sum with ``r XOR 1``, ``r XOR 2``, ... ``r XOR P/2``, then hands the
+    result to rank ``r + P`` if there is one. Every message is the whole tensor."""
+    power = 1 << (n.bit_length() - 1)
+    if rank >= power:
+        return [(rank - power, nbytes)]
+    swaps = [(rank ^ (1 << k), nbytes) for k in range(power.bit_length() - 1)]
+    return swaps + ([(rank + power, nbytes)] if rank + power < n else [])
+
+
+def _check_doubling(where: str, rank: int, n: int, got: list, nbytes: int) -> None:
+    want = doubling_messages(rank, n, nbytes)
+    if got == want:
+        return
+    power = 1 << (n.bit_length() - 1)
+    hints = []
+    if any(size < nbytes for _, size in got):
+        hints.append(f"every message carries the whole tensor ({nbytes} bytes), not a chunk of it: cutting "
+                     "it is the ring's way (or halving-doubling's), which send fewer bytes in more messages")
+    if len(got) == len(want) and [size for _, size in got] == [size for _, size in want]:
+        hints.append("the partner in step k is r XOR 2**k: the two ranks swap, each receiving from the rank "
+                     "it sends to (not r + 2**k, which passes sums round in a circle)")
+    if n != power:
+        hints.append(f"with N = {n}, the P = {power} ranks below {power} run the doubling; rank P + i hands "
+                     "its tensor to rank i before and gets the result back after")
+    advice = "; ".join(hints)
+    raise AssertionError(
+        f"{where}: your function sent {len(got)} message{'' if len(got) == 1 else 's'}, to ranks "
+        f"{[d for d, _ in got]} with {[size for _, size in got]} bytes; recursive doubling sends {len(want)}, "
+        f"to ranks {[d for d, _ in want]} with {[size for _, size in want]} bytes, in that order. "
+        f"{advice[:1].upper()}{advice[1:]}")
+
+
+@exercise("a0.recursive_doubling", points=1)
+def test_recursive_doubling(recursive_doubling_all_reduce, world_size: int = 3, quick: bool = True,
+                            seed: int = 0, timeout: float = 60):
+    """The sum over ranks in log2 P swaps of the whole tensor with rank r XOR 2**k, and the
+    fold of the ranks beyond the largest power of two P."""
+    lengths = LENGTHS if quick else LENGTHS + MORE_LENGTHS
+    shapes = [(length,) for length in lengths] + [(3, 5)]
+    for n, per_rank in _run("all_reduce", recursive_doubling_all_reduce, shapes, world_size, quick, seed,
+                            timeout):
+        for i, shape in enumerate(shapes):
+            nbytes = 4 * int(torch.Size(shape).numel())
+            where = f"world_size={n}, shape {shape}, rank {{}}"
+            for rank in range(n):   # the sums on every rank first: a wrong sum says more than a message
+                _check_sum(where.format(rank), per_rank[rank][i], n)
+            for rank in range(n):
+                _check_doubling(where.format(rank), rank, n, per_rank[rank][i]["messages"], nbytes)
