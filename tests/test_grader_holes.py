@@ -852,6 +852,27 @@ def test_ch12_update_scale_refuses_forgotten_resets_late_growth_and_an_infinite_
     assert check(exercise, ch12["update_scale"]).status == PASS
 
 
+def test_a_ring_of_blocking_sends_counts_one_message_per_send():
+    """dist.send calls dist.isend itself; the check must see one message, not two (it once
+    failed this right ring with "do not split a chunk into several messages")."""
+    def ring_reduce_scatter(ctx, tensor):  # blocking calls, even ranks send first: no deadlock
+        me, n = ctx.rank, ctx.world_size
+        right, left = (me + 1) % n, (me - 1) % n
+        parts = [part.clone() for part in torch.tensor_split(tensor, n)]
+        for step in range(n - 1):
+            out, target = parts[(me - step - 1) % n], parts[(me - step - 2) % n]
+            incoming = torch.empty_like(target)
+            for first in (me % 2 == 0, me % 2 == 1):
+                if first and out.numel():
+                    dist.send(out, right)
+                elif not first and incoming.numel():
+                    dist.recv(incoming, left)
+            target += incoming
+        return parts[me]
+
+    assert check("a0.ring_reduce_scatter", ring_reduce_scatter).status == PASS
+
+
 # ---- a0: recursive doubling, not any all-reduce with the right sum -------------------------
 
 def test_recursive_doubling_refuses_rings_shifts_halves_and_a_missing_fold(a0):
