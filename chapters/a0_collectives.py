@@ -1035,10 +1035,10 @@ else:
 #
 # ## Your turn
 # Open `exercises/a0_collectives_exercises.ipynb`: write the ring reduce-scatter, the ring
-# all-gather, the ring all-reduce and recursive doubling (with the fold for a world size that is
-# not a power of two) yourself, from `isend` and `irecv` only. The checks run them on clusters of
-# several sizes and awkward lengths, compare with `torch.distributed`, and read every message
-# you send: the right sum by another algorithm does not pass.
+# all-gather, the ring all-reduce, recursive doubling (with the fold for a world size that is not
+# a power of two) and halving-doubling yourself, from `isend` and `irecv` only. The checks run
+# them on clusters of several sizes and awkward lengths, compare with `torch.distributed`, and
+# read every message you send: the right sum by another algorithm does not pass.
 
 # %%
 cluster.close()

@@ -187,6 +187,22 @@ def test_dp_exercises_refuse_the_librarys_data_parallel(ch02):
 
 # ---- a0: the ring, not the same bytes sent straight to their owner ----------------------
 
+def _ring_reduce_scatter(exchange):
+    """A ring reduce-scatter whose every step moves its chunks with ``exchange(me, out, incoming,
+    right, left)``. (The function it returns is local, so cloudpickle ships it by value.)"""
+    def ring_reduce_scatter(ctx, tensor):
+        me, n = ctx.rank, ctx.world_size
+        right, left = (me + 1) % n, (me - 1) % n
+        parts = [part.clone() for part in torch.tensor_split(tensor, n)]
+        for step in range(n - 1):
+            out, target = parts[(me - step - 1) % n], parts[(me - step - 2) % n]
+            incoming = torch.empty_like(target)
+            exchange(me, out, incoming, right, left)
+            target += incoming
+        return parts[me]
+    return ring_reduce_scatter
+
+
 def test_ring_collectives_refuse_direct_sends(a0):
     send_recv = a0["send_recv"]
 
@@ -220,17 +236,11 @@ def test_ring_collectives_refuse_direct_sends(a0):
         flat = tensor.reshape(-1)
         return ring_all_gather(ctx, ring_reduce_scatter(ctx, flat), flat.numel()).reshape(tensor.shape)
 
-    def halves_reduce_scatter(ctx, tensor):  # a ring, but each chunk in two messages
-        me, n = ctx.rank, ctx.world_size
-        right, left = (me + 1) % n, (me - 1) % n
-        parts = [part.clone() for part in torch.tensor_split(tensor, n)]
-        for step in range(n - 1):
-            out, target = parts[(me - step - 1) % n], parts[(me - step - 2) % n]
-            incoming = torch.empty_like(target)
-            for a, b in zip(torch.tensor_split(out, 2), torch.tensor_split(incoming, 2)):
-                send_recv(a, b, right, left)
-            target += incoming
-        return parts[me]
+    def in_halves(me, out, incoming, right, left):  # a ring, but each chunk in two messages
+        for a, b in zip(torch.tensor_split(out, 2), torch.tensor_split(incoming, 2)):
+            send_recv(a, b, right, left)
+
+    halves_reduce_scatter = _ring_reduce_scatter(in_halves)
 
     for exercise, wrong, right in [("a0.ring_reduce_scatter", ring_reduce_scatter, "ring_reduce_scatter"),
                                    ("a0.ring_all_gather", ring_all_gather, "ring_all_gather"),
@@ -855,22 +865,14 @@ def test_ch12_update_scale_refuses_forgotten_resets_late_growth_and_an_infinite_
 def test_a_ring_of_blocking_sends_counts_one_message_per_send():
     """dist.send calls dist.isend itself; the check must see one message, not two (it once
     failed this right ring with "do not split a chunk into several messages")."""
-    def ring_reduce_scatter(ctx, tensor):  # blocking calls, even ranks send first: no deadlock
-        me, n = ctx.rank, ctx.world_size
-        right, left = (me + 1) % n, (me - 1) % n
-        parts = [part.clone() for part in torch.tensor_split(tensor, n)]
-        for step in range(n - 1):
-            out, target = parts[(me - step - 1) % n], parts[(me - step - 2) % n]
-            incoming = torch.empty_like(target)
-            for first in (me % 2 == 0, me % 2 == 1):
-                if first and out.numel():
-                    dist.send(out, right)
-                elif not first and incoming.numel():
-                    dist.recv(incoming, left)
-            target += incoming
-        return parts[me]
+    def blocking(me, out, incoming, right, left):  # even ranks send first: no deadlock
+        for first in (me % 2 == 0, me % 2 == 1):
+            if first and out.numel():
+                dist.send(out, right)
+            elif not first and incoming.numel():
+                dist.recv(incoming, left)
 
-    assert check("a0.ring_reduce_scatter", ring_reduce_scatter).status == PASS
+    assert check("a0.ring_reduce_scatter", _ring_reduce_scatter(blocking)).status == PASS
 
 
 # ---- a0: recursive doubling, not any all-reduce with the right sum -------------------------
@@ -938,3 +940,40 @@ def test_recursive_doubling_refuses_rings_shifts_halves_and_a_missing_fold(a0):
            "own input")
     assert check(exercise, a0["recursive_doubling_all_reduce"]).status == PASS
     assert check(exercise, a0["recursive_doubling_all_reduce"], world_size=7, quick=False).status == PASS
+
+
+# ---- a0: halving-doubling, the ring's bytes in few messages --------------------------------
+
+def test_halving_doubling_refuses_doubling_rings_a_forward_all_gather_and_the_library(a0):
+    send_recv, right = a0["send_recv"], a0["halving_doubling_all_reduce"]
+
+    def all_gather_in_halving_order(ctx, tensor):  # the right reduce-scatter, gathered d = 1 first
+        me, n = ctx.rank, ctx.world_size
+        if n & (n - 1):                        # the fold is not what this answer gets wrong
+            return right(ctx, tensor)
+        flat = tensor.reshape(-1).clone()
+        lo, hi, levels, distance = 0, flat.numel(), [], 1
+        while distance < n:
+            partner, mid = me ^ distance, lo + (hi - lo) // 2
+            keep, give = (slice(mid, hi), slice(lo, mid)) if me & distance else (slice(lo, mid), slice(mid, hi))
+            incoming = torch.empty_like(flat[keep])
+            send_recv(flat[give], incoming, partner, partner)
+            flat[keep] += incoming
+            levels.append((partner, keep, give))
+            lo, hi = keep.start, keep.stop
+            distance *= 2
+        for partner, keep, give in levels:
+            send_recv(flat[keep], flat[give], partner, partner)
+        return flat.reshape(tensor.shape)
+
+    def the_library(ctx, tensor):
+        from ultrascale.comm.halving_doubling import halving_doubling_all_reduce
+        return halving_doubling_all_reduce(tensor.clone())
+
+    exercise = "a0.halving_doubling"
+    _fails(check(exercise, the_library), "the course library's collectives")
+    _fails(check(exercise, a0["recursive_doubling_all_reduce"]), "world_size=4", "carried the whole tensor")
+    _fails(check(exercise, a0["ring_all_reduce"]), "halving-doubling sends")
+    _fails(check(exercise, all_gather_in_halving_order, world_size=4), "world_size=4", "wrong values")
+    assert check(exercise, a0["halving_doubling_all_reduce"]).status == PASS
+    assert check(exercise, a0["halving_doubling_all_reduce"], world_size=7, quick=False).status == PASS

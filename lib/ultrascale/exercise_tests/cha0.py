@@ -11,6 +11,10 @@ built from point-to-point sends and receives only.
   sum in ``log2 P`` swaps of the whole tensor with rank ``r XOR 2**k`` (``P`` the largest power
   of two not above ``N``; the other ranks fold their input into rank ``r - P`` first and get
   the result back at the end).
+* ``a0.halving_doubling``: ``halving_doubling_all_reduce(ctx, tensor)`` returns the same sum
+  with the ring's bytes: a reduce-scatter by recursive halving, then an all-gather by recursive
+  doubling, among the same ``P`` ranks (the messages must follow the split rule of
+  ``halving_doubling_messages``; the library's merged innermost swap is accepted too).
 
 Each test runs the learner's function on clusters of several sizes, on lengths that the
 world size does not divide (chunks then differ by one element, or are empty), and
@@ -450,3 +454,77 @@ def test_recursive_doubling(recursive_doubling_all_reduce, world_size: int = 3, 
                 _check_sum(where.format(rank), per_rank[rank][i], n)
             for rank in range(n):
                 _check_doubling(where.format(rank), rank, n, per_rank[rank][i]["messages"], nbytes)
+
+
+# ---- a0.halving_doubling -----------------------------------------------------------------
+def halving_doubling_messages(rank: int, n: int, numel: int, merged: bool = False) -> list:
+    """The messages rank ``rank`` sends in halving-doubling on ``n`` ranks for ``numel`` float32
+    elements, in order: ``(destination, bytes)``, empty messages left out. The fold is recursive
+    doubling's. Among the ``P`` ranks, level ``d = 1, 2, ..., P/2`` pairs ``r`` with ``r XOR d``;
+    both hold ``[lo, hi)``, cut it at ``mid = lo + (hi - lo) // 2``, the rank with bit ``d`` set
+    keeps ``[mid, hi)``, and each sends the half it gives away; the all-gather then sends each
+    level's kept range back, innermost level first. ``merged``: the innermost level is one swap
+    of its whole range (the library's form), instead of a half there and a half back."""
+    power = 1 << (n.bit_length() - 1)
+    if rank >= power:
+        return [(rank - power, 4 * numel)] if numel else []
+    levels, (lo, hi), distance = [], (0, numel), 1
+    while distance < power:
+        mid = lo + (hi - lo) // 2
+        keep, give = ((mid, hi), (lo, mid)) if rank & distance else ((lo, mid), (mid, hi))
+        levels.append((rank ^ distance, keep, give, (lo, hi)))
+        lo, hi = keep
+        distance *= 2
+    size = lambda span: 4 * (span[1] - span[0])  # noqa: E731
+    if merged and levels:
+        partner, _, _, whole = levels[-1]
+        outer = levels[:-1]
+        middle = [(partner, size(whole))]
+    else:
+        outer, middle = levels, []
+    messages = ([(partner, size(give)) for partner, _, give, _ in outer] + middle
+                + [(partner, size(keep)) for partner, keep, _, _ in reversed(outer)])
+    if rank + power < n:
+        messages.append((rank + power, 4 * numel))
+    return [(dst, nbytes) for dst, nbytes in messages if nbytes]
+
+
+def _check_halving(where: str, rank: int, n: int, got: list, numel: int) -> None:
+    forms = [halving_doubling_messages(rank, n, numel, merged) for merged in (False, True)]
+    if got in forms:
+        return
+    want = forms[0]
+    hints = []
+    if any(size == 4 * numel for _, size in got) and not any(size == 4 * numel for _, size in want):
+        hints.append("a message carried the whole tensor: halving-doubling sends half of the range it holds "
+                     "at each level, so the messages shrink (K/2, K/4, ...) and grow back in the all-gather")
+    if [d for d, _ in got] != [d for d, _ in want]:
+        hints.append("level d = 1, 2, ..., P/2 pairs rank r with r XOR d in the reduce-scatter, and the "
+                     "all-gather visits the same partners in reverse order, innermost first")
+    hints.append("at each level both partners cut [lo, hi) at mid = lo + (hi - lo) // 2, and the rank with bit d "
+                 "set keeps [mid, hi): so the two ends of every message agree on its size")
+    advice = "; ".join(hints)
+    raise AssertionError(
+        f"{where}: your function sent {len(got)} message{'' if len(got) == 1 else 's'}, to ranks "
+        f"{[d for d, _ in got]} with {[size for _, size in got]} bytes; halving-doubling sends {len(want)}, "
+        f"to ranks {[d for d, _ in want]} with {[size for _, size in want]} bytes, in that order "
+        f"(or one swap of the whole range at the innermost level). {advice[:1].upper()}{advice[1:]}")
+
+
+@exercise("a0.halving_doubling", points=1)
+def test_halving_doubling(halving_doubling_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0,
+                          timeout: float = 60):
+    """The sum over ranks with the ring's bytes: a reduce-scatter by recursive halving, then an
+    all-gather by recursive doubling, among the largest power of two P of ranks (the others fold)."""
+    lengths = LENGTHS if quick else LENGTHS + MORE_LENGTHS
+    shapes = [(length,) for length in lengths] + [(3, 5)]
+    numels = [int(torch.Size(shape).numel()) for shape in shapes]
+    for n, per_rank in _run("all_reduce", halving_doubling_all_reduce, shapes, world_size, quick, seed, timeout):
+        for i, shape in enumerate(shapes):   # the sums on every rank first
+            for rank in range(n):
+                _check_sum(f"world_size={n}, shape {shape}, rank {rank}", per_rank[rank][i], n)
+        # then the messages, the longest tensor first: with a few elements most halves are empty
+        for i in sorted(range(len(shapes)), key=lambda i: -numels[i]):
+            for rank in range(n):
+                _check_halving(f"world_size={n}, shape {shapes[i]}, rank {rank}", rank, n,
+                               per_rank[rank][i]["messages"], numels[i])
