@@ -910,23 +910,6 @@ def test_recursive_doubling_refuses_rings_shifts_halves_and_a_missing_fold(a0):
     # folds the extra ranks in, never hands them the sum
     no_answer_for_the_extra_ranks = doubling(lambda me, distance, power: (me ^ distance,) * 2, hand_back=False)
 
-    def halving_doubling(ctx, tensor):  # the ring's bytes in 2 log2 N messages (N = 2, 4 here)
-        me, n = ctx.rank, ctx.world_size
-        flat = tensor.reshape(-1).clone()
-        lo, hi, steps, distance = 0, flat.numel(), [], 1
-        while distance < n:
-            partner, mid = me ^ distance, lo + (hi - lo) // 2
-            keep, give = ((mid, hi), (lo, mid)) if me & distance else ((lo, mid), (mid, hi))
-            incoming = torch.empty(keep[1] - keep[0])
-            send_recv(flat[give[0]:give[1]], incoming, partner, partner)
-            flat[keep[0]:keep[1]] += incoming
-            steps.append((partner, keep, give))
-            lo, hi = keep
-            distance *= 2
-        for partner, keep, give in reversed(steps):
-            send_recv(flat[keep[0]:keep[1]], flat[give[0]:give[1]], partner, partner)
-        return flat.reshape(tensor.shape)
-
     def the_library(ctx, tensor):  # the course's own recursive doubling, right messages and all
         from ultrascale.comm.recursive import recursive_doubling_all_reduce
         return recursive_doubling_all_reduce(tensor.clone())
@@ -935,7 +918,7 @@ def test_recursive_doubling_refuses_rings_shifts_halves_and_a_missing_fold(a0):
     _fails(check(exercise, the_library), "the course library's collectives")
     _fails(check(exercise, a0["ring_all_reduce"]), "recursive doubling sends 1, to ranks [1]")
     _fails(check(exercise, shifted), "r XOR 2**k")
-    _fails(check(exercise, halving_doubling, world_size=4), "whole tensor")
+    _fails(check(exercise, a0["halving_doubling_all_reduce"]), "whole tensor")   # the next exercise's answer
     _fails(check(exercise, no_answer_for_the_extra_ranks), "world_size=3", "rank 2: wrong values",
            "own input")
     assert check(exercise, a0["recursive_doubling_all_reduce"]).status == PASS

@@ -35,7 +35,7 @@ import math
 import torch
 
 from .cost_model import AlphaBeta, fit_alpha_beta
-from .halving_doubling import halving_doubling_all_reduce, halving_doubling_time
+from .halving_doubling import _largest_power_of_two, halving_doubling_all_reduce, halving_doubling_time
 from .logger import record_op
 from .ring import (_normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keeping_exchanges, ring_all_reduce,
                    send_recv)
@@ -47,7 +47,7 @@ def doubling_steps(world_size: int) -> int:
     """Messages each rank takes part in: ``log2 P``, plus the fold and unfold when ``N != P``."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    power = 1 << (world_size.bit_length() - 1)
+    power = _largest_power_of_two(world_size)
     return int(math.log2(power)) + (2 if world_size != power else 0)
 
 
@@ -76,7 +76,7 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) ->
     """All-reduce ``tensor`` in place by recursive doubling; returns ``tensor``. Any world size."""
     op = _normalise_op(op, tensor.dtype)
     rank, n = _rank_and_size(group)
-    power = 1 << (n.bit_length() - 1)
+    power = _largest_power_of_two(n)
     with record_op("recursive_doubling_all_reduce", group), keeping_exchanges():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         incoming = _receive_buffer(flat.numel(), flat)

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ultrascale.comm.halving_doubling import _largest_power_of_two
 from ultrascale.grading import exercise
 
 # Every built-in that moves data between several ranks at once. Point-to-point calls
@@ -369,6 +370,11 @@ def test_ring_all_gather(ring_all_gather, world_size: int = 3, quick: bool = Tru
 
 
 # ---- a0.ring_all_reduce ------------------------------------------------------------------
+def _all_reduce_shapes(quick: bool) -> list:
+    """The tensors every all-reduce exercise gets: 1-D of awkward lengths, and one 2-D."""
+    return [(length,) for length in (LENGTHS if quick else LENGTHS + MORE_LENGTHS)] + [(3, 5)]
+
+
 def _check_sum(where: str, res: dict, n: int) -> None:
     """The result of an all-reduce on one rank: the sum over ranks, in the input's shape."""
     _check_output(where, res["out"], res["expected"])
@@ -388,8 +394,7 @@ def _check_sum(where: str, res: dict, n: int) -> None:
 def test_ring_all_reduce(ring_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0,
                          timeout: float = 60):
     """The sum over ranks in the input's shape: reduce-scatter then all-gather."""
-    lengths = LENGTHS if quick else LENGTHS + MORE_LENGTHS
-    shapes = [(length,) for length in lengths] + [(3, 5)]
+    shapes = _all_reduce_shapes(quick)
     for n, per_rank in _run("all_reduce", ring_all_reduce, shapes, world_size, quick, seed, timeout):
         for i, shape in enumerate(shapes):
             for rank in range(n):
@@ -401,62 +406,50 @@ def test_ring_all_reduce(ring_all_reduce, world_size: int = 3, quick: bool = Tru
                         numel, n, 2, "all-reduce")
 
 
-# ---- a0.recursive_doubling ---------------------------------------------------------------
-def doubling_messages(rank: int, n: int, nbytes: int) -> list:
-    """The messages rank ``rank`` sends in recursive doubling on ``n`` ranks, in order:
-    ``(destination, bytes)``. With ``P`` the largest power of two not above ``n``, rank
+# ---- a0.recursive_doubling and a0.halving_doubling: every message read --------------------
+def _check_algorithm(fn, algorithm: str, accepted, hints, world_size: int, quick: bool, seed: int,
+                     timeout: float) -> None:
+    """Run an all-reduce exercise: the sums on every rank and shape first (a wrong sum says more
+    than a message), then each rank's messages, the longest tensor first (with a few elements
+    most messages are empty). ``accepted(rank, n, numel)`` lists the message lists that pass; a
+    mismatch is reported against the first, with ``hints(n, got, want, nbytes)``."""
+    shapes = _all_reduce_shapes(quick)
+    numels = [int(torch.Size(shape).numel()) for shape in shapes]
+    for n, per_rank in _run("all_reduce", fn, shapes, world_size, quick, seed, timeout):
+        for i, shape in enumerate(shapes):
+            for rank in range(n):
+                _check_sum(f"world_size={n}, shape {shape}, rank {rank}", per_rank[rank][i], n)
+        for i in sorted(range(len(shapes)), key=lambda i: -numels[i]):
+            for rank in range(n):
+                got, forms = per_rank[rank][i]["messages"], accepted(rank, n, numels[i])
+                if got in forms:
+                    continue
+                want, advice = forms[0], "; ".join(hints(n, got, forms[0], 4 * numels[i]))
+                raise AssertionError(
+                    f"world_size={n}, shape {shapes[i]}, rank {rank}: your function sent {len(got)} "
+                    f"message{'' if len(got) == 1 else 's'}, to ranks {[d for d, _ in got]} with {_sizes(got)} "
+                    f"bytes; {algorithm} sends {len(want)}, to ranks {[d for d, _ in want]} with {_sizes(want)} "
+                    f"bytes, in that order. "
+                    f"{advice[:1].upper()}{advice[1:]}")
+
+
+def _sizes(messages: list) -> list:
+    return [size for _, size in messages]
+
+
+def doubling_messages(rank: int, n: int, numel: int) -> list:
+    """The messages rank ``rank`` sends in recursive doubling on ``n`` ranks for ``numel``
+    float32 elements, in order: ``(destination, bytes)``. With ``P`` the largest power of two not above ``n``, rank
     ``P + i`` hands its tensor to rank ``i`` (and receives the result back); rank ``r < P``
     swaps its running sum with ``r XOR 1``, ``r XOR 2``, ... ``r XOR P/2``, then hands the
     result to rank ``r + P`` if there is one. Every message is the whole tensor."""
-    power = 1 << (n.bit_length() - 1)
+    power, nbytes = _largest_power_of_two(n), 4 * numel
     if rank >= power:
         return [(rank - power, nbytes)]
     swaps = [(rank ^ (1 << k), nbytes) for k in range(power.bit_length() - 1)]
     return swaps + ([(rank + power, nbytes)] if rank + power < n else [])
 
 
-def _check_doubling(where: str, rank: int, n: int, got: list, nbytes: int) -> None:
-    want = doubling_messages(rank, n, nbytes)
-    if got == want:
-        return
-    power = 1 << (n.bit_length() - 1)
-    hints = []
-    if any(size < nbytes for _, size in got):
-        hints.append(f"every message carries the whole tensor ({nbytes} bytes), not a chunk of it: cutting "
-                     "it is the ring's way (or halving-doubling's), which send fewer bytes in more messages")
-    if len(got) == len(want) and [size for _, size in got] == [size for _, size in want]:
-        hints.append("the partner in step k is r XOR 2**k: the two ranks swap, each receiving from the rank "
-                     "it sends to (not r + 2**k, which passes sums round in a circle)")
-    if n != power:
-        hints.append(f"with N = {n}, the P = {power} ranks below {power} run the doubling; rank P + i hands "
-                     "its tensor to rank i before and gets the result back after")
-    advice = "; ".join(hints)
-    raise AssertionError(
-        f"{where}: your function sent {len(got)} message{'' if len(got) == 1 else 's'}, to ranks "
-        f"{[d for d, _ in got]} with {[size for _, size in got]} bytes; recursive doubling sends {len(want)}, "
-        f"to ranks {[d for d, _ in want]} with {[size for _, size in want]} bytes, in that order. "
-        f"{advice[:1].upper()}{advice[1:]}")
-
-
-@exercise("a0.recursive_doubling", points=1)
-def test_recursive_doubling(recursive_doubling_all_reduce, world_size: int = 3, quick: bool = True,
-                            seed: int = 0, timeout: float = 60):
-    """The sum over ranks in log2 P swaps of the whole tensor with rank r XOR 2**k, and the
-    fold of the ranks beyond the largest power of two P."""
-    lengths = LENGTHS if quick else LENGTHS + MORE_LENGTHS
-    shapes = [(length,) for length in lengths] + [(3, 5)]
-    for n, per_rank in _run("all_reduce", recursive_doubling_all_reduce, shapes, world_size, quick, seed,
-                            timeout):
-        for i, shape in enumerate(shapes):
-            nbytes = 4 * int(torch.Size(shape).numel())
-            where = f"world_size={n}, shape {shape}, rank {{}}"
-            for rank in range(n):   # the sums on every rank first: a wrong sum says more than a message
-                _check_sum(where.format(rank), per_rank[rank][i], n)
-            for rank in range(n):
-                _check_doubling(where.format(rank), rank, n, per_rank[rank][i]["messages"], nbytes)
-
-
-# ---- a0.halving_doubling -----------------------------------------------------------------
 def halving_doubling_messages(rank: int, n: int, numel: int, merged: bool = False) -> list:
     """The messages rank ``rank`` sends in halving-doubling on ``n`` ranks for ``numel`` float32
     elements, in order: ``(destination, bytes)``, empty messages left out. The fold is recursive
@@ -465,7 +458,7 @@ def halving_doubling_messages(rank: int, n: int, numel: int, merged: bool = Fals
     keeps ``[mid, hi)``, and each sends the half it gives away; the all-gather then sends each
     level's kept range back, innermost level first. ``merged``: the innermost level is one swap
     of its whole range (the library's form), instead of a half there and a half back."""
-    power = 1 << (n.bit_length() - 1)
+    power = _largest_power_of_two(n)
     if rank >= power:
         return [(rank - power, 4 * numel)] if numel else []
     levels, (lo, hi), distance = [], (0, numel), 1
@@ -489,42 +482,51 @@ def halving_doubling_messages(rank: int, n: int, numel: int, merged: bool = Fals
     return [(dst, nbytes) for dst, nbytes in messages if nbytes]
 
 
-def _check_halving(where: str, rank: int, n: int, got: list, numel: int) -> None:
-    forms = [halving_doubling_messages(rank, n, numel, merged) for merged in (False, True)]
-    if got in forms:
-        return
-    want = forms[0]
+def _doubling_hints(n: int, got: list, want: list, nbytes: int) -> list:
+    power = _largest_power_of_two(n)
     hints = []
-    if any(size == 4 * numel for _, size in got) and not any(size == 4 * numel for _, size in want):
+    if any(size < nbytes for size in _sizes(got)):
+        hints.append(f"every message carries the whole tensor ({nbytes} bytes), not a chunk of it: cutting "
+                     "it is the ring's way (or halving-doubling's), which send fewer bytes in more messages")
+    if len(got) == len(want) and _sizes(got) == _sizes(want):
+        hints.append("the partner in step k is r XOR 2**k: the two ranks swap, each receiving from the rank "
+                     "it sends to (not r + 2**k, which passes sums round in a circle)")
+    if n != power:
+        hints.append(f"with N = {n}, the P = {power} ranks below {power} run the doubling; rank P + i hands "
+                     "its tensor to rank i before and gets the result back after")
+    return hints
+
+
+def _halving_hints(n: int, got: list, want: list, nbytes: int) -> list:
+    hints = []
+    if nbytes in _sizes(got) and nbytes not in _sizes(want):
         hints.append("a message carried the whole tensor: halving-doubling sends half of the range it holds "
                      "at each level, so the messages shrink (K/2, K/4, ...) and grow back in the all-gather")
     if [d for d, _ in got] != [d for d, _ in want]:
         hints.append("level d = 1, 2, ..., P/2 pairs rank r with r XOR d in the reduce-scatter, and the "
                      "all-gather visits the same partners in reverse order, innermost first")
     hints.append("at each level both partners cut [lo, hi) at mid = lo + (hi - lo) // 2, and the rank with bit d "
-                 "set keeps [mid, hi): so the two ends of every message agree on its size")
-    advice = "; ".join(hints)
-    raise AssertionError(
-        f"{where}: your function sent {len(got)} message{'' if len(got) == 1 else 's'}, to ranks "
-        f"{[d for d, _ in got]} with {[size for _, size in got]} bytes; halving-doubling sends {len(want)}, "
-        f"to ranks {[d for d, _ in want]} with {[size for _, size in want]} bytes, in that order "
-        f"(or one swap of the whole range at the innermost level). {advice[:1].upper()}{advice[1:]}")
+                 "set keeps [mid, hi): so the two ends of every message agree on its size (one swap of the "
+                 "whole range at the innermost level, as the library does, passes too)")
+    return hints
+
+
+@exercise("a0.recursive_doubling", points=1)
+def test_recursive_doubling(recursive_doubling_all_reduce, world_size: int = 3, quick: bool = True,
+                            seed: int = 0, timeout: float = 60):
+    """The sum over ranks in log2 P swaps of the whole tensor with rank r XOR 2**k, and the
+    fold of the ranks beyond the largest power of two P."""
+    _check_algorithm(recursive_doubling_all_reduce, "recursive doubling",
+                     lambda rank, n, numel: [doubling_messages(rank, n, numel)], _doubling_hints,
+                     world_size, quick, seed, timeout)
 
 
 @exercise("a0.halving_doubling", points=1)
 def test_halving_doubling(halving_doubling_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0,
                           timeout: float = 60):
     """The sum over ranks with the ring's bytes: a reduce-scatter by recursive halving, then an
-    all-gather by recursive doubling, among the largest power of two P of ranks (the others fold)."""
-    lengths = LENGTHS if quick else LENGTHS + MORE_LENGTHS
-    shapes = [(length,) for length in lengths] + [(3, 5)]
-    numels = [int(torch.Size(shape).numel()) for shape in shapes]
-    for n, per_rank in _run("all_reduce", halving_doubling_all_reduce, shapes, world_size, quick, seed, timeout):
-        for i, shape in enumerate(shapes):   # the sums on every rank first
-            for rank in range(n):
-                _check_sum(f"world_size={n}, shape {shape}, rank {rank}", per_rank[rank][i], n)
-        # then the messages, the longest tensor first: with a few elements most halves are empty
-        for i in sorted(range(len(shapes)), key=lambda i: -numels[i]):
-            for rank in range(n):
-                _check_halving(f"world_size={n}, shape {shapes[i]}, rank {rank}", rank, n,
-                               per_rank[rank][i]["messages"], numels[i])
+    all-gather by recursive doubling, among the largest power of two P of ranks (the others fold).
+    The library's merged innermost swap is accepted as well as the textbook form."""
+    _check_algorithm(halving_doubling_all_reduce, "halving-doubling",
+                     lambda rank, n, numel: [halving_doubling_messages(rank, n, numel, m) for m in (False, True)],
+                     _halving_hints, world_size, quick, seed, timeout)
