@@ -43,6 +43,7 @@ bench: $(STAMP)  ## side-by-side benchmarks, printing ratios (GPU ones say so an
 	$(PY) benchmarks/bench_cp.py
 	$(PY) benchmarks/bench_ep.py
 	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/bench_fp8.py
 	$(PY) benchmarks/bench_mfu.py
 
 clean:

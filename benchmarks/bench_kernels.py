@@ -21,12 +21,7 @@ Usage:  python benchmarks/bench_kernels.py [--quick] [--out results/]
 """
 
 import argparse
-import datetime as dt
-import json
-import platform
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,34 +29,7 @@ from pathlib import Path
 import torch
 
 import ultrascale.kernels as K
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-# ---- Provenance ------------------------------------------------------------------------------
-
-def git_commit() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def provenance(device_name: str) -> dict:
-    import triton
-
-    return dict(device=device_name, torch=torch.__version__, triton=triton.__version__,
-                cuda=torch.version.cuda, python=platform.python_version(), commit=git_commit(),
-                date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-
-
-def device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-
+from ultrascale import records
 
 # ---- What to run, and at which sizes --------------------------------------------------------
 
@@ -223,9 +191,7 @@ def run_gpu(quick: bool, out_dir: Path) -> Path:
     result = run("quick" if quick else "full")
     print(f"measured device-to-device copy: {result['copy_gb_per_s']:.0f} GB/s")
     print_rows(result["rows"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"kernels_{device_slug(name)}.json"
-    path.write_text(json.dumps(dict(provenance(name), **result), indent=2) + "\n")
+    path = records.write("kernels", dict(records.provenance(name), **result), out_dir)
     print(f"wrote {path}")
     return path
 
@@ -242,7 +208,7 @@ def run_interpreter() -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Time the Triton kernels against PyTorch baselines.")
     parser.add_argument("--quick", action="store_true", help="smaller sizes on the GPU (CPU is always quick)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results", help="folder for the JSON record")
+    parser.add_argument("--out", type=Path, default=records.RESULTS, help="folder for the JSON record")
     args = parser.parse_args(argv)
     if K.on_gpu():
         run_gpu(args.quick, args.out)

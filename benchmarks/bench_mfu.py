@@ -5,8 +5,9 @@
 
 MFU = (6·N + attention FLOPs per token) × tokens per second / the GPU's dense bf16
 peak (ultrascale.model.training_flops). Side by side in one run: the same model with
-eager attention and with SDPA (FlashAttention), and with torch.compile. The record is
-written to results/one_gpu_mfu_bench_<device>.json with its provenance (device,
+eager attention and with SDPA (FlashAttention), with torch.compile, and with selective
+and full recomputation (where HFU, which counts the recomputed FLOPs, exceeds MFU). The record is
+written to results/mfu_bench_<size>_<device>.json with its provenance (device,
 versions, commit, date). Target of the foundation course: 40% MFU or more.
 
 Without a CUDA GPU the script says so and exits 0: a CPU number is not an MFU to
@@ -14,31 +15,32 @@ compare with a GPU's.
 """
 
 import argparse
-import datetime
-import json
-import pathlib
-import re
-import subprocess
 import sys
 import time
 
 import torch
 
-from ultrascale.model import GPT, GPTConfig, count_params, lm_loss, mfu
+from sidebyside import verdict
+from ultrascale import records
+from ultrascale.model import GPT, GPTConfig, count_params, hfu, lm_loss, mfu
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity).
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+# Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity); the first name
+# found in the device name wins, so the PCIe H100 is tested before the SXM one.
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12,
+             "A10G": 125e12}
 SIZES = {  # hidden, layers, heads: GPT-2 medium-like and a ~1.3B
     "350m": dict(hidden=1024, layers=24, heads=16),
     "1b": dict(hidden=2048, layers=24, heads=16),
 }
+# (label, attention, torch.compile, recomputation): the three ways to run the same model, then
+# SDPA with recomputation, where HFU (which counts the recomputed FLOPs) exceeds MFU.
+VARIANTS = [("eager attention", "eager", False, "none"), ("SDPA", "sdpa", False, "none"),
+            ("SDPA + torch.compile", "sdpa", True, "none"), ("SDPA, selective recompute", "sdpa", False, "selective"),
+            ("SDPA, full recompute", "sdpa", False, "full")]
 
 
 def peak_flops(name: str):
-    for key, value in PEAK_BF16.items():
-        if key in name:
-            return value
-    return None
+    return next((value for key, value in PEAK_BF16.items() if key in name), None)
 
 
 def time_steps(model, batch, steps: int, warmup: int) -> float:
@@ -57,13 +59,25 @@ def time_steps(model, batch, steps: int, warmup: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def git_commit() -> str:
+def measure(label, attention, compiled, recompute, args, peak):
+    config = GPTConfig(vocab_size=50304, seq_len=args.seq, attention=attention, **SIZES[args.size])
+    model = GPT(config).cuda()
+    model.set_recompute(recompute)
+    runnable = torch.compile(model) if compiled else model
+    idx = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), device="cuda")
     try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"]) != 0
-        return commit + ("-dirty" if dirty else "")
-    except Exception:
-        return "unknown"
+        step = time_steps(runnable, (idx, torch.roll(idx, -1, 1)), args.steps, args.warmup)
+    except torch.OutOfMemoryError:
+        print(f"{label}: out of memory at micro-batch {args.micro_batch}; try --micro-batch smaller")
+        return None
+    finally:
+        del model, runnable
+        torch.cuda.empty_cache()
+    tokens_per_s = args.micro_batch * args.seq / step
+    util = dict(mfu=mfu(tokens_per_s, config, peak, seq_len=args.seq, causal=True),
+                hfu=hfu(tokens_per_s, config, peak, recompute, seq_len=args.seq, causal=True)) if peak else {}
+    return dict(variant=label, recompute=recompute, step_s=step, tokens_per_s=tokens_per_s,
+                peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30, **util)
 
 
 def main() -> int:
@@ -73,53 +87,39 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=str(records.RESULTS), help="folder for the JSON record")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_mfu needs a CUDA GPU; nothing measured (a CPU number is not a GPU MFU).")
         return 0
     device = torch.cuda.get_device_name(0)
     peak = peak_flops(device)
-    torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
-    for label, attention, compiled in [("eager attention", "eager", False), ("SDPA", "sdpa", False),
-                                       ("SDPA + torch.compile", "sdpa", True)]:
-        config = GPTConfig(vocab_size=50304, seq_len=args.seq, attention=attention, **SIZES[args.size])
-        model = GPT(config).cuda()
-        if compiled:
-            model = torch.compile(model)
-        idx = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), device="cuda")
-        try:
-            step = time_steps(model, (idx, torch.roll(idx, -1, 1)), args.steps, args.warmup)
-        except torch.OutOfMemoryError:
-            print(f"{label}: out of memory at micro-batch {args.micro_batch}; try --micro-batch smaller")
-            continue
-        tokens_per_s = args.micro_batch * args.seq / step
-        row = {"variant": label, "step_s": step, "tokens_per_s": tokens_per_s,
-               "mfu": mfu(tokens_per_s, config, peak, seq_len=args.seq, causal=True) if peak else None}
-        rows.append(row)
-        del model
-        torch.cuda.empty_cache()
+    for variant in VARIANTS:
+        torch.cuda.reset_peak_memory_stats()
+        row = measure(*variant, args, peak)
+        if row is not None:
+            rows.append(row)
     n = count_params(GPTConfig(vocab_size=50304, seq_len=args.seq, **SIZES[args.size]))
-    print(f"\n{device}: GPT {n / 1e6:.0f}M parameters, seq {args.seq}, micro-batch {args.micro_batch}, bf16")
-    print(f"{'variant':24s} {'step (ms)':>10s} {'tokens/s':>10s} {'MFU':>7s} {'vs eager':>9s}")
+    print(f"\n{device}: GPT {n / 1e6:.0f}M parameters, seq {args.seq}, micro-batch {args.micro_batch}, bf16, "
+          f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s")
+    print(f"{'variant':28s} {'step (ms)':>10s} {'tokens/s':>10s} {'MFU':>7s} {'HFU':>7s} {'memory':>8s} {'vs first':>9s}")
     for row in rows:
         ratio = rows[0]["step_s"] / row["step_s"]
-        mfu_text = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
-        print(f"{row['variant']:24s} {row['step_s'] * 1e3:10.1f} {row['tokens_per_s']:10.0f} {mfu_text:>7s} {ratio:8.2f}x")
+        util = (f"{row['mfu']:7.1%} {row['hfu']:7.1%}" if "mfu" in row else f"{'n/a':>7s} {'n/a':>7s}")
+        print(f"{row['variant']:28s} {row['step_s'] * 1e3:10.1f} {row['tokens_per_s']:10.0f} {util} "
+              f"{row['peak_memory_gib']:6.1f}Gi {ratio:8.2f}x")
     if peak is None:
         print(f"(no bf16 peak known for {device!r}: MFU not computed)")
-    record = {
-        "device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "python": sys.version.split()[0], "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "params": n, "seq": args.seq, "micro_batch": args.micro_batch, "peak_flops": peak,
-        "mfu_formula": "training_flops(config, tokens/s, causal=True) / peak (6N + causal attention)",
-        "rows": rows,
-    }
-    slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
-    out = pathlib.Path(__file__).resolve().parent.parent / "results" / f"one_gpu_mfu_bench_{slug}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"recorded in {out}")
+    elif rows:
+        best = max(rows, key=lambda r: r["mfu"])
+        print(f"best MFU {best['mfu']:.1%} ({best['variant']}; target >= 40%): "
+              f"{verdict(100 * best['mfu'], low=40, digits=1)}")
+    record = dict(records.provenance(device), params=n, size=args.size, seq=args.seq,
+                  micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup, peak_flops=peak,
+                  mfu_formula="training_flops(config, tokens/s, causal=True) / peak (6N + causal attention); "
+                              "HFU adds the recomputed forward FLOPs", rows=rows)
+    print(f"recorded in {records.write(f'mfu_bench_{args.size}', record, args.out)}")
     return 0
 
 

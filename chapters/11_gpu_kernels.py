@@ -51,6 +51,7 @@ import time
 # The course's kernel package comes first: with no CUDA device it sets TRITON_INTERPRET=1,
 # which Triton reads when each kernel is defined.
 import ultrascale.kernels as K  # noqa: I001
+from ultrascale import records
 from ultrascale.kernels import gpu_ideas
 from ultrascale.viz.live import ProgressBar
 
@@ -1021,7 +1022,7 @@ RESULTS = ROOT / "results"
 if K.on_gpu():
     bench = load_bench_module()
     measured = bench.run("quick" if QUICK else "full")
-    record = dict(bench.provenance(torch.cuda.get_device_name(0)), **measured)
+    record = dict(records.provenance(torch.cuda.get_device_name(0)), **measured)
     figure = show_kernel_results(record, f"MEASURED NOW on {record['device']} (torch {record['torch']}, "
                                          f"triton {record['triton']})")
 else:

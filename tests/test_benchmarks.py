@@ -49,6 +49,7 @@ SMOKE = {
                     [r"all-to-all bytes equal the prediction on every rank: OK"]),
     "bench_kernels.py": ([], [r"flash_attention fwd\+bwd"]),
     "bench_mfu.py": (["--steps", "1", "--warmup", "0"], [r"needs a CUDA GPU; nothing measured"]),
+    "bench_fp8.py": (["--quick"], [r"FP8 product checked on the CPU: relative error 0\.0\d\d \(tolerance 0\.1\): OK"]),
 }
 
 
