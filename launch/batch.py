@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     if args.seed is not None:
         params["SEED"] = args.seed
     out = pathlib.Path(args.out)
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     rows = []
     for nb in notebooks(args.paths):
         start = time.monotonic()
