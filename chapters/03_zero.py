@@ -487,7 +487,10 @@ units = measured[0][0]["units"]
 padded_psi = sum(p for _, _, p in units)
 kept = units[0][2] + units[-1][2]          # the root and the last block: gathered once only
 expected_elements = {0: 2 * padded_psi, 1: 2 * padded_psi, 2: 2 * padded_psi, 3: 3 * padded_psi - kept}
-OPS = ("all_reduce", "reduce_scatter_single", "all_gather_single")
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single; the log keeps the name called
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") else "reduce_scatter_tensor"
+ALL_GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+OPS = ("all_reduce", REDUCE_SCATTER, ALL_GATHER)
 print(f"{'stage':>6} {'all-reduce':>11} {'reduce-scatter':>15} {'all-gather':>11} {'total':>7}   (in Psi)")
 volumes = {}
 for stage, per_rank in measured.items():
@@ -503,7 +506,7 @@ for stage, per_rank in measured.items():
 assert volumes[1] == volumes[2] == volumes[0], "ZeRO-1 and ZeRO-2 move what DP moves"
 assert abs(volumes[1] - 2) < 0.01 and 2.5 < volumes[3] < 3.0
 # A reduce-scatter is half an all-reduce: same buffer, half the ring traffic.
-assert measured[0][0]["comm"]["all_reduce"]["bytes_sent"] == 2 * measured[1][0]["comm"]["reduce_scatter_single"]["bytes_sent"]
+assert measured[0][0]["comm"]["all_reduce"]["bytes_sent"] == 2 * measured[1][0]["comm"][REDUCE_SCATTER]["bytes_sent"]
 
 # %% [markdown]
 # ZeRO-1 and ZeRO-2 move exactly what plain DP moves ($2\Psi$, plus a hair of padding), and
@@ -558,8 +561,8 @@ assert blocks_only == 2 * L - 1
 
 # %%
 fsdp_totals, fsdp_shards = fsdp[0][1], fsdp[0][2]
-fsdp_gathers = fsdp_totals["all_gather_single"]["calls"]
-fsdp_scatters = fsdp_totals["reduce_scatter_single"]["calls"]
+fsdp_gathers = fsdp_totals[ALL_GATHER]["calls"]
+fsdp_scatters = fsdp_totals[REDUCE_SCATTER]["calls"]
 print(f"FSDP2: {fsdp_gathers} all-gathers and {fsdp_scatters} reduce-scatters per step "
       f"(ours: {gathers['ZeRO-3']} and {measured[3][0]['calls']['reduce_scatter']})")
 assert fsdp_scatters == L + 1, "one reduce-scatter per unit, like ours"

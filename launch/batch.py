@@ -21,6 +21,18 @@ def notebooks(paths):
         yield from sorted(p.glob("*.ipynb")) if p.is_dir() else [p]
 
 
+def record(params, rows) -> pathlib.Path:
+    """The run's table with its provenance, as a GPU record: which chapters ran on which GPU."""
+    import torch
+    from ultrascale import records
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--record keeps GPU runs only (results/ holds what a CPU cannot measure); no CUDA GPU here")
+    device = torch.cuda.get_device_name(0)
+    return records.write("batch", dict(records.provenance(device), parameters=params, runs=rows,
+                                       gpus=torch.cuda.device_count()))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+")
@@ -28,6 +40,8 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="QUICK=False: full sizes")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--out", default="out")
+    parser.add_argument("--record", action="store_true",
+                        help="on a CUDA GPU, also keep the table in results/batch_<device>.json (see results/README.md)")
     args = parser.parse_args(argv)
     params = {"QUICK": not args.full}
     if args.world_size is not None:
@@ -48,6 +62,8 @@ def main(argv=None) -> int:
         rows.append({"notebook": str(nb), "status": status, "seconds": round(time.monotonic() - start, 1)})
         print(f"{nb.name:45s} {rows[-1]['seconds']:7.1f} s  {status}", flush=True)
     (out / "batch.json").write_text(json.dumps({"parameters": params, "runs": rows}, indent=1))
+    if args.record:
+        print(f"recorded in {record(params, rows)}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

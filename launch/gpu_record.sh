@@ -36,7 +36,7 @@ for name in $STEPS; do
         mfu-350m) step mfu-350m "$PY" benchmarks/bench_mfu.py --size 350m ;;
         mfu-1b) step mfu-1b "$PY" benchmarks/bench_mfu.py --size 1b --micro-batch 4 ;;
         runtime) step runtime "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_runtime.py ;;
-        batch) step batch "$PY" launch/batch.py --world-size 2 --out out/gpu_batch chapters/00_orientation.ipynb \
+        batch) step batch "$PY" launch/batch.py --record --world-size 2 --out out/gpu_batch chapters/00_orientation.ipynb \
                    chapters/a0_collectives.ipynb chapters/01_one_gpu.ipynb chapters/02_data_parallelism.ipynb \
                    chapters/03_zero.ipynb chapters/11_gpu_kernels.ipynb ;;
         kernel-tests) step kernel-tests "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py ;;
