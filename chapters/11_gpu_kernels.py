@@ -1018,7 +1018,6 @@ def show_kernel_results(record, label):
     return fig
 
 
-RESULTS = ROOT / "results"
 if K.on_gpu():
     bench = load_bench_module()
     measured = bench.run("quick" if QUICK else "full")
@@ -1026,7 +1025,7 @@ if K.on_gpu():
     figure = show_kernel_results(record, f"MEASURED NOW on {record['device']} (torch {record['torch']}, "
                                          f"triton {record['triton']})")
 else:
-    recorded = sorted(RESULTS.glob("kernels_*.json"))
+    recorded = records.recorded("kernels")
     figure = None
     if not recorded:
         print("No GPU here, and no GPU run has been recorded yet (no results/kernels_*.json).\n"
@@ -1035,13 +1034,23 @@ else:
               "It checks every kernel against PyTorch, times both with triton.testing.do_bench, and writes\n"
               "results/kernels_<device>.json with the device, torch/triton versions, commit and date.\n"
               "This notebook then shows it here, labelled as recorded.")
-    for path in recorded:
-        record = json.loads(path.read_text())
-        figure = show_kernel_results(
-            record, f"RECORDED on {record['device']} (torch {record['torch']}, triton {record['triton']}, "
-                    f"CUDA {record.get('cuda')}), commit {record['commit'][:12]}, {record['date']}; "
-                    f"from {path.relative_to(ROOT)}, not measured on this machine")
+    for path, record in recorded:
+        figure = show_kernel_results(record, records.label(record, path))
 figure
+
+# %% [markdown]
+# What the H100 run recorded on 2026-11-26 shows, against the targets the course set itself:
+#
+# * **Memory-bound kernels** reach the copy bandwidth (about 3.0 TB/s, read plus write) when the
+#   rows are long: softmax, RMSNorm and LayerNorm at 93-100% of a copy with 4096 or 16384 columns,
+#   1.3-2.3x PyTorch's eager kernels. With 1024 columns they reach 76-81%: each kernel then runs for
+#   under 30 microseconds, and the fixed cost of a launch and of the last wave of programs is a
+#   visible share of that. Vector add and ELU match PyTorch, which also streams at the copy rate.
+# * **Matmul** (bf16, 4096^3): 604 TFLOP/s, 82% of cuBLAS's 735, from a kernel of about forty
+#   lines with one fixed tile shape; cuBLAS picks among many tuned kernels per shape.
+# * **FlashAttention forward** (causal, seq 4096, head dim 128): 82% of SDPA's FlashAttention
+#   backend. Forward plus backward: 58%. Our backward is the simple one of section 5: two kernels
+#   that each recompute the scores, where FlashAttention-2 computes them once per tile.
 
 # %% [markdown]
 # ## Summary

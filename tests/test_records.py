@@ -23,9 +23,12 @@ def test_a_record_without_provenance_is_refused(tmp_path):
         records.write("fp8", {"device": "X", "rows": []}, tmp_path)
 
 
-def test_the_commit_comes_from_git_or_from_the_launcher(monkeypatch):
+def test_the_commit_comes_from_the_launcher_first_then_from_git(monkeypatch):
+    monkeypatch.delenv("ULTRASCALE_COMMIT", raising=False)
     commit = records.git_commit()
     assert len(commit.removesuffix("-dirty")) == 40
-    monkeypatch.setattr(records, "ROOT", records.ROOT / "no-such-folder")   # git cannot run there
-    monkeypatch.setenv("ULTRASCALE_COMMIT", "abc123")
+    monkeypatch.setenv("ULTRASCALE_COMMIT", "abc123")      # a copied .git may be stale: the launcher wins
     assert records.git_commit() == "abc123"
+    monkeypatch.delenv("ULTRASCALE_COMMIT")
+    monkeypatch.setattr(records, "ROOT", records.ROOT / "no-such-folder")   # git cannot run there
+    assert records.git_commit() == "unknown"

@@ -25,9 +25,12 @@ RESULTS = ROOT / "results"
 def git_commit() -> str:
     """The course's commit, with ``-dirty`` when tracked files had uncommitted changes.
 
-    A copy of the course without its ``.git`` folder (a tree sent to a GPU machine) cannot
-    ask git; the launcher then passes the commit it sent in ``ULTRASCALE_COMMIT``.
+    A launcher that copies the course to a GPU machine passes the commit it sent in
+    ``ULTRASCALE_COMMIT``, which wins: the copy may have no ``.git`` folder, or a stale one
+    (one GPU run here read an older commit, "-dirty", from a copied ``.git``).
     """
+    if os.environ.get("ULTRASCALE_COMMIT"):
+        return os.environ["ULTRASCALE_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
@@ -35,7 +38,7 @@ def git_commit() -> str:
                                capture_output=True, text=True).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("ULTRASCALE_COMMIT", "unknown")
+        return "unknown"
 
 
 def provenance(device: str) -> dict:
