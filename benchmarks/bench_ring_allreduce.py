@@ -1,9 +1,10 @@
 """Our all-reduces (send/recv only) against the backend's own all-reduce.
 
-Five implementations run on the same tensors in the same ranks, alternating: the backend's
-all-reduce, our ring, our recursive doubling, our halving-doubling, and our size-based choice
-among those three (``ultrascale.comm.recursive.all_reduce``, with an alpha-beta model fitted on
-the spot); the backend's runs once more ("again"), to show how far noise alone moves a ratio; and
+Six implementations run on the same tensors in the same ranks, alternating: the backend's
+all-reduce, our ring, our recursive doubling, our halving-doubling, our direct exchange, and our
+size-based choice among them (``ultrascale.comm.recursive.all_reduce``: doubling or
+halving-doubling by an alpha-beta model fitted on the spot, direct exchange from a crossover
+raced on the spot against halving-doubling); the backend's runs once more ("again"), to show how far noise alone moves a ratio; and
 halving-doubling once more with its additions skipped ("no adds": wrong sums, timed only), to
 show what the additions between its exchanges cost: gloo's ring adds each 1 MiB segment while
 the next one is on the wire, ours adds between exchanges.
@@ -27,8 +28,8 @@ import argparse
 from unittest import mock
 
 from ultrascale.comm import bus_factor, fit_ring_all_reduce, format_bytes, halving_doubling
-from ultrascale.comm.recursive import (all_reduce_contenders, choose_algorithm, crossover_bytes, fit_on_the_spot,
-                                       race_all_reduces)
+from ultrascale.comm.recursive import (all_reduce_contenders, choose_algorithm, crossover_bytes,
+                                       direct_crossover_on_the_spot, fit_on_the_spot, race_all_reduces)
 from ultrascale.runtime import Cluster
 from sidebyside import verdict
 
@@ -44,15 +45,17 @@ def halving_without_adds(group):
 
 
 def measure(ctx, small, big, rounds, big_rounds):
-    """On every rank: the model fitted on the spot and ``race_all_reduces``' rows for the five, for
+    """On every rank: the model and the direct crossover measured on the spot, and
+    ``race_all_reduces``' rows for the six, for
     the backend's all-reduce raced a second time ("again": its ratio to the first is what the
     machine's noise alone does to a ratio, the resolution of every other column), and for
     halving-doubling without its additions ("no adds")."""
     model = fit_on_the_spot(ctx.group, device=ctx.device)
-    contenders = all_reduce_contenders(ctx.group, model, again=True)
+    direct_from = direct_crossover_on_the_spot(ctx.group, device=ctx.device)
+    contenders = all_reduce_contenders(ctx.group, model, again=True, direct=True, direct_from=direct_from)
     contenders["no adds"] = halving_without_adds(ctx.group)
     race = lambda sizes, n: race_all_reduces(contenders, sizes, n, ctx.group, ctx.device) if sizes else []  # noqa: E731
-    return model, race(small, rounds) + race(big, big_rounds)
+    return model, direct_from, race(small, rounds) + race(big, big_rounds)
 
 
 def main(argv=None) -> list:
@@ -73,7 +76,7 @@ def main(argv=None) -> list:
 
     with Cluster(args.world_size, backend="auto") as cluster:
         small, big = [b for b in sizes if b < TARGET_FROM], [b for b in sizes if b >= TARGET_FROM]
-        model, rows = cluster.run(measure, small, big, args.rounds, args.big_rounds, timeout=1800)[0]
+        model, direct_from, rows = cluster.run(measure, small, big, args.rounds, args.big_rounds, timeout=1800)[0]
         backend = cluster.backend
     n = args.world_size
     factor = bus_factor("all_reduce", n)
@@ -81,18 +84,22 @@ def main(argv=None) -> list:
     print(f"all-reduce, {n} ranks, backend {backend}, float32, busbw = size/time * {factor:g} (GB/s)")
     print(f"fitted on the spot: alpha = {1e6 * model.alpha:.0f} us, beta = {model.beta / 1e9:.2f} GB/s; "
           f"ring beats doubling above {format_bytes(crossover_bytes(model, n))}")
-    print(f"{'size':>10} {'builtin':>8} {'ring':>8} {'doubling':>9} {'halving':>8} {'chosen':>8}   {'ring/b':>6} "
-          f"{'doubl/b':>7} {'halv/b':>6} {'chosen/b':>8} {'again/b':>7} {'noadd/b':>7}  chosen algorithm, target")
+    print("direct exchange beat halving-doubling, raced on the spot, "
+          + (f"from {format_bytes(direct_from)} up" if direct_from else "at none of 1, 4 and 16 MiB: never chosen"))
+    print(f"{'size':>10} {'builtin':>8} {'ring':>8} {'doubling':>9} {'halving':>8} {'direct':>8} {'chosen':>8}   "
+          f"{'ring/b':>6} {'doubl/b':>7} {'halv/b':>6} {'dir/b':>6} {'chosen/b':>8} {'again/b':>7} {'noadd/b':>7}"
+          f"  chosen algorithm, target")
     for nbytes, t in rows:
-        ratio = {name: t["builtin"] / t[name] for name in ("ring", "doubling", "halving", "chosen", "again", "no adds")}
+        ratio = {name: t["builtin"] / t[name]
+                 for name in ("ring", "doubling", "halving", "direct", "chosen", "again", "no adds")}
         target = "" if nbytes < TARGET_FROM else f"  >= 0.9x: {verdict(ratio['chosen'], low=0.9, digits=2)}"
         if ratio["chosen"] < 0.95 * ratio["ring"]:
             target += " (slower than the ring)"
         print(f"{format_bytes(nbytes):>10} {busbw(nbytes, t['builtin']):>8.3f} {busbw(nbytes, t['ring']):>8.3f} "
               f"{busbw(nbytes, t['doubling']):>9.3f} {busbw(nbytes, t['halving']):>8.3f} "
-              f"{busbw(nbytes, t['chosen']):>8.3f}   {ratio['ring']:>6.2f} {ratio['doubling']:>7.2f} "
-              f"{ratio['halving']:>6.2f} {ratio['chosen']:>8.2f} {ratio['again']:>7.2f} {ratio['no adds']:>7.2f}  "
-              f"{choose_algorithm(nbytes, n, model)}{target}")
+              f"{busbw(nbytes, t['direct']):>8.3f} {busbw(nbytes, t['chosen']):>8.3f}   {ratio['ring']:>6.2f} "
+              f"{ratio['doubling']:>7.2f} {ratio['halving']:>6.2f} {ratio['direct']:>6.2f} {ratio['chosen']:>8.2f} "
+              f"{ratio['again']:>7.2f} {ratio['no adds']:>7.2f}  {choose_algorithm(nbytes, n, model, direct_from)}{target}")
     print("again/b: the backend against itself, raced as one more contender: how far noise alone moves a ratio")
     print("noadd/b: halving-doubling with its additions skipped (wrong sums, timed only): halv/b below it is what "
           "the additions between exchanges cost")

@@ -544,6 +544,83 @@ def test_all_reduce_chooses_by_size_with_a_model_fitted_on_the_spot(clusters):
     assert expected[0] == "recursive_doubling_all_reduce"   # 12 bytes: latency decides
 
 
+def _direct_on_rank(ctx):
+    """direct_all_reduce against the built-in; the last call's sends as (peer, elements)."""
+    from ultrascale.comm.direct import direct_all_reduce
+
+    n, r = ctx.world_size, ctx.rank
+    failures, sends, original = [], [], dist.isend
+
+    def spy(tensor, *args, **kwargs):
+        sends.append((kwargs.get("group_dst"), tensor.numel()))
+        return original(tensor, *args, **kwargs)
+
+    dist.isend = spy
+    try:
+        for length in LENGTHS:
+            x = _rank_input(r, length)
+            abs_sum = x.abs()
+            dist.all_reduce(abs_sum)
+            for op in OPS:
+                ref = _built_in(x, op)
+                y = x.clone()
+                sends.clear()
+                if direct_all_reduce(y, op) is not y:
+                    failures.append("direct_all_reduce did not return its input")
+                _check(failures, f"rank {r} N={n} len={length} {op}", y, ref, _tolerance(op, abs_sum, ref, n))
+                everyone = [torch.empty_like(y) for _ in range(n)]
+                dist.all_gather(everyone, y)
+                if not all(torch.equal(everyone[0], other) for other in everyone):
+                    failures.append(f"N={n} len={length} {op}: ranks hold different results")
+    finally:
+        dist.isend = original
+    return failures, sends
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4, 5))
+def test_direct_exchange_matches_the_built_in_sending_each_chunk_straight_to_its_owner(clusters, world_size):
+    from ultrascale.comm import chunk_sizes
+    from ultrascale.comm.direct import direct_rounds, direct_steps
+
+    n = world_size
+    sizes = chunk_sizes(LENGTHS[-1], n)
+    for r, (failures, sends) in enumerate(clusters(n).run(_direct_on_rank)):
+        assert failures == []
+        peers = [(r + k) % n for k in range(1, n)]
+        # round 1: every other rank's chunk to its owner; round 2: this rank's summed chunk to all
+        assert sends == [(p, sizes[p]) for p in peers] + [(p, sizes[r]) for p in peers], (r, sends)
+        assert len(sends) == direct_steps(n)
+        # (K - own chunk) + (N-1) * own chunk: the ring's 2 (N-1)/N K when N divides K
+        assert sum(e for _, e in sends) == LENGTHS[-1] + (n - 2) * sizes[r]
+    assert (direct_steps(n), direct_rounds(n)) == {1: (0, 0), 2: (2, 2), 3: (4, 2), 4: (6, 2), 5: (8, 2)}[n]
+
+
+def test_direct_exchange_is_chosen_from_its_measured_crossover_only():
+    from ultrascale.comm.recursive import AlphaBeta, all_reduce_contenders, choose_algorithm
+
+    model = AlphaBeta(1e-4, 1e9)
+    assert choose_algorithm(16 << 20, 4, model) == "halving_doubling"           # the model alone never picks it
+    assert choose_algorithm(16 << 20, 4, model, direct_from=4 << 20) == "direct"
+    assert choose_algorithm(1 << 20, 4, model, direct_from=4 << 20) == choose_algorithm(1 << 20, 4, model)
+    assert choose_algorithm(16 << 20, 1, model, direct_from=1) != "direct"      # one rank: nothing to exchange
+    assert "direct" not in all_reduce_contenders(model=model)
+    assert "direct" in all_reduce_contenders(model=model, direct=True)
+
+
+def _direct_crossover(ctx):
+    from ultrascale.comm.recursive import direct_crossover_on_the_spot
+
+    sizes = (1 << 12, 1 << 16, 1 << 20)
+    return direct_crossover_on_the_spot(sizes=sizes, rounds=2), sizes
+
+
+def test_the_direct_crossover_is_one_of_the_sizes_raced_and_the_same_on_every_rank(clusters):
+    results = clusters(3).run(_direct_crossover)
+    crossover, sizes = results[0]
+    assert all(c == crossover for c, _ in results), "ranks measured different crossovers"
+    assert crossover is None or crossover in sizes
+
+
 def _race(ctx):
     from ultrascale.comm.recursive import AlphaBeta, all_reduce_contenders, race_all_reduces
 

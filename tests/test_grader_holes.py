@@ -955,6 +955,12 @@ def test_halving_doubling_refuses_doubling_rings_a_forward_all_gather_and_the_li
 
     exercise = "a0.halving_doubling"
     _fails(check(exercise, the_library), "the course library's collectives")
+
+    def the_library_direct_exchange(ctx, tensor):  # right sums, and the course's code, not the learner's
+        from ultrascale.comm.direct import direct_all_reduce
+        return direct_all_reduce(tensor.clone())
+
+    _fails(check(exercise, the_library_direct_exchange), "the course library's collectives")
     _fails(check(exercise, a0["recursive_doubling_all_reduce"]), "world_size=4", "carried the whole tensor")
     _fails(check(exercise, a0["ring_all_reduce"]), "halving-doubling sends")
     _fails(check(exercise, all_gather_in_halving_order, world_size=4), "world_size=4", "wrong values")

@@ -3,9 +3,12 @@
 * ``ring``: ``ring_reduce_scatter``, ``ring_all_gather``, ``ring_all_reduce``, and
   ``send_recv``, the point-to-point step they are built from.
 * ``recursive``: ``recursive_doubling_all_reduce`` (log2 N steps, latency-optimal) and
-  ``all_reduce``, which picks it, halving-doubling or the ring by size with an alpha-beta model.
+  ``all_reduce``, which picks it, halving-doubling or the ring by size with an alpha-beta model,
+  and direct exchange above a crossover measured on the spot.
 * ``halving_doubling``: ``halving_doubling_all_reduce`` (Rabenseifner: the ring's bytes in
   2 log2 N - 1 steps).
+* ``direct``: ``direct_all_reduce`` (every chunk straight to its owner, all at once: the ring's
+  bytes in two rounds, additions overlapping the transfers).
 * ``functional``: collectives that autograd differentiates, for the model-parallel
   chapters: the book's ``f``, ``f_star``, ``g``, ``g_star``, ``split_along_dim``,
   ``gather_along_dim``, ``all_to_all``; and the plain ``all_gather_into``,

@@ -22,7 +22,10 @@ so doubling wins below a crossover size and the ring above it. A third contender
 halving-doubling (``halving_doubling.py``), sends the ring's bytes in ``2 log2 P - 1`` messages.
 ``all_reduce`` picks whichever of the three the alpha-beta model, fitted on the spot
 (``fit_on_the_spot``), predicts to be fastest, as NCCL and gloo pick an algorithm by size
-instead of using one for everything.
+instead of using one for everything. A fourth, direct exchange (``direct.py``), sends the ring's
+bytes in two rounds of messages all in flight together; the model, which sends one message at
+a time, cannot place it, so its crossover against halving-doubling is measured on the spot
+(``direct_crossover_on_the_spot``) and ``all_reduce(..., direct_from=...)`` uses it above that.
 
 Sums come out bitwise the same on every rank: each addition pairs the same two partial sums
 on both partners, and ``a + b == b + a`` exactly in floating point.
@@ -35,6 +38,7 @@ import math
 import torch
 
 from .cost_model import AlphaBeta, fit_alpha_beta
+from .direct import direct_all_reduce
 from .halving_doubling import _largest_power_of_two, halving_doubling_all_reduce, halving_doubling_time
 from .logger import record_op
 from .ring import (_normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keeping_exchanges, ring_all_reduce,
@@ -103,7 +107,7 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) ->
 
 
 ALGORITHMS = {"recursive_doubling": recursive_doubling_all_reduce, "halving_doubling": halving_doubling_all_reduce,
-              "ring": ring_all_reduce}
+              "ring": ring_all_reduce, "direct": direct_all_reduce}
 
 
 def predicted_times(model: AlphaBeta, nbytes, world_size: int) -> dict:
@@ -113,23 +117,51 @@ def predicted_times(model: AlphaBeta, nbytes, world_size: int) -> dict:
             "ring": model.ring_all_reduce_time(nbytes, world_size)}
 
 
-def choose_algorithm(nbytes: int, world_size: int, model: AlphaBeta) -> str:
+def choose_algorithm(nbytes: int, world_size: int, model: AlphaBeta, direct_from: int | None = None) -> str:
     """The name of the algorithm the model predicts to be fastest (the first of a tie).
 
     Recursive doubling for small buffers; above ``crossover_bytes`` the ring, or halving-doubling
     where ``N`` is a power of two: it has the ring's bytes in fewer messages, so under this model
     it never loses to the ring. (With a fold, its two whole-buffer messages make it lose to one
-    or the other at every size.)
+    or the other at every size.) From ``direct_from`` bytes up (a crossover measured by
+    ``direct_crossover_on_the_spot``; None: never), direct exchange.
     """
+    if direct_from is not None and nbytes >= direct_from and world_size > 1:
+        return "direct"
     times = predicted_times(model, nbytes, world_size)
     return min(times, key=times.get)
 
 
-def all_reduce(tensor: torch.Tensor, op="sum", group=None, *, model: AlphaBeta) -> torch.Tensor:
-    """All-reduce in place with the algorithm the alpha-beta ``model`` predicts to be fastest."""
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, *, model: AlphaBeta,
+               direct_from: int | None = None) -> torch.Tensor:
+    """All-reduce in place with the algorithm ``choose_algorithm`` picks for its size."""
     _, n = _rank_and_size(group)
     nbytes = tensor.numel() * tensor.element_size()
-    return ALGORITHMS[choose_algorithm(nbytes, n, model)](tensor, op, group)
+    return ALGORITHMS[choose_algorithm(nbytes, n, model, direct_from)](tensor, op, group)
+
+
+def direct_crossover_on_the_spot(group=None, sizes=(1 << 20, 4 << 20, 16 << 20), rounds: int = 6,
+                                 device=None) -> int | None:
+    """The smallest of ``sizes`` from which direct exchange beat halving-doubling at every larger
+    size too, raced on the spot (``race_all_reduces``, median of ``rounds``); None if it lost at
+    the largest, or on a GPU (direct exchange is gloo-only). Call on every rank: the times are
+    the slowest rank's, so every rank gets the same answer.
+
+    Why measure instead of model: the two send the same bytes, and under the alpha-beta model,
+    which sends one message at a time, direct exchange costs what the ring costs. What it gains
+    is what the model leaves out: its messages are in flight together, and each addition
+    overlaps the transfers still coming in.
+    """
+    if device is not None and torch.device(device).type == "cuda":
+        return None
+    contenders = {"halving": lambda t: halving_doubling_all_reduce(t, group=group),
+                  "direct": lambda t: direct_all_reduce(t, group=group)}
+    crossover = None
+    for nbytes, times in reversed(race_all_reduces(contenders, sorted(sizes), rounds, group, device)):
+        if times["direct"] >= times["halving"]:
+            break
+        crossover = nbytes
+    return crossover
 
 
 def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), iters: int = 7,
@@ -179,9 +211,11 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
     return fit_alpha_beta(sizes, elapsed.tolist())
 
 
-def all_reduce_contenders(group=None, model: AlphaBeta | None = None, again: bool = False) -> dict:
+def all_reduce_contenders(group=None, model: AlphaBeta | None = None, again: bool = False,
+                          direct: bool = False, direct_from: int | None = None) -> dict:
     """The all-reduces to compare, by name: the backend's, the ring, doubling, halving-doubling and (with
-    a model) the choice among the three. With ``again`` the backend's runs a second time, as
+    a model) the choice among them, with direct exchange from ``direct_from`` bytes up. With
+    ``direct`` direct exchange races too. With ``again`` the backend's runs a second time, as
     ``"again"``: its ratio to ``"builtin"`` is how far the machine's noise alone moves a ratio."""
     import torch.distributed as dist
 
@@ -191,8 +225,10 @@ def all_reduce_contenders(group=None, model: AlphaBeta | None = None, again: boo
         "doubling": lambda t: recursive_doubling_all_reduce(t, group=group),
         "halving": lambda t: halving_doubling_all_reduce(t, group=group),
     }
+    if direct:
+        contenders["direct"] = lambda t: direct_all_reduce(t, group=group)
     if model is not None:
-        contenders["chosen"] = lambda t: all_reduce(t, group=group, model=model)
+        contenders["chosen"] = lambda t: all_reduce(t, group=group, model=model, direct_from=direct_from)
     if again:
         contenders["again"] = contenders["builtin"]
     return contenders

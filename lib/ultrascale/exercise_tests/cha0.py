@@ -92,7 +92,8 @@ def _forbidden(name: str, exercise_name: str, original):
 
 def _library_ring(*args, **kwargs):
     raise ForbiddenCollective("your code called the course library's collectives (ultrascale.comm: the ring, "
-                              "recursive doubling, halving-doubling): write yours with dist.isend / dist.irecv")
+                              "recursive doubling, halving-doubling, direct exchange): write yours with "
+                              "dist.isend / dist.irecv")
 
 
 ADVICE = ("build it from point-to-point calls only (dist.isend / dist.irecv, dist.batch_isend_irecv, "
@@ -103,20 +104,20 @@ ADVICE = ("build it from point-to-point calls only (dist.isend / dist.irecv, dis
 def forbid_collectives(exercise_name: str):
     """Make every built-in collective raise (torch.distributed's functions, the process group's
     methods and the c10d operators: guards.forbid_collectives), and the course's own all-reduces:
-    each module of them calls its own ``send_recv``."""
-    from ultrascale.comm import halving_doubling, recursive, ring
+    each module of them sends through its own ``send_recv`` (direct exchange through ``_post``)."""
+    from ultrascale.comm import direct, halving_doubling, recursive, ring
     from ultrascale.grading.guards import forbid_collectives as forbid_builtins
 
-    modules = (ring, recursive, halving_doubling)
-    saved = [module.send_recv for module in modules]
-    for module in modules:
-        module.send_recv = _library_ring
+    senders = [(ring, "send_recv"), (recursive, "send_recv"), (halving_doubling, "send_recv"), (direct, "_post")]
+    saved = [getattr(module, name) for module, name in senders]
+    for module, name in senders:
+        setattr(module, name, _library_ring)
     try:
         with forbid_builtins(exercise_name, ADVICE, error=ForbiddenCollective):
             yield
     finally:
-        for module, original in zip(modules, saved):
-            module.send_recv = original
+        for (module, name), original in zip(senders, saved):
+            setattr(module, name, original)
 
 
 class _SendTap:
