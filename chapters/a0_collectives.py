@@ -962,6 +962,19 @@ else:
 # few cores, so the absolute numbers say little about a GPU cluster; the shape of the curves
 # carries over.)
 #
+# There is a way to get that overlap without cutting chunks into more messages: send every chunk
+# straight to the rank that owns it, all at once (`ultrascale.comm.direct`). Rank `r` posts its
+# `N - 1` other chunks to their owners and `N - 1` receives of its own chunk, and adds each
+# contribution as soon as it is in, while the others are still arriving; then it sends its summed
+# chunk to everybody. The ring's bytes, in two rounds instead of `2(N-1)` steps. The alpha-beta
+# model sends one message at a time, so it prices this like the ring and would never pick it; the
+# benchmark races it instead, and at 16 MiB (4 ranks, 2 cores) it matched gloo (0.99-1.00x in three
+# races) where halving-doubling read 0.90-0.92x. So `all_reduce(..., direct_from=...)` takes it
+# above a crossover raced on the spot (`direct_crossover_on_the_spot`), the way tuned MPI libraries
+# pick algorithms from measured tables rather than from a formula. On a real cluster its `N - 1`
+# simultaneous messages all cross the network at once, which is why NCCL keeps rings and trees
+# between nodes.
+#
 # How much a step costs can hang on details no model shows. Each `dist.isend` and `dist.irecv`
 # returns a `Work` object; our ring used to let go of them as soon as a step was done. Measured
 # (`benchmarks/bench_send_recv.py`, 4 ranks on 2 cores), many of the following exchanges then
