@@ -394,8 +394,7 @@ def _pairwise_all_reduce_on_rank(ctx, module_name="recursive", function="recursi
     import importlib
 
     module = importlib.import_module(f"ultrascale.comm.{module_name}")
-    n, r = ctx.world_size, ctx.rank
-    failures, peers, sent, original = [], [], [], module.send_recv
+    peers, sent, original = [], [], module.send_recv
 
     def spy(send, recv, right, left, group):
         peers.append((right if send.numel() else None, left if recv.numel() else None))
@@ -404,26 +403,34 @@ def _pairwise_all_reduce_on_rank(ctx, module_name="recursive", function="recursi
 
     module.send_recv = spy
     try:
-        for length in LENGTHS:
-            x = _rank_input(r, length)
-            abs_sum = x.abs()
-            dist.all_reduce(abs_sum)
-            for op in OPS:
-                ref = _built_in(x, op)
-                y = x.clone()
-                peers.clear()
-                sent.clear()
-                out = getattr(module, function)(y, op)
-                if out is not y:
-                    failures.append(f"{function} did not return its input")
-                _check(failures, f"rank {r} N={n} len={length} {op}", y, ref, _tolerance(op, abs_sum, ref, n))
-                everyone = [torch.empty_like(y) for _ in range(n)]
-                dist.all_gather(everyone, y)
-                if not all(torch.equal(everyone[0], other) for other in everyone):
-                    failures.append(f"N={n} len={length} {op}: ranks hold different results")
+        failures = _against_the_built_in(ctx, function, getattr(module, function), [peers, sent])
     finally:
         module.send_recv = original
     return failures, peers, sent
+
+
+def _against_the_built_in(ctx, name, all_reduce, logs) -> list:
+    """``all_reduce(y, op)`` at every length and op against the built-in, in place and equal on
+    every rank; each list of ``logs`` is emptied before each call, so it ends with the last one's."""
+    n, r = ctx.world_size, ctx.rank
+    failures = []
+    for length in LENGTHS:
+        x = _rank_input(r, length)
+        abs_sum = x.abs()
+        dist.all_reduce(abs_sum)
+        for op in OPS:
+            ref = _built_in(x, op)
+            y = x.clone()
+            for log in logs:
+                log.clear()
+            if all_reduce(y, op) is not y:
+                failures.append(f"{name} did not return its input")
+            _check(failures, f"rank {r} N={n} len={length} {op}", y, ref, _tolerance(op, abs_sum, ref, n))
+            everyone = [torch.empty_like(y) for _ in range(n)]
+            dist.all_gather(everyone, y)
+            if not all(torch.equal(everyone[0], other) for other in everyone):
+                failures.append(f"N={n} len={length} {op}: ranks hold different results")
+    return failures
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4, 5))
@@ -548,8 +555,7 @@ def _direct_on_rank(ctx):
     """direct_all_reduce against the built-in; the last call's sends as (peer, elements)."""
     from ultrascale.comm.direct import direct_all_reduce
 
-    n, r = ctx.world_size, ctx.rank
-    failures, sends, original = [], [], dist.isend
+    sends, original = [], dist.isend
 
     def spy(tensor, *args, **kwargs):
         sends.append((kwargs.get("group_dst"), tensor.numel()))
@@ -557,21 +563,7 @@ def _direct_on_rank(ctx):
 
     dist.isend = spy
     try:
-        for length in LENGTHS:
-            x = _rank_input(r, length)
-            abs_sum = x.abs()
-            dist.all_reduce(abs_sum)
-            for op in OPS:
-                ref = _built_in(x, op)
-                y = x.clone()
-                sends.clear()
-                if direct_all_reduce(y, op) is not y:
-                    failures.append("direct_all_reduce did not return its input")
-                _check(failures, f"rank {r} N={n} len={length} {op}", y, ref, _tolerance(op, abs_sum, ref, n))
-                everyone = [torch.empty_like(y) for _ in range(n)]
-                dist.all_gather(everyone, y)
-                if not all(torch.equal(everyone[0], other) for other in everyone):
-                    failures.append(f"N={n} len={length} {op}: ranks hold different results")
+        failures = _against_the_built_in(ctx, "direct_all_reduce", direct_all_reduce, [sends])
     finally:
         dist.isend = original
     return failures, sends
