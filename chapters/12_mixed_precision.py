@@ -615,8 +615,11 @@ fig
 #
 # `FP8Linear` (in `fp8_linear.py`) does exactly this, with two recipes:
 # - `"tensorwise"`: one scale per tensor, recomputed at every call; $x$ and $W$ in e4m3, the
-#   gradient $\partial y$ in e5m2 for its range (the hybrid choice of Transformer Engine). These
-#   GEMMs are real FP8 GEMMs, `torch._scaled_mm` (which runs on the CPU in this PyTorch too);
+#   gradient $\partial y$ in e5m2 for its range (the hybrid choice of Transformer Engine). On a GPU
+#   these GEMMs are real FP8 GEMMs, `torch._scaled_mm`. A CPU has no FP8 arithmetic: there
+#   `_scaled_mm` runs as a slow reference loop (hundreds of times a float32 matmul's time), so
+#   `fp8_gemm` multiplies the FP8 values in float32 instead, where the product of two FP8 numbers
+#   is exact, and applies the two scales once, as `_scaled_mm` does (checked below);
 # - `"tilewise"`: DeepSeek-V3's tiles, everything in e4m3. Tile GEMMs are simulated: FP8 values
 #   times their scales, multiplied in fp32, the same numbers up to the order of the additions.
 #
@@ -649,8 +652,11 @@ for name in RECIPES:
     assert all(0.01 < e < 0.1 for e in errors.values()), errors
     print(f"{name:>11} " + " ".join(f"{e:>7.1%}" for e in errors.values()))
 
-# the tensorwise Fprop is a real FP8 GEMM: the same numbers as fp32 on the dequantised operands
+# the tensorwise Fprop is the FP8 GEMM torch._scaled_mm computes, up to the order of the float32 sums
 xq, wq = Quantised.of(inputs.reshape(-1, 256), None, E4M3), Quantised.of(linear.weight.detach(), None, E4M3)
+fp8_product = torch._scaled_mm(xq.q, wq.q.T, scale_a=xq.scale.reshape(()), scale_b=wq.scale.reshape(()),
+                               out_dtype=torch.float32)   # wq.q.T: column-major, as _scaled_mm wants it
+torch.testing.assert_close(fp8_gemm(xq, wq.T), fp8_product, rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(fp8_gemm(xq, wq.T), xq.dequantize() @ wq.dequantize().T, rtol=1e-5, atol=1e-5)
 
 # %% [markdown]

@@ -237,6 +237,10 @@ def test_scaled_mm_and_the_tile_loop_agree_with_dequantised_matmul():
     for da, db in ((E4M3, E4M3), (E5M2, E4M3)):
         qa, qb = Quantised.of(a, None, da), Quantised.of(b, None, db)
         torch.testing.assert_close(fp8_gemm(qa, qb), qa.dequantize() @ qb.dequantize(), rtol=1e-5, atol=1e-5)
+        # on a CPU fp8_gemm computes the FP8 product in float32: torch's own FP8 GEMM agrees
+        theirs = torch._scaled_mm(qa.q, qb.q.t().contiguous().t(), scale_a=qa.scale.reshape(()),
+                                  scale_b=qb.scale.reshape(()), out_dtype=torch.float32)
+        torch.testing.assert_close(fp8_gemm(qa, qb), theirs, rtol=1e-5, atol=1e-5)
     qa, qb = Quantised.of(a, (1, 128), E4M3), Quantised.of(b, (128, 128), E4M3)
     torch.testing.assert_close(tile_scaled_matmul(qa, qb), qa.dequantize() @ qb.dequantize(), rtol=1e-5, atol=1e-5)
 
