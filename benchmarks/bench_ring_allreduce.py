@@ -28,7 +28,7 @@ import argparse
 from unittest import mock
 
 from ultrascale.comm import bus_factor, fit_ring_all_reduce, format_bytes, halving_doubling
-from ultrascale.comm.recursive import (all_reduce_contenders, choose_algorithm, crossover_bytes,
+from ultrascale.comm.recursive import (DIRECT_RACE_SIZES, all_reduce_contenders, choose_algorithm, crossover_bytes,
                                        direct_crossover_on_the_spot, fit_on_the_spot, race_all_reduces)
 from ultrascale.runtime import Cluster
 from sidebyside import verdict
@@ -85,7 +85,8 @@ def main(argv=None) -> list:
     print(f"fitted on the spot: alpha = {1e6 * model.alpha:.0f} us, beta = {model.beta / 1e9:.2f} GB/s; "
           f"ring beats doubling above {format_bytes(crossover_bytes(model, n))}")
     print("direct exchange beat halving-doubling, raced on the spot, "
-          + (f"from {format_bytes(direct_from)} up" if direct_from else "at none of 1, 4 and 16 MiB: never chosen"))
+          + (f"from {format_bytes(direct_from)} up" if direct_from else
+             f"at none of {', '.join(map(format_bytes, DIRECT_RACE_SIZES))}: never chosen"))
     print(f"{'size':>10} {'builtin':>8} {'ring':>8} {'doubling':>9} {'halving':>8} {'direct':>8} {'chosen':>8}   "
           f"{'ring/b':>6} {'doubl/b':>7} {'halv/b':>6} {'dir/b':>6} {'chosen/b':>8} {'again/b':>7} {'noadd/b':>7}"
           f"  chosen algorithm, target")

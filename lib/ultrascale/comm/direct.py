@@ -17,9 +17,10 @@ Same bytes as the ring, ``2 (N-1)`` messages per rank, in two rounds instead of 
 sequential steps. Under the one-message-at-a-time alpha-beta model that costs what the ring
 costs; what the model leaves out is what it gains: the messages of a round overlap each other,
 and the additions overlap the transfers. Measured with gloo, 4 ranks on 2 cores
-(``benchmarks/bench_ring_allreduce.py``): 1.00x gloo's time at 16 MiB where halving-doubling
-reads 0.90-0.92x, and within noise of it at 64 MiB; below about 4 MiB halving-doubling's fewer
-messages win. ``recursive.all_reduce`` picks it above a crossover measured on the spot
+(races of 18-36 rounds in balanced orders, as ``benchmarks/bench_ring_allreduce.py`` runs them):
+0.99-1.00x gloo's speed at 16 MiB where halving-doubling read 0.90-0.92x, within noise of it at
+4 and 64 MiB, and behind it at 1 MiB (1.48-1.51x gloo's speed against 1.57-1.66x), where
+halving-doubling's fewer messages count. ``recursive.all_reduce`` picks it above a crossover measured on the spot
 (``direct_crossover_on_the_spot``), since the model cannot place it.
 
 On a real cluster its messages cross every link at once, through the same switches, which is
@@ -32,9 +33,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ring
 from .logger import count_p2p, record_op
-from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keeping_exchanges
+from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keep, keeping_exchanges
 
 
 def direct_steps(world_size: int) -> int:
@@ -56,8 +56,7 @@ def _post(sends: list, receives: list, group) -> tuple[list, list]:
     recv_works = [(dist.irecv(t, group=group, group_src=peer), t) for t, peer in receives if t.numel()]
     count_p2p(sum(t.numel() * t.element_size() for t, _ in sends),
               sum(t.numel() * t.element_size() for t, _ in receives))
-    if ring._kept_works is not None:            # held until the collective returns (ring.keeping_exchanges)
-        ring._kept_works.extend(send_works + [w for w, _ in recv_works])
+    keep(send_works + [w for w, _ in recv_works])      # until the collective returns (ring.keeping_exchanges)
     return send_works, recv_works
 
 
@@ -79,8 +78,9 @@ def direct_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tenso
         mine = chunks[rank]
         peers = [(rank + k) % n for k in range(1, n)]          # send to r+1, r+2, ...
         sources = [(rank - k) % n for k in range(1, n)]        # receive from r-1, r-2, ...
-        buffer = _receive_buffer((n - 1) * mine.numel(), flat)
-        incoming = buffer.view(max(n - 1, 1), -1) if mine.numel() else [buffer] * (n - 1)
+        m = mine.numel()
+        buffer = _receive_buffer((n - 1) * m, flat)
+        incoming = [buffer[i * m:(i + 1) * m] for i in range(n - 1)]    # one slot per contributor
         # reduce-scatter: everything out at once; add each contribution as soon as it is in
         sends, receives = _post([(chunks[p], p) for p in peers], list(zip(incoming, sources)), group)
         for work, contribution in receives:

@@ -140,7 +140,10 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, *, model: AlphaBeta,
     return ALGORITHMS[choose_algorithm(nbytes, n, model, direct_from)](tensor, op, group)
 
 
-def direct_crossover_on_the_spot(group=None, sizes=(1 << 20, 4 << 20, 16 << 20), rounds: int = 6,
+DIRECT_RACE_SIZES = (1 << 20, 4 << 20, 16 << 20)   # bytes at which direct_crossover_on_the_spot races
+
+
+def direct_crossover_on_the_spot(group=None, sizes=DIRECT_RACE_SIZES, rounds: int = 6,
                                  device=None) -> int | None:
     """The smallest of ``sizes`` from which direct exchange beat halving-doubling at every larger
     size too, raced on the spot (``race_all_reduces``, median of ``rounds``); None if it lost at

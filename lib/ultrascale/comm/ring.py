@@ -86,6 +86,12 @@ def keeping_exchanges():
         _kept_works = None
 
 
+def keep(works: list) -> None:
+    """Inside ``keeping_exchanges()``, hold these Work objects until the block ends (else nothing)."""
+    if _kept_works is not None:
+        _kept_works.extend(works)
+
+
 def send_recv(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
     """Send ``send`` to the right neighbour while receiving ``recv`` from the left one.
 
@@ -108,8 +114,7 @@ def send_recv(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
                 ([dist.irecv(recv, group=group, group_src=left)] if receiving else [])
     for work in works:
         work.wait()
-    if _kept_works is not None:
-        _kept_works.extend(works)
+    keep(works)
     count_p2p(send.numel() * send.element_size(), recv.numel() * recv.element_size())
 
 
