@@ -437,7 +437,8 @@ for kind, results in runs.items():
 #
 # The buckets need not hold a *second* copy of the gradients. The first time a parameter's
 # gradient is ready, `BucketedDataParallel` copies it into its slot in the bucket, once, and then
-# makes `.grad` a view of that slot. As long as that `.grad` lives, backward accumulates straight
+# makes `.grad` a view of that slot. (The copy also multiplies by `1/N`, so the bucket's sum is
+# the mean without another pass over it; DDP's copy does the same.) As long as that `.grad` lives, backward accumulates straight
 # into the bucket, and the all-reduce averages the gradients in the very place the optimizer
 # reads them, with nothing to copy back. PyTorch's DDP does this only with
 # `gradient_as_bucket_view=True`; by default it keeps `.grad` and its buckets apart, copying each

@@ -32,6 +32,7 @@ The training loop is the same for all three::
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,10 @@ class DataParallel(nn.Module):
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
+        # Multiplying by the reciprocal, as DDP does, costs half what dividing every element
+        # costs on a CPU (1 MiB: about 50 us against 130 us here); with a power-of-two world
+        # size the two are bit for bit the same, otherwise one unit in the last place at most apart.
+        self.scale = 1.0 / self.world_size
         self.timeline = timeline or Timeline(dist.get_rank(), enabled=False)
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.num_syncs = 0                      # gradient synchronisations (one per step)
@@ -87,20 +92,21 @@ class DataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    def _note_ready(self, p: torch.Tensor) -> str:
-        """Record that ``p``'s gradient is final; returns its name. ``ready_order`` holds the
-        latest synchronised backward's order only, so it stays one name per parameter however
-        long the run."""
+    def _note_ready(self, name: str) -> None:
+        """Record that parameter ``name``'s gradient is final. ``ready_order`` holds the latest
+        synchronised backward's order only, so it stays one name per parameter however long
+        the run."""
         if self._ready_order_sync != self.num_syncs:
             self.ready_order, self._ready_order_sync = [], self.num_syncs
-        name = self.names[p]
         self.ready_order.append(name)
-        self.timeline.mark(f"grad ready {name}")
-        return name
+        if self.timeline.enabled:   # this runs for every parameter in every backward: keep it lean
+            self.timeline.mark(f"grad ready {name}")
 
-    def _all_reduce(self, tensor: torch.Tensor, name: str, async_op: bool):
-        """Sum ``tensor`` over the ranks (pre-divided by world size: the sum is the mean)."""
-        tensor.div_(self.world_size)
+    def _all_reduce(self, tensor: torch.Tensor, name: str, async_op: bool, scaled: bool = False):
+        """Sum ``tensor`` over the ranks, scaled first by 1/world size (unless the caller has
+        done it: ``scaled``), so that the sum is the mean."""
+        if not scaled:
+            tensor.mul_(self.scale)
         nbytes = tensor.numel() * tensor.element_size()
         if not async_op:
             with self.timeline.span(name, COMMUNICATION, nbytes):
@@ -150,7 +156,8 @@ class OverlappedDataParallel(DataParallel):
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self.require_backward_grad_sync:
             return   # accumulating: keep the gradient local
-        name = self._note_ready(p)
+        name = self.names[p]
+        self._note_ready(name)
         self.reduced.add(p)
         self.handles.append(self._all_reduce(p.grad, f"all_reduce {name}", async_op=True))
 
@@ -183,7 +190,7 @@ class Bucket:
         # each parameter's slot, viewed in its shape once: the hooks run for every parameter
         # in every backward, and slicing a fresh view each time is a measurable part of them
         self.views = {p: self.buffer[start:end].view_as(p) for p, (start, end) in self.offsets.items()}
-        self.ready: set = set()
+        self.ready: set = set()   # names of the parameters whose gradient is in
         self.work = None
 
     @property
@@ -241,22 +248,28 @@ class BucketedDataParallel(DataParallel):
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.next_to_launch = 0
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            # Each hook gets its parameter's name, bucket and slot bound once. The hooks run for
+            # every parameter in every backward, and finding these by tensor each time (a
+            # Python-level hash per lookup) was a third of what a hook cost.
+            bucket = self.bucket_of[p]
+            hook = functools.partial(self._on_grad_ready, self.names[p], bucket, bucket.view_of(p))
+            p.register_post_accumulate_grad_hook(hook)
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
+    def _on_grad_ready(self, name: str, bucket: Bucket, view: torch.Tensor, p: torch.Tensor) -> None:
         if not self.require_backward_grad_sync:
             return
-        self._note_ready(p)
-        bucket = self.bucket_of[p]
-        view = bucket.view_of(p)
+        self._note_ready(name)
+        # Each gradient is scaled by 1/N here, so that the bucket's sum is the mean.
         if p.grad.data_ptr() != view.data_ptr():
-            # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): copy it
-            # into the bucket once and make .grad a view of it. Later backwards then add straight
-            # into the bucket, and the averaged result needs no copy back (DDP's
-            # gradient_as_bucket_view).
-            view.copy_(p.grad)
+            # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): scale it
+            # on its way into the bucket, one pass for both (as DDP's copy does), and make .grad
+            # a view of its slot. Later backwards then add straight into the bucket, and the
+            # averaged result needs no copy back (DDP's gradient_as_bucket_view).
+            torch.mul(p.grad, self.scale, out=view)
             p.grad = view
-        bucket.ready.add(p)
+        else:
+            view.mul_(self.scale)            # accumulated in its slot already: scale it there
+        bucket.ready.add(name)
         self._launch_full_buckets()
 
     def _launch_full_buckets(self) -> None:
@@ -264,7 +277,8 @@ class BucketedDataParallel(DataParallel):
             self._launch(self.buckets[self.next_to_launch])
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.work = self._all_reduce(bucket.buffer, f"all_reduce bucket {bucket.index}", async_op=True)
+        bucket.work = self._all_reduce(bucket.buffer, f"all_reduce bucket {bucket.index}", async_op=True,
+                                       scaled=True)   # by the hooks, gradient by gradient
         self.next_to_launch += 1
 
     def finish_gradient_synchronization(self) -> None:
@@ -272,9 +286,9 @@ class BucketedDataParallel(DataParallel):
             return   # nothing happened since the last sync (e.g. all backward ran in no_sync)
         for bucket in self.buckets[self.next_to_launch:]:
             for p in bucket.params:          # no gradient this step: contribute zeros
-                if p not in bucket.ready:
+                if self.names[p] not in bucket.ready:
                     p.grad = bucket.view_of(p).zero_()
-                    bucket.ready.add(p)
+                    bucket.ready.add(self.names[p])
             self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()               # every .grad is a view: averaged where it lies
