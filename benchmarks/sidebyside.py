@@ -63,6 +63,26 @@ def round_ratios(samples: dict, impl: str, baseline: str) -> list:
     return [statistics.median(a) / statistics.median(b) for a, b in zip(samples[impl], samples[baseline])]
 
 
+def ratio_interval(samples: dict, impl: str, baseline: str, level: float = 0.9,
+                   resamples: int = 2000) -> tuple[float, float]:
+    """The range the median ratio ``impl`` / ``baseline`` keeps when the rounds are redrawn:
+    a bootstrap over ``measure_rounds``' rounds, each drawn with both implementations' steps
+    in it (they ran seconds apart), ``level`` of the redrawn ratios falling inside. A target
+    closer to the ratio than this range is wide cannot be told apart on this machine.
+    Seeded, so the same samples always give the same range."""
+    import random
+
+    rng, count = random.Random(0), len(samples[impl])
+    ratios = []
+    for _ in range(resamples):
+        drawn = [rng.randrange(count) for _ in range(count)]
+        ratios.append(statistics.median(t for i in drawn for t in samples[impl][i]) /
+                      statistics.median(t for i in drawn for t in samples[baseline][i]))
+    ratios.sort()
+    tail = (1 - level) / 2
+    return ratios[int(tail * resamples)], ratios[int((1 - tail) * resamples) - 1]
+
+
 def verdict(value: float, low: float | None = None, high: float | None = None, digits: int = 3) -> str:
     """``"OK"`` when ``value`` lies in ``[low, high]`` (either bound may be left open), else ``"MISSED"``.
 

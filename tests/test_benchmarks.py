@@ -16,7 +16,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from sidebyside import verdict  # noqa: E402
+from sidebyside import ratio_interval, verdict  # noqa: E402
 
 
 def test_verdict_judges_the_digits_it_is_printed_with():
@@ -38,7 +38,8 @@ SMOKE = {
     "bench_send_recv.py": (["--exchanges", "5", "--rounds", "1"], [r"ring\s+1024 KiB"]),
     "bench_ring_allreduce.py": (["--quick"], [r"1\.00 MiB .* >= 0\.9x: (OK|MISSED)", r"fit of the ring's own times"]),
     "bench_dp_zero.py": (["--steps", "1", "--warmup", "1", "--rounds", "1", "--dp-rounds", "1"],
-                         [r"ours DP / DDP\s+= [\d.]+ .* (OK|MISSED)", r"ours ZeRO-3 / FSDP2 = [\d.]+ .* (OK|MISSED)"]
+                         [r"ours DP / DDP\s+= [\d.]+ .* (OK|MISSED)", r"90% of rounds redrawn: [\d.]+-[\d.]+: \w",
+                          r"ours ZeRO-3 / FSDP2 = [\d.]+ .* (OK|MISSED)"]
                          + [rf"\n{stage}\s+[\d.]+\s+[\d.]+\s+-?[\d.]+%  OK" for stage in range(4)]),
     "bench_tp.py": (["--steps", "1", "--warmup", "1", "--rounds", "1"],
                     [r"ours / PyTorch, TP\+SP\s*= [\d.]+ .* (OK|MISSED)", r"measured / predicted = [\d.]+ .* OK"]),
@@ -51,6 +52,18 @@ SMOKE = {
     "bench_mfu.py": (["--steps", "1", "--warmup", "0"], [r"needs a CUDA GPU; nothing measured"]),
     "bench_fp8.py": (["--quick"], [r"FP8 product checked on the CPU: relative error 0\.0\d\d \(tolerance 0\.1\): OK"]),
 }
+
+
+def test_ratio_interval_brackets_the_ratio_and_widens_with_the_noise():
+    # two implementations, 12 rounds of 5 steps; "b" is 10% slower than "a" in every round
+    import random
+    rng = random.Random(1)
+    steady = {"a": [[1.0] * 5 for _ in range(12)], "b": [[1.1] * 5 for _ in range(12)]}
+    assert ratio_interval(steady, "b", "a") == pytest.approx((1.1, 1.1))
+    noisy = {impl: [[t * rng.uniform(0.7, 1.3) for _ in range(5)] for _ in range(12)] for impl, t in (("a", 1.0), ("b", 1.1))}
+    low, high = ratio_interval(noisy, "b", "a")
+    assert low < 1.1 < high and high - low > 0.05           # it says how far one run can be trusted
+    assert ratio_interval(noisy, "b", "a") == (low, high)   # the same samples give the same interval
 
 
 def test_every_benchmark_in_make_bench_has_a_smoke_run():
