@@ -23,11 +23,8 @@ import torch
 from sidebyside import verdict
 from ultrascale import records
 from ultrascale.model import GPT, GPTConfig, count_params, hfu, lm_loss, mfu
+from ultrascale.plan import datasheet
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity); the first name
-# found in the device name wins, so the PCIe H100 is tested before the SXM one.
-PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12,
-             "A10G": 125e12}
 SIZES = {  # hidden, layers, heads: GPT-2 medium-like and a ~1.3B
     "350m": dict(hidden=1024, layers=24, heads=16),
     "1b": dict(hidden=2048, layers=24, heads=16),
@@ -37,10 +34,6 @@ SIZES = {  # hidden, layers, heads: GPT-2 medium-like and a ~1.3B
 VARIANTS = [("eager attention", "eager", False, "none"), ("SDPA", "sdpa", False, "none"),
             ("SDPA + torch.compile", "sdpa", True, "none"), ("SDPA, selective recompute", "sdpa", False, "selective"),
             ("SDPA, full recompute", "sdpa", False, "full")]
-
-
-def peak_flops(name: str):
-    return next((value for key, value in PEAK_BF16.items() if key in name), None)
 
 
 def time_steps(model, batch, steps: int, warmup: int) -> float:
@@ -93,7 +86,8 @@ def main() -> int:
         print("bench_mfu needs a CUDA GPU; nothing measured (a CPU number is not a GPU MFU).")
         return 0
     device = torch.cuda.get_device_name(0)
-    peak = peak_flops(device)
+    sheet = datasheet(device)   # MFU's denominator: the dense bf16 peak of the data sheet
+    peak = sheet.bf16_flops if sheet else None
     rows = []
     for variant in VARIANTS:
         torch.cuda.reset_peak_memory_stats()

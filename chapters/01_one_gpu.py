@@ -49,6 +49,7 @@ from ultrascale.memory import (GB, GiB, activation_bytes, model_state_bytes, sav
 from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, GPTConfig, count_params, hfu,
                               mfu, rope_tables, training_flops)
 from ultrascale import records
+from ultrascale.plan import datasheet
 from ultrascale.viz.live import LivePlot, ProgressBar, fan_out
 
 assert isinstance(WORLD_SIZE, int) and WORLD_SIZE >= 1, "WORLD_SIZE must be a positive integer"
@@ -1088,14 +1089,14 @@ mfu_model.set_recompute("none");
 
 # %% tags=["nbval-ignore-output"]
 # (a GPU measurement, or a recorded one: not compared in CI)
-# dense BF16 peaks from the vendor's data sheets; the first name found in the device name wins
-GPU_PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
+# MFU divides by the dense BF16 peak of the GPU's data sheet (ultrascale.plan.datasheet)
 RESULTS = Path("..") / "results"  # one file per device: one_gpu_mfu_<device>.json (see results/README.md)
 
 
 def measure_gpu_mfu():
     name = torch.cuda.get_device_name(0)
-    peak = next((v for k, v in GPU_PEAK_BF16.items() if k in name), None)
+    sheet = datasheet(name)
+    peak = sheet.bf16_flops if sheet else None
     config = GPTConfig(vocab_size=32768, hidden=2048, layers=16, heads=16, attention="sdpa")
     model = GPT(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -1125,7 +1126,7 @@ def show_mfu(record, label):
     for mode in ("none", "selective", "full"):
         r = record[mode]
         utilisation = (f"MFU {r['mfu']:.1%}  HFU {r['hfu']:.1%}" if "mfu" in r
-                       else "(no peak known for this GPU: add it to GPU_PEAK_BF16)")
+                       else "(no data sheet known for this GPU: add it to ultrascale.plan.DATASHEETS)")
         print(f"  recompute={mode:<10} {r['tokens_per_s']:12,.0f} tokens/s  {utilisation}")
 
 

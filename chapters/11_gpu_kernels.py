@@ -53,6 +53,7 @@ import time
 import ultrascale.kernels as K  # noqa: I001
 from ultrascale import records
 from ultrascale.kernels import gpu_ideas
+from ultrascale.plan import datasheet
 from ultrascale.viz.live import ProgressBar
 
 import matplotlib.pyplot as plt
@@ -960,15 +961,6 @@ def load_bench_module():
     return module
 
 
-# Datasheet peaks (dense bf16 Tensor Core FLOP/s, HBM bytes/s), for the roofline's ceilings.
-DATASHEET = [  # (test on the device name, label, bf16 FLOP/s, HBM B/s)
-    (lambda d: "H200" in d, "H200", 989e12, 4.8e12),
-    (lambda d: "H100" in d and "PCIe" in d, "H100 PCIe", 756e12, 2.0e12),
-    (lambda d: "H100" in d and "NVL" in d, "H100 NVL", 835e12, 3.9e12),
-    (lambda d: "H100" in d, "H100 SXM", 989e12, 3.35e12),
-    (lambda d: "A100" in d and "80GB" in d, "A100 80GB", 312e12, 2.0e12),
-    (lambda d: "A100" in d, "A100 40GB", 312e12, 1.555e12),
-]
 FLOPS_PER_ELEMENT = {"vector_add": 1, "elu": 3, "softmax": 5, "rms_norm": 4, "layer_norm": 7}  # rough counts
 
 
@@ -994,15 +986,15 @@ def show_kernel_results(record, label):
     print(label)
     print(f"measured device-to-device copy: {record['copy_gb_per_s']:.0f} GB/s\n")
     bench.print_rows(record["rows"])
-    peak = next(((name, f, bw) for test, name, f, bw in DATASHEET if test(record["device"])), None)
+    sheet = datasheet(record["device"])   # the roofline's ceilings: dense bf16 FLOP/s and HBM bytes/s
     fig, ax = plt.subplots(figsize=(8, 5))
     intensities = np.logspace(-2, 4, 200)
     copy_bw = record["copy_gb_per_s"] * 1e9
     ax.loglog(intensities, intensities * copy_bw, "k:", label=f"measured copy bandwidth ({copy_bw / 1e12:.2f} TB/s)")
-    if peak:
-        name, flops_peak, bw = peak
+    if sheet:
+        bw, flops_peak = sheet.memory_bandwidth, sheet.bf16_flops
         ax.loglog(intensities, np.minimum(intensities * bw, flops_peak), "k-", lw=1,
-                  label=f"{name} datasheet: {bw / 1e12:.2f} TB/s, {flops_peak / 1e12:.0f} bf16 TFLOP/s")
+                  label=f"{sheet.label} datasheet: {bw / 1e12:.2f} TB/s, {flops_peak / 1e12:.0f} bf16 TFLOP/s")
     for i, row in enumerate(record["rows"]):
         colour = f"C{i % 10}"
         xi, ours = roofline_point(row, row["ours"])

@@ -11,8 +11,8 @@ import pytest
 from ultrascale import memory, overlap
 from ultrascale.comm.cost_model import AlphaBeta
 from ultrascale.model import LLAMA3_8B, LLAMA3_70B, LLAMA_TINY, count_params
-from ultrascale.plan import (H100, Hardware, ParallelConfig, PlanError, divisors, enumerate_configs, fits,
-                             memory_per_gpu, plan, step_time, violations)
+from ultrascale.plan import (H100, DATASHEETS, Hardware, ParallelConfig, PlanError, divisors, enumerate_configs, fits,
+                             datasheet, memory_per_gpu, plan, step_time, violations)
 from ultrascale.plan import published, rules
 from ultrascale.plan.fit import _schedule_factor
 
@@ -71,6 +71,23 @@ def test_techniques_of_a_layout():
 
 
 # ---- enumerator ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, label", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-80GB", "A100 80GB"), ("NVIDIA A100-SXM4-40GB", "A100 40GB"),
+    ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4"), ("NVIDIA A10G", "A10"), ("Tesla T4", None)])
+def test_datasheet_of_a_device_name(device, label):
+    # what torch.cuda.get_device_name() returns: a variant's name holds the plainer one's
+    # (H100 PCIe holds H100, L40S holds L4, A100 holds A10), so the order of the table matters
+    sheet = datasheet(device)
+    assert (sheet and sheet.label) == label
+
+
+def test_datasheets_are_dense_bf16_and_the_planner_default_is_the_h100_sxm():
+    assert H100.peak_flops == datasheet("NVIDIA H100 80GB HBM3").bf16_flops == 989e12
+    for _, sheet in DATASHEETS:   # dense peaks of data-centre GPUs, not the "with sparsity" ones
+        assert 100e12 <= sheet.bf16_flops <= 1000e12 and 0.3e12 <= sheet.memory_bandwidth <= 5e12
+
 
 def test_divisors():
     assert divisors(12) == [1, 2, 3, 4, 6, 12]

@@ -2,7 +2,8 @@
 
 Modules, one idea each:
 
-* ``hardware``: :class:`Hardware` (peak FLOP/s, memory, intra- and inter-node links), H100 defaults;
+* ``hardware``: :class:`Hardware` (peak FLOP/s, memory, intra- and inter-node links), H100 defaults,
+  and :func:`datasheet`, the vendors' peak numbers for a GPU by its device name;
 * ``enumerate``: :class:`ParallelConfig`, the rules a layout must follow (:func:`violations`)
   and every valid layout (:func:`enumerate_configs`);
 * ``fit``: the memory filter, on ``ultrascale.memory.breakdown``;
@@ -18,13 +19,13 @@ Modules, one idea each:
 from .enumerate import (SCHEDULES, ZERO_STAGES, ParallelConfig, PlanError, divisors, enumerate_configs,
                         sequences_per_step, violations)
 from .fit import CONSUMERS, fits, memory_filter, memory_per_gpu
-from .hardware import H100, Hardware, hardware_from_measurements
+from .hardware import DATASHEETS, H100, Datasheet, Hardware, datasheet, hardware_from_measurements
 from .search import Plan, Scored, plan
 from .steptime import PARTS, flops_config, micro_batch_flops, recompute_flops, step_time
 
 __all__ = [
-    "CONSUMERS", "H100", "PARTS", "SCHEDULES", "ZERO_STAGES", "Hardware", "ParallelConfig", "Plan", "PlanError",
-    "Scored", "divisors", "hardware_from_measurements", "enumerate_configs", "fits", "flops_config", "memory_filter",
+    "CONSUMERS", "DATASHEETS", "Datasheet", "H100", "PARTS", "SCHEDULES", "ZERO_STAGES", "Hardware", "ParallelConfig", "Plan", "PlanError",
+    "Scored", "datasheet", "divisors", "hardware_from_measurements", "enumerate_configs", "fits", "flops_config", "memory_filter",
     "memory_per_gpu", "micro_batch_flops", "plan", "recompute_flops", "sequences_per_step", "step_time",
     "violations",
 ]

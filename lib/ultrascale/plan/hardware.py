@@ -34,7 +34,41 @@ from dataclasses import dataclass, field, replace
 
 from ..comm.cost_model import AlphaBeta
 
-H100_PEAK_FLOPS = 989e12          # dense BF16, H100 SXM data sheet
+
+
+@dataclass(frozen=True)
+class Datasheet:
+    """A GPU's headline numbers from its vendor's data sheet: dense BF16 tensor-core FLOP/s (the
+    sheets also print a figure "with sparsity", twice this one) and memory bandwidth in bytes/s.
+    MFU is measured against the first, a roofline's ceilings are drawn from both."""
+
+    label: str
+    bf16_flops: float
+    memory_bandwidth: float
+
+
+# (words the device name must all contain, its data sheet). The first match wins, so a variant
+# comes before the plainer name inside it: H100 PCIe before H100, L40S before L4, A100 before A10.
+DATASHEETS = (
+    (("H200",), Datasheet("H200", 989e12, 4.8e12)),
+    (("H100", "PCIe"), Datasheet("H100 PCIe", 756e12, 2.0e12)),
+    (("H100", "NVL"), Datasheet("H100 NVL", 835e12, 3.9e12)),
+    (("H100",), Datasheet("H100 SXM", 989e12, 3.35e12)),
+    (("A100", "80GB"), Datasheet("A100 80GB", 312e12, 2.0e12)),
+    (("A100",), Datasheet("A100 40GB", 312e12, 1.555e12)),
+    (("L40S",), Datasheet("L40S", 362e12, 864e9)),
+    (("L4",), Datasheet("L4", 121e12, 300e9)),
+    (("A10",), Datasheet("A10", 125e12, 600e9)),
+)
+
+
+def datasheet(device_name: str) -> Datasheet | None:
+    """The data sheet of the GPU called ``device_name`` (``torch.cuda.get_device_name()``), or
+    None for one not in ``DATASHEETS``: add a line there for it."""
+    return next((sheet for words, sheet in DATASHEETS if all(w in device_name for w in words)), None)
+
+
+H100_PEAK_FLOPS = datasheet("H100").bf16_flops   # dense BF16, H100 SXM data sheet
 H100_MEMORY_BYTES = 80e9          # 80 GB HBM3
 NVLINK4_BW = 450e9                # 900 GB/s bidirectional per GPU, per direction
 INFINIBAND_NDR_BW = 50e9          # 400 Gb/s per GPU
