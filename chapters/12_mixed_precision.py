@@ -54,6 +54,7 @@ from ultrascale.precision import (BOOK_TABLE, DTYPES, E4M3, FP8_RECIPES, RECIPES
                                   FP8Recipe, Quantised, ScaledOptimizer, apply_fp8, decode, distinct_inside, fp8_gemm,
                                   layout, layouts, memory_row, quantize, quantize_tiles, relative_error, round_to,
                                   state_bytes, train_losses)
+from ultrascale.precision.gemm_speed import gpu_milliseconds, measure_fp8_gemm, print_fp8_rows
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)
@@ -787,31 +788,14 @@ assert FP8_RECIPES[0].bytes_per_param() * 70e9 / GB == 1400
 # torchao is installed, and the fp16 `GradScaler` run of section 3 on the GPU.
 
 # %% tags=["nbval-ignore-output"]
-def gpu_tflops(fn, flops, repeats=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return flops * repeats / (start.elapsed_time(end) * 1e-3) / 1e12
+def gpu_tflops(fn, flops):
+    return flops / (gpu_milliseconds(fn) * 1e-3) / 1e12
 
 
+FP8_TABLE = "e4m3 torch._scaled_mm (one scale per tensor, bf16 out) against bf16 torch.matmul"
 if torch.cuda.is_available():
-    print(f"MEASURED NOW on {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    one = torch.ones((), device="cuda")
-    for n in ((1024, 4096) if QUICK else (1024, 2048, 4096, 8192)):
-        a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
-        a16, b16 = a.bfloat16(), b.bfloat16()
-        a8, b8 = a.to(E4M3), b.t().contiguous().to(E4M3).t()   # _scaled_mm: b column-major
-        bf16_rate = gpu_tflops(lambda: a16 @ b16, 2 * n ** 3)
-        fp8_rate = gpu_tflops(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
-                                                       out_dtype=torch.bfloat16), 2 * n ** 3)
-        print(f"  {n}^3: bf16 {bf16_rate:6.0f} TFLOP/s, FP8 {fp8_rate:6.0f} TFLOP/s, "
-              f"FP8/bf16 {fp8_rate / bf16_rate:.2f}x")
+    print(f"MEASURED NOW on {torch.cuda.get_device_name(0)}, torch {torch.__version__}: {FP8_TABLE}")
+    print_fp8_rows([measure_fp8_gemm(n) for n in ((1024, 4096) if QUICK else (1024, 2048, 4096, 8192))])
     layer = nn.Linear(4096, 4096, bias=False, device="cuda")
     x = torch.randn(8192, 4096, device="cuda", requires_grad=True)
     ours_layer = FP8Linear.from_linear(layer, "tensorwise")
@@ -836,11 +820,8 @@ else:
     recorded = records.recorded("fp8")
     for path, record in recorded:
         print(records.label(record, path))
-        print("  e4m3 torch._scaled_mm (one scale per tensor, bf16 out) against bf16 torch.matmul, "
-              "from benchmarks/bench_fp8.py:")
-        for r in record["rows"]:
-            print(f"  {r['n']}^3: bf16 {r['bf16_tflops']:6.0f} TFLOP/s, FP8 {r['fp8_tflops']:6.0f} TFLOP/s, "
-                  f"FP8/bf16 {r['fp8_over_bf16']:.2f}x, with both casts to FP8 {r['fp8_with_casts_over_bf16']:.2f}x")
+        print(f"{FP8_TABLE}, from benchmarks/bench_fp8.py:")
+        print_fp8_rows(record["rows"])
     if not recorded:
         print("no GPU here, and no FP8 run recorded in results/ yet: run benchmarks/bench_fp8.py on a GPU")
 

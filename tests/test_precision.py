@@ -335,3 +335,16 @@ def test_fp8_recipes_table():
     # the course's memory model says the same for the two bf16 rows
     assert state_bytes(FP8_RECIPES[0], 10) == model_state_bytes(10, fp32_grad_accum=True)
     assert state_bytes(FP8_RECIPES[1], 10) == model_state_bytes(10)
+
+
+def test_the_fp8_gemm_measurement_checks_its_product_before_it_times_it():
+    from ultrascale.precision.gemm_speed import (FP8_PRODUCT_TOLERANCE, check_fp8_product, fp8_matmul,
+                                                 fp8_operands)
+    assert check_fp8_product(64, "cpu") < 0.06   # e4m3's rounding: a few percent
+    # the check must catch what a fast wrong GEMM would look like: an operand used transposed
+    a, b = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)), torch.randn(64, 64)
+    qa, sa, qb, sb = fp8_operands(a, b)
+    transposed = fp8_matmul(qa, sa, qb.t(), sb).float()   # b^T, not b
+    assert relative_error(transposed, a @ b) > 10 * FP8_PRODUCT_TOLERANCE
+    unscaled = fp8_matmul(qa, torch.ones(()), qb, sb).float()   # a scale forgotten
+    assert relative_error(unscaled, a @ b) > 10 * FP8_PRODUCT_TOLERANCE

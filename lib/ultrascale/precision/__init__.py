@@ -11,6 +11,8 @@ tile-wise scaling, and the memory of FP8 recipes (chapter 12).
 * ``training``: ``train_losses``, the course loop (``parity.run_steps``) under autocast or
   a loss scaler, returning every step's loss.
 * ``recipes``: the bytes per parameter of published FP8 recipes.
+* ``gemm_speed``: FP8 against bf16 GEMMs on a GPU, checked first (bench_fp8 and chapter 12);
+  imported from there, since it needs Triton's timer on a GPU.
 """
 from .formats import (BOOK_TABLE, DTYPES, Fields, Layout, check_dtype, decode, distinct_inside, layout, layouts,
                       round_to)
