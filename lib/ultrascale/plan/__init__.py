@@ -24,8 +24,8 @@ from .search import Plan, Scored, plan
 from .steptime import PARTS, flops_config, micro_batch_flops, recompute_flops, step_time
 
 __all__ = [
-    "CONSUMERS", "DATASHEETS", "Datasheet", "H100", "PARTS", "SCHEDULES", "ZERO_STAGES", "Hardware", "ParallelConfig", "Plan", "PlanError",
-    "Scored", "datasheet", "divisors", "hardware_from_measurements", "enumerate_configs", "fits", "flops_config", "memory_filter",
-    "memory_per_gpu", "micro_batch_flops", "plan", "recompute_flops", "sequences_per_step", "step_time",
-    "violations",
+    "CONSUMERS", "DATASHEETS", "Datasheet", "H100", "PARTS", "SCHEDULES", "ZERO_STAGES", "Hardware",
+    "ParallelConfig", "Plan", "PlanError", "Scored", "datasheet", "divisors", "hardware_from_measurements",
+    "enumerate_configs", "fits", "flops_config", "memory_filter", "memory_per_gpu", "micro_batch_flops",
+    "plan", "recompute_flops", "sequences_per_step", "step_time", "violations",
 ]
