@@ -245,15 +245,15 @@ class BucketedDataParallel(DataParallel):
         cap = int(bucket_cap_mb * 1024 * 1024)  # DDP's bucket_cap_mb counts MiB
         self.buckets = [Bucket(i, ps, ps[0].dtype, ps[0].device)
                         for i, ps in enumerate(build_buckets(params, cap))]
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.next_to_launch = 0
-        for p in params:
-            # Each hook gets its parameter's name, bucket and slot bound once. The hooks run for
-            # every parameter in every backward; looking these up by tensor costs a Python-level
-            # hash per lookup, and binding them took a hook's bookkeeping from ~14 us to ~8 here.
-            bucket = self.bucket_of[p]
-            hook = functools.partial(self._on_grad_ready, self.names[p], bucket, bucket.view_of(p))
-            p.register_post_accumulate_grad_hook(hook)
+        for bucket in self.buckets:
+            for p in bucket.params:
+                # Each hook gets its parameter's name, bucket and slot bound once. The hooks run
+                # for every parameter in every backward; looking these up by tensor costs a
+                # Python-level hash per lookup, and binding them took a hook's bookkeeping from
+                # ~14 us to ~8 here.
+                hook = functools.partial(self._on_grad_ready, self.names[p], bucket, bucket.view_of(p))
+                p.register_post_accumulate_grad_hook(hook)
 
     def _on_grad_ready(self, name: str, bucket: Bucket, view: torch.Tensor, p: torch.Tensor) -> None:
         if not self.require_backward_grad_sync:
