@@ -241,7 +241,7 @@ def test_chapter_01_memory_widget(session, learner):
     learner.screenshot("06_chapter_01_dp8_zero3", widget)
 
     # 4096 is not divisible by 7 heads: the widget says so, in red, and keeps the last plot
-    last_plot = learner.widget_image(widget)
+    last_plot = learner.settled_image(widget)   # what the widget shows once DP 8 / ZeRO-3 has drawn
     learner.enter_number(widget, "heads", 7)
     shown = learner.wait(lambda: [m for m in learner.widget_messages(widget) if m[0]], 30, "the widget's error text")
     text, colour = shown[0]

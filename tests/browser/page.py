@@ -282,6 +282,21 @@ class Learner:
         except PageTimeout as error:
             raise AssertionError(f"{what}: the widget's plot did not change ({error})") from None
 
+    def settled_image(self, index: int, quiet: float = 1.0, timeout: float = 30) -> str:
+        """The digest of cell ``index``'s widget image once it has stayed the same for ``quiet``
+        seconds: a change can bring more than one redraw (``expect_redraw`` returns at the first),
+        and an image read between them is not the one the widget ends with."""
+        last, since = self.widget_image(index), time.monotonic()
+
+        def settled():
+            nonlocal last, since
+            digest = self.widget_image(index)
+            if digest != last:
+                last, since = digest, time.monotonic()
+            return digest if time.monotonic() - since >= quiet else None
+
+        return self.wait(settled, timeout, "the widget's plot to settle")
+
     # ---- the log console --------------------------------------------------------------------
     def log_entries(self) -> int:
         """How many entries the status bar's log console item reports for this notebook (0: hidden)."""
