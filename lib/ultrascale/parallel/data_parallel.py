@@ -180,7 +180,7 @@ class OverlappedDataParallel(DataParallel):
 class Bucket:
     """A flat buffer holding the gradients of a few parameters, reduced in one call."""
 
-    def __init__(self, index: int, params: list, dtype, device):
+    def __init__(self, index: int, params: list, dtype, device, scale: float = 1.0):
         self.index, self.params = index, params
         self.offsets, total = {}, 0
         for p in params:
@@ -192,6 +192,10 @@ class Bucket:
         self.views = {p: self.buffer[start:end].view_as(p) for p, (start, end) in self.offsets.items()}
         self.ready: set = set()   # names of the parameters whose gradient is in
         self.work = None
+        # 1/N as a 0-dim tensor, made once: a Python float is wrapped into a fresh tensor on every
+        # multiply (about 2.5 of a small hook's 6.5 us here). A float32 factor gives the very bits
+        # the float gives to fp32, bf16 and fp16 gradients; fp64 ones need a float64 factor.
+        self.scale = torch.tensor(scale, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
 
     @property
     def full(self) -> bool:
@@ -243,7 +247,7 @@ class BucketedDataParallel(DataParallel):
         super().__init__(module, group, timeline, broadcast)
         params = list(reversed(self.trainable_parameters()))
         cap = int(bucket_cap_mb * 1024 * 1024)  # DDP's bucket_cap_mb counts MiB
-        self.buckets = [Bucket(i, ps, ps[0].dtype, ps[0].device)
+        self.buckets = [Bucket(i, ps, ps[0].dtype, ps[0].device, self.scale)
                         for i, ps in enumerate(build_buckets(params, cap))]
         self.next_to_launch = 0
         for bucket in self.buckets:
@@ -265,10 +269,10 @@ class BucketedDataParallel(DataParallel):
             # on its way into the bucket, one pass for both (as DDP's copy does), and make .grad
             # a view of its slot. Later backwards then add straight into the bucket, and the
             # averaged result needs no copy back (DDP's gradient_as_bucket_view).
-            torch.mul(p.grad, self.scale, out=view)
+            torch.mul(p.grad, bucket.scale, out=view)
             p.grad = view
         else:
-            view.mul_(self.scale)            # accumulated in its slot already: scale it there
+            view.mul_(bucket.scale)          # accumulated in its slot already: scale it there
         bucket.ready.add(name)
         self._launch_full_buckets()
 
