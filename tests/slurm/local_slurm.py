@@ -94,6 +94,10 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
 ReturnToService=2
+# `sbatch --wait` sleeps 2 s, then 8, then 32 between its polls while a wait stays under half of
+# MinJobAge (default 300 s): a 10 s job was seen done after 42 s. At 4 s it polls every 2 s, and a
+# finished job's record is kept at least 4 s, longer than one poll
+MinJobAge=4
 NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
