@@ -165,6 +165,22 @@ def test_build_buckets_never_mixes_dtypes():
     assert [[p.dtype for p in b] for b in build_buckets(params, 1000)] == [[torch.float32], [torch.bfloat16] * 2]
 
 
+def test_bucket_scale_gives_the_bits_a_python_float_gives():
+    """Each bucket keeps 1/N as a tensor made once (a Python float becomes a new tensor at every
+    multiply). Scaling by it must give what multiplying by the float 1/N gives, bit for bit, as
+    DDP does, for every gradient dtype and world size; a float32 factor would not for fp64."""
+    from ultrascale.parallel.data_parallel import Bucket
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        grad = torch.randn(4096, generator=gen).to(dtype)
+        for world in (2, 3, 5, 6, 7):
+            bucket = Bucket(0, [grad], dtype, "cpu", scale=1.0 / world)
+            view = bucket.view_of(grad)
+            torch.mul(grad, bucket.scale, out=view)
+            assert torch.equal(view, grad * (1.0 / world)), (dtype, world)
+
+
 def test_timeline_interval_arithmetic():
     assert covered_seconds([(0, 2), (1, 3), (5, 6)]) == 4
     rows = [{"rank": 0, "lane": "compute", "start": 0.0, "end": 4.0},
