@@ -801,9 +801,9 @@ print(f"  launching {len(layout)} all-reduces from them: {1e3 * launch:.2f} ms (
 
 # %% [markdown]
 # On the course's benchmark (`python benchmarks/bench_dp_zero.py`: 4 ranks on a 2-core machine,
-# a 0.9M-parameter model, 1 MiB buckets), eight runs on 2026-11-26 put our step at 0.95-1.07x
-# DDP's (the last three 0.95-0.99); the four that printed the range of their redrawn rounds could
-# not tell the two apart (each range held 1.00). With 2 ranks, one per core, ours was 1-2%
+# a 0.9M-parameter model, 1 MiB buckets), ten runs on 2026-11-26 put our step at 0.95-1.07x
+# DDP's, 0.99 at the median (the last four 0.95-0.99); the five that printed the range of their
+# redrawn rounds could not tell the two apart (each range held 1.00). With 2 ranks, one per core, ours was 1-2%
 # slower: the price of running in Python what DDP's reducer runs in C++. (Not all of the hook time
 # above is that price: DDP copies and scales each gradient into its bucket too, and by default
 # copies it back out.) Our version buys code you can read in one screen with it.
