@@ -8,7 +8,9 @@
 
 The distributed ones train the course GPT for a few SGD steps on clusters of 2 and 3
 ranks and compare the weights with single-process training on the concatenated batch
-(``shared_cluster`` keeps those clusters between checks), with the parity harness
+(``shared_cluster`` keeps those clusters between checks), then with the 3 ranks cut into the groups
+[0] and [1, 2] (``_groups.Split``), each training on data of its own and given its group: an
+all-reduce over the default group, or a division by the world's size, shows there. With the parity harness
 (``ultrascale.parity``): the same seeded batches, the same training loop, the same loss.
 ``CommLogger`` counts the all-reduce calls, and when they were made, so that a version
 that averages correctly but never overlaps (everything launched in ``finish()``) is told so;
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.batch_size import nearest_power_of_two, samples_per_step
+from ultrascale.exercise_tests._groups import Split
 from ultrascale.grading import exercise
 from ultrascale.grading.guards import call_learner, forbid_library, without_library
 from ultrascale.model import GPT, GPTConfig
@@ -37,6 +40,9 @@ from ultrascale.parity import Batches, make_optimizer, max_difference, tolerance
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
 DATA = Batches(CFG, mbs=2, seed=0)   # the same tokens on every rank and in the reference
 SIZES = (2, 3)
+# Then the ranks cut into groups that train side by side, each on its own data: a learner's class
+# given group= must average over the group [1, 2] only (and rank 0 over itself alone).
+SPLIT = Split([0], [1, 2])
 # The library's own data parallelism is the answer to these exercises, not a way to one: every
 # wrapper (naive, overlapped, bucketed) talks through DataParallel._all_reduce, and Bucket is the
 # flat buffer with each gradient's slot. (Their __init__ methods call super(): a closure, which
@@ -173,19 +179,29 @@ class _AllReduceWatch:
                 "waited_in_backward": sum(c["async"] and c["waited"] == "backward" for c in during)}
 
 
-def _train_on_rank(ctx, make_sync, steps, register_hooks, exercise_id):
+def _data_of(index: int) -> Batches:
+    """The data a group of a split trains on: group ``index``'s own, so that mixing groups shows."""
+    return DATA if index == 0 else Batches(CFG, mbs=2, seed=index)
+
+
+def _train_on_rank(ctx, make_sync, steps, register_hooks, exercise_id, split=None):
     """Train on this rank's rows; count all-reduces launched during backward and in total,
     and those that blocked backward (synchronous, or waited for in the hook).
 
-    ``make_sync(model)`` builds the learner's object; with ``register_hooks`` the harness
-    connects every parameter's post-accumulate-grad hook to ``sync.grad_ready``. The
+    ``make_sync(model, group)`` builds the learner's object (group None: the world; with a
+    ``split``, this rank's group, which trains on its own data); with ``register_hooks`` the
+    harness connects every parameter's post-accumulate-grad hook to ``sync.grad_ready``. The
     library's data-parallel wrappers are refused while the learner's code runs (LIBRARY_DP).
     """
+    stream, group = DATA.rank_stream(ctx.rank, ctx.world_size), None
+    if split is not None:
+        index, group, ranks = split.group_of(ctx)
+        stream = _data_of(index).rank_stream(ranks.index(ctx.rank), len(ranks))
     with forbid_library(LIBRARY_DP, exercise_id, LIBRARY_DP_HINT):
-        return _train_watched(ctx, make_sync, steps, register_hooks)
+        return _train_watched(stream, lambda model: make_sync(model, group), steps, register_hooks)
 
 
-def _train_watched(ctx, make_sync, steps, register_hooks):
+def _train_watched(stream, make_sync, steps, register_hooks):
     from ultrascale.comm import CommLogger
 
     model = _fresh_model()
@@ -206,7 +222,7 @@ def _train_watched(ctx, make_sync, steps, register_hooks):
         marks.append(_all_reduce_calls(log))
 
     with CommLogger() as log, watch.installed():
-        params = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, "sgd", after_backward=finish)
+        params = train(model, stream, steps, "sgd", after_backward=finish)
     names = {p: n for n, p in model.named_parameters()}
     buckets = getattr(sync, "buckets", None)
     if buckets is not None:
@@ -245,43 +261,83 @@ def _differing(got, expected) -> list:
     return [name for name, want in expected.items() if not torch.allclose(got[name], want, **tol)]
 
 
-def _compare_weights(results, size, steps, what):
-    reference = _single_process(DATA.global_stream(size), steps)
+def _compare_weights(results, size, steps, what, data=DATA, where=None, world=None):
+    """Each rank's weights against single-process training on the batches of the ``size`` ranks
+    of ``data``; ``where`` names them (default: the world of ``size`` ranks). With ``world``
+    (its size), ``results`` are those of a group of a split: mistakes of the group are named."""
+    where = where or (lambda r: f"world_size={size}, rank {r}")
+    reference = _single_process(data.global_stream(size), steps)
     for r, res in enumerate(results):
         got = res["params"]
         wrong = _differing(got, reference)
         if not wrong:
             continue
-        if not _differing(got, _single_process(DATA.rank_stream(r, size), steps)):
-            raise AssertionError(f"world_size={size}, rank {r}: the weights are what this rank alone would "
+        if size > 1 and not _differing(got, _single_process(data.rank_stream(r, size), steps)):
+            raise AssertionError(f"{where(r)}: the weights are what this rank alone would "
                                  "learn from its own rows: the gradients were never averaged across ranks")
-        if not _differing(got, _single_process(DATA.global_stream(size), steps, lr_scale=size)):
-            raise AssertionError(f"world_size={size}, rank {r}: the gradients were summed over the ranks "
+        if world and not _differing(got, _single_process(data.global_stream(size), steps, lr_scale=size / world)):
+            raise AssertionError(f"{where(r)}: the gradients were averaged over the group but divided by the "
+                                 f"world's size ({world}), not the group's ({size}): use dist.get_world_size(group)")
+        if size > 1 and not _differing(got, _single_process(data.global_stream(size), steps, lr_scale=size)):
+            raise AssertionError(f"{where(r)}: the gradients were summed over the ranks "
                                  f"but not divided by the world size ({size})")
+        if world:
+            raise AssertionError(f"{where(r)}: the weights differ from data-parallel training over this group "
+                                 "alone, though they were right when the group was the whole world: gradients of "
+                                 "ranks outside the group got in. Pass group=self.group to every dist.all_reduce "
+                                 "and divide by dist.get_world_size(group)")
         err = max_difference(got[wrong[0]], reference[wrong[0]])
-        raise AssertionError(f"world_size={size}, rank {r}, parameter {wrong[0]}: after {steps} SGD steps the "
+        raise AssertionError(f"{where(r)}, parameter {wrong[0]}: after {steps} SGD steps the "
                              f"weights differ from single-process training on the concatenated batch by up "
                              f"to {err:.3g} ({what})")
+
+
+def _layouts():
+    """(cluster size, split or None): the whole world of each size, then the split."""
+    return [(size, None) for size in SIZES] + [(SPLIT.world_size, SPLIT)]
+
+
+def _run_layout(size, split, make_sync, steps, register_hooks, exercise_id, timeout):
+    from ultrascale.runtime import shared_cluster
+
+    if split is None:
+        return shared_cluster(size).run(_train_on_rank, make_sync, steps, register_hooks, exercise_id,
+                                        timeout=timeout)
+    return split.run(_train_on_rank, make_sync, steps, register_hooks, exercise_id, split,
+                     what=exercise_id, timeout=timeout)
+
+
+def _where(size, split, extra=""):
+    return f"world_size={size}{extra}" if split is None else f"on {split}{extra} (each group given as group=)"
+
+
+def _compare_layout(results, size, split, steps, what, extra=""):
+    """The weights of every rank against its world's or, for a split, its group's training."""
+    if split is None:
+        return _compare_weights(results, size, steps, what)
+    for i in split.order():
+        ranks = split.groups[i]
+        _compare_weights([results[r] for r in ranks], len(ranks), steps, what, data=_data_of(i), world=size,
+                         where=lambda r, ranks=ranks: f"{_where(size, split, extra)}, rank {ranks[r]} of the group "
+                                                      f"{list(ranks)} (rank {r} within it)")
 
 
 # ---- 02.overlapped_dp_hooks ----------------------------------------------------------
 
 def _overlapped(cls):
-    def make(model):
-        return cls(model)
+    def make(model, group):
+        return cls(model) if group is None else cls(model, group=group)
     return make
 
 
 @exercise("02.overlapped_dp_hooks", points=2)
 def test_overlapped_dp_hooks(OverlappedGradSync, quick: bool = True, timeout: float = 120):
-    from ultrascale.runtime import shared_cluster
-
     steps = 2 if quick else 4
     n_tensors = len(list(_fresh_model().parameters()))
-    for size in SIZES:
-        results = shared_cluster(size).run(_train_on_rank, _overlapped(OverlappedGradSync), steps, False,
-                                           "02.overlapped_dp_hooks", timeout=timeout)
-        where = f"world_size={size}"
+    for size, split in _layouts():
+        results = _run_layout(size, split, _overlapped(OverlappedGradSync), steps, False, "02.overlapped_dp_hooks",
+                              timeout)
+        where = _where(size, split)
         for res in results:
             assert res["total"] == [n_tensors] * steps, (
                 f"{where}: expected one all-reduce per parameter tensor ({n_tensors}) in each step, got "
@@ -292,8 +348,8 @@ def test_overlapped_dp_hooks(OverlappedGradSync, quick: bool = True, timeout: fl
                 "backward was running; launch each one from the parameter's hook (async_op=True) so it "
                 "overlaps with the rest of backward, and only wait in finish()")
             _check_overlap(res, where, "gradient")
-        _compare_weights(results, size, steps, "check the division by the world size and that finish() "
-                                               "waits for every handle")
+        _compare_layout(results, size, split, steps, "check the division by the world size and that finish() "
+                                                     "waits for every handle")
 
 
 # ---- 02.assign_buckets ---------------------------------------------------------------
@@ -350,26 +406,25 @@ def test_assign_buckets(assign_buckets, quick: bool = True):
 # ---- 02.bucket_manager ---------------------------------------------------------------
 
 def _bucketed(cls, cap_bytes):
-    def make(model):
-        return cls(list(model.parameters()), cap_bytes)
+    def make(model, group):
+        params = list(model.parameters())
+        return cls(params, cap_bytes) if group is None else cls(params, cap_bytes, group=group)
     return make
 
 
 @exercise("02.bucket_manager", points=2)
 def test_bucket_manager(BucketManager, quick: bool = True, timeout: float = 120):
-    from ultrascale.runtime import shared_cluster
-
     steps = 2 if quick else 4
     named = list(GPT(CFG).named_parameters())
     params = [p for _, p in named]
     name_of = {id(p): n for n, p in named}
     caps = [int(0.02 * 2**20), 1, 10**9] if quick else [int(0.02 * 2**20), int(0.005 * 2**20), 1, 10**9]
-    for size in SIZES:
-        for cap in caps:
+    for size, split in _layouts():
+        for cap in caps if split is None else caps[:1]:   # the split: a cap that makes several buckets
             expected = [[name_of[id(p)] for p in b] for b in build_buckets(list(reversed(params)), cap)]
-            results = shared_cluster(size).run(_train_on_rank, _bucketed(BucketManager, cap), steps, True,
-                                               "02.bucket_manager", timeout=timeout)
-            where = f"world_size={size}, bucket_cap_bytes={cap}"
+            results = _run_layout(size, split, _bucketed(BucketManager, cap), steps, True, "02.bucket_manager",
+                                  timeout)
+            where = _where(size, split, f", bucket_cap_bytes={cap}")
             for res in results:
                 assert res["buckets"] is not None, \
                     f"{where}: keep the buckets (lists of parameters) in self.buckets"
@@ -389,6 +444,6 @@ def test_bucket_manager(BucketManager, quick: bool = True, timeout: float = 120)
                     f"{where}: {res['during']} of the {n} bucket all-reduces per step were launched during "
                     "backward; launch a bucket (async_op=True) as soon as its last gradient is ready")
                 _check_overlap(res, where, "bucket")
-            _compare_weights(results, size, steps, "check that each gradient is copied into its bucket, the "
-                                                   "average is copied back into .grad, and the buckets are "
-                                                   "reset for the next step")
+            _compare_layout(results, size, split, steps, "check that each gradient is copied into its bucket, the "
+                                                         "average is copied back into .grad, and the buckets are "
+                                                         "reset for the next step", f", bucket_cap_bytes={cap}")
