@@ -141,6 +141,26 @@ def test_same_as_torch_distributed_pipelining(schedule, v):
     assert_same_lists(theirs[0]["order"], make_schedule(schedule, 2, m, v), schedule)
 
 
+def _warmup_peers(ctx, p):
+    """Whom each of this rank's DualPipeV stages would send or receive its warm-up tensor from."""
+    pipe = pytorch_pipeline(fresh_model(), schedule="dualpipe-v", microbatches=2 * p, chunks=2)
+    for stage in pipe.torch_schedule._stages:   # the schedule sets this map before its first step
+        stage.stage_index_to_group_rank = {s: min(s, 2 * p - 1 - s) for s in range(2 * p)}
+    return {stage.stage_index: sorted(op.group_peer for op in stage._get_init_p2p_neighbors_ops())
+            for stage in pipe.torch_schedule._stages}
+
+
+def test_dualpipe_v_warm_up_sends_nothing_to_its_own_rank():
+    """Torch 2.11's schedules open each pair of neighbour stages with a message, also at the
+    turn of the V where both stages are on the last rank: gloo has no pair from a rank to itself
+    ("Pair is not connected"), so PyTorch's DualPipeV failed there (chapter 07 on 2.11).
+    ``pytorch_pipeline``'s stages leave those messages out; the other neighbours keep theirs."""
+    peers = run_on(2, _warmup_peers, 2)
+    # rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (adjacent: the turn of the V)
+    assert peers[0] == {0: [1, 1], 3: [1, 1]}
+    assert peers[1] == {1: [0, 0], 2: [0, 0]}
+
+
 def assert_same_lists(torch_lists, schedule, name):
     """PyTorch's per-rank compute lists equal our generator's. One known difference:
     Schedule1F1B's ``pipeline_order`` (a description; ``step`` runs its own loop) numbers the

@@ -109,6 +109,28 @@ TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved
 _TORCH_OPS = {"F": "F", "B": "B", "I": "B", "W": "W"}   # PyTorch's I is our split B
 
 
+def _stage_class(pipelining):
+    """``PipelineStage``, less its warm-up messages to its own rank.
+
+    Before its first step, a schedule sends each stage's neighbours a one-element tensor, so
+    that every pair of ranks has a connection before the real traffic. Up to torch 2.11 it sends
+    one even when the neighbour stage lives on the same rank, which happens at the turn of a V
+    (DualPipeV puts stages p-1 and p on the last rank), and gloo, which has no connection from
+    a rank to itself, fails with "Pair is not connected". Torch
+    2.12 replaced that warm-up (the stages vote instead, and no longer call this method); on
+    2.11 we leave those messages out here. The activations themselves never travel to the same
+    rank: the schedule hands them over in memory.
+    """
+    import torch.distributed as dist
+
+    class Stage(pipelining.PipelineStage):
+        def _get_init_p2p_neighbors_ops(self):
+            me = dist.get_rank(self.group)
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+
+    return Stage
+
+
 class PyTorchPipeline(Pipeline):
     """Our stages (same modules, names, tied-weight handling) run by a torch.distributed.pipelining
     schedule instead of our executor."""
@@ -119,7 +141,8 @@ class PyTorchPipeline(Pipeline):
         super().__init__(model, schedule, group, plan=plan)
         m = schedule.microbatches
         device = next(model.parameters()).device
-        stages = [pipelining.PipelineStage(chunk, int(s), schedule.stages, device, group=group)
+        stage_class = _stage_class(pipelining)
+        stages = [stage_class(chunk, int(s), schedule.stages, device, group=group)
                   for s, chunk in self.chunks.items()]
         cls = getattr(pipelining, TORCH_SCHEDULES[name])
         single = name in ("afab", "1f1b")   # the schedules that take one stage, not a list
