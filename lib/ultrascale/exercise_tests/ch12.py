@@ -189,7 +189,10 @@ def test_quantize_per_tensor(quantize_per_tensor, quick: bool = True, seed: int 
 
 # ---- 12.quantize_tiles -------------------------------------------------------------------
 
-TILE_CASES = [((4, 256), (1, 128)), ((256, 384), (128, 128)), ((6, 9), (2, 3)), ((8, 6), (4, 1)), ((3, 5), (3, 5))]
+# (8, 12) in tiles of 2 x 4 also splits into 4 x 2 tiles: swapped tile sides give a wrong grid, not an
+# error, so it comes first (the others refuse swapped sides with a ValueError that names no mistake).
+TILE_CASES = [((8, 12), (2, 4)), ((4, 256), (1, 128)), ((256, 384), (128, 128)), ((6, 9), (2, 3)), ((8, 6), (4, 1)),
+              ((3, 5), (3, 5))]
 REFUSED = [((4, 200), (1, 128)), ((5, 256), (2, 128)), ((6, 9), (4, 3))]
 
 
@@ -198,8 +201,8 @@ def test_quantize_tiles(quantize_tiles, quick: bool = True, seed: int = 0):
     quantize_tiles = without_library(quantize_tiles, [scaling.quantize_tiles, scaling.quantize, scaling.tile_grid],
                                      "12.quantize_tiles", "reshape into tiles and take each one's maximum")
     g = torch.Generator().manual_seed(seed)
-    dtypes = (E4M3,) if quick else (E4M3, E5M2)
-    for dtype in dtypes:
+    # Both formats even in QUICK: only e5m2 tells fp8_max of the dtype from a hard-coded 448.
+    for dtype in (E4M3, E5M2):
         top = fp8_max(dtype)
         for (rows, cols), (tr, tc) in TILE_CASES:
             x = torch.randn(rows, cols, generator=g, dtype=torch.float64).float()
@@ -210,12 +213,14 @@ def test_quantize_tiles(quantize_tiles, quick: bool = True, seed: int = 0):
             assert isinstance(got, (tuple, list)) and len(got) == 2, f"{call} returned {got!r}: return (q, scales)"
             q, scales = got
             assert torch.is_tensor(q) and q.dtype == dtype and q.shape == x.shape, (
-                f"{call}: q must be a {dtype} tensor of x's shape {(rows, cols)}")
+                f"{call}: q must be a {dtype} tensor of x's shape {(rows, cols)}, got "
+                + (f"{q.dtype} of shape {tuple(q.shape)}" if torch.is_tensor(q) else type(q).__name__)
+                + (": cast to the dtype asked for" if torch.is_tensor(q) and q.dtype != dtype else ""))
             grid = (rows // tr, cols // tc)
             assert torch.is_tensor(scales) and tuple(scales.shape) == grid, (
                 f"{call}: scales must have one entry per tile, shape {grid} (tiles down, tiles across), got "
                 f"{tuple(scales.shape) if torch.is_tensor(scales) else type(scales).__name__}"
-                + (" (transposed?)" if torch.is_tensor(scales) and tuple(scales.shape) == grid[::-1] else ""))
+                + _grid_hint(scales, grid, (rows // tc, cols // tr)))
             want = x.view(grid[0], tr, grid[1], tc).abs().amax(dim=(1, 3)) / top
             if not torch.allclose(scales.float(), want, rtol=1e-5, atol=0):
                 i, j = ((scales.float() - want).abs() > 1e-5 * want).nonzero()[0].tolist()
@@ -225,6 +230,13 @@ def test_quantize_tiles(quantize_tiles, quick: bool = True, seed: int = 0):
                 first_rows = x.view(rows, grid[1], tc).abs().amax(-1)[::tr] / top
                 if tr > 1 and torch.allclose(scales.float(), first_rows, rtol=1e-5):
                     hint = f" Only the first row of each tile was used: a tile is {tr} rows by {tc} columns"
+                consecutive = x.reshape(grid[0], grid[1], tr * tc).abs().amax(-1) / top
+                if torch.allclose(scales.float(), consecutive, rtol=1e-5):
+                    hint = (f" Each 'tile' was {tr * tc} consecutive elements of a row, not a {tr} x {tc} block: "
+                            f"reshape to (rows // {tr}, {tr}, cols // {tc}, {tc}) and reduce over dims 1 and 3")
+                if dtype != E4M3 and torch.allclose(scales.float(), want * top / fp8_max(E4M3), rtol=1e-5):
+                    hint = (f" You divided by 448, e4m3's largest value; {dtype}'s is {top:,g}: take "
+                            "torch.finfo(dtype).max of the dtype you were given")
                 raise AssertionError(
                     f"{call}: tile ({i}, {j}) (rows {i * tr}..{(i + 1) * tr - 1}, "
                     f"columns {j * tc}..{(j + 1) * tc - 1}) should have scale max|tile| / {top:g} = "
@@ -236,6 +248,16 @@ def test_quantize_tiles(quantize_tiles, quick: bool = True, seed: int = 0):
                    "rather than silently dropping or mis-scaling the last rows or columns")
             expect_value_error(quantize_tiles, torch.randn(rows, cols, generator=g), tr, tc, dtype, why=why,
                                call=f"quantize_tiles(x of shape {(rows, cols)}, {tr}, {tc}, {dtype})")
+
+
+def _grid_hint(scales, grid, swapped) -> str:
+    if not torch.is_tensor(scales):
+        return ""
+    if tuple(scales.shape) == grid[::-1]:
+        return " (transposed?)"
+    if tuple(scales.shape) == swapped:
+        return " (tile_rows and tile_cols swapped? a tile is tile_rows rows down by tile_cols columns across)"
+    return ""
 
 
 # ---- 12.fp8_backward -----------------------------------------------------------------------
