@@ -1,8 +1,9 @@
 """Tests of the chapter 9 exercises (solutions/09_5d_parallelism_exercises.ipynb).
 
 * ``09.group_ranks``: ``group_ranks(sizes, axis)``, the rank-to-group map of a mesh with the
-  axes dp, pp, ep, cp, tp (tp innermost), for one axis or a tuple of axes, against
-  ``Mesh.group_ranks`` on many meshes (``Mesh``'s own layout code refuses to run meanwhile).
+  axes dp, pp, ep, cp, tp (tp innermost), for one axis or a tuple of axes (named in any order),
+  against ``Mesh.group_ranks`` on many meshes whose sizes are given in any order (``Mesh``'s own
+  layout code refuses to run meanwhile).
 * ``09.pp_activations``: ``pp_activations(per_layer, layers, pp, micro_batches, schedule)``, the
   activation bytes of the busiest pipeline stage under AFAB or 1F1B, in-flight micro-batches
   included, against ``memory.pp_in_flight`` (the simulator's count).
@@ -19,7 +20,17 @@ from ultrascale.grading import exercise
 from ultrascale.grading.guards import call_learner, without_library
 
 MESHES = [dict(tp=4), dict(dp=2, tp=2), dict(dp=2, pp=2, tp=2), dict(pp=2, cp=2), dict(dp=2, ep=2, tp=3),
-          dict(dp=3, pp=2), dict(dp=2, pp=2, ep=2, cp=2, tp=2), dict(tp=2, dp=2, pp=2)]
+          dict(dp=3, pp=2), dict(dp=2, pp=2, ep=2, cp=2, tp=2), dict(tp=2, dp=2, pp=2), dict(cp=2, pp=3, dp=2)]
+MESH_ORDER = ("dp", "pp", "ep", "cp", "tp")
+
+
+def _axes_to_try(axes) -> list:
+    """Every axis alone, then joint groups: the two outermost axes, and the innermost with the
+    outermost named in reverse order (not neighbours, and not in mesh order)."""
+    joint = [tuple(axes[:2])] if len(axes) > 2 else []
+    if len(axes) > 1:
+        joint.append((axes[-1], axes[0]))
+    return list(axes) + joint
 
 
 # ---- 09.group_ranks ---------------------------------------------------------------------
@@ -33,30 +44,51 @@ def test_group_ranks(group_ranks, quick: bool = True):
                          "09.group_ranks", "number the ranks along dp, pp, ep, cp, tp yourself")
     for sizes in MESHES:
         mesh = Mesh(**sizes)
-        for axis in list(mesh.axes) + [tuple(mesh.axes[:2])] * (len(mesh.axes) > 2):
+        for axis in _axes_to_try(mesh.axes):
             call = f"group_ranks({sizes}, {axis!r})"
             want = mesh.group_ranks(axis)
             got = call_learner(fn, dict(sizes), axis, call=call, expected=str(want))
             got = [list(map(int, g)) for g in got]
             if sorted(map(sorted, got)) == sorted(map(sorted, want)):
                 assert got == want, (f"{call}: the right groups, but listed as {got} rather than {want}: give the "
-                                     "groups in rank order, and each group's ranks in increasing order")
+                                     "groups in rank order, and each group's ranks in increasing order"
+                                     + _order_hint(got, sizes, axis))
                 continue
-            hint = ""
-            if len(mesh.axes) > 1 and sorted(map(sorted, got)) == sorted(map(sorted, _outermost_tp(sizes, axis))):
-                hint = (" These are the groups with tp *outermost*. The order is dp, pp, ep, cp, tp with tp "
-                        "innermost (fastest varying): ranks 0 and 1 are neighbours in one tp group.")
-            raise AssertionError(f"{call}: expected {want}, got {got}.{hint}")
+            raise AssertionError(f"{call}: expected {want}, got {got}.{_numbering_hint(got, sizes, axis)}")
 
 
-def _outermost_tp(sizes, axis):
-    """The groups if the axes were numbered in the reverse order (tp outermost)."""
+def _numbering_hint(got, sizes, axis) -> str:
+    """Name the mistake when ``got`` is what another numbering of the ranks gives."""
+    same = lambda a, b: sorted(map(sorted, a)) == sorted(map(sorted, b))   # noqa: E731
+    if len(sizes) < 2:
+        return ""
+    if same(got, _groups(sizes, axis, MESH_ORDER[::-1])):
+        return (" These are the groups with tp *outermost*. The order is dp, pp, ep, cp, tp with tp "
+                "innermost (fastest varying): ranks 0 and 1 are neighbours in one tp group.")
+    if list(sizes) != [a for a in MESH_ORDER if a in sizes] and same(got, _groups(sizes, axis, list(sizes))):
+        return (f" These are the groups with the axes numbered in the order the sizes dict lists them, {list(sizes)}. "
+                "Whatever order the dict has, the mesh's order is dp, pp, ep, cp, tp (tp innermost).")
+    return ""
+
+
+def _order_hint(got, sizes, axis) -> str:
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    if len(axes) > 1 and got == _groups(sizes, axis, MESH_ORDER, group_order=axes):
+        in_mesh = tuple(a for a in MESH_ORDER if a in axes)
+        return (f". You ordered each group's ranks by the axes as the tuple names them, {axes}; their order in the "
+                f"mesh (dp, pp, ep, cp, tp) decides, so {axes} and {in_mesh} give the same groups")
+    return ""
+
+
+def _groups(sizes, axis, order, group_order=None):
+    """The groups if the ranks were numbered along ``order`` (outermost first), each group's
+    ranks taken in ``group_order`` of its axes (default: ``order``)."""
     import torch
 
-    order = [a for a in ("tp", "cp", "ep", "pp", "dp") if a in sizes]
+    order = [a for a in order if a in sizes]
     grid = torch.arange(math.prod(sizes.values())).view([sizes[a] for a in order])
     axes = (axis,) if isinstance(axis, str) else tuple(axis)
-    dims = [order.index(a) for a in sorted(axes, key=lambda a: ("dp", "pp", "ep", "cp", "tp").index(a))]
+    dims = [order.index(a) for a in (group_order or sorted(axes, key=order.index))]
     others = [d for d in range(len(order)) if d not in dims]
     return grid.permute(others + dims).reshape(-1, math.prod(sizes[a] for a in axes)).tolist()
 
@@ -76,9 +108,9 @@ def test_pp_activations(pp_activations, quick: bool = True):
 
     fn = without_library(pp_activations, [memory.pp_in_flight, memory.breakdown], "09.pp_activations",
                          "count the micro-batches in flight from the schedule's order")
+    cases = ((8, 2, 4), (8, 4, 2), (8, 4, 8), (6, 4, 4), (32, 8, 16), (5, 2, 1), (4, 1, 3))
     for schedule in ("afab", "1f1b"):
-        for layers, pp, m in ((8, 2, 4), (8, 4, 2), (8, 4, 8), (6, 4, 4), (32, 8, 16), (5, 2, 1), (4, 1, 3)):
-            per_layer = 1000
+        for (layers, pp, m), per_layer in zip(cases, (1000, 3, 2**20, 1000, 7, 1000, 12)):   # bytes used, not assumed
             call = f"pp_activations(per_layer={per_layer}, layers={layers}, pp={pp}, micro_batches={m}, " \
                    f"schedule={schedule!r})"
             want = reference_pp_activations(per_layer, layers, pp, m, schedule)
