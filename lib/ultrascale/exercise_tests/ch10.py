@@ -8,16 +8,19 @@
   whole number of sequences must raise ValueError.
 * ``10.memory_filter``: ``fitting(model, configs, seq, memory_bytes, headroom)``, the configs
   whose busiest GPU fits in ``memory_bytes * (1 - headroom)``, each with the bytes it needs,
-  through ``memory.breakdown`` (allowed); compared with ``plan.fit.memory_filter``.
+  through ``memory.breakdown`` (allowed); compared with ``plan.fit.memory_filter`` on dense
+  Llama 3 models and on an MoE one (its experts split by ep).
 * ``10.step1``: ``step1_techniques(n_params, gpus, gpus_per_node=8, long_sequence=False,
   moe=False)``, the book's step-1 rule as a list of sets of technique names, compared (as a set
-  of sets) with ``plan.rules.step1_techniques`` at the rule's boundaries and on random inputs.
+  of sets) with ``plan.rules.step1_techniques`` at the rule's boundaries, on nodes of 1, 4, 8
+  and 16 GPUs, and on random inputs.
 
 While the learner's code runs, the planner's own functions (``ultrascale.plan``) refuse to run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -91,14 +94,44 @@ def test_enumerate(layouts, quick: bool = True):
     expect_value_error(layouts, 8, 2**20 + 1, 4096, 32, 32, 8, why="the batch is not a whole number of sequences")
 
 
+# Llama 3 8B with 8 experts in every block: only ep splits the experts, so a filter that ignores
+# them (or splits everything by ep) keeps the wrong configs or gives the wrong bytes.
+MOE_8B = dataclasses.replace(LLAMA3_8B, experts=8, top_k=2)
+
+
 def _filter_cases(quick: bool):
     rng = random.Random(11)
+    n = 30 if quick else 200
     cases = []
     for model, gpus in ((LLAMA3_8B, 16), (LLAMA3_70B, 64)):
         configs = list(_plan.enumerate_configs(model, gpus=gpus, global_batch_tokens=2**20, seq=4096, max_cp=4))
-        cases.append((model, rng.sample(configs, 30 if quick else 200), 4096, rng.choice([40e9, 80e9, 141e9]),
-                      rng.choice([0.0, 0.1])))
+        cases.append((model, rng.sample(configs, n), 4096, rng.choice([40e9, 80e9, 141e9]), rng.choice([0.0, 0.1])))
+    # Half of the MoE sample has ep > 1; on 80 GB every one of those that fits would not fit unsplit.
+    configs = list(_plan.enumerate_configs(MOE_8B, gpus=16, global_batch_tokens=2**20, seq=2048, max_cp=4))
+    split = [c for c in configs if c.ep > 1]
+    cases.append((MOE_8B, rng.sample(split, n // 2) + rng.sample(configs, n // 2), 2048, 80e9, 0.1))
     return cases
+
+
+def _experts_hint(model, c, seq, usable, *, kept=None, nbytes=None) -> str:
+    """Name the mistake when the learner's decision on ``c`` (``kept``) or its bytes (``nbytes``)
+    is what the memory model gives with the experts left whole, or with ep taken for more TP."""
+    if c.ep == 1:
+        return ""
+    mistakes = (
+        (dataclasses.replace(c, ep=1),
+         f" With {model.experts} experts per block and ep={c.ep}, each GPU holds {model.experts // c.ep} of them: "
+         "pass breakdown ep=c.ep (it divides the expert parameters, and only those, by ep)"),
+        (dataclasses.replace(c, tp=c.tp * c.ep, ep=1),
+         f" You divided every weight (and the activations) by ep={c.ep}, as TP would: ep splits only the experts; "
+         "attention and norms stay whole on every ep rank. Pass breakdown ep=c.ep"),
+    )
+    for wrong, hint in mistakes:
+        need = _fit.memory_per_gpu(model, wrong, seq)["total"]
+        if (kept is not None and kept == (need <= usable)) or (
+                nbytes is not None and math.isclose(nbytes, need, rel_tol=1e-9)):
+            return hint
+    return ""
 
 
 @exercise("10.memory_filter", points=1)
@@ -109,8 +142,9 @@ def test_memory_filter(fitting, quick: bool = True):
         usable = memory_bytes * (1 - headroom)
         expected, _ = _fit.memory_filter(model, configs, seq, _plan.Hardware(memory_bytes=memory_bytes,
                                                                              memory_headroom=headroom))
-        call = f"fitting({model.hidden=}, {len(configs)} configs, seq={seq}, memory_bytes={memory_bytes:.3g}, " \
-               f"headroom={headroom})"
+        assert not model.experts or any(c.ep > 1 for c, _ in expected), "the MoE case must keep configs with ep > 1"
+        call = f"fitting({model.hidden=}, {model.experts=}, {len(configs)} configs, seq={seq}, " \
+               f"memory_bytes={memory_bytes:.3g}, headroom={headroom})"
         got = call_learner(fitting, model, configs, seq, memory_bytes, headroom, call=call)
         assert got is not None, f"{call} returned None; return a list of (config, bytes) pairs"
         got = list(got)
@@ -123,32 +157,60 @@ def test_memory_filter(fitting, quick: bool = True):
                 f"{call}: {wrong.short()} needs {need / 1e9:.2f} GB of the {usable / 1e9:.2f} GB usable, so it "
                 f"{'fits' if wrong in expected_set else 'does not fit'}, but you "
                 f"{'left it out' if wrong in expected_set else 'kept it'}. Pass ZeRO the ranks that hold the same "
-                "weights (dp * cp), the memory model tp, pp, cp and the micro-batch, and compare with "
-                "memory_bytes * (1 - headroom).")
+                "weights (dp * cp), the memory model tp, pp, cp, ep and the micro-batch, and compare with "
+                "memory_bytes * (1 - headroom)." + _experts_hint(model, wrong, seq, usable, kept=wrong in got_set))
         for c, nbytes in got:
             want = _fit.memory_per_gpu(model, c, seq)["total"]
             assert math.isclose(nbytes, want, rel_tol=1e-9), (
                 f"{call}: {c.short()} needs {want / 1e9:.4f} GB, you say {nbytes / 1e9:.4f}: call breakdown with "
-                "the layout's degrees (ZeRO shards over dp * cp ranks) and add parameters, gradients, optimizer "
-                "states and activations")
+                "the layout's degrees (ZeRO shards over dp * cp ranks, ep splits the experts) and add parameters, "
+                "gradients, optimizer states and activations." + _experts_hint(model, c, seq, usable, nbytes=nbytes))
 
 
-STEP1_CASES = [(3e9, 8), (9.99e9, 8), (10e9, 8), (3e9, 16), (70e9, 64), (70e9, 511), (70e9, 512), (8e9, 1023),
-               (405e9, 1024), (405e9, 16384), (1e9, 1), (100e9, 256)]
+STEP1_CASES = [(3e9, 8), (9.99e9, 8), (10e9, 8), (3e9, 12), (3e9, 16), (70e9, 64), (70e9, 511), (70e9, 512),
+               (8e9, 1023), (405e9, 1024), (405e9, 16384), (1e9, 1), (100e9, 256)]
+# (n_params, gpus, gpus_per_node): nodes of 4, 16 and 1 GPU move a small model's one-node limit
+STEP1_NODE_CASES = [(3e9, 4, 4), (3e9, 5, 4), (3e9, 8, 4), (3e9, 16, 16), (3e9, 9, 16), (3e9, 1, 1), (3e9, 2, 1)]
+
+
+def _step1_hint(got, n, gpus, node, long_sequence, moe) -> str:
+    """Name the mistake when ``got`` is the other side of a small model's one-node test."""
+    if n >= 10e9 or gpus >= 512:
+        return ""
+    one_node = gpus <= node
+    flipped = _rules.step1_techniques(n, gpus, gpus_per_node=gpus - 1 if one_node else gpus,
+                                      long_sequence=long_sequence, moe=moe)
+    if got != {frozenset(o) for o in flipped}:
+        return ""
+    if one_node:
+        where = f". {gpus} GPUs fit on one node of gpus_per_node={node} (gpus <= gpus_per_node)"
+    else:
+        where = f". {gpus} GPUs on nodes of gpus_per_node={node} take {math.ceil(gpus / node)} nodes, more than one"
+    eight = node != 8 and got == {frozenset(o) for o in _rules.step1_techniques(
+        n, gpus, long_sequence=long_sequence, moe=moe)}
+    return where + ", so a model under 10B gets the " + ("one-node" if one_node else "multi-node") + \
+        " options" + (": compare gpus with the gpus_per_node you are given, not with 8" if eight else "")
 
 
 @exercise("10.step1", points=1)
 def test_step1(step1_techniques, quick: bool = True):
-    """The combinations equal the library's rule at its boundaries, with CP and EP extras."""
+    """The combinations equal the library's rule at its boundaries, with CP and EP extras, on
+    nodes of 8 GPUs (the default) and of other sizes."""
     step1_techniques = without_library(step1_techniques, PLANNER, "10.step1", "write the rule's branches")
     rng = random.Random(12)
-    cases = STEP1_CASES + [(10 ** rng.uniform(8, 12), rng.randint(1, 20000)) for _ in range(10 if quick else 100)]
-    for n, gpus in cases:
+    cases = [(n, gpus, None) for n, gpus in STEP1_CASES] + STEP1_NODE_CASES
+    cases += [(10 ** rng.uniform(8, 12), rng.randint(1, 20000), None) for _ in range(10 if quick else 100)]
+    for n, gpus, node in cases:
+        # None: the default of 8 GPUs per node, not passed
+        options = {} if node is None else {"gpus_per_node": node}
         for long_sequence, moe in ((False, False), (True, False), (False, True), (True, True)):
-            call = f"step1_techniques({n:.4g}, {gpus}, long_sequence={long_sequence}, moe={moe})"
-            expected = {frozenset(o) for o in _rules.step1_techniques(n, gpus, long_sequence=long_sequence, moe=moe)}
-            got = call_learner(step1_techniques, n, gpus, long_sequence=long_sequence, moe=moe, call=call)
+            call = f"step1_techniques({n:.4g}, {gpus}, {''.join(f'{k}={v}, ' for k, v in options.items())}" \
+                   f"long_sequence={long_sequence}, moe={moe})"
+            expected = {frozenset(o) for o in _rules.step1_techniques(n, gpus, long_sequence=long_sequence, moe=moe,
+                                                                      **options)}
+            got = call_learner(step1_techniques, n, gpus, long_sequence=long_sequence, moe=moe, call=call, **options)
             assert got is not None, f"{call} returned None; return a list of sets of technique names"
             got = {frozenset(o) for o in got}
             assert got == expected, (f"{call}: expected {sorted(sorted(o) for o in expected)}, got "
-                                     f"{sorted(sorted(o) for o in got)}")
+                                     f"{sorted(sorted(o) for o in got)}"
+                                     + _step1_hint(got, n, gpus, node or 8, long_sequence, moe))
