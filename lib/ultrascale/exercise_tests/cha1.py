@@ -8,9 +8,9 @@
   minimum instead of the median) gives a recognisable wrong number.
 * ``a1.launched_by``: ``launched_by(events)`` lists, for every GPU kernel of a Chrome trace
   in order of start, the CPU operator that launched it. Graded on hand-made traces with
-  two threads, nested operators, kernels without a launch, copies that are not kernels;
-  on random traces; on a real CPU profile (no kernels); and on a real GPU profile when
-  there is a GPU.
+  two threads, nested operators, kernels without a launch, copies that are not kernels, two
+  processes sharing a thread id, launches exactly on an operator's edge; on random traces; on
+  a real CPU profile (no kernels); and on a real GPU profile when there is a GPU.
 """
 
 from __future__ import annotations
@@ -137,7 +137,9 @@ def test_timed_median(time_median, quick: bool = True):
 
 # ---- a1.launched_by --------------------------------------------------------------------
 
-def reference_launched_by(events):
+def reference_launched_by(events, *, own_process=True, edges_inside=True):
+    """The answer; ``own_process=False`` or ``edges_inside=False`` give two classic mistakes (for
+    recognising them): operators of any process on the launch's thread id, and ``<`` for ``<=``."""
     ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     launches = {}
@@ -150,8 +152,9 @@ def reference_launched_by(events):
         launch = launches.get(kernel.get("args", {}).get("correlation"))
         op = None
         if launch is not None:
-            around = [o for o in ops if o["pid"] == launch["pid"] and o["tid"] == launch["tid"]
-                      and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+            around = [o for o in ops if (o["pid"] == launch["pid"] or not own_process) and o["tid"] == launch["tid"]
+                      and (o["ts"] <= launch["ts"] <= o["ts"] + o["dur"] if edges_inside
+                           else o["ts"] < launch["ts"] < o["ts"] + o["dur"])]
             if around:
                 op = min(around, key=lambda o: o["dur"])["name"]
         out.append((kernel["name"], op))
@@ -190,6 +193,33 @@ def hand_made_trace():
 
 HAND_MADE_EXPECTED = [("sm90_xmma_gemm_f32", "aten::addmm"), ("softmax_warp_forward", "aten::_softmax"),
                       ("lonely_kernel", None), ("elementwise_kernel", None)]
+
+
+def two_processes_trace():
+    """Two processes whose threads share the id 1 (thread ids repeat across processes), and
+    launches exactly at an operator's start and end (inside it: the clock's resolution)."""
+    return [
+        _x("aten::matmul", "cpu_op", 0, 100, pid=1),
+        _x("aten::mm", "cpu_op", 10, 30, pid=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 2, pid=1, correlation=21),    # at aten::mm's start
+        _x("cudaLaunchKernel", "cuda_runtime", 40, 2, pid=1, correlation=22),    # at aten::mm's end
+        _x("aten::add", "cpu_op", 50, 20, pid=2),                                # process 2, same tid
+        _x("cudaLaunchKernel", "cuda_runtime", 60, 2, pid=1, correlation=23),    # process 1: aten::matmul
+        _x("aten::relu", "cpu_op", 200, 10, pid=2),
+        _x("cudaLaunchKernel", "cuda_runtime", 205, 2, pid=1, correlation=24),   # no operator of process 1
+        _x("aten::cat", "cpu_op", 290, 50, pid=2),
+        _x("aten::view", "cpu_op", 295, 10, pid=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 300, 2, pid=2, correlation=25),   # process 2's own aten::cat
+        _x("gemm_at_start", "kernel", 15, 5, pid=0, tid=7, correlation=21),
+        _x("gemm_at_end", "kernel", 45, 5, pid=0, tid=7, correlation=22),
+        _x("add_kernel", "kernel", 65, 3, pid=0, tid=7, correlation=23),
+        _x("relu_kernel", "kernel", 210, 3, pid=0, tid=7, correlation=24),
+        _x("cat_kernel", "kernel", 310, 3, pid=3, tid=7, correlation=25),
+    ]
+
+
+TWO_PROCESSES_EXPECTED = [("gemm_at_start", "aten::mm"), ("gemm_at_end", "aten::mm"), ("add_kernel", "aten::matmul"),
+                          ("relu_kernel", None), ("cat_kernel", "aten::cat")]
 
 
 def random_trace(seed: int):
@@ -251,13 +281,25 @@ def _check_launched_by(launched_by, events, expected, what):
     elif [k for k, _ in got] != [k for k, _ in expected]:
         hint = " The kernels are in the wrong order: sort them by their start time ts."
     else:
-        for (kernel, op), (_, right) in zip(got, expected):
+        for i, ((kernel, op), (_, right)) in enumerate(zip(got, expected)):
             if op != right:
                 hint = (f" For {kernel} you named {op!r}, expected {right!r}: look only at operators on the "
                         "launch's own process and thread (pid and tid) that were running at the launch's start, "
-                        "and take the innermost (shortest) one; None when there is no launch or no operator.")
+                        "and take the innermost (shortest) one; None when there is no launch or no operator."
+                        + _operator_hint(events, i, op))
                 break
     raise AssertionError(f"launched_by(<{what}>): expected {expected}, got {got}.{hint}")
+
+
+def _operator_hint(events, i, op) -> str:
+    """Name the mistake when the i-th kernel's operator ``op`` is what a classic mistake gives."""
+    if op == reference_launched_by(events, own_process=False)[i][1]:
+        return (" Yours belongs to another process: thread ids repeat across processes, so match the pid as well "
+                "as the tid.")
+    if op == reference_launched_by(events, edges_inside=False)[i][1]:
+        return (" The launch starts exactly at that operator's start or end, which counts as inside it: "
+                "op ts <= launch ts <= op ts + dur, with <= on both sides.")
+    return ""
 
 
 @exercise("a1.launched_by", points=1)
@@ -266,6 +308,9 @@ def test_launched_by(launched_by, quick: bool = True):
     events = hand_made_trace()
     assert reference_launched_by(events) == HAND_MADE_EXPECTED   # the test's own reference
     _check_launched_by(launched_by, events, HAND_MADE_EXPECTED, "a hand-made trace with two threads")
+    events = two_processes_trace()
+    assert reference_launched_by(events) == TWO_PROCESSES_EXPECTED
+    _check_launched_by(launched_by, events, TWO_PROCESSES_EXPECTED, "a hand-made trace with two processes")
     for seed in range(5 if quick else 30):
         events = random_trace(seed)
         _check_launched_by(launched_by, events, reference_launched_by(events), f"random trace {seed}")
