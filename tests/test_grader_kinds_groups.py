@@ -18,7 +18,7 @@ from test_grader_holes import _fails, _load
 from ultrascale.grading import PASS, check
 
 torch.set_num_threads(1)
-GROUPS = "did you pass group="   # what every failure from an error or a hang on a split says
+GROUPS = "Did you pass group="   # what every failure from an error or a hang on a split says
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +89,48 @@ def test_bucket_manager_averages_over_the_group_given(ch02):
     _fails(check(exercise, no_group), "[1, 2]", "bucket_cap_bytes", "outside the group got in")
     _fails(check(exercise, world_size), "[1, 2]", "divided by the world's size (3)")
     assert check(exercise, ch02["BucketManager"]).status == PASS
+
+
+# ---- 06: a ring over a group ----------------------------------------------------------------
+
+def _ring_step(post):
+    """The solution's ring step with the transfers posted by ``post(kv, incoming, group)``."""
+    def ring_step(q, kv, out, lse, attend, group, last):
+        from ultrascale.kernels.tiled_attention import merge_partial_attention
+        works, incoming = [], None
+        if not last:
+            incoming = torch.empty_like(kv)
+            works = post(kv, incoming, group)
+        out, lse = merge_partial_attention(out, lse, *attend(q, kv[0], kv[1]))
+        for work in works:
+            work.wait()
+        return out, lse, incoming
+    return ring_step
+
+
+def test_ring_step_sends_within_the_group_given(ch06):
+    def global_rank(kv, incoming, group):   # dist.get_rank() where the rank in the group is meant
+        r, n = dist.get_rank(), dist.get_world_size(group)
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, group=group, group_peer=(r + 1) % n),
+                                       dist.P2POp(dist.irecv, incoming, group=group, group_peer=(r - 1) % n)])
+
+    def no_group(kv, incoming, group):   # the right ranks, sent over the default group
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        return [dist.isend(kv, dst=(r + 1) % n), dist.irecv(incoming, src=(r - 1) % n)]
+
+    def group_rank_as_dst(kv, incoming, group):   # dst= takes a global rank, even with group=
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        return [dist.isend(kv, dst=(r + 1) % n, group=group), dist.irecv(incoming, src=(r - 1) % n, group=group)]
+
+    def world_size(kv, incoming, group):   # the ring as long as the world
+        r, n = dist.get_rank(group), dist.get_world_size()
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, group=group, group_peer=(r + 1) % n),
+                                       dist.P2POp(dist.irecv, incoming, group=group, group_peer=(r - 1) % n)])
+
+    exercise = "06.ring_step"
+    for post, phrases in ((global_rank, ["[1, 2]", "this rank itself", "dist.get_rank(group)"]),
+                          (no_group, ["[1, 2]", "not in the ring's group", "group="]),
+                          (group_rank_as_dst, ["[1, 2]", "dst= / src= take a global rank"]),
+                          (world_size, ["[1, 2]", GROUPS, "dist.get_world_size(group)"])):
+        _fails(check(exercise, _ring_step(post), timeout=30), *phrases)
+    assert check(exercise, ch06["ring_step"]).status == PASS

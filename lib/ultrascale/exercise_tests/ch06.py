@@ -21,15 +21,17 @@ context parallelism's three ideas, one at a time.
 * ``06.ring_step``: ``ring_step(q, kv, out, lse, attend, group, last) -> (out, lse, next_kv)``,
   one step of ring attention on one rank. The test drives a whole ring with it (cp steps, on
   clusters of 2 and 3 ranks and the notebook's ``WORLD_SIZE``, and 3 ranks cut into the groups
-  [0, 1] and [2]), causal with the zig-zag layout and non-causal with the contiguous one, in
-  float64. Each step's ``out``/``lse`` must be the library merge of what it was given with this
+  [0] and [1, 2], so that ranks within the group differ from the global ones), causal with the
+  zig-zag layout and non-causal with the contiguous one, in float64. Each step's ``out``/``lse`` must be the library merge of what it was given with this
   block's attention, ``next_kv`` the previous rank's block (in a new buffer: ``kv`` is being
   sent), and after the last step ``out`` must equal ``scaled_dot_product_attention`` of the
   whole sequence at this rank's rows. How the step communicates is checked too:
   point-to-point only (every collective raises while it runs, so an all-gather is refused),
   the bytes of one K/V block each way (``CommLogger``), nothing at the last step, and the
   order that gives overlap. The test wraps ``isend``/``irecv`` so that it sees when the
-  transfers are posted and when their works are waited for, and ``attend`` notes what had
+  transfers are posted (a transfer to a rank outside the group, or to the rank itself, is
+  refused at once: without ``group=``, or with the global rank as the rank in the group, its
+  partner never comes) and when their works are waited for, and ``attend`` notes what had
   happened when it was called: a transfer must be posted before ``attend`` runs, and waited
   for only after it (a blocking ``recv`` before ``attend`` counts as waiting). Every work must
   be waited for before the step returns.
@@ -46,11 +48,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ultrascale.exercise_tests._groups import Split
 from ultrascale.grading import exercise
 from ultrascale.parity import max_difference, tolerance
 
@@ -296,16 +300,40 @@ class _TrackedWork:
         return getattr(self._work, name)
 
 
+class WrongPeer(Exception):
+    """A send or receive to a rank outside the ring's group, or to the rank itself."""
+
+
 class _P2PTracker:
     """While open, ``isend``/``irecv`` (also through ``batch_isend_irecv``) return works whose
     ``wait`` is counted, and blocking ``send``/``recv`` are counted: what ``attend`` then sees
-    tells whether the step posted its transfer first and waited for it only afterwards."""
+    tells whether the step posted its transfer first and waited for it only afterwards.
+
+    A transfer whose partner is outside the ring's group (global ``ranks``) or this rank itself
+    raises :class:`WrongPeer` before it is posted: its partner never comes, so the ring would
+    otherwise hang until the timeout."""
 
     NAMES = ("isend", "irecv", "send", "recv", "batch_isend_irecv")
 
-    def __init__(self):
+    def __init__(self, ranks):
+        self.ranks, self.me = list(ranks), dist.get_rank()
         self.posted = {"isend": 0, "irecv": 0, "send": 0, "recv": 0}
         self.waits, self.works, self._saved = 0, [], []
+
+    def _check_peer(self, name, original, args, kwargs):
+        bound = inspect.signature(original).bind(*args, **kwargs).arguments
+        group = bound.get("group") or dist.group.WORLD
+        local = bound.get("group_dst", bound.get("group_src"))
+        try:
+            peer = bound.get("dst", bound.get("src")) if local is None else dist.get_global_rank(group, local)
+        except (ValueError, RuntimeError):
+            return   # a rank that is not in the group given: torch says so itself
+        if peer is None or (peer in self.ranks and peer != self.me):
+            return
+        who = "this rank itself" if peer == self.me else f"global rank {peer}, which is not in the ring's group"
+        raise WrongPeer(f"global rank {self.me} (of the group {self.ranks}) called dist.{name} "
+                        f"{'to' if 'send' in name else 'from'} {who}; the ring sends to the group's rank r + 1 and "
+                        "receives from r - 1 (mod the group's size), r = dist.get_rank(group)")
 
     def _wrap(self, name, original):
         tracker = self
@@ -322,6 +350,7 @@ class _P2PTracker:
 
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
+            tracker._check_peer(name, original, args, kwargs)
             tracker.posted[name] += 1
             result = original(*args, **kwargs)
             return _TrackedWork(result, tracker) if name in ("isend", "irecv") and result is not None else result
@@ -349,23 +378,23 @@ class _P2PTracker:
                 "blocking recvs": self.posted["recv"], "waits": self.waits}
 
 
-def _ring_group(ctx, split: bool):
-    n = ctx.world_size
-    if not split:
-        return ctx.group, f"{n} ranks in one cp group"
-    half = (n + 1) // 2
-    first, second = list(range(half)), list(range(half, n))
-    groups = (ctx.new_group(first), ctx.new_group(second))
-    return groups[0 if ctx.rank < half else 1], (f"{n} ranks split into cp groups {first} and {second} (pass "
-                                                 "group=group to every send and receive, and use the rank within "
-                                                 "the group: dist.get_rank(group))")
+# The groups of the split layout: group ranks differ from global ones in [1, 2], rank 0 rings alone.
+SPLIT = Split([0], [1, 2])
+
+
+def _ring_group(ctx, split):
+    """This rank's cp group, its global ranks and a description of the layout, for the messages."""
+    if split is None:
+        return ctx.group, list(range(ctx.world_size)), f"{ctx.world_size} ranks in one cp group"
+    _, group, ranks = split.group_of(ctx)
+    return group, ranks, f"on {split} (each group given as group=)"
 
 
 def _ring_cases():
     return [(True, "zigzag"), (False, "contiguous")]
 
 
-def _run_ring(ring_step, group, q_full, k_full, v_full, causal, layout, r, n):
+def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r, n):
     """Drive a whole ring with the learner's step; return what each step did."""
     from ultrascale.comm import CommLogger
     from ultrascale.grading.guards import ForbiddenCall, forbid_collectives, forbid_library
@@ -389,7 +418,7 @@ def _run_ring(ring_step, group, q_full, k_full, v_full, causal, layout, r, n):
     for step in range(n):
         src, last = (r - step) % n, step == n - 1
         calls = []
-        tracker = _P2PTracker()
+        tracker = _P2PTracker(ranks)
 
         def attend(qq, kk, vv, pos_q=positions[r], pos_k=positions[src]):
             calls.append(tracker.snapshot())
@@ -496,13 +525,13 @@ def _judge_step(s, n) -> str | None:
 
 
 def _ring_on_rank(ctx, ring_step, seed, split):
-    group, layout_text = _ring_group(ctx, split)
+    group, ranks, layout_text = _ring_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
     runs = []
     for causal, layout in _ring_cases():   # everything runs before anything is judged
         seq = 2 * n * 3
         q, k, v = (_randn((2, 2, seq, 4), seed, 30 + i, n) for i in range(3))
-        runs.append((causal, layout, *_run_ring(ring_step, group, q, k, v, causal, layout, r, n)))
+        runs.append((causal, layout, *_run_ring(ring_step, group, ranks, q, k, v, causal, layout, r, n)))
     for causal, layout, steps, out, reference in runs:
         what = f"{layout_text}, rank {ctx.rank}, {'causal' if causal else 'no mask'}, {layout} layout"
         for s in steps:
@@ -520,7 +549,10 @@ def test_ring_step(ring_step, world_size: int = 3, quick: bool = True, seed: int
 
     assert callable(ring_step), f"pass your function, got {ring_step!r}"
     sizes = sorted({2, 3, world_size} if quick else {2, 3, 4, world_size})
-    for size, split in [(n, False) for n in sizes] + [(3, True)]:
-        for problem in shared_cluster(size).run(_ring_on_rank, ring_step, seed, split, timeout=timeout):
+    for size in sizes:
+        for problem in shared_cluster(size).run(_ring_on_rank, ring_step, seed, None, timeout=timeout):
             if problem:
                 raise AssertionError(problem)
+    for problem in SPLIT.run(_ring_on_rank, ring_step, seed, SPLIT, what="ring_step", timeout=timeout):
+        if problem:
+            raise AssertionError(problem)
