@@ -216,3 +216,29 @@ def test_flatten_padded_refuses_a_float32_round_trip_of_float64_tensors():
 
     for wrong in (via_float32, via_numpy):
         _fails(check("03.flatten_padded", wrong, quick=True), "torch.float64", "went through float32")
+
+
+# ---- a2.forward_flops: the MQA case is now in QUICK -------------------------------------------
+
+def _flops_with_kv_width(kv_width):
+    """The solution's count with k and v given ``kv_width(config)`` outputs each."""
+    def forward_flops(config, batch, seq):
+        from ultrascale.model import LlamaConfig
+
+        h, tokens = config.hidden, batch * seq
+        mlp = 3 * h * config.ffn if isinstance(config, LlamaConfig) else 8 * h * h
+        weights = config.layers * (2 * h * h + 2 * h * kv_width(config) + mlp) + h * config.vocab_size
+        return 2 * tokens * weights + tokens * 4 * seq * h * config.layers
+    return forward_flops
+
+
+def test_forward_flops_refuses_kv_widths_that_agree_only_when_heads_over_kv_heads_is_kv_heads():
+    def gqa(width):   # k and v are h wide without grouped-query attention; ``width`` with it
+        return lambda c: c.hidden if c.kv_heads == c.heads else width(c)
+
+    right = _flops_with_kv_width(gqa(lambda c: c.kv_heads * c.head_dim))
+    per_kv_head = _flops_with_kv_width(gqa(lambda c: c.hidden // c.kv_heads))
+    group_size = _flops_with_kv_width(gqa(lambda c: c.heads // c.kv_heads * c.head_dim))   # heads per K/V head
+    assert check("a2.forward_flops", right, quick=True).status == PASS   # the helper, without a mistake
+    for wrong in (per_kv_head, group_size):
+        _fails(check("a2.forward_flops", wrong, quick=True), "kv_heads 1", "k and v are narrower than h x h")
