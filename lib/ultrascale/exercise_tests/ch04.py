@@ -73,24 +73,28 @@ SHAPE = (2, 3, 4)           # (batch, sequence, features) of the conjugate-pair 
 # ---- shared with ch05: layouts, data, collectives --------------------------------------
 
 def layouts(world_size: int, quick: bool) -> list:
-    """(cluster size, split) pairs: every size as one tp group, then the sizes >= 3 cut in two."""
+    """(cluster size, split) pairs: every size as one tp group, then the sizes >= 3 cut in two,
+    once into halves and once into rank 0 alone and the rest (a group whose ranks are not the
+    global ones: its first rank is global rank 1)."""
     sizes = sorted({2, 3, world_size} if quick else {2, 3, 4, world_size})
-    return [(n, False) for n in sizes] + [(n, True) for n in sizes if n >= 3]
+    return ([(n, None) for n in sizes] + [(n, "halves") for n in sizes if n >= 3]
+            + [(n, "rank 0 alone") for n in sizes if n >= 3])
 
 
-def tp_group(ctx, split: bool):
+def tp_group(ctx, split):
     """The tp group of this rank and a description of the layout, for the messages.
 
-    ``split``: ranks [0, ceil(N/2)) and [ceil(N/2), N) form two groups (every rank creates
-    both, in the same order, as ``dist.new_group`` requires).
+    ``split``: None, the whole cluster; "halves", ranks [0, ceil(N/2)) and [ceil(N/2), N);
+    "rank 0 alone", ranks [0] and [1, N). Every rank creates both groups, in the same order,
+    as ``dist.new_group`` requires.
     """
     n = ctx.world_size
     if not split:
         return ctx.group, f"{n} ranks in one tp group"
-    half = (n + 1) // 2
-    first, second = list(range(half)), list(range(half, n))
+    cut = (n + 1) // 2 if split == "halves" else 1
+    first, second = list(range(cut)), list(range(cut, n))
     groups = (ctx.new_group(first), ctx.new_group(second))
-    mine = 0 if ctx.rank < half else 1
+    mine = 0 if ctx.rank < cut else 1
     return groups[mine], (f"{n} ranks split into tp groups {first} and {second} (every collective must "
                           f"pass group=group, or it sums over the wrong ranks)")
 
@@ -122,6 +126,50 @@ def same_collectives(got, expected, who: str) -> str | None:
     if sent != wanted:
         return (f"{who} called {describe(got)} as expected, but it moved {sent:,} bytes from this rank where "
                 f"the library moves {wanted:,}: communicate the tensor itself, once, not a larger or padded one")
+    return None
+
+
+def group_sizes(*logs) -> list:
+    """The size of the group every collective the ``CommLogger``s recorded ran on."""
+    return [e.world_size for log in logs for e in log.events]
+
+
+def wrong_group(sizes, n: int) -> str | None:
+    """None when every collective ran on the tp group (``n`` ranks)."""
+    other = [size for size in sizes if size != n]
+    if not other:
+        return None
+    return (f"a collective ran over {other[0]} ranks, not over the {n} ranks of the tp group: pass group=group to "
+            "every collective (without it, a collective runs over all the ranks of the job)")
+
+
+def shared_branch(y, upstream):
+    """Backward of ``out = y + 2 * side``: the gradient reaching ``y`` is also the other branch's.
+
+    Autograd hands the same tensor to both branches of the sum, and runs the learner's backward
+    first (``side``'s branch was built before it). A backward that changes its incoming gradient
+    in place (``dist.all_reduce(grad)`` on the tensor itself) thus changes ``side.grad`` too,
+    as it would change a residual's in a transformer. Returns the check's evidence, to judge
+    with ``shared_problem``.
+    """
+    side = torch.zeros_like(upstream, requires_grad=True)
+    branch = 2 * side                       # built before the learner's output is used: runs after it
+    incoming = upstream.clone()
+    if torch.is_tensor(y) and y.requires_grad and y.shape == upstream.shape:
+        (y + branch).backward(incoming)
+    return {"incoming": incoming, "side": side.grad}
+
+
+def shared_problem(got, upstream) -> str | None:
+    """What ``shared_branch`` saw, judged: the incoming gradient and the other branch's, untouched."""
+    shared = got.get("shared")
+    if shared is None or shared["side"] is None:
+        return None
+    if not torch.equal(shared["incoming"], upstream) or not torch.equal(shared["side"], 2 * upstream):
+        return ("the backward changed the gradient it was given in place (a collective on grad itself, e.g. "
+                "dist.all_reduce(grad)). Autograd hands that same tensor to the other branches that use the "
+                "output: with out = y + r (a residual), r's gradient changed too. Leave the incoming gradient "
+                "alone: communicate a copy (grad.clone()) and return it")
     return None
 
 
@@ -209,7 +257,8 @@ def run_layouts(on_rank, args, world_size: int, quick: bool, timeout: float) -> 
 # ---- 04.conjugate_pair ------------------------------------------------------------------
 
 def _run_pair(apply, x, upstream, group, forbid=None) -> dict:
-    """Forward and backward of ``apply(x, group)`` with the collectives of each direction."""
+    """Forward and backward of ``apply(x, group)`` with the collectives of each direction, then
+    the same once more where the output's gradient is shared with another branch."""
     from ultrascale.comm import CommLogger
 
     given = x.clone().requires_grad_()
@@ -220,10 +269,13 @@ def _run_pair(apply, x, upstream, group, forbid=None) -> dict:
         with CommLogger() as backward:
             if torch.is_tensor(y) and y.requires_grad and y.shape == upstream.shape:
                 y.backward(upstream.clone())
+        with CommLogger() as again:
+            shared = shared_branch(apply(x.clone().requires_grad_(), group), upstream)
     if refusal.message:
         return {"forbidden": refusal.message}
     return {"y": y.detach().clone() if torch.is_tensor(y) else y, "grad": given.grad, "changed": changed,
-            "forward": collectives(forward), "backward": collectives(backward)}
+            "forward": collectives(forward), "backward": collectives(backward), "shared": shared,
+            "sizes": group_sizes(forward, backward, again)}
 
 
 def _pair_on_rank(ctx, Copy, Reduce, seed, split):
@@ -251,6 +303,9 @@ def _pair_on_rank(ctx, Copy, Reduce, seed, split):
 def _judge_copy(got, library, x, upstream, n) -> str | None:
     if "forbidden" in got:
         return got["forbidden"]
+    problem = wrong_group(got["sizes"], n)
+    if problem:
+        return problem
     y, grad = got["y"], got["grad"]
     problem = shape_problem("Copy.apply(x, group)", y, x)
     if problem:
@@ -274,6 +329,9 @@ def _judge_copy(got, library, x, upstream, n) -> str | None:
             return (f"x.grad is the average over the {n} ranks; it must be the sum (the ranks' contributions "
                     "add up, they are not copies of one gradient): no division")
         return f"x.grad differs from the sum over ranks of the upstream gradients by up to {off_by(grad, want)}"
+    problem = shared_problem(got, upstream)
+    if problem:
+        return problem
     if got["forward"]:
         return (f"the forward called {describe(got['forward'])}. f needs no communication in forward "
                 "(x is already the same on every rank); its all-reduce belongs in backward")
@@ -286,6 +344,9 @@ def _judge_copy(got, library, x, upstream, n) -> str | None:
 def _judge_reduce(got, library, x, upstream, n) -> str | None:
     if "forbidden" in got:
         return got["forbidden"]
+    problem = wrong_group(got["sizes"], n)
+    if problem:
+        return problem
     y, grad = got["y"], got["grad"]
     problem = shape_problem("Reduce.apply(x, group)", y, x)
     if problem:
@@ -310,6 +371,9 @@ def _judge_reduce(got, library, x, upstream, n) -> str | None:
                     "summing it again adds the other ranks' (N times the gradient in a real model, where all "
                     "ranks receive the same one)")
         return f"x.grad must be the upstream gradient as it is; it differs by up to {off_by(grad, upstream)}"
+    problem = shared_problem(got, upstream)
+    if problem:
+        return problem
     problem = same_collectives(got["forward"], library["Reduce"]["forward"], "the forward")
     if problem:
         return problem + ". f* is exactly one all-reduce (sum) in forward"
@@ -349,7 +413,8 @@ def _reference(layer: nn.Linear, x, dy) -> dict:
 
 
 def _run_linear(forward, x, weight, bias, group, dy, forbid=None) -> dict:
-    """Call ``forward(x, weight, bias, group)`` on leaves, backward of sum(y * dy), with collectives."""
+    """Call ``forward(x, weight, bias, group)`` on leaves, then backward with the gradient ``dy``
+    shared with another branch (``shared_branch``), with the collectives of each direction."""
     from ultrascale.comm import CommLogger
 
     x = x.clone().requires_grad_()
@@ -358,12 +423,12 @@ def _run_linear(forward, x, weight, bias, group, dy, forbid=None) -> dict:
         with CommLogger() as fwd:
             y = forward(x, weight, bias, group)
         with CommLogger() as bwd:
-            if torch.is_tensor(y) and y.requires_grad and y.shape == dy.shape:
-                (y * dy).sum().backward()
+            shared = shared_branch(y, dy)
     if refusal.message:
         return {"forbidden": refusal.message}
     return {"y": y.detach() if torch.is_tensor(y) else y, "x": x.grad, "weight": weight.grad,
-            "bias": bias.grad, "forward": collectives(fwd), "backward": collectives(bwd), "untracked": untracked}
+            "bias": bias.grad, "forward": collectives(fwd), "backward": collectives(bwd), "untracked": untracked,
+            "shared": shared, "sizes": group_sizes(fwd, bwd)}
 
 
 def _grads_problem(got, want, names) -> str | None:
@@ -400,6 +465,9 @@ def _column_on_rank(ctx, forward, seed, split):
 def _judge_column(got, want, library, w, b, dy, n) -> str | None:
     if "forbidden" in got:
         return got["forbidden"]
+    problem = wrong_group(got["sizes"], n)
+    if problem:
+        return problem
     y = got["y"]
     if torch.is_tensor(y) and y.dim() == want["y"].dim() and y.shape[-1] == want["y"].shape[-1] * n and n > 1:
         return (f"the output has shape {tuple(y.shape)}: all {y.shape[-1]} output features. A column-parallel "
@@ -423,6 +491,7 @@ def _judge_column(got, want, library, w, b, dy, n) -> str | None:
                 "depends on x through every rank's slice, so x.grad must be the sum of all ranks' shares: "
                 "route x through f (f(x, group)) before the matmul; its backward all-reduces them")
     problem = _grads_problem(got, want, (("x", "x"), ("weight", "weight_shard"), ("bias", "bias_shard")))
+    problem = problem or shared_problem(got, dy)
     if problem:
         return problem
     problem = untracked_problem(got["untracked"], "f(x, group), the autograd-aware copy")
@@ -461,13 +530,16 @@ def _row_on_rank(ctx, forward, seed, split):
                        "its RowParallelLinear is the answer; use F.linear and f_star"))
     want = {"y": full["y"], "x": full["x"][..., cols], "weight": full["weight"][:, cols], "bias": full["bias"]}
     partial = F.linear(x[..., cols], w)               # this rank's term of the sum
-    problem = _judge_row(got, want, library, partial, b, n)
+    problem = _judge_row(got, want, library, partial, b, dy, n)
     return f"{layout}, rank {ctx.rank}: {problem}" if problem else None
 
 
-def _judge_row(got, want, library, partial, bias, n) -> str | None:
+def _judge_row(got, want, library, partial, bias, dy, n) -> str | None:
     if "forbidden" in got:
         return got["forbidden"]
+    problem = wrong_group(got["sizes"], n)
+    if problem:
+        return problem
     y = got["y"]
     problem = shape_problem("the output", y, want["y"])
     if problem:
@@ -492,6 +564,7 @@ def _judge_row(got, want, library, partial, bias, n) -> str | None:
         return (f"x_shard.grad is {n} times too large: the backward all-reduced the gradient. f*'s backward "
                 "is the identity (every rank already has the gradient of the summed output)")
     problem = _grads_problem(got, want, (("x", "x_shard"), ("weight", "weight_shard"), ("bias", "bias")))
+    problem = problem or shared_problem(got, dy)
     if problem:
         return problem
     problem = untracked_problem(got["untracked"], "f_star(y, group), the autograd-aware all-reduce")
@@ -567,20 +640,25 @@ def _ce_on_rank(ctx, fn, seed, split):
         loss = None
         with untracked_collectives() as untracked, refused_library(forbid) as refusal, CommLogger() as log:
             loss = fn(local, targets.clone(), r * LOCAL_VOCAB, group)
-            if torch.is_tensor(loss) and loss.requires_grad and loss.dim() == 0:
-                loss.backward()
+            shared = shared_branch(loss, torch.tensor(1.0))   # the loss's gradient shared with another term
         if refusal.message:
             return f"{layout}, rank {ctx.rank}: {refusal.message}"
-        runs.append((case, logits, targets, expected.detach(), full.grad[:, cols], loss, local.grad,
-                     collectives(log), untracked))
-    for case, logits, targets, expected, grad, loss, got_grad, ops, untracked in runs:
-        problem = _judge_ce(logits, targets, expected, grad, loss, got_grad, ops, untracked, n)
+        got = {"loss": loss, "grad": local.grad, "ops": collectives(log), "untracked": untracked,
+               "shared": shared, "sizes": group_sizes(log),
+               "changed": not torch.equal(local.detach(), logits[:, cols])}
+        runs.append((case, logits, targets, expected.detach(), full.grad[:, cols], got))
+    for case, logits, targets, expected, grad, got in runs:
+        problem = _judge_ce(logits, targets, expected, grad, got, n)
         if problem:
             return f"{layout}, rank {ctx.rank}, {case} ({TOKENS} tokens, vocabulary {LOCAL_VOCAB} x {n}): {problem}"
     return None
 
 
-def _judge_ce(logits, targets, expected, grad, loss, got_grad, ops, untracked, n) -> str | None:
+def _judge_ce(logits, targets, expected, grad, got, n) -> str | None:
+    loss, got_grad, ops = got["loss"], got["grad"], got["ops"]
+    problem = wrong_group(got["sizes"], n)
+    if problem:
+        return problem
     if not torch.is_tensor(loss) or loss.dim() != 0:
         shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
         return f"return the mean loss as a 0-dimensional tensor, got {shape}"
@@ -604,7 +682,14 @@ def _judge_ce(logits, targets, expected, grad, loss, got_grad, ops, untracked, n
                 f"one by up to {off_by(got_grad, grad)}: keep the sum of exponentials and the target's logit on "
                 "the autograd graph, summed over the ranks with f_star (whose backward is the identity); only "
                 "the maximum may be detached")
-    problem = untracked_problem(untracked, "f_star for the sums, which stay on the graph, and compute the maximum "
+    if got["changed"]:
+        return ("the loss and its gradient are right, but your function changed local_logits in place (e.g. "
+                "local_logits -= max under torch.no_grad()). The caller's logits are the model's output, still "
+                "needed: compute the shifted logits as a new tensor (local_logits - max)")
+    problem = shared_problem(got, torch.tensor(1.0))
+    if problem:
+        return problem
+    problem = untracked_problem(got["untracked"], "f_star for the sums, which stay on the graph, and compute the maximum "
                                 "under torch.no_grad() (it needs no gradient)")
     if problem:
         return problem

@@ -35,8 +35,8 @@ import torch.nn as nn
 
 from ultrascale.grading import exercise
 
-from .ch04 import (_run_pair, close, describe, layouts, off_by, randn, refused_library,
-                   same_collectives, shape_problem, tp_group)
+from .ch04 import (_run_pair, close, describe, group_sizes, layouts, off_by, randn, refused_library,
+                   same_collectives, shape_problem, shared_problem, tp_group, wrong_group)
 
 BASE = (2, 3, 4)    # what one rank holds: (batch, its slice of the sequence, hidden)
 DIMS = (1, 0, 2)    # the sequence first; dims 0 and 2 catch code that ignores dim
@@ -100,6 +100,9 @@ def _double_traffic(got_ops, library_ops, who: str) -> str | None:
 def _judge_gather(got, library, x, upstream, dim, r, n) -> str | None:
     if "forbidden" in got:
         return got["forbidden"]
+    problem = wrong_group(got["sizes"], n)
+    if problem:
+        return problem
     y, want = got["y"], library["y"]
     if torch.is_tensor(y) and dim != 0 and n > 1 and tuple(y.shape) == _long(0, n):
         return (f"the output has shape {tuple(y.shape)}: the slices were concatenated along dim 0, expected "
@@ -123,6 +126,9 @@ def _judge_gather(got, library, x, upstream, dim, r, n) -> str | None:
                     "it: a reduce-scatter")
         return (f"x.grad differs from this rank's slice (along dim {dim}) of the sum over ranks of the upstream "
                 f"gradients by up to {off_by(grad, library['grad'])}" + _front(dim))
+    problem = shared_problem(got, upstream)
+    if problem:
+        return problem
     problem = same_collectives(got["forward"], library["forward"], "the forward")
     if problem:
         return problem + ": g's forward is one all-gather"
@@ -136,6 +142,9 @@ def _judge_gather(got, library, x, upstream, dim, r, n) -> str | None:
 def _judge_reduce_scatter(got, library, x, upstream, dim, r, n) -> str | None:
     if "forbidden" in got:
         return got["forbidden"]
+    problem = wrong_group(got["sizes"], n)
+    if problem:
+        return problem
     y, want = got["y"], library["y"]
     if torch.is_tensor(y) and n > 1 and tuple(y.shape) == tuple(x.shape):
         return (f"the output has x's shape {tuple(x.shape)}: the whole sum. g* keeps only this rank's slice along "
@@ -159,6 +168,9 @@ def _judge_reduce_scatter(got, library, x, upstream, dim, r, n) -> str | None:
         return (f"x.grad must be every rank's upstream gradient concatenated along dim {dim} in rank order (an "
                 "all-gather): each rank's x contributed to every slice of the sum. It differs by up to "
                 f"{off_by(grad, library['grad'])}" + _front(dim))
+    problem = shared_problem(got, upstream)
+    if problem:
+        return problem
     problem = _double_traffic(got["forward"], library["forward"], "the forward")
     problem = problem or same_collectives(got["forward"], library["forward"], "the forward")
     if problem:
@@ -203,12 +215,28 @@ def _grads(module) -> dict:
     return {name: None if p.grad is None else p.grad.detach().clone() for name, p in module.named_parameters()}
 
 
+def _watch_hook_arguments(module) -> list:
+    """Register, on every parameter, a hook that keeps the gradient it receives and a copy of it.
+
+    It returns nothing, so the hooks registered after it receive that very tensor: if it no
+    longer equals its copy after backward, a later hook changed its argument in place, which
+    PyTorch forbids (``Tensor.register_hook``: "The hook should not modify its argument"), since
+    autograd may hand the same tensor to other branches and hooks. The list fills as backward runs.
+    """
+    seen = []
+    for name, p in module.named_parameters():
+        p.register_hook(lambda grad, name=name: seen.append((name, grad, grad.clone())))
+    return seen
+
+
 def _norm_on_rank(ctx, sync_norm_gradients, seed, split):
+    from ultrascale.comm import CommLogger
     from ultrascale.parallel import tensor_parallel
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
     norm, reference, alone = _layer_norm(seed), _layer_norm(seed), _layer_norm(seed)
+    given = _watch_hook_arguments(norm)   # registered first: the learner's hooks get the same tensors
     forbid = ([tensor_parallel._sum_gradient_over_tp], "05.sequence_parallel_norm_grads",
               "register the hooks yourself")
     with refused_library(forbid) as refusal:
@@ -220,15 +248,17 @@ def _norm_on_rank(ctx, sync_norm_gradients, seed, split):
     for micro in range(MICRO_BATCHES):
         x = randn((BATCH, PER_RANK * n, HIDDEN), seed, 22, micro)   # the whole sequences, on every rank
         dy = randn((BATCH, PER_RANK * n, HIDDEN), seed, 23, micro)
-        given = x[:, mine].clone().requires_grad_()
-        out = norm(given)
-        if torch.is_tensor(out) and out.shape == given.shape:
-            out.backward(dy[:, mine])
+        mine_x = x[:, mine].clone().requires_grad_()
+        out = norm(mine_x)
+        with CommLogger() as log:
+            if torch.is_tensor(out) and out.shape == mine_x.shape:
+                out.backward(dy[:, mine])
         full = x.clone().requires_grad_()
         expected = reference(full)              # one process, the whole sequence
         expected.backward(dy)
         alone(x[:, mine]).backward(dy[:, mine])   # this rank's tokens only, nothing summed
-        steps.append({"out": out.detach() if torch.is_tensor(out) else out, "x": given.grad,
+        steps.append({"out": out.detach() if torch.is_tensor(out) else out, "x": mine_x.grad,
+                      "sizes": group_sizes(log), "changed": [name for name, t, kept in given if not torch.equal(t, kept)],
                       "grads": _grads(norm), "expected_out": expected.detach()[:, mine],
                       "expected_x": full.grad[:, mine], "expected": _grads(reference), "alone": _grads(alone)})
     problem = _judge_norm(steps, n)
@@ -239,6 +269,9 @@ def _norm_on_rank(ctx, sync_norm_gradients, seed, split):
 def _judge_norm(steps, n) -> str | None:
     for micro, step in enumerate(steps):
         when = "after one backward" if micro == 0 else f"after {micro + 1} backward passes (gradient accumulation)"
+        problem = wrong_group(step["sizes"], n)
+        if problem:
+            return problem
         problem = shape_problem("the norm's output", step["out"], step["expected_out"])
         if problem or not close(step["out"], step["expected_out"]):
             return (problem or "the norm's output changed") + ": the hooks must leave the forward alone"
@@ -271,6 +304,11 @@ def _judge_norm(steps, n) -> str | None:
                 return (f"{when}, {name}.grad must be the sum of every micro-batch's full-sequence gradient; it "
                         f"differs by up to {off_by(got, want)}")
             return f"{when}, {name}.grad differs from the one-process norm's by up to {off_by(got, want)}"
+        if step["changed"]:
+            return (f"the gradients are right, but your hook changed the gradient it was given in place "
+                    f"({step['changed'][0]}'s: a collective on grad itself, e.g. dist.all_reduce(grad)). A hook must "
+                    "not modify its argument: autograd may hand the same tensor to other hooks and branches. "
+                    "All-reduce a copy (grad.clone()) and return it: the returned tensor replaces the gradient")
     return None
 
 

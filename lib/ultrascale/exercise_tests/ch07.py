@@ -52,7 +52,10 @@ def _as_actions(got, rank: int, call: str):
     out = []
     for item in got:
         if isinstance(item, str):
-            actions = parse(item, stage=rank)
+            try:
+                actions = parse(item, stage=rank)
+            except ValueError as err:   # e.g. 'B-3': a micro-batch counted from a negative start
+                raise AssertionError(f"{call}: {err}") from None
             if len(actions) != 1:
                 raise AssertionError(f"{call}: {item!r} is not one action; write one per item, e.g. 'F3'")
             out.append(actions[0])
@@ -64,8 +67,10 @@ def _as_actions(got, rank: int, call: str):
 
 
 def _one_f_one_b_cases(quick: bool):
-    cases = [(2, 4), (3, 5), (4, 8), (4, 3), (4, 4), (1, 3)]
-    return cases if quick else cases + [(5, 7), (8, 32), (6, 2)]
+    # (6, 2) has fewer micro-batches than ranks 0..3's warm-up: a warm-up of p - 1 - rank forwards
+    # not capped at m asks for micro-batches that do not exist, and only such a case shows it.
+    cases = [(2, 4), (3, 5), (4, 8), (4, 3), (4, 4), (1, 3), (6, 2)]
+    return cases if quick else cases + [(5, 7), (8, 32)]
 
 
 @exercise("07.one_f_one_b", points=1)
@@ -85,6 +90,12 @@ def test_one_f_one_b(one_f_one_b_list, world_size: int = 4, quick: bool = True, 
                 got = call_learner(one_f_one_b_list, p, m, rank, call=call)
             lists.append(_as_actions(got, rank, call))
         where = f"p={p}, m={m}"
+        beyond = [f"rank {rank}: {a.op}{a.microbatch}" for rank, actions in enumerate(lists) for a in actions
+                  if not 0 <= a.microbatch < m]
+        if beyond:
+            raise AssertionError(f"{where}: {beyond[0]}, but there are only m={m} micro-batches (0..{m - 1}). "
+                                 "With fewer micro-batches than stages the warm-up is cut short: "
+                                 "min(p - 1 - rank, m) forwards")
         try:
             schedule = Schedule("your 1F1B", lists, m)
         except ScheduleError as err:
@@ -107,17 +118,26 @@ def test_one_f_one_b(one_f_one_b_list, world_size: int = 4, quick: bool = True, 
 # ---- 07.bubble_fraction -----------------------------------------------------------------
 
 def _bubble_cases(seed: int) -> dict:
-    """name -> Simulation, spans shifted by ``shift`` seconds."""
+    """name -> (Simulation, shift in seconds, how the ranks' span lists are arranged).
+
+    In every simulated timeline rank 0 starts first and ends last, and each rank's spans come in
+    time order; the last two cases break both, so that only the first start and the last end
+    over all spans make the step."""
     from ultrascale.schedule import afab, dualpipe_v, interleaved_1f1b, naive, one_f_one_b, simulate, zb_h1
 
+    as_simulated = list
     return {
-        "naive, p=3": (simulate(naive(3)), 0.0),
-        "AFAB, p=4, m=8": (simulate(afab(4, 8)), 0.0),
-        "1F1B, p=4, m=6, t_b = 3 t_f, starting at t = 100": (simulate(one_f_one_b(4, 6), t_b=3.0), 100.0),
-        "1F1B, p=3, m=5, messages taking 0.3 t_f": (simulate(one_f_one_b(3, 5), t_comm=0.3), 0.0),
-        "interleaved, p=4, m=8, v=2": (simulate(interleaved_1f1b(4, 8, 2)), 0.0),
-        "ZB-H1, p=4, m=6": (simulate(zb_h1(4, 6)), 0.0),
-        "DualPipeV, p=2, m=5": (simulate(dualpipe_v(2, 5)), 7.5 + seed),
+        "naive, p=3": (simulate(naive(3)), 0.0, as_simulated),
+        "AFAB, p=4, m=8": (simulate(afab(4, 8)), 0.0, as_simulated),
+        "1F1B, p=4, m=6, t_b = 3 t_f, starting at t = 100": (simulate(one_f_one_b(4, 6), t_b=3.0), 100.0, as_simulated),
+        "1F1B, p=3, m=5, messages taking 0.3 t_f": (simulate(one_f_one_b(3, 5), t_comm=0.3), 0.0, as_simulated),
+        "interleaved, p=4, m=8, v=2": (simulate(interleaved_1f1b(4, 8, 2)), 0.0, as_simulated),
+        "ZB-H1, p=4, m=6": (simulate(zb_h1(4, 6)), 0.0, as_simulated),
+        "DualPipeV, p=2, m=5": (simulate(dualpipe_v(2, 5)), 7.5 + seed, as_simulated),
+        "1F1B, p=4, m=6, the ranks listed last to first (the first start and the last end on the last list)":
+            (simulate(one_f_one_b(4, 6), t_b=3.0), 0.0, lambda spans: spans[::-1]),
+        "AFAB, p=3, m=4, each rank's spans listed newest first":
+            (simulate(afab(3, 4), t_comm=0.2), 0.0, lambda spans: [r[::-1] for r in spans]),
     }
 
 
@@ -143,6 +163,14 @@ def _judge_bubble(got, spans, want, sim) -> str | None:
     if math.isclose(got, (s.ranks - 1) / (s.chunks * s.microbatches), rel_tol=1e-6):
         return (f"{got:.4f} is the formula (p-1)/(v m), which holds only when t_b = 2 t_f and messages cost "
                 f"nothing: measure the spans instead (expected {want:.4f})")
+    # Windows read off the lists' positions instead of the times: rank 0's first and last span,
+    # or each rank's first and last span.
+    windows = [(spans[0][0][0], spans[0][-1][1]), (min(r[0][0] for r in spans), max(r[-1][1] for r in spans))]
+    if any(math.isclose(got, (len(spans) * (b - a) - busy) / busy, rel_tol=1e-6) for a, b in windows
+           if (a, b) != (start, end)):
+        return ("the step must run from the earliest start to the latest end over *all* spans, wherever they "
+                "stand in the lists: here the first to start or the last to end is not the first span of rank 0 "
+                f"or the last one of a rank (use min and max over every span; expected {want:.4f})")
     own = sum(max(b for _, b in r) - min(a for a, _ in r) for r in spans) - busy
     if math.isclose(got, own / busy, rel_tol=1e-6):
         return ("each rank's idle time counted from its own first to its own last action: a rank that starts late "
@@ -159,8 +187,8 @@ def test_bubble_fraction(bubble, world_size: int = 4, quick: bool = True, seed: 
     assert callable(bubble), f"pass your function, got {bubble!r}"
     forbidden = [simulate_module.bubble_fraction, simulate_module.covered_seconds,
                  simulate_module.predicted_bubble_fraction]
-    for name, (sim, shift) in _bubble_cases(seed).items():
-        spans = _spans(sim, shift)
+    for name, (sim, shift, arrange) in _bubble_cases(seed).items():
+        spans = arrange(_spans(sim, shift))
         want = simulate_module.bubble_fraction(sim)
         with forbid_library(forbidden, "07.bubble_fraction", "sum the spans and the idle time yourself"):
             got = call_learner(bubble, [list(r) for r in spans], call=f"bubble(spans of {name})")
@@ -217,14 +245,22 @@ class _DeferredSend:
 
 
 class _SendTracker(_P2PTracker):
-    """Chapter 6's tracker, with the works of ``isend`` deferred (see ``_DeferredSend``)."""
+    """Chapter 6's tracker, with the works of ``isend`` deferred (see ``_DeferredSend``) and the group of
+    every transfer noted."""
 
-    def __init__(self):
-        super().__init__()
-        self.sends = []
+    def __init__(self, ranks):
+        super().__init__(ranks)
+        self.sends, self.groups = [], []
 
     def _wrap(self, name, original):
-        wrapped = super()._wrap(name, original)
+        counted = super()._wrap(name, original)
+        if name == "batch_isend_irecv":
+            return counted
+
+        @functools.wraps(original)
+        def wrapped(*args, **kwargs):   # send/recv(tensor, peer, group=None, ...): note the group
+            self.groups.append(kwargs.get("group", args[2] if len(args) > 2 else None))
+            return counted(*args, **kwargs)
         if name != "isend":
             return wrapped
 
@@ -264,7 +300,7 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
     for a in actions:
         what = f"{order}, p={p}, m={m}, rank {r}, {'forward_step' if a.op == 'F' else 'backward_step'} of " \
                f"micro-batch {a.microbatch}"
-        tracker = _SendTracker()
+        tracker = _SendTracker(range(p))
         try:
             with tracker, forbid_library(forbidden, "07.stage_step", "send and receive with dist.isend / dist.recv"):
                 if a.op == "F":
@@ -279,7 +315,7 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
         except Exception as err:   # judged here, so that this rank reports instead of hanging the others
             problem = f"raised {type(err).__name__}: {err}"
         else:
-            problem = _judge_transfers(a.op, r, p, tracker, got)
+            problem = _judge_transfers(a.op, r, p, tracker, got, ctx.group)
         if problem is None and a.op == "F":
             if isinstance(got, (tuple, list)) and len(got) == 3:
                 held[a.microbatch] = got[:2]
@@ -303,8 +339,12 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
     return {"grads": pipe.gradients()}
 
 
-def _judge_transfers(op: str, r: int, p: int, tracker, got) -> str | None:
+def _judge_transfers(op: str, r: int, p: int, tracker, got, group) -> str | None:
     posted = tracker.posted
+    if any(g is not group for g in tracker.groups):
+        return ("a send or receive without group=group. Here the pipeline group is every rank, but beside data or "
+                "tensor parallelism it is a subgroup, and a transfer on another group never meets its partner: "
+                "pass group=group to every dist.isend / dist.recv")
     # torch's blocking send/recv post an isend/irecv and wait for it: count each transfer once.
     sends = max(posted["isend"], posted["send"])
     recvs = max(posted["irecv"], posted["recv"])
@@ -373,31 +413,65 @@ def _split_stage(seed: int):
     return build_stage(_model(4, seed), range(1, 3), first=False, last=False)
 
 
+class _GradientWatch:
+    """Counts, per phase, the gradients autograd computes for the stage's weights and for its input.
+
+    Tensor hooks fire whenever autograd computes a gradient for their tensor, by ``backward`` or by
+    ``torch.autograd.grad``: so B computing weight gradients (to stash them for W) or W computing the
+    input's gradient again shows here, whatever the code does with the result.
+    """
+
+    def __init__(self, params):
+        self.seen = {"weights": 0, "input": 0}
+        for q in params:
+            q.register_hook(self._weight)
+
+    def _weight(self, grad):
+        self.seen["weights"] += 1
+
+    def _input(self, grad):
+        self.seen["input"] += 1
+
+    def watch_input(self, x):
+        x.register_hook(self._input)
+
+    def count(self, what: str) -> int:
+        count, self.seen[what] = self.seen[what], 0
+        return count
+
+
+def _micro_batches(seed: int, mbs: int):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(1, CFG_KW["seq_len"], CFG_KW["hidden"], generator=g, dtype=DT) for _ in range(mbs)]
+    return xs, [torch.randn(x.shape, generator=g, dtype=DT) for x in xs]
+
+
 def _problem_split(backward_input, backward_weight, seed: int, mbs: int = 3) -> str | None:
     from ultrascale.grading.guards import call_learner, forbid_library
     from ultrascale.parallel import pipeline_parallel as pp_module
     from ultrascale.parity import gradients, max_difference, tolerance
 
     tol = tolerance(None, DT)
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(1, CFG_KW["seq_len"], CFG_KW["hidden"], generator=g, dtype=DT) for _ in range(mbs)]
-    dys = [torch.randn(x.shape, generator=g, dtype=DT) for x in xs]
+    xs, dys = _micro_batches(seed, mbs)
     whole, split = _split_stage(seed), _split_stage(seed)
-    want_dx = []
+    want_dx, want_grads = [], []      # the input gradient of each micro-batch, the weights' after each
     for x, dy in zip(xs, dys):
         x = x.clone().requires_grad_()
         whole(x).backward(dy)
         want_dx.append(x.grad)
+        want_grads.append(gradients(whole))
     params = [q for q in split.parameters() if q.requires_grad]
+    watch = _GradientWatch(params)
     forbid = ([pp_module.backward_input, pp_module.backward_weight], "07.split_backward",
               "use torch.autograd.grad yourself")
     kept = []
     for i, (x, dy) in enumerate(zip(xs, dys)):   # B0 B1 B2: the input gradients first
         x = x.clone().requires_grad_()
         y = split(x)
-        before = gradients(split)
+        watch.watch_input(x)
+        before, given = gradients(split), dy.clone()
         with forbid_library(*forbid):
-            dx = call_learner(backward_input, y, x, dy, call=f"backward_input(...) of micro-batch {i}")
+            dx = call_learner(backward_input, y, x, given, call=f"backward_input(...) of micro-batch {i}")
         if not torch.is_tensor(dx) or dx.shape != x.shape:
             return f"B of micro-batch {i}: return the gradient of stage_input, shaped like it {tuple(x.shape)}"
         if not torch.allclose(dx, want_dx[i], **tol):
@@ -408,29 +482,62 @@ def _problem_split(backward_input, backward_weight, seed: int, mbs: int = 3) -> 
             return (f"B of micro-batch {i} changed the weights' .grad: B computes only the input's gradient "
                     "(torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)); the weights' "
                     "gradients are W's job, later")
+        if watch.count("weights"):
+            return (f"B of micro-batch {i} computed the weights' gradients too (kept for W?). The point of the "
+                    "split is that B computes only the input's gradient, which the previous stage waits for, "
+                    "and leaves the weights' to W, which fills the bubbles later: "
+                    "torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)")
+        problem = _grad_output_problem(given, dy, f"B of micro-batch {i}")
+        if problem:
+            return problem
         kept.append((y, dy))
+    watch.count("input")
     for i, (y, dy) in enumerate(kept):   # W0 W1 W2: deferred, as Zero Bubble runs them
+        given = dy.clone()
         with forbid_library(*forbid):
             try:
-                call_learner(backward_weight, y, params, dy, call=f"backward_weight(...) of micro-batch {i}")
+                call_learner(backward_weight, y, params, given, call=f"backward_weight(...) of micro-batch {i}")
             except AssertionError as err:
                 if "backward through the graph a second time" in str(err):
                     return (f"W of micro-batch {i}: the graph was freed. B must keep it for W: "
                             "torch.autograd.grad(..., retain_graph=True)")
                 raise
-    got, want = gradients(split), gradients(whole)
+        problem = _grad_output_problem(given, dy, f"W of micro-batch {i}") or _weights_problem(
+            gradients(split), want_grads, i, split, xs, dys, seed, tol)
+        if problem:
+            return problem
+        if watch.count("input"):
+            return (f"W of micro-batch {i} computed the input's gradient again (a whole backward?). B already did: "
+                    "W computes only the weights' gradients, torch.autograd.grad(output, params, grad_output)")
+    return None
+
+
+def _grad_output_problem(given, dy, who: str) -> str | None:
+    if torch.equal(given, dy):
+        return None
+    return (f"{who} changed grad_output in place. It is the next stage's message, still needed (W uses it "
+            "again after B): compute with it, do not write into it")
+
+
+def _weights_problem(got, want_grads, i, split, xs, dys, seed, tol) -> str | None:
+    """After W of micro-batch ``i``, .grad must hold the sum of micro-batches 0..i's weight gradients."""
+    from ultrascale.parity import max_difference
+
+    want = want_grads[i]
     missing = [n for n, t in got.items() if t is None]
     if missing:
-        return f"after the W's, {len(missing)} weights have no gradient (e.g. {missing[0]}): W must set their .grad"
-    worst = max(max_difference(got[n], want[n]) for n in want)
-    if not all(torch.allclose(got[n], want[n], **tol) for n in want):
-        last_only = _split_stage(seed)
-        last_only(xs[-1].clone().requires_grad_()).backward(dys[-1])
-        if all(torch.allclose(got[n], gradients(last_only)[n], **tol) for n in want):
-            return ("the weights' gradients are those of the last micro-batch alone: W must *add* to .grad "
-                    "(p.grad += g when it exists), as backward() does, so micro-batches accumulate")
-        return f"after B0..B{mbs - 1} and W0..W{mbs - 1} the weights' gradients differ by {worst:.3g} from backward()"
-    return None
+        return (f"after W of micro-batch {i}, {len(missing)} weights have no gradient (e.g. {missing[0]}): "
+                "W must set their .grad")
+    if all(torch.allclose(got[n], want[n], **tol) for n in want):
+        return None
+    if i > 0:
+        alone = {n: want[n] - want_grads[i - 1][n] for n in want}
+        if all(torch.allclose(got[n], alone[n], **tol) for n in want):
+            return (f"after W of micro-batch {i} the weights' gradients are those of the last micro-batch alone: W must "
+                    "*add* to .grad (p.grad += g when it exists), as backward() does, so micro-batches accumulate")
+    return (f"after W of micro-batch {i} the weights' gradients differ by {max_difference(got, want):.3g} from those "
+            f"backward() leaves after micro-batches 0..{i}: W of micro-batch {i} must add the gradients of its own "
+            "output with its own grad_output, once")
 
 
 @exercise("07.split_backward", points=1)
