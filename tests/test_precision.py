@@ -348,3 +348,16 @@ def test_the_fp8_gemm_measurement_checks_its_product_before_it_times_it():
     assert relative_error(transposed, a @ b) > 10 * FP8_PRODUCT_TOLERANCE
     unscaled = fp8_matmul(qa, torch.ones(()), qb, sb).float()   # a scale forgotten
     assert relative_error(unscaled, a @ b) > 10 * FP8_PRODUCT_TOLERANCE
+
+
+def test_the_course_cast_saturates_e4m3_on_every_torch():
+    """torch <= 2.12 casts a float32 past 464 to e4m3 as NaN, 2.13 saturates at 448: the
+    course's cast clamps first, so both give the largest value; formats with an infinity
+    still overflow to it, and NaN stays NaN."""
+    from ultrascale.precision import to_format
+    beyond = torch.tensor([-5.734e7, -1000.0, 464.0, 470.0, float("nan")])
+    assert to_format(beyond, torch.float8_e4m3fn).float().tolist()[:4] == [-448.0, -448.0, 448.0, 448.0]
+    assert to_format(beyond, torch.float8_e4m3fn).float()[4].isnan()
+    assert to_format(beyond, torch.float8_e5m2).float().tolist()[:2] == [-math.inf, -1024.0]   # in range: rounded
+    assert to_format(torch.tensor([1e6]), torch.float16).item() == math.inf
+    assert decode(-5.734e7, torch.float8_e4m3fn).value == -448.0

@@ -15,7 +15,7 @@ tile-wise scaling, and the memory of FP8 recipes (chapter 12).
   imported from there, since it needs Triton's timer on a GPU.
 """
 from .formats import (BOOK_TABLE, DTYPES, Fields, Layout, check_dtype, decode, distinct_inside, layout, layouts,
-                      round_to)
+                      round_to, to_format)
 from .fp8_linear import (FP8_PLAN, RECIPES, FP8Linear, FP8Matmul, FP8Recipe, Quantised, apply_fp8, fp8_gemm,
                          get_recipe, tile_scaled_matmul)
 from .loss_scaling import DynamicLossScaler, ScaledOptimizer, update_scale
@@ -25,7 +25,7 @@ from .scaling import (ACTIVATION_TILE, E4M3, E5M2, WEIGHT_TILE, dequantize, dequ
 from .training import Autocast, LoggedBatches, train_losses
 
 __all__ = ["BOOK_TABLE", "DTYPES", "Fields", "Layout", "check_dtype", "decode", "distinct_inside", "layout",
-           "layouts", "round_to", "FP8_PLAN", "RECIPES", "FP8Linear", "FP8Matmul", "FP8Recipe", "Quantised",
+           "layouts", "round_to", "to_format", "FP8_PLAN", "RECIPES", "FP8Linear", "FP8Matmul", "FP8Recipe", "Quantised",
            "apply_fp8", "fp8_gemm", "get_recipe", "tile_scaled_matmul", "DynamicLossScaler", "ScaledOptimizer",
            "update_scale", "BASELINE", "FP8_RECIPES", "MemoryRecipe", "memory_row", "reduction", "state_bytes",
            "ACTIVATION_TILE", "E4M3", "E5M2", "WEIGHT_TILE", "dequantize", "dequantize_tiles", "expand_scales",

@@ -132,7 +132,7 @@ def decode(x, dtype=None) -> Fields:
     if not torch.is_tensor(x):
         if dtype is None:
             raise ValueError("decode(number) needs dtype=, the format to round the number to")
-        x = torch.tensor(float(x)).to(check_dtype(dtype))
+        x = to_format(torch.tensor(float(x)), dtype)
     if x.numel() != 1:
         raise ValueError(f"decode reads one value, got a tensor of shape {tuple(x.shape)}")
     lay = layout(x.dtype)
@@ -155,9 +155,25 @@ def decode(x, dtype=None) -> Fields:
     return Fields(x.dtype, sign, exponent, mantissa, kind, value)
 
 
+def to_format(values, dtype) -> torch.Tensor:
+    """``values`` stored in ``dtype``: rounded to nearest (ties to even); beyond the largest
+    value, infinity where the format has one and the largest value itself where it has none.
+
+    e4m3 ("fn") has no infinity, and what a plain ``.to(torch.float8_e4m3fn)`` gives past 464
+    (the largest value 448 plus half a step) depends on the torch: NaN up to 2.12, the largest
+    value from 2.13 (chapter 12 shows which this torch does). So the course clamps first, as
+    FP8 training recipes do anyway, and no result of its depends on the version.
+    """
+    x = torch.as_tensor(values, dtype=torch.float32)
+    if check_dtype(dtype) == torch.float8_e4m3fn:
+        largest = layout(dtype).max
+        x = x.clamp(-largest, largest)   # NaN stays NaN
+    return x.to(dtype)
+
+
 def round_to(values, dtype) -> torch.Tensor:
-    """``values`` rounded to ``dtype`` (round to nearest, ties to even) and read back as float32."""
-    return torch.as_tensor(values, dtype=torch.float32).to(check_dtype(dtype)).float()
+    """``values`` rounded to ``dtype`` (see ``to_format``) and read back as float32."""
+    return to_format(values, dtype).float()
 
 
 def distinct_inside(dtype, low: float = 1.0, high: float = 2.0, points: int = 10_000) -> torch.Tensor:
