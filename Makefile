@@ -4,7 +4,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ultrascale-installed
 WORLD_SIZE ?= 3
 
-.PHONY: setup lab lab-headless test test-fast notebooks batch bench exercises grade clean
+# The oldest torch the course supports (ultrascale.SUPPORTED_TORCH), tested by test-compat in an
+# environment kept between runs.
+TORCH_OLDEST := 2.11.0
+COMPAT_VENV ?= $(HOME)/.cache/ultrascale/venv-torch-$(TORCH_OLDEST)
+
+.PHONY: setup lab lab-headless test test-compat test-fast notebooks batch bench exercises grade clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml launch/setup.sh
 	bash launch/setup.sh
@@ -20,6 +25,10 @@ lab-headless:   ## JupyterLab for a server: no browser, port 8888
 
 test: $(STAMP)  ## every test: library, runtime faults, grading, notebooks (nbval + papermill), spelling
 	bash launch/test.sh
+
+test-compat:    ## the library's tests and every chapter (papermill, QUICK) under the oldest supported torch
+	VENV=$(COMPAT_VENV) TORCH_VERSION=$(TORCH_OLDEST) TORCH_FRESH=1 bash launch/setup.sh
+	VENV=$(COMPAT_VENV) bash launch/test_compat.sh
 
 notebooks: $(STAMP)  ## re-execute the chapters and save their outputs (the nbval reference)
 	$(PY) launch/build_notebooks.py

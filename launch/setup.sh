@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the course into it. Safe to run again.
+# Create the course's virtual environment (if missing) and install the course into it. Safe to run again.
 #
-# torch: a CPU machine gets torch==2.13.0 (a small CPU build, no CUDA wheels);
-# a GPU node whose python already has a CUDA torch keeps it: the venv then sees
-# the system packages instead of replacing torch. triton likewise: installed only
-# when missing, since a CUDA torch pins the triton it was built with.
+# torch (a torch the library supports: 2.11 to 2.13, see lib/ultrascale/__init__.py):
+# - a GPU node whose python already has a CUDA build of torch keeps it: the venv sees the
+#   system packages instead of replacing torch (and its triton);
+# - a machine without a CUDA GPU gets the CPU build of torch==$TORCH_VERSION (default 2.13.0)
+#   from PyTorch's own CPU wheel index, the one PyTorch's install page gives for CPU-only Linux
+#   (about 200 MB). If that index cannot be reached, pip's configured index is used instead,
+#   and the script says so: on PyPI that is the CUDA build with its nvidia packages (several GB),
+#   unless a CPU wheel lies where pip looks (as on the course's CI machines);
+# - a GPU machine without torch gets the CUDA build from pip's configured index.
+# triton: installed only when missing, since a CUDA torch pins the triton it was built with.
+#
+# VENV=...  another environment (make test-compat keeps one per torch version in ~/.cache);
+# TORCH_VERSION=...  the torch to install where none is kept;
+# TORCH_FRESH=1  never keep the system's torch (make test-compat: the oldest torch, even on a GPU node);
+# TORCH_CPU_INDEX=...  another CPU wheel index (a mirror).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=.venv
+VENV=${VENV:-.venv}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
 if [ ! -x "$VENV/bin/python" ]; then
-  if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  if [ -z "${TORCH_FRESH:-}" ] && "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "[setup] $PY has a CUDA build of torch: keeping it (venv with --system-site-packages)"
     "$PY" -m venv --system-site-packages "$VENV"
   else
@@ -21,9 +34,49 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
+reachable() { "$VENV/bin/python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=15)" "$1" 2>/dev/null; }
+
+# pip's own log says where each file came from: "Downloading <url> (<size>)", or a local path.
+report_torch_install() {
+  "$VENV/bin/python" - "$1" "$2" <<'PY'
+import re, sys
+log, where = open(sys.argv[1]).read(), sys.argv[2]
+units = {"kB": 1e-3, "MB": 1.0, "GB": 1e3}
+def megabytes(verb):
+    return [float(n) * units[u] for n, u in re.findall(verb + r" \S+ \(([\d.]+) (kB|MB|GB)\)", log)]
+fetched, cached = megabytes("Downloading"), megabytes("Using cached")
+local = len(re.findall(r"^Processing /", log, re.MULTILINE))
+print(f"[setup] torch from {where}: downloaded {sum(fetched):.0f} MB in {len(fetched)} files"
+      + (f", {sum(cached):.0f} MB in {len(cached)} files from pip's cache" if cached else "")
+      + (f", {local} files from this machine's disk" if local else ""))
+PY
+}
+
+install_torch() {
+  local log
+  log=$(mktemp)
+  if has_gpu; then
+    echo "[setup] a CUDA GPU and no torch: installing torch==$TORCH_VERSION (CUDA build) from pip's configured index"
+    pip install "torch==$TORCH_VERSION" >"$log" 2>&1 || { cat "$log"; exit 1; }
+    report_torch_install "$log" "pip's configured index"
+  elif reachable "$TORCH_CPU_INDEX/torch/"; then
+    echo "[setup] no CUDA GPU: installing torch==$TORCH_VERSION, CPU build, from $TORCH_CPU_INDEX"
+    pip install --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" >"$log" 2>&1 || { cat "$log"; exit 1; }
+    report_torch_install "$log" "$TORCH_CPU_INDEX"
+  else
+    echo "[setup] no CUDA GPU, but $TORCH_CPU_INDEX cannot be reached: installing torch==$TORCH_VERSION from pip's configured index instead"
+    pip install "torch==$TORCH_VERSION" >"$log" 2>&1 || { cat "$log"; exit 1; }
+    report_torch_install "$log" "pip's configured index"
+    "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" 2>/dev/null \
+      || echo "[setup] note: that index served a CUDA build of torch (it runs on the CPU too, but is several GB)"
+  fi
+  rm -f "$log"
+}
+
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  echo "[setup] installing torch==2.13.0"
-  pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+  install_torch
 fi
 if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
   echo "[setup] installing triton==3.9.0"
@@ -32,8 +85,11 @@ fi
 echo "[setup] installing the course's requirements"
 pip install -q -r requirements-dev.txt
 pip install -q --no-deps -e .
-"$VENV/bin/python" -m ipykernel install --user --name ultrascale --display-name "ultrascale (.venv)" >/dev/null
-# The notebooks' kernel is "python3" (display name "Python 3", their metadata): inside .venv
+if [ "$VENV" = .venv ]; then
+  # Other Jupyter front ends find the course's kernel under this name (only the main environment's).
+  "$VENV/bin/python" -m ipykernel install --user --name ultrascale --display-name "ultrascale (.venv)" >/dev/null
+fi
+# The notebooks' kernel is "python3" (display name "Python 3", their metadata): inside the venv
 # (make lab, papermill) that is this Python. The display name must match the metadata, or
 # JupyterLab rewrites it and marks every notebook modified as soon as it opens.
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
