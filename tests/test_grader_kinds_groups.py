@@ -134,3 +134,108 @@ def test_ring_step_sends_within_the_group_given(ch06):
                           (world_size, ["[1, 2]", GROUPS, "dist.get_world_size(group)"])):
         _fails(check(exercise, _ring_step(post), timeout=30), *phrases)
     assert check(exercise, ch06["ring_step"]).status == PASS
+
+
+# ---- 08: expert parallelism over a group, and the router's gradient ------------------------
+
+def test_router_weights_carry_the_routers_gradient(ch08):
+    def detached_softmax(logits, k):   # "the probabilities are just numbers"
+        weights, chosen = torch.softmax(logits.detach(), -1).topk(k, dim=-1)
+        return (weights / weights.sum(-1, keepdim=True) if k > 1 else weights), chosen
+
+    def detached_sum(logits, k):   # the right weights, half of their gradient
+        weights, chosen = torch.softmax(logits, -1).topk(k, dim=-1)
+        return (weights / weights.sum(-1, keepdim=True).detach() if k > 1 else weights), chosen
+
+    def rebuilt_weights(logits, k):   # the right values, copied out of the graph
+        weights, chosen = ch08["route"](logits, k)
+        return torch.tensor(weights.tolist()), chosen
+
+    exercise = "08.router"
+    _fails(check(exercise, detached_softmax), "E=4, k=1", "do not require grad", "never trains the router")
+    _fails(check(exercise, detached_sum), "k=2", "renormalising sum is detached")
+    _fails(check(exercise, rebuilt_weights), "E=4, k=1", "do not require grad")
+    assert check(exercise, ch08["route"]).status == PASS
+
+
+def _split_sizes(size_of, exchange_group):
+    """The solution's split_sizes with the size from ``size_of(group)`` and the counts exchanged
+    over ``exchange_group(group)``: each wrong answer below changes one of them."""
+    def split_sizes(chosen, per_rank, group=None):
+        n = size_of(group)
+        needs = torch.zeros(chosen.shape[0], n, dtype=torch.bool).scatter_(1, chosen // per_rank, True)
+        send = needs.sum(0)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send, group=exchange_group(group))
+        return send.tolist(), receive.tolist()
+    return split_sizes
+
+
+def test_split_sizes_count_and_exchange_within_the_group(ch08):
+    no_group = _split_sizes(dist.get_world_size, lambda g: None)
+    world_size = _split_sizes(lambda g: dist.get_world_size(), lambda g: g)
+    ignores_the_group = _split_sizes(lambda g: dist.get_world_size(), lambda g: None)
+    exercise = "08.split_sizes"
+    _fails(check(exercise, no_group, timeout=30), "[1, 2, 3]", GROUPS)
+    _fails(check(exercise, world_size, timeout=30), "[1, 2, 3]", GROUPS, "dist.get_world_size(group)")
+    _fails(check(exercise, ignores_the_group, timeout=30), "[1, 2, 3]", GROUPS)
+    assert check(exercise, ch08["split_sizes"]).status == PASS
+
+
+def _ep_forward(size_of, counts_group, rows_group):
+    """The solution's ep_forward with the size from ``size_of(group)``, the counts exchanged over
+    ``counts_group(group)`` and the rows over ``rows_group(group)``."""
+    def ep_forward(tokens, chosen, weights, experts, group=None):
+        from ultrascale.comm.functional import all_to_all
+        from ultrascale.moe import apply_experts
+        from ultrascale.parallel.expert_parallel import dispatch_plan, exchange_counts
+        plan = dispatch_plan(chosen, weights, size_of(group), len(experts))
+        send = plan.send_counts
+        receive = exchange_counts(send, counts_group(group))
+        g = rows_group(group)
+        ids, x, w = (all_to_all(t, receive, send, g) for t in (plan.local_ids, tokens[plan.rows], plan.weights))
+        back = all_to_all(apply_experts(experts, x, ids, w), send, receive, g)
+        return tokens.new_zeros(tokens.shape).index_add(0, plan.rows, back)
+    return ep_forward
+
+
+def test_dispatch_combine_sends_within_the_group(ch08):
+    same = lambda g: g   # noqa: E731
+    world_size = _ep_forward(lambda g: dist.get_world_size(), same, same)
+    counts_over_the_world = _ep_forward(dist.get_world_size, lambda g: None, same)
+    rows_over_the_world = _ep_forward(dist.get_world_size, same, lambda g: None)
+    exercise = "08.dispatch_combine"
+    for wrong in (world_size, counts_over_the_world, rows_over_the_world):
+        _fails(check(exercise, wrong, timeout=30), "[1, 2, 3]", GROUPS)
+    assert check(exercise, ch08["ep_forward"]).status == PASS
+
+
+def test_expert_gradients_reduce_over_the_groups_given(ch08):
+    def dense_over_the_world(grad, expert, data_group, expert_group):   # no group= for the dense ones
+        grad = grad.clone()
+        if expert:
+            if expert_group is not None:
+                dist.all_reduce(grad, group=expert_group)
+        else:
+            dist.all_reduce(grad)
+        return grad / dist.get_world_size(data_group)
+
+    def world_size(grad, expert, data_group, expert_group):   # the right sums, the world's divisor
+        grad = grad.clone()
+        group = expert_group if expert else data_group
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        return grad / dist.get_world_size()
+
+    def in_place(grad, expert, data_group, expert_group):   # the right values, written over the argument
+        group = expert_group if expert else data_group
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        return grad.div_(dist.get_world_size(data_group))
+
+    exercise = "08.expert_gradients"
+    _fails(check(exercise, dense_over_the_world), "the group [1, 3]", "data_group is the group [1, 3], not the world",
+           GROUPS)
+    _fails(check(exercise, world_size), "the group [1, 3]", "dist.get_world_size(data_group)")
+    _fails(check(exercise, in_place), "changed the gradient it was given", "grad.clone()")
+    assert check(exercise, ch08["reduce_gradient"]).status == PASS

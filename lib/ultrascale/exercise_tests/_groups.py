@@ -12,7 +12,8 @@ give a wrong result or an error instead:
   it completes and mixes the groups' inputs (the caller gives each group other inputs).
 
 ``Split.run`` turns an error or a hang on the ranks into a failure that names the groups and
-says what to check (``HINT``).
+says what to check (``HINT``). ``only_group`` refuses, at once, a collective over another group
+than the one given (without it, gloo may hang, or abort a rank, on the mismatch).
 
     SPLIT = Split([0], [1, 2])                   # rank 0 alone; ranks 1 and 2 together
     def on_rank(ctx, split):
@@ -21,6 +22,12 @@ says what to check (``HINT``).
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import torch.distributed as dist
 
 HINT = ("Pass group=group to every collective, send and receive; take the size and the rank from the group "
         "(dist.get_world_size(group), dist.get_rank(group)), not from the world; a rank within the group goes to "
@@ -94,3 +101,48 @@ class GroupContext:
     def new_group(self, ranks):
         made = [self._ctx.new_group([g[r] for r in ranks]) for g in self._split.groups]
         return made[self.index]
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "all_to_all", "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier")
+
+
+class WrongGroup(Exception):
+    """A collective over another group than the one the learner's function was given."""
+
+
+@contextlib.contextmanager
+def only_group(group, what: str):
+    """While open, a collective (``COLLECTIVES``) over another group than ``group``, the default
+    group included (no ``group=``), raises :class:`WrongGroup` before it starts."""
+    from torch.distributed import distributed_c10d as c10d
+
+    want = dist.get_process_group_ranks(group)
+
+    def guard(name, original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def guarded(*args, **kwargs):
+            given = signature.bind(*args, **kwargs).arguments.get("group")
+            ranks = dist.get_process_group_ranks(given or dist.group.WORLD)
+            if ranks != want:
+                over = ("the default group (no group=)" if given in (None, dist.group.WORLD)
+                        else f"the group of ranks {ranks}")
+                raise WrongGroup(f"{what} called dist.{name} over {over}, not over the group it was given, {want}")
+            return original(*args, **kwargs)
+        return guarded
+
+    saved = []
+    try:
+        for name in COLLECTIVES:
+            original = getattr(dist, name)
+            guarded = guard(name, original)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    saved.append((module, name, original))
+                    setattr(module, name, guarded)
+        yield
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)

@@ -6,26 +6,36 @@ pieces of expert parallelism, one at a time.
   meanwhile) by the routing matrix R (T, E), R[t, chosen[t, j]] = weights[t, j], so the order
   of a token's k choices does not matter. k = 1 must keep the probability itself (Switch); k > 1
   must renormalise. Weights from the logits, k > 1 not renormalised and k = 1 renormalised
-  (always 1) are named.
+  (always 1) are named. The gradient the weights send back to the router (the gate's weight,
+  through the logits, under a random upstream gradient) must equal the library's: detached
+  weights, a detached softmax or a detached renormalising sum are named. The logits must be
+  left unchanged.
 * ``08.split_sizes``: ``split_sizes(chosen, per_rank, group) -> (send, receive)`` on every rank:
   rows sent to each rank (one per token and destination rank) and rows received from each,
   exchanged with an all-to-all. Graded on clusters of 2 and 4 ranks (and the notebook's
-  ``WORLD_SIZE``), top-1 and top-2, against ``dispatch_plan`` and ``exchange_counts`` (refused
+  ``WORLD_SIZE``), then on 4 ranks cut into the groups [0] and [1, 2, 3] (``_groups.Split``:
+  a group of odd size that does not start at rank 0; each group has its own tokens), top-1 and top-2, against ``dispatch_plan`` and ``exchange_counts`` (refused
   while the learner's code runs). Counting choices instead of tokens, and receive = send (the
   sender's view) are named.
 * ``08.dispatch_combine``: ``ep_forward(tokens, chosen, weights, experts, group) -> y``, the
   expert-parallel MoE layer on one rank, from ``dispatch_plan``, ``exchange_counts``,
   ``apply_experts`` and ``comm.functional.all_to_all`` (allowed) but not the library's
   ``ExpertParallelDispatch`` (refused). Graded by parity with the one-process layer: outputs,
-  the gradients of the tokens, the router weights and the experts, in float64; and by its
+  the gradients of the tokens, the router weights and the experts, in float64 (on the whole
+  world, then on the groups [0] and [1, 2, 3] of 4 ranks); the upstream gradient must be left
+  unchanged; and by its
   communication (``CommLogger``): all-to-alls only, with exactly the bytes
   ``dispatch_volume`` predicts for the dispatch and combine. A combine that forgets the
   permutation, non-differentiable all-to-alls and a dispatch by all-gather are named.
 * ``08.expert_gradients``: ``reduce_gradient(grad, expert, data_group, expert_group)``, the
   gradient hook of EP with DP. The test installs it on every parameter of an MoE GPT under
   ``apply_ep(..., sync_gradients=False)`` and trains it (ep = 2; dp = 2 x ep = 2) against one
-  process with ``parallel.expert_runs``. Expert gradients averaged over the replicas only, or
-  reduced over the data group, and dense gradients summed but not divided are named.
+  process with ``parallel.expert_runs``; then on 4 ranks cut into the groups [0, 2] and [1, 3],
+  each training its own model with ep = 2 (there the data group is not the world, so a
+  reduction over the default group, or a division by the world's size, shows). Expert
+  gradients averaged over the replicas only, or reduced over the data group, and dense
+  gradients summed but not divided are named; the gradient the hook is given must be left
+  unchanged (a hook must not modify its argument).
 
 Tolerances: ``parity.TOLERANCES`` (float64 for the layer, float32 for training): the ranks
 add a token's k outputs and the gradients in another order than one process, which changes
@@ -34,11 +44,22 @@ the last bits only.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ultrascale.exercise_tests._groups import HINT, Split, only_group
 from ultrascale.grading import exercise
 
 DT = torch.float64
+# 4 ranks cut into groups that work side by side, each on inputs of its own: [1, 2, 3] has an odd
+# size and does not start at rank 0. EP_SPLIT's groups have one size, as GroupContext needs.
+SPLIT = Split([0], [1, 2, 3])
+EP_SPLIT = Split([0, 2], [1, 3])
+
+
+def _on_split(problem: str) -> str:
+    return f"{problem}. Did you pass group=? {HINT}"
 
 
 def _routing_matrix(weights, chosen, experts: int) -> torch.Tensor:
@@ -58,30 +79,68 @@ def test_router(route, world_size: int = 2, quick: bool = True, seed: int = 0, t
     for experts, k in [(4, 1), (4, 2), (8, 2), (6, 3)]:
         router = Router(16, experts, k)
         x = torch.randn(20, 16, generator=g)
+        upstream = torch.randn(20, experts, generator=g)   # d loss / d R: every routing weight matters
         want_w, want_c, probs = router(x)
-        logits = router.gate(x).detach()
+        logits = router.gate(x)   # not detached: the weights' gradient must reach the gate
+        given = logits.detach().clone()
         with forbid_library([Router.forward], "08.router", "softmax, topk and (for k > 1) a division"):
-            got = call_learner(route, logits.clone(), k, call=f"route(logits of shape {tuple(logits.shape)}, k={k})")
+            got = call_learner(route, logits, k, call=f"route(logits of shape {tuple(logits.shape)}, k={k})")
         assert isinstance(got, (tuple, list)) and len(got) == 2, "return a pair (weights, chosen)"
         weights, chosen = got
         assert torch.is_tensor(chosen) and tuple(chosen.shape) == (20, k), \
             f"k={k}: chosen must have shape (tokens, k) = (20, {k}), got {getattr(chosen, 'shape', chosen)}"
-        assert tuple(weights.shape) == (20, k), f"k={k}: weights must have shape (20, {k})"
+        assert torch.is_tensor(weights) and tuple(weights.shape) == (20, k), f"k={k}: weights must have shape (20, {k})"
+        assert torch.equal(logits.detach(), given), f"E={experts}, k={k}: route changed the logits in place"
         got_r = _routing_matrix(weights.detach().to(probs.dtype), chosen, experts)
         want_r = _routing_matrix(want_w.detach(), want_c, experts)
-        if torch.allclose(got_r, want_r, rtol=1e-5, atol=1e-6):
-            continue
-        if not torch.equal(got_r != 0, want_r != 0):
-            raise AssertionError(f"E={experts}, k={k}: some tokens chose other experts than their k most probable")
-        if k == 1 and torch.allclose(weights.detach(), torch.ones_like(weights)):
-            raise AssertionError("k=1: every weight is 1. With one expert, keep its probability as the weight "
-                                 "(Switch): a renormalised single weight is always 1 and the router would get no "
-                                 "gradient from the loss")
-        if k > 1 and torch.allclose(got_r, _routing_matrix(probs.gather(1, want_c).detach(), want_c, experts)):
-            raise AssertionError(f"k={k}: the weights are the softmax probabilities of the whole row; renormalise "
-                                 "the k chosen ones so that they sum to 1")
-        raise AssertionError(f"E={experts}, k={k}: the right experts, but weights differ from softmax(logits) "
-                             "restricted to the top k" + (" and renormalised" if k > 1 else ""))
+        if not torch.allclose(got_r, want_r, rtol=1e-5, atol=1e-6):
+            raise AssertionError(_router_value_problem(weights, got_r, want_r, probs, want_c, experts, k))
+        problem = _router_gradient_problem(router, x, weights, chosen, want_w, want_c, upstream, k)
+        if problem:
+            raise AssertionError(f"E={experts}, k={k}: {problem}")
+
+
+def _router_value_problem(weights, got_r, want_r, probs, want_c, experts, k) -> str:
+    if not torch.equal(got_r != 0, want_r != 0):
+        return f"E={experts}, k={k}: some tokens chose other experts than their k most probable"
+    if k == 1 and torch.allclose(weights.detach(), torch.ones_like(weights)):
+        return ("k=1: every weight is 1. With one expert, keep its probability as the weight (Switch): a "
+                "renormalised single weight is always 1 and the router would get no gradient from the loss")
+    if k > 1 and torch.allclose(got_r, _routing_matrix(probs.gather(1, want_c).detach(), want_c, experts)):
+        return (f"k={k}: the weights are the softmax probabilities of the whole row; renormalise the k chosen ones "
+                "so that they sum to 1")
+    return (f"E={experts}, k={k}: the right experts, but weights differ from softmax(logits) restricted to the top k"
+            + (" and renormalised" if k > 1 else ""))
+
+
+def _gate_gradient(router, weights, chosen, upstream):
+    """The gradient the loss sum(R * upstream) sends to the gate's weight through ``weights``."""
+    r = _routing_matrix(weights.to(upstream.dtype), chosen, upstream.shape[1])
+    grad, = torch.autograd.grad((r * upstream).sum(), router.gate.weight, allow_unused=True)
+    return grad
+
+
+def _router_gradient_problem(router, x, weights, chosen, want_w, want_c, upstream, k) -> str | None:
+    """The right weights must carry the right gradient back to the router: the loss is what trains it."""
+    if not weights.requires_grad:
+        return ("the weights do not require grad, so the loss never trains the router (its gate gets no "
+                "gradient). Keep them in the autograd graph: no .detach(), torch.no_grad() or .tolist() on the "
+                "softmax or the weights")
+    got, want = _gate_gradient(router, weights, chosen, upstream), _gate_gradient(router, want_w, want_c, upstream)
+    if got is None or not bool(got.any()):
+        return ("no gradient reaches the router's gate through the weights: compute them from the logits you are "
+                "given (softmax, then top-k), not from a detached copy")
+    if torch.allclose(got, want, rtol=1e-4, atol=1e-6):
+        return None
+    if k > 1:
+        chosen_probs = torch.softmax(router.gate(x), dim=-1).gather(1, want_c)
+        if torch.allclose(got, _gate_gradient(router, chosen_probs / chosen_probs.sum(-1, keepdim=True).detach(),
+                                              want_c, upstream), rtol=1e-4, atol=1e-6):
+            return ("the right weights, but the renormalising sum is detached: it depends on the logits too, and "
+                    "its gradient is part of the router's. Divide by weights.sum(-1, keepdim=True) itself")
+    return (f"the right weights, but the router's gradient through them differs from that of softmax -> top-k"
+            f"{' -> divide by their sum' if k > 1 else ''} by up to {(got - want).abs().max().item():.3g}: is a "
+            "part of the computation detached or done outside autograd?")
 
 
 # ---- 08.split_sizes ------------------------------------------------------------------------
@@ -91,30 +150,50 @@ def _chosen(seed: int, rank: int, tokens: int, experts: int, k: int) -> torch.Te
     return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
 
 
-def _split_sizes_on_rank(ctx, split_sizes, seed):
+def _only_group(group, what):
+    """On a split, refuse at once a collective over another group than the rank's own."""
+    return contextlib.nullcontext() if group is None else only_group(group, what)
+
+
+def _layout(ctx, split):
+    """(group, index of the group, rank within it, its size, a description) of this rank: the
+    world, or its group of ``split`` (each group has inputs of its own: ``seed + index``)."""
+    if split is None:
+        return None, 0, ctx.rank, ctx.world_size, f"{ctx.world_size} ranks"
+    index, group, ranks = split.group_of(ctx)
+    return group, index, ranks.index(ctx.rank), len(ranks), f"{split}, the group {ranks}"
+
+
+def _split_sizes_on_rank(ctx, split_sizes, seed, split=None):
     from ultrascale.grading.guards import forbid_library
     from ultrascale.parallel import expert_parallel as ep
 
-    n, problems = ctx.world_size, []
+    group, index, r, n, layout = _layout(ctx, split)
+    problems = []
     for k in (1, 2):
         per_rank = 2
-        chosen = _chosen(seed, ctx.rank, 12, per_rank * n, k)
+        chosen = _chosen(seed + index, r, 12, per_rank * n, k)
         plan = ep.dispatch_plan(chosen, torch.ones(chosen.shape), n, per_rank)
-        want_send, want_receive = plan.send_counts, ep.exchange_counts(plan.send_counts)
+        want_send, want_receive = plan.send_counts, ep.exchange_counts(plan.send_counts, group)
         try:
             with forbid_library([ep.dispatch_plan, ep.exchange_counts], "08.split_sizes",
-                                "count the rows per rank and send the counts with an all-to-all yourself"):
-                got = split_sizes(chosen.clone(), per_rank, None)
+                                "count the rows per rank and send the counts with an all-to-all yourself"), \
+                    _only_group(group, "split_sizes"):
+                got = split_sizes(chosen.clone(), per_rank, group)
         except NotImplementedError:
             raise
         except AssertionError as err:
             problems.append(str(err))
             continue
         except Exception as err:   # noqa: BLE001 (reported to the learner)
-            problems.append(f"{n} ranks, top-{k}: split_sizes raised {type(err).__name__}: {err}")
+            problems.append(f"{layout}, top-{k}: split_sizes raised {type(err).__name__}: {err}")
             continue
         send, receive = ([int(v) for v in x] for x in got)
-        where = f"{n} ranks, top-{k}, rank {ctx.rank}"
+        where = f"{layout}, top-{k}, rank {r}" + ("" if split is None else f" within it (global rank {ctx.rank})")
+        if len(send) != n or len(receive) != n:
+            problems.append(f"{where}: send and receive must hold one count per rank of the group ({n}), got "
+                            f"{len(send)} and {len(receive)}: take the size from the group, dist.get_world_size(group)")
+            continue
         choices = torch.bincount((chosen // per_rank).flatten(), minlength=n).tolist()
         if send != want_send:
             if send == choices:
@@ -140,6 +219,10 @@ def test_split_sizes(split_sizes, world_size: int = 2, quick: bool = True, seed:
         for problems in shared_cluster(size).run(_split_sizes_on_rank, split_sizes, seed, timeout=timeout):
             if problems:
                 raise AssertionError(problems[0])
+    per_rank = SPLIT.run(_split_sizes_on_rank, split_sizes, seed, SPLIT, what="split_sizes", timeout=timeout)
+    for problems in (per_rank[r] for i in SPLIT.order() for r in SPLIT.groups[i]):
+        if problems:
+            raise AssertionError(_on_split(problems[0]))
 
 
 # ---- 08.dispatch_combine -------------------------------------------------------------------
@@ -169,24 +252,24 @@ def _one_process_layer(experts, x, chosen, w, upstream):
         (e.weight.grad.clone(), e.bias.grad.clone()) for e in experts]
 
 
-def _dispatch_on_rank(ctx, ep_forward, seed, k):
+def _dispatch_on_rank(ctx, ep_forward, seed, k, split=None):
     from ultrascale.comm import CommLogger
     from ultrascale.grading.guards import forbid_library
     from ultrascale.parallel import expert_parallel as ep
 
-    r, n = ctx.rank, ctx.world_size
-    experts, x, chosen, w, upstream = _layer_problem(seed, n, k)
+    group, index, r, n, _ = _layout(ctx, split)
+    experts, x, chosen, w, upstream = _layer_problem(seed + index, n, k)
     per_rank = len(experts) // n
     mine = experts[r * per_rank:(r + 1) * per_rank]
     tokens, weights = x[r].clone().requires_grad_(), w[r].clone().requires_grad_()
     plan = ep.dispatch_plan(chosen[r], w[r], n, per_rank)
-    volume = ep.dispatch_volume(plan.send_counts, ep.exchange_counts(plan.send_counts), r, x.shape[-1], k, 8)
+    volume = ep.dispatch_volume(plan.send_counts, ep.exchange_counts(plan.send_counts, group), r, x.shape[-1], k, 8)
     out = {"error": None}
     try:
         with forbid_library([ep.ExpertParallelDispatch.__call__, ep.ExpertParallelDispatch._local_experts],
                             "08.dispatch_combine", "send the rows with all_to_all and combine them yourself"), \
-                CommLogger() as log:
-            y = ep_forward(tokens, chosen[r].clone(), weights, mine, None)
+                CommLogger() as log, _only_group(group, "ep_forward"):
+            y = ep_forward(tokens, chosen[r].clone(), weights, mine, group)
     except NotImplementedError:
         raise
     except Exception as err:   # noqa: BLE001 (reported to the learner)
@@ -206,17 +289,21 @@ def _dispatch_on_rank(ctx, ep_forward, seed, k):
         out["error"] = ("the output does not require grad: the all-to-alls must be differentiable "
                         "(ultrascale.comm.functional.all_to_all), or no gradient reaches the tokens and the router")
         return out
-    y.backward(upstream[r])
+    incoming = upstream[r].clone()
+    y.backward(incoming)
     out["grads"] = (tokens.grad, weights.grad, [(e.weight.grad, e.bias.grad) for e in mine])
+    out["upstream kept"] = torch.equal(incoming, upstream[r])
     return out
 
 
-def _judge_dispatch(per_rank, reference, n, k) -> str | None:
+def _judge_dispatch(per_rank, reference, where, k) -> str | None:
+    """``per_rank``: the results of one group's ranks, in their order within it (the world's, or
+    a split's group); ``where`` names the group."""
     from ultrascale.parity import tolerance
 
     tol = tolerance(None, DT)
     y, gx, gw, gexperts = reference
-    where = f"{n} ranks, top-{k}"
+    where = f"{where}, top-{k}"
     for r, out in enumerate(per_rank):
         if out["error"]:
             return f"{where}, rank {r}: {out['error']}"
@@ -239,6 +326,9 @@ def _judge_dispatch(per_rank, reference, n, k) -> str | None:
             want = gexperts[r * per_rank_e + i]
             if gw_e is None or not (torch.allclose(gw_e, want[0], **tol) and torch.allclose(gb_e, want[1], **tol)):
                 return f"{where}, rank {r}: the gradient of local expert {i} differs from one process"
+        if not out["upstream kept"]:
+            return (f"{where}, rank {r}: the gradient that backward was given for the output changed: an autograd "
+                    "function must not modify grad_output in place (all-to-all a copy)")
         if not out["needed"] <= out["sent"] <= out["needed"] + out["ids_and_counts"]:
             return (f"{where}, rank {r}: all-to-alls sent {out['sent']} bytes; dispatch and combine need "
                     f"{out['needed']} (plus at most {out['ids_and_counts']} for the counts and ids)")
@@ -254,16 +344,26 @@ def test_dispatch_combine(ep_forward, world_size: int = 2, quick: bool = True, s
         for k in (1, 2):
             per_rank = shared_cluster(n).run(_dispatch_on_rank, ep_forward, seed, k, timeout=timeout)
             reference = _one_process_layer(*_layer_problem(seed, n, k))
-            problem = _judge_dispatch(per_rank, reference, n, k)
+            problem = _judge_dispatch(per_rank, reference, f"{n} ranks", k)
             if problem:
                 raise AssertionError(problem)
+    k = 2   # on the split: top-2, where a token may go to two ranks
+    per_rank = SPLIT.run(_dispatch_on_rank, ep_forward, seed, k, SPLIT, what="ep_forward", timeout=timeout)
+    for i in SPLIT.order():
+        ranks = SPLIT.groups[i]
+        reference = _one_process_layer(*_layer_problem(seed + i, len(ranks), k))
+        problem = _judge_dispatch([per_rank[g] for g in ranks], reference,
+                                  f"{SPLIT}, the group {list(ranks)} (rank = rank within it)", k)
+        if problem:
+            raise AssertionError(_on_split(problem))
 
 
 # ---- 08.expert_gradients -------------------------------------------------------------------
 
-def _hooked(reduce_gradient):
+def _hooked(reduce_gradient, changed):
     """``apply`` for expert_runs.ep_rank_run: EP without its own gradient hooks, and the
-    learner's ``reduce_gradient`` on every parameter instead."""
+    learner's ``reduce_gradient`` on every parameter instead. A hook must not modify the
+    gradient it is given: ``changed`` notes it if one did."""
     def apply(model, mesh):
         from ultrascale.grading.guards import without_library
         from ultrascale.parallel import expert_parallel as ep
@@ -271,36 +371,75 @@ def _hooked(reduce_gradient):
         ep.apply_ep(model, mesh, sync_gradients=False)
         data_group, expert_group = ep._data_groups(mesh, ep.axis_group(mesh, "ep"))
         guarded = without_library(reduce_gradient, [ep._reduce, ep.average_gradients], "08.expert_gradients")
+
+        def hook(grad, expert):
+            given = grad.clone()
+            out = guarded(grad, expert, data_group, expert_group)
+            if not torch.equal(grad, given):
+                changed.append(True)
+            return out
+
         experts = {id(p) for p in ep.expert_parameters(model)}
         for p in model.parameters():
-            is_expert = id(p) in experts
-            p.register_hook(lambda g, e=is_expert: guarded(g, e, data_group, expert_group))
+            p.register_hook(lambda g, e=id(p) in experts: hook(g, e))
         return model
     return apply
+
+
+def _ep_on_rank(ctx, reduce_gradient, config, sizes, seed, split=None):
+    """One EP step with the learner's hook: on the world's mesh of ``sizes``, or with a ``split``
+    inside this rank's group (a model and data of its own, ``seed + index``)."""
+    from ultrascale.parallel.expert_runs import ep_rank_run
+
+    if split is not None:
+        ctx = split.context(ctx)
+        seed += ctx.index
+    changed = []
+    out = ep_rank_run(ctx, config, 1, "sgd", seed=seed, mesh_sizes=sizes, apply=_hooked(reduce_gradient, changed))
+    out["grad changed"] = bool(changed)
+    return out
+
+
+def _judge_ep(per_rank, reference, what, hint) -> None:
+    from ultrascale.parallel.expert_runs import assert_ep_matches
+
+    try:
+        assert_ep_matches(per_rank, reference, what="")
+    except AssertionError as err:
+        first = str(err).splitlines()[0].strip()
+        raise AssertionError(f"{what}: training with your reduce_gradient differs from one process ({first}). "
+                             f"{hint}") from None
+    if any(r["grad changed"] for r in per_rank):
+        raise AssertionError(f"{what}: reduce_gradient changed the gradient it was given (dist.all_reduce works in "
+                             "place). A hook must not modify its argument: all-reduce a copy, grad = grad.clone(), "
+                             "and return it")
 
 
 @exercise("08.expert_gradients", points=1)
 def test_expert_gradients(reduce_gradient, world_size: int = 2, quick: bool = True, seed: int = 0,
                           timeout: float = 120):
     from ultrascale.model import GPTConfig
-    from ultrascale.parallel.expert_runs import assert_ep_matches, ep_rank_run, one_process_run
+    from ultrascale.parallel.expert_runs import one_process_run
     from ultrascale.runtime import shared_cluster
 
     assert callable(reduce_gradient), f"pass your function, got {reduce_gradient!r}"
     config = GPTConfig(vocab_size=32, hidden=16, heads=2, layers=1, seq_len=8, experts=4, top_k=2)
+    hint = ("Dense gradients: all-reduce over data_group and divide by its size. Expert gradients: sum over "
+            "expert_group (the replicas; None: no replica) and divide by the size of data_group too")
     for sizes in ({"ep": 2}, {"dp": 2, "ep": 2}):
         n = 1
         for s in sizes.values():
             n *= s
-        per_rank = shared_cluster(n).run(ep_rank_run, config, 1, "sgd", mesh_sizes=sizes,
-                                         apply=_hooked(reduce_gradient), timeout=timeout)
-        reference = one_process_run(config, n, steps=1)
-        what = " x ".join(f"{a}={s}" for a, s in sizes.items())
-        try:
-            assert_ep_matches(per_rank, reference, what=what)
-        except AssertionError as err:
-            first = str(err).splitlines()[0]
-            raise AssertionError(f"{what}: training with your reduce_gradient differs from one process ({first}). "
-                                 "Dense gradients: all-reduce over data_group and divide by its size. Expert "
-                                 "gradients: sum over expert_group (the replicas; None: no replica) and divide by "
-                                 "the size of data_group too") from None
+        per_rank = shared_cluster(n).run(_ep_on_rank, reduce_gradient, config, sizes, seed, timeout=timeout)
+        _judge_ep(per_rank, one_process_run(config, n, steps=1, seed=seed),
+                  " x ".join(f"{a}={s}" for a, s in sizes.items()), hint)
+    # Each group of the split trains with ep=2: its data_group is the group, not the world.
+    per_rank = EP_SPLIT.run(_ep_on_rank, reduce_gradient, config, {"ep": 2}, seed, EP_SPLIT,
+                            what="reduce_gradient", timeout=timeout)
+    for i in EP_SPLIT.order():
+        ranks = EP_SPLIT.groups[i]
+        _judge_ep([per_rank[g] for g in ranks], one_process_run(config, len(ranks), steps=1, seed=seed + i),
+                  f"ep=2 on each of {EP_SPLIT}, the group {list(ranks)}",
+                  f"Here data_group is the group {list(ranks)}, not the world. Did you pass group=? All-reduce "
+                  "dense gradients with group=data_group, not over the default group, and divide by "
+                  "dist.get_world_size(data_group), not by the world's size")
