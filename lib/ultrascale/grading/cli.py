@@ -46,6 +46,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,11 @@ import nbformat
 from .check import (DEFER_ENV, ERROR, FAIL, GRADE_FILE_ENV, NOT_IMPLEMENTED, NOT_RUN, PASS, SUBMITTED, CheckResult,
                     _one_line, grade_exercise, submission_path)
 from .registry import exercises_of_chapter, get_exercise
+from .sandbox import GiB, Limits, Outcome, Sandbox
+
+# The course's own notebook folders: graded without a sandbox unless --sandbox is given.
+COURSE = Path(__file__).resolve().parents[3]
+COURSE_FOLDERS = (COURSE / "exercises", COURSE / "solutions")
 
 # check("00.mean_across_ranks", ...) as written in a notebook cell
 CHECK_CALL_RE = re.compile(r"""\bcheck\(\s*(['"])(?P<id>[\w.\-]+)\1""")
@@ -66,7 +72,7 @@ CHECK_CALL_RE = re.compile(r"""\bcheck\(\s*(['"])(?P<id>[\w.\-]+)\1""")
 @dataclass
 class NotebookReport:
     notebook: str
-    status: str = "ok"  # "ok", or "infrastructure error" when it could not be run
+    status: str = "ok"  # "ok"; "stopped" at the sandbox's time limit; "infrastructure error" when it could not run
     error: str = ""
     cell_errors: int = 0  # cells that raised (expected in an unfinished notebook)
     seconds: float = 0.0
@@ -82,6 +88,11 @@ class NotebookReport:
 
     def to_json(self) -> dict:
         return {**asdict(self), "points": self.points, "max_points": self.max_points}
+
+
+def is_course_notebook(nb_path: Path) -> bool:
+    """A notebook of the course's own exercises/ or solutions/ (the learner's own work, or ours)."""
+    return nb_path.resolve().parent in COURSE_FOLDERS
 
 
 def find_notebooks(paths) -> list:
@@ -134,7 +145,7 @@ def registered_points(exercise_id: str):
 def _read_grades(path: Path) -> dict:
     """The last verdict of each exercise (a re-run check replaces the earlier one)."""
     grades = {}
-    if path.exists():
+    if path.is_file() and not path.is_symlink():  # a sandboxed notebook could point it at any file
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
@@ -146,15 +157,23 @@ def _read_grades(path: Path) -> dict:
 
 
 def grade_notebook(nb_path: Path, timeout: float, parameters: dict, keep_dir: Path | None = None,
-                   feedback: bool = False) -> NotebookReport:
-    """Execute one notebook, then score it: see the module's docstring."""
+                   feedback: bool = False, sandbox: Sandbox | None = None) -> NotebookReport:
+    """Execute one notebook, then score it: see the module's docstring. With ``sandbox``
+    both run in it, on a copy of the notebook in a temporary folder (sandbox.py)."""
     report = NotebookReport(str(nb_path))
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ultrascale-grade-") as tmp:
-        grade_file = Path(tmp) / "grades.jsonl"
-        _execute(nb_path, grade_file, (keep_dir or Path(tmp)) / nb_path.name, timeout, parameters, report,
-                 defer=not feedback)
-        report.exercises = score(nb_path, grade_file, timeout)
+    # ignore_cleanup_errors: a sandboxed notebook may leave files we cannot remove (chmod 000)
+    with tempfile.TemporaryDirectory(prefix="ultrascale-grade-", ignore_cleanup_errors=True) as tmp:
+        tmp = Path(tmp)
+        if sandbox is None:
+            grade_file = tmp / "grades.jsonl"
+            _execute(nb_path, grade_file, (keep_dir or tmp) / nb_path.name, timeout, parameters, report,
+                     defer=not feedback)
+            report.exercises = score(nb_path, grade_file, timeout)
+        else:
+            grade_file = tmp / "grading" / "grades.jsonl"
+            _execute_sandboxed(nb_path, tmp, grade_file, keep_dir, timeout, parameters, report, not feedback, sandbox)
+            report.exercises = score(nb_path, grade_file, timeout, cwd=tmp, sandbox=sandbox)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -203,7 +222,56 @@ def _execute(nb_path: Path, grade_file: Path, output: Path, timeout: float, para
                 os.environ[name] = value
 
 
-def score(nb_path: Path, grade_file: Path, timeout: float) -> list:
+# ---- a submission in the sandbox -------------------------------------------------------
+
+_EXECUTE = "import sys; from ultrascale.grading.cli import execute_main; sys.exit(execute_main(sys.argv[1]))"
+
+
+def _execute_sandboxed(nb_path: Path, work: Path, grade_file: Path, keep_dir: Path | None, timeout: float,
+                       parameters: dict, report: NotebookReport, defer: bool, sandbox: Sandbox) -> None:
+    """``_execute`` in the sandbox, on a copy of the notebook in ``work`` (its only writable folder)."""
+    if not nb_path.is_file():
+        report.status, report.error = "infrastructure error", f"FileNotFoundError: no such notebook: {nb_path}"
+        return
+    copy, output, result = work / nb_path.name, work / "executed" / nb_path.name, work / "execution.json"
+    shutil.copyfile(nb_path, copy)
+    grade_file.parent.mkdir()
+    output.parent.mkdir()
+    spec = work / "execute.json"
+    spec.write_text(json.dumps({"notebook": str(copy), "grade_file": str(grade_file), "output": str(output),
+                                "timeout": timeout, "parameters": parameters, "defer": defer, "report": str(result)}))
+    env = {k: v for k, v in os.environ.items() if k not in (GRADE_FILE_ENV, DEFER_ENV)}
+    outcome = sandbox.run([sys.executable, "-c", _EXECUTE, str(spec)], work, env, sandbox.limits.seconds)
+    said = {}
+    try:  # written by the sandboxed process: informative only, the score does not depend on it
+        said = json.loads(result.read_text()) if result.is_file() and not result.is_symlink() else {}
+        report.cell_errors = int(said.get("cell_errors", 0))
+        report.status, report.error = str(said.get("status", "ok")), str(said.get("error", ""))[:2000]
+    except (ValueError, TypeError, AttributeError):
+        said = {}
+    if outcome.timed_out:
+        report.status, report.error = "stopped", f"killed at the time limit ({sandbox.limits.seconds:g} s)"
+    elif not said and outcome.returncode:
+        report.status, report.error = "infrastructure error", _trouble(outcome, sandbox.limits.seconds)
+    if outcome.survivors:
+        report.status, report.error = "infrastructure error", f"{outcome.survivors} of its processes survived the kill"
+    if keep_dir and output.is_file() and not output.is_symlink():  # a link could point at any file of ours
+        shutil.copyfile(output, keep_dir / nb_path.name)
+
+
+def execute_main(spec_path: str) -> int:
+    """In the sandbox: run the notebook as ``_execute`` does, and say how it went in a file."""
+    spec = json.loads(Path(spec_path).read_text())
+    report = NotebookReport(spec["notebook"])
+    _execute(Path(spec["notebook"]), Path(spec["grade_file"]), Path(spec["output"]), spec["timeout"],
+             spec["parameters"], report, spec["defer"])
+    Path(spec["report"]).write_text(json.dumps({"status": report.status, "error": report.error,
+                                                "cell_errors": report.cell_errors}))
+    return 0
+
+
+def score(nb_path: Path, grade_file: Path, timeout: float, cwd: Path | None = None,
+          sandbox: Sandbox | None = None) -> list:
     """One row per registered exercise the notebook has or checks, scored by the grader."""
     claims = _read_grades(grade_file)
     exercises = expected_exercises(nb_path)
@@ -212,7 +280,7 @@ def score(nb_path: Path, grade_file: Path, timeout: float) -> list:
         if exercise_id not in exercises and points is not None:
             exercises[exercise_id] = points
     claimed = [e for e in exercises if claims.get(e, {}).get("status") in (PASS, SUBMITTED)]
-    verdicts = regrade(nb_path.parent, {e: submission_path(grade_file, e) for e in claimed}, timeout)
+    verdicts = regrade(cwd or nb_path.parent, {e: submission_path(grade_file, e) for e in claimed}, timeout, sandbox)
     return [_row(e, points, claims.get(e), verdicts.get(e)) for e, points in exercises.items()]
 
 
@@ -246,29 +314,43 @@ _REGRADE = "import sys; from ultrascale.grading.cli import regrade_main; sys.exi
 _KERNEL_ONLY_ENV = ("MPLBACKEND", GRADE_FILE_ENV, DEFER_ENV, "JPY_PARENT_PID", "JPY_SESSION_NAME")
 
 
-def regrade(cwd: Path, submissions: dict, timeout: float) -> dict:
+def regrade(cwd: Path, submissions: dict, timeout: float, sandbox: Sandbox | None = None) -> dict:
     """{exercise id: verdict} from a fresh process that runs each registered test on what
-    the notebook's check() was given (``submissions``: id -> saved file)."""
+    the notebook's check() was given (``submissions``: id -> saved file). It runs the
+    learner's functions, so with ``sandbox`` it runs there, in ``cwd`` (the notebook's copy)."""
     if not submissions:
         return {}
     limit = timeout * len(submissions) + 120  # what the cells got, plus a start-up
-    with tempfile.TemporaryDirectory(prefix="ultrascale-regrade-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ultrascale-regrade-", dir=cwd if sandbox else None,
+                                     ignore_cleanup_errors=True) as tmp:
         spec, results = Path(tmp) / "spec.json", Path(tmp) / "verdicts.jsonl"
         spec.write_text(json.dumps({"results": str(results),
                                     "submissions": {e: str(p) for e, p in submissions.items()}}))
         env = {k: v for k, v in os.environ.items() if k not in (GRADE_FILE_ENV, DEFER_ENV)}
-        try:
-            proc = subprocess.run([sys.executable, "-c", _REGRADE, str(spec)], cwd=cwd, env=env,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True, errors="replace", timeout=limit)
-            trouble = f"it exited with code {proc.returncode}: {proc.stderr[-2000:]}" if proc.returncode else ""
-        except subprocess.TimeoutExpired:
-            trouble = f"it did not finish within {limit:g} s"
+        argv = [sys.executable, "-c", _REGRADE, str(spec)]
+        if sandbox is not None:
+            trouble = _trouble(sandbox.run(argv, cwd, env, limit), limit)
+        else:
+            try:
+                proc = subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, errors="replace", timeout=limit)
+                trouble = f"it exited with code {proc.returncode}: {proc.stderr[-2000:]}" if proc.returncode else ""
+            except subprocess.TimeoutExpired:
+                trouble = f"it did not finish within {limit:g} s"
         verdicts = _read_grades(results)
     for exercise_id in submissions:
         verdicts.setdefault(exercise_id, {"status": FAIL, "message": f"the grader's run of the test gave no "
                                                                      f"verdict ({trouble or 'no reason given'})"})
     return verdicts
+
+
+def _trouble(outcome: Outcome, limit: float) -> str:
+    """What went wrong in a sandboxed run, in words ("" if nothing)."""
+    if outcome.timed_out:
+        return f"it did not finish within {limit:g} s and was killed"
+    if outcome.returncode:
+        return f"it exited with code {outcome.returncode}: {outcome.stderr[-2000:]}"
+    return ""
 
 
 def regrade_main(spec_path: str) -> int:
@@ -367,8 +449,9 @@ def _positive_int(text: str) -> int:
 
 
 def grade_all(notebooks: list, timeout: float, parameters: dict, keep_dir: Path | None, feedback: bool,
-              jobs: int = 1) -> list:
-    """``grade_notebook`` on each notebook, ``jobs`` at a time; the reports in the notebooks' order."""
+              jobs: int = 1, sandboxes: list | None = None) -> list:
+    """``grade_notebook`` on each notebook, ``jobs`` at a time; the reports in the notebooks' order.
+    ``sandboxes``: one per notebook, a Sandbox or None (none: run as it is)."""
     def announce(nb_path: Path, report: NotebookReport) -> NotebookReport:
         print(f"graded {nb_path} in {report.seconds:.0f} s", flush=True)
         if report.status != "ok":
@@ -376,16 +459,31 @@ def grade_all(notebooks: list, timeout: float, parameters: dict, keep_dir: Path 
         return report
 
     arguments = (timeout, parameters, keep_dir, feedback)
+    sandboxes = sandboxes or [None] * len(notebooks)
     if jobs == 1 or len(notebooks) == 1:
-        return [announce(nb, grade_notebook(nb, *arguments)) for nb in notebooks]
+        return [announce(nb, grade_notebook(nb, *arguments, box)) for nb, box in zip(notebooks, sandboxes)]
     import concurrent.futures
     import multiprocessing
 
     # spawn: a fresh interpreter per worker, nothing inherited from this one's threads
     with concurrent.futures.ProcessPoolExecutor(min(jobs, len(notebooks)),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(grade_notebook, nb, *arguments) for nb in notebooks]
+        futures = [pool.submit(grade_notebook, nb, *arguments, box) for nb, box in zip(notebooks, sandboxes)]
         return [announce(nb, future.result()) for nb, future in zip(notebooks, futures)]
+
+
+def _sandboxes(notebooks: list, args) -> list:
+    """A Sandbox for each notebook that is not the course's own (or for all with --sandbox,
+    none with --trusted); one line says how far it protects, or that nothing is sandboxed."""
+    wanted = [not args.trusted and (args.sandbox or not is_course_notebook(nb)) for nb in notebooks]
+    if not any(wanted):
+        print("no sandbox: " + ("--trusted" if args.trusted else "the course's own exercises/ and solutions/")
+              + " run with your rights (--sandbox to sandbox them)", flush=True)
+        return [None] * len(notebooks)
+    limits = Limits(args.time_limit, int(args.memory_limit * GiB), args.max_processes)
+    sandbox = Sandbox.probe(limits)
+    print(sandbox.describe(), flush=True)
+    return [sandbox if want else None for want in wanted]
 
 
 def _parse_param(text: str):
@@ -411,6 +509,18 @@ def main(argv=None) -> int:
     parser.add_argument("--feedback", action="store_true",
                         help="also run each test inside the notebook, so the kept notebooks show every verdict "
                              "(the tests that pass then run twice: there and in the grader's own process)")
+    trust = parser.add_mutually_exclusive_group()
+    trust.add_argument("--sandbox", action="store_true",
+                       help="sandbox every notebook, the course's own exercises/ and solutions/ too")
+    trust.add_argument("--trusted", action="store_true",
+                       help="sandbox none: run every notebook with your rights (only for code you trust)")
+    parser.add_argument("--time-limit", type=float, default=Limits.seconds, metavar="S",
+                        help=f"sandbox: seconds per notebook, all its cells together (default {Limits.seconds:g})")
+    parser.add_argument("--memory-limit", type=float, default=Limits.memory_bytes / GiB, metavar="GiB",
+                        help=f"sandbox: memory per process (default {Limits.memory_bytes / GiB:g})")
+    parser.add_argument("--max-processes", type=_positive_int, default=Limits.processes, metavar="N",
+                        help=f"sandbox: processes and threads of a notebook, all together "
+                             f"(default {Limits.processes})")
     args = parser.parse_args(argv)
 
     notebooks = find_notebooks(args.paths)
@@ -421,7 +531,8 @@ def main(argv=None) -> int:
         args.keep.mkdir(parents=True, exist_ok=True)
     parameters = {"QUICK": True, **dict(args.param)}
 
-    reports = grade_all(notebooks, args.timeout, parameters, args.keep, args.feedback, args.jobs)
+    reports = grade_all(notebooks, args.timeout, parameters, args.keep, args.feedback, args.jobs,
+                        _sandboxes(notebooks, args))
 
     print()
     print(format_table(reports))
@@ -432,7 +543,7 @@ def main(argv=None) -> int:
             "max_points": sum(r.max_points for r in reports),
         }
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
-    broken = [r for r in reports if r.status != "ok"]
+    broken = [r for r in reports if r.status == "infrastructure error"]
     return 2 if broken else 0
 
 
