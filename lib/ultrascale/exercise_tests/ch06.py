@@ -22,7 +22,8 @@ context parallelism's three ideas, one at a time.
   one step of ring attention on one rank. The test drives a whole ring with it (cp steps, on
   clusters of 2 and 3 ranks and the notebook's ``WORLD_SIZE``, and 3 ranks cut into the groups
   [0] and [1, 2], so that ranks within the group differ from the global ones), causal with the
-  zig-zag layout and non-causal with the contiguous one, in float64. Each step's ``out``/``lse`` must be the library merge of what it was given with this
+  zig-zag layout and non-causal with the contiguous one, in float64. Each step's ``out``/``lse``
+  must be the library merge of what it was given with this
   block's attention, ``next_kv`` the previous rank's block (in a new buffer: ``kv`` is being
   sent), and after the last step ``out`` must equal ``scaled_dot_product_attention`` of the
   whole sequence at this rank's rows. How the step communicates is checked too:

@@ -14,8 +14,10 @@ pieces of expert parallelism, one at a time.
   rows sent to each rank (one per token and destination rank) and rows received from each,
   exchanged with an all-to-all. Graded on clusters of 2 and 4 ranks (and the notebook's
   ``WORLD_SIZE``), then on 4 ranks cut into the groups [0] and [1, 2, 3] (``_groups.Split``:
-  a group of odd size that does not start at rank 0; each group has its own tokens), top-1 and top-2, against ``dispatch_plan`` and ``exchange_counts`` (refused
-  while the learner's code runs). Counting choices instead of tokens, and receive = send (the
+  a group of odd size that does not start at rank 0; each group has its own tokens), top-1 and
+  top-2, against ``dispatch_plan`` and ``exchange_counts`` (refused while the learner's code
+  runs; on the split, so is a collective over another group than the one given, for this
+  exercise and the next: ``_groups.only_group``). Counting choices instead of tokens, and receive = send (the
   sender's view) are named.
 * ``08.dispatch_combine``: ``ep_forward(tokens, chosen, weights, experts, group) -> y``, the
   expert-parallel MoE layer on one rank, from ``dispatch_plan``, ``exchange_counts``,
