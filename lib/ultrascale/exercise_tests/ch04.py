@@ -143,25 +143,29 @@ def wrong_group(sizes, n: int) -> str | None:
             "every collective (without it, a collective runs over all the ranks of the job)")
 
 
-def shared_branch(y, upstream):
-    """Backward of ``out = y + 2 * side``: the gradient reaching ``y`` is also the other branch's.
+class SharedBranch:
+    """``out = y + 2 * side``, to run backward with: the gradient reaching ``y`` is also the other branch's.
 
-    Autograd hands the same tensor to both branches of the sum, and runs the learner's backward
-    first (``side``'s branch was built before it). A backward that changes its incoming gradient
-    in place (``dist.all_reduce(grad)`` on the tensor itself) thus changes ``side.grad`` too,
-    as it would change a residual's in a transformer. Returns the check's evidence, to judge
-    with ``shared_problem``.
+    Autograd hands the same tensor to both terms of a sum, and runs the node created last first:
+    made before the learner's forward, ``side``'s branch runs after the learner's backward. A
+    backward that changes its incoming gradient in place (``dist.all_reduce(grad)`` on the tensor
+    itself) thus changes ``side.grad`` too, as it would change a residual's in a transformer, and
+    the gradient given to ``backward``. Judge the evidence with ``shared_problem``.
     """
-    side = torch.zeros_like(upstream, requires_grad=True)
-    branch = 2 * side                       # built before the learner's output is used: runs after it
-    incoming = upstream.clone()
-    if torch.is_tensor(y) and y.requires_grad and y.shape == upstream.shape:
-        (y + branch).backward(incoming)
-    return {"incoming": incoming, "side": side.grad}
+
+    def __init__(self, upstream):
+        self.side = torch.zeros_like(upstream, requires_grad=True)
+        self.branch = 2 * self.side
+        self.incoming = upstream.clone()
+
+    def backward(self, y) -> dict:
+        if torch.is_tensor(y) and y.requires_grad and y.shape == self.incoming.shape:
+            (y + self.branch).backward(self.incoming)
+        return {"incoming": self.incoming, "side": self.side.grad}
 
 
 def shared_problem(got, upstream) -> str | None:
-    """What ``shared_branch`` saw, judged: the incoming gradient and the other branch's, untouched."""
+    """What ``SharedBranch`` saw, judged: the incoming gradient and the other branch's, untouched."""
     shared = got.get("shared")
     if shared is None or shared["side"] is None:
         return None
@@ -270,7 +274,8 @@ def _run_pair(apply, x, upstream, group, forbid=None) -> dict:
             if torch.is_tensor(y) and y.requires_grad and y.shape == upstream.shape:
                 y.backward(upstream.clone())
         with CommLogger() as again:
-            shared = shared_branch(apply(x.clone().requires_grad_(), group), upstream)
+            branch = SharedBranch(upstream)
+            shared = branch.backward(apply(x.clone().requires_grad_(), group))
     if refusal.message:
         return {"forbidden": refusal.message}
     return {"y": y.detach().clone() if torch.is_tensor(y) else y, "grad": given.grad, "changed": changed,
@@ -414,16 +419,17 @@ def _reference(layer: nn.Linear, x, dy) -> dict:
 
 def _run_linear(forward, x, weight, bias, group, dy, forbid=None) -> dict:
     """Call ``forward(x, weight, bias, group)`` on leaves, then backward with the gradient ``dy``
-    shared with another branch (``shared_branch``), with the collectives of each direction."""
+    shared with another branch (``SharedBranch``), with the collectives of each direction."""
     from ultrascale.comm import CommLogger
 
     x = x.clone().requires_grad_()
     weight, bias = nn.Parameter(weight.detach().clone()), nn.Parameter(bias.detach().clone())
+    branch = SharedBranch(dy)
     with untracked_collectives() as untracked, refused_library(forbid) as refusal:
         with CommLogger() as fwd:
             y = forward(x, weight, bias, group)
         with CommLogger() as bwd:
-            shared = shared_branch(y, dy)
+            shared = branch.backward(y)
     if refusal.message:
         return {"forbidden": refusal.message}
     return {"y": y.detach() if torch.is_tensor(y) else y, "x": x.grad, "weight": weight.grad,
@@ -637,10 +643,10 @@ def _ce_on_rank(ctx, fn, seed, split):
         forbid = ([tensor_parallel.vocab_parallel_cross_entropy, tensor_parallel._cross_entropy],
                   "04.vocab_parallel_cross_entropy",
                   "build it from the maximum, the sum of exponentials and the target's logit")
-        loss = None
+        loss, branch = None, SharedBranch(torch.tensor(1.0))   # the loss's gradient shared with another term
         with untracked_collectives() as untracked, refused_library(forbid) as refusal, CommLogger() as log:
             loss = fn(local, targets.clone(), r * LOCAL_VOCAB, group)
-            shared = shared_branch(loss, torch.tensor(1.0))   # the loss's gradient shared with another term
+            shared = branch.backward(loss)
         if refusal.message:
             return f"{layout}, rank {ctx.rank}: {refusal.message}"
         got = {"loss": loss, "grad": local.grad, "ops": collectives(log), "untracked": untracked,
