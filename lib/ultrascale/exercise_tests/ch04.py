@@ -30,8 +30,12 @@ tensor parallelism built from its two communication primitives.
   quarter of the full logits' bytes (a correct answer moves a few numbers per token).
 
 Every test runs on clusters of 2 and 3 ranks (and the notebook's ``WORLD_SIZE``) with the
-whole cluster as the tp group, then once more with 3 ranks cut into two tp groups, [0, 1]
-and [2]: code that leaves out ``group=group`` in a collective sums over the wrong ranks there.
+whole cluster as the tp group, then with 3 ranks cut into two tp groups, [0, 1] and [2], and
+into [0] and [1, 2] (a group whose ranks are not the global ones): a collective that leaves out
+``group=group`` runs on a group of the wrong size there, which the ``CommLogger`` shows.
+
+Every backward runs with its incoming gradient shared with another branch (``SharedBranch``,
+out = y + 2 side, as a residual shares it): a backward that changes that tensor in place fails.
 
 All computations on the ranks run first, the judging after, so that a rank that finds a
 mistake never leaves the others waiting in a collective. Each rank returns its first

@@ -21,7 +21,9 @@ pipeline parallelism's pieces, one at a time.
   the receiver posts its receive, and in 1F1B neighbours send to each other at the same time.
 * ``07.split_backward``: ``backward_input`` (Zero Bubble's B: the input's gradient only, the
   graph kept) and ``backward_weight`` (W: the weights' gradients, added to ``.grad``), run in the
-  deferred order B0 B1 W0 W1 on a stage of the course GPT and compared with whole backwards.
+  deferred order B0 B1 W0 W1 on a stage of the course GPT and compared with whole backwards after
+  every W. Tensor hooks show B computing weight gradients or W the input's; B must leave
+  grad_output, which W uses again, unchanged.
 
 While the learner's code runs the library's own answers refuse to run
 (``grading.guards.forbid_library``). Tolerances: the simulator adds exact multiples, so
