@@ -85,6 +85,13 @@ fi
 echo "[setup] installing the course's requirements"
 pip install -q -r requirements-dev.txt
 pip install -q --no-deps -e .
+# Without a GPU the kernels run in Triton's interpreter; triton 3.6's (torch 2.11's CUDA build pins
+# it) fails on numpy 2.4, so there numpy stays below 2.4 (launch/check_triton_interpreter.py).
+if ! has_gpu && ! "$VENV/bin/python" launch/check_triton_interpreter.py; then
+  echo "[setup] keeping numpy below 2.4 for this triton's interpreter (triton-lang/triton#9171)"
+  pip install -q "numpy<2.4"
+  "$VENV/bin/python" launch/check_triton_interpreter.py
+fi
 if [ "$VENV" = .venv ]; then
   # Other Jupyter front ends find the course's kernel under this name (only the main environment's).
   "$VENV/bin/python" -m ipykernel install --user --name ultrascale --display-name "ultrascale (.venv)" >/dev/null

@@ -15,8 +15,11 @@ BIN=$VENV/bin
 export PYTHONUNBUFFERED=1
 version=$($BIN/python -c "import torch; print(torch.__version__)")
 echo "== the library's tests under torch $version"
+# Both parts run, whatever the first gives; the exit status says whether both passed.
+status=0
 $BIN/pytest -q -p no:cacheprovider --durations=10 tests -k "not e2e_papermill" \
   --ignore=tests/test_browser.py --ignore=tests/test_lab.py --ignore=tests/test_notebooks.py \
-  --ignore=tests/test_run_all.py --ignore=tests/test_slurm.py --ignore=tests/test_benchmarks.py "$@"
+  --ignore=tests/test_run_all.py --ignore=tests/test_slurm.py --ignore=tests/test_benchmarks.py "$@" || status=1
 echo "== every chapter headless (papermill, QUICK) under torch $version"
-$BIN/python launch/batch.py chapters --out "out/torch-$version"
+$BIN/python launch/batch.py chapters --out "out/torch-$version" || status=1
+exit $status
