@@ -210,6 +210,33 @@ def test_dispatch_combine_sends_within_the_group(ch08):
     assert check(exercise, ch08["ep_forward"]).status == PASS
 
 
+def test_dispatch_combine_leaves_the_incoming_gradient_alone(ch08):
+    def frees_the_incoming_gradient(tokens, chosen, weights, experts, group=None):
+        class Combine(torch.autograd.Function):   # the rows home, by hand, with a "memory saving" backward
+            @staticmethod
+            def forward(ctx, back, rows):
+                ctx.rows = rows
+                return back.new_zeros(tokens.shape).index_add(0, rows, back)
+
+            @staticmethod
+            def backward(ctx, grad_output):
+                grad = grad_output[ctx.rows]
+                grad_output.zero_()   # wrong: it is the caller's tensor, not a buffer to free
+                return grad, None
+
+        from ultrascale.comm.functional import all_to_all
+        from ultrascale.moe import apply_experts
+        from ultrascale.parallel.expert_parallel import dispatch_plan, exchange_counts
+        plan = dispatch_plan(chosen, weights, dist.get_world_size(group), len(experts))
+        send = plan.send_counts
+        receive = exchange_counts(send, group)
+        ids, x, w = (all_to_all(t, receive, send, group) for t in (plan.local_ids, tokens[plan.rows], plan.weights))
+        return Combine.apply(all_to_all(apply_experts(experts, x, ids, w), send, receive, group), plan.rows)
+
+    _fails(check("08.dispatch_combine", frees_the_incoming_gradient), "top-1, rank 0",
+           "the gradient that backward was given for the output changed")
+
+
 def test_expert_gradients_reduce_over_the_groups_given(ch08):
     def dense_over_the_world(grad, expert, data_group, expert_group):   # no group= for the dense ones
         grad = grad.clone()
