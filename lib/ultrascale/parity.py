@@ -1,8 +1,8 @@
 """The same training, three ways: ours on ranks, one process, and PyTorch's own.
 
 Every distributed technique in the course is checked the same way. All three runs
-start from the same weights, see the same seeded data, and must end with the same
-numbers:
+start from the same weights, see the same seeded data (``ultrascale.data``), train with
+the same loop (``ultrascale.train``) and must end with the same numbers:
 
     data = Batches(config, mbs=2, seed=0)               # step t -> the same tokens everywhere
     reference = train(GPT(config), data.global_stream(world), steps=3, optimizer="sgd")
@@ -12,28 +12,28 @@ numbers:
                  after_backward=dp.finish_gradient_synchronization)
     assert_same(ours, reference, optimizer="sgd")
 
-* ``Batches`` makes the seeded global batch of every (step, micro-step) and slices it:
-  by data (rows, for DP and ZeRO), by sequence (columns plus their global positions, for
-  context parallelism) or into micro-batches (for pipelines).
-* ``run_steps`` is the one training loop: forward, backward, gradient accumulation,
-  optional ``no_sync``, a hook after backward, the step; ``train`` runs it and returns
-  the final weights.
 * ``assert_same`` compares outputs, gradients or weights with the tolerance stated for
   the dtype and optimizer in ``TOLERANCES`` (the reasons are written there).
+* ``first_step`` and ``first_step_and_train`` collect what a model-parallel check compares
+  (logits, loss, gradients, weights); ``perturbed`` moves every weight off its initial value.
 * ``ddp``, ``fsdp2`` and ``dtensor_tp`` (``parallelize_module``) wrap a model the way
   PyTorch's production versions do, with the same units as ours, so the third run is one line.
 
-The loss is always ``model.lm_loss`` (mean next-token cross-entropy): one definition for
-every run, so a difference can only come from the technique.
+Techniques import ``data`` and ``train``, never this module: checking is for chapters,
+tests, exercise tests and benchmarks.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
 
 import torch
 
+# The names from ``data`` and ``train`` beyond what the checks below use are re-exported for a
+# while, so that chapters, solutions, tests and exercise tests that take them from here keep
+# working (issue 39); new code imports them from ``data`` and ``train``.
+from .data import SEQUENCE_LAYOUTS, Batch, Batches, micro_batches, sequence_positions, split  # noqa: F401
 from .model import auxiliary_loss, lm_loss
+from .train import OPTIMIZERS, _full, gradients, make_optimizer, run_steps, train, weights  # noqa: F401
 
 # --------------------------------------------------------------------------- tolerances
 # Why the runs differ at all: each rank averages the loss over its own samples and the
@@ -61,12 +61,6 @@ TOLERANCES = {
 # Outputs and gradients of one forward/backward (no optimizer in between): rounding only.
 TOLERANCES.update({(dtype, None): TOLERANCES[dtype, "sgd"] for dtype, _ in list(TOLERANCES)})
 
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.1}),
-    "adam": (torch.optim.Adam, {"lr": 1e-3}),
-    "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}),
-}
-
 
 def tolerance(optimizer: str | None = "sgd", dtype=torch.float32) -> dict:
     """``rtol``/``atol`` for comparing runs that used ``optimizer`` (None: no step) in ``dtype``."""
@@ -78,177 +72,7 @@ def tolerance(optimizer: str | None = "sgd", dtype=torch.float32) -> dict:
                          "ultrascale.parity.TOLERANCES with the reason beside it") from None
 
 
-def make_optimizer(params, optimizer: str = "sgd", **overrides):
-    """A torch optimizer by course name ("sgd", "adam", "adamw") with its default settings."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(OPTIMIZERS)}")
-    cls, kwargs = OPTIMIZERS[optimizer]
-    return cls(params, **{**kwargs, **overrides})
-
-
-# --------------------------------------------------------------------------- data
-@dataclass(frozen=True)
-class Batch:
-    """Token ids and next-token targets, plus the global positions when the sequence is split."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    positions: torch.Tensor | None = None
-
-    def to(self, device) -> "Batch":
-        move = lambda t: None if t is None else t.to(device)   # noqa: E731
-        return Batch(move(self.inputs), move(self.targets), move(self.positions))
-
-    def loss(self, model) -> torch.Tensor:
-        """Mean next-token cross-entropy of ``model`` on this batch (plus the load-balancing
-        loss of its MoE layers, if they have one: ``ultrascale.model.auxiliary_loss``)."""
-        if self.positions is None:
-            return lm_loss(model(self.inputs), self.targets) + auxiliary_loss(model)
-        return lm_loss(model(self.inputs, self.positions), self.targets) + auxiliary_loss(model)
-
-    def rows(self, start: int, stop: int) -> "Batch":
-        return replace(self, inputs=self.inputs[start:stop], targets=self.targets[start:stop])
-
-
-@dataclass(frozen=True)
-class Batches:
-    """Seeded global batches: (step, micro-step) -> the same tokens in every process.
-
-    A step's global batch has ``mbs`` rows per data-parallel rank. Nothing here depends
-    on which process asks, so the reference and every rank agree without communicating.
-    """
-
-    config: object          # a model config: vocab_size and seq_len are used
-    mbs: int = 2            # rows per rank and micro-step
-    seed: int = 0
-
-    def global_batch(self, step: int, world_size: int = 1, micro: int = 0) -> Batch:
-        g = torch.Generator().manual_seed(1_000_003 * self.seed + 1000 * step + micro)
-        shape = (self.mbs * world_size, self.config.seq_len + 1)
-        tokens = torch.randint(0, self.config.vocab_size, shape, generator=g)
-        return Batch(tokens[:, :-1], tokens[:, 1:])
-
-    def rank_batch(self, rank: int, world_size: int, step: int, micro: int = 0, by: str = "data",
-                   layout: str = "contiguous") -> Batch:
-        return split(self.global_batch(step, world_size if by == "data" else 1, micro), rank, world_size, by,
-                     layout)
-
-    def global_stream(self, world_size: int = 1):
-        """``(step, micro) -> Batch``: what one process trains on in place of ``world_size`` ranks."""
-        return lambda step, micro=0: self.global_batch(step, world_size, micro)
-
-    def rank_stream(self, rank: int, world_size: int, by: str = "data", layout: str = "contiguous"):
-        """``(step, micro) -> Batch``: this rank's share of each step (``layout``: see ``split``)."""
-        return lambda step, micro=0: self.rank_batch(rank, world_size, step, micro, by, layout)
-
-
-SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
-
-
-def sequence_positions(seq: int, rank: int, world_size: int, layout: str = "contiguous") -> torch.Tensor:
-    """The global positions of the tokens that rank ``rank`` holds of a ``seq``-token sequence.
-
-    * ``"contiguous"``: the sequence cut into ``world_size`` chunks; rank r holds chunk r;
-    * ``"zigzag"``: cut into ``2 * world_size`` chunks; rank r holds chunks r and
-      ``2 * world_size - 1 - r``. Under a causal mask an early chunk has few keys to attend
-      to and a late one many, so pairing them gives every rank the same work (context
-      parallelism's load balancing; with "contiguous" the last rank does the most).
-    A rank's positions are ascending in both. A length that does not cut into equal chunks
-    is refused, not padded (padding would need masking in attention and in the loss).
-    """
-    if layout not in SEQUENCE_LAYOUTS:
-        raise ValueError(f"layout={layout!r}: choose one of {SEQUENCE_LAYOUTS}")
-    per_rank = 2 if layout == "zigzag" else 1
-    chunks = per_rank * world_size
-    how = f" in the zigzag layout ({chunks} chunks, 2 per rank)" if layout == "zigzag" else ""
-    if seq < chunks:
-        raise ValueError(f"{world_size} ranks need more chunks than a sequence of {seq} tokens has{how}: use at "
-                         f"most {seq // per_rank} ranks or a longer sequence")
-    if seq % chunks:
-        raise ValueError(f"{seq} tokens per sequence do not split evenly over {world_size} ranks{how}: pad the "
-                         f"sequence to {-(-seq // chunks) * chunks} tokens or choose a length that {chunks} divides")
-    size = seq // chunks
-    ids = [rank] if layout == "contiguous" else [rank, chunks - 1 - rank]
-    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in ids])
-
-
-def split(batch: Batch, rank: int, world_size: int, by: str = "data", layout: str = "contiguous") -> Batch:
-    """Rank ``rank``'s share of ``batch``.
-
-    * ``"data"``: rows ``rank*b .. (rank+1)*b`` (b = rows / world_size), as a sampler would;
-    * ``"sequence"``: a slice of every row's tokens, with their global positions (RoPE must
-      rotate a token by where it is in the whole sequence, not in the slice). ``layout``:
-      ``"contiguous"`` (one slice per rank) or ``"zigzag"`` (two chunks per rank, balanced
-      for causal attention), see ``sequence_positions``.
-    The mean loss over equal shares, averaged over the ranks, is the mean loss of the batch:
-    so shares must be equal, and an uneven split is an error rather than a silent bias.
-    """
-    if by not in ("data", "sequence"):
-        raise ValueError(f"by={by!r}: choose 'data' or 'sequence' (micro_batches() cuts micro-batches)")
-    if by == "sequence":
-        positions = sequence_positions(batch.inputs.shape[1], rank, world_size, layout)
-        return Batch(batch.inputs[:, positions], batch.targets[:, positions], positions)
-    rows = batch.inputs.shape[0]
-    if rows % world_size:
-        raise ValueError(f"{rows} rows do not split evenly over {world_size} ranks: "
-                         f"choose sizes that {world_size} divides")
-    share = rows // world_size
-    return batch.rows(rank * share, (rank + 1) * share)
-
-
-def micro_batches(batch: Batch, n: int) -> list[Batch]:
-    """Cut a batch into ``n`` equal micro-batches of rows (gradient accumulation, pipelines)."""
-    rows = batch.inputs.shape[0]
-    if rows % n:
-        raise ValueError(f"{rows} rows do not make {n} equal micro-batches")
-    size = rows // n
-    return [batch.rows(i * size, (i + 1) * size) for i in range(n)]
-
-
-# --------------------------------------------------------------------------- the loop
-def train(model, batches, steps: int, optimizer="sgd", **options) -> dict:
-    """``run_steps`` and then the final weights by name (see ``weights``)."""
-    run_steps(model, batches, steps, optimizer, **options)
-    return weights(model)
-
-
-def run_steps(model, batches, steps: int, optimizer="sgd", *, grad_acc: int = 1, module=None,
-              no_sync=None, after_backward=None, device=None, first_step: int = 0) -> list:
-    """Train ``model`` for ``steps`` optimizer steps: the one training loop of the course.
-
-    ``batches(step, micro)`` gives each micro-batch; losses are divided by ``grad_acc`` so
-    the accumulated gradient is the mean over the step's micro-batches.
-    ``optimizer``: a course name ("sgd", "adam", "adamw"), or an object with ``step`` and
-    ``zero_grad`` (a torch optimizer, or ZeRO, which is its own optimizer). A name builds a
-    fresh optimizer, so to go on over several calls pass the same object each time.
-    ``module``: what to call for the forward, if not ``model`` (e.g. a DP wrapper).
-    ``no_sync``: a context manager factory used for all micro-batches but the last
-    (DDP's and our DP's ``no_sync``). ``after_backward``: called after every backward
-    that is not inside ``no_sync`` (our DP's ``finish_gradient_synchronization``; DDP
-    does that job inside backward by itself). ``first_step``: the index of the first
-    step's data, to go on where an earlier call stopped. Returns the loss curve: each
-    step's loss on this process (the mean over its micro-batches), as floats.
-    """
-    module = model if module is None else module
-    opt = make_optimizer(model.parameters(), optimizer) if isinstance(optimizer, str) else optimizer
-    losses = []
-    for step in range(first_step, first_step + steps):
-        loss = 0.0
-        for micro in range(grad_acc):
-            local = no_sync is not None and micro < grad_acc - 1
-            with no_sync() if local else contextlib.nullcontext():
-                batch = batches(step, micro)
-                part = batch.to(device).loss(module) / grad_acc
-                part.backward()
-                loss += part.item()
-            if after_backward is not None and not local:
-                after_backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss)
-    return losses
-
-
+# --------------------------------------------------------------------------- what a check compares
 def perturbed(model, scale: float = 0.05, seed: int = 0):
     """``model`` with every parameter moved by ``scale`` * N(0, 1), in place, and returned.
 
@@ -292,28 +116,7 @@ def first_step(model, batch: Batch, *, full_logits=None, full_gradients=None, lo
     return out
 
 
-# --------------------------------------------------------------------------- reading and comparing
-def _full(t: torch.Tensor, name: str = "") -> torch.Tensor:
-    """A plain CPU copy; a DTensor (FSDP2, DTensor TP) is gathered first (a collective)."""
-    t = t.full_tensor() if hasattr(t, "full_tensor") else t
-    needed = (t.storage_offset() + t.numel()) * t.element_size()
-    if t.numel() and t.untyped_storage().nbytes() < needed:
-        # Reading a freed storage would crash the process, not raise.
-        raise RuntimeError(f"{name}: its storage is freed (ZeRO-3 keeps only a shard between "
-                           "forwards); read the weights with zero.full_state_dict() instead")
-    return t.detach().cpu().clone()
-
-
-def weights(model) -> dict:
-    """Every parameter by name, as plain CPU tensors."""
-    return {name: _full(p, name) for name, p in model.named_parameters()}
-
-
-def gradients(model) -> dict:
-    """Every gradient by name (None where a parameter has none), as plain CPU tensors."""
-    return {name: None if p.grad is None else _full(p.grad, name) for name, p in model.named_parameters()}
-
-
+# --------------------------------------------------------------------------- comparing
 def max_difference(got, expected) -> float:
     """Largest absolute difference over matching entries of two dicts of tensors (or two tensors)."""
     if torch.is_tensor(expected):

@@ -25,7 +25,7 @@ biases, the same gradient already), so nothing is reduced over them.
     def fn(ctx):
         mesh = build_mesh(ctx, config)
         par = apply_parallelisms(GPT(gpt_config), mesh, config)
-        losses = par.train(par.batches(data), steps=3)   # data: a parity.Batches
+        losses = par.train(par.batches(data), steps=3)   # data: a data.Batches
         return par.full_weights()                        # whole tensors, named as in the model
 """
 from __future__ import annotations
@@ -37,7 +37,9 @@ import torch
 import torch.nn as nn
 
 from ..comm.functional import gather_along_dim
-from ..parity import OPTIMIZERS, Batches, assert_same, make_optimizer, run_steps, split, weights
+from ..data import Batches, split
+from ..parity import assert_same   # assert_composition_matches only: see tests/test_import_graph.py
+from ..train import OPTIMIZERS, make_optimizer, run_steps, weights
 from .context_parallel import apply_cp
 from .data_parallel import apply_data_parallel
 from .mesh import AXES, Mesh, init_mesh

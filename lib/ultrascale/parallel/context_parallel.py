@@ -6,7 +6,7 @@ Only attention mixes tokens; ``parallel.ring_attention`` gives every rank's quer
 other ranks' keys and values, by a ring of point-to-point transfers overlapped with the
 compute (or by one all-gather, for comparison), forward and backward.
 
-**Layouts** (``parity.sequence_positions`` is the one definition of both). "contiguous"
+**Layouts** (``data.sequence_positions`` is the one definition of both). "contiguous"
 gives rank r the r-th slice: under a causal mask rank 0's queries see one block of keys
 and the last rank's all cp, so every layer waits for the last rank. "zigzag" cuts the
 sequence into 2*cp chunks and gives rank r chunks r and 2*cp-1-r: an early chunk with
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.functional import rank_and_size
-from ..parity import sequence_positions
+from ..data import sequence_positions
 from .mesh import axis_group
 from .ring_attention import (KINDS, LAYOUTS, KVBufferMeter, all_gather_attention, context_parallel_attention,
                              ring_attention)
@@ -102,7 +102,7 @@ def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "
 
     ``plan``: ``{module-name pattern: kind}`` of the attention modules whose core becomes
     context-parallel attention (default ``{"blocks.*.attn": kind}``). Afterwards the model
-    takes this rank's tokens, ``model(idx_local, positions)`` (``parity.split(batch, rank, cp,
+    takes this rank's tokens, ``model(idx_local, positions)`` (``data.split(batch, rank, cp,
     by="sequence", layout=layout)`` gives both); positions left out are filled in, wrong ones
     refused. ``sync_gradients``: average every gradient over the cp group inside backward
     (turn it off when a data-parallel wrapper averages over the joint (dp, cp) group, as

@@ -3,7 +3,7 @@ its benchmark: the same MoE model trained on one process and on expert-parallel 
 
 Both start from the same weights (``moe_model``: seeded, then ``parity.perturbed`` so that
 no bias or norm weight hides at its initial value) and see the same seeded tokens
-(``parity.Batches``): one process the whole global batch of each step, rank r its rows
+(``data.Batches``): one process the whole global batch of each step, rank r its rows
 r*mbs .. (r+1)*mbs - 1, as data parallelism would. The ranks here are all data ranks: a
 plain group, or a mesh of dp and ep only (dp outer, so a rank's data index is its rank).
 """
@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm import CommLogger
+from ..data import Batches
 from ..model import build_model
-from ..parity import Batches, assert_same, first_step, perturbed, run_steps, weights
+from ..parity import assert_same, first_step, perturbed
+from ..train import run_steps, weights
 from .expert_parallel import apply_ep, dispatch_plan, dispatch_volume, exchange_counts, rank_load
 from .mesh import init_mesh
 from .pipeline_runs import merge_ranks

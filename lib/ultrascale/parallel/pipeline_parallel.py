@@ -47,8 +47,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.ring import send_recv
+from ..data import Batch, micro_batches
 from ..model import lm_loss
-from ..parity import Batch, micro_batches
 from ..schedule import Schedule, event_name, make_schedule
 from .mesh import axis_group
 from .timeline import COMMUNICATION

@@ -4,7 +4,7 @@ on the very same stages.
 
     pipe = apply_pp(GPT(config), schedule="1f1b", microbatches=m)        # ours
     torch_pipe = pytorch_pipeline(GPT(config), schedule="1f1b", microbatches=m)   # PyTorch's
-    run_pipeline_steps(pipe, batches, steps=3)       # batches(step, micro), as parity.run_steps
+    run_pipeline_steps(pipe, batches, steps=3)       # batches(step, micro), as train.run_steps
     merge_ranks(cluster.run(lambda ctx: ...weights()))   # the whole model, named as in it
 
 ``pytorch_pipeline`` wraps the same stage modules (``stage_modules``) in ``PipelineStage``s
@@ -19,9 +19,11 @@ import contextlib
 
 import torch
 
+from ..data import Batch
 from ..model import lm_loss
-from ..parity import Batch, assert_same, gradients, make_optimizer, run_steps, weights
+from ..parity import assert_same
 from ..schedule import Action, duration, make_schedule
+from ..train import gradients, make_optimizer, run_steps, weights
 from .mesh import axis_group
 from .pipeline_parallel import Pipeline
 
@@ -30,7 +32,7 @@ __all__ = ["PyTorchPipeline", "TORCH_SCHEDULES", "assert_same_as_one_process", "
 
 
 def run_pipeline_steps(pipe: Pipeline, batches, steps: int, optimizer="sgd", first_step: int = 0) -> list:
-    """``parity.run_steps`` for a pipeline: each step, ``pipe.step`` on the m micro-batches
+    """``train.run_steps`` for a pipeline: each step, ``pipe.step`` on the m micro-batches
     ``batches(step, micro)`` (the same ones ``run_steps(..., grad_acc=m)`` trains one process
     on), then the optimizer. Returns the losses (None on ranks without the last stage)."""
     m = pipe.schedule.microbatches

@@ -20,7 +20,7 @@ FlashAttention's backward does), and passes each block's dK/dV accumulator round
 with it, every rank adding its share, so that it ends, complete, at the rank that owns the
 block. The all-gather variant gathers again and reduce-scatters dK/dV.
 
-The causal mask is computed from the tokens' *global* positions (``parity.sequence_positions``
+The causal mask is computed from the tokens' *global* positions (``data.sequence_positions``
 for the layout), so the contiguous and zig-zag layouts both work; a block, or the rows and
 keys of a block, that the mask hides entirely is skipped. ``parallel.context_parallel``
 applies this to the course model.
@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 from ..comm.functional import all_gather_into, rank_and_size, reduce_scatter_into
 from ..comm.logger import labelled
+from ..data import SEQUENCE_LAYOUTS as LAYOUTS
+from ..data import sequence_positions
 from ..kernels.tiled_attention import merge_partial_attention
-from ..parity import SEQUENCE_LAYOUTS as LAYOUTS
-from ..parity import sequence_positions
 
 __all__ = ["KINDS", "LAYOUTS", "context_parallel_attention", "ring_attention", "all_gather_attention",
            "ContextParallelAttention", "KVBufferMeter"]

@@ -16,7 +16,7 @@ The **vocabulary** is split too: each rank holds the rows of the embedding table
 slice of token ids (other ids look up zeros, and ``f*`` sums the ranks' lookups); the LM head
 is column-parallel over the vocabulary and returns only this rank's slice of the logits, as
 :class:`VocabParallelLogits`. ``F.cross_entropy`` on them (so ``lm_loss``, ``Batch.loss`` and
-``parity.train`` unchanged) is the parallel cross-entropy: the ranks all-reduce the maximum,
+``train.train`` unchanged) is the parallel cross-entropy: the ranks all-reduce the maximum,
 the sum of exponentials and the target's logit, never the full ``(tokens x vocab)`` logits
 (torchtitan's ``loss_parallel`` does the same for DTensor logits). The vocabulary is not
 padded: a ``tp`` that does not divide it is refused. GPT ties ``head.weight`` to

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from ..comm.bandwidth import bus_bandwidth_sweep
 from ..comm.cost_model import fit_ring_all_reduce
+from ..data import Batches
 from ..model import GPT, GPTConfig
-from ..parity import Batches
 from .enumerate import ParallelConfig
 from .hardware import Hardware, hardware_from_measurements
 from .steptime import micro_batch_flops

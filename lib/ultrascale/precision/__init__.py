@@ -8,7 +8,7 @@ tile-wise scaling, and the memory of FP8 recipes (chapter 12).
 * ``fp8_linear``: a linear layer whose Fprop, Dgrad and Wgrad run in FP8, and
   ``apply_fp8(model, recipe=...)`` that swaps a model's linears from outside.
 * ``loss_scaling``: the dynamic loss scaler (GradScaler's rule, written out).
-* ``training``: ``train_losses``, the course loop (``parity.run_steps``) under autocast or
+* ``training``: ``train_losses``, the course loop (``train.run_steps``) under autocast or
   a loss scaler, returning every step's loss.
 * ``recipes``: the bytes per parameter of published FP8 recipes.
 * ``gemm_speed``: FP8 against bf16 GEMMs on a GPU, checked first (bench_fp8 and chapter 12);

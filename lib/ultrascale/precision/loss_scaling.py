@@ -97,7 +97,7 @@ class DynamicLossScaler:
 # --------------------------------------------------------------------------- with the course loop
 @dataclass
 class ScaledOptimizer:
-    """What ``parity.run_steps`` calls as its optimizer: ``scaler.step`` then ``scaler.update``.
+    """What ``train.run_steps`` calls as its optimizer: ``scaler.step`` then ``scaler.update``.
 
     Works with ``DynamicLossScaler`` and ``torch.amp.GradScaler`` alike. ``scales`` records
     the scale each step used, ``skipped`` whether the step overflowed (and was skipped):

@@ -1,4 +1,4 @@
-"""Training in a chosen precision with the course's one loop, ``parity.run_steps``.
+"""Training in a chosen precision with the course's one loop, ``train.run_steps``.
 
 ``train_losses(model, batches, steps, "adam", autocast=torch.bfloat16)`` runs the same
 loop as every other chapter and returns the loss of every step, so that runs in float32,
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..parity import make_optimizer, run_steps
+from ..train import make_optimizer, run_steps
 from .loss_scaling import ScaledOptimizer
 
 
@@ -67,7 +67,7 @@ class _LoggedBatch:
 
 def train_losses(model, batches, steps: int, optimizer="adam", *, autocast=None, scaler=None, first_step: int = 0,
                  **optimizer_options) -> list:
-    """Train with ``parity.run_steps`` and return each step's loss.
+    """Train with ``train.run_steps`` and return each step's loss.
 
     ``autocast``: None (the model's own precision), ``torch.bfloat16`` or ``torch.float16``.
     ``scaler``: a ``DynamicLossScaler`` or ``torch.amp.GradScaler``; the optimizer is then

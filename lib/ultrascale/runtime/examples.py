@@ -18,8 +18,9 @@ def all_reduce_demo(ctx, length: int = 4):
 def one_process_reference(world_size: int, steps: int = 3, seed: int = 0) -> dict:
     """The weights one process ends with after ``steps`` SGD steps on the whole batch of
     ``world_size`` ranks: what data parallelism over ``world_size`` ranks must reproduce."""
+    from ..data import Batches
     from ..model import GPT, GPTConfig
-    from ..parity import Batches, train
+    from ..train import train
 
     config = GPTConfig(**DEMO_GPT)
     torch.manual_seed(seed)
@@ -33,9 +34,11 @@ def data_parallel_demo(ctx, steps: int = 3, seed: int = 0):
     Returns what a launcher can compare across ranks and runs: the world size, the largest
     difference from the one-process weights, and the sum of all weights (equal on every
     rank if the replicas stayed identical)."""
+    from ..data import Batches
     from ..model import GPT, GPTConfig
     from ..parallel.data_parallel import apply_data_parallel
-    from ..parity import Batches, assert_same, max_difference, train
+    from ..parity import assert_same, max_difference
+    from ..train import train
 
     config = GPTConfig(**DEMO_GPT)
     torch.manual_seed(seed)
