@@ -6,7 +6,7 @@ context parallelism's three ideas, one at a time.
   ``kernels.tiled_attention.merge_partial_attention`` (and, for the first case, against
   attention over all keys at once) in float64 on: ordinary scores; scores so large that
   ``exp(lse)`` overflows even float64 (a merge that forms ``exp(lse)`` returns inf or NaN);
-  causal blocks where some rows see no key of one part (lse -inf there, weight 0); and rows
+  causal blocks where some rows see no key of one part, a or b (lse -inf there, weight 0); and rows
   that see no key of either part (lse -inf and output 0, not the NaN of ``-inf - -inf``). The
   inputs must be left unchanged. Typical mistakes are named: outputs added or averaged without
   the weights, the lse taken as the larger of the two.
@@ -106,6 +106,9 @@ def _merge_cases(seed: int) -> dict:
     a = _block_attention(q, k[..., :6, :], v[..., :6, :], pos_q, pos_k[:6], causal=True)
     bb = _block_attention(q, k[..., 6:, :], v[..., 6:, :], pos_q, pos_k[6:], causal=True)
     cases["causal: rows 0-1 see no key of part b"] = (*a, *bb, None)
+    # The same parts swapped: lse_a is -inf where lse_b is not, as in a ring's running state before its
+    # first block (out 0, lse -inf). A merge that handles an empty part b only fails here.
+    cases["causal: rows 0-1 see no key of part a"] = (*bb, *a, None)
     # Rows 0-2 see nothing in either part (a query whose keys are all in its future).
     a = _block_attention(q, k[..., 3:6, :], v[..., 3:6, :], torch.arange(rows), pos_k[3:6], causal=True)
     bb = _block_attention(q, k[..., 6:9, :], v[..., 6:9, :], torch.arange(rows), pos_k[6:9], causal=True)
@@ -137,6 +140,12 @@ def _judge_merge(name, inputs, got, expected, whole) -> str | None:
                     "exp(lse_a - lse), exp(lse_b - lse) are at most 1")
         return (f"{where}: the output has NaN or inf where a part has lse = -inf (rows that see no key of that part). "
                 "Such a part must get weight exp(-inf) = 0")
+    lost = torch.isfinite(want_lse) & ~torch.isfinite(lse.detach())
+    if _close(out, want_out) and bool(lost.any()):
+        empty = "a" if bool(torch.isneginf(lse_a)[lost].any()) else "b"
+        return (f"{where}: lse is {lse.detach()[lost][0].item()} on rows where part {empty} is empty (lse_{empty} = "
+                f"-inf) and the other part is not. An empty part adds nothing: lse must be the other part's lse "
+                "there. torch.logaddexp(lse_a, lse_b) handles -inf on either side")
     if _close(out, want_out) and not _close(lse, want_lse):
         if _close(lse, torch.maximum(lse_a, lse_b)):
             return (f"{where}: lse is the larger of lse_a and lse_b. It is the log of the total softmax mass, "

@@ -8,15 +8,19 @@
 The kernel tests launch the learner's ``@triton.jit`` function themselves, on sizes that are
 not multiples of the block sizes, with inputs and outputs that are windows into larger
 buffers: a missing mask then reads NaN or writes over a sentinel, and the test says which.
-The exercise notebook turns on Triton's interpreter, so these run on a CPU; a kernel compiled
+Where a masked store hides an unmasked load (the vector add), the interpreter's loads are
+watched: an address past the inputs fails. Operands and results of the matmul are row- and
+column-major, so that no stride can be taken as 1. The exercise notebook turns on Triton's interpreter, so these run on a CPU; a kernel compiled
 for a GPU is tested on CUDA tensors instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
+import numpy as np
 import torch
 
 from ultrascale.grading import exercise
@@ -69,6 +73,44 @@ def _outside(buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     return buf[~inside]
 
 
+@contextlib.contextmanager
+def _loads_seen():
+    """Under Triton's interpreter, the addresses of every element the kernels load while open (the
+    lanes their mask lets through); ``None`` elsewhere. A masked store hides an unmasked load in the
+    values, but on a GPU that load reads memory past the tensor: garbage, or an illegal-address crash."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    original = getattr(builder, "create_masked_load", None)
+    if not _interpreted() or original is None:   # a GPU, or another Triton: not checked
+        yield None
+        return
+    addresses = []
+
+    def watched(ptrs, mask, *args, **kwargs):   # create_load (no mask) calls this with a mask of ones
+        data = np.asarray(ptrs.data)
+        addresses.append(data[np.broadcast_to(np.asarray(mask.data, dtype=bool), data.shape)])
+        return original(ptrs, mask, *args, **kwargs)
+
+    builder.create_masked_load = watched
+    try:
+        yield addresses
+    finally:
+        del builder.create_masked_load   # the class's method again
+
+
+def _read_past(addresses, tensors) -> bool:
+    """Whether a load in ``addresses`` fell outside every one of ``tensors`` (contiguous, 1-D)."""
+    if not addresses:
+        return False
+    seen = np.concatenate(addresses).astype(np.int64)
+    inside = np.zeros(seen.shape, dtype=bool)
+    for t in tensors:
+        start = t.data_ptr()
+        inside |= (seen >= start) & (seen < start + t.numel() * t.element_size())
+    return not inside.all()
+
+
 # ---- 11.masked_add ---------------------------------------------------------------------------
 
 ADD_CASES = [(1, 16), (7, 16), (100, 32), (128, 128), (1000, 128), (1025, 256), (4099, 1024)]
@@ -86,8 +128,14 @@ def test_masked_add(masked_add_kernel, quick: bool = True, seed: int = 0):
         _, y_view = _window(y, 0, block, float("nan"))
         out_buf, out = _window(torch.zeros(n, device=x.device), 0, block, SENTINEL)
         grid = (triton.cdiv(n, block),)
-        _launch(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block)
+        with _loads_seen() as loads:
+            _launch(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block)
         where = f"n={n}, BLOCK_SIZE={block} ({grid[0]} program instance{'s' if grid[0] > 1 else ''})"
+        if _read_past(loads, (x_view, y_view)):
+            raise AssertionError(f"{where}: the kernel loaded past element n-1 of x or y. The masked store hides "
+                                 "it here, but on a GPU that load reads memory that is not the tensor's (garbage, "
+                                 "or an illegal-address crash). Mask the loads too: "
+                                 "tl.load(x_ptr + offsets, mask=offsets < n_elements)")
         if not (_outside(out_buf, out) == SENTINEL).all():
             raise AssertionError(f"{where}: the kernel wrote past element n-1. Mask the store: "
                                  "tl.store(out_ptr + offsets, ..., mask=offsets < n_elements)")
@@ -153,13 +201,24 @@ def test_row_softmax(softmax_kernel, quick: bool = True, seed: int = 0):
 
 # ---- 11.matmul_tile --------------------------------------------------------------------------
 
-MATMUL_CASES = [  # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, transposed A)
-    (16, 16, 16, 16, 16, 16, False),
-    (67, 45, 53, 32, 16, 16, False),
-    (33, 17, 70, 16, 16, 32, False),
-    (20, 50, 9, 16, 32, 16, True),
-    (64, 64, 64, 64, 32, 32, True),
+MATMUL_CASES = [  # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, the operands stored column-major)
+    (16, 16, 16, 16, 16, 16, ""),
+    (67, 45, 53, 32, 16, 16, ""),
+    (33, 17, 70, 16, 16, 32, ""),
+    (20, 50, 9, 16, 32, 16, "A"),
+    (64, 64, 64, 64, 32, 32, "A"),
+    (37, 29, 40, 16, 16, 16, "BC"),  # stride_bn and stride_cn are not 1: a kernel that assumes 1 fails
 ]
+
+
+def _operand(values, pad_rows: int, pad_cols: int, column_major: bool, fill: float) -> tuple:
+    """``_window`` of ``values``, stored transposed when ``column_major`` (then ``stride(0) == 1``):
+    the buffer, the window as stored, and the matrix view the kernel gets."""
+    if not column_major:
+        buf, view = _window(values, pad_rows, pad_cols, fill)
+        return buf, view, view
+    buf, stored = _window(values.t().contiguous(), pad_cols, pad_rows, fill)
+    return buf, stored, stored.t()
 
 
 @exercise("11.matmul_tile", points=1)
@@ -169,30 +228,31 @@ def test_matmul_tile(matmul_tile_kernel, quick: bool = True, seed: int = 0):
 
     # The interpreter's tl.dot is an exact fp32 product; on a GPU tl.dot on fp32 uses TF32.
     tol = dict(rtol=1e-5, atol=1e-4) if _device().type == "cpu" else dict(rtol=2e-2, atol=2e-2)
-    for case, (M, N, K, bm, bn, bk, transposed) in enumerate(MATMUL_CASES):
+    for case, (M, N, K, bm, bn, bk, column_major) in enumerate(MATMUL_CASES):
         a, b = _randn(M, K, seed=seed + 20 + case), _randn(K, N, seed=seed + 40 + case)
         # Operands are windows into NaN-filled buffers: a load that strays past M, N or K picks up
-        # NaN, and NaN * 0 is still NaN, so every mask has to be right.
-        if transposed:  # A stored column-major: stride_am = 1, stride_ak = M + 3
-            _, a_t = _window(a.t().contiguous(), 2, 3, float("nan"))
-            a_view = a_t.t()
-        else:
-            _, a_view = _window(a, 2, 3, float("nan"))
-        _, b_view = _window(b, 4, 1, float("nan"))
-        c_buf, c = _window(torch.zeros(M, N, device=a.device), 2, 2, SENTINEL)
+        # NaN, and NaN * 0 is still NaN, so every mask has to be right. A column-major A has
+        # stride_am = 1 and stride_ak = M + 3; likewise B and C.
+        _, _, a_view = _operand(a, 2, 3, "A" in column_major, float("nan"))
+        _, _, b_view = _operand(b, 4, 1, "B" in column_major, float("nan"))
+        c_buf, c_stored, c = _operand(torch.zeros(M, N, device=a.device), 2, 2, "C" in column_major, SENTINEL)
         grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
         _launch(matmul_tile_kernel, grid, a_view, b_view, c, M, N, K,
                 a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.stride(0), c.stride(1),
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         where = (f"({M} x {K}) @ ({K} x {N}), tiles {bm} x {bn} x {bk}, grid {grid}"
-                 + (", A column-major" if transposed else ""))
-        if not (_outside(c_buf, c) == SENTINEL).all():
-            raise AssertionError(f"{where}: the kernel wrote outside C. Mask the store with "
-                                 "(rows < M) & (cols < N).")
+                 + (f", {' and '.join(column_major)} column-major (strides {a_view.stride()}, {b_view.stride()}, "
+                    f"{c.stride()})" if column_major else ""))
+        if not (_outside(c_buf, c_stored) == SENTINEL).all():
+            raise AssertionError(f"{where}: the kernel wrote outside C. Mask the store with (rows < M) & (cols < N)"
+                                 + (", and address C with both strides passed in: stride_cn is not 1 when C is "
+                                    "column-major" if "C" in column_major else "") + ".")
         expected = a @ b
         if torch.isnan(c).any():
             raise AssertionError(f"{where}: C has NaN: some loads read past the edge of A or B. Mask the A "
-                                 "tile with rows < M and k < K, the B tile with k < K and cols < N, with other=0.")
+                                 "tile with rows < M and k < K, the B tile with k < K and cols < N, with other=0."
+                                 + (" Use the strides passed in for every operand: with a column-major operand its "
+                                    "column stride is not 1" if column_major else ""))
         if not torch.allclose(c, expected, **tol):
             err = (c - expected).abs().max().item()
             hint = ""
@@ -201,7 +261,7 @@ def test_matmul_tile(matmul_tile_kernel, quick: bool = True, seed: int = 0):
                 hint = " Tile (0, 0) is right: use the program ids (axis 0 for rows, axis 1 for columns)."
             elif K > bk and torch.allclose(c, a[:, :bk] @ b[:bk], **tol):
                 hint = " Only the first BLOCK_K of K was used: loop over K, advancing the pointers by BLOCK_K."
-            elif transposed or b_view.stride(0) != N:
+            elif column_major or b_view.stride(0) != N:
                 hint = " Use the strides passed in, not the matrix sizes, to address rows and columns."
             raise AssertionError(f"{where}: largest difference from A @ B {err:.3g}.{hint}")
 
