@@ -14,10 +14,10 @@ simulator here and the real ranks in ``ultrascale.parallel.pipeline_parallel``::
     sim.peak_activations                # [4, 3, 2, 1]: at most p in flight
     draw(sim)                           # the book's picture, micro-batch ids in the boxes
 
-Modules: ``actions`` (Action, Schedule, the placement of stages on ranks), ``generators``
-(naive, AFAB, 1F1B, interleaved, ZB-H1, DualPipeV), ``simulate`` (the discrete-event
-simulator, the bubble fraction, deadlock detection), ``draw``, ``widget`` (the simulator
-behind menus and sliders). Nothing here imports torch.
+Modules: ``ops`` (Action, the ops, ScheduleError), ``actions`` (Schedule, the placement of
+stages on ranks), ``generators`` (naive, AFAB, 1F1B, interleaved, ZB-H1, DualPipeV),
+``simulate`` (the discrete-event simulator, the bubble fraction, deadlock detection),
+``draw``, ``widget`` (the simulator behind menus and sliders). Nothing here imports torch.
 """
 
 from .actions import COMM_OPS, COMPUTE_OPS, Action, Schedule, ScheduleError, parse, rank_of_stage

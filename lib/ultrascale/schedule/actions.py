@@ -25,28 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
 
-COMPUTE_OPS = ("F", "B", "W")
-COMM_OPS = ("recv_F", "send_F", "recv_B", "send_B")
+from .ops import COMM_OPS, COMPUTE_OPS, Action, ScheduleError
+from .simulate import simulate
+
 PLACEMENTS = ("loop", "v")
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: an action missing, repeated, misplaced or out of order."""
-
-
-class Action(NamedTuple):
-    """One step of a rank's list: ``op`` on micro-batch ``microbatch`` of stage ``stage``."""
-
-    op: str
-    microbatch: int
-    stage: int = 0
-
-    def __str__(self) -> str:   # F3s1: forward of micro-batch 3 through stage 1
-        return f"{self.op}{self.microbatch}s{self.stage}"
-
-    __repr__ = __str__
 
 
 def parse(text: str, stage: int = 0) -> list[Action]:
@@ -90,8 +73,7 @@ class Schedule:
         object.__setattr__(self, "compute", tuple(tuple(Action(*a) for a in acts) for acts in self.compute))
         _check_sizes(self)
         _check_complete(self)
-        from .simulate import simulate   # the simulator proves that the lists cannot deadlock
-        simulate(self)
+        simulate(self)   # the simulator proves that the lists cannot deadlock
 
     # ------------------------------------------------------------------ layout
     @property

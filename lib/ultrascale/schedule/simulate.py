@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .actions import Action, ScheduleError
+from .ops import Action, ScheduleError
 
 NAMES = {"F": "forward", "B": "backward", "W": "weight"}   # Timeline event names, by op
 
