@@ -272,9 +272,10 @@ def test_cell_magic_runs_on_all_ranks_and_subsets(cluster, capsys):
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
+    from ultrascale.runtime import current_cluster
     from ultrascale.runtime.magic import register
 
-    register(shell)
+    register(shell, current_cluster)
     shell.user_ns["cl"] = cluster
     shell.run_cell_magic("ranks", "-c cl", "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nt.item()")
     out = capsys.readouterr().out

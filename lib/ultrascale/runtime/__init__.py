@@ -31,4 +31,4 @@ def load_ipython_extension(ipython):
     """``%load_ext ultrascale.runtime`` registers the ``%%ranks`` magic."""
     from .magic import register
 
-    register(ipython)
+    register(ipython, current_cluster)

@@ -324,4 +324,4 @@ def _register_magic_if_in_ipython() -> None:
     if ip is not None:
         from .magic import register
 
-        register(ip)
+        register(ip, current_cluster)

@@ -36,8 +36,13 @@ def _parse_ranks(text: str):
     return [int(r) for r in text.split(",") if r.strip()]
 
 
-def register(ipython) -> None:
-    """Register the magic with an IPython shell (idempotent)."""
+def register(ipython, current_cluster) -> None:
+    """Register the magic with an IPython shell (idempotent).
+
+    ``current_cluster()`` gives the Cluster a cell runs on without ``-c`` (the latest one:
+    ``cluster.current_cluster``). It is passed in because ``cluster`` imports this module to
+    register the magic when a Cluster starts; importing ``cluster`` here would close a circle.
+    """
     from IPython.core.magic import register_cell_magic  # noqa: F401  (IPython is present)
     from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
@@ -47,8 +52,6 @@ def register(ipython) -> None:
     @argument("-c", "--cluster", default=None, help="name of a Cluster variable (default: the latest)")
     def ranks(line, cell):
         """Run this cell on the ranks of a Cluster."""
-        from .cluster import current_cluster
-
         args = parse_argstring(ranks, line)
         cluster = ipython.user_ns[args.cluster] if args.cluster else current_cluster()
         chosen = _parse_ranks(args.ranks) if args.ranks else None
