@@ -1,0 +1,156 @@
+"""The library's shape, read from its source: which module may import which.
+
+The graph is built with ``ast`` from every ``import`` and ``from ... import`` in
+lib/ultrascale, at module level and inside functions alike (a function-level import is
+still a dependency; it only runs later), relative imports resolved. An edge is recorded
+to the module an import names, and to ``package.name`` when ``from package import name``
+takes a submodule; the parent packages Python also initialises on the way are not edges.
+
+The rules are DESIGN.md's conventions for the library:
+* no two modules import each other, directly or round a longer circle;
+* techniques import ``data`` and ``train``, never the checks in ``parity``;
+* the pure packages (the schedule simulator, the collectives and cost models, the planner,
+  the model, the data and the training loop) import neither the notebook side (``runtime``)
+  nor the drawings (``viz``);
+* the planner is arithmetic: only ``plan.calibrate``, which measures real runs, uses ``parallel``.
+Each rule lists its exceptions by name; an exception that is no longer needed fails too,
+so the lists only shrink.
+"""
+import ast
+from pathlib import Path
+
+LIB = Path(__file__).resolve().parent.parent / "lib" / "ultrascale"
+
+
+def module_name(path: Path) -> str:
+    """``lib/ultrascale/parallel/mesh.py`` -> ``ultrascale.parallel.mesh``; a package's
+    ``__init__.py`` is the package itself."""
+    parts = ("ultrascale",) + path.relative_to(LIB).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(LIB.rglob("*.py"))}
+
+
+def named_modules(importer: str, path: Path, node) -> list[str]:
+    """The dotted names an import statement may refer to, relative ones made absolute."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+    base = node.module or ""
+    if node.level:   # from .x (level 1: this package), from ..x (its parent), ...
+        anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """Every library module that ``name`` imports, anywhere in its source."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update(m for m in named_modules(name, path, node) if m in MODULES and m != name)
+    return found
+
+
+GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
+
+
+def find_circle(graph: dict) -> list | None:
+    """One import circle as ``[a, b, ..., a]``, or None: a depth-first search that meets a
+    module still on its own path has come round."""
+    done, path = set(), []
+
+    def visit(node):
+        path.append(node)
+        for child in sorted(graph.get(node, ())):
+            if child in path:
+                return path[path.index(child):] + [child]
+            if child not in done:
+                circle = visit(child)
+                if circle:
+                    return circle
+        done.add(path.pop())
+        return None
+
+    for start in sorted(graph):
+        if start not in done:
+            circle = visit(start)
+            if circle:
+                return circle
+    return None
+
+
+def inside(module: str, *prefixes: str) -> bool:
+    """``module`` is one of ``ultrascale.<prefix>`` or lies in that package."""
+    return any(module == f"ultrascale.{p}" or module.startswith(f"ultrascale.{p}.") for p in prefixes)
+
+
+def violations(importers: tuple, forbidden: tuple) -> set[tuple[str, str]]:
+    """Every (importer, imported) edge from the ``importers`` packages into the ``forbidden`` ones."""
+    return {(name, target) for name, targets in GRAPH.items() if inside(name, *importers)
+            for target in targets if inside(target, *forbidden)}
+
+
+def assert_only_the_exceptions(found: set, exceptions: set, rule: str) -> None:
+    """``found`` breaks ``rule`` only where ``exceptions`` say so, and every exception is still needed."""
+    assert found - exceptions == set(), f"{rule}; broken by {sorted(found - exceptions)}"
+    assert exceptions - found == set(), f"no longer needed, remove from the exceptions: {sorted(exceptions - found)}"
+
+
+# --------------------------------------------------------------------------- the rules
+TECHNIQUES = ("parallel", "comm", "precision", "schedule", "moe", "model", "kernels", "plan", "data", "train")
+# Modules under parallel/ that are checking code, not techniques: they compare a run with
+# one process (assert_same), so they may use the checks.
+CHECKING = {
+    ("ultrascale.parallel.pipeline_runs", "ultrascale.parity"),   # the pipeline's parity runs
+    ("ultrascale.parallel.expert_runs", "ultrascale.parity"),     # expert parallelism's parity runs
+    # TODO(issue 39): compose's assert_composition_matches is a check; it belongs beside the
+    # other parity runs, which needs chapter 09 and tests/test_compose.py to import it from there.
+    ("ultrascale.parallel.compose", "ultrascale.parity"),
+}
+
+PURE = ("schedule", "comm", "plan", "model", "moe", "data", "train")
+NOTEBOOK_SIDE = ("runtime", "viz")
+PURE_EXCEPTIONS = {
+    # TODO(issue 39): schedule_widget belongs in viz/; chapter 07 imports it from ultrascale.schedule.
+    ("ultrascale.schedule.widget", "ultrascale.viz.live"),
+}
+
+PLANNER_RUNS = {("ultrascale.plan.calibrate", "ultrascale.parallel")}   # measures the techniques for real
+
+
+# --------------------------------------------------------------------------- tests
+def test_the_graph_sees_module_level_and_function_level_imports():
+    # Without these the rules below could pass on a graph that misses imports.
+    assert len(GRAPH) > 100
+    assert "ultrascale.data" in GRAPH["ultrascale.parallel.pipeline_parallel"]     # from ..data import
+    assert "ultrascale.schedule.simulate" in GRAPH["ultrascale.schedule.actions"]  # from .simulate import
+    assert "ultrascale.parallel" in GRAPH["ultrascale.plan.calibrate"]              # inside a function
+    assert "ultrascale.runtime.magic" in GRAPH["ultrascale.runtime.cluster"]        # inside a function
+    assert "ultrascale.comm.functional" in GRAPH["ultrascale.comm"]                 # from .functional import
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_import_circle():
+    circle = find_circle(GRAPH)
+    assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_techniques_do_not_import_the_checks():
+    assert_only_the_exceptions(violations(TECHNIQUES, ("parity",)), CHECKING,
+                               "techniques import data and train, never parity")
+
+
+def test_pure_packages_import_neither_runtime_nor_viz():
+    assert_only_the_exceptions(violations(PURE, NOTEBOOK_SIDE), PURE_EXCEPTIONS,
+                               "the pure packages import neither runtime nor viz")
+
+
+def test_the_planner_uses_the_techniques_only_to_calibrate():
+    assert_only_the_exceptions(violations(("plan",), ("parallel", "runtime")), PLANNER_RUNS,
+                               "the planner is arithmetic: it never runs the techniques")
