@@ -90,3 +90,21 @@ def graded_course(request, tmp_path_factory) -> dict:
     # waiting on each other, so the two graders (two notebooks each) share 2 cores well
     waiting = {folder: _start_grading(folder, names, out) for folder in GRADED_FOLDERS}
     return {folder: result() for folder, result in waiting.items()}
+
+
+# --------------------------------------------------------------------------- solutions
+def _solution_fixture(stem: str):
+    @pytest.fixture(scope="module")
+    def solution() -> dict:
+        """The imports, functions and classes of solutions/<stem>_exercises.ipynb (test_grader_holes._load)."""
+        from test_grader_holes import _load
+        return _load(f"{stem}_exercises.ipynb")
+    return solution
+
+
+# One fixture per chapter, named as the grader tests take them: ``ch04`` is chapter 04's
+# solution notebook, ``a1`` appendix A1's (each test module loads its own copy).
+for _notebook in sorted((REPO / "solutions").glob("*_exercises.ipynb")):
+    _stem = _notebook.name.removesuffix("_exercises.ipynb")
+    _prefix = _stem.split("_")[0]
+    globals()["ch" + _prefix if _prefix[0].isdigit() else _prefix] = _solution_fixture(_stem)

@@ -34,31 +34,6 @@ def _load(notebook: str) -> dict:
     return namespace
 
 
-@pytest.fixture(scope="module")
-def ch00():
-    return _load("00_orientation_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch01():
-    return _load("01_one_gpu_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch02():
-    return _load("02_data_parallelism_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch03():
-    return _load("03_zero_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def a0():
-    return _load("a0_collectives_exercises.ipynb")
-
-
 def _fails(result, *phrases):
     assert result.status == FAIL, result
     for phrase in phrases:
@@ -367,16 +342,6 @@ def test_calling_the_library_implementation_is_refused(ch01, ch02):
 
 # ---- 04 and 05: tensor and sequence parallelism -------------------------------------------
 
-@pytest.fixture(scope="module")
-def ch04():
-    return _load("04_tensor_parallelism_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch05():
-    return _load("05_sequence_parallelism_exercises.ipynb")
-
-
 def test_tp_conjugate_pair_refuses_collectives_in_the_wrong_direction(ch04):
     Copy, Reduce = ch04["Copy"], ch04["Reduce"]
 
@@ -683,11 +648,6 @@ def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
 
 
 # ---- 12: mixed precision ---------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def ch12():
-    return _load("12_mixed_precision_exercises.ipynb")
-
 
 def _fields(x, exponent_bits, mantissa_bits, mask=True):
     bits = 1 + exponent_bits + mantissa_bits

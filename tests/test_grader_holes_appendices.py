@@ -12,21 +12,6 @@ from test_grader_holes import _fails, _load
 from ultrascale.grading import PASS, check
 
 
-@pytest.fixture(scope="module")
-def a1():
-    return _load("a1_profiling_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def a2():
-    return _load("a2_typical_scales_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def a3():
-    return _load("a3_overlap_math_exercises.ipynb")
-
-
 # ---- a1.timed_median -------------------------------------------------------------------
 
 def test_timed_median_refuses_the_classic_benchmark_mistakes(a1):

@@ -11,11 +11,6 @@ from test_grader_holes import _fails, _load
 from ultrascale.grading import PASS, check
 
 
-@pytest.fixture(scope="module")
-def ch06():
-    return _load("06_context_parallelism_exercises.ipynb")
-
-
 # ---- 06.merge_partial_attention ---------------------------------------------------------
 
 def test_merge_refuses_missing_weights_overflow_and_nan(ch06):

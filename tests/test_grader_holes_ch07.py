@@ -11,11 +11,6 @@ from test_grader_holes import _fails, _load
 from ultrascale.grading import PASS, check
 
 
-@pytest.fixture(scope="module")
-def ch07():
-    return _load("07_pipeline_parallelism_exercises.ipynb")
-
-
 # ---- 07.one_f_one_b ---------------------------------------------------------------------
 
 def test_one_f_one_b_refuses_afab_wrong_warmups_and_the_library(ch07):

@@ -11,11 +11,6 @@ from test_grader_holes import _fails, _load
 from ultrascale.grading import PASS, check
 
 
-@pytest.fixture(scope="module")
-def ch08():
-    return _load("08_expert_parallelism_exercises.ipynb")
-
-
 # ---- 08.router -----------------------------------------------------------------------------
 
 def test_router_refuses_missing_or_wrong_renormalisation(ch08):

@@ -11,11 +11,6 @@ from test_grader_holes import _fails, _load
 from ultrascale.grading import PASS, check
 
 
-@pytest.fixture(scope="module")
-def ch09():
-    return _load("09_5d_parallelism_exercises.ipynb")
-
-
 def test_the_solutions_pass(ch09):
     for exercise, answer in (("09.group_ranks", ch09["group_ranks"]), ("09.pp_activations", ch09["pp_activations"]),
                              ("09.rank_parameters", ch09["rank_parameters"]), ("09.quiz", ch09["quiz_answers"])):

@@ -10,11 +10,6 @@ from ultrascale.grading import PASS, check
 from ultrascale.memory import breakdown
 
 
-@pytest.fixture(scope="module")
-def ch10():
-    return _load("10_best_configuration_exercises.ipynb")
-
-
 def test_solutions_pass(ch10):
     assert check("10.enumerate", ch10["layouts"], quick=True).status == PASS
     assert check("10.memory_filter", ch10["fitting"], quick=True).status == PASS

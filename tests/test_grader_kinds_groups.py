@@ -21,21 +21,6 @@ torch.set_num_threads(1)
 GROUPS = "Did you pass group="   # what every failure from an error or a hang on a split says
 
 
-@pytest.fixture(scope="module")
-def ch02():
-    return _load("02_data_parallelism_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch06():
-    return _load("06_context_parallelism_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch08():
-    return _load("08_expert_parallelism_exercises.ipynb")
-
-
 # ---- 02: data parallelism over a group ------------------------------------------------------
 
 def test_overlapped_dp_hooks_average_over_the_group_given(ch02):

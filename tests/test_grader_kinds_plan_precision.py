@@ -19,31 +19,6 @@ from ultrascale.grading import PASS, check
 from ultrascale.memory import breakdown
 
 
-@pytest.fixture(scope="module")
-def ch03():
-    return _load("03_zero_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch09():
-    return _load("09_5d_parallelism_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch10():
-    return _load("10_best_configuration_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch12():
-    return _load("12_mixed_precision_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def a1():
-    return _load("a1_profiling_exercises.ipynb")
-
-
 def test_the_solutions_pass(ch03, ch09, ch10, ch12, a1):
     for exercise, answer in (("03.flatten_padded", ch03["flatten_padded"]), ("09.group_ranks", ch09["group_ranks"]),
                              ("09.pp_activations", ch09["pp_activations"]), ("10.memory_filter", ch10["fitting"]),

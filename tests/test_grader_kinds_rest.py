@@ -24,11 +24,6 @@ from ultrascale.grading import PASS, check
 
 
 @pytest.fixture(scope="module")
-def ch06():
-    return _load("06_context_parallelism_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
 def ch11(tmp_path_factory):
     """The solution's kernels, from a file: Triton reads a kernel's source, which exec'd text lacks."""
     import ast

@@ -23,21 +23,6 @@ IN_PLACE = "changed the gradient it was given in place"
 NO_GROUP = "not over the 2 ranks of the tp group: pass group=group"
 
 
-@pytest.fixture(scope="module")
-def ch04():
-    return _load("04_tensor_parallelism_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch05():
-    return _load("05_sequence_parallelism_exercises.ipynb")
-
-
-@pytest.fixture(scope="module")
-def ch07():
-    return _load("07_pipeline_parallelism_exercises.ipynb")
-
-
 # ---- 04.conjugate_pair --------------------------------------------------------------------
 
 def test_conjugate_pair_refuses_in_place_gradients_and_a_missing_group(ch04):
