@@ -29,6 +29,8 @@ import inspect
 
 import torch.distributed as dist
 
+from ..grading.guards import swapped_dist_functions
+
 HINT = ("Pass group=group to every collective, send and receive; take the size and the rank from the group "
         "(dist.get_world_size(group), dist.get_rank(group)), not from the world; a rank within the group goes to "
         "group_dst= / group_src= / group_peer=, while dst= / src= take a global rank")
@@ -115,8 +117,6 @@ class WrongGroup(Exception):
 def only_group(group, what: str):
     """While open, a collective (``COLLECTIVES``) over another group than ``group``, the default
     group included (no ``group=``), raises :class:`WrongGroup` before it starts."""
-    from torch.distributed import distributed_c10d as c10d
-
     want = dist.get_process_group_ranks(group)
 
     def guard(name, original):
@@ -133,16 +133,5 @@ def only_group(group, what: str):
             return original(*args, **kwargs)
         return guarded
 
-    saved = []
-    try:
-        for name in COLLECTIVES:
-            original = getattr(dist, name)
-            guarded = guard(name, original)
-            for module in (dist, c10d):
-                if getattr(module, name, None) is original:
-                    saved.append((module, name, original))
-                    setattr(module, name, guarded)
+    with swapped_dist_functions(COLLECTIVES, guard):
         yield
-    finally:
-        for module, name, original in reversed(saved):
-            setattr(module, name, original)

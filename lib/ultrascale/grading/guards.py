@@ -172,17 +172,21 @@ def forbid_collectives(who: str, advice: str, error: type = ForbiddenCall):
 
 
 @contextlib.contextmanager
-def _swapped_dist_functions(refusal: Callable):
+def swapped_dist_functions(names, stand_in_for: Callable):
+    """While open, each ``torch.distributed`` function of ``names`` is replaced by
+    ``stand_in_for(name, original)``, in ``torch.distributed`` and in its defining module (so
+    ``from torch.distributed import all_reduce`` run after the swap gets the stand-in too).
+    Names this torch lacks are skipped."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     saved = []
     try:
-        for name in DIST_COLLECTIVES:
+        for name in names:
             original = getattr(dist, name, None)
             if original is None:  # not in this torch version
                 continue
-            stand_in = _refusing_function(f"dist.{name}", original, refusal)
+            stand_in = stand_in_for(name, original)
             for module in (dist, c10d):
                 if getattr(module, name, None) is original:
                     saved.append((module, name, original))
@@ -191,6 +195,11 @@ def _swapped_dist_functions(refusal: Callable):
     finally:
         for module, name, original in reversed(saved):
             setattr(module, name, original)
+
+
+def _swapped_dist_functions(refusal: Callable):
+    return swapped_dist_functions(
+        DIST_COLLECTIVES, lambda name, original: _refusing_function(f"dist.{name}", original, refusal))
 
 
 def _refusing_function(name: str, original: Callable, refusal: Callable) -> Callable:
