@@ -33,14 +33,14 @@ test-compat:    ## the library's tests and every chapter (papermill, QUICK) unde
 notebooks: $(STAMP)  ## re-execute the chapters and save their outputs (the nbval reference)
 	$(PY) launch/build_notebooks.py
 
-batch: $(STAMP)  ## run every chapter headless with papermill into out/ (WORLD_SIZE=..., QUICK=...)
-	$(PY) launch/batch.py --world-size $(WORLD_SIZE) chapters
+batch: $(STAMP)  ## run chapters headless with papermill into out/: make batch CHAPTERS="06 12" (default all), WORLD_SIZE=...
+	$(PY) launch/batch.py --world-size $(WORLD_SIZE) $(or $(CHAPTERS),chapters)
 
 exercises: $(STAMP)  ## regenerate exercises/ from solutions/ (never overwrites your edits)
 	$(PY) -m ultrascale.grading.generate
 
-grade: $(STAMP)  ## grade exercise notebooks: make grade NB=exercises JOBS=2
-	$(PY) -m ultrascale.grading.cli $(or $(NB),exercises) --jobs $(or $(JOBS),1)
+grade: $(STAMP)  ## grade exercise notebooks: make grade NB=exercises JOBS=2 JSON=scores.json
+	$(PY) -m ultrascale.grading.cli $(or $(NB),exercises) --jobs $(or $(JOBS),1) $(if $(JSON),--json $(JSON))
 
 bench: $(STAMP)  ## side-by-side benchmarks, printing ratios (GPU ones say so and skip without a GPU)
 	$(PY) benchmarks/bench_runtime.py

@@ -2,6 +2,10 @@
 
     python launch/batch.py chapters                      # every chapter, defaults
     python launch/batch.py --world-size 8 --full chapters/02_data_parallelism.ipynb
+    python launch/batch.py 06 12 a1                      # chapters by name or number
+
+A chapter is named as in chapters/: 06_context_parallelism, with or without .ipynb, or
+just its number (06, a1). Paths (a notebook, a folder of them) work too.
 
 Executed copies go to out/ (the originals are not touched); a table of status and
 duration is printed and written to out/batch.json. Exit code 1 if any failed.
@@ -14,11 +18,42 @@ import sys
 import time
 
 import papermill
+from nbclient.exceptions import DeadKernelError
+from ultrascale.headless import kernel_options
 
 
-def notebooks(paths):
-    for p in map(pathlib.Path, paths):
-        yield from sorted(p.glob("*.ipynb")) if p.is_dir() else [p]
+CHAPTERS = pathlib.Path(__file__).resolve().parent.parent / "chapters"
+
+
+class UnknownChapter(ValueError):
+    pass
+
+
+def chapter(name: str) -> pathlib.Path:
+    """chapters/NAME.ipynb for a chapter's name (06_context_parallelism, with or without
+    .ipynb) or number (06, a1)."""
+    stem = name.removesuffix(".ipynb")
+    for nb in sorted(CHAPTERS.glob("*.ipynb")):
+        if stem in (nb.stem, nb.stem.partition("_")[0]):
+            return nb
+    listing = ", ".join(nb.stem for nb in sorted(CHAPTERS.glob("*.ipynb")))
+    raise UnknownChapter(f"no notebook or chapter named {name!r}; the chapters are: {listing}")
+
+
+def notebooks(paths) -> list[pathlib.Path]:
+    """The notebooks that paths name: a path (a notebook or a folder of them) if it exists,
+    else a chapter's name or number. Raises UnknownChapter for anything else."""
+    found = []
+    for name in paths:
+        p = pathlib.Path(name)
+        if p.is_dir():
+            inside = sorted(p.glob("*.ipynb"))
+            if not inside:
+                raise UnknownChapter(f"no notebooks in the folder {name}")
+            found += inside
+        else:
+            found.append(p if p.is_file() else chapter(name))
+    return found
 
 
 def record(params, rows) -> pathlib.Path:
@@ -35,7 +70,7 @@ def record(params, rows) -> pathlib.Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+")
+    parser.add_argument("paths", nargs="+", metavar="CHAPTER_OR_PATH")
     parser.add_argument("--world-size", type=int, default=None, help="WORLD_SIZE parameter")
     parser.add_argument("--full", action="store_true", help="QUICK=False: full sizes")
     parser.add_argument("--seed", type=int, default=None)
@@ -43,6 +78,10 @@ def main(argv=None) -> int:
     parser.add_argument("--record", action="store_true",
                         help="on a CUDA GPU, also keep the table in results/batch_<device>.json (see results/README.md)")
     args = parser.parse_args(argv)
+    try:
+        chosen = notebooks(args.paths)
+    except UnknownChapter as exc:
+        parser.error(str(exc))  # exit code 2, with the usage line
     params = {"QUICK": not args.full}
     if args.world_size is not None:
         params["WORLD_SIZE"] = args.world_size
@@ -51,14 +90,17 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for nb in notebooks(args.paths):
+    for nb in chosen:
         start = time.monotonic()
         try:
             papermill.execute_notebook(str(nb), str(out / nb.name), parameters=params,
-                                       cwd=str(nb.parent), kernel_name="python3", progress_bar=False)
+                                       cwd=str(nb.parent), kernel_name="python3", progress_bar=False,
+                                       **kernel_options())
             status = "ok"
         except papermill.PapermillExecutionError as exc:
             status = f"failed: {exc.ename}: {exc.evalue}"[:200]
+        except DeadKernelError as exc:  # the next chapter still runs, in a kernel of its own
+            status = f"failed: the kernel died: {exc}"[:200]
         rows.append({"notebook": str(nb), "status": status, "seconds": round(time.monotonic() - start, 1)})
         print(f"{nb.name:45s} {rows[-1]['seconds']:7.1f} s  {status}", flush=True)
     (out / "batch.json").write_text(json.dumps({"parameters": params, "runs": rows}, indent=1))

@@ -17,6 +17,7 @@ import time
 import jupytext
 import nbformat
 import papermill
+from ultrascale.headless import kernel_options
 
 CHAPTERS = pathlib.Path(__file__).resolve().parent.parent / "chapters"
 
@@ -28,7 +29,7 @@ def build(source: pathlib.Path) -> pathlib.Path:
     notebook.metadata.pop("jupytext", None)
     nbformat.write(notebook, target)
     papermill.execute_notebook(str(target), str(target), cwd=str(CHAPTERS), kernel_name="python3",
-                               progress_bar=False)
+                               progress_bar=False, **kernel_options())
     clean(target)
     return target
 

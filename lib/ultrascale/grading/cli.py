@@ -184,6 +184,8 @@ def _execute(nb_path: Path, grade_file: Path, output: Path, timeout: float, para
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
+    from ..headless import kernel_options
+
     # The kernel inherits our environment; that is how check() finds the file.
     old = {name: os.environ.get(name) for name in (GRADE_FILE_ENV, DEFER_ENV)}
     os.environ[GRADE_FILE_ENV] = str(grade_file)
@@ -205,6 +207,7 @@ def _execute(nb_path: Path, grade_file: Path, output: Path, timeout: float, para
             # cell that passes the timeout instead of abandoning the notebook.
             allow_errors=True,
             interrupt_on_timeout=True,
+            **kernel_options(),  # the kernel's log without its two harmless messages (ultrascale.headless)
         )
         report.cell_errors = _count_error_cells(executed)
     except PapermillExecutionError:
