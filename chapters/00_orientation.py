@@ -17,7 +17,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # number of ranks (processes); any value of 2 or more works here
-QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU cores
+QUICK = True  # True: a 30-step demo, about a minute on 2 CPU cores; False: 200 steps (longer)
 SEED = 0
 
 # %%
@@ -281,19 +281,27 @@ assert cluster.run(lambda ctx: "still here") == ["still here"] * WORLD_SIZE
 # For example, activation recomputation buys memory with extra compute, and tensor parallelism
 # buys memory with communication.
 #
+# The chapters, in reading order (each links to its notebook):
+#
 # | chapter | topic | main pressure |
 # |---|---|---|
-# | a0 | collectives: broadcast to reduce-scatter, a ring all-reduce from scratch | communication |
-# | 01 | one GPU: memory anatomy, recomputation, gradient accumulation, profiling | memory |
-# | 02 | data parallelism: overlap, bucketing, accumulation without sync | compute / communication |
-# | 03 | ZeRO-1/2/3 (FSDP) | memory |
-# | 04-06 | tensor, sequence and context parallelism | memory / communication |
-# | 07 | pipeline parallelism and its schedules | memory / compute |
-# | 08 | expert parallelism (mixture of experts) | memory / compute |
-# | 09-10 | combining them (5D), and finding the best configuration | all three |
-# | 11 | inside the GPU: Triton kernels to FlashAttention | compute |
-# | 12 | mixed precision: BF16 and FP8 | memory / compute |
-# | a1-a3 | profiling, typical scales, the overlap arithmetic | all three |
+# | [00](00_orientation.ipynb) | this notebook: the machine, a first cluster, `%%ranks`, this map | - |
+# | [a0](a0_collectives.ipynb) | collectives: broadcast to reduce-scatter, a ring all-reduce from scratch | communication |
+# | [01](01_one_gpu.ipynb) | one GPU: memory anatomy, recomputation, gradient accumulation, profiling | memory |
+# | [02](02_data_parallelism.ipynb) | data parallelism: overlap, bucketing, accumulation without sync | compute / communication |
+# | [03](03_zero.ipynb) | ZeRO-1/2/3 (FSDP) | memory |
+# | [04](04_tensor_parallelism.ipynb) | tensor parallelism: split the matrices | memory / communication |
+# | [05](05_sequence_parallelism.ipynb) | sequence parallelism: split what TP leaves whole | memory / communication |
+# | [06](06_context_parallelism.ipynb) | context parallelism: ring attention and the zig-zag layout | memory / communication |
+# | [07](07_pipeline_parallelism.ipynb) | pipeline parallelism and its schedules | memory / compute |
+# | [08](08_expert_parallelism.ipynb) | expert parallelism (mixture of experts) | memory / compute |
+# | [09](09_5d_parallelism.ipynb) | 5D parallelism: every axis on one mesh | all three |
+# | [10](10_best_configuration.ipynb) | finding the best training configuration | all three |
+# | [11](11_gpu_kernels.ipynb) | inside the GPU: Triton kernels to FlashAttention | compute |
+# | [12](12_mixed_precision.ipynb) | mixed precision: BF16 and FP8 | memory / compute |
+# | [a1](a1_profiling.ipynb) | profiling: timing, traces, kernels | compute |
+# | [a2](a2_typical_scales.ipynb) | typical scales: parameters, states and FLOPs | memory / compute |
+# | [a3](a3_overlap_math.ipynb) | the arithmetic of overlapping communication with computation | communication |
 #
 # The book's results rest on more than 4000 scaling experiments on up to 512 GPUs (more than 4100
 # distributed runs, over 16k counting test runs); reading it takes two to four days. Its two code
@@ -316,9 +324,10 @@ memory_figure(preset="Llama 3 8B", seq=4096, micro_batch=1, dp=8)
 
 # %% [markdown]
 # ## Your turn
-# Open `exercises/00_orientation_exercises.ipynb` for the warm-up: an all-reduce mean and the
-# pipeline input of the memory calculator. Each exercise has a `check(...)` cell that grades it
-# on the spot.
+# Open [exercises/00_orientation_exercises.ipynb](../exercises/00_orientation_exercises.ipynb) for the warm-up: an all-reduce mean and the
+# pipeline input of the memory calculator.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/00_orientation_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

@@ -23,7 +23,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 2  # ranks for the data-parallel training run of section 6 (1 or more)
-QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU cores
+QUICK = True  # True: small sweeps and short runs, about a minute on 2 CPU cores; False: wider sweeps, more timing rounds, 200 training steps (longer)
 SEED = 0
 
 # %%
@@ -1188,9 +1188,11 @@ if not bench_records:
 # - MFU counts the model's FLOPs, HFU also the recomputed ones (8/6 with full recomputation).
 #
 # ## Your turn
-# Open `exercises/01_one_gpu_exercises.ipynb`: count the parameters, write the activation-memory
+# Open [exercises/01_one_gpu_exercises.ipynb](../exercises/01_one_gpu_exercises.ipynb): count the parameters, write the activation-memory
 # calculator with its three recomputation modes, and write a gradient-accumulation step that
 # matches the large batch exactly.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/01_one_gpu_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

@@ -24,7 +24,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # data-parallel ranks: any value of 2 or more works
-QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU cores
+QUICK = True  # True: a small model, few timing steps, about a minute on 2 CPU cores; False: a larger model, more steps and repeats (longer)
 SEED = 0
 
 # %%
@@ -960,9 +960,11 @@ fig
 # they are needed, trading memory for transfer time.
 #
 # ## Your turn
-# `exercises/02_data_parallelism_exercises.ipynb`: write the gradient hooks that overlap
+# Open [exercises/02_data_parallelism_exercises.ipynb](../exercises/02_data_parallelism_exercises.ipynb): write the gradient hooks that overlap
 # all-reduces with backward, a bucket manager, and the batch-size recipe, each graded by parity
 # with a single-process reference or the library on clusters of 2 and 3 ranks.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/02_data_parallelism_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

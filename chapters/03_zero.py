@@ -23,7 +23,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # data-parallel ranks N_d: any value of at least 2 works (3 shows the padding)
-QUICK = True  # small model and few steps: about a minute on 2 CPU cores
+QUICK = True  # True: a small model and 3 steps, about a minute on 2 CPU cores; False: a larger model and 10 steps (longer)
 SEED = 0
 
 # %%
@@ -762,9 +762,11 @@ fig
 # FSDP2, the bytes to the element, the volumes and the counts to the call.
 #
 # ## Your turn
-# `exercises/03_zero_exercises.ipynb`: flatten and pad parameters into equal shards, write a
+# Open [exercises/03_zero_exercises.ipynb](../exercises/03_zero_exercises.ipynb): flatten and pad parameters into equal shards, write a
 # ZeRO-1 step (reduce-scatter, update your slice of the fp32 master weights, all-gather), and the
 # gather-then-free forward hooks at the heart of ZeRO-3.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/03_zero_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

@@ -28,7 +28,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; tp is the largest degree that divides it and fits the model (2, 3, 4, 6, ...)
-QUICK = True  # small model and few steps: about a minute on 2 CPU cores
+QUICK = True  # True: 3 steps and small matrices, about a minute on 2 CPU cores; False: 10 steps, larger matrices (longer)
 SEED = 0
 
 # %%
@@ -622,3 +622,10 @@ cluster.close()
 #   and puts blocking all-reduces on the critical path, which is why TP stays inside a node.
 #
 # Next, chapter 05 splits what TP left replicated, along the sequence.
+
+# %% [markdown]
+# ## Your turn
+# Open [exercises/04_tensor_parallelism_exercises.ipynb](../exercises/04_tensor_parallelism_exercises.ipynb): write the conjugate pair f and f*, the column- and row-parallel linear layers built on them, and a
+# cross-entropy over a vocabulary split across ranks.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/04_tensor_parallelism_exercises.ipynb` grades
+# the whole notebook from a terminal.

@@ -32,7 +32,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; tp is the largest degree that divides it and the model (2, 3 and 4 all work)
-QUICK = True  # small model and few steps: about a minute on 2 CPU cores
+QUICK = True  # True: a small model and 3 steps, about a minute on 2 CPU cores; False: a larger model and 10 steps (longer)
 SEED = 0
 
 # %%
@@ -847,6 +847,13 @@ else:
 # Every row was checked above on a real cluster, and the model trained by TP+SP matched one
 # process and PyTorch's `parallelize_module` to float64 precision. Next, chapter 06 splits the
 # sequence through attention itself: context parallelism.
+
+# %% [markdown]
+# ## Your turn
+# Open [exercises/05_sequence_parallelism_exercises.ipynb](../exercises/05_sequence_parallelism_exercises.ipynb): write the gather and the reduce-scatter along the sequence with their autograd functions,
+# and the hooks that sum the LayerNorm gradients over the TP group.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/05_sequence_parallelism_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

@@ -34,7 +34,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks, all in one context-parallel group (cp is WORLD_SIZE; 2, 3 and 4 all work)
-QUICK = True  # small sizes: about 45 s on 2 CPU cores
+QUICK = True  # True: short sequences, SGD only, about 45 s on 2 CPU cores; False: longer sequences, more steps, also Adam and the contiguous layout (longer)
 SEED = 0
 
 # %%
@@ -886,6 +886,13 @@ else:
 #   CP group. The model trained under CP equals one process.
 #
 # Next, chapter 07 splits the model by layers instead: pipeline parallelism.
+
+# %% [markdown]
+# ## Your turn
+# Open [exercises/06_context_parallelism_exercises.ipynb](../exercises/06_context_parallelism_exercises.ipynb): write the rule that merges two partial attentions, the zig-zag layout with its tile
+# counts, and one step of the ring.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/06_context_parallelism_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

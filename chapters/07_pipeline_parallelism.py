@@ -35,7 +35,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks, all in one pipeline (p is WORLD_SIZE; 2, 3 and 4 all work)
-QUICK = True  # small sizes: about 45 s on 2 CPU cores
+QUICK = True  # True: small sizes, about 45 s on 2 CPU cores; False: more steps, micro-batch counts and PyTorch schedules, a larger block (longer)
 SEED = 0
 
 # %%
@@ -591,6 +591,13 @@ for case, message in errors.items():
 # - The measured bubble follows $(p-1)/m$; 1F1B holds `p` micro-batches where AFAB holds `m`.
 #
 # Next, chapter 08: expert parallelism.
+
+# %% [markdown]
+# ## Your turn
+# Open [exercises/07_pipeline_parallelism_exercises.ipynb](../exercises/07_pipeline_parallelism_exercises.ipynb): write one rank's 1F1B list, the bubble fraction from timelines, a stage's forward
+# and backward step with its sends and receives, and Zero Bubble's B/W split.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/07_pipeline_parallelism_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

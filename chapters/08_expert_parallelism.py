@@ -30,7 +30,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; ep divides it (2, 3 and 4 all work: E is a multiple of WORLD_SIZE)
-QUICK = True  # small sizes: about 45 s on 2 CPU cores
+QUICK = True  # True: small timing sizes, about 45 s on 2 CPU cores; False: larger sizes and more repeats (longer)
 SEED = 0
 
 # %%
@@ -401,3 +401,10 @@ cluster.close()
 #   load-balancing loss (or DeepSeek-V3's selection bias) fights.
 # - Node-limited routing (M groups per token; M = 4 nodes in DeepSeek-V3) caps how many ranks a
 #   token is sent to, and the bytes drop accordingly.
+
+# %% [markdown]
+# ## Your turn
+# Open [exercises/08_expert_parallelism_exercises.ipynb](../exercises/08_expert_parallelism_exercises.ipynb): write the router, the split sizes of the all-to-all, the dispatch and combine, and
+# the gradient reduction of experts and dense parameters.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/08_expert_parallelism_exercises.ipynb` grades
+# the whole notebook from a terminal.

@@ -27,7 +27,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; 4 gives four 2 x 2 factorisations, 8 gives dp 2 x pp 2 x tp 2
-QUICK = True  # small sizes: about 45 s on 2 CPU cores
+QUICK = True  # True: fewer factorisations and 4 steps, about 45 s on 2 CPU cores; False: more of them and 10 steps (longer)
 SEED = 0
 
 # %%
@@ -414,6 +414,13 @@ for case, message in messages.items():
 #   exactly the parameters we count, and the activations the calculator predicts within 25%.
 #
 # Next, chapter 10 searches these factorisations for the fastest one that fits.
+
+# %% [markdown]
+# ## Your turn
+# Open [exercises/09_5d_parallelism_exercises.ipynb](../exercises/09_5d_parallelism_exercises.ipynb): write the mesh's rank-to-group maps, the pipeline's activation memory, the parameters one
+# rank holds, and answer a quiz on the book's tables.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/09_5d_parallelism_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

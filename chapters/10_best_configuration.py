@@ -28,7 +28,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks for the calibration (2 and 4 work; TP needs it to divide the 4 heads)
-QUICK = True  # fewer timing rounds: about 45 s on 2 CPU cores
+QUICK = True  # True: fewer timing rounds, about 45 s on 2 CPU cores; False: more rounds and repeats (longer)
 SEED = 0
 
 # %%
@@ -488,3 +488,10 @@ assert not leftover
 #   misses DeepSeek-V3's by exactly the expert all-to-all that DeepSeek built DualPipe to hide.
 # - On real ranks it predicts the layouts it models fully; where it does not, the gap has a reason.
 # - And the lesson of large sweeps: put a timeout on everything, and make sure nothing survives it.
+
+# %% [markdown]
+# ## Your turn
+# Open [exercises/10_best_configuration_exercises.ipynb](../exercises/10_best_configuration_exercises.ipynb): enumerate the layouts, keep those that fit in memory, and write the book's first
+# step as rules.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/10_best_configuration_exercises.ipynb` grades
+# the whole notebook from a terminal.

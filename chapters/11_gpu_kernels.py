@@ -28,7 +28,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # kept so every chapter takes the same parameters; this one runs in a single process
-QUICK = True  # small sizes so the notebook runs in about a minute on 2 CPU cores
+QUICK = True  # True: small sizes, about a minute on 2 CPU cores; False: larger sizes and longer sequences (longer)
 SEED = 0
 
 # %% [markdown]
@@ -443,7 +443,7 @@ def strided_read_ms(buffer, stride, count, repeats=5):
     return float(np.median(times))
 
 
-cpu_buffer = torch.ones(2**24 if QUICK else 2**26)  # 64 MiB: larger than the CPU caches
+cpu_buffer = torch.ones(2**24 if QUICK else 2**26)  # 64 MiB (256 MiB): larger than the CPU caches
 count = 2**19
 strided_read_ms(cpu_buffer, 1, count)  # touch the buffer once, so no measurement pays for first use
 times = {stride: strided_read_ms(cpu_buffer, stride, count) for stride in (1, 2, 4, 8, 16)}
@@ -1058,6 +1058,8 @@ figure
 #   far less HBM traffic, forward and backward.
 #
 # ## Your turn
-# `exercises/11_gpu_kernels_exercises.ipynb`, in the style of Triton-Puzzles, runs in the
-# interpreter on any machine: a masked vector add, a row softmax, one tile of a matmul with
+# [exercises/11_gpu_kernels_exercises.ipynb](../exercises/11_gpu_kernels_exercises.ipynb), in the style of Triton-Puzzles, runs in
+# the interpreter on any machine: a masked vector add, a row softmax, one tile of a matmul with
 # `tl.dot`, and the online-softmax update at the heart of FlashAttention.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/11_gpu_kernels_exercises.ipynb` grades
+# the whole notebook from a terminal.

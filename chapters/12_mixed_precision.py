@@ -29,7 +29,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 1  # accepted like every chapter's, and unused: precision is a one-process matter
-QUICK = True  # small model, short runs: about a minute on 2 CPU cores
+QUICK = True  # True: a small model, short runs, about a minute on 2 CPU cores; False: a larger model, 150 steps, more GEMM sizes (longer)
 SEED = 0
 
 # %% [markdown]
@@ -872,6 +872,8 @@ else:
 # - Recipes trade memory for stability: from 20 bytes per parameter down to 9 (FP8-LM O3).
 #
 # ## Your turn
-# `exercises/12_mixed_precision_exercises.ipynb`: decode a float's fields from its bits,
+# Open [exercises/12_mixed_precision_exercises.ipynb](../exercises/12_mixed_precision_exercises.ipynb): decode a float's fields from its bits,
 # quantise to FP8 with one scale and with tiles, run an FP8 backward (Dgrad and Wgrad), and write
 # the loss scaler's update rule, each graded against a reference or against PyTorch's own.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/12_mixed_precision_exercises.ipynb` grades
+# the whole notebook from a terminal.

@@ -26,7 +26,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 3  # number of ranks; the book's examples use 3, anything from 2 to about 8 works
-QUICK = True  # small sizes and short sleeps: about a minute on 2 CPU cores
+QUICK = True  # True: small sizes, short sleeps, about a minute on 2 CPU cores; False: larger sizes, 1 s sleeps, more repeats (longer)
 SEED = 0
 
 # %%
@@ -1047,11 +1047,13 @@ else:
 #   `2·log2 N − 1` messages; the ring keeps its place on real clusters by talking to neighbours only.
 #
 # ## Your turn
-# Open `exercises/a0_collectives_exercises.ipynb`: write the ring reduce-scatter, the ring
+# Open [exercises/a0_collectives_exercises.ipynb](../exercises/a0_collectives_exercises.ipynb): write the ring reduce-scatter, the ring
 # all-gather, the ring all-reduce, recursive doubling (with the fold for a world size that is not
 # a power of two) and halving-doubling yourself, from `isend` and `irecv` only. The checks run
 # them on clusters of several sizes and awkward lengths, compare with `torch.distributed`, and
 # read every message you send: the right sum by another algorithm does not pass.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/a0_collectives_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

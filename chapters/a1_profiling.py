@@ -21,7 +21,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 2  # ranks for the asynchronous collective and the distributed trace (2 or more)
-QUICK = True  # fewer repeats in the timing sections: about 45 s on 2 CPU cores
+QUICK = True  # True: 15 repeats in the timing sections, about 45 s on 2 CPU cores; False: 50 repeats (longer)
 SEED = 0
 
 # %%
@@ -672,9 +672,11 @@ else:
 #   against PyTorch and profile it like any other call.
 #
 # ## Your turn
-# `exercises/a1_profiling_exercises.ipynb`: write a benchmark function that survives asynchronous
+# Open [exercises/a1_profiling_exercises.ipynb](../exercises/a1_profiling_exercises.ipynb): write a benchmark function that survives asynchronous
 # work, warm-up effects and outliers, and walk a trace from each GPU kernel back to the operator that
 # launched it.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/a1_profiling_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

@@ -203,7 +203,7 @@ print(f"total: {total // h**2} h² fp32 elements = {BYTES_PER_ELEMENT['fp32'] * 
       f"(the book prints {BOOK_OPTIMIZER_TOTAL_AS_PRINTED} h²)")
 
 # %% [markdown]
-# ## 5. FLOPs: $2TN$ forward, $4TN$ backward, measured
+# ## 5. FLOPs: 2TN forward, 4TN backward, measured
 #
 # A weight multiplies each token's input once in a forward pass: one multiply and one add, 2 FLOPs
 # per parameter per token. For `T` tokens and `N` parameters the forward costs $2TN$. The backward
@@ -369,5 +369,7 @@ fig
 # computation.
 #
 # ## Your turn
-# `exercises/a2_typical_scales_exercises.ipynb`: write the scale counts of a model yourself, and
+# Open [exercises/a2_typical_scales_exercises.ipynb](../exercises/a2_typical_scales_exercises.ipynb): write the scale counts of a model yourself, and
 # predict the FLOPs of a forward pass to the last FLOP, checked against PyTorch's counter.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/a2_typical_scales_exercises.ipynb` grades
+# the whole notebook from a terminal.

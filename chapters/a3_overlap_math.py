@@ -29,7 +29,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks for the calibration and the timelines (chapters 02 and 03 use 4 too)
-QUICK = True  # fewer repeats in the measurements: about 45 s on 2 CPU cores
+QUICK = True  # True: 3 repeats in the measurements, about 45 s on 2 CPU cores; False: 15 repeats (longer)
 SEED = 0
 
 # %%
@@ -587,9 +587,11 @@ fig
 # an extra factor `num_params` that its own two lines do not give.
 #
 # ## Your turn
-# `exercises/a3_overlap_math_exercises.ipynb`: derive the DP ratio in code (and see the printed one
+# Open [exercises/a3_overlap_math_exercises.ipynb](../exercises/a3_overlap_math_exercises.ipynb): derive the DP ratio in code (and see the printed one
 # rejected), then turn the TP and PP ratios into the largest TP degree and the smallest pipeline
 # stage that still hide their communication.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/a3_overlap_math_exercises.ipynb` grades
+# the whole notebook from a terminal.
 
 # %%
 cluster.close()

@@ -1,0 +1,225 @@
+"""Hints teach without giving the answer, and chapters and exercises link both ways (issue 41).
+
+Every exercise has two tiers of help, both written in solutions/ and generated into exercises/:
+
+* the nudge: the text after ``# BEGIN SOLUTION hint:``, which the stub's NotImplementedError
+  carries and ``check(...)`` shows ("not implemented yet");
+* the idea: a markdown cell right under the exercise's ``check(...)`` cell, with the idea folded
+  in ``<details><summary>The idea ...</summary>``, and a link to the chapter section it practises.
+
+Neither tier may hold the solution's code. The rule (``leaks``): a hint leaks when, with all
+whitespace removed (and quotes unified), it contains
+
+* a line of a solution region of 25 characters or more (its trailing comment left out), or
+* a call with arguments written in a solution region (as ``ast.unparse`` writes it, 12 characters
+  or more), e.g. ``torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)``.
+
+Naming a function (``torch.autograd.grad``, ``dist.all_reduce``) is allowed; writing the call
+the solution makes is not.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from ultrascale.grading.generate import BEGIN_RE, END_RE
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = ROOT / "solutions"
+MIN_LINE_CHARS = 25
+MIN_CALL_CHARS = 12
+IDEA_MARK = "<summary>The idea"
+CHECK_RE = re.compile(r'check\("([^"]+)"')
+LINK_RE = re.compile(r"\]\(\.\./chapters/([a-z0-9_]+)\.ipynb(?:#([^)]*))?\)")
+
+
+def squash(text: str) -> str:
+    return re.sub(r"\s+", "", text).replace('"', "'")
+
+
+def _python(source: str) -> str:
+    """The cell as Python: magics blanked, as the generator does."""
+    if source.lstrip().startswith("%%"):
+        return ""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+
+
+def solution_secrets(source: str) -> set:
+    """What no hint may contain, from the solution regions of one code cell."""
+    lines = source.splitlines()
+    region_lines, inside = set(), False
+    for number, line in enumerate(lines, start=1):
+        if BEGIN_RE.match(line):
+            inside = True
+        elif END_RE.match(line):
+            inside = False
+        elif inside:
+            region_lines.add(number)
+    secrets = set()
+    for number in region_lines:
+        code = re.sub(r"\s+#.*$", "", lines[number - 1]).strip()
+        if not code.startswith("#") and len(squash(code)) >= MIN_LINE_CHARS:
+            secrets.add(squash(code))
+    try:
+        tree = ast.parse(_python(source))
+    except SyntaxError:
+        tree = None
+    for node in ast.walk(tree) if tree else ():
+        if isinstance(node, ast.Call) and (node.args or node.keywords) and node.lineno in region_lines:
+            call = squash(ast.unparse(node))
+            if len(call) >= MIN_CALL_CHARS:
+                secrets.add(call)
+    return secrets
+
+
+def nudges(source: str) -> list:
+    return [(m.group("hint") or "").strip() for m in map(BEGIN_RE.match, source.splitlines()) if m]
+
+
+def hints_and_secrets(nb) -> tuple:
+    """({exercise id: [nudge, ..., idea]}, secrets of the whole notebook)."""
+    hints, secrets, pending, last = {}, set(), [], None
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            pending += nudges(cell.source)
+            secrets |= solution_secrets(cell.source)
+            found = CHECK_RE.search(cell.source)
+            if found:
+                last = found.group(1)
+                hints[last], pending = pending, []
+        elif IDEA_MARK in cell.source:
+            assert last is not None, "an idea cell above every check cell"
+            hints[last].append(cell.source)
+    return hints, secrets
+
+
+def leaks(nb) -> list:
+    """(exercise id, the solution's code found in one of its hints) for every leak."""
+    hints, secrets = hints_and_secrets(nb)
+    return [(ex, secret) for ex, texts in hints.items() for text in texts
+            for secret in sorted(secrets) if secret in squash(text)]
+
+
+def registered_exercises() -> set:
+    found = set()
+    for path in (ROOT / "lib/ultrascale/exercise_tests").glob("*.py"):
+        found |= set(re.findall(r'@exercise\("([0-9a][0-9]\.\w+)"', path.read_text()))
+    return found
+
+
+NOTEBOOKS = sorted(SOLUTIONS.glob("*_exercises.ipynb"))
+
+
+def _cell(source: str):
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+
+
+# ---- the rule, on the hint issue 41 reported --------------------------------------------------
+
+OLD_SPLIT_BACKWARD = '''def backward_input(output, stage_input, grad_output):
+    # BEGIN SOLUTION hint: {hint}
+    return torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)[0]
+    # END SOLUTION
+check("07.split_backward", backward_input)
+'''
+
+
+@pytest.mark.parametrize("hint", [
+    "torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)[0]",  # the old hint
+    "call torch.autograd.grad(output,stage_input,grad_output, retain_graph=True)",  # respaced
+])
+def test_the_rule_catches_the_old_split_backward_hint(hint):
+    found = leaks(_cell(OLD_SPLIT_BACKWARD.format(hint=hint)))
+    assert found and all(ex == "07.split_backward" for ex, _ in found)
+
+
+def test_the_rule_allows_naming_a_function():
+    hint = "ask torch.autograd.grad for the input's gradient only, and keep the graph for W"
+    assert leaks(_cell(OLD_SPLIT_BACKWARD.format(hint=hint))) == []
+
+
+def test_the_rule_reads_idea_cells_too():
+    nb = _cell(OLD_SPLIT_BACKWARD.format(hint="a nudge"))
+    nb.cells.append(nbformat.v4.new_markdown_cell(
+        f"<details>{IDEA_MARK}</summary>\n\n`torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)`"
+        "\n\n</details>"))
+    assert leaks(nb)
+
+
+def test_the_rule_catches_a_long_solution_line():
+    source = ('def f(x):\n    # BEGIN SOLUTION hint: x\n    total = some_tensor + other_tensor * 2\n'
+              '    return total\n    # END SOLUTION\ncheck("00.f", f)\n')
+    assert leaks(_cell(source.replace("hint: x", "hint: total = some_tensor + other_tensor * 2")))
+    assert not leaks(_cell(source.replace("hint: x", "hint: add the two tensors")))
+
+
+# ---- the course's notebooks ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_hint_gives_the_solution(path):
+    assert leaks(nbformat.read(path, as_version=4)) == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_exercise_has_two_tiers(path):
+    hints, _ = hints_and_secrets(nbformat.read(path, as_version=4))
+    for ex, texts in hints.items():
+        *region_nudges, idea = texts
+        assert region_nudges and all(region_nudges), f"{ex}: a region without a nudge"
+        assert IDEA_MARK in idea, f"{ex}: no idea cell under its check cell"
+        assert sum(IDEA_MARK in t for t in texts) == 1, f"{ex}: more than one idea cell"
+
+
+def test_every_registered_exercise_has_its_hints():
+    graded = set()
+    for path in NOTEBOOKS:
+        graded |= set(hints_and_secrets(nbformat.read(path, as_version=4))[0])
+    assert graded == registered_exercises()
+
+
+def _anchors(chapter: str) -> set:
+    """JupyterLab's heading anchors: the heading's text, spaces as '-'."""
+    text = (ROOT / "chapters" / f"{chapter}.py").read_text()
+    return {h.replace("`", "").strip().replace(" ", "-") for h in re.findall(r"^# #+ (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_exercises_link_back_to_their_chapter(path):
+    chapter = path.name.replace("_exercises.ipynb", "")
+    nb = nbformat.read(path, as_version=4)
+    assert f"(../chapters/{chapter}.ipynb)" in nb.cells[0].source
+    ideas = [c.source for c in nb.cells if IDEA_MARK in c.source]
+    assert ideas
+    for idea in ideas:
+        links = LINK_RE.findall(idea)
+        assert links, f"no chapter link in {idea[:80]!r}"
+        for linked, anchor in links:
+            assert linked == chapter
+            assert anchor in _anchors(chapter), f"{chapter}.ipynb has no heading #{anchor}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_chapters_end_with_your_turn(path):
+    chapter = path.name.replace("_exercises.ipynb", "")
+    text = (ROOT / "chapters" / f"{chapter}.py").read_text()
+    assert "# ## Your turn" in text
+    turn = text.split("# ## Your turn", 1)[1]
+    assert "# ## " not in turn, "Your turn is the last section"
+    assert f"[exercises/{path.name}](../exercises/{path.name})" in turn
+    assert f"make grade NB=exercises/{path.name}" in turn
+
+
+READING_ORDER = ["00", "a0", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "a1", "a2", "a3"]
+
+
+def test_the_course_map_links_every_chapter_in_reading_order():
+    text = (ROOT / "chapters" / "00_orientation.py").read_text()
+    course_map = text.split("# ## 6. The map of the course", 1)[1].split("\n# ## ", 1)[0]
+    linked = re.findall(r"\]\(([a-z0-9_]+)\.ipynb\)", course_map)
+    assert [stem.split("_")[0] for stem in linked] == READING_ORDER
+    assert sorted(linked) == sorted(p.stem for p in (ROOT / "chapters").glob("*.py"))
