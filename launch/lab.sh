@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start JupyterLab on the course: it opens on chapter 00 (launch/jupyter_server_config.py).
-# HEADLESS=1 for a server: no browser, listens on all interfaces (LAB_IP, LAB_PORT; reach
-# it through an SSH tunnel: ssh -L 8888:localhost:8888 host) and prints the URL to open.
+# HEADLESS=1 for a server: no browser, prints the URL to open. It listens on 127.0.0.1 only
+# (LAB_PORT, default 8888): reach it through an SSH tunnel, ssh -L 8888:localhost:8888 host,
+# so that no one else on the network can reach it. LAB_IP=0.0.0.0 listens on all interfaces.
 # Extra arguments go to `jupyter lab`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,13 @@ fi
 export JUPYTER_PREFER_ENV_PATH=1
 ARGS=(--config=launch/jupyter_server_config.py --ServerApp.root_dir=.)
 if [ "${HEADLESS:-0}" = "1" ]; then
-  ARGS+=(--no-browser --ip="${LAB_IP:-0.0.0.0}" --port="${LAB_PORT:-8888}")
+  LAB_IP="${LAB_IP:-127.0.0.1}"
+  if [ "$LAB_IP" = "127.0.0.1" ] || [ "$LAB_IP" = "localhost" ]; then
+    echo "[lab] listening on $LAB_IP only: from another machine, tunnel with ssh -L ${LAB_PORT:-8888}:localhost:${LAB_PORT:-8888} $(hostname)"
+  else
+    echo "[lab] listening on $LAB_IP (LAB_IP): reachable from the network, by anyone who has the token"
+  fi
+  ARGS+=(--no-browser --ip="$LAB_IP" --port="${LAB_PORT:-8888}")
 else
   ARGS+=(--ServerApp.open_browser=True)
 fi
