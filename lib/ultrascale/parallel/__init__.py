@@ -18,6 +18,10 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
 * ``expert_parallel``: the experts of every MoE layer split over ranks, tokens dispatched and
   combined by all-to-all (NB08); ``apply_ep``, ``expert_parameters``. ``expert_runs``: its parity runs.
 * ``mesh``: ``Mesh`` / ``init_mesh``, the process mesh over named axes (dp, pp, ep, cp, tp).
+* ``matching``: ``match_plan``, a plan's module-name patterns matched to a model's modules,
+  with one set of rules for every technique.
+* ``grad_sync``: ``sync_in_backward`` and ``average_gradients``, gradients summed over a group
+  and divided, during or after backward, for every technique but DP's overlapped wrappers.
 * ``timeline``: per-rank compute and communication events, for Gantt charts.
 """
 
@@ -25,9 +29,10 @@ from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scat
 from .context_parallel import (all_gather_attention, apply_cp, causal_tile_counts, context_parallel_attention,
                                ring_attention, split_sequence)
 from .data_parallel import (BucketedDataParallel, DataParallel, NaiveDataParallel,
-                            OverlappedDataParallel, apply_data_parallel, average_gradients,
-                            build_buckets)
+                            OverlappedDataParallel, apply_data_parallel, build_buckets)
 from .expert_parallel import apply_ep, expert_parameters
+from .grad_sync import average_gradients, sync_in_backward
+from .matching import match_plan
 from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import Pipeline, apply_pp, backward_input, backward_weight, split_layers, stage_modules
 from .pipeline_runs import calibrate_compute, merge_ranks, pytorch_pipeline, run_pipeline_steps
@@ -42,6 +47,7 @@ __all__ = [
     "split_sequence",
     "Mesh", "NaiveDataParallel", "OverlappedDataParallel", "Timeline", "ZeRO", "all_gather_into",
     "apply_data_parallel", "apply_zero", "average_gradients", "broadcast_parameters", "build_buckets",
+    "match_plan", "sync_in_backward",
     "covered_seconds", "Pipeline", "apply_pp", "backward_input", "backward_weight", "split_layers",
     "stage_modules", "calibrate_compute", "merge_ranks", "pytorch_pipeline", "run_pipeline_steps", "init_mesh", "overlap_seconds", "reduce_scatter_into",
 ]

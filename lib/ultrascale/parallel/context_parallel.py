@@ -31,14 +31,14 @@ attention and in the loss; the messages say what to change).
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 
 import torch
-import torch.distributed as dist
 
 from ..comm.functional import rank_and_size
 from ..data import sequence_positions
+from .grad_sync import sync_in_backward
+from .matching import match_plan
 from .mesh import axis_group
 from .ring_attention import (KINDS, LAYOUTS, KVBufferMeter, all_gather_attention, context_parallel_attention,
                              ring_attention)
@@ -84,18 +84,6 @@ def _positions_hook(group, layout):
     return hook
 
 
-def _average_gradient_over_cp(param, group, n):
-    """Each rank's gradient is that of the mean loss over its own tokens; the model's is the
-    mean over ranks. The hook changes the gradient *before* it is accumulated into .grad,
-    so gradient accumulation over micro-batches stays right."""
-    def average(grad):
-        grad = grad.clone()   # the incoming gradient may be used elsewhere in backward
-        dist.all_reduce(grad, group=group)
-        return grad.div_(n)
-
-    param._cp_grad_sync = param.register_hook(average)   # kept so that it can be removed
-
-
 def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "ring", plan: dict | None = None,
              timeline=None, sync_gradients: bool = True):
     """Context-parallel ``model`` over the ``cp`` axis of a mesh (or a group; None: all ranks).
@@ -115,17 +103,17 @@ def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "
     if layout not in LAYOUTS or not set(plan.values()) <= set(KINDS):
         raise ValueError(f"layout={layout!r}, plan kinds {sorted(set(plan.values()))}: choose a layout in "
                          f"{LAYOUTS} and kinds in {KINDS}")
-    for pattern, attention_kind in plan.items():
-        matched = [m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, pattern)]
-        if not matched or not all(hasattr(m, "core") for m in matched):
+    for pattern, attention_kind in plan.items():   # each pattern must name attention modules only
+        named = match_plan(model, {pattern: attention_kind})
+        if not all(hasattr(module, "core") for _, module, _ in named):
             raise ValueError(f"plan pattern {pattern!r} must match attention modules (with a core), "
-                             f"matched {len(matched)} module(s)")
-        for module in matched:
-            module.core = functools.partial(context_parallel_attention, group=group, causal=True, layout=layout,
-                                            kind=attention_kind, timeline=timeline)
+                             f"matched {len(named)} module(s)")
+    for _, module, attention_kind in match_plan(model, plan):
+        module.core = functools.partial(context_parallel_attention, group=group, causal=True, layout=layout,
+                                        kind=attention_kind, timeline=timeline)
     model.register_forward_pre_hook(_positions_hook(group, layout), with_kwargs=True)
     if sync_gradients and n > 1:
-        for p in model.parameters():
-            if p.requires_grad:
-                _average_gradient_over_cp(p, group, n)
+        # Each rank's gradient is that of the mean loss over its own tokens; the model's is the
+        # mean over the ranks: the average over the cp group, inside backward.
+        sync_in_backward(model, group, keep_as="_cp_grad_sync")
     return model

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.functional import broadcast_parameters
+from .grad_sync import average_gradients  # noqa: F401  naive DP without a wrapper, shared with EP
 from .mesh import axis_group
 from .timeline import COMMUNICATION, Timeline
 
@@ -304,15 +305,6 @@ class BucketedDataParallel(DataParallel):
     def bucket_sizes(self) -> list[int]:
         """Bytes of each bucket, in launch order."""
         return [b.buffer.numel() * b.buffer.element_size() for b in self.buckets]
-
-
-def average_gradients(module: nn.Module, group=None) -> None:
-    """The one-line version of naive DP, for use without a wrapper."""
-    world = dist.get_world_size(group)
-    for p in module.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-            p.grad.div_(world)
 
 
 KINDS = {"naive": NaiveDataParallel, "overlapped": OverlappedDataParallel, "bucketed": BucketedDataParallel}

@@ -31,11 +31,11 @@ the mean over the D ranks with different data (D = ep, or dp * ep with data para
 A dense parameter's gradient is therefore averaged over those D ranks. An expert's
 gradient already *sums* the contributions of every ep rank's tokens (the all-to-all's
 backward brought them to it), so it is summed over the expert's replicas (the dp group)
-and divided by D, not by the number of replicas (``average_gradients``).
+and divided by D, not by the number of replicas (``average_in_backward``; both through
+``grad_sync``, the helper every technique uses).
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +45,12 @@ import torch.nn as nn
 from ..comm.functional import all_to_all, rank_and_size
 from ..comm.logger import labelled
 from ..moe import MoE, apply_experts
+from .grad_sync import NO_REPLICAS, average_gradients, reduce_gradient, sync_in_backward
+from .matching import match_plan
 from .mesh import Mesh, axis_group
 
 __all__ = ["apply_ep", "local_experts", "dispatch_plan", "exchange_counts", "ExpertParallelDispatch",
-           "expert_parameters", "expert_parameter_names", "average_gradients", "average_in_backward", "rank_load",
+           "expert_parameters", "expert_parameter_names", "average_after_backward", "average_in_backward", "rank_load",
            "dispatch_volume", "DispatchPlan"]
 
 DEFAULT_PLAN = {"blocks.*.mlp": "ep"}
@@ -156,33 +158,35 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
 
 
 def _reduce(grad, group, divisor: int):
-    grad = grad.clone()   # the incoming gradient may be used elsewhere in backward
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(grad, group=group)
-    return grad.div_(divisor)
+    """One gradient as the hooks reduce it: summed over ``group`` (None: an expert without
+    replica) and divided by ``divisor``. What chapter 08's exercise asks a learner to write."""
+    return reduce_gradient(grad, NO_REPLICAS if group is None else group, divisor)
 
 
-def average_gradients(model: nn.Module, data_group=None, expert_group=None) -> None:
+def _by_kind(model, data_group, expert_group):
+    """[(parameters, group)]: the dense ones over ``data_group`` (None: all ranks), the experts
+    over their replicas ``expert_group`` (None: no replica)."""
+    experts = expert_parameters(model)
+    ids = {id(p) for p in experts}
+    dense = [p for p in model.parameters() if id(p) not in ids]
+    return [(dense, data_group), (experts, NO_REPLICAS if expert_group is None else expert_group)]
+
+
+def average_after_backward(model: nn.Module, data_group=None, expert_group=None) -> None:
     """After backward: dense gradients averaged over ``data_group`` (every rank with other
     tokens; None: all ranks), expert gradients summed over ``expert_group`` (the expert's
     replicas; None: no replica) and divided by the size of ``data_group``."""
-    data_group = data_group or dist.group.WORLD
     ranks = dist.get_world_size(data_group)
-    experts = {id(p) for p in expert_parameters(model)}
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.copy_(_reduce(p.grad, expert_group if id(p) in experts else data_group, ranks))
+    for params, group in _by_kind(model, data_group, expert_group):
+        average_gradients(params, group, divide_by=ranks)
 
 
 def average_in_backward(model, data_group, expert_group) -> None:
-    """``average_gradients`` as hooks that run while backward computes each gradient, as
+    """``average_after_backward`` as hooks that run while backward computes each gradient, as
     context parallelism's do, so parity's plain training loop needs no extra call."""
     ranks = dist.get_world_size(data_group)
-    experts = {id(p) for p in expert_parameters(model)}
-    for p in model.parameters():
-        if p.requires_grad:
-            group = expert_group if id(p) in experts else data_group
-            p._ep_grad_sync = p.register_hook(lambda grad, g=group: _reduce(grad, g, ranks))
+    for params, group in _by_kind(model, data_group, expert_group):
+        sync_in_backward(params, group, divide_by=ranks, keep_as="_ep_grad_sync")
 
 
 def _data_groups(mesh_or_group, ep_group):
@@ -214,8 +218,8 @@ def apply_ep(model: nn.Module, mesh_or_group=None, *, plan: dict | None = None, 
     group = axis_group(mesh_or_group, "ep")
     rank, ep = rank_and_size(group, "expert parallelism")
     plan = DEFAULT_PLAN if plan is None else plan
-    layers = [m for name, m in model.named_modules() if isinstance(m, MoE)
-              and any(fnmatch.fnmatchcase(name, pattern) for pattern in plan)]
+    # Patterns may name no MoE layer (dense MLPs are skipped); none at all is refused below, saying why.
+    layers = [m for _, m, _ in match_plan(model, plan, kind=MoE, may_match_nothing=True)]
     if not layers:
         raise ValueError(f"no MoE layer matches the plan {sorted(plan)}: expert parallelism needs a mixture-of-"
                          "experts model (e.g. GPTConfig(experts=8, top_k=2))")

@@ -44,7 +44,6 @@ Parameters sharded here carry ``tp_shard_dim`` and ``tp_group``; :func:`full_wei
 """
 from __future__ import annotations
 
-import fnmatch
 
 import torch
 import torch.distributed as dist
@@ -52,6 +51,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm.functional import f, f_star, g, g_star, gather_along_dim, rank_and_size
+from .grad_sync import sync_in_backward
+from .matching import match_plan
 from .mesh import axis_group
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
@@ -103,12 +104,7 @@ def _sum_gradient_over_tp(param: nn.Parameter, group) -> None:
     """Under SP a replicated parameter sees only this rank's tokens: its full gradient is the
     sum over the tp ranks. The hook changes the gradient *before* it is accumulated into
     ``.grad``, so gradient accumulation over micro-batches is unaffected."""
-    def all_reduce(grad):
-        grad = grad.clone()   # the incoming gradient may be used elsewhere in backward
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    param._tp_grad_sync = param.register_hook(all_reduce)   # kept so that it can be removed
+    sync_in_backward([param], group, divide_by=1, keep_as="_tp_grad_sync")   # a sum: no division
 
 
 # --------------------------------------------------------------------------- linear layers
@@ -400,21 +396,17 @@ def _default_plan(model) -> dict:
 
 
 def _match(model, plan) -> dict:
-    """{module name: style}, every pattern matching at least one module of the right kind."""
-    modules, chosen = dict(model.named_modules()), {}
+    """{module name: style} in the model's order (``match_plan``'s rules), each module of the
+    kind its style needs."""
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"plan style {style!r} for {pattern!r}: choose one of {STYLES}")
-        names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
-        if not names:
-            raise ValueError(f"plan pattern {pattern!r} matches no module of this {type(model).__name__} "
-                             f"(is the plan for another model? GPT_PLAN / LLAMA_PLAN; or pass plan=...)")
-        for name in names:
-            kind = nn.Embedding if style == "vocab_embedding" else nn.Linear
-            if style not in ("sequence_norm", "parallel_region") and not isinstance(modules[name], kind):
-                raise ValueError(f"{name} is a {type(modules[name]).__name__}; style {style!r} "
-                                 f"needs an nn.{kind.__name__}")
-            chosen.setdefault(name, style)   # the first pattern that names a module wins
+    chosen = {}
+    for name, module, style in match_plan(model, plan):
+        kind = nn.Embedding if style == "vocab_embedding" else nn.Linear
+        if style not in ("sequence_norm", "parallel_region") and not isinstance(module, kind):
+            raise ValueError(f"{name} is a {type(module).__name__}; style {style!r} needs an nn.{kind.__name__}")
+        chosen[name] = style
     return chosen
 
 

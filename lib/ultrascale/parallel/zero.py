@@ -53,7 +53,6 @@ state): the mixed-precision DP baseline of the memory formulas.
 from __future__ import annotations
 
 import copy
-import fnmatch
 
 import torch
 import torch.distributed as dist
@@ -64,6 +63,7 @@ from ..comm.logger import labelled
 from ..memory import zero_bytes_per_rank
 from .flat import (FlatUnit, Piece, coarse_pieces, parameter_owners, resolve_param_groups,
                    split_piece)
+from .matching import match_plan
 from .mesh import axis_group
 from .timeline import COMMUNICATION, Timeline
 
@@ -432,18 +432,14 @@ PLAN = {"blocks.*": "unit"}
 
 
 def units_of(model, plan: dict) -> list:
-    """The modules a plan names as units: glob patterns over ``model.named_modules()``
-    (``"blocks.*"``: every block); a module inside a unit already taken is part of it."""
-    units, names = [], []
-    for name, module in model.named_modules():   # parents come before their children
-        inside = any(name.startswith(outer + ".") for outer in names)
-        matched = [style for pattern, style in plan.items() if fnmatch.fnmatchcase(name, pattern)]
-        if matched and not inside:
-            if matched[0] != "unit":
-                raise ValueError(f"ZeRO plans know one style, 'unit'; got {matched[0]!r} for {name}")
-            units.append(module)
-            names.append(name)
-    return units
+    """The modules a plan names as units (``match_plan``'s rules: ``"blocks.*"`` is every
+    block); a module inside a unit already taken is part of it. A pattern may match nothing:
+    what no unit claims is the root unit."""
+    matched = match_plan(model, plan, outermost=True, may_match_nothing=True)
+    for name, _, style in matched:
+        if style != "unit":
+            raise ValueError(f"ZeRO plans know one style, 'unit'; got {style!r} for {name}")
+    return [module for _, module, _ in matched]
 
 
 def apply_zero(model, mesh_or_group=None, *, stage=1, plan=None, timeline=None, **options) -> ZeRO:

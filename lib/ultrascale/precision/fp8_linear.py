@@ -37,12 +37,12 @@ in high precision, as DeepSeek-V3 keeps them.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from ..parallel.matching import match_plan
 from .scaling import E4M3, E5M2, expand_scales, quantize_per_tensor, quantize_tiles
 
 
@@ -209,18 +209,9 @@ def apply_fp8(model: nn.Module, *, recipe=None, plan: dict | None = None) -> nn.
     if recipe is not None:
         plan = {pattern: recipe for pattern in plan}
     plan = {pattern: get_recipe(r) for pattern, r in plan.items()}
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear:
-            continue
-        for pattern, chosen in plan.items():
-            if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*"):
-                parent_name, _, child = name.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
-                setattr(parent, child, FP8Linear.from_linear(module, chosen))
-                swapped += 1
-                break
-    if not swapped:
-        raise ValueError(f"the plan {list(plan)} matches no nn.Linear of the model; its linears are "
-                         f"{[n for n, m in model.named_modules() if type(m) is nn.Linear]}")
+    # A pattern names a module and the linears inside it ("blocks.0": block 0's linears).
+    for name, module, chosen in match_plan(model, plan, kind=nn.Linear, children=True):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, FP8Linear.from_linear(module, chosen))
     return model
