@@ -640,7 +640,14 @@ def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
     for wrong in (through_the_library, through_sharded_logits):
         _fails(check("04.vocab_parallel_cross_entropy", wrong), "the course library's ultrascale.parallel."
                "tensor_parallel.", "compute it yourself")
+    def through_the_shared_helper(module, group):   # what _sum_gradient_over_tp calls
+        from ultrascale.parallel.grad_sync import sync_in_backward
+
+        sync_in_backward(list(module.parameters()), group, divide_by=1, keep_as="_mine")
+
     _fails(check("05.sequence_parallel_norm_grads", sync_norm_gradients), "_sum_gradient_over_tp",
+           "register the hooks yourself")
+    _fails(check("05.sequence_parallel_norm_grads", through_the_shared_helper), "sync_in_backward",
            "register the hooks yourself")
     # the library works again afterwards, and the solutions pass
     assert check("04.vocab_parallel_cross_entropy", ch04["vocab_parallel_cross_entropy"]).status == PASS

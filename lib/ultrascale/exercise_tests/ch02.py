@@ -35,6 +35,7 @@ from ultrascale.grading.guards import call_learner, forbid_library, without_libr
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import build_buckets
 from ultrascale.parallel.data_parallel import Bucket, DataParallel, average_gradients
+from ultrascale.parallel.grad_sync import reduce_gradient, sync_in_backward
 from ultrascale.parity import Batches, make_optimizer, max_difference, tolerance, train
 
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
@@ -47,7 +48,8 @@ SPLIT = Split([0], [1, 2])
 # wrapper (naive, overlapped, bucketed) talks through DataParallel._all_reduce, and Bucket is the
 # flat buffer with each gradient's slot. (Their __init__ methods call super(): a closure, which
 # forbid_library cannot swap; the methods below are what any use of them reaches.)
-LIBRARY_DP = (DataParallel._all_reduce, Bucket.__init__, Bucket.view_of, average_gradients)
+LIBRARY_DP = (DataParallel._all_reduce, Bucket.__init__, Bucket.view_of, average_gradients, reduce_gradient,
+              sync_in_backward)
 LIBRARY_DP_HINT = ("register the hooks, keep the buffers and launch the all-reduces in your own class "
                    "(ultrascale.parallel's OverlappedDataParallel, BucketedDataParallel and Bucket are "
                    "this exercise's answer)")

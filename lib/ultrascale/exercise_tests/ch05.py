@@ -231,13 +231,14 @@ def _watch_hook_arguments(module) -> list:
 
 def _norm_on_rank(ctx, sync_norm_gradients, seed, split):
     from ultrascale.comm import CommLogger
-    from ultrascale.parallel import tensor_parallel
+    from ultrascale.parallel import grad_sync, tensor_parallel
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
     norm, reference, alone = _layer_norm(seed), _layer_norm(seed), _layer_norm(seed)
     given = _watch_hook_arguments(norm)   # registered first: the learner's hooks get the same tensors
-    forbid = ([tensor_parallel._sum_gradient_over_tp], "05.sequence_parallel_norm_grads",
+    forbid = ([tensor_parallel._sum_gradient_over_tp, grad_sync.sync_in_backward, grad_sync.reduce_gradient],
+              "05.sequence_parallel_norm_grads",
               "register the hooks yourself")
     with refused_library(forbid) as refusal:
         sync_norm_gradients(norm, group)

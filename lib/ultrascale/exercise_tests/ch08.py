@@ -368,11 +368,12 @@ def _hooked(reduce_gradient, changed):
     gradient it is given: ``changed`` notes it if one did."""
     def apply(model, mesh):
         from ultrascale.grading.guards import without_library
-        from ultrascale.parallel import expert_parallel as ep
+        from ultrascale.parallel import expert_parallel as ep, grad_sync
 
         ep.apply_ep(model, mesh, sync_gradients=False)
         data_group, expert_group = ep._data_groups(mesh, ep.axis_group(mesh, "ep"))
-        guarded = without_library(reduce_gradient, [ep._reduce, ep.average_gradients], "08.expert_gradients")
+        library = [ep._reduce, ep.average_gradients, grad_sync.reduce_gradient, grad_sync.sync_in_backward]
+        guarded = without_library(reduce_gradient, library, "08.expert_gradients")
 
         def hook(grad, expert):
             given = grad.clone()
