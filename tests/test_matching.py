@@ -34,6 +34,21 @@ def test_glob_star_crosses_dots_and_never_names_the_model_itself():
     assert names(match_plan(model, {"Head": "a"}, may_match_nothing=True)) == []   # case-sensitive
 
 
+def test_only_the_empty_pattern_names_the_model_itself():
+    """A technique applied to a bare layer names it "" (bench_ep: ``apply_ep(moe, plan={"": "ep"})``)."""
+    from ultrascale.model import MLP, GPTConfig
+    from ultrascale.moe import MoE
+
+    model = Toy()
+    assert names(match_plan(model, {"": "a"})) == [""]
+    assert names(match_plan(model, {"": "a", "embed": "b"})) == ["", "embed"]
+    assert names(match_plan(model, {"": "a", "blocks.*": "b"}, outermost=True)) == [""]   # all inside it
+    assert "head" in names(match_plan(model, {"": "a"}, kind=nn.Linear, children=True))  # "" holds all
+    cfg = GPTConfig(hidden=8, heads=2, layers=1, experts=2, top_k=1)
+    moe = MoE(cfg.hidden, cfg, lambda: MLP(cfg.hidden))
+    assert match_plan(moe, {"": "ep"}, kind=MoE) == [("", moe, "ep")]   # what apply_ep matches
+
+
 def test_modules_come_in_model_order_and_the_first_pattern_wins():
     model = Toy()
     matched = match_plan(model, {"head": "h", "blocks.0.attn.*": "specific", "blocks.*.attn.*": "general",

@@ -8,7 +8,9 @@ the modules it names, and the rules are these:
 * **Glob syntax** (``fnmatch``, case-sensitive) over the names of ``model.named_modules()``.
   ``*`` matches any run of characters, dots included: ``"blocks.*"`` names every module
   under ``blocks`` (``blocks.0``, ``blocks.0.attn``, ``blocks.0.attn.q``, ...), and
-  ``"blocks.*.attn"`` each block's attention. The model itself (name ``""``) is never named.
+  ``"blocks.*.attn"`` each block's attention. The model itself (name ``""``) is named only by
+  the pattern ``""``, so that a technique can be applied to a bare layer
+  (``apply_ep(moe_layer, plan={"": "ep"})``) while ``"*"`` still means "every submodule".
 * **The first pattern wins.** When several patterns name a module, its style is that of the
   first one in the plan's order; the order of a dict is part of the plan.
 * **The modules come in the model's order** (``named_modules``: a parent before its children),
@@ -40,8 +42,15 @@ __all__ = ["match_plan"]
 def _names(name: str, children: bool) -> list[str]:
     """The names a pattern may match for module ``name``: its own, and with ``children``
     those of the modules it is inside (``blocks.0.attn.q`` -> ``blocks.0.attn``, ``blocks.0``, ...)."""
+    if not children or not name:
+        return [name]
     parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] if children else [name]
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]
+
+
+def _names_it(pattern: str, name: str) -> bool:
+    """Does ``pattern`` name the module called ``name``? Only ``""`` names the model itself."""
+    return pattern == name if not (name and pattern) else fnmatch.fnmatchcase(name, pattern)
 
 
 def _kind_name(kind) -> str:
@@ -55,13 +64,13 @@ def match_plan(model: nn.Module, plan: dict, *, kind: type | None = None, childr
     """``[(name, module, style)]``: the modules of ``model`` that ``plan`` names, in the
     model's order, each with the style of the first pattern that names it (rules above)."""
     candidates = [(name, m) for name, m in model.named_modules()
-                  if name and (kind is None or type(m) is kind)]
+                  if (name or "" in plan) and (kind is None or type(m) is kind)]
     used, matched, taken = set(), [], []
     for name, module in candidates:
         names = _names(name, children)
-        hits = [p for p in plan if any(fnmatch.fnmatchcase(n, p) for n in names)]
+        hits = [p for p in plan if any(_names_it(p, n) for n in names)]
         used.update(hits)
-        if not hits or (outermost and any(name.startswith(outer + ".") for outer in taken)):
+        if not hits or (outermost and any(outer == "" or name.startswith(outer + ".") for outer in taken)):
             continue
         matched.append((name, module, plan[hits[0]]))
         taken.append(name)
