@@ -189,9 +189,11 @@ assert raw[2] == 448                                  # within half a step: roun
 assert raw[[0, 1, 3]].isnan().all() or raw[[0, 1, 3]].abs().eq(448).all()
 verdict = "NaN" if raw[0].isnan() else "saturates at +/-448"
 print(f"torch {torch.__version__}: float32 {beyond.tolist()} -> e4m3 {raw.tolist()}  ({verdict})")
-print(f"the course's cast: {round_to(beyond, torch.float8_e4m3fn).tolist()}  (always)")
-assert round_to(beyond, torch.float8_e4m3fn).tolist() == [-448.0, -448.0, 448.0, 448.0]
-#
+clamped = round_to(beyond, torch.float8_e4m3fn).tolist()
+assert clamped == [-448.0, -448.0, 448.0, 448.0]
+print(f"the course's cast: {clamped}  (always)")
+
+# %% [markdown]
 # ## 2. Range and resolution
 #
 # ### Range
