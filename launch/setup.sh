@@ -55,24 +55,22 @@ PY
 }
 
 install_torch() {
-  local log
-  log=$(mktemp)
+  local where="pip's configured index" index=() log
   if has_gpu; then
     echo "[setup] a CUDA GPU and no torch: installing torch==$TORCH_VERSION (CUDA build) from pip's configured index"
-    pip install "torch==$TORCH_VERSION" >"$log" 2>&1 || { cat "$log"; exit 1; }
-    report_torch_install "$log" "pip's configured index"
   elif reachable "$TORCH_CPU_INDEX/torch/"; then
     echo "[setup] no CUDA GPU: installing torch==$TORCH_VERSION, CPU build, from $TORCH_CPU_INDEX"
-    pip install --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" >"$log" 2>&1 || { cat "$log"; exit 1; }
-    report_torch_install "$log" "$TORCH_CPU_INDEX"
+    where=$TORCH_CPU_INDEX index=(--index-url "$TORCH_CPU_INDEX")
   else
     echo "[setup] no CUDA GPU, but $TORCH_CPU_INDEX cannot be reached: installing torch==$TORCH_VERSION from pip's configured index instead"
-    pip install "torch==$TORCH_VERSION" >"$log" 2>&1 || { cat "$log"; exit 1; }
-    report_torch_install "$log" "pip's configured index"
-    "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" 2>/dev/null \
-      || echo "[setup] note: that index served a CUDA build of torch (it runs on the CPU too, but is several GB)"
   fi
+  log=$(mktemp)
+  pip install "${index[@]}" "torch==$TORCH_VERSION" >"$log" 2>&1 || { cat "$log"; exit 1; }
+  report_torch_install "$log" "$where"
   rm -f "$log"
+  if ! has_gpu && ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" 2>/dev/null; then
+    echo "[setup] note: that index served a CUDA build of torch (it runs on the CPU too, but is several GB)"
+  fi
 }
 
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
