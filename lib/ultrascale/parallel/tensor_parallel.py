@@ -44,7 +44,6 @@ Parameters sharded here carry ``tp_shard_dim`` and ``tp_group``; :func:`full_wei
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
