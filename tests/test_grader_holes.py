@@ -617,8 +617,9 @@ def test_sequence_parallel_norm_hooks_sum_before_accumulation(ch05):
 def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
     import torch.nn.functional as F
 
-    from ultrascale.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelLogits
-    from ultrascale.parallel.tensor_parallel import vocab_parallel_cross_entropy as library_loss
+    from ultrascale.parallel.parallel_linear import ColumnParallelLinear
+    from ultrascale.parallel.vocab_parallel import VocabParallelLogits
+    from ultrascale.parallel.vocab_parallel import vocab_parallel_cross_entropy as library_loss
 
     def column_parallel_forward(x, weight_shard, bias_shard, group):
         return ColumnParallelLinear(weight_shard, bias_shard, group)(x)
@@ -630,7 +631,7 @@ def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
         return F.cross_entropy(VocabParallelLogits.wrap(local_logits, vocab_start, group), targets)
 
     def sync_norm_gradients(module, group):
-        from ultrascale.parallel.tensor_parallel import _sum_gradient_over_tp
+        from ultrascale.parallel.sequence_parallel import _sum_gradient_over_tp
 
         for p in module.parameters():
             _sum_gradient_over_tp(p, group)
@@ -639,7 +640,7 @@ def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
            "ColumnParallelLinear is the answer")
     for wrong in (through_the_library, through_sharded_logits):
         _fails(check("04.vocab_parallel_cross_entropy", wrong), "the course library's ultrascale.parallel."
-               "tensor_parallel.", "compute it yourself")
+               "vocab_parallel.", "compute it yourself")
     def through_the_shared_helper(module, group):   # what _sum_gradient_over_tp calls
         from ultrascale.parallel.grad_sync import sync_in_backward
 

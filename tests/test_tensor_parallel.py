@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ultrascale.comm.functional import f_star
+from ultrascale.data import Batch, Batches
 from ultrascale.model import GPT, GPTConfig, Llama, LlamaConfig
 from ultrascale.parallel.mesh import init_mesh
+from ultrascale.parallel.parallel_linear import RowParallelLinear
+from ultrascale.parallel.tensor_parallel import GPT_PLAN, LLAMA_PLAN, apply_tp, full_gradients, full_weights
 from ultrascale.parallel.timeline import Timeline
-from ultrascale.parallel.tensor_parallel import (GPT_PLAN, LLAMA_PLAN, RowParallelLinear, VocabParallelLogits,
-                                                 apply_tp, full_gradients, full_weights)
-from ultrascale.parity import (Batch, Batches, assert_same, device_mesh_1d, dtensor_tp, first_step_and_train,
-                               max_difference, perturbed)
+from ultrascale.parallel.vocab_parallel import VocabParallelLogits
+from ultrascale.parity import assert_same, device_mesh_1d, dtensor_tp, first_step_and_train, max_difference, perturbed
 from ultrascale.runtime import shared_cluster
 
 # 12 heads, FFN 192, vocabulary 96 and 12 tokens: tp = 2, 3 and 4 all divide them.
@@ -230,7 +231,7 @@ def test_refusals_name_the_fix():
 
 # --------------------------------------------------------------------------- the parallel cross-entropy alone
 def parallel_cross_entropy(ctx, logits, targets):
-    from ultrascale.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from ultrascale.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
     width = logits.shape[-1] // ctx.world_size
     local = logits[..., ctx.rank * width:(ctx.rank + 1) * width].clone().requires_grad_()

@@ -453,7 +453,7 @@ def _grads_problem(got, want, names) -> str | None:
 
 
 def _column_on_rank(ctx, forward, seed, split):
-    from ultrascale.parallel.tensor_parallel import ColumnParallelLinear
+    from ultrascale.parallel.parallel_linear import ColumnParallelLinear
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
@@ -524,7 +524,7 @@ def test_column_parallel_linear(column_parallel_forward, world_size: int = 3, qu
 
 
 def _row_on_rank(ctx, forward, seed, split):
-    from ultrascale.parallel.tensor_parallel import RowParallelLinear
+    from ultrascale.parallel.parallel_linear import RowParallelLinear
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
@@ -633,7 +633,7 @@ def _per_rank_max_loss(logits, targets, n) -> torch.Tensor:
 
 def _ce_on_rank(ctx, fn, seed, split):
     from ultrascale.comm import CommLogger
-    from ultrascale.parallel import tensor_parallel
+    from ultrascale.parallel import vocab_parallel
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
@@ -644,7 +644,7 @@ def _ce_on_rank(ctx, fn, seed, split):
         expected = F.cross_entropy(full, targets)     # one process, the whole vocabulary
         expected.backward()
         local = logits[:, cols].clone().requires_grad_()
-        forbid = ([tensor_parallel.vocab_parallel_cross_entropy, tensor_parallel._cross_entropy],
+        forbid = ([vocab_parallel.vocab_parallel_cross_entropy, vocab_parallel._cross_entropy],
                   "04.vocab_parallel_cross_entropy",
                   "build it from the maximum, the sum of exponentials and the target's logit")
         loss, branch = None, SharedBranch(torch.tensor(1.0))   # the loss's gradient shared with another term

@@ -1,0 +1,127 @@
+"""Sequence parallelism (SP): the work between the tensor-parallel regions split along the sequence.
+
+Between the TP regions (norms, residual adds) the activations are identical on every tp
+rank, so that work and memory are split along the sequence instead. ``f``/``f*`` become
+``g`` (all-gather the sequence before a column-parallel layer) and ``g*`` (reduce-scatter
+after a row-parallel one), which together move the bytes of the one all-reduce they
+replace. ``apply_tp(..., sequence_parallel=True)`` (``tensor_parallel.py``) puts the pieces
+of this module in place:
+
+* :func:`enter_parallel_region`: f, or g with SP, applied once at the entrance of a region;
+* :class:`RegatherInBackward`: the layers after ``g`` save only this rank's slice of their
+  gathered input and all-gather it again in backward (as Megatron-LM does);
+* a replicated parameter used on a slice of the sequence (norm weights, row-parallel biases)
+  gets only that slice's gradient; :func:`_sum_gradient_over_tp` hooks each such parameter
+  so its gradient is all-reduced over the tp group as it is computed, inside backward (so
+  accumulation over micro-batches stays right and nothing has to be called after backward);
+* the blocks see ``seq/tp`` tokens, but the model computes default RoPE positions from the
+  embedding output's length, which would then be wrong. Attention runs between ``g`` and
+  ``g*`` on the whole sequence, so it needs positions ``0..seq-1``:
+  :func:`fill_global_positions` registers a forward pre-hook on the model that passes them
+  when the caller gives none. ``model.py`` is not changed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..comm.functional import f, g, gather_along_dim
+from .grad_sync import sync_in_backward
+
+__all__ = ["enter_parallel_region", "RegatherInBackward", "fill_global_positions"]
+
+
+def _sum_gradient_over_tp(param: nn.Parameter, group) -> None:
+    """Under SP a replicated parameter sees only this rank's tokens: its full gradient is the
+    sum over the tp ranks. The hook changes the gradient *before* it is accumulated into
+    ``.grad``, so gradient accumulation over micro-batches is unaffected."""
+    sync_in_backward([param], group, divide_by=1, keep_as="_tp_grad_sync")   # a sum: no division
+
+
+
+def enter_parallel_region(x, group=None, sequence_parallel=False):
+    """f (identity forward, all-reduce backward), or g (all-gather the sequence, dim 1) with SP."""
+    return g(x, 1, group) if sequence_parallel else f(x, group)
+
+
+class _Regathered:
+    """What a saved-tensor hook keeps in place of (a view of) the gathered input: the slice."""
+    __slots__ = ("shard", "size", "stride", "offset")
+
+    def __init__(self, shard, t):
+        self.shard, self.size, self.stride, self.offset = shard, t.size(), t.stride(), t.storage_offset()
+
+
+class RegatherInBackward:
+    """Saved-tensor hooks: keep this rank's slice of the sequence, not g's gathered output.
+
+    With SP, the column-parallel layers after ``g`` save their input, the whole sequence
+    ``(b, s, h)``, to compute their weight gradients: tp times what the rank holds between
+    the regions. Megatron-LM keeps only the slice and all-gathers it again in backward,
+    trading one more all-gather per region for ``b*s*h*(tp-1)/tp`` fewer saved elements;
+    these hooks do the same for any layer inside the region (q, k and v save one tensor:
+    it is gathered once, when the first of them needs it, and dropped after the last).
+    Hooks already active (a checkpoint, a memory measurement) still see every saved
+    tensor: the others unchanged, and the slice in place of the gathered input.
+    """
+
+    def __init__(self, shard, gathered, group):
+        self.shard, self.group = shard.detach(), group
+        self.storage = gathered.untyped_storage().data_ptr()
+        self.packed = self.unpacked = 0
+        self.full = None
+        # Saved-tensor hooks do not nest on their own: the innermost pair is the only one
+        # called, so ours hands every tensor on to the pair that was active before it.
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.outer_pack, self.outer_unpack = outer or (lambda t: t, lambda t: t)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t):
+        if t.untyped_storage().data_ptr() != self.storage:
+            return self.outer_pack(t)
+        self.packed += 1
+        return _Regathered(self.outer_pack(self.shard), t)
+
+    def unpack(self, saved):
+        if not isinstance(saved, _Regathered):
+            return self.outer_unpack(saved)
+        full = self.full
+        if full is None:
+            with torch.no_grad():
+                full = gather_along_dim(self.outer_unpack(saved.shard), 1, self.group)
+        self.unpacked += 1
+        self.full = full if self.unpacked < self.packed else None   # drop it after the last use
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+def _enter_region_keeping_shard(module, x, group, sequence_parallel, regather):
+    """Apply f (g); with SP and ``regather``, push RegatherInBackward until the module's forward ends."""
+    gathered = enter_parallel_region(x, group, sequence_parallel)
+    if sequence_parallel and regather and torch.is_grad_enabled():
+        module._regather = RegatherInBackward(x, gathered, group)
+        module._regather.hooks.__enter__()
+    return gathered
+
+
+def _leave_region(module, *_):
+    regather = module.__dict__.pop("_regather", None)
+    if regather is not None:
+        regather.hooks.__exit__(None, None, None)
+
+
+def fill_global_positions(model, tp: int):
+    """A forward pre-hook giving the model RoPE positions ``0..seq-1`` when the caller gives
+    none. With SP the model would otherwise take them from the length of its (sequence-split)
+    embedding output; attention sees the whole sequence. Also refuses a length tp does not divide."""
+    def hook(module, args, kwargs):
+        idx = args[0] if args else kwargs["idx"]
+        tokens = idx.dim() == 2   # token ids: the whole sequence; hidden states: this rank's slice
+        seq = idx.shape[1] if tokens else idx.shape[1] * tp
+        if tokens and seq % tp:
+            raise ValueError(f"sequence parallelism splits each sequence over tp={tp} ranks: {seq} tokens "
+                             f"do not split evenly; use a sequence length divisible by {tp} (or pad)")
+        if len(args) > 1 or kwargs.get("positions") is not None:
+            return None   # the caller knows the global positions (e.g. context parallelism)
+        return args, {**kwargs, "positions": torch.arange(seq, device=idx.device)}
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
