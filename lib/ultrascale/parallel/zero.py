@@ -13,7 +13,8 @@ ZeRO (Zero Redundancy Optimizer) removes that redundancy in three steps:
 * stage 3 also shards the parameters: a unit's parameters are all-gathered just
   before its forward, freed after it, gathered again for its backward (FSDP).
   ``prefetch`` starts the next unit's all-gather while the current one computes.
-  Every rank must run the same units' forwards (each one is a collective).
+  Every rank must run the same units' forwards (each one is a collective). Those hooks
+  are their own idea, in ``zero3.py`` (``ParameterSharding``, a part of ``ZeRO``).
 
 The model is cut into *units*: by default each block of ``model.blocks`` is one,
 and everything else (embeddings, final norm, head) forms the root unit. A unit's
@@ -49,30 +50,31 @@ state): the mixed-precision DP baseline of the memory formulas.
     model.loss(x, y).backward()
     zero.step(); zero.zero_grad()
     torch.save(zero.state_dict(), f"ckpt-rank{rank}.pt")   # this rank's shard of the state
+
+Measuring this rank's share of the state (``state_bytes`` against the book's formula) and
+saving and resuming it (``state_dict`` / ``load_state_dict``) are in ``zero_state.py``
+(``ShardedState``, also a part of ``ZeRO``).
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten
 
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from ..comm.logger import labelled
-from ..memory import zero_bytes_per_rank
-from .flat import (FlatUnit, Piece, coarse_pieces, parameter_owners, resolve_param_groups,
-                   split_piece)
+from .flat import FlatUnit, coarse_pieces, parameter_owners, resolve_param_groups, split_piece
 from .matching import match_plan
 from .mesh import axis_group
 from .timeline import COMMUNICATION, Timeline
+from .zero3 import ParameterSharding
+from .zero_state import ShardedState
 
 GRADIENT_FLAGS = "all_reduce (gradient flags)"   # its name in a CommLogger's log
 
 __all__ = ["PLAN", "ZeRO", "FlatUnit", "apply_zero", "units_of", "all_gather_into", "reduce_scatter_into"]
 
 
-class ZeRO:
+class ZeRO(ParameterSharding, ShardedState):
     """Shard a model's training state over the data-parallel ranks; also its optimizer.
 
     ``param_groups``: as the first argument of a torch optimizer, a list of dicts of the
@@ -300,131 +302,6 @@ class ZeRO:
                 if buffer is not None:
                     buffer.zero_()
 
-    # ------------------------------------------------------------------ stage 3
-    def _register_stage3_hooks(self) -> None:
-        order = self.all_units
-        for i, unit in enumerate(order):
-            nxt = order[i + 1] if i + 1 < len(order) else None
-            prev = order[i - 1] if i > 0 and order[i - 1] is not self.root else None
-            keep = unit is self.root or unit is order[-1]   # needed again at once by backward
-            unit.module.register_forward_pre_hook(lambda m, a, u=unit, n=nxt: self._pre_forward(u, n))
-            unit.module.register_forward_hook(
-                lambda m, a, out, u=unit, p=prev, k=keep: self._post_forward(u, p, k, out))
-
-    def _start_gather(self, unit) -> None:
-        if unit is None or unit.gathered or unit.gather_work is not None:
-            return
-        unit.alloc_full()
-        # Write through .data: autograd must not see this refill as an in-place edit of
-        # tensors it saved in forward (they get back exactly the values forward used).
-        unit.gather_work = self._collective("all_gather", unit, unit.full.data, unit.shard, async_op=True)
-
-    def _ensure_gathered(self, unit) -> None:
-        self._start_gather(unit)
-        if unit.gather_work is not None:
-            unit.gather_work.wait()
-            unit.gather_work = None
-        unit.gathered = True
-
-    def _reshard(self, unit) -> None:
-        if unit.gather_work is not None:
-            unit.gather_work.wait()
-            unit.gather_work = None
-        if unit.full.untyped_storage().nbytes():
-            unit.free_full()
-
-    def _pre_forward(self, unit, nxt) -> None:
-        self._ensure_gathered(unit)
-        if self.prefetch and not _in_backward():   # the next unit travels while this one computes
-            self._start_gather(nxt)
-
-    def _post_forward(self, unit, prev, keep, output) -> None:
-        if _in_backward():
-            return   # a forward re-run inside backward (activation recomputation): keep the parameters
-        training = torch.is_grad_enabled()
-        tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-        for t in tensors:               # fires when the gradient reaches this unit's output
-            t.register_hook(lambda g, u=unit, p=prev: self._pre_backward(u, p))
-        if not (training and tensors):  # inference: nothing will come back for these
-            for u in (self.all_units if unit is self.root else [unit]):
-                self._reshard(u)
-        elif not keep:
-            unit.free_full()
-
-    def _pre_backward(self, unit, prev) -> None:
-        if unit.backward_started:
-            return
-        unit.backward_started = True
-        self._ensure_gathered(unit)
-        if self.prefetch:               # backward walks the units in reverse
-            self._start_gather(prev)
-
-    # ------------------------------------------------------------------ inspection
-    @property
-    def num_parameters(self) -> int:
-        """The trainable parameters (the Ψ of the formulas); frozen ones are left out."""
-        return sum(u.numel for u in self.all_units)
-
-    def state_bytes(self) -> dict:
-        """Bytes this rank holds now: parameters, gradients, optimizer (fp32 master + states).
-        Frozen parameters are the model's, not ZeRO's: they are not counted."""
-        nbytes = lambda t: 0 if t is None else t.untyped_storage().nbytes()   # noqa: E731
-        units = self.all_units
-        params = sum(nbytes(u.full) + nbytes(u.shard) for u in units)
-        grads = sum(nbytes(u.grad_full) + nbytes(u.grad_shard) for u in units)
-        grads += sum(nbytes(p.grad) for u in units for p in u.params)
-        states = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        optimizer = sum(nbytes(u.master) for u in units) + sum(nbytes(t) for t in states)
-        return {"parameters": params, "gradients": grads, "optimizer states": optimizer}
-
-    def formula_bytes(self, k: float = 12) -> dict:
-        """The book's per-rank formula at this run's byte widths (k: optimizer bytes per parameter)."""
-        width = self.all_units[0].full.element_size()
-        return zero_bytes_per_rank(self.num_parameters, self.stage, self.world_size, k, width, width)
-
-    def full_state_dict(self) -> dict:
-        """Every parameter in full on every rank (a collective: call it on all ranks)."""
-        if self.stage == 3:
-            for unit in self.all_units:
-                self._ensure_gathered(unit)
-        state = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        if self.stage == 3:
-            for unit in self.all_units:
-                unit.free_full()
-        return state
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """This rank's share of the training state: its master shard of every unit and
-        the optimizer state of its pieces (with their layout). Save it on every rank;
-        ``load_state_dict`` resumes on the same world size and stage, each rank its own.
-        Frozen parameters and buffers are the model's: save them with the model."""
-        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
-                "units": [(u.name, u.numel) for u in self.all_units],
-                "pieces": [(self.all_units.index(pc.unit), pc.index, pc.group) for pc in self.pieces],
-                "master": [u.master.clone() for u in self.all_units],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict())}   # not live references
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()`` (a collective at stages 1 and 2: call it on all ranks)."""
-        for key in ("world_size", "stage", "rank"):
-            if state[key] != getattr(self, key):
-                raise ValueError(
-                    f"this ZeRO state dict was saved with {key}={state[key]}, but this ZeRO has "
-                    f"{key}={getattr(self, key)}: a sharded state resumes only on the same world "
-                    "size and stage, each rank loading the state dict it saved")
-        if state["units"] != [(u.name, u.numel) for u in self.all_units]:
-            raise ValueError("this ZeRO state dict was saved for other units or another model: "
-                             f"{state['units']} != {[(u.name, u.numel) for u in self.all_units]}")
-        ranges = [{r[0]: r for r in u.owned_ranges()} for u in self.all_units]
-        self.pieces = [Piece(self.all_units[k], [ranges[k][i] for i in index], g)
-                       for k, index, g in state["pieces"]]
-        self._sync_param_groups()       # the optimizer's state refers to pieces by position
-        self.optimizer.load_state_dict(state["optimizer"])
-        for unit, master in zip(self.all_units, state["master"]):
-            unit.master.copy_(master)
-        self._publish_parameters()      # the parameters are the master weights, rounded
-
 
 # The plan for the course GPT and Llama: each transformer block is a unit (gathered and
 # freed as one at stage 3); what no unit claims (embedding, final norm, head) is the root.
@@ -451,8 +328,3 @@ def apply_zero(model, mesh_or_group=None, *, stage=1, plan=None, timeline=None, 
     units = units_of(model, PLAN if plan is None else plan)
     return ZeRO(model, stage, units=units, group=axis_group(mesh_or_group, "dp"), timeline=timeline,
                 **options)
-
-
-def _in_backward() -> bool:
-    """True while autograd's engine runs, e.g. when checkpointing re-runs a forward."""
-    return torch._C._current_graph_task_id() != -1

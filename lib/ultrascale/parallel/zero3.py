@@ -1,0 +1,86 @@
+"""ZeRO-3's parameter sharding: each unit's parameters gathered just before use and freed after.
+
+At stage 3 a rank keeps only its shard of every unit's flat parameters (``unit.shard``).
+A unit's parameters are all-gathered just before its forward, freed after it, gathered
+again when the gradient reaches the unit's output for its backward (FSDP). ``prefetch``
+starts the next unit's all-gather (the previous one's, in backward) while the current one
+computes. Every rank must run the same units' forwards (each one is a collective). The
+root unit and the last unit stay gathered after forward: backward needs them at once.
+A forward re-run inside backward (activation recomputation) keeps the parameters.
+
+:class:`ParameterSharding` is a part of :class:`~ultrascale.parallel.zero.ZeRO` (which
+registers these hooks at stage 3); it uses ZeRO's units and its ``_collective``.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["ParameterSharding"]
+
+
+class ParameterSharding:
+    """ZeRO-3's hooks on every unit: gather before forward and backward, free after."""
+
+    def _register_stage3_hooks(self) -> None:
+        order = self.all_units
+        for i, unit in enumerate(order):
+            nxt = order[i + 1] if i + 1 < len(order) else None
+            prev = order[i - 1] if i > 0 and order[i - 1] is not self.root else None
+            keep = unit is self.root or unit is order[-1]   # needed again at once by backward
+            unit.module.register_forward_pre_hook(lambda m, a, u=unit, n=nxt: self._pre_forward(u, n))
+            unit.module.register_forward_hook(
+                lambda m, a, out, u=unit, p=prev, k=keep: self._post_forward(u, p, k, out))
+
+    def _start_gather(self, unit) -> None:
+        if unit is None or unit.gathered or unit.gather_work is not None:
+            return
+        unit.alloc_full()
+        # Write through .data: autograd must not see this refill as an in-place edit of
+        # tensors it saved in forward (they get back exactly the values forward used).
+        unit.gather_work = self._collective("all_gather", unit, unit.full.data, unit.shard, async_op=True)
+
+    def _ensure_gathered(self, unit) -> None:
+        self._start_gather(unit)
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+        unit.gathered = True
+
+    def _reshard(self, unit) -> None:
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+        if unit.full.untyped_storage().nbytes():
+            unit.free_full()
+
+    def _pre_forward(self, unit, nxt) -> None:
+        self._ensure_gathered(unit)
+        if self.prefetch and not _in_backward():   # the next unit travels while this one computes
+            self._start_gather(nxt)
+
+    def _post_forward(self, unit, prev, keep, output) -> None:
+        if _in_backward():
+            return   # a forward re-run inside backward (activation recomputation): keep the parameters
+        training = torch.is_grad_enabled()
+        tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        for t in tensors:               # fires when the gradient reaches this unit's output
+            t.register_hook(lambda g, u=unit, p=prev: self._pre_backward(u, p))
+        if not (training and tensors):  # inference: nothing will come back for these
+            for u in (self.all_units if unit is self.root else [unit]):
+                self._reshard(u)
+        elif not keep:
+            unit.free_full()
+
+    def _pre_backward(self, unit, prev) -> None:
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        self._ensure_gathered(unit)
+        if self.prefetch:               # backward walks the units in reverse
+            self._start_gather(prev)
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs, e.g. when checkpointing re-runs a forward."""
+    return torch._C._current_graph_task_id() != -1
