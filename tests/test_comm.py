@@ -23,7 +23,7 @@ from ultrascale.comm import (AlphaBeta, CommLogger, bus_bandwidth_sweep, bus_fac
                              fit_ring_all_reduce, ring_all_gather, ring_all_reduce,
                              ring_reduce_scatter, tensor_parallel_scaling,
                              tensor_parallel_throughput)
-from ultrascale.model import LLAMA3_8B, LLAMA_TINY, count_params
+from ultrascale.model import LLAMA3_8B, LLAMA_TINY, count_params, training_flops
 from ultrascale.runtime import Cluster
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
@@ -339,10 +339,12 @@ def test_ring_all_reduce_model_and_crossover():
 # ---- tensor parallelism's throughput model -----------------------------------------------
 # illustrative H100-like inputs (not measurements): bf16 dense peak, NVLink, 400 Gb/s per GPU
 H100_LIKE = dict(peak_flops=989e12, intra_node=AlphaBeta(5e-6, 450e9), inter_node=AlphaBeta(1e-5, 50e9))
+LLAMA3_8B_4096 = training_flops(LLAMA3_8B, 4096, seq_len=4096)   # one micro-batch of one 4096-token sequence
 
 
 def test_tp_model_one_rank_only_computes_and_compute_scales_as_one_over_tp():
-    rows = tensor_parallel_scaling(LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1, **H100_LIKE)
+    rows = tensor_parallel_scaling(LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1, flops=LLAMA3_8B_4096,
+                                   **H100_LIKE)
     assert rows[0]["comm_s"] == 0 and rows[0]["step_s"] == rows[0]["compute_s"]
     for row in rows:
         assert row["compute_s"] == pytest.approx(rows[0]["compute_s"] / row["tp"])
@@ -356,6 +358,7 @@ def test_tp_model_leaves_nvlink_exactly_when_the_group_leaves_the_node(gpus_per_
     nbytes = 2048 * 2 * LLAMA3_8B.hidden * 2                      # b*s*h in bf16
     for tp in (2, 3, 4, 5, 8, 9, 16):
         row = tensor_parallel_throughput(LLAMA3_8B, tp, seq=2048, micro_batch=2, peak_flops=1e15,
+                                         flops=training_flops(LLAMA3_8B, 2 * 2048, seq_len=2048),
                                          intra_node=intra, inter_node=inter, gpus_per_node=gpus_per_node)
         link = inter if tp > gpus_per_node else intra
         assert row["bandwidth"] == ("inter-node" if tp > gpus_per_node else "intra-node")
@@ -364,10 +367,11 @@ def test_tp_model_leaves_nvlink_exactly_when_the_group_leaves_the_node(gpus_per_
 
 def test_tp_model_by_hand():
     """LLAMA_TINY (L=2, h=64), seq 32, micro-batch 2, tp 4, 1 TFLOP/s, alpha 10 us, beta 1 GB/s."""
-    row = tensor_parallel_throughput(LLAMA_TINY, 4, seq=32, micro_batch=2, peak_flops=1e12,
-                                     intra_node=AlphaBeta(1e-5, 1e9), inter_node=AlphaBeta(1, 1))
     tokens = 2 * 32
     flops = tokens * (6 * count_params(LLAMA_TINY) + 12 * 2 * 64 * 32)   # 6N + attention, per token
+    assert training_flops(LLAMA_TINY, tokens, seq_len=32) == pytest.approx(flops)
+    row = tensor_parallel_throughput(LLAMA_TINY, 4, seq=32, micro_batch=2, flops=flops, peak_flops=1e12,
+                                     intra_node=AlphaBeta(1e-5, 1e9), inter_node=AlphaBeta(1, 1))
     compute = flops / (4 * 1e12)
     all_reduce = 2 * (4 - 1) * (1e-5 + tokens * 64 * 2 / (4 * 1e9))     # ring over 4 ranks, 8 KiB
     comm = 4 * 2 * all_reduce                                            # 4 per layer, 2 layers
@@ -379,12 +383,13 @@ def test_tp_model_by_hand():
 
 
 def test_tp_model_throughput_drops_and_falls_off_a_cliff_past_the_node():
-    rows = tensor_parallel_scaling(LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1, **H100_LIKE)
+    rows = tensor_parallel_scaling(LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1, flops=LLAMA3_8B_4096,
+                                   **H100_LIKE)
     per_gpu = {row["tp"]: row["tokens_per_s_per_gpu"] for row in rows}
     assert all(a > b for a, b in zip(list(per_gpu.values()), list(per_gpu.values())[1:]))
     assert per_gpu[16] / per_gpu[8] < per_gpu[8] / per_gpu[4]     # leaving NVLink costs the most
     with pytest.raises(ValueError, match="tp"):
-        tensor_parallel_throughput(LLAMA3_8B, 0, seq=4096, micro_batch=1, **H100_LIKE)
+        tensor_parallel_throughput(LLAMA3_8B, 0, seq=4096, micro_batch=1, flops=LLAMA3_8B_4096, **H100_LIKE)
 
 
 # ---- recursive doubling and the choice by size ---------------------------------------------

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import training_flops
-
 
 @dataclass(frozen=True)
 class AlphaBeta:
@@ -100,16 +98,18 @@ def fit_ring_all_reduce(sizes, times, world_size: int, relative: bool = True) ->
 
 
 # ---- tensor parallelism ---------------------------------------------------------------
-def tensor_parallel_throughput(config, tp: int, *, seq: int, micro_batch: int, peak_flops: float,
+def tensor_parallel_throughput(config, tp: int, *, seq: int, micro_batch: int, flops: float, peak_flops: float,
                                intra_node: AlphaBeta, inter_node: AlphaBeta, gpus_per_node: int = 8,
                                bytes_per_element: int = 2) -> dict:
     """Per-GPU tokens/s of one tensor-parallel group, and where its step time goes.
 
     A model, not a measurement. One training step of one micro-batch of ``b * s`` tokens
-    (b = micro_batch, s = seq) on ``tp`` GPUs:
+    (b = micro_batch, s = seq) on ``tp`` GPUs, for a model of ``config.layers`` layers of
+    width ``config.hidden``:
 
-    * compute: the model's training FLOPs for those tokens (``training_flops``: 6N per
-      token plus attention), split evenly over the tp GPUs, at ``peak_flops`` each;
+    * compute: ``flops``, the model's training FLOPs for those tokens (the caller counts
+      them, e.g. ``model.training_flops(config, b * s, seq_len=s)``: 6N per token plus
+      attention), split evenly over the tp GPUs, at ``peak_flops`` each;
     * communication: per transformer layer, 4 all-reduces of the ``b * s * h`` activation
       (2 in forward: f* after attention's and the MLP's row-parallel layers; 2 in
       backward: f at the input of each region), each a ring all-reduce over the tp ranks. Within a node (tp <= gpus_per_node) the
@@ -130,14 +130,15 @@ def tensor_parallel_throughput(config, tp: int, *, seq: int, micro_batch: int, p
     No hardware numbers are built in: pass your own. Illustrative H100-like inputs,
     not measurements::
 
-        tensor_parallel_throughput(LLAMA3_8B, 16, seq=4096, micro_batch=1, peak_flops=989e12,
+        tensor_parallel_throughput(LLAMA3_8B, 16, seq=4096, micro_batch=1,
+                                   flops=training_flops(LLAMA3_8B, 4096, seq_len=4096), peak_flops=989e12,
                                    intra_node=AlphaBeta(5e-6, 450e9),    # NVLink, per direction
                                    inter_node=AlphaBeta(1e-5, 50e9))     # 400 Gb/s per GPU
     """
     if tp < 1 or int(tp) != tp:
         raise ValueError(f"tp (the tensor-parallel degree) must be an integer >= 1, got {tp}")
     tokens = seq * micro_batch
-    compute_s = training_flops(config, tokens, seq_len=seq) / (tp * peak_flops)
+    compute_s = flops / (tp * peak_flops)
     spans_nodes = tp > gpus_per_node
     link = inter_node if spans_nodes else intra_node
     activation = tokens * config.hidden * bytes_per_element
@@ -149,5 +150,6 @@ def tensor_parallel_throughput(config, tp: int, *, seq: int, micro_batch: int, p
 
 
 def tensor_parallel_scaling(config, tps, **kwargs) -> list[dict]:
-    """``tensor_parallel_throughput`` for each degree in ``tps`` (same keyword inputs)."""
+    """``tensor_parallel_throughput`` for each degree in ``tps`` (same keyword inputs, ``flops``
+    included: the whole micro-batch's, which the degrees split)."""
     return [tensor_parallel_throughput(config, tp, **kwargs) for tp in tps]
