@@ -1,5 +1,6 @@
 """Pipeline schedules (ultrascale.schedule, NB07): the generators' action lists, the book's
-formulas asserted on the simulator, the memory the schedules hold, validity and deadlocks.
+formulas asserted on the simulator, the memory the schedules hold, validity and deadlocks;
+their drawing and interactive view (ultrascale.viz.schedule, ultrascale.viz.schedule_widget).
 
 Pure Python and fast. Conventions (see ultrascale/schedule/simulate.py): t_f and t_b are one
 micro-batch's forward and whole backward through one rank's layers, t_b = 2 t_f unless said;
@@ -13,9 +14,10 @@ import sys
 import matplotlib
 import pytest
 
-from ultrascale.schedule import (Action, DeadlockError, Schedule, afab, bubble_fraction, draw, dualpipe_v,
+from ultrascale.schedule import (Action, DeadlockError, Schedule, afab, bubble_fraction, dualpipe_v,
                                  interleaved_1f1b, make_schedule, naive, one_f_one_b, one_f_one_b_rank,
                                  one_forward_one_backward, parse, predicted_bubble_fraction, simulate, zb_h1)
+from ultrascale.viz.schedule import draw
 
 matplotlib.use("Agg")
 EXACT = 1e-12
@@ -236,7 +238,8 @@ def test_draw_puts_micro_batch_ids_in_the_boxes():
 
 
 def test_schedule_needs_no_torch():
-    code = "import sys, ultrascale.schedule as s; s.simulate(s.one_f_one_b(4, 8)); assert 'torch' not in sys.modules"
+    code = ("import sys, ultrascale.schedule as s; s.simulate(s.one_f_one_b(4, 8)); "
+            "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -244,7 +247,7 @@ def test_schedule_needs_no_torch():
 def test_schedule_figure_and_widget():
     """The static figure with its summary; the widget redraws, shows the generators' refusals as
     text, and saves as one readable line."""
-    from ultrascale.schedule import schedule_figure, schedule_widget
+    from ultrascale.viz.schedule_widget import schedule_figure, schedule_widget
 
     fig, text = schedule_figure("interleaved", p=4, m=8, v=2)
     assert "bubble 0.188 (formula (p-1)/(v m) = 0.188)" in text and "[11, 9, 7, 5]" in text

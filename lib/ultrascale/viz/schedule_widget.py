@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import io
 
-from .draw import draw
-from .generators import CHUNKS, SCHEDULES, make_schedule
-from .simulate import predicted_bubble_fraction, simulate
+from ..schedule.generators import CHUNKS, SCHEDULES, make_schedule
+from ..schedule.simulate import predicted_bubble_fraction, simulate
+from .live import with_text_repr
+from .schedule import draw
 
 PLACEHOLDER = "[pipeline simulator: run this cell in JupyterLab for its menus and sliders]"
 ONE_CHUNK = ("naive", "afab", "1f1b", "zb-h1")   # schedules with one stage per rank
@@ -42,8 +43,6 @@ def _png(fig) -> bytes:
 def schedule_widget(name: str = "1f1b", p: int = 4, m: int = 8, v: int = 2):
     """Menus and sliders for ``schedule_figure``; redraws when a control is let go."""
     import ipywidgets as w
-
-    from ..viz.live import with_text_repr
 
     controls = {
         "name": w.Dropdown(options=list(SCHEDULES), value=name, description="schedule"),

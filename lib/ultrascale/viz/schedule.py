@@ -9,7 +9,7 @@ the boxes is the bubble: time in the step a rank spends waiting.
 """
 from __future__ import annotations
 
-from .simulate import Simulation, action_of, bubble_fraction
+from ..schedule.simulate import Simulation, action_of, bubble_fraction
 
 # (first chunk, later chunks) for each op.
 COLOURS = {"F": ("#4c72b0", "#a9bfe3"), "B": ("#55a868", "#b1dcbc"), "W": ("#8172b2", "#c9c0e6")}
