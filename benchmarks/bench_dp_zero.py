@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from ultrascale.data import Batches
 from ultrascale.model import GPT, count_params
 from ultrascale.parallel import BucketedDataParallel, ZeRO
-from ultrascale.parity import OPTIMIZERS, Batches, ddp, device_mesh_1d, fsdp2, make_optimizer
+from ultrascale.parity import ddp, device_mesh_1d, fsdp2
 from ultrascale.runtime import Cluster
+from ultrascale.train import OPTIMIZERS, make_optimizer
 from sidebyside import (config_of, measure_rounds, median_steps, model_arguments, ratio_interval, round_ratios,
                         timed_steps, verdict)
 

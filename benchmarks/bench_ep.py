@@ -23,9 +23,9 @@ from ultrascale.comm import format_bytes
 from ultrascale.model import MLP, GPTConfig
 from ultrascale.moe import MoE
 from ultrascale.parallel.expert_parallel import apply_ep
-from ultrascale.parallel.expert_runs import layer_traffic
-from ultrascale.parity import make_optimizer
+from ultrascale.parity.expert_runs import layer_traffic
 from ultrascale.runtime import Cluster
+from ultrascale.train import make_optimizer
 from sidebyside import measure, model_arguments, timed_steps
 
 IMPLS = {"ep": "ours: apply_ep over the ranks", "one": "one process, all experts"}

@@ -27,13 +27,14 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from ultrascale.data import Batches
 from ultrascale.model import GPT, count_params
 from ultrascale.parallel.pipeline_parallel import apply_pp
-from ultrascale.parallel.pipeline_runs import calibrate_compute, pytorch_pipeline
 from ultrascale.parallel.timeline import Timeline
-from ultrascale.parity import Batches, make_optimizer
+from ultrascale.parity.pipeline_runs import calibrate_compute, pytorch_pipeline
 from ultrascale.runtime import Cluster
 from ultrascale.schedule import bubble_fraction, predicted_bubble_fraction
+from ultrascale.train import make_optimizer
 from sidebyside import config_of, measure, model_arguments, timed_steps, verdict
 
 IMPLS = {"ours": "ours: apply_pp, 1F1B", "torch": "PyTorch Schedule1F1B"}

@@ -23,11 +23,13 @@ import contextlib
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ultrascale.data import Batches
 from ultrascale.memory import saved_activation_bytes
 from ultrascale.model import GPT, count_params
 from ultrascale.parallel.tensor_parallel import apply_tp
-from ultrascale.parity import Batches, device_mesh_1d, dtensor_tp, make_optimizer
+from ultrascale.parity import device_mesh_1d, dtensor_tp
 from ultrascale.runtime import Cluster
+from ultrascale.train import make_optimizer
 from sidebyside import config_of, measure, model_arguments, timed_steps, verdict
 
 IMPLS = {"ours_tp": "ours: apply_tp", "torch_tp": "PyTorch parallelize_module",

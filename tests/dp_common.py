@@ -6,8 +6,8 @@ exercises the padding of flat buffers.
 import pytest
 import torch
 
+from ultrascale.data import Batches
 from ultrascale.model import GPT, GPTConfig
-from ultrascale.parity import Batches
 from ultrascale.runtime import shared_cluster
 
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)

@@ -10,11 +10,12 @@ never gathered is off by far more.
 import pytest
 import torch
 
+from ultrascale.data import Batches
 from ultrascale.model import GPT, GPTConfig
-from ultrascale.parallel.compose import (ParallelConfig, assert_composition_matches, build_mesh, data_index,
-                                         mean_loss, train_composed, train_one_process)
+from ultrascale.parallel.compose import ParallelConfig, build_mesh, data_index, mean_loss
 from ultrascale.parallel.mesh import Mesh
-from ultrascale.parity import Batches, perturbed
+from ultrascale.parity import perturbed
+from ultrascale.parity.composition import assert_composition_matches, train_composed, train_one_process
 from ultrascale.runtime import RankError, shared_cluster
 
 CONFIG = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=16)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrascale.comm import CommLogger
+from ultrascale.data import Batches, split
 from ultrascale.kernels.tiled_attention import naive_attention
 from ultrascale.memory import cp_kv_buffer_bytes
 from ultrascale.model import GPT, GPTConfig, Llama, LlamaConfig
@@ -23,8 +24,9 @@ from ultrascale.parallel.context_parallel import (KVBufferMeter, apply_cp, causa
                                                   context_parallel_attention, split_sequence)
 from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.timeline import Timeline
-from ultrascale.parity import Batches, assert_same, gradients, split, tolerance, train
+from ultrascale.parity import assert_same, tolerance
 from ultrascale.runtime import shared_cluster
+from ultrascale.train import gradients, train
 
 DT = torch.float64
 # (batch, heads, K/V heads, seq, head_dim): grouped-query attention, and 24 tokens cut into

@@ -12,7 +12,8 @@ from ultrascale.batch_size import global_batch_size, plan_batch, samples_per_ste
 from ultrascale.comm import CommLogger
 from ultrascale.parallel import (BucketedDataParallel, NaiveDataParallel, OverlappedDataParallel,
                                  Timeline, build_buckets, covered_seconds, overlap_seconds)
-from ultrascale.parity import assert_replicas_identical, assert_same, ddp, train
+from ultrascale.parity import assert_replicas_identical, assert_same, ddp
+from ultrascale.train import train
 from dp_common import CFG, DATA, STEPS, cluster, fresh_model  # noqa: F401  (cluster is a fixture)
 
 matplotlib.use("Agg")

@@ -15,7 +15,7 @@ from ultrascale.model import GPT, GPTConfig, LlamaConfig
 from ultrascale.moe import apply_experts, grouped_mlp
 from ultrascale.parallel.expert_parallel import (apply_ep, dispatch_plan, expert_parameter_names, local_experts,
                                                  rank_load)
-from ultrascale.parallel.expert_runs import (assert_ep_matches, ep_rank_run, layer_traffic, moe_model,
+from ultrascale.parity.expert_runs import (assert_ep_matches, ep_rank_run, layer_traffic, moe_model,
                                              one_process_run)
 from ultrascale.runtime import shared_cluster
 

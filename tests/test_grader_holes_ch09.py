@@ -95,7 +95,7 @@ def test_quiz_refuses_wrong_answers(ch09):
            "no answer to")
 
     def library():
-        from ultrascale.parallel.methods import quiz
+        from ultrascale.methods import quiz
 
         return quiz()
 

@@ -8,7 +8,10 @@ takes a submodule; the parent packages Python also initialises on the way are no
 
 The rules are DESIGN.md's conventions for the library:
 * no two modules import each other, directly or round a longer circle;
-* techniques import ``data`` and ``train``, never the checks in ``parity``;
+* techniques import ``data`` and ``train``, never the checks in ``parity``; in particular
+  nothing under ``parallel`` does, without exception;
+* the collectives and their cost models (``comm``) know no model: a cost takes the numbers
+  it needs (a FLOP count, a hidden size) from its caller;
 * the pure packages (the schedule simulator, the collectives and cost models, the planner,
   the model, the data and the training loop) import neither the notebook side (``runtime``)
   nor the drawings (``viz``);
@@ -100,22 +103,14 @@ def assert_only_the_exceptions(found: set, exceptions: set, rule: str) -> None:
 
 # --------------------------------------------------------------------------- the rules
 TECHNIQUES = ("parallel", "comm", "precision", "schedule", "moe", "model", "kernels", "plan", "data", "train")
-# Modules under parallel/ that are checking code, not techniques: they compare a run with
-# one process (assert_same), so they may use the checks.
-CHECKING = {
-    ("ultrascale.parallel.pipeline_runs", "ultrascale.parity"),   # the pipeline's parity runs
-    ("ultrascale.parallel.expert_runs", "ultrascale.parity"),     # expert parallelism's parity runs
-    # TODO(issue 39): compose's assert_composition_matches is a check; it belongs beside the
-    # other parity runs, which needs chapter 09 and tests/test_compose.py to import it from there.
-    ("ultrascale.parallel.compose", "ultrascale.parity"),
-}
+# The checks that compare a technique's run with one process or with PyTorch's own version
+# (parity.pipeline_runs, parity.expert_runs, parity.composition) live in parity, beside
+# assert_same; what techniques train with is train's (run_steps, run_pipeline_steps).
+CHECKING = set()
 
 PURE = ("schedule", "comm", "plan", "model", "moe", "data", "train")
 NOTEBOOK_SIDE = ("runtime", "viz")
-PURE_EXCEPTIONS = {
-    # TODO(issue 39): schedule_widget belongs in viz/; chapter 07 imports it from ultrascale.schedule.
-    ("ultrascale.schedule.widget", "ultrascale.viz.live"),
-}
+PURE_EXCEPTIONS = set()   # the schedules' drawing and widget are viz.schedule and viz.schedule_widget
 
 PLANNER_RUNS = {("ultrascale.plan.calibrate", "ultrascale.parallel")}   # measures the techniques for real
 
@@ -144,6 +139,16 @@ def test_no_import_circle():
 def test_techniques_do_not_import_the_checks():
     assert_only_the_exceptions(violations(TECHNIQUES, ("parity",)), CHECKING,
                                "techniques import data and train, never parity")
+
+
+def test_parallel_never_imports_parity():
+    # No exceptions here: a check of a technique lives in parity and imports the technique,
+    # never the other way round.
+    assert violations(("parallel",), ("parity",)) == set(), "parallel must not import parity"
+
+
+def test_comm_does_not_import_the_model():
+    assert violations(("comm",), ("model",)) == set(), "comm's cost models take numbers, not a model"
 
 
 def test_pure_packages_import_neither_runtime_nor_viz():

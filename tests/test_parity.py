@@ -2,10 +2,10 @@
 import pytest
 import torch
 
+from ultrascale.data import Batch, Batches, micro_batches, sequence_positions, split
 from ultrascale.model import GPT, GPTConfig
-from ultrascale.parity import (Batch, Batches, assert_replicas_identical, assert_same, gradients,
-                               make_optimizer, max_difference, micro_batches, sequence_positions, split,
-                               tolerance, train, weights)
+from ultrascale.parity import assert_replicas_identical, assert_same, max_difference, tolerance
+from ultrascale.train import gradients, make_optimizer, train, weights
 
 CFG = GPTConfig(vocab_size=50, hidden=16, layers=1, heads=2, seq_len=12)
 DATA = Batches(CFG, mbs=2, seed=3)

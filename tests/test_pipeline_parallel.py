@@ -3,8 +3,8 @@ action lists executed with send/recv, against single-process gradient accumulati
 against torch.distributed.pipelining on the same stages and micro-batches.
 
 Every run starts from the same weights and trains on the same seeded micro-batches: step t's
-batch has M rows and micro-batch i is row i (``parity.micro_batches``). The reference is one
-process running ``parity.run_steps(..., grad_acc=M)``: each micro-batch's loss divided by M,
+batch has M rows and micro-batch i is row i (``data.micro_batches``). The reference is one
+process running ``train.run_steps(..., grad_acc=M)``: each micro-batch's loss divided by M,
 gradients summed over the micro-batches, then the SGD step. We compare the loss, every
 gradient of the first step (gathered by name from the stages' ranks) and the weights after
 STEPS steps, with M = 5, which no p here divides.
@@ -23,16 +23,18 @@ import pytest
 import torch
 
 from ultrascale.comm import CommLogger
+from ultrascale.data import Batches, micro_batches
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.pipeline_parallel import apply_pp, backward_input, backward_weight, build_stage, split_layers
-from ultrascale.parallel.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
-                                               one_process, pytorch_pipeline)
 from ultrascale.parallel.timeline import Timeline
-from ultrascale.parity import Batches, assert_same, gradients, micro_batches
+from ultrascale.parity import assert_same
+from ultrascale.parity.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
+                                             one_process, pytorch_pipeline)
 from ultrascale.runtime import shared_cluster
-from ultrascale.schedule import (Schedule, ScheduleError, bubble_fraction, draw, make_schedule, one_f_one_b_rank,
-                                 simulate)
+from ultrascale.schedule import Schedule, ScheduleError, bubble_fraction, make_schedule, one_f_one_b_rank, simulate
+from ultrascale.train import gradients
+from ultrascale.viz.schedule import draw
 
 matplotlib.use("Agg")
 

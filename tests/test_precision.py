@@ -12,14 +12,15 @@ import pytest
 import torch
 import torch.nn as nn
 
+from ultrascale.data import Batches
 from ultrascale.memory import model_state_bytes
 from ultrascale.model import GPT, GPTConfig
-from ultrascale.parity import Batches, make_optimizer, train, weights
 from ultrascale.precision import (BOOK_TABLE, DTYPES, E4M3, E5M2, FP8_RECIPES, RECIPES, DynamicLossScaler, FP8Linear,
                                   FP8Recipe, Quantised, ScaledOptimizer, apply_fp8, decode, dequantize,
                                   dequantize_tiles, distinct_inside, fp8_gemm, fp8_max, layout, layouts, memory_row,
                                   quantize_per_tensor, quantize_tiles, reduction, relative_error, rounding_bound,
                                   state_bytes, tile_grid, tile_scaled_matmul, train_losses, update_scale)
+from ultrascale.train import make_optimizer, train, weights
 
 torch.set_num_threads(1)
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)

@@ -17,7 +17,8 @@ from ultrascale.comm import CommLogger
 from ultrascale.model import count_params
 from ultrascale.parallel import NaiveDataParallel, ZeRO
 from ultrascale.parallel.zero import GRADIENT_FLAGS
-from ultrascale.parity import OPTIMIZERS, assert_same, device_mesh_1d, fsdp2, run_steps, train
+from ultrascale.parity import assert_same, device_mesh_1d, fsdp2
+from ultrascale.train import OPTIMIZERS, run_steps, train
 from dp_common import CFG, DATA, STEPS, cluster, fresh_model  # noqa: F401  (cluster is a fixture)
 
 

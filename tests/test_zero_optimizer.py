@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ultrascale import parity
+from ultrascale import parity, train
+from ultrascale.data import Batches
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import ZeRO
 from ultrascale.runtime import shared_cluster
@@ -252,7 +253,7 @@ def test_checkpoint_from_another_world_size_or_stage_is_refused(cluster):
 
 # --------------------------------------------------------------------------- the course GPT
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
-GPT_STEPS, GPT_DATA = 3, parity.Batches(CFG, mbs=2, seed=0)
+GPT_STEPS, GPT_DATA = 3, Batches(CFG, mbs=2, seed=0)
 GPT_ADAMW = dict(lr=1e-3, weight_decay=0.1)
 
 
@@ -270,7 +271,7 @@ def gpt_groups(model):
 def train_gpt(ctx, stage):
     model = make_gpt()
     zero = ZeRO(model, stage, torch.optim.AdamW, param_groups=gpt_groups(model), **GPT_ADAMW)
-    parity.run_steps(model, GPT_DATA.rank_stream(ctx.rank, ctx.world_size), GPT_STEPS, zero)
+    train.run_steps(model, GPT_DATA.rank_stream(ctx.rank, ctx.world_size), GPT_STEPS, zero)
     return zero.full_state_dict()
 
 
@@ -278,6 +279,6 @@ def train_gpt(ctx, stage):
 def test_gpt_adamw_with_groups_equals_one_process(cluster, stage):
     model = make_gpt()
     opt = torch.optim.AdamW(gpt_groups(model), **GPT_ADAMW)
-    expected = parity.train(model, GPT_DATA.global_stream(cluster.world_size), GPT_STEPS, opt)
+    expected = train.train(model, GPT_DATA.global_stream(cluster.world_size), GPT_STEPS, opt)
     for params in cluster.run(train_gpt, stage):
         assert_same(params, expected)

@@ -11,7 +11,8 @@ A distributed run passes its wrapper and its hook after backward:
 
 * ``run_steps``: forward, backward, gradient accumulation, optional ``no_sync``, a hook
   after backward, the step; it returns the loss curve. ``train`` runs it and returns the
-  final weights.
+  final weights. ``run_pipeline_steps`` is the same loop for a pipeline, which takes a step's
+  micro-batches all at once.
 * ``make_optimizer``: an optimizer by course name (``OPTIMIZERS``: "sgd", "adam", "adamw").
 * ``weights`` and ``gradients``: a model's parameters and gradients as plain CPU tensors,
   a DTensor (FSDP2, DTensor TP) gathered first.
@@ -78,6 +79,21 @@ def run_steps(model, batches, steps: int, optimizer="sgd", *, grad_acc: int = 1,
         opt.step()
         opt.zero_grad()
         losses.append(loss)
+    return losses
+
+
+def run_pipeline_steps(pipe, batches, steps: int, optimizer="sgd", first_step: int = 0) -> list:
+    """``run_steps`` for a pipeline (``parallel.pipeline_parallel.Pipeline``): each step,
+    ``pipe.step`` on the m micro-batches ``batches(step, micro)`` (the same ones
+    ``run_steps(..., grad_acc=m)`` trains one process on), then the optimizer. Returns the
+    losses (None on ranks without the last stage)."""
+    m = pipe.schedule.microbatches
+    opt = make_optimizer(pipe.parameters(), optimizer) if isinstance(optimizer, str) else optimizer
+    losses = []
+    for step in range(first_step, first_step + steps):
+        losses.append(pipe.step([batches(step, micro) for micro in range(m)]))
+        opt.step()
+        opt.zero_grad()
     return losses
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.batch_size import nearest_power_of_two, samples_per_step
+from ultrascale.data import Batches
 from ultrascale.exercise_tests._groups import Split
 from ultrascale.grading import exercise
 from ultrascale.grading.guards import call_learner, forbid_library, without_library
@@ -36,7 +37,8 @@ from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import build_buckets
 from ultrascale.parallel.data_parallel import Bucket, DataParallel, average_gradients
 from ultrascale.parallel.grad_sync import reduce_gradient, sync_in_backward
-from ultrascale.parity import Batches, make_optimizer, max_difference, tolerance, train
+from ultrascale.parity import max_difference, tolerance
+from ultrascale.train import make_optimizer, train
 
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
 DATA = Batches(CFG, mbs=2, seed=0)   # the same tokens on every rank and in the reference

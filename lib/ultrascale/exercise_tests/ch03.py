@@ -35,9 +35,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from ultrascale.data import Batches
 from ultrascale.grading import exercise
 from ultrascale.model import GPT, GPTConfig
-from ultrascale.parity import Batches, make_optimizer, max_difference, tolerance, train
+from ultrascale.parity import max_difference, tolerance
+from ultrascale.train import make_optimizer, train
 
 # Ψ = 27,520, blocks of 12,704: not multiples of 3, so a 3-rank cluster needs padding.
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)

@@ -14,7 +14,7 @@ context parallelism's three ideas, one at a time.
   ``rank`` holds in the zig-zag layout: chunks ``rank`` and ``2cp - 1 - rank`` of ``2cp``,
   ascending; a ValueError when the sequence does not cut into ``2cp`` chunks) and
   ``tile_counts(positions, tile)`` (the (query tile, key tile) pairs a rank holding those
-  positions must compute under a causal mask). Graded against ``parity.sequence_positions``
+  positions must compute under a causal mask). Graded against ``data.sequence_positions``
   and ``context_parallel.causal_tile_counts`` for cp of 1 to 4 and every tile that divides a
   chunk, both layouts for the counts; contiguous chunks, a wrong mirror chunk, unsorted
   positions, a missing diagonal tile or counts of tokens instead of tiles are named.
@@ -257,15 +257,15 @@ def _judge_tiles(got, positions, tile, want, layout, seq, rank, cp) -> str | Non
 def test_zigzag_chunks(zigzag_positions, tile_counts, world_size: int = 3, quick: bool = True, seed: int = 0,
                        timeout: float = 60):
     from ultrascale.grading.guards import call_learner, expect_value_error, forbid_library
+    from ultrascale import data
     from ultrascale.parallel import context_parallel
-    from ultrascale import parity
 
     assert callable(zigzag_positions) and callable(tile_counts), "pass your two functions"
-    forbid = ([parity.sequence_positions, parity.split, context_parallel.split_sequence,
+    forbid = ([data.sequence_positions, data.split, context_parallel.split_sequence,
                context_parallel.causal_tile_counts], "06.zigzag_chunks", "compute the chunks and the counts yourself")
     for seq, cp in _zigzag_cases(quick):
         for rank in range(cp):
-            want = parity.sequence_positions(seq, rank, cp, "zigzag")
+            want = data.sequence_positions(seq, rank, cp, "zigzag")
             with forbid_library(*forbid):
                 got = call_learner(zigzag_positions, seq, rank, cp)
             problem = _judge_positions(got, seq, rank, cp, want)
@@ -282,7 +282,7 @@ def test_zigzag_chunks(zigzag_positions, tile_counts, world_size: int = 3, quick
             for tile in [t for t in range(1, chunk + 1) if chunk % t == 0]:
                 counts = context_parallel.causal_tile_counts(seq, cp, layout, tile)
                 for rank in range(cp):
-                    positions = parity.sequence_positions(seq, rank, cp, layout)
+                    positions = data.sequence_positions(seq, rank, cp, layout)
                     with forbid_library(*forbid):
                         got = call_learner(tile_counts, positions.clone(), tile,
                                            call=f"tile_counts(positions of rank {rank} of {cp}, {tile})")
@@ -409,7 +409,7 @@ def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r
     from ultrascale.comm import CommLogger
     from ultrascale.grading.guards import ForbiddenCall, forbid_collectives, forbid_library
     from ultrascale.kernels.tiled_attention import merge_partial_attention
-    from ultrascale.parity import sequence_positions
+    from ultrascale.data import sequence_positions
 
     # The module (the package re-exports a function of the same name).
     ring_attention = importlib.import_module("ultrascale.parallel.ring_attention")

@@ -216,14 +216,14 @@ def _model(layers: int, seed: int):
 
 def _micro(m: int, seed: int):
     from ultrascale.model import GPTConfig
-    from ultrascale.parity import Batches, micro_batches
+    from ultrascale.data import Batches, micro_batches
 
     return micro_batches(Batches(GPTConfig(layers=1, **CFG_KW), mbs=m, seed=seed).global_batch(0), m)
 
 
 def _reference(p: int, m: int, seed: int) -> dict:
     """Gradient accumulation in one process over the m micro-batches: the gradients."""
-    from ultrascale.parallel.pipeline_runs import one_process
+    from ultrascale.parity.pipeline_runs import one_process
 
     batches = _micro(m, seed)
     fresh = functools.partial(_model, p, seed)
@@ -376,7 +376,7 @@ def _judge_transfers(op: str, r: int, p: int, tracker, got, group) -> str | None
 @exercise("07.stage_step", points=2)
 def test_stage_step(forward_step, backward_step, world_size: int = 4, quick: bool = True, seed: int = 0,
                     timeout: float = 60):
-    from ultrascale.parallel.pipeline_runs import merge_ranks
+    from ultrascale.parity import merge_ranks
     from ultrascale.parity import assert_same
     from ultrascale.runtime import CallTimeout, shared_cluster
 
@@ -451,7 +451,8 @@ def _micro_batches(seed: int, mbs: int):
 def _problem_split(backward_input, backward_weight, seed: int, mbs: int = 3) -> str | None:
     from ultrascale.grading.guards import call_learner, forbid_library
     from ultrascale.parallel import pipeline_parallel as pp_module
-    from ultrascale.parity import gradients, max_difference, tolerance
+    from ultrascale.parity import max_difference, tolerance
+    from ultrascale.train import gradients
 
     tol = tolerance(None, DT)
     xs, dys = _micro_batches(seed, mbs)

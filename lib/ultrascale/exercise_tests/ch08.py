@@ -392,7 +392,7 @@ def _hooked(reduce_gradient, changed):
 def _ep_on_rank(ctx, reduce_gradient, config, sizes, seed, split=None):
     """One EP step with the learner's hook: on the world's mesh of ``sizes``, or with a ``split``
     inside this rank's group (a model and data of its own, ``seed + index``)."""
-    from ultrascale.parallel.expert_runs import ep_rank_run
+    from ultrascale.parity.expert_runs import ep_rank_run
 
     if split is not None:
         ctx = split.context(ctx)
@@ -404,7 +404,7 @@ def _ep_on_rank(ctx, reduce_gradient, config, sizes, seed, split=None):
 
 
 def _judge_ep(per_rank, reference, what, hint) -> None:
-    from ultrascale.parallel.expert_runs import assert_ep_matches
+    from ultrascale.parity.expert_runs import assert_ep_matches
 
     try:
         assert_ep_matches(per_rank, reference, what="")
@@ -422,7 +422,7 @@ def _judge_ep(per_rank, reference, what, hint) -> None:
 def test_expert_gradients(reduce_gradient, world_size: int = 2, quick: bool = True, seed: int = 0,
                           timeout: float = 120):
     from ultrascale.model import GPTConfig
-    from ultrascale.parallel.expert_runs import one_process_run
+    from ultrascale.parity.expert_runs import one_process_run
     from ultrascale.runtime import shared_cluster
 
     assert callable(reduce_gradient), f"pass your function, got {reduce_gradient!r}"

@@ -165,7 +165,7 @@ def test_rank_parameters(rank_parameters, quick: bool = True):
 def test_quiz(quiz_answers, quick: bool = True):
     """Each question of ``methods.quiz()`` answered: a set of method names, or one name.
     ``quiz_answers()`` returns ``{question: answer}`` (the tables' functions refuse to run meanwhile)."""
-    from ultrascale.parallel import methods
+    from ultrascale import methods
 
     fn = without_library(quiz_answers, [methods.quiz, methods.memory_savings, methods.summary_rows],
                          "09.quiz", "answer from the tables in chapter 09")

@@ -14,15 +14,19 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   ``apply_cp``. Its attention is ``ring_attention``: K/V blocks passed round a ring of ranks
   while each block is attended to (or all-gathered), forward and backward.
 * ``pipeline_parallel``: the model cut into stages, run by ``ultrascale.schedule``'s action
-  lists (NB07); ``apply_pp``. ``pipeline_runs``: its training loop and PyTorch's counterpart.
+  lists (NB07); ``apply_pp`` (trained by ``train.run_pipeline_steps``).
 * ``expert_parallel``: the experts of every MoE layer split over ranks, tokens dispatched and
-  combined by all-to-all (NB08); ``apply_ep``, ``expert_parameters``. ``expert_runs``: its parity runs.
+  combined by all-to-all (NB08); ``apply_ep``, ``expert_parameters``.
+* ``compose``: the techniques applied together on one mesh (NB09); ``apply_parallelisms``.
 * ``mesh``: ``Mesh`` / ``init_mesh``, the process mesh over named axes (dp, pp, ep, cp, tp).
 * ``matching``: ``match_plan``, a plan's module-name patterns matched to a model's modules,
   with one set of rules for every technique.
 * ``grad_sync``: ``sync_in_backward`` and ``average_gradients``, gradients summed over a group
   and divided, during or after backward, for every technique but DP's overlapped wrappers.
 * ``timeline``: per-rank compute and communication events, for Gantt charts.
+
+Checking them (each against one process, or against PyTorch's own version) is
+``ultrascale.parity``'s: nothing here imports it.
 """
 
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
@@ -35,7 +39,6 @@ from .grad_sync import average_gradients, sync_in_backward
 from .matching import match_plan
 from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import Pipeline, apply_pp, backward_input, backward_weight, split_layers, stage_modules
-from .pipeline_runs import calibrate_compute, merge_ranks, pytorch_pipeline, run_pipeline_steps
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tp
 from .timeline import COMMUNICATION, COMPUTE, Event, Timeline, covered_seconds, overlap_seconds
 from .zero import FlatUnit, ZeRO, apply_zero
@@ -49,5 +52,5 @@ __all__ = [
     "apply_data_parallel", "apply_zero", "average_gradients", "broadcast_parameters", "build_buckets",
     "match_plan", "sync_in_backward",
     "covered_seconds", "Pipeline", "apply_pp", "backward_input", "backward_weight", "split_layers",
-    "stage_modules", "calibrate_compute", "merge_ranks", "pytorch_pipeline", "run_pipeline_steps", "init_mesh", "overlap_seconds", "reduce_scatter_into",
+    "stage_modules", "init_mesh", "overlap_seconds", "reduce_scatter_into",
 ]

@@ -27,6 +27,9 @@ biases, the same gradient already), so nothing is reduced over them.
         par = apply_parallelisms(GPT(gpt_config), mesh, config)
         losses = par.train(par.batches(data), steps=3)   # data: a data.Batches
         return par.full_weights()                        # whole tensors, named as in the model
+
+Checking a composition against one process (``train_composed``, ``train_one_process``,
+``assert_composition_matches``) is ``parity.composition``'s.
 """
 from __future__ import annotations
 
@@ -38,19 +41,16 @@ import torch.nn as nn
 
 from ..comm.functional import gather_along_dim
 from ..data import Batches, split
-from ..parity import assert_same   # assert_composition_matches only: see tests/test_import_graph.py
-from ..train import OPTIMIZERS, make_optimizer, run_steps, weights
+from ..train import OPTIMIZERS, make_optimizer, run_pipeline_steps, run_steps
 from .context_parallel import apply_cp
 from .data_parallel import apply_data_parallel
 from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import apply_pp
-from .pipeline_runs import merge_ranks, run_pipeline_steps
 from .tensor_parallel import apply_tp
 from .zero import apply_zero
 
 __all__ = ["ParallelConfig", "Parallelized", "apply_parallelisms", "build_mesh", "data_index", "mean_loss",
-           "DENSE_AXES", "EXPERT_AXES", "JOINT_GROUPS", "train_composed", "train_one_process",
-           "assert_composition_matches", "rank_parameters"]
+           "DENSE_AXES", "EXPERT_AXES", "JOINT_GROUPS", "rank_parameters"]
 
 DENSE_AXES = ("dp", "ep", "cp")    # the ranks whose data differ, for a parameter every one of them holds
 EXPERT_AXES = ("dp", "cp")         # an expert lives on one ep rank: its replicas differ along dp and cp only
@@ -180,7 +180,7 @@ class Parallelized:
 
     def full_weights(self) -> dict:
         """This rank's parameters at full size (TP shards all-gathered over the tp group), named
-        as in the whole model; merge the ranks' with ``pipeline_runs.merge_ranks``. A collective."""
+        as in the whole model; merge the ranks' with ``parity.merge_ranks``. A collective."""
         out = {}
         chunks = self.pipeline.chunks.items() if self.pipeline is not None else [(None, self.model)]
         for stage, chunk in chunks:
@@ -281,34 +281,3 @@ def rank_parameters(config, *, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
     if stage == pp - 1:
         total += 2 * h + (v * h // tp if pp > 1 else 0)   # one tensor when one stage holds both ends
     return total
-
-
-# --------------------------------------------------------------------------- checking a composition
-def train_composed(ctx, model, config: ParallelConfig, data: Batches, steps: int) -> dict:
-    """On every rank: apply ``config`` to ``model`` and train it ``steps`` steps on this rank's
-    share of ``data``. Returns this rank's loss curve and its whole-size weights."""
-    par = apply_parallelisms(model, build_mesh(ctx, config), config)
-    losses = par.train(par.batches(data), steps)
-    return {"losses": losses, "weights": par.full_weights()}
-
-
-def train_one_process(model, config: ParallelConfig, data: Batches, steps: int) -> dict:
-    """The reference: the same steps on one process, the whole batch of every step at once
-    (its ``microbatches`` accumulated), with the same optimizer."""
-    losses = run_steps(model, data.global_stream(config.dp * config.ep), steps, config.optimizer,
-                       grad_acc=config.microbatches)
-    return {"losses": losses, "weights": weights(model)}
-
-
-def assert_composition_matches(per_rank: list, reference: dict, config: ParallelConfig) -> dict:
-    """The ranks' results equal one process: the loss curve (mean over the data ranks) and every
-    weight, merged from the ranks, within ``parity``'s tolerance for the optimizer. Returns the
-    merged result."""
-    merged = {"losses": mean_loss([r["losses"] for r in per_rank], config.layout()),
-              "weights": merge_ranks([r["weights"] for r in per_rank])}
-    what = str(config)
-    assert_same(torch.tensor(merged["losses"], dtype=torch.float64),
-                torch.tensor(reference["losses"], dtype=torch.float64), f"{what}: loss curve",
-                optimizer=config.optimizer)
-    assert_same(merged["weights"], reference["weights"], f"{what}: weights", optimizer=config.optimizer)
-    return merged

@@ -1,17 +1,19 @@
-"""Running and checking pipelines: the training loop, whole-model tensors from the ranks,
-sleep-calibrated compute for measuring the bubble, and PyTorch's ``torch.distributed.pipelining``
-on the very same stages.
+"""Checking pipelines: a pipeline's first step and training against gradient accumulation in
+one process, sleep-calibrated compute for measuring the bubble, and PyTorch's
+``torch.distributed.pipelining`` on the very same stages.
 
     pipe = apply_pp(GPT(config), schedule="1f1b", microbatches=m)        # ours
     torch_pipe = pytorch_pipeline(GPT(config), schedule="1f1b", microbatches=m)   # PyTorch's
-    run_pipeline_steps(pipe, batches, steps=3)       # batches(step, micro), as train.run_steps
-    merge_ranks(cluster.run(lambda ctx: ...weights()))   # the whole model, named as in it
+    per_rank = cluster.run(lambda ctx: first_step_and_train(pipe, batches, steps=3))
+    assert_same_as_one_process(per_rank, one_process(GPT(config), batches, m, 3, fresh=...), "1F1B")
 
-``pytorch_pipeline`` wraps the same stage modules (``stage_modules``) in ``PipelineStage``s
-and runs them with the PyTorch schedule of the same name: ``ScheduleGPipe`` (AFAB),
-``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (ZB-H1 with
-one stage per rank) or ``ScheduleDualPipeV``. Its ``pipeline_order()`` gives PyTorch's
-per-rank compute actions in our notation, to set against our generators' lists.
+The pipeline's training loop itself is ``train.run_pipeline_steps`` (techniques train with
+it; this module only checks). ``pytorch_pipeline`` wraps the same stage modules
+(``stage_modules``) in ``PipelineStage``s and runs them with the PyTorch schedule of the same
+name: ``ScheduleGPipe`` (AFAB), ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+``ScheduleInterleavedZeroBubble`` (ZB-H1 with one stage per rank) or ``ScheduleDualPipeV``.
+Its ``pipeline_order()`` gives PyTorch's per-rank compute actions in our notation, to set
+against our generators' lists.
 """
 from __future__ import annotations
 
@@ -21,28 +23,14 @@ import torch
 
 from ..data import Batch
 from ..model import lm_loss
-from ..parity import assert_same
+from ..parallel.mesh import axis_group
+from ..parallel.pipeline_parallel import Pipeline
 from ..schedule import Action, duration, make_schedule
-from ..train import gradients, make_optimizer, run_steps, weights
-from .mesh import axis_group
-from .pipeline_parallel import Pipeline
+from ..train import gradients, run_pipeline_steps, run_steps, weights
+from . import assert_same, merge_ranks
 
 __all__ = ["PyTorchPipeline", "TORCH_SCHEDULES", "assert_same_as_one_process", "calibrate_compute",
-           "first_step_and_train", "merge_ranks", "one_process", "pytorch_pipeline", "run_pipeline_steps"]
-
-
-def run_pipeline_steps(pipe: Pipeline, batches, steps: int, optimizer="sgd", first_step: int = 0) -> list:
-    """``train.run_steps`` for a pipeline: each step, ``pipe.step`` on the m micro-batches
-    ``batches(step, micro)`` (the same ones ``run_steps(..., grad_acc=m)`` trains one process
-    on), then the optimizer. Returns the losses (None on ranks without the last stage)."""
-    m = pipe.schedule.microbatches
-    opt = make_optimizer(pipe.parameters(), optimizer) if isinstance(optimizer, str) else optimizer
-    losses = []
-    for step in range(first_step, first_step + steps):
-        losses.append(pipe.step([batches(step, micro) for micro in range(m)]))
-        opt.step()
-        opt.zero_grad()
-    return losses
+           "first_step_and_train", "one_process", "pytorch_pipeline"]
 
 
 def first_step_and_train(pipe: Pipeline, batches, steps: int, optimizer="sgd") -> dict:
@@ -81,18 +69,6 @@ def assert_same_as_one_process(per_rank: list, want: dict, what: str, optimizer=
     assert_same(merge_ranks([r["grads"] for r in per_rank]), want["grads"], f"{what}: gradients", optimizer=None)
     assert_same(merge_ranks([r["weights"] for r in per_rank]), want["weights"], f"{what}: weights after the steps",
                 optimizer=optimizer)
-
-
-def merge_ranks(per_rank: list) -> dict:
-    """The whole model's tensors from every rank's ``weights()`` or ``gradients()``. A tensor two
-    ranks hold (the tied embedding) must be bit-identical on both."""
-    out = {}
-    for rank, tensors in enumerate(per_rank):
-        for name, t in tensors.items():
-            if name in out and not (t is None and out[name] is None or torch.equal(t, out[name])):
-                raise AssertionError(f"{name} differs between rank {rank} and an earlier rank")
-            out[name] = t
-    return out
 
 
 # --------------------------------------------------------------------------- calibrated compute

@@ -15,11 +15,10 @@ import torch.distributed as dist
 from ..comm import CommLogger
 from ..data import Batches
 from ..model import build_model
-from ..parity import assert_same, first_step, perturbed
+from ..parallel.expert_parallel import apply_ep, dispatch_plan, dispatch_volume, exchange_counts, rank_load
+from ..parallel.mesh import init_mesh
 from ..train import run_steps, weights
-from .expert_parallel import apply_ep, dispatch_plan, dispatch_volume, exchange_counts, rank_load
-from .mesh import init_mesh
-from .pipeline_runs import merge_ranks
+from . import assert_same, first_step, merge_ranks, perturbed
 
 __all__ = ["moe_model", "one_process_run", "ep_rank_run", "merged", "assert_ep_matches", "layer_traffic"]
 

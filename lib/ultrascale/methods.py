@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..memory import breakdown
-from ..model import GPTConfig
+from .memory import breakdown
+from .model import GPTConfig
 
 __all__ = ["CONSUMERS", "METHODS", "Method", "TP_CP_EP", "ZERO3_VS_PP", "comparison", "markdown",
            "example_config", "memory_savings", "quiz", "summary_rows", "with_degree"]

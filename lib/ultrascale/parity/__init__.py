@@ -19,7 +19,15 @@ the same loop (``ultrascale.train``) and must end with the same numbers:
 * ``ddp``, ``fsdp2`` and ``dtensor_tp`` (``parallelize_module``) wrap a model the way
   PyTorch's production versions do, with the same units as ours, so the third run is one line.
 
-Techniques import ``data`` and ``train``, never this module: checking is for chapters,
+* ``merge_ranks`` puts the whole model together from every rank's share, by name.
+
+The parity runs of single techniques and of their composition live beside these checks:
+``parity.pipeline_runs`` (a pipeline against gradient accumulation in one process, and
+PyTorch's ``torch.distributed.pipelining`` on the same stages), ``parity.expert_runs``
+(expert parallelism against one process) and ``parity.composition`` (5D parallelism
+against one process).
+
+Techniques import ``data`` and ``train``, never this package: checking is for chapters,
 tests, exercise tests and benchmarks.
 """
 from __future__ import annotations
@@ -28,12 +36,9 @@ import contextlib
 
 import torch
 
-# The names from ``data`` and ``train`` beyond what the checks below use are re-exported for a
-# while, so that chapters, solutions, tests and exercise tests that take them from here keep
-# working (issue 39); new code imports them from ``data`` and ``train``.
-from .data import SEQUENCE_LAYOUTS, Batch, Batches, micro_batches, sequence_positions, split  # noqa: F401
-from .model import auxiliary_loss, lm_loss
-from .train import OPTIMIZERS, _full, gradients, make_optimizer, run_steps, train, weights  # noqa: F401
+from ..data import Batch, Batches
+from ..model import auxiliary_loss, lm_loss
+from ..train import _full, gradients, run_steps, weights
 
 # --------------------------------------------------------------------------- tolerances
 # Why the runs differ at all: each rank averages the loss over its own samples and the
@@ -142,6 +147,18 @@ def assert_same(got, expected, what: str = "", *, optimizer: str | None = "sgd",
             continue
         t = tol or tolerance(optimizer, dtype or want.dtype)
         torch.testing.assert_close(have, want, **t, msg=lambda m, n=name: f"{what} {n}: {m}".strip())
+
+
+def merge_ranks(per_rank: list) -> dict:
+    """The whole model's tensors from every rank's ``weights()`` or ``gradients()``. A tensor two
+    ranks hold (the tied embedding) must be bit-identical on both."""
+    out = {}
+    for rank, tensors in enumerate(per_rank):
+        for name, t in tensors.items():
+            if name in out and not (t is None and out[name] is None or torch.equal(t, out[name])):
+                raise AssertionError(f"{name} differs between rank {rank} and an earlier rank")
+            out[name] = t
+    return out
 
 
 def assert_replicas_identical(per_rank: list, what: str = "") -> None:
