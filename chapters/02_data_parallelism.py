@@ -42,12 +42,13 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from ultrascale.batch_size import global_batch_size, plan_batch, samples_per_step
 from ultrascale.comm import AlphaBeta, CommLogger, format_bytes
+from ultrascale.data import Batches
 from ultrascale.memory import GB, GiB, breakdown
 from ultrascale.model import GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, GPTConfig, count_params
 from ultrascale.parallel import (BucketedDataParallel, NaiveDataParallel, OverlappedDataParallel,
                                  Timeline, build_buckets)
-from ultrascale.parity import (Batches, assert_replicas_identical, assert_same, ddp as torch_ddp,
-                               make_optimizer, max_difference, tolerance, train)
+from ultrascale.parity import assert_replicas_identical, assert_same, ddp as torch_ddp, max_difference, tolerance
+from ultrascale.train import make_optimizer, train
 from ultrascale.viz.gantt import lane_summary, plot_gantt
 from ultrascale.viz.live import ProgressBar
 

@@ -38,11 +38,12 @@ from matplotlib.figure import Figure
 import torch
 
 from ultrascale.comm import AlphaBeta, CommLogger
+from ultrascale.data import Batches
 from ultrascale.memory import GB, model_state_bytes, zero_bytes_per_rank
 from ultrascale.model import GPT, GPTConfig, count_params
 from ultrascale.parallel import NaiveDataParallel, Timeline, ZeRO, covered_seconds, overlap_seconds
-from ultrascale.parity import (OPTIMIZERS, Batches, assert_replicas_identical, assert_same, device_mesh_1d,
-                               fsdp2, make_optimizer, max_difference, run_steps, tolerance, train, weights)
+from ultrascale.parity import assert_replicas_identical, assert_same, device_mesh_1d, fsdp2, max_difference, tolerance
+from ultrascale.train import OPTIMIZERS, make_optimizer, run_steps, train, weights
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 

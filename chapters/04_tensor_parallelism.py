@@ -46,15 +46,16 @@ from matplotlib.figure import Figure
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ultrascale.comm import AlphaBeta, CommLogger, tensor_parallel_scaling
+from ultrascale.data import Batches
 from ultrascale.memory import GB, activation_bytes, breakdown, saved_activation_bytes, state_bytes
 from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, MLP, GPTConfig, Llama, LlamaConfig, count_params,
-                              rope_tables)
+                              rope_tables, training_flops)
 from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelLogits,
                                                  apply_tp, choose_tp, full_gradients, full_weights, tp_degrees)
-from ultrascale.parity import (Batches, assert_same, dtensor_tp, first_step_and_train, gradients, make_optimizer,
-                               perturbed, run_steps)
+from ultrascale.parity import assert_same, dtensor_tp, first_step_and_train, perturbed
 from ultrascale.refusal import refusal
+from ultrascale.train import gradients, make_optimizer, run_steps
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 
@@ -539,7 +540,8 @@ fig
 # and 10 µs between nodes), **not measurements**: change them and rerun.
 
 # %%
-scaling = tensor_parallel_scaling(LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1, peak_flops=989e12,
+scaling = tensor_parallel_scaling(LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1,
+                                  flops=training_flops(LLAMA3_8B, 4096, seq_len=4096), peak_flops=989e12,
                                   intra_node=AlphaBeta(5e-6, 450e9), inter_node=AlphaBeta(1e-5, 50e9))
 per_gpu = {r["tp"]: r["tokens_per_s_per_gpu"] for r in scaling}
 drop = {t: per_gpu[t] / per_gpu[t // 2] for t in (2, 4, 8, 16, 32)}

@@ -50,12 +50,13 @@ import torch.nn.functional as F
 
 from ultrascale.comm import CommLogger
 from ultrascale.comm.logger import base_op
+from ultrascale.data import Batches
 from ultrascale.memory import GB, activation_bytes, breakdown, saved_activation_bytes
 from ultrascale.model import GPT, LLAMA3_70B, GPTConfig, count_params
 from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.tensor_parallel import (VocabParallelLogits, apply_tp, choose_tp, full_gradients,
                                                  full_weights)
-from ultrascale.parity import Batches, assert_same, dtensor_tp, first_step_and_train, perturbed, tolerance
+from ultrascale.parity import assert_same, dtensor_tp, first_step_and_train, perturbed, tolerance
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 

@@ -50,6 +50,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch
 
 from ultrascale.comm import CommLogger, format_bytes
+from ultrascale.data import Batches, split
 from ultrascale.kernels.tiled_attention import merge_partial_attention, naive_attention
 from ultrascale.memory import GB, activation_bytes, cp_kv_buffer_bytes, saved_activation_bytes
 from ultrascale.model import GPT, LLAMA3_8B, GPTConfig
@@ -57,8 +58,9 @@ from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.context_parallel import (KVBufferMeter, apply_cp, causal_tile_counts,
                                                   context_parallel_attention, split_sequence)
 from ultrascale.parallel.timeline import overlap_seconds
-from ultrascale.parity import Batches, assert_same, first_step, gradients, perturbed, split, tolerance, train
+from ultrascale.parity import assert_same, first_step, perturbed, tolerance
 from ultrascale.refusal import refusal
+from ultrascale.train import gradients, train
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 
@@ -676,7 +678,7 @@ assert full_1 == 2 * SEQ_BIG * LLAMA3_8B.hidden * LLAMA3_8B.layers and full_1 / 
 # attention over the mesh's `cp` axis, fills in the global positions of each rank's tokens (RoPE
 # rotates a token by its place in the whole sequence) and registers a hook on every parameter
 # that averages its gradient over the CP group inside backward. Each rank trains on its tokens of
-# every sequence (`parity.split(batch, rank, cp, by="sequence", layout="zigzag")`).
+# every sequence (`data.split(batch, rank, cp, by="sequence", layout="zigzag")`).
 #
 # Why an *average*: the loss on a rank is the mean over its tokens, the slices are equal, so the
 # loss of the whole sequence is the mean of the ranks' losses, and its gradient the mean of

@@ -28,10 +28,11 @@
 # 7. check the book's $t_b \approx 2\,t_f$ on a real block;
 # 8. play with the simulator, and see the errors for what cannot run.
 #
-# The implementation: `lib/ultrascale/schedule/` (action lists, generators, simulator, drawing;
-# pure Python), `lib/ultrascale/parallel/pipeline_parallel.py` (`apply_pp`: the stages and the
-# executor of the lists) and `parallel/pipeline_runs.py` (training loop, calibrated compute,
-# PyTorch's pipelines on the same stages).
+# The implementation: `lib/ultrascale/schedule/` (action lists, generators, simulator; pure
+# Python, drawn by `viz/schedule.py`), `lib/ultrascale/parallel/pipeline_parallel.py` (`apply_pp`: the stages and the
+# executor of the lists), `train.py` (`run_pipeline_steps`, its training loop) and
+# `parity/pipeline_runs.py` (the checks against one process, calibrated compute, PyTorch's
+# pipelines on the same stages).
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks, all in one pipeline (p is WORLD_SIZE; 2, 3 and 4 all work)
@@ -46,18 +47,20 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
+from ultrascale.data import Batch, Batches, micro_batches
 from ultrascale.memory import breakdown, pp_in_flight
 from ultrascale.model import GPT, LLAMA3_8B, GPTConfig, count_params
 from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.pipeline_parallel import apply_pp, build_stage, split_layers, stage_modules
-from ultrascale.parallel.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
-                                               one_process, pytorch_pipeline)
-from ultrascale.parity import Batch, Batches, micro_batches, perturbed, tolerance
+from ultrascale.parity import perturbed, tolerance
+from ultrascale.parity.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
+                                             one_process, pytorch_pipeline)
 from ultrascale.refusal import refusal
-from ultrascale.schedule import (Schedule, afab, bubble_fraction, draw, dualpipe_v, interleaved_1f1b,
-                                 make_schedule, naive, one_f_one_b, parse, predicted_bubble_fraction, schedule_widget,
-                                 simulate, zb_h1)
+from ultrascale.schedule import (Schedule, afab, bubble_fraction, dualpipe_v, interleaved_1f1b, make_schedule, naive,
+                                 one_f_one_b, parse, predicted_bubble_fraction, simulate, zb_h1)
 from ultrascale.viz.live import ProgressBar
+from ultrascale.viz.schedule import draw
+from ultrascale.viz.schedule_widget import schedule_widget
 
 torch.manual_seed(SEED)
 torch.set_num_threads(1)   # this process's models are tiny: a second thread would only fight the ranks for the cores
@@ -249,7 +252,7 @@ draw(dual, number_from=1)
 # from the stage's output with the gradient received from the next stage, `send` an `isend`,
 # `recv` a receive right before the action that needs it. The gradients it leaves must equal
 # those of **gradient accumulation in one process** over the same `m` micro-batches: each
-# micro-batch's loss divided by `m`, the gradients summed (`parity.run_steps(..., grad_acc=m)`).
+# micro-batch's loss divided by `m`, the gradients summed (`train.run_steps(..., grad_acc=m)`).
 #
 # We compare the loss, every gradient (gathered by name from the stages' ranks) and the weights
 # after a few SGD steps, in float64 with every weight moved off its initial value. Why float64:

@@ -47,7 +47,7 @@ from ultrascale.comm import format_bytes
 from ultrascale.model import GPT, GPTConfig, active_params, count_params
 from ultrascale.moe import apply_experts, grouped_mlp
 from ultrascale.parallel.expert_parallel import apply_ep, dispatch_plan, expert_parameter_names, local_experts
-from ultrascale.parallel.expert_runs import assert_ep_matches, ep_rank_run, layer_traffic, moe_model, one_process_run
+from ultrascale.parity.expert_runs import assert_ep_matches, ep_rank_run, layer_traffic, moe_model, one_process_run
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)

@@ -23,7 +23,8 @@
 #    a quiz about them.
 #
 # The implementation: `lib/ultrascale/parallel/compose.py` (`apply_parallelisms`), `mesh.py`
-# (the mesh and its groups), `methods.py` (the tables) and `memory.py` (`breakdown`).
+# (the mesh and its groups), `lib/ultrascale/methods.py` (the tables), `memory.py` (`breakdown`)
+# and `parity/composition.py` (the composed run against one process).
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; 4 gives four 2 x 2 factorisations, 8 gives dp 2 x pp 2 x tp 2
@@ -37,13 +38,14 @@ import torch
 from IPython.display import Markdown, display
 from matplotlib.figure import Figure
 
+from ultrascale.data import Batches
 from ultrascale.memory import breakdown, pp_in_flight, state_bytes
+from ultrascale.methods import TP_CP_EP, ZERO3_VS_PP, comparison, example_config, markdown, quiz, summary_rows
 from ultrascale.model import GPT, GPTConfig, count_params
-from ultrascale.parallel.compose import (DENSE_AXES, ParallelConfig, apply_parallelisms, assert_composition_matches,
-                                         build_mesh, data_index, rank_parameters, train_composed, train_one_process)
-from ultrascale.parallel.methods import (TP_CP_EP, ZERO3_VS_PP, comparison, example_config, markdown, quiz,
-                                         summary_rows)
-from ultrascale.parity import Batches, perturbed
+from ultrascale.parallel.compose import (DENSE_AXES, ParallelConfig, apply_parallelisms, build_mesh, data_index,
+                                         rank_parameters)
+from ultrascale.parity import perturbed
+from ultrascale.parity.composition import assert_composition_matches, train_composed, train_one_process
 from ultrascale.refusal import refusal
 from ultrascale.viz.live import ProgressBar
 from ultrascale.viz.mesh import draw_mesh_groups
@@ -353,7 +355,7 @@ assert breakdown(LLAMA3_70B, **args)["optimizer states"] < breakdown(LLAMA3_70B,
 # %% [markdown]
 # ## 6. The book's tables, generated
 #
-# The methods' facts are data in `parallel/methods.py`; the column "saves memory of" is computed:
+# The methods' facts are data in `methods.py`; the column "saves memory of" is computed:
 # switch one method on in `breakdown` and see which of the four consumers shrink. (DP saves
 # activations because, at a fixed global batch, each rank's batch shrinks; PP under 1F1B does
 # *not* save activations, the in-flight term above.)

@@ -47,14 +47,15 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ultrascale import records
+from ultrascale.data import Batch
 from ultrascale.memory import GB, model_state_bytes
 from ultrascale.model import GPT, GPTConfig, lm_loss
-from ultrascale.parity import Batch, gradients, make_optimizer, weights
 from ultrascale.precision import (BOOK_TABLE, DTYPES, E4M3, FP8_RECIPES, RECIPES, DynamicLossScaler, FP8Linear,
                                   FP8Recipe, Quantised, ScaledOptimizer, apply_fp8, decode, distinct_inside, fp8_gemm,
                                   layout, layouts, memory_row, quantize, quantize_tiles, relative_error, round_to,
                                   state_bytes, train_losses)
 from ultrascale.precision.gemm_speed import gpu_milliseconds, measure_fp8_gemm, print_fp8_rows
+from ultrascale.train import gradients, make_optimizer, weights
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)
@@ -428,7 +429,7 @@ fig
 # scale; after `growth_interval` good steps, double it. This is `torch.amp.GradScaler`'s rule,
 # so we train the GPT under fp16 autocast twice, with our `DynamicLossScaler` and with
 # `GradScaler`, from a start scale of $2^{24}$ that is far too large. Both go through
-# `parity.run_steps` (by way of `train_losses`). They must take the same decisions and end on
+# `train.run_steps` (by way of `train_losses`). They must take the same decisions and end on
 # the same weights, bit for bit. (`GradScaler` runs on the CPU too; on a GPU the same code
 # runs there.)
 

@@ -44,10 +44,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 
+from ultrascale.data import Batches
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import apply_data_parallel
-from ultrascale.parity import Batches, make_optimizer
 from ultrascale.profiling import chrome_trace_events, quiet_native_stderr
+from ultrascale.train import make_optimizer
 
 assert WORLD_SIZE >= 2, "the distributed sections need at least two ranks: set WORLD_SIZE >= 2"
 torch.manual_seed(SEED)

@@ -47,9 +47,9 @@ from matplotlib.figure import Figure
 
 from ultrascale import overlap
 from ultrascale.comm import CommLogger, bus_bandwidth_sweep, format_bytes
+from ultrascale.data import Batches
 from ultrascale.model import GPT, GPTConfig, count_params, training_flops
 from ultrascale.parallel import Timeline, apply_data_parallel, apply_zero, covered_seconds, overlap_seconds
-from ultrascale.parity import Batches
 from ultrascale.scales import block_params
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar, with_text_repr
