@@ -18,6 +18,10 @@ $BIN/python -m ultrascale.grading.generate --check
 # which depends on a float's last bits fails on this machine before a learner's CPU does.
 export MKL_ENABLE_INSTRUCTIONS=${MKL_ENABLE_INSTRUCTIONS:-SSE4_2} MKL_CBWR=${MKL_CBWR:-COMPATIBLE}
 
-echo "== pytest: library, runtime faults, grading, papermill runs, and nbval on chapters/"
-$BIN/pytest -q -p no:cacheprovider --durations=15 tests chapters \
+# Two tests at a time (pytest-xdist; tests/conftest.py says what may run side by side and why):
+# most of the suite's time is waiting on kernels and ranks, not arithmetic. TEST_WORKERS=0 runs
+# everything in this one process, in order (e.g. to debug a test that fails only beside another).
+WORKERS=${TEST_WORKERS:-2}
+echo "== pytest: library, runtime faults, grading, papermill runs, and nbval on chapters/ ($WORKERS workers)"
+$BIN/pytest -q -p no:cacheprovider --durations=25 -n "$WORKERS" tests chapters \
   --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env "$@"

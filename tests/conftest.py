@@ -108,3 +108,55 @@ for _notebook in sorted((REPO / "solutions").glob("*_exercises.ipynb")):
     _stem = _notebook.name.removesuffix("_exercises.ipynb")
     _prefix = _stem.split("_")[0]
     globals()["ch" + _prefix if _prefix[0].isdigit() else _prefix] = _solution_fixture(_stem)
+
+
+
+# --------------------------------------------------------------------------- two tests at a time
+# `make test` runs pytest with pytest-xdist on two workers (launch/test.sh: -n 2). Most of the
+# suite's time is not arithmetic but waiting: kernels and ranks starting, ranks waiting for each
+# other, a browser rendering; so two tests side by side use 2 cores better than one. What the
+# workers may split is decided here, by the units of work below (a unit runs on one worker, in
+# collection order):
+#  * a test file is one unit: its module fixtures (a cluster of ranks, a JupyterLab) start once,
+#    and its tests never race each other; a chapter's nbval cells likewise share one kernel;
+#  * the files of one session fixture are one unit (``graded_course``: test_grading and
+#    test_run_all read one grader run), or each worker would run it;
+#  * the benchmark smoke runs are independent subprocesses: each test is a unit of its own.
+# Units start longest first (LONGEST_FIRST, from ``--durations`` of a full run), so that the last
+# minutes are not one worker alone with a long unit; the others keep their collection order.
+# (A scheduler of our own rather than xdist's ``--dist loadgroup``: that one renames the tests'
+# node ids, which pytest 9.2 no longer lets a plugin do, so its groups are silently ignored.)
+SHARED_SESSION = {"tests/test_grading.py": "graded_course", "tests/test_run_all.py": "graded_course"}
+EACH_TEST_ALONE = {"tests/test_benchmarks.py"}
+LONGEST_FIRST = ["graded_course", "tests/test_notebooks.py", "tests/test_browser.py",
+                 "tests/test_grader_sandbox.py", "tests/test_runtime_stops.py"]
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work of the test ``nodeid`` (``tests/test_x.py::test_y[...]``)."""
+    path = nodeid.split("::")[0]
+    if path in EACH_TEST_ALONE:
+        return nodeid
+    return SHARED_SESSION.get(path, path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest units first (a stable sort: within a rank, the collection order)."""
+    def rank(item):
+        unit = unit_of(item.nodeid)
+        return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(optionalhook=True)   # only with pytest-xdist (-n)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        """xdist's scheduler by scope, with ``unit_of`` as the scope, in collection order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False   # keep LONGEST_FIRST's order, not "most tests first"
+    return ByUnit(config, log)
