@@ -1,0 +1,111 @@
+"""Pipeline parallelism's messages: activations and their gradients sent between stages.
+
+A stage's output goes to the next stage's rank (``send_F``) and the gradient of a stage's
+input back to the previous one (``send_B``):
+
+* ``send_*``: ``isend``, never blocking, waited for at the end of the step (the tensor is
+  kept alive until then); with a timeline, a helper thread draws each send's bar;
+* ``recv_*``: ``irecv`` and wait, right before the action that needs it. Between two ranks,
+  messages are received in the order they were sent (an earlier one is kept in the inbox
+  until its action comes), as NCCL requires; gloo could also tell them apart by the tag
+  each carries. Every rank knows from the schedule the order its senders send in;
+* GPT's tied embedding/head weight lives on the first and the last stage: after the backward
+  the two ranks swap their parts of its gradient and add them.
+
+:class:`StageMessages` is a part of :class:`~ultrascale.parallel.pipeline_parallel.Pipeline`;
+it reads the pipeline's schedule, group, timeline and stages.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ..comm.ring import send_recv
+from .timeline import COMMUNICATION
+
+__all__ = ["StageMessages"]
+
+
+class StageMessages:
+    """The ``send_*`` and ``recv_*`` actions of :class:`~ultrascale.parallel.pipeline_parallel.Pipeline`."""
+
+    def _send_F(self, a, st):
+        self._send(st, st.outputs[(a.microbatch, a.stage)].detach(), a.stage + 1, "F", a.microbatch, "activation")
+
+    def _send_B(self, a, st):
+        self._send(st, st.input_grads.pop((a.microbatch, a.stage)), a.stage - 1, "B", a.microbatch, "gradient")
+
+    def _recv_F(self, a, st):
+        buf = self._receive(st, ("F", a.microbatch, a.stage), self.schedule.rank_of(a.stage - 1))
+        st.inputs[(a.microbatch, a.stage)] = buf.requires_grad_()
+
+    def _recv_B(self, a, st):
+        st.grads[(a.microbatch, a.stage)] = self._receive(st, ("B", a.microbatch, a.stage),
+                                                          self.schedule.rank_of(a.stage + 1))
+
+    def _tag(self, kind: str, mb: int, stage: int) -> int:
+        """One tag per message: (micro-batch, receiving stage, forward or backward)."""
+        return 2 * (mb * self.schedule.stages + stage) + (kind == "B")
+
+    def _send(self, st, tensor, to_stage, kind, mb, what):
+        dst = self.schedule.rank_of(to_stage)
+        work = dist.isend(tensor, group=self.group, group_dst=dst, tag=self._tag(kind, mb, to_stage))
+        if self.timeline is not None:
+            work = _WatchedSend(work, self.timeline, f"send {what} {mb} to stage {to_stage}",
+                                tensor.numel() * tensor.element_size())
+        st.sends.append(work)
+        st.sent.append(tensor)   # the tensor must live until its send is done
+
+    def _receive(self, st, message, src):
+        """Take the messages of rank ``src`` in the order it sent them until ``message`` (kind,
+        micro-batch, receiving stage) is in: NCCL matches a send with a receive by their order
+        alone (gloo also by tag). Those taken early wait in the inbox; they were sent already."""
+        while message not in st.inbox:
+            kind, mb, stage = nxt = self.arrivals[src][st.received.get(src, 0)]
+            st.received[src] = st.received.get(src, 0) + 1
+            batch = st.batches[mb].inputs   # activations and their gradients: (rows, seq, hidden)
+            buf = torch.empty((*batch.shape, self.hidden), dtype=self.dtype, device=batch.device)
+            what = "activation" if kind == "F" else "gradient"
+            with self._span(None, f"recv {what} {mb} for stage {stage}", COMMUNICATION):
+                dist.irecv(buf, group=self.group, group_src=src, tag=self._tag(kind, mb, stage)).wait()
+            st.inbox[nxt] = buf
+        return st.inbox.pop(message)
+
+    def _arrivals(self) -> dict:
+        """For each rank that sends to this one, its messages in the order it sends them."""
+        order = {}
+        for src in range(self.schedule.ranks):
+            for a in self.schedule.actions(src):
+                to_stage = a.stage + 1 if a.op == "send_F" else a.stage - 1
+                if a.op.startswith("send") and self.schedule.rank_of(to_stage) == self.rank:
+                    order.setdefault(src, []).append((a.op[-1], a.microbatch, to_stage))
+        return order
+
+    def _add_tied_gradients(self):
+        """Embedding and head share one weight: add the gradient parts of its two ranks."""
+        weight = (self.chunks["0"].embed if "0" in self.chunks else self.chunks[str(self.last)].head).weight
+        mine = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        theirs = torch.empty_like(mine)
+        send_recv(mine, theirs, self.tied_peer, self.tied_peer, self.group)
+        weight.grad = mine + theirs   # a + b and b + a: the same bits on both ranks
+
+
+class _WatchedSend:
+    """A send drawn from its launch to its end. gloo's P2P works have no future to hang a
+    callback on, and two threads waiting on one gloo send hang, so a helper thread is the only
+    one to wait: ``wait()`` joins it."""
+
+    def __init__(self, work, timeline, name, nbytes):
+        start = timeline.now()
+
+        def watch():
+            work.wait()
+            timeline.add(COMMUNICATION, name, start, timeline.now(), nbytes)
+
+        self.thread = threading.Thread(target=watch, daemon=True)
+        self.thread.start()
+
+    def wait(self):
+        self.thread.join()
