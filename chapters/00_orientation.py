@@ -115,8 +115,9 @@ assert total.tolist() == [n * (n + 1) / 2, 10 * n * (n + 1) / 2]
 # ### Which collectives does the backend support?
 # We try each collective the course uses on the cluster and record whether it worked and gave
 # the right answer. With the pinned torch 2.13 CPU build, gloo runs all of them. (torch 2.13
-# renamed `all_gather_into_tensor` and `reduce_scatter_tensor` to `all_gather_single` and
-# `reduce_scatter_single`; we use the new names when they exist.)
+# added `all_gather_single` and `reduce_scatter_single` beside `all_gather_into_tensor` and
+# `reduce_scatter_tensor`, which it keeps; 2.11 and 2.12 have only the old names. We use the new
+# ones where they exist.)
 
 # %%
 def try_collectives(ctx):

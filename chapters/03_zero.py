@@ -488,7 +488,7 @@ units = measured[0][0]["units"]
 padded_psi = sum(p for _, _, p in units)
 kept = units[0][2] + units[-1][2]          # the root and the last block: gathered once only
 expected_elements = {0: 2 * padded_psi, 1: 2 * padded_psi, 2: 2 * padded_psi, 3: 3 * padded_psi - kept}
-# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single; the log keeps the name called
+# torch 2.13 added *_single beside reduce_scatter_tensor / all_gather_into_tensor; the log keeps the name called
 REDUCE_SCATTER = "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") else "reduce_scatter_tensor"
 ALL_GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
 OPS = ("all_reduce", REDUCE_SCATTER, ALL_GATHER)

@@ -667,8 +667,11 @@ assert full_1 == 2 * SEQ_BIG * LLAMA3_8B.hidden * LLAMA3_8B.layers and full_1 / 
 
 # %% [markdown]
 # At 128k tokens even full recomputation keeps over 30 GB of layer inputs on one GPU, and
-# selective recomputation several times that; both divide by cp. With cp = 8 or 16 the
-# activations of a 128k sequence fit beside the model states. The small GPT's measurements have
+# selective recomputation several times that; both divide by cp. That is what CP is for: at cp = 16, 36.5 GB with
+# selective recomputation, 2.1 GB with full. It does not make the model fit by itself: Llama 3
+# 8B's weights, gradients and Adam states (16 bytes a parameter, about 128 GB) are whole on every
+# cp rank until something else shards them, so long-context runs put CP beside ZeRO-3 (FSDP) or
+# TP (chapter 09). The small GPT's measurements have
 # the model's shape: the eager one-process curve bends up (the scores), the ring's are straight
 # lines, and CP's is the one-rank ring line divided by cp.
 #

@@ -243,7 +243,7 @@ for rank, run in enumerate(logged):
 #
 # A rank's work in an MoE layer is the number of (token, expert) choices that land on its
 # experts. The all-to-all waits for every rank, so the busiest rank sets the pace: the layer
-# runs at max/mean of the balanced speed. A freshly initialised router spreads the tokens fairly
+# takes max/mean times as long as a balanced one (it runs at mean/max of the balanced speed). A freshly initialised router spreads the tokens fairly
 # evenly. A skewed one, here a `selection_bias` of +0.1 on expert 0 (the bias DeepSeek-V3 adds to
 # the scores when choosing, and adjusts to *restore* balance), piles the tokens onto rank 0.
 #

@@ -270,7 +270,7 @@ fig
 # ### Trick 1: keep an fp32 copy of the weights
 # An update is added to a weight. If it is smaller than half the step between the weight and
 # its neighbour, the sum rounds back to the weight: the update is lost. For a weight of 1, half a
-# step is $2^{-9} \approx 0.002$ in bf16 and $2^{-11} \approx 0.0005$ in fp16. Training adds many
+# step is $2^{-8} \approx 0.004$ in bf16 and $2^{-11} \approx 0.0005$ in fp16. Training adds many
 # such small updates, and in 16 bits each one vanishes; added to an fp32 copy, they pile up,
 # and the 16-bit weights are copied from it.
 
@@ -546,7 +546,7 @@ fig
 
 # %% [markdown]
 # The bf16 curve lies on the fp32 one. At the first step they differ by rounding alone: every
-# matrix multiply's inputs move by up to $2^{-9}$ of themselves, and the logits a little less
+# matrix multiply's inputs move by up to $2^{-8}$ of themselves, and the logits a little less
 # after fp32 accumulation. Later the runs differ in their weights too, and that difference is
 # amplified the way any small perturbation is (another batch order would do the same); it stays
 # far below what a different initialisation changes. This is why bf16 mixed precision became

@@ -55,7 +55,7 @@ from ultrascale.viz.live import LivePlot
 torch.manual_seed(SEED)
 assert WORLD_SIZE >= 2, "collectives need at least two ranks: use WORLD_SIZE >= 2"
 N = WORLD_SIZE
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single.
+# torch 2.13 added *_single beside all_gather_into_tensor / reduce_scatter_tensor (2.11-2.12: old names only).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
