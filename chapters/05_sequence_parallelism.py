@@ -715,6 +715,9 @@ assert round(per_gpu_gb(16, False, "selective", 1, 8)["activations"]) > 100
 assert round(16 * count_params(LLAMA3_70B) / 16 / GB) == 71
 
 # %% [markdown]
+# (These use Korthikanti et al.'s constants for a GPT block; for Llama 3, with grouped-query
+# attention and a SwiGLU MLP, they are an approximation, as the book's own figures are.)
+#
 # - Without any recomputation nothing fits: at 16k tokens the attention scores alone
 #   ($5as/h = 640$ against 34 in the per-token cost) need hundreds of GB, with or without SP.
 # - With selective recomputation (or FlashAttention), TP alone still keeps $10\,sbh$ bytes per

@@ -490,7 +490,9 @@ plot_gantt(timelines, title=f"ring attention, cp = {CP}, zig-zag, q/k/v {BIG} fl
 # ## 7. Memory: K/V buffers, ring against all-gather
 #
 # The ring holds, besides its own K/V, the block it attends to and the one arriving: at most
-# two blocks of K and V, whatever cp is. The all-gather variant holds every rank's K and V at
+# two blocks of K and V, whatever cp is. (The book counts one additional block, the one in
+# flight; counting the one being attended to as well gives two: double buffering, so that the
+# next block arrives while this one is used.) The all-gather variant holds every rank's K and V at
 # once: $2 \cdot cp$ blocks, the whole sequence's K/V. In backward the ring adds a travelling dK/dV
 # accumulator pair (and the one arriving), the all-gather variant dK/dV for every block before its
 # reduce-scatter. `KVBufferMeter` measures the bytes of those buffers alive at once on a rank;
@@ -568,6 +570,10 @@ for cp in (2, 4, 8, 16, 32):
 # | bytes sent per rank | $(cp - 1)/cp$ of all K/V | the same |
 # | overlap | none: attention waits for the gather | each step's transfer behind the previous block's attention |
 # | latency | one collective | `cp - 1` steps, each paying the base latency |
+#
+# The book's own table names the ring variant "All-to-All (Ring)". It is not chapter 08's
+# `all_to_all` collective: every step is a point-to-point send to the next rank and a receive
+# from the previous one, and after `cp - 1` steps each rank has seen every block.
 #
 # ## 8. Activation memory per rank against sequence length
 #
@@ -667,12 +673,13 @@ assert full_1 == 2 * SEQ_BIG * LLAMA3_8B.hidden * LLAMA3_8B.layers and full_1 / 
 
 # %% [markdown]
 # At 128k tokens even full recomputation keeps over 30 GB of layer inputs on one GPU, and
-# selective recomputation several times that; both divide by cp. That is what CP is for: at cp = 16, 36.5 GB with
-# selective recomputation, 2.1 GB with full. It does not make the model fit by itself: Llama 3
-# 8B's weights, gradients and Adam states (16 bytes a parameter, about 128 GB) are whole on every
-# cp rank until something else shards them, so long-context runs put CP beside ZeRO-3 (FSDP) or
-# TP (chapter 09). The small GPT's measurements have
-# the model's shape: the eager one-process curve bends up (the scores), the ring's are straight
+# selective recomputation several times that; both divide by cp. That is what CP is for: with
+# cp=16, 36.5 GB with selective recomputation, 2.1 GB with full. (The constants are GPT's; for
+# Llama 3's grouped-query attention and SwiGLU MLP they are an estimate.) It does not make the
+# model fit by itself: Llama 3 8B's weights, gradients and Adam states (16 bytes a parameter,
+# about 128 GB) are whole on every cp rank until something else shards them, so long-context
+# runs put CP beside ZeRO-3 (FSDP) or TP (chapter 09). The small GPT's measurements have the
+# model's shape: the eager one-process curve bends up (the scores), the ring's are straight
 # lines, and CP's is the one-rank ring line divided by cp.
 #
 # ## 9. The whole model under CP equals one process

@@ -473,6 +473,8 @@ print(f"\nrank 0 (the busiest): AFAB / 1F1B = {ratio:.1f} measured = {modelled['
 # For a real model the same model says where the memory goes. Llama 3 8B at 4,096 tokens, one
 # sequence per micro-batch, full recomputation off, `pp = 4`: the parameters, gradients and
 # optimizer states divide by `p`, but what a GPU keeps of activations depends on the schedule.
+# (The activation constants are Korthikanti et al.'s for a GPT block; Llama 3's grouped-query
+# attention, SwiGLU MLP and missing dropout change them somewhat, so these are estimates.)
 
 # %%
 print("Llama 3 8B, seq 4096, pp = 4: GB per GPU (memory model, bf16 mixed precision)\n")
@@ -592,6 +594,8 @@ for case, message in errors.items():
 # - The pipeline trained on real ranks equals gradient accumulation in one process and
 #   PyTorch's schedules, and PyTorch's action lists are ours.
 # - The measured bubble follows $(p-1)/m$; 1F1B holds `p` micro-batches where AFAB holds `m`.
+# - Interleaving with `v` chunks multiplies the messages by $(pv-1)/(p-1)$, which the book rounds
+#   to "v times as much communication" (for p = 4, v = 2 it is 7/3, not 2).
 #
 # Next, chapter 08: expert parallelism.
 

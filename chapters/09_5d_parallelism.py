@@ -336,7 +336,9 @@ if MEMORY.pp > 1:
 # %% [markdown]
 # The same calculator at the scale that matters, a 70B-like model on 1024 GPUs (8 per node):
 # TP 8 inside a node, PP 8 across nodes, DP 16 with ZeRO-1, sequence 4096, micro-batch 1 and
-# 16 micro-batches under 1F1B. Each step of the list switches one more axis on.
+# 16 micro-batches under 1F1B. Each step of the list switches one more axis on. (The activation
+# terms use GPT's per-layer constants, 34 and 5as/h bytes per token and hidden unit, which are
+# an approximation for a Llama-style model with grouped-query attention and a SwiGLU MLP.)
 
 # %%
 from ultrascale.model import LLAMA3_70B  # noqa: E402
