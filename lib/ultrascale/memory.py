@@ -216,7 +216,7 @@ def cp_kv_buffer_bytes(batch: int, kv_heads: int, seq: int, head_dim: int, cp: i
     ``grad_bytes_per_element`` (fp32 in ``parallel.ring_attention``): the ring passes one
     pair along as another arrives (2 * 2 blocks; 2 with cp = 1), the all-gather variant
     fills dK/dV for every rank's block before the reduce-scatter (2 * cp blocks).
-    ``parallel.ring_attention.KVBufferMeter`` measures the same buffers.
+    ``parallel.kv_exchange.KVBufferMeter`` measures the same buffers.
     """
     if kind not in ("ring", "all_gather"):
         raise ValueError(f"kind={kind!r}: choose 'ring' or 'all_gather'")

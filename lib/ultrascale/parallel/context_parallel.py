@@ -40,8 +40,8 @@ from ..data import sequence_positions
 from .grad_sync import sync_in_backward
 from .matching import match_plan
 from .mesh import axis_group
-from .ring_attention import (KINDS, LAYOUTS, KVBufferMeter, all_gather_attention, context_parallel_attention,
-                             ring_attention)
+from .kv_exchange import KVBufferMeter
+from .ring_attention import KINDS, LAYOUTS, all_gather_attention, context_parallel_attention, ring_attention
 
 __all__ = ["LAYOUTS", "KINDS", "sequence_positions", "split_sequence", "causal_tile_counts",
            "context_parallel_attention", "ring_attention", "all_gather_attention", "apply_cp",
