@@ -23,7 +23,8 @@ sequence parallelism's collectives, and the gradients of the norms it leaves spl
 Clusters, tp groups (the whole cluster, then 3 ranks cut into [0, 1] and [2]), the order of
 work (everything runs before anything is judged) and the refusal of the library's own
 answer (here ``g``/``g_star``'s gather and scatter helpers, and the hook of
-``parallel.tensor_parallel``) are those of ``ch04``, whose helpers these tests share. Tolerances: ``ultrascale.parity.tolerance(None)`` in float32 (rtol 1e-5,
+``parallel.tensor_parallel``) are those of ``ch04``, whose helpers (``_common``) these tests
+share. Tolerances: ``ultrascale.parity.tolerance(None)`` in float32 (rtol 1e-5,
 atol 5e-6): the sums over ranks add the same numbers as one process in another order.
 """
 
@@ -35,8 +36,8 @@ import torch.nn as nn
 
 from ultrascale.grading import exercise
 
-from .ch04 import (_run_pair, close, describe, group_sizes, layouts, off_by, randn, refused_library,
-                   same_collectives, shape_problem, shared_problem, tp_group, wrong_group)
+from ._common import (_run_pair, close, describe, group_sizes, layouts, off_by, randn, refused_library,
+                      same_collectives, shape_problem, shared_problem, tp_group, wrong_group)
 
 BASE = (2, 3, 4)    # what one rank holds: (batch, its slice of the sequence, hidden)
 DIMS = (1, 0, 2)    # the sequence first; dims 0 and 2 catch code that ignores dim
