@@ -115,3 +115,32 @@ def test_step1_refuses_wrong_thresholds_and_extras(ch10):
 
     for wrong in (swapped, strict_1024, no_extras, ten_billion_is_small):
         _fails(check("10.step1", wrong, quick=True), "expected")
+
+
+def test_step1_refuses_pp_with_zero3_and_a_rule_blind_to_size_at_scale(ch10):
+    """Issue 40: the old rule (PP with ZeRO-3 at 512-1023 GPUs, the model's size ignored from 512
+    GPUs on) fails, and so does a rule that ignores the size at 1024 GPUs only or at 512 only."""
+    def old_rule(n_params, gpus, gpus_per_node=8, long_sequence=False, moe=False):
+        if gpus >= 1024:
+            options = [{"TP", "PP", "ZeRO-2"}]
+        elif gpus >= 512:
+            options = [{"TP", "ZeRO-3"}, {"PP", "ZeRO-3"}, {"TP", "DP"}, {"PP", "DP"}]
+        else:
+            return ch10["step1_techniques"](n_params, gpus, gpus_per_node, long_sequence, moe)
+        extra = ({"CP"} if long_sequence else set()) | ({"EP"} if moe else set())
+        return [o | extra for o in options]
+
+    def blind_from(threshold, until=float("inf")):
+        def rule(n_params, gpus, gpus_per_node=8, long_sequence=False, moe=False):   # every model is large there
+            n = max(n_params, 10e9) if threshold <= gpus < until else n_params
+            return ch10["step1_techniques"](n, gpus, gpus_per_node, long_sequence, moe)
+        return rule
+
+    def strict_size_at_1024(n_params, gpus, gpus_per_node=8, long_sequence=False, moe=False):   # n <= 10e9 small
+        n = n_params - 1 if gpus >= 1024 and n_params == 10e9 else n_params
+        return ch10["step1_techniques"](n, gpus, gpus_per_node, long_sequence, moe)
+
+    _fails(check("10.step1", old_rule, quick=True), "expected")
+    _fails(check("10.step1", blind_from(1024), quick=True), "At 1024 GPUs the options still depend on the model's size")
+    _fails(check("10.step1", blind_from(512, 1024), quick=True), "GPUs the options still depend on the model's size")
+    _fails(check("10.step1", strict_size_at_1024, quick=True), "step1_techniques(1e+10, 1024")

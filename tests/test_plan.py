@@ -32,10 +32,26 @@ def test_step1_mid_size_model():
 
 def test_step1_large_clusters_and_extras():
     assert all({"TP", "PP"} & o for o in rules.step1_techniques(70e9, 512))
+    # PP goes with plain DP or ZeRO-1 at 512-1023 GPUs, never with ZeRO-3 (the book: rare)
+    assert set(rules.step1_techniques(70e9, 1023)) == {frozenset({"TP", "ZeRO-3"}), frozenset({"TP", "DP"}),
+                                                       frozenset({"PP", "DP"}), frozenset({"PP", "ZeRO-1"})}
+    assert not any({"PP", "ZeRO-3"} <= o for n in (3e9, 70e9, 405e9) for gpus in (512, 1023, 1024, 16384)
+                   for o in rules.step1_techniques(n, gpus))
+    assert rules.step1_techniques(405e9, 1024) == [frozenset({"TP", "PP", "ZeRO-2"})]
+    assert rules.step1_techniques(10e9, 1024) == [frozenset({"TP", "PP", "ZeRO-2"})]
     assert rules.step1_techniques(405e9, 1024, long_sequence=True, moe=True) == [
         frozenset({"TP", "PP", "ZeRO-2", "CP", "EP"})]
     with pytest.raises(ValueError):
         rules.step1_techniques(0, 8)
+
+
+def test_step1_a_model_under_10b_needs_no_pp_at_any_scale():
+    """At 512 and 1024 GPUs the rule still looks at the model: under 10B it fits without PP."""
+    assert set(rules.step1_techniques(9.99e9, 512)) == {frozenset({"TP", "ZeRO-3"}), frozenset({"TP", "DP"})}
+    assert rules.step1_techniques(9.99e9, 1024) == [frozenset({"TP", "ZeRO-2"})]
+    assert rules.step1_techniques(1e9, 16384, long_sequence=True) == [frozenset({"TP", "ZeRO-2", "CP"})]
+    assert not any("PP" in o for gpus in (1, 8, 64, 511, 512, 1023, 1024, 16384)
+                   for o in rules.step1_techniques(8e9, gpus))
 
 
 def test_gpu_poor_trades_compute_for_memory():

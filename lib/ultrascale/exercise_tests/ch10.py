@@ -12,8 +12,9 @@
   Llama 3 models and on an MoE one (its experts split by ep).
 * ``10.step1``: ``step1_techniques(n_params, gpus, gpus_per_node=8, long_sequence=False,
   moe=False)``, the book's step-1 rule as a list of sets of technique names, compared (as a set
-  of sets) with ``plan.rules.step1_techniques`` at the rule's boundaries, on nodes of 1, 4, 8
-  and 16 GPUs, and on random inputs.
+  of sets) with ``plan.rules.step1_techniques`` at the rule's boundaries (511/512 and 1023/1024
+  GPUs; 10B parameters on each side of them), on nodes of 1, 4, 8 and 16 GPUs, and on random
+  inputs.
 
 While the learner's code runs, the planner's own functions (``ultrascale.plan``) refuse to run.
 """
@@ -168,14 +169,24 @@ def test_memory_filter(fitting, quick: bool = True):
 
 
 STEP1_CASES = [(3e9, 8), (9.99e9, 8), (10e9, 8), (3e9, 12), (3e9, 16), (70e9, 64), (70e9, 511), (70e9, 512),
-               (8e9, 1023), (405e9, 1024), (405e9, 16384), (1e9, 1), (100e9, 256)]
+               (8e9, 1023), (405e9, 1024), (405e9, 16384), (1e9, 1), (100e9, 256),
+               # the 10B boundary again where the GPUs' count decides first: 512-1023 and 1024+
+               (9.99e9, 512), (10e9, 512), (10e9, 1023), (9.99e9, 1024), (10e9, 1024), (3e9, 16384)]
 # (n_params, gpus, gpus_per_node): nodes of 4, 16 and 1 GPU move a small model's one-node limit
 STEP1_NODE_CASES = [(3e9, 4, 4), (3e9, 5, 4), (3e9, 8, 4), (3e9, 16, 16), (3e9, 9, 16), (3e9, 1, 1), (3e9, 2, 1)]
 
 
 def _step1_hint(got, n, gpus, node, long_sequence, moe) -> str:
-    """Name the mistake when ``got`` is the other side of a small model's one-node test."""
-    if n >= 10e9 or gpus >= 512:
+    """Name the mistake when ``got`` is the other side of a small model's one-node test, or (from
+    512 GPUs) the other side of the 10B test."""
+    if gpus >= 512:
+        other = _rules.step1_techniques(1e9 if n >= 10e9 else 10e9, gpus, long_sequence=long_sequence, moe=moe)
+        if got != {frozenset(o) for o in other}:
+            return ""
+        return (f". At {gpus} GPUs the options still depend on the model's size: this one has "
+                f"{'10B parameters or more' if n >= 10e9 else 'under 10B (n_params < 10e9)'}, and a model under 10B "
+                "needs no PP (it fits without, as the under-10B rule says)")
+    if n >= 10e9:
         return ""
     one_node = gpus <= node
     flipped = _rules.step1_techniques(n, gpus, gpus_per_node=gpus - 1 if one_node else gpus,

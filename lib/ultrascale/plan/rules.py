@@ -31,20 +31,32 @@ def step1_techniques(n_params: float, gpus: int, *, gpus_per_node: int = 8, long
                      moe: bool = False) -> list[frozenset]:
     """Step 1 for a GPU-rich cluster: the combinations the book suggests, each a set of techniques.
 
-    * under 10B parameters, one technique is enough on a node: TP, or ZeRO-3 / DP with full
-      recomputation;
-    * 10B to 100B, more than a node: TP 8 with PP, TP 8 with ZeRO-3, or ZeRO-3 alone;
-    * from 512 GPUs, pure DP or ZeRO-3 loses efficiency: combine it with TP or PP;
-    * from 1024 GPUs: TP 8 with data parallelism (ZeRO-2) and PP;
+    The number of GPUs decides first where the book says scale does (512 and 1024 GPUs), and
+    the model's size (10B parameters) decides in every branch:
+
+    * under 10B parameters, up to 511 GPUs: one technique is enough on a node, TP, or ZeRO-3 /
+      DP with full recomputation; on more than a node, ZeRO-3, DP, or TP inside the node with
+      DP across;
+    * 10B parameters and more, up to 511 GPUs: TP 8 with PP, TP 8 with ZeRO-3, or ZeRO-3 alone;
+    * 512 to 1023 GPUs: pure DP or ZeRO-3 loses efficiency (its collectives span every GPU),
+      so data parallelism goes beside TP or PP: ``{TP, ZeRO-3}``, ``{TP, DP}``, ``{PP, DP}``,
+      ``{PP, ZeRO-1}``. PP goes with plain DP or ZeRO-1, not ZeRO-3 (the book calls that
+      combination rare): ZeRO-3 gathers the weights again for every micro-batch, and PP runs
+      many. ZeRO-1 shards the optimizer states, the largest part, at no cost per micro-batch.
+      A model under 10B needs no PP (it fits with one technique, as above), so it gets only
+      the two TP options;
+    * from 1024 GPUs: the book's setup, TP 8 with data parallelism (ZeRO-2) and PP, for a
+      model of 10B and more; a model under 10B again needs no PP: TP 8 with ZeRO-2;
     * long sequences add CP across nodes, and a mixture of experts adds EP across nodes.
     """
     if n_params <= 0 or gpus < 1:
         raise ValueError(f"need a positive parameter count and at least one GPU, got {n_params} and {gpus}")
+    small = n_params < 10 * BILLION
     if gpus >= 1024:
-        options = [{"TP", "PP", "ZeRO-2"}]
+        options = [{"TP", "ZeRO-2"}] if small else [{"TP", "PP", "ZeRO-2"}]
     elif gpus >= 512:
-        options = [{"TP", "ZeRO-3"}, {"PP", "ZeRO-3"}, {"TP", "DP"}, {"PP", "DP"}]
-    elif n_params < 10 * BILLION:
+        options = [{"TP", "ZeRO-3"}, {"TP", "DP"}] + ([] if small else [{"PP", "DP"}, {"PP", "ZeRO-1"}])
+    elif small:
         options = [{"TP"}, {"ZeRO-3"}, {"DP"}] if gpus <= gpus_per_node else [{"ZeRO-3"}, {"DP"}, {"TP", "DP"}]
     else:
         options = [{"TP", "PP"}, {"TP", "ZeRO-3"}, {"ZeRO-3"}]
