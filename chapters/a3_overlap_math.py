@@ -485,7 +485,7 @@ def record_zero3_step(ctx):
     torch.manual_seed(SEED)
     model = GPT(ZERO_CONFIG)
     timeline = Timeline(ctx.rank, device=ctx.device)
-    zero = apply_zero(model, None, stage=3, prefetch=True, timeline=timeline, lr=1e-3)
+    zero = apply_zero(model, None, stage=3, prefetch=True, timeline=timeline, lr=1e-3).zero_optimizer
     timeline.instrument(model.blocks)  # after ZeRO's hooks: waiting for a gather is not counted as compute
     data = Batches(ZERO_CONFIG, mbs=ZERO_MBS, seed=SEED)
     for step in range(2):

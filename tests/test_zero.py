@@ -219,6 +219,8 @@ def apply_on_a_mesh(ctx):
     assert units_of(model, PLAN) == list(model.blocks)
     assert units_of(model, {"blocks.1": "unit"}) == [model.blocks[1]]
     zero = apply_zero(model, mesh, stage=3, plan={"blocks.*": "unit"}, optimizer_cls=torch.optim.SGD, lr=0.1)
+    assert isinstance(zero, torch.nn.Module) and zero is model   # every apply_* returns the model it changed
+    zero = model.zero_optimizer
     run_steps(model, my_batches(ctx), STEPS, zero)
     plain = fresh_model()
     dp = apply_data_parallel(plain, mesh, kind="overlapped")

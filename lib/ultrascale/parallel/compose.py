@@ -44,6 +44,7 @@ from ..data import Batches, split
 from ..train import OPTIMIZERS, make_optimizer, run_pipeline_steps, run_steps
 from .context_parallel import apply_cp
 from .data_parallel import apply_data_parallel
+from .grad_sync import DATA_AXES
 from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import apply_pp
 from .tensor_parallel import apply_tp
@@ -52,8 +53,8 @@ from .zero import apply_zero
 __all__ = ["ParallelConfig", "Parallelized", "apply_parallelisms", "build_mesh", "data_index", "mean_loss",
            "DENSE_AXES", "EXPERT_AXES", "JOINT_GROUPS", "rank_parameters"]
 
-DENSE_AXES = ("dp", "ep", "cp")    # the ranks whose data differ, for a parameter every one of them holds
-EXPERT_AXES = ("dp", "cp")         # an expert lives on one ep rank: its replicas differ along dp and cp only
+DENSE_AXES = DATA_AXES["dense"]    # the ranks whose data differ, for a parameter every one of them holds
+EXPERT_AXES = DATA_AXES["expert"]  # an expert lives on one ep rank: its replicas differ along dp and cp only
 JOINT_GROUPS = [DENSE_AXES, EXPERT_AXES, ("dp", "ep")]
 
 
@@ -248,7 +249,8 @@ def _apply_data_parallel(par: Parallelized) -> None:
             raise ValueError("ZeRO with ep > 1 is not composed here: its flat buffers would mix expert and "
                              "dense parameters, which average over different groups; use zero=0")
         cls, options = OPTIMIZERS[config.optimizer]   # the same optimizer as make_optimizer's
-        par.optimizer = apply_zero(module, mesh.group(DENSE_AXES), stage=config.zero, optimizer_cls=cls, **options)
+        par.optimizer = apply_zero(module, mesh.group(DENSE_AXES), stage=config.zero, optimizer_cls=cls,
+                                   **options).zero_optimizer
         return
     par.optimizer = make_optimizer(module.parameters(), config.optimizer)
     if config.ep > 1:

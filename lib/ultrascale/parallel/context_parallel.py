@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn as nn
 
 from ..comm.functional import rank_and_size
 from ..data import sequence_positions
@@ -85,7 +86,7 @@ def _positions_hook(group, layout):
 
 
 def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "ring", plan: dict | None = None,
-             timeline=None, sync_gradients: bool = True):
+             timeline=None, sync_gradients: bool = True) -> nn.Module:
     """Context-parallel ``model`` over the ``cp`` axis of a mesh (or a group; None: all ranks).
 
     ``plan``: ``{module-name pattern: kind}`` of the attention modules whose core becomes

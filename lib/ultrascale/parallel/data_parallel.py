@@ -314,9 +314,9 @@ def apply_data_parallel(model: nn.Module, mesh_or_group=None, *, kind: str = "bu
                         timeline: Timeline | None = None, **options) -> DataParallel:
     """Make ``model`` data-parallel over the ``dp`` axis of a mesh (or over a group).
 
-    DP is the one technique that wraps instead of changing the model in place: the book
-    teaches three versions of it (``kind``), and the wrapper is where each keeps its
-    hooks and buffers. ``options`` go to the wrapper (``bucket_cap_mb``, ``broadcast``).
+    DP returns a module around the model instead of the model changed in place (as DDP
+    does; only PP's ``Pipeline`` does the same, see CONTRIBUTING.md): the book teaches three
+    versions of it (``kind``), and the wrapper is where each keeps its hooks and buffers. ``options`` go to the wrapper (``bucket_cap_mb``, ``broadcast``).
     DP needs no plan: every parameter is replicated, so ``plan`` must stay None.
     """
     if kind not in KINDS:

@@ -33,9 +33,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["NO_REPLICAS", "reduce_gradient", "sync_in_backward", "average_gradients"]
+__all__ = ["DATA_AXES", "NO_REPLICAS", "reduce_gradient", "sync_in_backward", "average_gradients"]
 
 NO_REPLICAS = "no replicas"   # a group argument: no other rank holds the parameter
+
+# The mesh axes whose ranks compute a parameter's gradient from different data, so that the
+# gradient must be averaged over them: dp (other rows), ep (other rows too: EP borrows its ranks
+# from DP) and cp (other tokens of the same rows). An expert lives on one ep rank, so its
+# gradient already holds every ep rank's tokens (the all-to-all brought them): it averages over
+# dp and cp only. tp and pp ranks hold different parameters (or, for TP's replicated norms, the
+# same gradient already): nothing is averaged over them. Each technique averages over its own
+# axis unless told ``sync_gradients=False``; a composition averages once over these.
+DATA_AXES = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp")}
 
 
 def _group_size(group) -> int:

@@ -152,7 +152,7 @@ def _check(model, chosen, n, sequence_parallel):
 
 
 def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan: dict | None = None,
-             regather_in_backward: bool = True, timeline=None):
+             regather_in_backward: bool = True, timeline=None) -> nn.Module:
     """Tensor-parallel ``model`` over the ``tp`` axis of a mesh (or a group; None: all ranks).
 
     Swaps the layers ``plan`` names (``{module-name pattern: style}``, default ``GPT_PLAN`` or

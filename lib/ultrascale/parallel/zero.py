@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from ..comm.logger import labelled
@@ -319,12 +320,19 @@ def units_of(model, plan: dict) -> list:
     return [module for _, module, _ in matched]
 
 
-def apply_zero(model, mesh_or_group=None, *, stage=1, plan=None, timeline=None, **options) -> ZeRO:
-    """ZeRO over the ``dp`` axis of a mesh (or over a group). The model is changed in
-    place (its parameters become views into flat buffers); the returned ``ZeRO`` is also
-    its optimizer, which is why ZeRO returns itself rather than the model. ``plan``: the
-    units as {module-name pattern: "unit"} (default ``PLAN``). ``options`` go to ``ZeRO``
-    (optimizer_cls, param_groups, prefetch, lr, ...)."""
+def apply_zero(model, mesh_or_group=None, *, stage=1, plan=None, timeline=None, **options) -> nn.Module:
+    """ZeRO over the ``dp`` axis of a mesh (or over a group). Returns the model, changed in
+    place as every ``apply_*`` does (its parameters become views into flat buffers; at stage
+    3, hooks gather and free each unit's weights). ZeRO is also the optimizer: it is the
+    model's ``zero_optimizer``, the object to ``step()``, since only it knows which shard of
+    the optimizer states this rank keeps. ``plan``: the units as {module-name pattern:
+    "unit"} (default ``PLAN``). ``options`` go to ``ZeRO`` (optimizer_cls, param_groups,
+    prefetch, lr, ...).
+
+        model = apply_zero(model, mesh, stage=2)
+        optimizer = model.zero_optimizer
+    """
     units = units_of(model, PLAN if plan is None else plan)
-    return ZeRO(model, stage, units=units, group=axis_group(mesh_or_group, "dp"), timeline=timeline,
-                **options)
+    model.zero_optimizer = ZeRO(model, stage, units=units, group=axis_group(mesh_or_group, "dp"),
+                                timeline=timeline, **options)
+    return model

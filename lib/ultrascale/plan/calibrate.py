@@ -95,7 +95,7 @@ def _setup(ctx, name: str, c: ParallelConfig, model, seed: int):
             wrapped.finish_gradient_synchronization()
             net.zero_grad(set_to_none=True)
     elif name == "ZeRO-3":
-        zero = apply_zero(net, None, stage=3, prefetch=True, lr=1e-3)
+        zero = apply_zero(net, None, stage=3, prefetch=True, lr=1e-3).zero_optimizer
 
         def step(i):
             data.rank_batch(ctx.rank, ctx.world_size, i).loss(net).backward()
