@@ -48,11 +48,11 @@ METHODS = [
     Method("EP", dict(ep=1), dict(ep=2), "experts", "needs an MoE model and adds routing (all-to-all)",
            moe=True),
     Method("ZeRO-1", dict(dp=2, zero_stage=0), dict(dp=2, zero_stage=1), "data-parallel replicas",
-           "extra parameter communication"),
+           "no extra bytes (reduce-scatter + all-gather = DP's all-reduce); the gather waits for the step"),
     Method("ZeRO-2", dict(dp=2, zero_stage=0), dict(dp=2, zero_stage=2), "data-parallel replicas",
-           "extra parameter communication"),
+           "no extra bytes (as ZeRO-1); each gradient must be reduce-scattered as soon as it is ready"),
     Method("ZeRO-3", dict(dp=2, zero_stage=0), dict(dp=2, zero_stage=3), "data-parallel replicas",
-           "extra parameter communication (weights gathered in every forward and backward)"),
+           "1.5x DP's bytes: the weights are all-gathered again in every forward and backward"),
 ]
 
 
