@@ -24,3 +24,15 @@ c.ContentsManager.hide_globs = [
 # "Python 3" like the notebooks' metadata (another name would mark them modified on opening).
 # New notebooks get the same kernel.
 c.MappingKernelManager.default_kernel_name = "python3"
+
+# One kernel to choose from: the course's. setup.sh also registers "ultrascale (.venv)" in the
+# user's Jupyter folder, for other front ends (VS Code, a system-wide Jupyter); in the course's
+# own lab a second entry for the same Python only makes the launcher ask which one.
+c.KernelSpecManager.allowed_kernelspecs = {"python3"}
+
+# No "Jupyter news" pop-up over the first notebook, and no request to a news feed or for
+# updates: the settings' defaults are replaced by launch/lab_settings/overrides.json (a learner
+# can still change them in Settings).
+import os  # noqa: E402
+
+c.LabApp.app_settings_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lab_settings")

@@ -132,3 +132,16 @@ def test_notebooks_kernel_is_the_course_venv(lab):
     assert spec["display_name"] == metadata["display_name"], (
         "the kernel's display name differs from the notebooks' metadata, so JupyterLab marks every "
         "notebook modified on opening: run `make setup` (launch/setup.sh registers it)")
+
+
+def test_one_kernel_to_choose(lab):
+    url, _ = lab
+    specs = json.loads(_api(url, "/api/kernelspecs")[1])
+    assert set(specs["kernelspecs"]) == {"python3"}, sorted(specs["kernelspecs"])
+
+
+def test_no_news_pop_up_and_no_update_check(lab):
+    url, _ = lab
+    settings = json.loads(_api(url, "/lab/api/settings/@jupyterlab/apputils-extension:notification")[1])
+    defaults = {name: p["default"] for name, p in settings["schema"]["properties"].items()}
+    assert defaults["fetchNews"] == "false" and defaults["checkForUpdates"] is False, defaults
