@@ -88,9 +88,6 @@ class ParallelConfig:
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero={self.zero!r}: 0 (plain DP), 1 or 2 (ZeRO-3 is not composed here: "
                              "it gathers each block's weights per forward; see chapter 03)")
-        if self.sp and self.pp > 1:
-            raise ValueError("sp=True with pp > 1: the pipeline sends whole sequences between stages, "
-                             "sequence parallelism would leave each rank a slice; use sp=False with pp")
         if self.zero and self.pp > 1:
             raise ValueError("ZeRO with pp > 1: ZeRO moves each gradient into its flat buffer during backward, "
                              "before the pipeline adds the two halves of the tied embedding's gradient; "

@@ -9,6 +9,11 @@ input back to the previous one (``send_B``):
   messages are received in the order they were sent (an earlier one is kept in the inbox
   until its action comes), as NCCL requires; gloo could also tell them apart by the tag
   each carries. Every rank knows from the schedule the order its senders send in;
+* under sequence parallelism (``apply_tp(..., sequence_parallel=True)``) the activation between
+  two blocks is split along the sequence over the tp ranks, so a message is this rank's slice,
+  ``(rows, seq/tp, hidden)``, sent to the rank of equal tp coordinate in the next stage (the pp
+  group pairs them): tp times fewer bytes per message than sending the whole sequence, which
+  every tp rank would otherwise send (the same bytes, tp times over) or gather first;
 * GPT's tied embedding/head weight lives on the first and the last stage: after the backward
   the two ranks swap their parts of its gradient and add them.
 
@@ -65,8 +70,10 @@ class StageMessages:
         while message not in st.inbox:
             kind, mb, stage = nxt = self.arrivals[src][st.received.get(src, 0)]
             st.received[src] = st.received.get(src, 0) + 1
-            batch = st.batches[mb].inputs   # activations and their gradients: (rows, seq, hidden)
-            buf = torch.empty((*batch.shape, self.hidden), dtype=self.dtype, device=batch.device)
+            batch = st.batches[mb].inputs   # activations and their gradients: (rows, seq, hidden),
+            rows, seq = batch.shape         # or (rows, seq/tp, hidden) under sequence parallelism
+            buf = torch.empty((rows, seq // self.sequence_shards, self.hidden), dtype=self.dtype,
+                              device=batch.device)
             what = "activation" if kind == "F" else "gradient"
             with self._span(None, f"recv {what} {mb} for stage {stage}", COMMUNICATION):
                 dist.irecv(buf, group=self.group, group_src=src, tag=self._tag(kind, mb, stage)).wait()

@@ -98,6 +98,15 @@ def _tied(model) -> bool:
     return model.embed is not None and model.head is not None and model.head.weight is model.embed.weight
 
 
+def _sequence_shards(model) -> int:
+    """Over how many ranks the activations between blocks are split along the sequence: tp
+    under sequence parallelism (its embedding scatters the sequence, its head gathers it), else 1."""
+    embed = getattr(model, "embed", None)
+    if not getattr(embed, "sequence_parallel", False):
+        return 1
+    return dist.get_world_size(embed.group)
+
+
 # --------------------------------------------------------------------------- the B/W split
 def backward_input(output, stage_input, grad_output):
     """Zero Bubble's B: the gradient of ``stage_input`` only, which the previous stage waits
@@ -155,6 +164,7 @@ class Pipeline(StageMessages, nn.Module):
         self.chunks = nn.ModuleDict({str(s): m for s, m in stage_modules(model, schedule, self.rank, plan).items()})
         self.last = schedule.stages - 1
         self.hidden, self.dtype = model.config.hidden, next(model.parameters()).dtype
+        self.sequence_shards = _sequence_shards(model)   # the messages' split of the sequence
         self.measure_activations, self.tied = measure_activations, _tied(model)
         self.peak_activations = self.peak_activation_bytes = 0
         self.durations = None   # action -> least seconds it lasts (pipeline_runs.calibrate_compute)
