@@ -97,23 +97,33 @@ class ProgressBar:
         bar.advance()                      # or: one step, wherever the work is
 
     From the ranks it reads ``done`` (and ``total``, if the ranks know it better)
-    in the metrics of ``ctx.log``, from rank ``rank`` only. Its saved plain text
-    is ``[progress bar: <description>]``, the same on every run.
+    in the metrics of ``ctx.log``, from rank ``rank`` only. Beside the bar: the count
+    and the time so far ("3/8, 12 s"; "8/8 in 45 s" once full). Its saved plain text is
+    ``[progress bar: <description>]``, the same on every run (the time is in the widget only).
     """
 
     def __init__(self, description: str = "", total: int = 1, rank: int = 0):
         self.rank, self.description = rank, description
         self.done, self.total = 0, max(int(total), 1)
-        self.bar = None
+        self.started = time.monotonic()
+        self.bar = self.label = None
         try:
             import ipywidgets
         except ImportError:
             return  # no widgets: the work runs without a bar
-        bar_class = with_text_repr(ipywidgets.IntProgress, f"[progress bar: {description}]")
         # description_width "initial": the whole description shows, not the first few letters.
-        self.bar = bar_class(value=0, min=0, max=self.total, description=description,
-                             style={"description_width": "initial"})
-        _display(self.bar)
+        self.bar = ipywidgets.IntProgress(value=0, min=0, max=self.total, description=description,
+                                          style={"description_width": "initial"})
+        self.label = ipywidgets.Label(self.status())   # "3/8, 12 s": how far, and how long so far
+        box_class = with_text_repr(ipywidgets.HBox, f"[progress bar: {description}]")
+        _display(box_class([self.bar, self.label]))
+
+    def status(self) -> str:
+        """``done/total`` and the time since the bar was made ("in ..." once it is full)."""
+        seconds = time.monotonic() - self.started
+        elapsed = f"{seconds:.0f} s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+        done = min(self.done, self.total)
+        return f"{done}/{self.total} in {elapsed}" if done >= self.total else f"{done}/{self.total}, {elapsed}"
 
     def __call__(self, rank: int, metrics: dict) -> None:
         if rank != self.rank or "done" not in metrics:
@@ -128,6 +138,7 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.max = self.total
             self.bar.value = min(done, self.total)
+            self.label.value = self.status()
             if done >= self.total:
                 self.bar.bar_style = "success"
 
