@@ -32,7 +32,7 @@ pieces of expert parallelism, one at a time.
 * ``08.expert_gradients``: ``reduce_gradient(grad, expert, data_group, expert_group)``, the
   gradient hook of EP with DP. The test installs it on every parameter of an MoE GPT under
   ``apply_ep(..., sync_gradients=False)`` and trains it (ep = 2; dp = 2 x ep = 2) against one
-  process with ``parallel.expert_runs``; then on 4 ranks cut into the groups [0, 2] and [1, 3],
+  process with ``parity.expert_runs``; then on 4 ranks cut into the groups [0, 2] and [1, 3],
   each training its own model with ep = 2 (there the data group is not the world, so a
   reduction over the default group, or a division by the world's size, shows). Expert
   gradients averaged over the replicas only, or reduced over the data group, and dense
