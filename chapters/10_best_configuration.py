@@ -64,7 +64,10 @@ def gb(x):
 # **Step 1: fit a step in memory.** On a GPU-rich cluster the book suggests: below 10B parameters
 # one technique on a node (TP, or ZeRO-3/DP with full recomputation); from 10B to 100B, TP 8 with
 # PP, TP 8 with ZeRO-3, or ZeRO-3 alone; from 512 GPUs, pure DP or ZeRO-3 loses efficiency and
-# needs TP or PP beside it; from 1024 GPUs, TP 8 with ZeRO-2 data parallelism and PP. Long
+# needs TP or PP beside it; from 1024 GPUs, TP 8 with ZeRO-2 data parallelism and PP. Our rule
+# adds two things the book says elsewhere: PP goes with plain DP or ZeRO-1, rarely with ZeRO-3
+# (which would gather the weights again for each of PP's many micro-batches), and a model under
+# 10B needs no PP at any scale, so on 512 GPUs and more it gets TP beside data parallelism. Long
 # sequences add CP across nodes, a mixture of experts adds EP across nodes. A GPU-poor cluster
 # trades compute for memory: full recomputation and more gradient accumulation.
 #
@@ -75,7 +78,7 @@ def gb(x):
 # to PP once DP's communication is the bottleneck; one axis at a time; sweep the micro-batch.
 
 # %%
-for n_params, gpus in ((3e9, 8), (70e9, 64), (70e9, 512), (405e9, 16384)):
+for n_params, gpus in ((3e9, 8), (70e9, 64), (70e9, 512), (8e9, 1024), (405e9, 16384)):
     options = [" + ".join(sorted(o)) for o in rules.step1_techniques(n_params, gpus)]
     print(f"{n_params / 1e9:>4.0f}B on {gpus:>5} GPUs: {' | '.join(options)}")
 print("GPU-poor:", rules.gpu_poor(gas=4))
@@ -83,6 +86,8 @@ print("step 2, 16 sequences of 4096 per step with mbs 2 on 8 replicas: gas =",
       rules.step2_gradient_accumulation(16 * 4096, 4096, mbs=2, replicas=8))
 print("step 2, 512K tokens for a 1M target:", rules.step2_adjust(BATCH, BATCH // 2))
 assert rules.step1_techniques(405e9, 16384) == [frozenset({"TP", "PP", "ZeRO-2"})]
+assert rules.step1_techniques(8e9, 1024) == [frozenset({"TP", "ZeRO-2"})]   # under 10B: no PP, even on 1024 GPUs
+assert not any({"PP", "ZeRO-3"} <= o for o in rules.step1_techniques(70e9, 512))
 assert rules.step2_gradient_accumulation(BATCH, SEQ, mbs=1, replicas=64) == 4
 
 # %% [markdown]
@@ -414,8 +419,14 @@ for name, r in comparison.items():
 # other work takes cores too; at `WORLD_SIZE = 3` we once measured PP at 0.666 beside another
 # chapter's run. So the asserted band is what this shared machine lets us promise: DP within a
 # factor of 1.5 below and 2.5 above its prediction, PP the same but with the lower bound divided
-# by `ranks / cores` where that is above one, ZeRO-3 within 2 below and 5 above, and TP within 2
-# below and 10 above, the one direction its missing pieces push it. Which layouts met the 30%
+# by `ranks / cores` where that is above one. For ZeRO-3 and TP we measured the spread: 9 runs of
+# this section (QUICK, 4 ranks on 2 cores, load average 20 to 37, four of them two at a time) gave
+# ZeRO-3 0.72 to 2.02 (median 1.5) and TP 1.40 to 4.22 (median 2.5), beside the 2.0 and 4.2 of a
+# quiet machine and TP's 5.4 under load above. Each band reaches a factor of about 1.5 beyond
+# both extremes: ZeRO-3 within 2 below and 3 above, TP from 0.9 to 8. TP's band stays nearly on
+# one side of 1, the direction its missing pieces push it. The gaps vary by a factor of three
+# from run to run and not together (TP over ZeRO-3 went from 0.8 to 3.4), so a constant fitted on
+# one layout would not predict the other better than these bands. Which layouts met the 30%
 # target in this run is printed below.
 
 # %% tags=["nbval-ignore-output"]
@@ -427,8 +438,10 @@ print("within 30%:", ", ".join(within) or "none", "| outside:",
 oversubscribed = max(1.0, WORLD_SIZE / (os.cpu_count() or 1))   # ranks per core, when above one
 for name, low in (("DP", 1 / 1.5), ("PP", 1 / (1.5 * oversubscribed))):
     assert name not in ratios or low <= ratios[name] <= 2.5, (name, ratios[name], low)
-assert 1 / 2 <= ratios["ZeRO-3"] <= 5, ratios["ZeRO-3"]
-assert "TP" not in ratios or 1 / 2 <= ratios["TP"] <= 10, ratios["TP"]
+# measured over 9 runs on 2 CPU cores (load 20-37): ZeRO-3 0.72..2.02, TP 1.40..4.22 (5.4 and 2.0, 4.2 in
+# earlier records); band = the extremes widened by about 1.5 each way
+assert 1 / 2 <= ratios["ZeRO-3"] <= 3, ratios["ZeRO-3"]
+assert "TP" not in ratios or 0.9 <= ratios["TP"] <= 8, ratios["TP"]
 
 # %% [markdown]
 # ## 8. Robustness: a hung rank, found and cleaned up
