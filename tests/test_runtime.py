@@ -3,6 +3,7 @@ foundation issue lists (each fault is one test)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.runtime import CallTimeout, Cluster, RankError
+from ultrascale.runtime.errors import Stopped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -168,9 +170,15 @@ def test_stop_button_returns_quickly_and_no_stale_result(cluster, where, sigint_
 
     _press_stop_after(0.5)
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Stopped) as stopped:   # a KeyboardInterrupt, with one line to show
         cluster.run(busy, where, timeout=20)
     assert time.monotonic() - start < 2.5  # 0.5 s before the press + at most ~1 s to stop
+    line = str(stopped.value)
+    assert "\n" not in line and line.startswith("`busy` stopped: ")
+    if where == "blocked_in_c":   # only a kill stops it: the ranks restart, and the line says so
+        assert "start afresh on the next call" in line and "blocked outside Python" in line
+    else:                         # stopped in Python before any collective: the ranks live on
+        assert "keep their state" in line
     # the next call gets its own result, never the interrupted call's
     assert cluster.run(lambda ctx: ("fresh", ctx.rank)) == [("fresh", r) for r in range(3)]
 
@@ -378,3 +386,25 @@ def test_a_dead_rank_is_counted_once_not_with_its_peers():
         assert str(info.value).startswith("1 of 4 ranks failed in `die_in_a_collective` (rank 2 died)")
         assert info.value.failures[2].type_name == "died"
         assert c.run(_all_reduce_rank) == [10.0] * 4
+
+
+def test_a_stop_shows_one_line_in_a_notebook_and_percent_tb_the_rest(capsys):
+    """What the learner sees after the stop button: ``Stopped``'s line, not the runtime's frames."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from ultrascale.runtime import magic
+
+    shell = InteractiveShell.instance()
+    try:
+        magic.register(shell, lambda: None)
+        result = shell.run_cell("from ultrascale.runtime.errors import Stopped\n"
+                                "def deep():\n    raise Stopped('`train` stopped: all ranks restart')\ndeep()")
+        err = capsys.readouterr().err
+        assert not result.success and isinstance(result.error_in_exec, Stopped)
+        assert err.strip().splitlines() == ["Stopped: `train` stopped: all ranks restart  (%tb shows the full traceback)"]
+        shell.run_line_magic("tb", "")
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)   # without the colours
+        assert "Traceback" in shown and "----> 4 deep()" in shown   # the whole traceback, on request
+    finally:
+        shell.set_custom_exc((), None)
+        InteractiveShell.clear_instance()

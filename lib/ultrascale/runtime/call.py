@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 
 import cloudpickle
 
-from .errors import CallTimeout, RankError, RankFailure
+from .errors import CallTimeout, RankError, RankFailure, Stopped
 from .pipe import read_message
 
 # The last line of a peer's error when the rank it was talking to died in a collective.
@@ -66,7 +66,12 @@ class Call:
     def collect(self, timeout: float) -> list:
         try:
             timed_out = self._wait(time.monotonic() + timeout)
-        except BaseException:  # the stop button, or an exception in the on_log callback
+        except KeyboardInterrupt as stop:   # the stop button
+            outcome = self._interrupt()
+            if isinstance(stop, Stopped):
+                raise
+            raise Stopped(f"`{self.name}` stopped: {outcome}") from stop
+        except BaseException:   # an exception in the on_log callback
             self._interrupt()
             raise
         finally:
@@ -185,11 +190,13 @@ class Call:
         finally:
             self._lose()
 
-    def _interrupt(self, wait_s: float = 1.0) -> None:
+    def _interrupt(self, wait_s: float = 1.0) -> str:
         """The stop button: interrupt the ranks' Python code, kill those that don't stop,
-        and restart them all if the call had used a process group."""
+        and restart them all if the call had used a process group. Returns what happened to
+        the ranks, for the one line the learner sees."""
+        restarted = "all ranks were stopped and start afresh on the next call (ctx.state is lost)"
         if self.lost:
-            return  # already killed, and said so
+            return restarted
         try:
             for rank in sorted(self.pending):
                 self.cluster._conns[rank].send(("interrupt", self.job_id))
@@ -202,17 +209,19 @@ class Call:
             if not self.lost:
                 self._lose(f"a pipe broke while stopping the ranks ({type(err).__name__})")
         if self.lost:
-            return
+            return restarted
+        # Each reason is said once, in the Stopped exception's line (not printed here as well).
         if self.pending:  # blocked in C (a collective, a sleep): only a kill frees them
-            self._lose(f"ranks {sorted(self.pending)} did not stop (blocked outside Python, "
-                       "e.g. in a collective)")
-        elif self.cluster._needs_restart:
-            self._lose("a rank died during the stopped call")
-        elif self.used:
-            self._lose(f"the stopped call had already posted collectives or sends (ranks {sorted(self.used)}), "
-                       "which must not pair with a later call's")
-        else:
-            print("[ultrascale] the ranks stopped before using the process group: they keep their state")
+            blocked = sorted(self.pending)
+            self._lose()
+            return f"{restarted}; ranks {blocked} were blocked outside Python (e.g. in a collective)"
+        if self.cluster._needs_restart:
+            self._lose()
+            return f"{restarted}; a rank died during the call"
+        if self.used:
+            self._lose()
+            return f"{restarted}; the call had posted collectives, which must not pair with a later call's"
+        return "the ranks stopped before using the process group and keep their state (ctx.state)"
 
     # ---- reporting ----------------------------------------------------------------
     def _summary(self) -> str:

@@ -33,6 +33,13 @@ class CallTimeout(RankError, TimeoutError):
     """A call passed its timeout, typically a hang such as mismatched collectives."""
 
 
+class Stopped(KeyboardInterrupt):
+    """The stop button ended a call. Its message is the one line a learner needs: what was
+    stopped, whether the ranks were restarted, and what the next call finds. In a notebook
+    only that line shows (``magic.register`` installs the handler); ``%tb`` shows the rest.
+    A KeyboardInterrupt, so code that catches the stop button keeps catching it."""
+
+
 def _render(summary: str, failures: dict, stuck: dict) -> str:
     parts = [summary]
     for rank in sorted(failures):

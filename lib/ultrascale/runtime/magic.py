@@ -62,3 +62,21 @@ def register(ipython, current_cluster) -> None:
                 print(f"[rank {rank}] Out: {value}")
 
     ipython.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
+    _show_stops_in_one_line(ipython)
+
+
+def _show_stops_in_one_line(ipython) -> None:
+    """The stop button's ``Stopped`` shows as its one line, not as ten frames of the runtime's
+    internals (multiprocessing, selectors) ending in a bare KeyboardInterrupt. The whole
+    traceback stays one ``%tb`` away: the handler records it where ``%tb`` reads it."""
+    import sys
+
+    from .errors import Stopped
+
+    def one_line(shell, etype, value, tb, tb_offset=None):
+        sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb   # for %tb
+        sys.last_exc = value
+        print(f"Stopped: {value}  (%tb shows the full traceback)", file=sys.stderr)
+        return None
+
+    ipython.set_custom_exc((Stopped,), one_line)
