@@ -287,7 +287,7 @@ def refusals(ctx):
 def test_bad_inputs_are_refused_on_every_rank_with_the_fix():
     out = shared_cluster(4).run(refusals)
     for rank, errors in enumerate(out):
-        assert "sequence length from 4 to 6" in errors["lengths"] and "parity.split" in errors["lengths"]
+        assert "sequence length from 4 to 6" in errors["lengths"] and "data.split" in errors["lengths"]
         assert "head_dim mismatch: q has head_dim 8, k and v 6" in errors["head_dim"]
         expected = "head_dim mismatch" if rank == 1 else "another rank of the cp group refused"
         assert expected in errors["one rank"]

@@ -79,7 +79,7 @@ def _positions_hook(group, layout):
         expected = sequence_positions(x.shape[1] * n, r, n, layout).to(x.device)
         if given is not None and not torch.equal(given.to(expected.device), expected):
             raise ValueError(f"rank {r} got positions {given.tolist()[:8]}..., but the {layout} layout puts its "
-                             f"tokens at {expected.tolist()[:8]}...: take the batch from parity.split(batch, rank, "
+                             f"tokens at {expected.tolist()[:8]}...: take the batch from data.split(batch, rank, "
                              f"{n}, by='sequence', layout={layout!r})")
         return (x, expected, *args[2:]), kwargs
     return hook

@@ -176,7 +176,7 @@ def _local_problem(q, k, v, layout, kind):
                 "and a number of query heads that the K/V heads divide")
     if layout == "zigzag" and q.shape[2] % 2:
         return (f"the zigzag layout gives every rank 2 equal chunks, but this rank holds {q.shape[2]} tokens: "
-                "split the sequence with parity.split(..., by='sequence', layout='zigzag')")
+                "split the sequence with data.split(..., by='sequence', layout='zigzag')")
     return None
 
 
@@ -200,7 +200,7 @@ def _check(q, k, v, group, layout, kind):
     if differ:
         raise ValueError(f"the ranks of the cp group hold attention inputs of different shapes ({', '.join(differ)}; "
                          f"this rank: q {tuple(q.shape)}): every rank must hold an equal slice of the sequence; "
-                         "split the batch with parity.split(..., by='sequence', layout=...)")
+                         "split the batch with data.split(..., by='sequence', layout=...)")
 
 
 # --------------------------------------------------------------------------- the functions to call

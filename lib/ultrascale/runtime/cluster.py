@@ -13,7 +13,7 @@ A call ends in one of four ways, and the cluster stays usable after each:
                             grace period are reported with their stacks and restarted);
   * the timeout passes   -> :class:`CallTimeout` with every rank's current stack;
                             the ranks are restarted, which rebuilds the process group;
-  * the stop button      -> the ranks are interrupted, KeyboardInterrupt comes back
+  * the stop button      -> the ranks are interrupted, Stopped (a KeyboardInterrupt) comes back
                             within about a second, stale results are dropped (job ids).
 After a failure or a stop, the ranks are restarted on the next call if the call had
 used a process group (see ``call.py``: nothing it left unmatched may pair with a later
