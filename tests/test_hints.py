@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "solutions"
 MIN_LINE_CHARS = 25
 MIN_CALL_CHARS = 12
+MIN_INSTRUCTION_CHARS = 30   # instructions may show a short API call ("tl.program_id(0)"), not an answer
 IDEA_MARK = "<summary>The idea"
 CHECK_RE = re.compile(r'check\("([^"]+)"')
 LINK_RE = re.compile(r"\]\(\.\./chapters/([a-z0-9_]+)\.ipynb(?:#([^)]*))?\)")
@@ -223,3 +224,31 @@ def test_the_course_map_links_every_chapter_in_reading_order():
     linked = re.findall(r"\]\(([a-z0-9_]+)\.ipynb\)", course_map)
     assert [stem.split("_")[0] for stem in linked] == READING_ORDER
     assert sorted(linked) == sorted(p.stem for p in (ROOT / "chapters").glob("*.py"))
+
+
+def signatures(nb) -> set:
+    """``name(arg, ...)`` of every function the notebook defines: the task may state what to write."""
+    found = set()
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(_python(cell.source))
+        except SyntaxError:
+            continue
+        found |= {squash(f"{f.name}({', '.join(a.arg for a in f.args.args)})") for f in ast.walk(tree)
+                  if isinstance(f, ast.FunctionDef)}
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_instruction_spells_out_the_solution(path):
+    """The task's own text (every markdown cell but the ideas) may name the functions to use and
+    show a short call, but not write the solution's lines: the 19 instruction cells of issue 41
+    that did (e.g. 10's whole breakdown(...) call, 07's two torch.autograd.grad calls) no longer do."""
+    nb = nbformat.read(path, as_version=4)
+    _, secrets = hints_and_secrets(nb)
+    long = {s for s in secrets if len(s) >= MIN_INSTRUCTION_CHARS} - signatures(nb)
+    found = [(i, s) for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and IDEA_MARK not in c.source
+             for s in sorted(long) if s in squash(c.source)]
+    assert found == [], f"instruction cells holding solution code: {found}"
