@@ -408,3 +408,33 @@ def test_a_stop_shows_one_line_in_a_notebook_and_percent_tb_the_rest(capsys):
     finally:
         shell.set_custom_exc((), None)
         InteractiveShell.clear_instance()
+
+
+def test_idle_ranks_give_their_memory_back_and_return_on_the_next_call(capsys):
+    """After ``idle_release`` seconds without a call the ranks are killed (the fork server stays);
+    the next call starts them again, says so, and computes as before."""
+    with Cluster(2, idle_release=0.5) as idle:
+        first = idle.pids
+        assert idle.run(lambda ctx: ctx.rank + 1) == [1, 2]
+        deadline = time.monotonic() + 10
+        while idle.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not idle.alive and "idle" in repr(idle)
+        assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in first)
+        capsys.readouterr()
+        assert idle.run(_all_reduce_rank) == [3.0, 3.0]   # a fresh process group works
+        assert "had been idle" in capsys.readouterr().out and idle.alive and idle.pids != first
+
+
+def test_a_busy_cluster_is_not_released():
+    with Cluster(2, idle_release=0.3) as busy:
+        assert busy.run(lambda ctx: time.sleep(1.0) or ctx.rank) == [0, 1]   # longer than idle_release
+        assert busy.alive   # the timer counts from the end of a call, not from its start
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -28,6 +28,7 @@ import numbers
 import operator
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -39,6 +40,11 @@ from .call import Call
 from .forkserver import mp_context, no_main_reimport
 from .pipe import read_message
 from .worker import worker_main
+
+# Ranks idle this long give their memory back (they are killed; the fork server, which has
+# torch imported, stays, so the next call starts them as fast as any restart). Five open
+# chapters would otherwise hold about 0.8 GB each until their kernels are shut down.
+IDLE_RELEASE_S = float(os.environ.get("ULTRASCALE_IDLE_MINUTES", "10")) * 60
 
 _LIVE_CLUSTERS: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 _CURRENT: list = []  # the most recently started cluster, used by the %%ranks magic
@@ -97,6 +103,7 @@ class Cluster:
         output: str = "ordered",
         threads: int | None = None,
         grace: float = 2.0,
+        idle_release: float = IDLE_RELEASE_S,
     ):
         world_size = _positive_int("world_size", world_size)
         if output not in ("ordered", "live"):
@@ -115,6 +122,11 @@ class Cluster:
         self._conns: list = []
         self._needs_restart = False
         self._closed = False
+        # ``idle_release`` seconds after the last call the ranks are let go (math.inf: never)
+        self.idle_release = _seconds("idle_release", idle_release)
+        self._busy = threading.Lock()   # a call and the idle release never run at once
+        self._idle_timer = None
+        self._released = False
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
         self._start()
         _LIVE_CLUSTERS.add(self)
@@ -205,6 +217,7 @@ class Cluster:
     def close(self) -> None:
         """Let the ranks leave their process group and exit; kill any that linger."""
         self._closed = True
+        self._cancel_idle_timer()
         for conn in self._conns:
             try:
                 conn.send(("stop", 0))
@@ -239,7 +252,8 @@ class Cluster:
             pass
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "running" if self.alive else "stopped"
+        state = ("closed" if self._closed else "running" if self.alive
+                 else "idle: ranks released, back on the next call" if self._released else "stopped")
         return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # -------------------------------------------------------------------- calls
@@ -260,13 +274,50 @@ class Cluster:
         if not ranks or any(not 0 <= r < self.world_size for r in ranks):
             raise ValueError(f"ranks must be a non-empty subset of 0..{self.world_size - 1}, got {ranks}")
         payload = cloudpickle.dumps((fn, args, kwargs))  # before anything is sent: fails here, cleanly
-        if self._needs_restart or not self.alive:
-            print(f"[ultrascale] restarting {self.world_size} ranks (per-rank state was lost)")
-            self.restart()
-        self._job_id += 1
-        call = Call(self, self._job_id, ranks, on_log, getattr(fn, "__name__", "fn"))
-        call.send(payload)
-        return call.collect(timeout)
+        with self._busy:
+            self._cancel_idle_timer()
+            try:
+                if self._released:
+                    idle = (f"{self.idle_release / 60:g} min" if self.idle_release >= 60
+                            else f"{self.idle_release:g} s")
+                    print(f"[ultrascale] the ranks had been idle for {idle} and gave "
+                          f"their memory back: starting {self.world_size} again (ctx.state starts empty)")
+                    self._released = False
+                    self.restart()
+                elif self._needs_restart or not self.alive:
+                    print(f"[ultrascale] restarting {self.world_size} ranks (per-rank state was lost)")
+                    self.restart()
+                self._job_id += 1
+                call = Call(self, self._job_id, ranks, on_log, getattr(fn, "__name__", "fn"))
+                call.send(payload)
+                return call.collect(timeout)
+            finally:
+                self._arm_idle_timer()
+
+    # ------------------------------------------------------------- idle release
+    def _arm_idle_timer(self) -> None:
+        if self._closed or math.isinf(self.idle_release):
+            return
+        release = weakref.WeakMethod(self._release_if_idle)   # the timer must not keep a dropped cluster alive
+        self._idle_timer = threading.Timer(self.idle_release, lambda: release() and release()())
+        self._idle_timer.daemon = True   # never keeps a finished kernel or script alive
+        self._idle_timer.start()
+
+    def _cancel_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _release_if_idle(self) -> None:
+        """From the timer's thread: kill the idle ranks, unless a call has just begun."""
+        if not self._busy.acquire(blocking=False):
+            return   # a call is running: it re-arms the timer when it ends
+        try:
+            if not self._closed and self._procs:
+                self._kill()
+                self._released = True
+        finally:
+            self._busy.release()
 
     def _stacks(self, job_id: int, ranks, wait_s: float = 2.0) -> dict:
         """Ask the listener thread of each rank where its main thread is right now."""
