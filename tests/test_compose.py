@@ -97,8 +97,6 @@ def test_rank_to_group_maps_and_data_indices():
 def test_config_errors():
     with pytest.raises(ValueError, match="sequence parallelism splits the sequence over the tp ranks"):
         ParallelConfig(dp=2, sp=True)
-    with pytest.raises(ValueError, match="ZeRO with pp > 1"):
-        ParallelConfig(pp=2, dp=2, zero=1)
     with pytest.raises(ValueError, match="tp must be a positive integer"):
         ParallelConfig(tp=0)
     assert str(ParallelConfig(dp=2, pp=2, tp=2)) == "dp2 x pp2 x tp2"

@@ -11,7 +11,8 @@ from outside in one fixed order, torchtitan's:
    every pipeline stage is itself tensor-parallel (the tp ranks of one stage share a pp
    coordinate, so the pipeline pairs ranks of equal tp coordinate);
 4. **DP/ZeRO** last: it must see the parameters the others have sharded, and it averages
-   the gradients over every rank that saw *different data* for the same parameter.
+   the gradients over every rank that saw *different data* for the same parameter (ZeRO's
+   composition, with experts, pipeline stages and ZeRO-3, is ``compose_zero``'s).
 
 Which ranks see different data? The dp ranks (different rows), the cp ranks (different
 tokens of the same rows) and, for the dense layers of an MoE model, the ep ranks (different
@@ -33,6 +34,7 @@ Checking a composition against one process (``train_composed``, ``train_one_proc
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -41,14 +43,14 @@ import torch.nn as nn
 
 from ..comm.functional import gather_along_dim
 from ..data import Batches, split
-from ..train import OPTIMIZERS, make_optimizer, run_pipeline_steps, run_steps
+from ..train import make_optimizer, run_pipeline_steps, run_steps
+from .compose_zero import ZERO3_WITH_PP, apply_zero_composed
 from .context_parallel import apply_cp
 from .data_parallel import apply_data_parallel
 from .grad_sync import DATA_AXES
 from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import apply_pp
 from .tensor_parallel import apply_tp
-from .zero import apply_zero
 
 __all__ = ["ParallelConfig", "Parallelized", "apply_parallelisms", "build_mesh", "data_index", "mean_loss",
            "DENSE_AXES", "EXPERT_AXES", "JOINT_GROUPS", "rank_parameters"]
@@ -56,14 +58,17 @@ __all__ = ["ParallelConfig", "Parallelized", "apply_parallelisms", "build_mesh",
 DENSE_AXES = DATA_AXES["dense"]    # the ranks whose data differ, for a parameter every one of them holds
 EXPERT_AXES = DATA_AXES["expert"]  # an expert lives on one ep rank: its replicas differ along dp and cp only
 JOINT_GROUPS = [DENSE_AXES, EXPERT_AXES, ("dp", "ep")]
+SPLIT_SCHEDULES = ("zb-h1", "dualpipe-v")   # their W fills .grad itself, past ZeRO's hooks
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """The degree of every axis and how the data and pipeline axes run.
 
-    ``zero``: 0 for plain data parallelism (an all-reduce of the gradients), 1 or 2 for ZeRO
-    over the data ranks. ``microbatches``: the pipeline's m (gradient accumulation without PP).
+    ``zero``: 0 for plain data parallelism (an all-reduce of the gradients), 1, 2 or 3 for
+    ZeRO over the data ranks (``compose_zero``: dense and expert parameters over their own
+    groups; with pp, stages 1 and 2 only). ``microbatches``: the pipeline's m (gradient
+    accumulation without PP).
     """
 
     dp: int = 1
@@ -85,13 +90,15 @@ class ParallelConfig:
                 raise ValueError(f"{axis} must be a positive integer, got {value!r}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism splits the sequence over the tp ranks: it needs tp > 1")
-        if self.zero not in (0, 1, 2):
-            raise ValueError(f"zero={self.zero!r}: 0 (plain DP), 1 or 2 (ZeRO-3 is not composed here: "
-                             "it gathers each block's weights per forward; see chapter 03)")
-        if self.zero and self.pp > 1:
-            raise ValueError("ZeRO with pp > 1: ZeRO moves each gradient into its flat buffer during backward, "
-                             "before the pipeline adds the two halves of the tied embedding's gradient; "
-                             "use zero=0 (a plain all-reduce) with pp")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero!r}: 0 (plain DP), or the ZeRO stage 1, 2 or 3")
+        if self.zero == 3 and self.pp > 1:
+            raise ValueError(ZERO3_WITH_PP)
+        if self.zero and self.pp > 1 and self.schedule in SPLIT_SCHEDULES:
+            raise ValueError(f"this course's library does not compose ZeRO with the {self.schedule!r} schedule "
+                             "yet: it computes the weights' gradients apart (W) with autograd.grad, which "
+                             "bypasses the hooks that move them into ZeRO's flat buffers; use a schedule "
+                             "without a B/W split (afab, 1f1b, interleaved)")
 
     @property
     def sizes(self) -> dict:
@@ -144,7 +151,7 @@ class Parallelized:
     config: ParallelConfig
     pipeline: object = None            # the Pipeline, with pp > 1
     data_parallel: object = None       # the DP wrapper (zero=0 and data ranks > 1)
-    optimizer: object = None           # a torch optimizer, or the ZeRO object
+    optimizer: object = None           # a torch optimizer, or compose_zero's ComposedZeRO
     shard_dims: dict = field(default_factory=dict)   # TP-sharded parameter name -> its split dim
 
     @property
@@ -179,6 +186,10 @@ class Parallelized:
     def full_weights(self) -> dict:
         """This rank's parameters at full size (TP shards all-gathered over the tp group), named
         as in the whole model; merge the ranks' with ``parity.merge_ranks``. A collective."""
+        with getattr(self.optimizer, "gathered", contextlib.nullcontext)():   # ZeRO-3's shards, whole
+            return self._full_weights()
+
+    def _full_weights(self) -> dict:
         out = {}
         chunks = self.pipeline.chunks.items() if self.pipeline is not None else [(None, self.model)]
         for stage, chunk in chunks:
@@ -241,13 +252,8 @@ def _apply_data_parallel(par: Parallelized) -> None:
     """Average the gradients over the ranks with different data: one group for a dense model;
     dense and expert parameters over their own groups for an MoE model."""
     config, mesh, module = par.config, par.mesh, par.module
-    if config.zero:
-        if config.ep > 1:
-            raise ValueError("ZeRO with ep > 1 is not composed here: its flat buffers would mix expert and "
-                             "dense parameters, which average over different groups; use zero=0")
-        cls, options = OPTIMIZERS[config.optimizer]   # the same optimizer as make_optimizer's
-        par.optimizer = apply_zero(module, mesh.group(DENSE_AXES), stage=config.zero, optimizer_cls=cls,
-                                   **options).zero_optimizer
+    if config.zero:   # dense and expert parameters over their own groups, the tied weight summed
+        apply_zero_composed(par)
         return
     par.optimizer = make_optimizer(module.parameters(), config.optimizer)
     if config.ep > 1:

@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 
 def parameter_owners(model):
@@ -30,6 +31,16 @@ def parameter_owners(model):
             if p is not None:
                 owners[p].append((module, attr))
     return owners
+
+
+def _carry_over(p, view) -> None:
+    """What other techniques hung on ``p`` goes on to its view: attributes (TP's ``tp_shard_dim``)
+    and gradient hooks (SP's norms summed over tp, for one), re-registered, with their handles
+    kept under the same names. Without it, those hooks would silently stop running."""
+    handles = {key: view.register_hook(hook) for key, hook in (p._backward_hooks or {}).items()}
+    for name, value in vars(p).items():
+        setattr(view, name, handles.get(getattr(value, "id", None), value) if isinstance(value, RemovableHandle)
+                else value)
 
 
 class FlatUnit:
@@ -50,6 +61,7 @@ class FlatUnit:
         for p in params:
             self.full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
             view = nn.Parameter(self.full[offset:offset + p.numel()].view(p.shape))
+            _carry_over(p, view)
             for module_, attr in owners[p]:   # every place the parameter is registered (tied weights)
                 module_._parameters[attr] = view
             self.offsets[view] = (offset, offset + p.numel())

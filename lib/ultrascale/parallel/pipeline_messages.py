@@ -90,13 +90,20 @@ class StageMessages:
                     order.setdefault(src, []).append((a.op[-1], a.microbatch, to_stage))
         return order
 
-    def _add_tied_gradients(self):
-        """Embedding and head share one weight: add the gradient parts of its two ranks."""
-        weight = (self.chunks["0"].embed if "0" in self.chunks else self.chunks[str(self.last)].head).weight
-        mine = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    def tied_weight(self):
+        """This rank's end of the tied embedding/head weight (the embedding's on the first stage)."""
+        return (self.chunks["0"].embed if "0" in self.chunks else self.chunks[str(self.last)].head).weight
+
+    def add_tied(self, mine: torch.Tensor) -> torch.Tensor:
+        """``mine`` plus the matching tensor of the rank at the other end of the tied weight."""
         theirs = torch.empty_like(mine)
         send_recv(mine, theirs, self.tied_peer, self.tied_peer, self.group)
-        weight.grad = mine + theirs   # a + b and b + a: the same bits on both ranks
+        return mine + theirs   # a + b and b + a: the same bits on both ranks
+
+    def _add_tied_gradients(self):
+        """Embedding and head share one weight: add the gradient parts of its two ranks."""
+        weight = self.tied_weight()
+        weight.grad = self.add_tied(weight.grad if weight.grad is not None else torch.zeros_like(weight))
 
 
 class _WatchedSend:

@@ -172,6 +172,9 @@ class Pipeline(StageMessages, nn.Module):
         # The tied embedding/head weight, and the rank holding its other half (None: nothing to add).
         ends = {schedule.rank_of(0), schedule.rank_of(self.last)}
         self.tied_peer = (ends - {self.rank}).pop() if self.tied and len(ends) == 2 and self.rank in ends else None
+        # False when the gradients live elsewhere than .grad (ZeRO's flat buffers): then whoever
+        # keeps them adds the two parts with add_tied (parallel.compose_zero).
+        self.add_tied_after_step = True
 
     def forward(self, *args, **kwargs):
         raise TypeError("a pipeline runs forward and backward together, micro-batch by micro-batch: "
@@ -192,7 +195,7 @@ class Pipeline(StageMessages, nn.Module):
         for work in st.sends:
             work.wait()
         st.sent.clear()
-        if self.tied_peer is not None:
+        if self.tied_peer is not None and self.add_tied_after_step:
             self._add_tied_gradients()
         return st.loss if str(self.last) in self.chunks else None
 

@@ -81,18 +81,24 @@ class ZeRO(ParameterSharding, ShardedState):
     ``param_groups``: as the first argument of a torch optimizer, a list of dicts of the
     model's parameters and their options (``optimizer_kwargs`` are the defaults); every
     trainable parameter must be in one group. Read once, before the parameters are
-    moved into flat buffers.
+    moved into flat buffers. ``params``: the parameters this ZeRO owns (default: every
+    trainable one); the others stay ordinary parameters, for another ZeRO over another group
+    (a composition's experts). ``divide_by``: what the summed gradient is divided by (default
+    the group's size, the mean; an expert's replicas are fewer than the ranks with other data).
+    ``step()`` is ``reduce_gradients()`` then ``update()``; a composition may act between them.
     """
 
     def __init__(self, model, stage=1, optimizer_cls=torch.optim.Adam, units=None, param_dtype=None,
                  prefetch=True, group=None, timeline=None, broadcast=True, param_groups=None,
-                 **optimizer_kwargs):
+                 params=None, divide_by=None, **optimizer_kwargs):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs a process group: run it inside cluster.run(...) or torchrun")
         self.model, self.stage, self.prefetch, self.group = model, stage, prefetch, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.divide_by = divide_by or self.world_size
+        self.owned = None if params is None else set(params)
         self.timeline = timeline or Timeline(dist.get_rank(), enabled=False)
         self.in_flight = []             # reduce-scatters not yet waited for
         self._sent = 0                  # units of _send_order reduce-scattered in this backward
@@ -120,7 +126,8 @@ class ZeRO(ParameterSharding, ShardedState):
     def _build_units(self, model, units, param_dtype, group_of):
         if units is None:
             units = units_of(model, PLAN if hasattr(model, "blocks") else {})
-        trainable = lambda params: [p for p in params if p.requires_grad]   # noqa: E731
+        trainable = lambda params: [p for p in params if p.requires_grad   # noqa: E731
+                                    and (self.owned is None or p in self.owned)]
         owners, taken, chosen = parameter_owners(model), set(), []
         for i, module in enumerate(units):   # decide every unit's parameters first...
             params = trainable(dict.fromkeys(module.parameters()))
@@ -183,7 +190,7 @@ class ZeRO(ParameterSharding, ShardedState):
         """Send a unit's gradients away: each rank receives the average of its slice."""
         if unit.grad_full is None:      # no gradient here for this unit: others may have some
             unit.grad_full = torch.zeros(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
-        unit.grad_full.div_(self.world_size)            # the sum of averages is the average
+        unit.grad_full.div_(self.divide_by)             # the sum of averages is the average
         out = unit.grad_full.new_empty(unit.shard_numel)
         work = self._collective("reduce_scatter", unit, out, unit.grad_full, async_op=True)
         self.in_flight.append((unit, work, out, unit.grad_full))   # keep the input alive
@@ -221,9 +228,15 @@ class ZeRO(ParameterSharding, ShardedState):
     # ------------------------------------------------------------------ the step
     def step(self) -> None:
         """Average the gradients, update this rank's shard, share the new parameters."""
+        self.reduce_gradients()
+        self.update()
+
+    def reduce_gradients(self) -> None:
+        """The averaged gradients in place: whole in ``grad_full`` at stage 0, this rank's
+        slice in ``grad_shard`` from stage 1 on."""
         if self.stage == 0:
             for unit in self.all_units:
-                unit.grad_full.div_(self.world_size)
+                unit.grad_full.div_(self.divide_by)
                 self._collective("all_reduce", unit, unit.grad_full, None, async_op=False)
         else:
             if self.stage == 1:          # ZeRO-1 reduces the kept full gradients only now
@@ -231,6 +244,9 @@ class ZeRO(ParameterSharding, ShardedState):
                     self._reduce_scatter(unit)
             while self.in_flight:
                 self._finish_reduce_scatter()
+
+    def update(self) -> None:
+        """Step this rank's shard with the reduced gradients and share the new parameters."""
         has_grad = self._gradient_flags()
         self._split_mixed_pieces(has_grad)
         for piece in self.pieces:        # a piece without a gradient keeps grad None: skipped

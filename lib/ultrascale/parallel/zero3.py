@@ -13,6 +13,8 @@ registers these hooks at stage 3); it uses ZeRO's units and its ``_collective``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -31,6 +33,21 @@ class ParameterSharding:
             unit.module.register_forward_pre_hook(lambda m, a, u=unit, n=nxt: self._pre_forward(u, n))
             unit.module.register_forward_hook(
                 lambda m, a, out, u=unit, p=prev, k=keep: self._post_forward(u, p, k, out))
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit's whole parameters while inside, to read them (a collective at stage 3;
+        nothing to do below it): the shards are all-gathered, and freed again after."""
+        if self.stage != 3:
+            yield
+            return
+        for unit in self.all_units:
+            self._ensure_gathered(unit)
+        try:
+            yield
+        finally:
+            for unit in self.all_units:
+                self._reshard(unit)
 
     def _start_gather(self, unit) -> None:
         if unit is None or unit.gathered or unit.gather_work is not None:
