@@ -655,6 +655,48 @@ def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
     assert check("05.sequence_parallel_norm_grads", ch05["sync_norm_gradients"]).status == PASS
 
 
+def test_activation_memory_refuses_the_wrong_splits(ch05):
+    def split(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
+        return ch05["activation_bytes_per_rank"](config, seq, micro_batch, tp, sequence_parallel, recompute)
+
+    def tp_divides_everything(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
+        return split(config, seq, micro_batch, tp, True, recompute)   # as if TP alone split the norms too
+
+    def sp_changes_nothing(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
+        return split(config, seq, micro_batch, tp, sequence_parallel and recompute == "full", recompute)
+
+    def scores_not_split(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
+        sbh = seq * micro_batch * config.hidden
+        scores = 0 if recompute == "selective" else 5 * config.heads * seq * seq * micro_batch
+        if recompute == "full":
+            return config.layers * 2 * sbh / (tp if sequence_parallel else 1)
+        linear = 34 * sbh / tp if sequence_parallel else 10 * sbh + 24 * sbh / tp
+        return config.layers * (linear + scores)   # the heads are split, so are the scores
+
+    def full_always_split(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
+        return split(config, seq, micro_batch, tp, sequence_parallel or recompute == "full", recompute)
+
+    def one_layer(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
+        return split(config, seq, micro_batch, tp, sequence_parallel, recompute) / config.layers
+
+    def right_at_powers_of_two_only(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
+        return split(config, seq, micro_batch, tp, sequence_parallel, recompute) // 1 if tp != 3 else 0
+
+    def library(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
+        from ultrascale.memory import activation_bytes
+        return activation_bytes(config, seq, micro_batch, recompute, tp, sequence_parallel)
+
+    exercise = "05.activation_memory"
+    _fails(check(exercise, tp_divides_everything), "sequence_parallel=False", "leaves 10·s·b·h bytes per layer whole")
+    _fails(check(exercise, sp_changes_nothing), "sequence_parallel=True", "every term divides by tp")
+    _fails(check(exercise, scores_not_split), "split by heads", "divide them by tp as well")
+    _fails(check(exercise, full_always_split), "recompute='full'", "whole on every rank under TP alone")
+    _fails(check(exercise, one_layer), "multiply by the number of layers")
+    _fails(check(exercise, right_at_powers_of_two_only), "tp=3")
+    _fails(check(exercise, library), "your code called the course library's ultrascale.memory.activation_bytes")
+    assert check(exercise, ch05["activation_bytes_per_rank"]).status == PASS
+
+
 # ---- 12: mixed precision ---------------------------------------------------------------------
 
 def _fields(x, exponent_bits, mantissa_bits, mask=True):

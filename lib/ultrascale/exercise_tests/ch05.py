@@ -19,6 +19,13 @@ sequence parallelism's collectives, and the gradients of the norms it leaves spl
   backward and after a second one that accumulates (a hook that all-reduces ``.grad``
   after accumulation counts the first micro-batch again); and the gradients must be
   bit-identical on the ranks of a tp group, since each rank's optimizer then applies them.
+* ``05.activation_memory``: ``activation_bytes_per_rank(config, seq, micro_batch, tp=1,
+  sequence_parallel=False, recompute="none")``, the activation bytes one rank keeps for
+  backward in section 7's model (Korthikanti et al.), under TP alone or TP+SP and for the three
+  recomputation modes. Graded against ``ultrascale.memory.activation_bytes`` (refused while
+  the learner's code runs) on Llama 3 70B at 16k tokens, small and odd shapes, and tp 1 to 16
+  (3 included, which divides nothing evenly); classic mistakes (TP alone dividing everything,
+  SP leaving the 10·sbh whole, the scores not split by heads) are named.
 
 Clusters, tp groups (the whole cluster, then 3 ranks cut into [0, 1] and [2]), the order of
 work (everything runs before anything is judged) and the refusal of the library's own
@@ -29,6 +36,8 @@ atol 5e-6): the sums over ranks add the same numbers as one process in another o
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -333,3 +342,98 @@ def test_sequence_parallel_norm_grads(sync_norm_gradients, world_size: int = 3, 
                     f"rank {result['group'][0]}'s (off by {off_by(grad, first['grads'][name])}). Each rank's "
                     "optimizer updates its own copy of the norm: the copies drift apart unless every rank gets "
                     "the very same gradient, the result of one all-reduce")
+
+
+# ---- 05.activation_memory ---------------------------------------------------------------
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+class Shape:
+    """What the formula reads from a model's config: layers, hidden and heads (any sizes)."""
+
+    def __init__(self, layers: int, hidden: int, heads: int):
+        self.layers, self.hidden, self.heads = layers, hidden, heads
+
+    def __repr__(self):
+        return f"Shape(layers={self.layers}, hidden={self.hidden}, heads={self.heads})"
+
+
+def _activation_variants(config, seq, mbs, tp, sp, recompute) -> dict:
+    """The right count (from ``memory.activation_bytes``) and the counts of classic mistakes."""
+    from ultrascale.memory import activation_bytes
+
+    L, h, a = config.layers, config.hidden, config.heads
+    sbh, scores = seq * mbs * h, (0 if recompute == "selective" else 5 * a * seq * seq * mbs)
+    right = activation_bytes(config, seq, mbs, recompute=recompute, tp=tp, sequence_parallel=sp)
+    wrong = {}
+    if recompute != "full":
+        wrong["everything split"] = L * (34 * sbh + scores) / tp
+        wrong["TP alone"] = L * (10 * sbh + (24 * sbh + scores) / tp)
+        wrong["scores whole"] = L * ((34 * sbh / tp + scores) if sp else (10 * sbh + 24 * sbh / tp + scores))
+        if recompute == "selective":
+            wrong["selective keeps scores"] = right + L * 5 * a * seq * seq * mbs / tp
+    else:
+        wrong["full split"] = L * 2 * sbh / tp
+        wrong["full whole"] = L * 2 * sbh
+    wrong["one layer"] = right / L
+    return {"right": right, **wrong}
+
+
+ACTIVATION_HINTS = {
+    "everything split": ("tensor parallelism alone leaves 10·s·b·h bytes per layer whole on every rank (the two "
+                         "LayerNorms' inputs and outputs, the dropout masks): only the 24·s·b·h inside the blocks and "
+                         "the scores divide by tp. Dividing everything by tp is what sequence parallelism adds"),
+    "TP alone": ("with sequence parallelism the 10·s·b·h that TP leaves whole are split along the sequence too: "
+                 "every term divides by tp"),
+    "scores whole": ("the attention scores (5·a·s²·b per layer) are split by heads under tensor parallelism: "
+                     "divide them by tp as well"),
+    "selective keeps scores": ("selective recomputation recomputes the attention scores in backward: their "
+                               "5·a·s²·b bytes are not kept"),
+    "full split": ("full recomputation keeps each layer's input, 2·s·b·h bytes: whole on every rank under TP alone, "
+                   "split by tp only with sequence parallelism"),
+    "full whole": ("with sequence parallelism each rank keeps only its slice of every layer's input under full "
+                   "recomputation: 2·s·b·h / tp"),
+    "one layer": "that is one layer's worth: multiply by the number of layers",
+}
+
+
+def _activation_cases(quick: bool):
+    from ultrascale.model import LLAMA3_70B, GPTConfig
+
+    configs = [LLAMA3_70B, GPTConfig(vocab_size=50, hidden=48, layers=3, heads=6), Shape(5, 7, 1),
+               Shape(2, 64, 4)]
+    lengths = [(16384, 1), (1000, 3), (7, 2)] if not quick else [(16384, 1), (7, 2)]
+    tps = (1, 2, 3, 4, 8, 16) if not quick else (1, 3, 16)
+    return [(c, s, b, tp, sp, r) for c in configs for s, b in lengths for tp in tps for sp in (False, True)
+            for r in RECOMPUTE]
+
+
+@exercise("05.activation_memory", points=1)
+def test_activation_memory(activation_bytes_per_rank, quick: bool = True):
+    """Korthikanti et al.'s counts per rank, TP alone or with SP, for the three recomputation modes,
+    against ``memory.activation_bytes`` (tp 3 does not divide the sizes; sp at tp 1 changes nothing)."""
+    from ultrascale.grading.guards import call_learner, without_library
+    from ultrascale.memory import activation_bytes, breakdown
+
+    learner = without_library(activation_bytes_per_rank, [activation_bytes, breakdown], "05.activation_memory",
+                              "write the per-layer formulas and multiply by the layers")
+    for config, seq, mbs, tp, sp, recompute in _activation_cases(quick):
+        variants = _activation_variants(config, seq, mbs, tp, sp, recompute)
+        expected = variants.pop("right")
+        name = type(config).__name__ if not isinstance(config, Shape) else repr(config)
+        call = (f"activation_bytes_per_rank({name} with layers={config.layers}, hidden={config.hidden}, "
+                f"heads={config.heads}; seq={seq}, micro_batch={mbs}, tp={tp}, sequence_parallel={sp}, "
+                f"recompute={recompute!r})")
+        got = call_learner(learner, config, seq, mbs, tp=tp, sequence_parallel=sp, recompute=recompute, call=call,
+                           expected=f"{expected:,} bytes")
+        assert isinstance(got, (int, float)) and not isinstance(got, bool), (
+            f"{call} returned {got!r}; return a number of bytes")
+        if math.isclose(got, expected, rel_tol=1e-9):
+            continue
+        hint = next((ACTIVATION_HINTS[k] for k, v in variants.items() if math.isclose(got, v, rel_tol=1e-9)), "")
+        raise AssertionError(f"{call}: expected {expected:,} bytes, got {got:,}" + (f". Hint: {hint}" if hint else ""))
+    default = call_learner(activation_bytes_per_rank, Shape(2, 64, 4), 32, 1)
+    assert default is not None and math.isclose(default, activation_bytes(Shape(2, 64, 4), 32, 1), rel_tol=1e-9), (
+        "activation_bytes_per_rank(config, seq, micro_batch) should default to tp=1, sequence_parallel=False, "
+        f"recompute='none', giving {activation_bytes(Shape(2, 64, 4), 32, 1):,} bytes; got {default!r}")
