@@ -9,7 +9,7 @@ WORLD_SIZE ?= 3
 TORCH_OLDEST := 2.11.0
 COMPAT_VENV ?= $(HOME)/.cache/ultrascale/venv-torch-$(TORCH_OLDEST)
 
-.PHONY: setup lab lab-headless test test-compat test-fast notebooks batch bench exercises grade clean
+.PHONY: setup lab lab-headless test test-compat test-fast notebooks batch bench exercises grade progress clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml launch/setup.sh
 	bash launch/setup.sh
@@ -36,11 +36,16 @@ notebooks: $(STAMP)  ## re-execute the chapters and save their outputs (the nbva
 batch: $(STAMP)  ## run chapters headless with papermill into out/: make batch CHAPTERS="06 12" (default all), WORLD_SIZE=...
 	$(PY) launch/batch.py --world-size $(WORLD_SIZE) $(or $(CHAPTERS),chapters)
 
-exercises: $(STAMP)  ## regenerate exercises/ from solutions/ (never overwrites your edits)
+exercises: $(STAMP)  ## regenerate exercises/ from solutions/, then refresh your copies in work/ (never overwrites your edits)
 	$(PY) -m ultrascale.grading.generate
+	$(PY) -m ultrascale.workspace --quiet
 
-grade: $(STAMP)  ## grade exercise notebooks: make grade NB=exercises JOBS=2 JSON=scores.json
-	$(PY) -m ultrascale.grading.cli $(or $(NB),exercises) --jobs $(or $(JOBS),1) $(if $(JSON),--json $(JSON))
+grade: $(STAMP)  ## grade your exercises in work/exercises (recorded for make progress): make grade NB=path JOBS=2 JSON=scores.json
+	$(if $(NB),,$(PY) -m ultrascale.workspace --quiet)
+	$(PY) -m ultrascale.grading.cli $(or $(NB),work/exercises) --jobs $(or $(JOBS),1) $(if $(JSON),--json $(JSON))
+
+progress: $(STAMP)  ## per chapter, the exercises you passed and your points, from the grader's records (make grade)
+	$(PY) -m ultrascale.grading.progress
 
 bench: $(STAMP)  ## side-by-side benchmarks, printing ratios (GPU ones say so and skip without a GPU)
 	$(PY) benchmarks/bench_runtime.py

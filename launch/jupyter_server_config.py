@@ -2,9 +2,11 @@
 # The server's root is the repository; these settings only change what the learner sees.
 c = get_config()  # noqa: F821 (defined by Jupyter when it loads this file)
 
-# Open on the course's landing page, not the bare launcher. This is also the URL that
-# the server prints (http://HOST:PORT/lab/tree/chapters/00_orientation.ipynb?token=...).
-c.LabApp.default_url = "/lab/tree/chapters/00_orientation.ipynb"
+# Open on the course's landing page, not the bare launcher: the learner's own copy of it in
+# work/ (launch/lab.sh makes the copies first, lib/ultrascale/workspace.py), so that running and
+# saving never changes a tracked notebook. This is also the URL that the server prints
+# (http://HOST:PORT/lab/tree/work/chapters/00_orientation.ipynb?token=...).
+c.LabApp.default_url = "/lab/tree/work/chapters/00_orientation.ipynb"
 
 # Each chapter once in the file browser. chapters/NN_name.py and aN_name.py are the jupytext
 # "percent" sources the .ipynb are built from (launch/build_notebooks.py); jupytext would list

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start JupyterLab on the course: it opens on chapter 00 (launch/jupyter_server_config.py).
+# Start JupyterLab on the course: it opens on your copy of chapter 00, work/chapters/00_orientation.ipynb
+# (launch/jupyter_server_config.py).
 # HEADLESS=1 for a server: no browser, prints the URL to open. It listens on 127.0.0.1 only
 # (LAB_PORT, default 8888): reach it through an SSH tunnel, ssh -L 8888:localhost:8888 host,
 # so that no one else on the network can reach it. LAB_IP=0.0.0.0 listens on all interfaces.
@@ -14,6 +15,13 @@ if [ "${LAB_SETUP:-1}" != "0" ] && { [ ! -x .venv/bin/jupyter ] || [ ! -f "$STAM
     requirements.txt requirements-dev.txt pyproject.toml launch/setup.sh -newer "$STAMP")" ]; }; then
   bash launch/setup.sh
   touch "$STAMP"
+fi
+# The learner works in copies: work/chapters and work/exercises (git-ignored), made on the first
+# start and refreshed on every start where the course changed and the copy was not edited
+# (lib/ultrascale/workspace.py), so the lab never changes a tracked notebook and `git pull` never
+# conflicts. LAB_COPIES=0 skips this.
+if [ "${LAB_COPIES:-1}" != "0" ]; then
+  .venv/bin/python -m ultrascale.workspace --root . --quiet | sed 's/^/[lab] /'
 fi
 # The notebooks use the kernel "python3": let .venv's kernelspecs (the course's Python,
 # registered by setup.sh) win over any python3 kernel in ~/.local/share/jupyter.

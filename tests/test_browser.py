@@ -184,8 +184,9 @@ def test_landing_page_is_chapter_00(session, learner):
     session.driver.get(session.lab.url("/"))   # the bare server address, as printed without a path
     notebook = session.notebook(ORIENTATION)
     learner.wait(lambda: len(learner.cells()) == len(notebook["cells"]), 90, "chapter 00 to open")
-    # (JupyterLab then rewrites the address to the file browser's folder, /lab/tree/chapters)
-    assert "/lab/tree/chapters" in session.driver.current_url, session.driver.current_url
+    # (JupyterLab then rewrites the address to the file browser's folder, /lab/tree/work/chapters:
+    # the landing page is the learner's own copy, which launch/lab.sh made in the course's copy)
+    assert "/lab/tree/work/chapters" in session.driver.current_url, session.driver.current_url
     tab = learner.js("return document.querySelector('#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel').innerText")
     assert tab == "00_orientation.ipynb"
     title = learner.js("return document.querySelector('.jp-RenderedMarkdown h1').innerText")

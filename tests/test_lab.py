@@ -24,7 +24,7 @@ pytest.importorskip("jupyterlab")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "chapters"
-LANDING = "/lab/tree/chapters/00_orientation.ipynb"
+LANDING = "/lab/tree/work/chapters/00_orientation.ipynb"  # the learner's own copy (ultrascale.workspace)
 
 pytestmark = [
     pytest.mark.timeout(60),

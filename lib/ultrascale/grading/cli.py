@@ -34,6 +34,12 @@ waiting on its ranks, so on 2 cores two at a time take about 60% as long (the co
 17 solution notebooks: 279 s one at a time, 170 s two at a time); the table keeps the
 notebooks' order whatever order they finish in.
 
+Each notebook graded from a course's ``work/exercises/`` (the learner's own copies, made by
+``ultrascale.workspace``) is recorded, from this process and after its score is known, as one
+signed line in ``work/.progress/grades.jsonl``: what ``make progress`` reads (progress.py says what
+the signature guards against). ``--record FILE`` records every graded notebook there instead,
+``--no-record`` none. A notebook's kernel records nothing.
+
 The exit code is 0 whatever the scores (this is a grader, not a test); it is
 non-zero only when a notebook could not be run at all (missing file, kernel that
 would not start or died).
@@ -58,12 +64,14 @@ import nbformat
 
 from .check import (DEFER_ENV, ERROR, FAIL, GRADE_FILE_ENV, NOT_IMPLEMENTED, NOT_RUN, PASS, SUBMITTED, CheckResult,
                     _one_line, grade_exercise, submission_path)
+from . import progress
+from .generate import content_hash
 from .registry import exercises_of_chapter, get_exercise
 from .sandbox import GiB, Limits, Outcome, Sandbox
 
 # The course's own notebook folders: graded without a sandbox unless --sandbox is given.
 COURSE = Path(__file__).resolve().parents[3]
-COURSE_FOLDERS = (COURSE / "exercises", COURSE / "solutions")
+COURSE_FOLDERS = (COURSE / "exercises", COURSE / "solutions", COURSE / "work" / "exercises")
 
 # check("00.mean_across_ranks", ...) as written in a notebook cell
 CHECK_CALL_RE = re.compile(r"""\bcheck\(\s*(['"])(?P<id>[\w.\-]+)\1""")
@@ -91,7 +99,8 @@ class NotebookReport:
 
 
 def is_course_notebook(nb_path: Path) -> bool:
-    """A notebook of the course's own exercises/ or solutions/ (the learner's own work, or ours)."""
+    """A notebook of the course's own exercises/, solutions/ or work/exercises/ (the learner's own
+    work, or ours)."""
     return nb_path.resolve().parent in COURSE_FOLDERS
 
 
@@ -489,6 +498,27 @@ def _sandboxes(notebooks: list, args) -> list:
     return [sandbox if want else None for want in wanted]
 
 
+def _hash_or_none(nb_path: Path):
+    try:
+        return content_hash(nb_path)
+    except Exception:  # noqa: BLE001 - missing or unreadable: its report says so
+        return None
+
+
+def _record(notebooks: list, hashes: list, reports: list, record_file: Path | None) -> None:
+    """One signed line per graded notebook in the learner's records (progress.py), from this process."""
+    written = set()
+    for nb_path, notebook_hash, report in zip(notebooks, hashes, reports):
+        target = record_file or progress.records_for(nb_path)
+        if target is None:
+            continue
+        progress.record(target, nb_path, notebook_hash, report.status, report.exercises)
+        written.add(str(target))
+    for target in sorted(written):
+        shown = _short_path(target)
+        print(f"recorded in {target if shown.startswith('..') else shown} (make progress shows it)")
+
+
 def _parse_param(text: str):
     name, sep, value = text.partition("=")
     if not sep or not name.isidentifier():
@@ -524,6 +554,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-processes", type=_positive_int, default=Limits.processes, metavar="N",
                         help=f"sandbox: processes and threads of a notebook, all together "
                              f"(default {Limits.processes})")
+    recording = parser.add_mutually_exclusive_group()
+    recording.add_argument("--record", type=Path, metavar="FILE",
+                           help="record every graded notebook in this file (default: only those of "
+                                "work/exercises/, in work/.progress/grades.jsonl; make progress reads it)")
+    recording.add_argument("--no-record", action="store_true", help="record no graded notebook")
     args = parser.parse_args(argv)
 
     notebooks = find_notebooks(args.paths)
@@ -534,8 +569,12 @@ def main(argv=None) -> int:
         args.keep.mkdir(parents=True, exist_ok=True)
     parameters = {"QUICK": True, **dict(args.param)}
 
+    # hashed before grading: the record names the notebook as it was graded
+    hashes = [_hash_or_none(nb) for nb in notebooks]
     reports = grade_all(notebooks, args.timeout, parameters, args.keep, args.feedback, args.jobs,
                         _sandboxes(notebooks, args))
+    if not args.no_record:
+        _record(notebooks, hashes, reports, args.record)
 
     print()
     print(format_table(reports))
