@@ -327,8 +327,18 @@ memory_figure(preset="Llama 3 8B", seq=4096, micro_batch=1, dp=8)
 # ## Your turn
 # Open [exercises/00_orientation_exercises.ipynb](../exercises/00_orientation_exercises.ipynb) for the warm-up: an all-reduce mean and the
 # pipeline input of the memory calculator.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/00_orientation_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/00_orientation_exercises.ipynb` grades
 # the whole notebook from a terminal.
+#
+# ### Your progress
+# `make progress` prints, per chapter, the exercises you have passed and your points, as the command-line
+# grader recorded them (`make grade`); so does the cell below. A `check(...)` in a notebook gives feedback
+# only: it records nothing.
+
+# %% tags=["nbval-ignore-output"]
+from ultrascale.grading.progress import show
+
+show()
 
 # %%
 cluster.close()

@@ -1191,7 +1191,7 @@ if not bench_records:
 # Open [exercises/01_one_gpu_exercises.ipynb](../exercises/01_one_gpu_exercises.ipynb): count the parameters, write the activation-memory
 # calculator with its three recomputation modes, and write a gradient-accumulation step that
 # matches the large batch exactly.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/01_one_gpu_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/01_one_gpu_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
 # %%

@@ -964,7 +964,7 @@ fig
 # Open [exercises/02_data_parallelism_exercises.ipynb](../exercises/02_data_parallelism_exercises.ipynb): write the gradient hooks that overlap
 # all-reduces with backward, a bucket manager, and the batch-size recipe, each graded by parity
 # with a single-process reference or the library on clusters of 2 and 3 ranks.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/02_data_parallelism_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/02_data_parallelism_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
 # %%

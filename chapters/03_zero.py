@@ -766,7 +766,7 @@ fig
 # Open [exercises/03_zero_exercises.ipynb](../exercises/03_zero_exercises.ipynb): flatten and pad parameters into equal shards, write a
 # ZeRO-1 step (reduce-scatter, update your slice of the fp32 master weights, all-gather), and the
 # gather-then-free forward hooks at the heart of ZeRO-3.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/03_zero_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/03_zero_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
 # %%

@@ -629,5 +629,5 @@ cluster.close()
 # ## Your turn
 # Open [exercises/04_tensor_parallelism_exercises.ipynb](../exercises/04_tensor_parallelism_exercises.ipynb): write the conjugate pair f and f*, the column- and row-parallel linear layers built on them, and a
 # cross-entropy over a vocabulary split across ranks.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/04_tensor_parallelism_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/04_tensor_parallelism_exercises.ipynb` grades
 # the whole notebook from a terminal.

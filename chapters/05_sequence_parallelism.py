@@ -855,8 +855,9 @@ else:
 # %% [markdown]
 # ## Your turn
 # Open [exercises/05_sequence_parallelism_exercises.ipynb](../exercises/05_sequence_parallelism_exercises.ipynb): write the gather and the reduce-scatter along the sequence with their autograd functions,
-# and the hooks that sum the LayerNorm gradients over the TP group.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/05_sequence_parallelism_exercises.ipynb` grades
+# the hooks that sum the LayerNorm gradients over the TP group, and the activation bytes each rank keeps
+# for backward with TP alone and with TP+SP.
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/05_sequence_parallelism_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
 # %%

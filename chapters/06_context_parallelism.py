@@ -903,7 +903,7 @@ else:
 # ## Your turn
 # Open [exercises/06_context_parallelism_exercises.ipynb](../exercises/06_context_parallelism_exercises.ipynb): write the rule that merges two partial attentions, the zig-zag layout with its tile
 # counts, and one step of the ring.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/06_context_parallelism_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/06_context_parallelism_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
 # %%

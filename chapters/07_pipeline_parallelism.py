@@ -603,7 +603,7 @@ for case, message in errors.items():
 # ## Your turn
 # Open [exercises/07_pipeline_parallelism_exercises.ipynb](../exercises/07_pipeline_parallelism_exercises.ipynb): write one rank's 1F1B list, the bubble fraction from timelines, a stage's forward
 # and backward step with its sends and receives, and Zero Bubble's B/W split.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/07_pipeline_parallelism_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/07_pipeline_parallelism_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
 # %%

@@ -406,5 +406,5 @@ cluster.close()
 # ## Your turn
 # Open [exercises/08_expert_parallelism_exercises.ipynb](../exercises/08_expert_parallelism_exercises.ipynb): write the router, the split sizes of the all-to-all, the dispatch and combine, and
 # the gradient reduction of experts and dense parameters.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/08_expert_parallelism_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/08_expert_parallelism_exercises.ipynb` grades
 # the whole notebook from a terminal.

@@ -423,7 +423,7 @@ for case, message in messages.items():
 # ## Your turn
 # Open [exercises/09_5d_parallelism_exercises.ipynb](../exercises/09_5d_parallelism_exercises.ipynb): write the mesh's rank-to-group maps, the pipeline's activation memory, the parameters one
 # rank holds, and answer a quiz on the book's tables.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/09_5d_parallelism_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/09_5d_parallelism_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
 # %%

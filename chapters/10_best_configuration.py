@@ -506,5 +506,5 @@ assert not leftover
 # ## Your turn
 # Open [exercises/10_best_configuration_exercises.ipynb](../exercises/10_best_configuration_exercises.ipynb): enumerate the layouts, keep those that fit in memory, and write the book's first
 # step as rules.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/10_best_configuration_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/10_best_configuration_exercises.ipynb` grades
 # the whole notebook from a terminal.

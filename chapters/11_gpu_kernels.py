@@ -1061,5 +1061,5 @@ figure
 # [exercises/11_gpu_kernels_exercises.ipynb](../exercises/11_gpu_kernels_exercises.ipynb), in the style of Triton-Puzzles, runs in
 # the interpreter on any machine: a masked vector add, a row softmax, one tile of a matmul with
 # `tl.dot`, and the online-softmax update at the heart of FlashAttention.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/11_gpu_kernels_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/11_gpu_kernels_exercises.ipynb` grades
 # the whole notebook from a terminal.

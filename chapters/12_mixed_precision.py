@@ -878,5 +878,5 @@ else:
 # Open [exercises/12_mixed_precision_exercises.ipynb](../exercises/12_mixed_precision_exercises.ipynb): decode a float's fields from its bits,
 # quantise to FP8 with one scale and with tiles, run an FP8 backward (Dgrad and Wgrad), and write
 # the loss scaler's update rule, each graded against a reference or against PyTorch's own.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/12_mixed_precision_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/12_mixed_precision_exercises.ipynb` grades
 # the whole notebook from a terminal.

@@ -1052,7 +1052,7 @@ else:
 # a power of two) and halving-doubling yourself, from `isend` and `irecv` only. The checks run
 # them on clusters of several sizes and awkward lengths, compare with `torch.distributed`, and
 # read every message you send: the right sum by another algorithm does not pass.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/a0_collectives_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/a0_collectives_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
 # %%

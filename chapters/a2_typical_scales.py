@@ -371,5 +371,5 @@ fig
 # ## Your turn
 # Open [exercises/a2_typical_scales_exercises.ipynb](../exercises/a2_typical_scales_exercises.ipynb): write the scale counts of a model yourself, and
 # predict the FLOPs of a forward pass to the last FLOP, checked against PyTorch's counter.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/a2_typical_scales_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/a2_typical_scales_exercises.ipynb` grades
 # the whole notebook from a terminal.

@@ -590,7 +590,7 @@ fig
 # Open [exercises/a3_overlap_math_exercises.ipynb](../exercises/a3_overlap_math_exercises.ipynb): derive the DP ratio in code (and see the printed one
 # rejected), then turn the TP and PP ratios into the largest TP degree and the smallest pipeline
 # stage that still hide their communication.
-# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=exercises/a3_overlap_math_exercises.ipynb` grades
+# Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/a3_overlap_math_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
 # %%

@@ -212,7 +212,7 @@ def test_chapters_end_with_your_turn(path):
     turn = text.split("# ## Your turn", 1)[1]
     assert "# ## " not in turn, "Your turn is the last section"
     assert f"[exercises/{path.name}](../exercises/{path.name})" in turn
-    assert f"make grade NB=exercises/{path.name}" in turn
+    assert f"make grade NB=work/exercises/{path.name}" in turn
 
 
 READING_ORDER = ["00", "a0", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "a1", "a2", "a3"]
