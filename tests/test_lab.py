@@ -145,3 +145,22 @@ def test_no_news_pop_up_and_no_update_check(lab):
     settings = json.loads(_api(url, "/lab/api/settings/@jupyterlab/apputils-extension:notification")[1])
     defaults = {name: p["default"] for name, p in settings["schema"]["properties"].items()}
     assert defaults["fetchNews"] == "false" and defaults["checkForUpdates"] is False, defaults
+
+
+def test_landing_page_is_the_learners_copy_and_saving_it_leaves_the_course_alone(lab):
+    """launch/lab.sh made work/ (ultrascale.workspace): a save there changes no tracked notebook."""
+    url, _ = lab
+    course = (CHAPTERS / "00_orientation.ipynb").read_bytes()
+    model = json.loads(_api(url, "/api/contents/work/chapters/00_orientation.ipynb")[1])
+    assert model["type"] == "notebook"
+    parts = urllib.parse.urlsplit(url)
+    token = urllib.parse.parse_qs(parts.query)["token"][0]
+    body = json.dumps({"type": "notebook", "format": "json", "content": model["content"]}).encode()
+    request = urllib.request.Request(
+        f"{parts.scheme}://{parts.netloc}/api/contents/work/chapters/00_orientation.ipynb?token={token}",
+        data=body, method="PUT", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status in (200, 201)
+    assert (CHAPTERS / "00_orientation.ipynb").read_bytes() == course
+    ignored = subprocess.run(["git", "check-ignore", "-q", "work/chapters/00_orientation.ipynb"], cwd=ROOT)
+    assert ignored.returncode == 0, "work/ is not ignored by git"
