@@ -489,7 +489,8 @@ def _sandboxes(notebooks: list, args) -> list:
     none with --trusted); one line says how far it protects, or that nothing is sandboxed."""
     wanted = [not args.trusted and (args.sandbox or not is_course_notebook(nb)) for nb in notebooks]
     if not any(wanted):
-        print("no sandbox: " + ("--trusted" if args.trusted else "the course's own exercises/ and solutions/")
+        print("no sandbox: " + ("--trusted" if args.trusted
+                                else "the course's own exercises/, solutions/ and work/exercises/")
               + " run with your rights (--sandbox to sandbox them)", flush=True)
         return [None] * len(notebooks)
     limits = Limits(args.time_limit, int(args.memory_limit * GiB), args.max_processes)
