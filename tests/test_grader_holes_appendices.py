@@ -121,6 +121,57 @@ def test_launched_by_refuses_other_threads_outer_operators_copies_and_disorder(a
     assert check("a1.launched_by", a1["launched_by"]).status == PASS
 
 
+# ---- a1.communication_overlap ----------------------------------------------------------
+
+def _spans(events):
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+
+
+def test_communication_overlap_refuses_double_counting_and_containment(a1):
+    def pairwise(compute, communication):   # nested operators and concurrent transfers count twice
+        hidden = sum(max(0, min(e1, e2) - max(s1, s2)) for s1, e1 in _spans(compute) for s2, e2 in _spans(communication))
+        return hidden, sum(e["dur"] for e in communication) - hidden
+
+    def summed_communication(compute, communication):   # the hidden part right, the total not a union
+        hidden, _ = a1["communication_overlap"](compute, communication)
+        return hidden, sum(e["dur"] for e in communication) - hidden
+
+    def contained_only(compute, communication):   # a transfer hides only inside one compute event
+        total = a1["communication_overlap"]([], communication)[1]   # with no compute, all of it is exposed
+        hidden = sum(c["dur"] for c in communication
+                     if any(o["ts"] <= c["ts"] and c["ts"] + c["dur"] <= o["ts"] + o["dur"] for o in compute))
+        return hidden, total - hidden
+
+    def best_case(compute, communication):   # min(compute, communication): the prediction, not the trace
+        busy = a1["communication_overlap"]([], compute)[1]
+        talking = a1["communication_overlap"]([], communication)[1]
+        return min(busy, talking), talking - min(busy, talking)
+
+    def swapped(compute, communication):
+        hidden, exposed = a1["communication_overlap"](compute, communication)
+        return exposed, hidden
+
+    def integer_microseconds(compute, communication):   # right on the random traces, not on real timestamps
+        hidden, exposed = a1["communication_overlap"](compute, communication)
+        return int(hidden), int(exposed)
+
+    def library(compute, communication):
+        from ultrascale.schedule.simulate import covered_seconds
+        talking = covered_seconds(_spans(communication))
+        hidden = covered_seconds(_spans(compute)) + talking - covered_seconds(_spans(compute) + _spans(communication))
+        return hidden, talking - hidden
+
+    exercise = "a1.communication_overlap"
+    _fails(check(exercise, pairwise), "nested backward operators", "Merge each list into its union")
+    _fails(check(exercise, summed_communication), "counts twice what two communication threads did")
+    _fails(check(exercise, contained_only), "entirely inside one compute event", "partly hidden")
+    _fails(check(exercise, best_case), "the most that could hide")
+    _fails(check(exercise, swapped), "swapped")
+    _fails(check(exercise, integer_microseconds), "real-trace timestamps")
+    _fails(check(exercise, library), "your code called the course library's ultrascale.schedule.simulate.covered_seconds")
+    assert check(exercise, a1["communication_overlap"]).status == PASS
+
+
 # ---- a2.scale_counts -------------------------------------------------------------------
 
 def test_scale_counts_refuses_the_printed_optimizer_total_floats_and_the_library(a2):

@@ -11,10 +11,18 @@
   two threads, nested operators, kernels without a launch, copies that are not kernels, two
   processes sharing a thread id, launches exactly on an operator's edge; on random traces; on
   a real CPU profile (no kernels); and on a real GPU profile when there is a GPU.
+* ``a1.communication_overlap``: ``communication_overlap(compute, communication)`` reads, from
+  the complete events of a trace (section 3's backward operators and gloo transfers), the
+  microseconds of communication that ran while something computed (hidden) and those that
+  did not (exposed). Graded against the union of intervals (``covered_seconds``, refused
+  while the learner's code runs) on hand-made traces (nested operators, two transfer threads,
+  transfers touching an operator's edge or covered by two adjacent ones, empty lists,
+  epoch timestamps with fractions) and random ones; classic mistakes are named.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import tempfile
@@ -321,3 +329,125 @@ def test_launched_by(launched_by, quick: bool = True):
         expected = reference_launched_by(gpu_events)
         assert any("layer_norm" in k and op == "aten::native_layer_norm" for k, op in expected), expected
         _check_launched_by(launched_by, gpu_events, expected, "a GPU profile of layer_norm")
+
+
+# ---- a1.communication_overlap ----------------------------------------------------------
+
+def _union(events) -> float:
+    from ultrascale.schedule.simulate import covered_seconds
+
+    return covered_seconds([(e["ts"], e["ts"] + e["dur"]) for e in events])
+
+
+def reference_overlap(compute, communication):
+    """(hidden, exposed): the union of the communication within, and outside, the union of the compute."""
+    comm = _union(communication)
+    hidden = _union(compute) + comm - _union(list(compute) + list(communication))
+    return hidden, comm - hidden
+
+
+def _overlap_mistakes(compute, communication) -> list:
+    """(hidden, exposed) of classic mistakes, with what to say about each."""
+    def pairwise(a, b):
+        return sum(max(0, min(x["ts"] + x["dur"], y["ts"] + y["dur"]) - max(x["ts"], y["ts"])) for x in a for y in b)
+
+    hidden, exposed = reference_overlap(compute, communication)
+    summed = sum(e["dur"] for e in communication)
+    contained = sum(c["dur"] for c in communication
+                    if any(o["ts"] <= c["ts"] and c["ts"] + c["dur"] <= o["ts"] + o["dur"] for o in compute))
+    return [
+        ((pairwise(compute, communication), None),
+         "Overlaps were added pair by pair: nested operators (one inside another) and transfers on two threads at "
+         "once count the same microseconds several times. Merge each list into its union of intervals first"),
+        ((None, summed - hidden),
+         "The exposed time counts twice what two communication threads did at the same time: take the union of the "
+         "communication intervals, then remove the hidden part"),
+        ((contained, None),
+         "Only transfers entirely inside one compute event were counted as hidden: a transfer that is partly covered "
+         "is partly hidden, and one covered by two adjacent compute events is hidden too"),
+        ((min(_union(compute), _union(communication)), None),
+         "That is the most that could hide, min(compute, communication): read the overlap from the intervals"),
+        ((exposed, hidden), "The two numbers are swapped: return (hidden, exposed)"),
+    ]
+
+
+def _ev(name, ts, dur, tid=1, pid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": {}}
+
+
+def overlap_traces():
+    """(what, compute events, communication events): hand-made traps first."""
+    engine = "autograd::engine::evaluate_function: AddmmBackward0"
+    nested = [_ev(engine, 0, 100), _ev("aten::mm", 10, 30), _ev("aten::mm", 50, 40),
+              _ev(engine, 130, 70), _ev("aten::mm", 140, 50)]
+    two_threads = [_ev("gloo:all_reduce", 20, 60, tid=5), _ev("gloo:all_reduce", 40, 70, tid=6),
+                   _ev("gloo:all_reduce", 190, 40, tid=5)]
+    return [
+        ("nested backward operators and two gloo threads", nested, two_threads),
+        ("a transfer covered by two adjacent operators", [_ev("a", 0, 50), _ev("b", 50, 50)],
+         [_ev("gloo:all_reduce", 30, 40, tid=5)]),
+        ("transfers touching the compute's edges", [_ev("a", 100, 50)],
+         [_ev("gloo:all_reduce", 60, 40, tid=5), _ev("gloo:all_reduce", 150, 10, tid=5)]),
+        ("a transfer before the backward and one after it", [_ev("a", 100, 50)],
+         [_ev("gloo:all_reduce", 10, 20, tid=5), _ev("gloo:all_reduce", 140, 30, tid=5)]),
+        ("no communication", [_ev("a", 0, 10)], []),
+        ("no compute", [], [_ev("gloo:all_reduce", 0, 10, tid=5), _ev("gloo:all_reduce", 5, 10, tid=6)]),
+        ("real-trace timestamps (microseconds since the epoch, with fractions)",
+         [_ev(engine, 1_732_000_000_000.5, 80.25), _ev("aten::mm", 1_732_000_000_010.75, 20.5)],
+         [_ev("gloo:all_reduce", 1_732_000_000_050.125, 60.5, tid=5)]),
+    ]
+
+
+def random_overlap_trace(seed: int):
+    """Nested compute on the training thread, transfers on two threads, integer microseconds."""
+    rng = random.Random(seed)
+    compute, communication, t = [], [], 0
+    for _ in range(rng.randint(1, 6)):
+        dur = rng.randint(5, 80)
+        compute.append(_ev("autograd::engine", t, dur))
+        for _ in range(rng.randint(0, 3)):   # operators inside it
+            start = t + rng.randint(0, dur - 1)
+            compute.append(_ev("aten::op", start, rng.randint(1, t + dur - start)))
+        t += dur + rng.choice([0, 0, rng.randint(1, 30)])
+    for _ in range(rng.randint(0, 6)):
+        communication.append(_ev("gloo:all_reduce", rng.randint(-20, t + 20), rng.randint(1, 60),
+                                 tid=rng.choice([5, 6])))
+    rng.shuffle(compute)
+    rng.shuffle(communication)
+    return compute, communication
+
+
+def _check_overlap(communication_overlap, compute, communication, what):
+    call = f"communication_overlap(<{what}>)"
+    expected = reference_overlap(compute, communication)
+    got = call_learner(communication_overlap, [dict(e) for e in compute], [dict(e) for e in communication], call=call,
+                       expected=f"(hidden, exposed) = {expected}")
+    assert isinstance(got, (tuple, list)) and len(got) == 2, (
+        f"{call} returned {got!r}; return a pair (hidden, exposed) of microseconds")
+    assert all(isinstance(x, Real) for x in got), f"{call} returned {got!r}; both must be numbers"
+    if all(math.isclose(g, e, rel_tol=1e-12, abs_tol=1e-6) for g, e in zip(got, expected)):
+        return
+    hint = ""
+    for wrong, why in _overlap_mistakes(compute, communication):
+        if all(w is None or math.isclose(g, w, rel_tol=1e-12, abs_tol=1e-6) for g, w in zip(got, wrong)):
+            hint = f" {why}."
+            break
+    raise AssertionError(f"{call}: compute {[(e['ts'], e['dur']) for e in compute]}, communication "
+                         f"{[(e['ts'], e['dur']) for e in communication]} (ts, dur): expected (hidden, exposed) = "
+                         f"{expected}, got {tuple(got)}.{hint}")
+
+
+@exercise("a1.communication_overlap", points=1)
+def test_communication_overlap(communication_overlap, quick: bool = True):
+    """Hand-made traces with nested operators and concurrent transfers, then random ones."""
+    from ultrascale.grading.guards import without_library
+    from ultrascale.parallel.timeline import overlap_seconds
+    from ultrascale.schedule.simulate import covered_seconds
+
+    learner = without_library(communication_overlap, [covered_seconds, overlap_seconds], "a1.communication_overlap",
+                              "merge the intervals yourself")
+    for what, compute, communication in overlap_traces():
+        _check_overlap(learner, compute, communication, what)
+    for seed in range(20 if quick else 300):
+        compute, communication = random_overlap_trace(seed)
+        _check_overlap(learner, compute, communication, f"random trace {seed}")
