@@ -47,6 +47,9 @@ grade: $(STAMP)  ## grade your exercises in work/exercises (recorded for make pr
 progress: $(STAMP)  ## per chapter, the exercises you passed and your points, from the grader's records (make grade)
 	$(PY) -m ultrascale.grading.progress
 
+site: $(STAMP)  ## the course as a website in site/html (saved outputs, nothing executed): python -m http.server -d site/html
+	$(PY) site_src/build.py
+
 bench: $(STAMP)  ## side-by-side benchmarks, printing ratios (GPU ones say so and skip without a GPU)
 	$(PY) benchmarks/bench_runtime.py
 	$(PY) benchmarks/bench_send_recv.py
