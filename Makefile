@@ -9,7 +9,7 @@ WORLD_SIZE ?= 3
 TORCH_OLDEST := 2.11.0
 COMPAT_VENV ?= $(HOME)/.cache/ultrascale/venv-torch-$(TORCH_OLDEST)
 
-.PHONY: setup lab lab-headless test test-compat test-fast notebooks batch bench exercises grade progress clean
+.PHONY: setup lab lab-headless test test-compat test-fast notebooks batch bench exercises grade progress site clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml launch/setup.sh
 	bash launch/setup.sh
