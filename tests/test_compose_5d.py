@@ -5,7 +5,8 @@ with the tolerances of ``tests/test_compose.py`` (``parity.TOLERANCES``), on 4 C
 * ZeRO-1/2 with PP: the tied embedding is a ZeRO unit of its own on both ends, whose reduced
   slices the two ranks add (``parallel.compose_zero``);
 * ZeRO with EP: dense parameters over (dp, ep, cp), experts over their replicas (dp, cp);
-* ZeRO-3 with DP, TP, CP and EP (its hooks gather each block's weights);
+* ZeRO-3 with DP, TP, CP, EP and PP (its hooks gather each unit's weights; on a pipeline
+  stage the embedding, the final norm and the head are units of their own);
 * ZeRO with TP's sequence parallelism: the norms' gradient hooks follow them into ZeRO's buffers.
 """
 import pytest
@@ -20,7 +21,8 @@ DENSE = [
     ParallelConfig(pp=2, tp=2, sp=True, microbatches=2),
     ParallelConfig(pp=2, dp=2, zero=1, microbatches=2),
     ParallelConfig(pp=2, dp=2, zero=2, microbatches=2, optimizer="adam"),
-    ParallelConfig(pp=2, tp=2, sp=True, zero=1, microbatches=2, schedule="afab"),
+    ParallelConfig(pp=2, dp=2, zero=3, microbatches=2),
+    ParallelConfig(pp=2, tp=2, sp=True, zero=3, microbatches=2),
     ParallelConfig(dp=2, tp=2, sp=True, zero=1),
     ParallelConfig(dp=2, tp=2, zero=3),
     ParallelConfig(dp=2, cp=2, zero=3, optimizer="adam"),
@@ -65,8 +67,6 @@ def _without_tied_addition(ctx, config):
 
 
 def test_what_remains_refused_says_it_is_this_library():
-    with pytest.raises(ValueError, match="this course's library does not compose ZeRO-3 with pp > 1 yet"):
-        ParallelConfig(pp=2, dp=2, zero=3)
     with pytest.raises(ValueError, match="this course's library does not compose ZeRO with the 'zb-h1'"):
         ParallelConfig(pp=2, dp=2, zero=1, schedule="zb-h1")
     with pytest.raises(ValueError, match="0 \\(plain DP\\), or the ZeRO stage 1, 2 or 3"):

@@ -44,7 +44,7 @@ import torch.nn as nn
 from ..comm.functional import gather_along_dim
 from ..data import Batches, split
 from ..train import make_optimizer, run_pipeline_steps, run_steps
-from .compose_zero import ZERO3_WITH_PP, apply_zero_composed
+from .compose_zero import apply_zero_composed
 from .context_parallel import apply_cp
 from .data_parallel import apply_data_parallel
 from .grad_sync import DATA_AXES
@@ -67,7 +67,7 @@ class ParallelConfig:
 
     ``zero``: 0 for plain data parallelism (an all-reduce of the gradients), 1, 2 or 3 for
     ZeRO over the data ranks (``compose_zero``: dense and expert parameters over their own
-    groups; with pp, stages 1 and 2 only). ``microbatches``: the pipeline's m (gradient
+    groups). ``microbatches``: the pipeline's m (gradient
     accumulation without PP).
     """
 
@@ -92,8 +92,6 @@ class ParallelConfig:
             raise ValueError("sequence parallelism splits the sequence over the tp ranks: it needs tp > 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r}: 0 (plain DP), or the ZeRO stage 1, 2 or 3")
-        if self.zero == 3 and self.pp > 1:
-            raise ValueError(ZERO3_WITH_PP)
         if self.zero and self.pp > 1 and self.schedule in SPLIT_SCHEDULES:
             raise ValueError(f"this course's library does not compose ZeRO with the {self.schedule!r} schedule "
                              "yet: it computes the weights' gradients apart (W) with autograd.grad, which "

@@ -23,9 +23,18 @@ plain all-reduce, and each has its answer here:
   :class:`ComposedZeRO` runs every ZeRO's ``reduce_gradients()``, adds the tied slices
   (``Pipeline.add_tied``: shard-sized messages, 1/N_d of what the plain pipeline sends),
   then ``update()``. Both ends then step the same slice with the same gradient.
-* **ZeRO-3 gathers each unit's weights in its forward hooks**, for DP, TP and CP alike
-  (TP's shards are just smaller parameters to it). With a pipeline it is refused: see
-  :data:`ZERO3_WITH_PP`.
+* **ZeRO-3 gathers each unit's weights in its forward hooks**, and again for its backward:
+  for DP, TP and CP alike (TP's shards are just smaller parameters to it), and on pipeline
+  stages too. A stage never calls the model's forward, whose hooks gather the root unit, so
+  there the embedding, the final norm and the head are units of their own and there is no
+  root. A stage runs the forwards of several micro-batches before their backwards; each one
+  gathers the unit again (and each backward reduce-scatters): right, but many gathers per
+  step, which is why the book calls PP with ZeRO-3 rare.
+
+Not composed yet (``ParallelConfig`` and :func:`apply_zero_composed` say so): ZeRO with the
+schedules that split the backward (zb-h1, dualpipe-v: their W fills ``.grad`` with
+``autograd.grad``, past the hooks that move gradients into the flat buffers), and a pipeline
+that puts both ends of the tied weight on one rank.
 """
 from __future__ import annotations
 
@@ -35,15 +44,7 @@ from ..train import OPTIMIZERS
 from .grad_sync import DATA_AXES
 from .zero import ZeRO
 
-__all__ = ["ComposedZeRO", "apply_zero_composed", "ZERO3_WITH_PP"]
-
-ZERO3_WITH_PP = (
-    "this course's library does not compose ZeRO-3 with pp > 1 yet: ZeRO-3's hooks gather a unit's "
-    "weights for one forward and one backward in turn, while a pipeline stage runs the forwards of "
-    "several micro-batches before their backwards (and a model's root unit, the embedding or the "
-    "head, is gathered by the model's forward, which a stage never calls); the book calls PP with "
-    "ZeRO-3 rare for that reason too (the weights gathered again every micro-batch). "
-    "Use zero=1 or 2 with pp")
+__all__ = ["ComposedZeRO", "apply_zero_composed"]
 
 
 class ComposedZeRO:
@@ -75,33 +76,36 @@ class ComposedZeRO:
             yield
 
 
-def _blocks(par) -> list:
-    """Every transformer block this rank holds: ZeRO's units (gathered and freed as one at stage 3)."""
+def _units(par) -> list:
+    """ZeRO's units (gathered and freed as one at ZeRO-3): every transformer block this rank
+    holds; on a pipeline stage also its embedding, final norm and head, each a unit of its own.
+    (Without a pipeline those form the root unit, gathered by the model's forward hooks; a
+    stage never calls the model's forward, so it leaves no root. The tied embedding or head
+    comes first: compose's ComposedZeRO finds it by its module.)"""
     if par.pipeline is None:
         return list(par.model.blocks)
-    return [block for chunk in par.pipeline.chunks.values() for block in chunk.blocks]
-
-
-def _tied_module(pipeline):
-    """The module holding this rank's end of the tied weight, when another rank holds the other."""
-    if pipeline is None or pipeline.tied_peer is None:
-        return None
-    return pipeline.chunks["0"].embed if "0" in pipeline.chunks else pipeline.chunks[str(pipeline.last)].head
+    ends, blocks = [], []
+    for chunk in par.pipeline.chunks.values():
+        blocks += list(chunk.blocks)
+        ends += [m for m in (chunk.embed, chunk.norm, chunk.head) if m is not None]
+    tied = [m for m in ends if par.pipeline.tied and m.weight is par.pipeline.tied_weight()]
+    if len(tied) > 1:   # both ends on one rank: one unit for the shared weight, the head's hooks left out
+        raise ValueError("this course's library does not compose ZeRO with a schedule that puts the first and "
+                         "the last stage on one rank yet (the tied weight would be two units)")
+    return tied + blocks + [m for m in ends if m not in tied]
 
 
 def apply_zero_composed(par) -> ComposedZeRO:
     """ZeRO (``par.config.zero``) over the data groups of ``par.mesh``, on what ``par`` holds.
     Returns the optimizer to step (also ``par.optimizer``)."""
     config, mesh, module = par.config, par.mesh, par.module
-    if config.zero == 3 and par.pipeline is not None:
-        raise ValueError(ZERO3_WITH_PP)
     cls, options = OPTIMIZERS[config.optimizer]   # the same optimizer as make_optimizer's
     experts = set()
     if config.ep > 1:
         from .expert_parallel import expert_parameters
         experts = set(expert_parameters(par.model))
-    tied = _tied_module(par.pipeline)
-    units = ([tied] if tied is not None else []) + _blocks(par)
+    units = _units(par)
+    tied = units[0] if par.pipeline is not None and par.pipeline.tied_peer is not None else None
     # Every rank built the model from one seed (as apply_pp assumes): nothing to broadcast. A
     # broadcast over the dense group would also overwrite the other ep ranks' experts.
     common = dict(stage=config.zero, optimizer_cls=cls, units=units, broadcast=False, **options)
