@@ -240,6 +240,45 @@ def test_forward_flops_refuses_6n_missing_attention_full_kv_and_measuring(a2):
     assert check("a2.forward_flops", a2["forward_flops"]).status == PASS
 
 
+# ---- a2.llama_params -------------------------------------------------------------------
+
+def test_llama_params_refuses_missing_norms_full_kv_untied_heads_and_building(a2):
+    def layer(c, kv):
+        return 2 * c.hidden * c.hidden + 2 * c.hidden * kv + 3 * c.hidden * c.ffn
+
+    def no_norms(c):
+        return c.layers * layer(c, c.kv_heads * c.head_dim) + c.vocab_size * c.hidden * (1 if c.tie_embeddings else 2)
+
+    def no_final_norm(c):
+        return a2["llama_params"](c) - c.hidden
+
+    def full_kv(c):   # k and v as wide as q
+        return a2["llama_params"](c) + c.layers * 2 * c.hidden * (c.hidden - c.kv_heads * c.head_dim)
+
+    def head_always(c):   # tie_embeddings ignored
+        return a2["llama_params"](c) + (c.vocab_size * c.hidden if c.tie_embeddings else 0)
+
+    def estimate(c):
+        return a2["scale_counts"](c.hidden, c.layers, c.vocab_size, 1, 1, tied=c.tie_embeddings)["parameters"]
+
+    def floats(c):
+        return float(a2["llama_params"](c))
+
+    def building(c):
+        from ultrascale.model import build_model
+        return sum(p.numel() for p in build_model(c).parameters())
+
+    exercise = "a2.llama_params"
+    _fails(check(exercise, no_norms), "8,030,261,248", "RMSNorm weights are parameters too")
+    _fails(check(exercise, no_final_norm), "final RMSNorm")
+    _fails(check(exercise, full_kv), "not h x h")
+    _fails(check(exercise, head_always), "tie_embeddings=True", "v·h once")
+    _fails(check(exercise, estimate), "A2's 16h² estimate")
+    _fails(check(exercise, floats), "count with integers")
+    _fails(check(exercise, building), "your code called the course library's ultrascale.model.build_model")
+    assert check(exercise, a2["llama_params"]).status == PASS
+
+
 # ---- a3.dp_ratio -----------------------------------------------------------------------
 
 def test_dp_ratio_refuses_the_printed_form_and_wrong_factors(a3):

@@ -7,6 +7,12 @@
   forward pass of the course model, checked to the last FLOP against PyTorch's own
   counter (``FlopCounterMode``) run on models actually built: GPT and Llama, grouped-query
   attention, tied and untied heads.
+* ``a2.llama_params``: ``llama_params(config)``, the exact parameter count of the course's Llama
+  for a ``LlamaConfig``, as section 6 tabulates it for the published shapes: checked against
+  ``model.count_params`` on Llama 3 8B (8,030,261,248), 70B and 405B and on small and odd
+  shapes (one K/V head, as many as query heads, tied, vocab 1), whose counts the test first
+  checks against the built model. Building the model (or calling the library's counters) is
+  refused, and the call runs on the meta device, so a 405B model built anyway costs nothing.
 
 While the learner's function runs, the library functions that would give the answer away
 (``ultrascale.scales``'s counts; ``model.matmul_params`` and the FLOP counters) refuse to be
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
 from numbers import Integral
 
 import torch
@@ -185,3 +192,71 @@ def test_forward_flops(forward_flops, quick: bool = True):
                                  f"{config.vocab_size}{', tied' if getattr(config, 'tie_embeddings', True) else ''}):"
                                  f" FlopCounterMode counts {expected:,} FLOPs, you predicted {got:,}."
                                  f"{_flops_hint(got, config, batch, seq)}")
+
+
+# ---- a2.llama_params -------------------------------------------------------------------
+
+def _llama_cases(quick: bool):
+    from ultrascale.model import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+
+    small = [LlamaConfig(),
+             LlamaConfig(vocab_size=61, hidden=32, layers=3, heads=4, kv_heads=1, ffn=40, tie_embeddings=True),
+             LlamaConfig(vocab_size=97, hidden=48, layers=1, heads=6, kv_heads=6, ffn=130),
+             LlamaConfig(vocab_size=1, hidden=2, layers=1, heads=1, kv_heads=1, ffn=1, tie_embeddings=True)]
+    if not quick:
+        rng = random.Random(0)
+        for _ in range(20):
+            kv = rng.choice([1, 2, 3])
+            heads = kv * rng.choice([1, 2, 4])
+            small.append(LlamaConfig(vocab_size=rng.randint(1, 300), hidden=heads * 2 * rng.randint(1, 6),
+                                     layers=rng.randint(1, 4), heads=heads, kv_heads=kv, ffn=rng.randint(1, 100),
+                                     tie_embeddings=rng.random() < 0.5))
+    return [LLAMA3_8B, LLAMA3_70B, LLAMA3_405B], small
+
+
+def _built_params(config) -> int:
+    torch.manual_seed(0)
+    return sum(p.numel() for p in build_model(config).parameters())
+
+
+def _llama_hint(got, c) -> str:
+    right, h, L, v = count_params(c), c.hidden, c.layers, c.vocab_size
+    kv = c.kv_heads * c.head_dim
+    tied = c.tie_embeddings
+    hints = [
+        (right - L * 2 * h - h, "the RMSNorm weights are parameters too: two norms of h per layer, and a final one"),
+        (right - h, "the final RMSNorm after the last layer (h weights) is missing"),
+        (right - L * 2 * h, "the two RMSNorms of every layer (h weights each) are missing"),
+        (right + L * 2 * h * (h - kv), "k and v are h x (kv_heads · head_dim) with grouped-query attention, not h x h"),
+        (right + v * h if tied else right - v * h,
+         "tie_embeddings=True: the head reuses the embedding, v·h once; False: a separate head, v·h twice"),
+        (scales.model_params(h, L, v, glu=True, tied=tied),
+         "that is A2's 16h² estimate; count Llama's real matrices: narrower k and v, three h x ffn MLP matrices"),
+    ]
+    return next((" " + why + "." for value, why in hints if got == value and value != right), "")
+
+
+@exercise("a2.llama_params", points=1)
+def test_llama_params(llama_params, quick: bool = True):
+    """Exact parameter counts of Llama 3 8B, 70B and 405B (8,030,261,248 for the 8B) and of small shapes
+    (GQA or not, tied or not, odd sizes), checked for the small ones against the built model."""
+    from ultrascale.model import _ffn_params, _llama_matmul_params_per_layer, active_params, feed_forward
+
+    learner = without_library(llama_params, [count_params, active_params, matmul_params, _ffn_params,
+                                             _llama_matmul_params_per_layer, build_model, feed_forward,
+                                             *SCALE_FUNCTIONS], "a2.llama_params",
+                              "count the parameters from the config's shape, without building the model")
+    published, small = _llama_cases(quick)
+    assert count_params(published[0]) == 8_030_261_248   # the test's own reference
+    for config in published + small:
+        expected = count_params(config)
+        if config not in published:
+            assert _built_params(config) == expected, config   # the reference, against the real model
+        call = (f"llama_params(LlamaConfig(vocab_size={config.vocab_size}, hidden={config.hidden}, "
+                f"layers={config.layers}, heads={config.heads}, kv_heads={config.kv_heads}, ffn={config.ffn}, "
+                f"tie_embeddings={config.tie_embeddings}))")
+        with torch.device("meta"):   # a model built anyway costs no memory
+            got = call_learner(learner, config, call=call, expected=f"{expected:,}")
+        assert isinstance(got, Integral) and not isinstance(got, bool), (
+            f"{call} returned {got!r} ({type(got).__name__}): count with integers")
+        assert got == expected, f"{call}: expected {expected:,} parameters, got {got:,}.{_llama_hint(got, config)}"
