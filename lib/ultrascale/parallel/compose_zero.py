@@ -80,8 +80,8 @@ def _units(par) -> list:
     """ZeRO's units (gathered and freed as one at ZeRO-3): every transformer block this rank
     holds; on a pipeline stage also its embedding, final norm and head, each a unit of its own.
     (Without a pipeline those form the root unit, gathered by the model's forward hooks; a
-    stage never calls the model's forward, so it leaves no root. The tied embedding or head
-    comes first: compose's ComposedZeRO finds it by its module.)"""
+    stage never calls the model's forward, so it leaves no root.) The tied embedding or head
+    comes first, where apply_zero_composed looks for it."""
     if par.pipeline is None:
         return list(par.model.blocks)
     ends, blocks = [], []
@@ -89,7 +89,7 @@ def _units(par) -> list:
         blocks += list(chunk.blocks)
         ends += [m for m in (chunk.embed, chunk.norm, chunk.head) if m is not None]
     tied = [m for m in ends if par.pipeline.tied and m.weight is par.pipeline.tied_weight()]
-    if len(tied) > 1:   # both ends on one rank: one unit for the shared weight, the head's hooks left out
+    if len(tied) > 1:   # both ends on one rank: two units would share the weight
         raise ValueError("this course's library does not compose ZeRO with a schedule that puts the first and "
                          "the last stage on one rank yet (the tied weight would be two units)")
     return tied + blocks + [m for m in ends if m not in tied]
