@@ -323,3 +323,47 @@ def test_hiding_limits_refuse_strict_inequalities_and_fractions(a3):
     _fails(check("a3.hiding_limits", max_tp_unrounded, right_layers), "return a whole number")
     _fails(check("a3.hiding_limits", right_tp, min_layers_floor), "Off by one", "round the needed number of layers up")
     assert check("a3.hiding_limits", right_tp, right_layers).status == PASS
+
+
+# ---- a3.bucketed_exposure --------------------------------------------------------------
+
+def test_bucketed_exposure_refuses_parallel_links_perfect_overlap_and_the_last_bucket_alone(a3):
+    def comm_times(bucket_bytes, dp, peak_bw):
+        return [n * 2 * (dp - 1) / (dp * peak_bw) for n in bucket_bytes]
+
+    def parallel_links(backward_times, bucket_bytes, dp, peak_bw):   # no queue: every bucket starts when ready
+        ready, end = 0.0, 0.0
+        for compute, t in zip(backward_times, comm_times(bucket_bytes, dp, peak_bw)):
+            ready += compute
+            end = max(end, ready + t)
+        return max(0.0, end - ready)
+
+    def perfect_overlap(backward_times, bucket_bytes, dp, peak_bw):
+        return max(0.0, sum(comm_times(bucket_bytes, dp, peak_bw)) - sum(backward_times))
+
+    def last_bucket(backward_times, bucket_bytes, dp, peak_bw):
+        return comm_times(bucket_bytes, dp, peak_bw)[-1]
+
+    def no_ring_factor(backward_times, bucket_bytes, dp, peak_bw):
+        return a3["exposed_allreduce_time"](backward_times, bucket_bytes, 2, peak_bw)   # dp 2: factor 1
+
+    def nothing_hidden(backward_times, bucket_bytes, dp, peak_bw):
+        return sum(comm_times(bucket_bytes, dp, peak_bw))
+
+    def library(backward_times, bucket_bytes, dp, peak_bw):
+        from ultrascale.overlap import dp_comm_time
+        ready = free = 0.0
+        for compute, nbytes in zip(backward_times, bucket_bytes):
+            ready += compute
+            free = max(ready, free) + dp_comm_time(nbytes, dp, peak_bw)
+        return max(0.0, free - ready)
+
+    exercise = "a3.bucketed_exposure"
+    _fails(check(exercise, parallel_links), "backward_times=[1, 1, 1, 1], bucket_bytes=[2, 2, 2, 2]",
+           "they share it")
+    _fails(check(exercise, perfect_overlap), "assumes perfect overlap", "the last one always starts")
+    _fails(check(exercise, last_bucket), "the last bucket's all-reduce alone")
+    _fails(check(exercise, no_ring_factor), "2(dp-1)/dp of the ring all-reduce is missing")
+    _fails(check(exercise, nothing_hidden), "as if none of it overlapped")
+    _fails(check(exercise, library), "your code called the course library's ultrascale.overlap.dp_comm_time")
+    assert check(exercise, a3["exposed_allreduce_time"]).status == PASS
