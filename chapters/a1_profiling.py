@@ -674,8 +674,8 @@ else:
 #
 # ## Your turn
 # Open [exercises/a1_profiling_exercises.ipynb](../exercises/a1_profiling_exercises.ipynb): write a benchmark function that survives asynchronous
-# work, warm-up effects and outliers, and walk a trace from each GPU kernel back to the operator that
-# launched it.
+# work, warm-up effects and outliers, walk a trace from each GPU kernel back to the operator that
+# launched it, and read from a trace how much of the communication the computation hid.
 # Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/a1_profiling_exercises.ipynb` grades
 # the whole notebook from a terminal.
 

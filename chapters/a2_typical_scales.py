@@ -370,6 +370,7 @@ fig
 #
 # ## Your turn
 # Open [exercises/a2_typical_scales_exercises.ipynb](../exercises/a2_typical_scales_exercises.ipynb): write the scale counts of a model yourself, and
-# predict the FLOPs of a forward pass to the last FLOP, checked against PyTorch's counter.
+# predict the FLOPs of a forward pass to the last FLOP, checked against PyTorch's counter, and count
+# Llama 3's parameters exactly, to the 8,030,261,248 of the 8B model.
 # Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/a2_typical_scales_exercises.ipynb` grades
 # the whole notebook from a terminal.

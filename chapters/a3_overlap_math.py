@@ -589,7 +589,8 @@ fig
 # ## Your turn
 # Open [exercises/a3_overlap_math_exercises.ipynb](../exercises/a3_overlap_math_exercises.ipynb): derive the DP ratio in code (and see the printed one
 # rejected), then turn the TP and PP ratios into the largest TP degree and the smallest pipeline
-# stage that still hide their communication.
+# stage that still hide their communication, and compute how long a step still waits after its
+# backward for bucketed all-reduces.
 # Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/a3_overlap_math_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
