@@ -19,6 +19,8 @@ only k MLPs: more parameters at nearly the same FLOPs.
 * ``balance_loss``: the load-balancing loss, per sequence as DeepSeek-V3's complementary
   loss, so that the mean over ranks holding different sequences is the loss of the whole
   batch. It is recorded on the module (``aux_loss``) and added by ``auxiliary_loss(model)``.
+* ``update_selection_bias``: DeepSeek-V3's balancing without a loss: between steps, each
+  router's ``selection_bias`` moves by a fixed speed against its expert's load.
 """
 from __future__ import annotations
 
@@ -35,8 +37,10 @@ class Router(nn.Module):
         self.gate = nn.Linear(hidden, experts, bias=False)
         self.top_k, self.expert_groups, self.group_limit = top_k, expert_groups, group_limit
         # Added to the probabilities when choosing, not to the weights (DeepSeek-V3's bias for
-        # balancing without a loss). Zero by default; chapter 08 skews it to load one expert.
+        # balancing without a loss, moved by update_selection_bias). Zero by default; chapter 08
+        # also sets it by hand to skew the routing onto one expert.
         self.register_buffer("selection_bias", torch.zeros(experts))
+        self.load = None   # choices per expert since the last update_selection_bias (a plain tensor)
 
     def forward(self, x):
         probs = torch.softmax(self.gate(x), dim=-1)
@@ -47,7 +51,18 @@ class Router(nn.Module):
         weights = probs.gather(-1, chosen)
         if self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.training:      # an evaluation forward is no part of a training step's load
+            self._count(chosen)
         return weights, chosen, probs
+
+    def _count(self, chosen):
+        # The bias update needs each expert's load over a whole step, which may be several
+        # forwards (micro-batches): add them up until update_selection_bias reads and clears it.
+        # A plain attribute, not a buffer: it is neither saved nor broadcast with the model.
+        # scatter_add, not bincount: bincount's output size waits for the GPU (a sync per layer).
+        ids = chosen.detach().flatten()
+        counts = ids.new_zeros(self.selection_bias.numel()).scatter_add_(0, ids, torch.ones_like(ids))
+        self.load = counts if self.load is None else self.load + counts
 
 
 def limit_groups(scores, groups: int, limit: int):
@@ -108,6 +123,46 @@ def balance_loss(probs, chosen, experts: int, sequences: int):
     f = chosen_counts.to(probs.dtype) * experts / (k * per_seq)
     p = probs.view(sequences, per_seq, experts).mean(1)
     return (f * p).sum(-1).mean()
+
+
+def bias_update(load, speed: float):
+    """The change of every expert's selection bias for one step: ``speed * sign(mean - load)``.
+
+    An overloaded expert (more choices than the mean) loses ``speed``, an underloaded one gains
+    it, one exactly at the mean keeps its bias. The step is fixed, not proportional to the
+    imbalance, so a single huge batch cannot throw the bias far off.
+    """
+    load = load.float()
+    return speed * torch.sign(load.mean() - load)
+
+
+@torch.no_grad()
+def update_selection_bias(model, speed: float, sum_over_ranks=None) -> list:
+    """Load balancing without an auxiliary loss: call it after each optimizer step.
+
+    DeepSeek-V3 (arXiv 2412.19437, section 2.1.2), after Wang et al. 2024, "Auxiliary-Loss-Free
+    Load Balancing Strategy for Mixture-of-Experts" (arXiv 2408.15664): a per-expert bias is
+    added to the router's scores only to choose the top-k experts; the gating weights still come
+    from the unbiased scores (``Router.forward``). After each step every bias moves by
+    ``bias_update`` of the load its router counted since the last call. No gradient is involved:
+    the bias is a buffer, so the language-model loss is not traded for balance as with
+    ``balance_loss``. (DeepSeek-V3 adds it to sigmoid affinities; here to the softmax
+    probabilities, the same idea.)
+
+    ``sum_over_ranks`` (e.g. ``torch.distributed.all_reduce``): sums a load tensor in place over
+    the ranks holding different tokens, so that every replica applies the same update and the
+    biases stay equal. Returns each router's load for the step (after the sum).
+    """
+    loads = []
+    for router in (m for m in model.modules() if isinstance(m, Router)):
+        if router.load is None:      # no forward since the last update: nothing to go by
+            continue
+        load, router.load = router.load, None
+        if sum_over_ranks is not None:
+            sum_over_ranks(load)
+        router.selection_bias += bias_update(load, speed).to(router.selection_bias.dtype)
+        loads.append(load)
+    return loads
 
 
 class MoE(nn.Module):
