@@ -71,3 +71,6 @@ def test_what_remains_refused_says_it_is_this_library():
         ParallelConfig(pp=2, dp=2, zero=1, schedule="zb-h1")
     with pytest.raises(ValueError, match="0 \\(plain DP\\), or the ZeRO stage 1, 2 or 3"):
         ParallelConfig(dp=2, zero=4)
+    # found composing Llama 3 405B's shape at toy scale: the run failed deep in CP's position check
+    with pytest.raises(ValueError, match="does not compose sequence parallelism inside pipeline stages with context"):
+        ParallelConfig(tp=2, sp=True, pp=2, cp=2)

@@ -406,3 +406,24 @@ def test_breakdown_divides_only_the_expert_parameters_by_ep():
         assert one["activations"] == four["activations"]   # ep ranks run their own tokens
     with pytest.raises(ValueError, match="ep=3 does not divide the 8 experts"):
         breakdown(moe, ep=3)
+
+
+def test_zero_with_ep_shards_dense_states_over_dp_times_ep_and_experts_over_dp():
+    """As the composition does (grad_sync.DATA_AXES): the dense layers are held by all dp x ep ranks,
+    an expert by the dp ranks of its ep coordinate only."""
+    from dataclasses import dataclass
+
+    from ultrascale.memory import expert_params
+
+    @dataclass(frozen=True)
+    class MoE(GPTConfig):
+        experts: int = 8
+        top_k: int = 2
+
+    moe = MoE(hidden=64, layers=4)
+    dense = count_params(moe) - expert_params(moe)
+    for stage in (1, 2, 3):
+        got = breakdown(moe, zero_stage=stage, dp=2, ep=4, mixed_precision=True)
+        assert got["optimizer states"] == pytest.approx(12 * (dense / 8 + expert_params(moe) / 4 / 2))
+    assert breakdown(GPTConfig(hidden=64, layers=4), zero_stage=1, dp=2, ep=4) == \
+        breakdown(GPTConfig(hidden=64, layers=4), zero_stage=1, dp=2)   # a dense model has no ep

@@ -170,7 +170,9 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
     - CP splits the sequence: activations divide by cp, the weights stay whole on every rank;
     - EP splits the experts of an MoE config (``config.experts`` > 0): their parameters
       (``expert_params``) divide by ep as well; a dense model is unaffected. The ep ranks run
-      different tokens, as dp ranks do, so activations do not shrink.
+      different tokens, as dp ranks do, so activations do not shrink. ``dp`` is the number of
+      replicas of an expert; the dense layers have dp * ep of them, over which ZeRO shards
+      their states;
     optimizer_bytes (k) defaults to 12 in mixed precision (fp32 master + Adam m, v), 8 in fp32.
     """
     for name, degree in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp), ("ep", ep)):
@@ -185,8 +187,14 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
     experts = getattr(config, "experts", 0)
     if experts and experts % ep:
         raise ValueError(f"ep={ep} does not divide the {experts} experts: choose an ep that divides them")
-    n_local = (count_params(config) - expert_params(config) * (1 - 1 / ep)) / (tp * pp)
-    result = zero_bytes_per_rank(n_local, zero_stage, dp, k, p_bytes, g_bytes)
+    # ZeRO shards a state over the ranks holding the same copy of it: an expert's over the dp
+    # ranks; a dense layer's over dp x ep, since EP borrows its ranks from DP and every one of
+    # them holds the dense layers (parallel.grad_sync.DATA_AXES).
+    dense = (count_params(config) - expert_params(config)) / (tp * pp)
+    local_experts = expert_params(config) / ep / (tp * pp)
+    dense_part = zero_bytes_per_rank(dense, zero_stage, dp * (ep if experts else 1), k, p_bytes, g_bytes)
+    expert_part = zero_bytes_per_rank(local_experts, zero_stage, dp, k, p_bytes, g_bytes)
+    result = {consumer: dense_part[consumer] + expert_part[consumer] for consumer in dense_part}
     per_layer = activation_bytes(config, seq, micro_batch, recompute, tp=tp,
                                  sequence_parallel=sequence_parallel, cp=cp) / config.layers
     if schedule is None:

@@ -92,6 +92,11 @@ class ParallelConfig:
             raise ValueError("sequence parallelism splits the sequence over the tp ranks: it needs tp > 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r}: 0 (plain DP), or the ZeRO stage 1, 2 or 3")
+        if self.sp and self.pp > 1 and self.cp > 1:
+            raise ValueError("this course's library does not compose sequence parallelism inside pipeline stages "
+                             "with context parallelism yet: a later stage, given SP's slice of hidden states, "
+                             "does not get the global positions of CP's layout (use sp=False with pp and cp, or "
+                             "no pp)")
         if self.zero and self.pp > 1 and self.schedule in SPLIT_SCHEDULES:
             raise ValueError(f"this course's library does not compose ZeRO with the {self.schedule!r} schedule "
                              "yet: it computes the weights' gradients apart (W) with autograd.grad, which "
