@@ -12,7 +12,8 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   cross-entropy, sequence parallelism (NB04, NB05); ``apply_tp``.
 * ``context_parallel``: the sequence split across ranks, contiguous or zig-zag (NB06);
   ``apply_cp``. Its attention is ``ring_attention``: K/V blocks passed round a ring of ranks
-  while each block is attended to (or all-gathered), forward and backward.
+  while each block is attended to (or all-gathered), forward and backward; or ``ulysses``
+  (``kind="ulysses"``): an all-to-all from sequence slices to head groups and back.
 * ``pipeline_parallel``: the model cut into stages, run by ``ultrascale.schedule``'s action
   lists (NB07); ``apply_pp`` (trained by ``train.run_pipeline_steps``).
 * ``expert_parallel``: the experts of every MoE layer split over ranks, tokens dispatched and

@@ -4,7 +4,9 @@ Under CP every rank holds a slice of the sequence through the whole model: embed
 norms, MLPs and the loss treat tokens one at a time and need nothing from the other ranks.
 Only attention mixes tokens; ``parallel.ring_attention`` gives every rank's queries the
 other ranks' keys and values, by a ring of point-to-point transfers overlapped with the
-compute (or by one all-gather, for comparison), forward and backward.
+compute (or by one all-gather, for comparison), forward and backward. ``kind="ulysses"``
+(``parallel.ulysses``) instead trades the sequence split for a head split with an all-to-all,
+attends per head group over the whole sequence, and trades back (contiguous layout only).
 
 **Layouts** (``data.sequence_positions`` is the one definition of both). "contiguous"
 gives rank r the r-th slice: under a causal mask rank 0's queries see one block of keys
@@ -42,11 +44,16 @@ from .grad_sync import sync_in_backward
 from .matching import match_plan
 from .mesh import axis_group
 from .kv_exchange import KVBufferMeter
-from .ring_attention import KINDS, LAYOUTS, all_gather_attention, context_parallel_attention, ring_attention
+from .ring_attention import KINDS as RING_KINDS
+from .ring_attention import LAYOUTS, all_gather_attention, context_parallel_attention, ring_attention
+from .ulysses import LAYOUT_REFUSAL, ulysses_attention, ulysses_problem
+
+# The ring's two ways of moving K/V, and Ulysses's all-to-all to head groups (``ulysses.py``).
+KINDS = (*RING_KINDS, "ulysses")
 
 __all__ = ["LAYOUTS", "KINDS", "sequence_positions", "split_sequence", "causal_tile_counts",
            "context_parallel_attention", "ring_attention", "all_gather_attention", "apply_cp",
-           "KVBufferMeter"]
+           "ulysses_attention", "KVBufferMeter"]
 
 
 # --------------------------------------------------------------------------- layouts and work
@@ -90,7 +97,8 @@ def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "
     """Context-parallel ``model`` over the ``cp`` axis of a mesh (or a group; None: all ranks).
 
     ``plan``: ``{module-name pattern: kind}`` of the attention modules whose core becomes
-    context-parallel attention (default ``{"blocks.*.attn": kind}``). Afterwards the model
+    context-parallel attention (default ``{"blocks.*.attn": kind}``); kinds: "ring",
+    "all_gather" or "ulysses" (contiguous layout only; cp must divide the heads). Afterwards the model
     takes this rank's tokens, ``model(idx_local, positions)`` (``data.split(batch, rank, cp,
     by="sequence", layout=layout)`` gives both); positions left out are filled in, wrong ones
     refused. ``sync_gradients``: average every gradient over the cp group inside backward
@@ -104,14 +112,23 @@ def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "
     if layout not in LAYOUTS or not set(plan.values()) <= set(KINDS):
         raise ValueError(f"layout={layout!r}, plan kinds {sorted(set(plan.values()))}: choose a layout in "
                          f"{LAYOUTS} and kinds in {KINDS}")
+    if "ulysses" in plan.values() and layout != "contiguous":
+        raise ValueError(f"kind='ulysses' with layout={layout!r}: {LAYOUT_REFUSAL}")
     for pattern, attention_kind in plan.items():   # each pattern must name attention modules only
         named = match_plan(model, {pattern: attention_kind})
         if not all(hasattr(module, "core") for _, module, _ in named):
             raise ValueError(f"plan pattern {pattern!r} must match attention modules (with a core), "
                              f"matched {len(named)} module(s)")
     for _, module, attention_kind in match_plan(model, plan):
-        module.core = functools.partial(context_parallel_attention, group=group, causal=True, layout=layout,
-                                        kind=attention_kind, timeline=timeline)
+        if attention_kind == "ulysses":   # its head-count limit, refused now rather than in the first forward
+            problem = ulysses_problem(module.q.out_features // module.head_dim,
+                                      module.k.out_features // module.head_dim, n)
+            if problem is not None:
+                raise ValueError(problem)
+            module.core = functools.partial(ulysses_attention, group=group, causal=True)
+        else:
+            module.core = functools.partial(context_parallel_attention, group=group, causal=True, layout=layout,
+                                            kind=attention_kind, timeline=timeline)
     model.register_forward_pre_hook(_positions_hook(group, layout), with_kwargs=True)
     if sync_gradients and n > 1:
         # Each rank's gradient is that of the mean loss over its own tokens; the model's is the
