@@ -23,7 +23,8 @@
 # 6. plot the tokens each rank receives, for a balanced and a skewed router;
 # 7. limit each token to M groups of experts, as DeepSeek-V3 does with M = 4 nodes, and measure
 #    the traffic it removes;
-# 8. time the experts as a per-expert loop and as one grouped (batched) matrix multiply.
+# 8. time the experts as a per-expert loop and as one grouped (batched) matrix multiply;
+# 9. beyond the book: balance a skewed router without an auxiliary loss, as DeepSeek-V3 does.
 #
 # The code: `lib/ultrascale/moe.py` (router, experts, load-balancing loss; no parallelism) and
 # `lib/ultrascale/parallel/expert_parallel.py` (placement, dispatch, combine, `apply_ep`).
@@ -41,11 +42,12 @@ from dataclasses import replace
 
 import matplotlib.pyplot as plt
 import torch
+import torch.nn.functional as F
 from matplotlib.figure import Figure
 
 from ultrascale.comm import format_bytes
-from ultrascale.model import GPT, GPTConfig, active_params, count_params
-from ultrascale.moe import apply_experts, grouped_mlp
+from ultrascale.model import GPT, MLP, GPTConfig, active_params, count_params
+from ultrascale.moe import MoE, apply_experts, auxiliary_loss, grouped_mlp, update_selection_bias
 from ultrascale.parallel.expert_parallel import apply_ep, dispatch_plan, expert_parameter_names, local_experts
 from ultrascale.parity.expert_runs import assert_ep_matches, ep_rank_run, layer_traffic, moe_model, one_process_run
 from ultrascale.viz.live import ProgressBar
@@ -388,6 +390,114 @@ for bad in (lambda: local_experts(E + 1, EP, 0),   # 2 * EP + 1 experts never sp
 cluster.close()
 
 # %% [markdown]
+# ## 11. Beyond the book: load balancing without an auxiliary loss
+#
+# The balance loss of section 7 works through the gradient: it is one more term that the
+# optimizer trades against the model's own loss. Too weak, and the router still piles tokens onto
+# a few experts; too strong, and the router's choices serve balance more than the task.
+# DeepSeek-V3 (arXiv 2412.19437, section 2.1.2, after Wang et al. 2024, "Auxiliary-Loss-Free Load
+# Balancing Strategy for Mixture-of-Experts") balances without that trade:
+#
+# - each expert i has a bias b_i, added to its score *only to pick the top k*; the weight that
+#   multiplies the expert's output is still computed from the unbiased score, so for a given
+#   choice of experts the layer's output and gradient are those of the plain router;
+# - after every training step, b_i goes down by a fixed speed γ if expert i received more than the
+#   mean number of tokens, and up by γ if it received fewer: b_i += γ · sign(mean − load_i).
+#
+# The bias is a buffer, never a parameter: no gradient reaches it and the optimizer never sees it.
+# In the library it is the router's `selection_bias` (the one that skewed section 7's router);
+# the router counts each expert's tokens during a step and `moe.update_selection_bias(model, γ)`
+# applies the rule. (DeepSeek-V3 adds the bias to sigmoid scores, here it is the softmax
+# probabilities; it also keeps a very small sequence-wise balance loss as a safeguard.)
+#
+# A toy run on one process, since balancing is not a distributed idea (with data parallelism the
+# loads are summed over the ranks first, `sum_over_ranks`, so every replica moves its biases
+# alike): one MoE layer, 8 experts, top-2, hidden size 16, fitting a fixed random MLP. Every input
+# shares one direction `mu`, and the gate starts tilted towards it for expert 0, so expert 0 is in
+# nearly every token's top 2: max/mean starts near E/k = 4. Three runs from the same weights and
+# batches: (a) no balancing, (b) the balance loss with `aux_loss_coef = 0.01` (the Switch
+# Transformer's value), (c) the bias with γ = 0.01.
+
+# %%
+E_TOY, H_TOY, STEPS_TOY, TOKENS_TOY, GAMMA, AUX_COEF = 8, 16, 100, 128, 0.01, 0.01   # 8 experts at any WORLD_SIZE
+
+
+def balancing_run(balance: str, seed: int = SEED) -> dict:
+    """Max/mean load and fitting loss per step; ``balance``: "none", "loss" or "bias"."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    teacher_a = torch.randn(H_TOY, 4 * H_TOY, generator=g) / H_TOY**0.5     # the function to fit
+    teacher_b = torch.randn(4 * H_TOY, H_TOY, generator=g) / (4 * H_TOY)**0.5
+    mu = torch.randn(H_TOY, generator=g)                                     # shared by every input
+    toy = GPTConfig(hidden=H_TOY, experts=E_TOY, top_k=2, aux_loss_coef=AUX_COEF if balance == "loss" else 0.0)
+    layer = MoE(H_TOY, toy, lambda: MLP(H_TOY))
+    with torch.no_grad():
+        layer.router.gate.weight[0] += 0.5 * mu / mu.norm()                  # the skew: expert 0 first
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    run = {"imbalance": [], "loss": []}
+    for _ in range(STEPS_TOY):
+        x = mu + torch.randn(4, TOKENS_TOY // 4, H_TOY, generator=g)
+        fit = F.mse_loss(layer(x), torch.tanh(x @ teacher_a) @ teacher_b)
+        opt.zero_grad()
+        (fit + auxiliary_loss(layer)).backward()   # auxiliary_loss: 0 unless aux_loss_coef > 0
+        opt.step()
+        load = layer.router.load.float()           # (token, choice) pairs per expert this step
+        run["imbalance"].append((load.max() / load.mean()).item())
+        run["loss"].append(fit.item())
+        if balance == "bias":
+            update_selection_bias(layer, GAMMA)    # reads the step's load and clears it
+        layer.router.load = None                   # the other runs: start the next step's count
+    run["bias"] = layer.router.selection_bias.clone()
+    return run
+
+
+runs = {balance: balancing_run(balance) for balance in ("none", "loss", "bias")}
+tail = {name: {key: sum(r[key][-20:]) / 20 for key in ("imbalance", "loss")} for name, r in runs.items()}
+# What a router choosing its 2 experts uniformly at random measures, by chance alone.
+draws = torch.rand(1000, TOKENS_TOY, E_TOY, generator=torch.Generator().manual_seed(SEED)).topk(2).indices
+chance_load = F.one_hot(draws, E_TOY).sum((1, 2)).float()
+chance = (chance_load.amax(-1) / chance_load.mean(-1)).mean().item()
+
+# Measured at seeds 0-11 (mean of the last 20 of 100 steps): (a) 3.05-4.00, (b) 1.29-1.59,
+# (c) 1.32-1.39, against 1.24 by chance; (c)'s fitting loss was 0.94-1.05 times (b)'s.
+assert all(r["imbalance"][0] > 3 for r in runs.values())           # all three start piled up
+assert tail["none"]["imbalance"] > 2.5                               # (a) stays there
+assert tail["loss"]["imbalance"] < 2.0 and tail["bias"]["imbalance"] < 1.5 < tail["none"]["imbalance"]
+assert 1.15 < chance < 1.35
+assert tail["bias"]["loss"] < 1.1 * tail["loss"]["loss"]             # balance without paying in loss
+print("max/mean load, mean of the last 20 steps: (a) no balancing > 2.5, (b) balance loss < 2.0, "
+      "(c) loss-free bias < 1.5 (a random router: about 1.2 by chance)")
+print("(c)'s fitting loss is within 10% of (b)'s, and no gradient ever reached the bias:",
+      not runs["bias"]["bias"].requires_grad)
+
+fig = Figure(figsize=(10, 3.4), layout="constrained")
+ax_load, ax_loss = fig.subplots(1, 2)
+labels = {"none": "(a) no balancing", "loss": "(b) balance loss", "bias": "(c) loss-free bias"}
+for name, r in runs.items():
+    ax_load.plot(r["imbalance"], label=labels[name])
+    ax_loss.plot(r["loss"], label=labels[name])
+ax_load.axhline(chance, color="k", ls=":", lw=1, label="random router (chance)")
+ax_load.set(xlabel="step", ylabel="max / mean load", title=f"load imbalance, E = {E_TOY}, top-2")
+ax_loss.set(xlabel="step", ylabel="fitting loss (MSE)", yscale="log", title="loss")
+ax_load.legend()
+fig
+
+# %% tags=["nbval-ignore-output"]
+for name, t in tail.items():
+    print(f"{labels[name]:<20} last 20 steps: max/mean {t['imbalance']:.2f}, loss {t['loss']:.4f}")
+print(f"random router: max/mean {chance:.2f}")
+print("(c)'s biases after", STEPS_TOY, "steps:", [round(b, 2) for b in runs["bias"]["bias"].tolist()])
+
+# %% [markdown]
+# In this run the bias reaches the chance level within about ten steps: each step moves it by
+# γ whatever the gradient does, while the loss must first reshape the router's probabilities.
+# The fitting losses hardly differ, since this toy needs little of its experts' capacity; at scale
+# Wang et al. report a lower perplexity than with the balance loss, and DeepSeek-V3's ablation
+# better scores on most benchmarks. γ sets both how fast the bias catches up and how much it
+# jitters once there (each step still moves it by ±γ): DeepSeek-V3 uses 0.001 for most of its
+# training and 0 at the end.
+
+# %% [markdown]
 # ## What to take away
 #
 # - An MoE layer has E feed-forwards and uses k per token: parameters grow E-fold, compute per
@@ -401,6 +511,9 @@ cluster.close()
 #   load-balancing loss (or DeepSeek-V3's selection bias) fights.
 # - Node-limited routing (M groups per token; M = 4 nodes in DeepSeek-V3) caps how many ranks a
 #   token is sent to, and the bytes drop accordingly.
+# - Beyond the book: DeepSeek-V3 balances with a per-expert bias used only to choose, moved by a
+#   fixed step against each expert's load after every step. In the toy run it balances as well as
+#   the balance loss, at no cost in loss, and never enters the gradient.
 
 # %% [markdown]
 # ## Your turn
