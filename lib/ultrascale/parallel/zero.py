@@ -85,14 +85,24 @@ class ZeRO(ParameterSharding, ShardedState):
     trainable one); the others stay ordinary parameters, for another ZeRO over another group
     (a composition's experts). ``divide_by``: what the summed gradient is divided by (default
     the group's size, the mean; an expert's replicas are fewer than the ranks with other data).
-    ``step()`` is ``reduce_gradients()`` then ``update()``; a composition may act between them.
+    ``gather_dtype`` (stage 3 only): ``torch.float8_e4m3fn`` all-gathers the parameters that
+    forward and backward use in FP8 with one agreed scale per parameter, as FSDP2 with
+    torchao's float8 all-gather (``zero3.py``); master weights, optimizer and gradients keep
+    their precision. ``step()`` is ``reduce_gradients()`` then ``update()``; a composition may act between them.
     """
 
     def __init__(self, model, stage=1, optimizer_cls=torch.optim.Adam, units=None, param_dtype=None,
                  prefetch=True, group=None, timeline=None, broadcast=True, param_groups=None,
-                 params=None, divide_by=None, **optimizer_kwargs):
+                 params=None, divide_by=None, gather_dtype=None, **optimizer_kwargs):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        if gather_dtype is not None and stage != 3:
+            raise ValueError(f"gather_dtype={gather_dtype} needs stage 3: only ZeRO-3 gathers the parameters "
+                             f"before each forward and backward (stage {stage} keeps them whole)")
+        if gather_dtype not in (None, torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"gather_dtype must be None (the parameters' own dtype) or an FP8 format, "
+                             f"torch.float8_e4m3fn or torch.float8_e5m2, got {gather_dtype}")
+        self.gather_dtype = gather_dtype
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs a process group: run it inside cluster.run(...) or torchrun")
         self.model, self.stage, self.prefetch, self.group = model, stage, prefetch, group

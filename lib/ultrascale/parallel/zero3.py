@@ -8,6 +8,11 @@ computes. Every rank must run the same units' forwards (each one is a collective
 root unit and the last unit stay gathered after forward: backward needs them at once.
 A forward re-run inside backward (activation recomputation) keeps the parameters.
 
+``gather_dtype=torch.float8_e4m3fn`` gathers the copies that forward and backward use in FP8,
+as FSDP2 does with torchao's float8 training: one small all-reduce of amaxes per unit agrees
+on the scales, then 1 byte per element travels instead of 2 or 4 (``precision/fp8_gather.py``).
+Reading the whole parameters (``gathered()``, ``full_state_dict``) still gathers them exactly.
+
 :class:`ParameterSharding` is a part of :class:`~ultrascale.parallel.zero.ZeRO` (which
 registers these hooks at stage 3); it uses ZeRO's units and its ``_collective``.
 """
@@ -17,6 +22,8 @@ import contextlib
 
 import torch
 from torch.utils._pytree import tree_flatten
+
+from ..precision.fp8_gather import start_fp8_gather
 
 __all__ = ["ParameterSharding"]
 
@@ -49,16 +56,23 @@ class ParameterSharding:
             for unit in self.all_units:
                 self._reshard(unit)
 
-    def _start_gather(self, unit) -> None:
+    def _start_gather(self, unit, compute=False) -> None:
+        """Start gathering a unit's parameters; ``compute``: for forward or backward, the
+        only copies that may travel in ``gather_dtype`` (FP8)."""
         if unit is None or unit.gathered or unit.gather_work is not None:
             return
         unit.alloc_full()
+        if compute and self.gather_dtype is not None:
+            def collective(out, shard):
+                return self._collective("all_gather", unit, out, shard, async_op=True)
+            unit.gather_work = start_fp8_gather(unit, collective, self.gather_dtype, self.group)
+            return
         # Write through .data: autograd must not see this refill as an in-place edit of
         # tensors it saved in forward (they get back exactly the values forward used).
         unit.gather_work = self._collective("all_gather", unit, unit.full.data, unit.shard, async_op=True)
 
-    def _ensure_gathered(self, unit) -> None:
-        self._start_gather(unit)
+    def _ensure_gathered(self, unit, compute=False) -> None:
+        self._start_gather(unit, compute)
         if unit.gather_work is not None:
             unit.gather_work.wait()
             unit.gather_work = None
@@ -72,9 +86,9 @@ class ParameterSharding:
             unit.free_full()
 
     def _pre_forward(self, unit, nxt) -> None:
-        self._ensure_gathered(unit)
+        self._ensure_gathered(unit, compute=True)
         if self.prefetch and not _in_backward():   # the next unit travels while this one computes
-            self._start_gather(nxt)
+            self._start_gather(nxt, compute=True)
 
     def _post_forward(self, unit, prev, keep, output) -> None:
         if _in_backward():
@@ -93,9 +107,9 @@ class ParameterSharding:
         if unit.backward_started:
             return
         unit.backward_started = True
-        self._ensure_gathered(unit)
+        self._ensure_gathered(unit, compute=True)
         if self.prefetch:               # backward walks the units in reverse
-            self._start_gather(prev)
+            self._start_gather(prev, compute=True)
 
 
 def _in_backward() -> bool:
