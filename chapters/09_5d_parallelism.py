@@ -447,6 +447,51 @@ display(Markdown(markdown(comparison(ZERO3_VS_PP))))
 display(Markdown(markdown(comparison(TP_CP_EP))))
 
 # %% [markdown]
+# **What each technique touches.** TP/SP changes the whole model (every linear, the norms'
+# gradients, the embedding and the head); CP only attention (every other layer works token by
+# token); EP only the MoE layers; PP and ZeRO work on any module, but PP must balance its stages
+# and treat the first and last, which hold the embedding and the head, apart. CP pays off from
+# sequences of about 128k tokens; EP's defining collective is the all-to-all, and some codebases
+# count its ranks as part of DP (as the gradient averaging above does).
+#
+# **Memory saved, by strategy and sequence length.** The calculator for Llama 3 8B on 8 GPUs, one
+# technique at a time, with selective recomputation (top) and full recomputation (bottom): the
+# hatched part is the model states (weights, gradients, Adam), the plain part the activations.
+
+# %%
+from ultrascale.model import LLAMA3_8B  # noqa: E402
+
+STRATEGIES = {"1 GPU": {}, "ZeRO-3, dp 8": dict(dp=8, zero_stage=3), "TP 8 + SP": dict(tp=8),
+              "PP 8 (1F1B, m 8)": dict(pp=8, schedule="1f1b", micro_batches=8), "CP 8": dict(cp=8)}
+SEQ_LENGTHS = (1024, 4096, 16384, 65536)
+overview = {(rec, seq, name): breakdown(LLAMA3_8B, seq=seq, recompute=rec, **extra)
+            for rec in ("selective", "full") for seq in SEQ_LENGTHS for name, extra in STRATEGIES.items()}
+states = lambda parts: parts["parameters"] + parts["gradients"] + parts["optimizer states"]   # noqa: E731
+for (rec, seq, name), parts in overview.items():
+    alone = overview[rec, seq, "1 GPU"]
+    # what the calculator says each technique divides by 8, and what it leaves whole
+    shrinks_states = name in ("ZeRO-3, dp 8", "TP 8 + SP", "PP 8 (1F1B, m 8)")
+    shrinks_activations = name in ("TP 8 + SP", "CP 8")   # 1F1B keeps p micro-batches of L/p layers
+    assert abs(states(parts) * (8 if shrinks_states else 1) / states(alone) - 1) < 1e-12, (rec, seq, name)
+    assert abs(parts["activations"] * (8 if shrinks_activations else 1) / alone["activations"] - 1) < 1e-12
+
+fig = Figure(figsize=(10, 5.2), layout="constrained")
+axes = fig.subplots(2, 1, sharex=True)
+width = 0.8 / len(STRATEGIES)
+for ax, rec in zip(axes, ("selective", "full")):
+    for i, name in enumerate(STRATEGIES):
+        xs = [j + i * width for j in range(len(SEQ_LENGTHS))]
+        model_states = [states(overview[rec, s, name]) / GB for s in SEQ_LENGTHS]
+        acts = [overview[rec, s, name]["activations"] / GB for s in SEQ_LENGTHS]
+        bars = ax.bar(xs, model_states, width, hatch="//", alpha=0.6, label=name)
+        ax.bar(xs, acts, width, bottom=model_states, color=bars[0].get_facecolor())
+    ax.axhline(80, color="k", linestyle=":", linewidth=1)
+    ax.set(ylim=(0, None), ylabel="GB per GPU", title=f"Llama 3 8B, {rec} recomputation (dotted: 80 GB)")
+axes[1].set_xticks([j + 0.4 - width / 2 for j in range(len(SEQ_LENGTHS))], [f"seq {s:,}" for s in SEQ_LENGTHS])
+axes[0].legend(fontsize=7, ncol=5, loc="upper left")
+fig
+
+# %% [markdown]
 # A few questions over the tables; exercise 09.4 asks you to answer them, and grades the answers
 # against the same data:
 
