@@ -28,6 +28,7 @@
 #    and the activation memory per rank as the sequence grows;
 # 7. train the course GPT under `apply_cp` to the same numbers as one process;
 # 8. see the errors for inputs that cannot be split, and where PyTorch's own version stands.
+# 9. beyond the book: Ulysses, the all-to-all alternative, its bytes, its limit and a race with the ring.
 #
 # The implementation is `lib/ultrascale/parallel/ring_attention.py` (the attention, forward and
 # backward) and `lib/ultrascale/parallel/context_parallel.py` (layouts, tile counts, `apply_cp`).
@@ -41,6 +42,7 @@ SEED = 0
 from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import contextlib
 import math
+import time
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -58,6 +60,7 @@ from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.context_parallel import (KVBufferMeter, apply_cp, causal_tile_counts,
                                                   context_parallel_attention, split_sequence)
 from ultrascale.parallel.timeline import overlap_seconds
+from ultrascale.parallel.ulysses import ring_bytes, ulysses_attention, ulysses_bytes
 from ultrascale.parity import assert_same, first_step, perturbed, tolerance
 from ultrascale.refusal import refusal
 from ultrascale.train import gradients, train
@@ -880,6 +883,192 @@ else:
     print("no CUDA device: the block-attention timing against the K/V transfer is skipped")
 
 # %% [markdown]
+# ## 13. Beyond the book: Ulysses, heads instead of keys
+#
+# Ring attention keeps every rank on its own queries and brings it everybody's keys. DeepSpeed-Ulysses
+# (Jacobs et al. 2023, [arXiv 2309.14509](https://arxiv.org/abs/2309.14509)) starts from another
+# fact: attention heads do not talk to each other. A rank that held *every* token of a few heads
+# could run plain causal attention on them, with no log-sum-exp merging and no mask arithmetic
+# across ranks. One all-to-all gets it there: rank $r$ cuts its `(batch, heads, s/cp, head_dim)`
+# q, k and v into `cp` head groups and sends group $j$ to rank $j$; what arrives is
+# `(batch, heads/cp, s, head_dim)`, all the tokens of head group $r$ (in the contiguous layout the
+# pieces arrive in rank order, which is sequence order). After attention a second all-to-all sends
+# each rank's rows back to the rank that owns those tokens. Backward needs nothing new: the
+# derivative of an all-to-all is the reverse all-to-all (`comm.functional.all_to_all`).
+#
+# `parallel.ulysses.ulysses_attention` does this, and `apply_cp(model, mesh, layout="contiguous",
+# kind="ulysses")` puts it in every block. No zig-zag here: every rank attends over the whole
+# sequence for its heads, so the causal work is already equal, and any other layout is refused. We
+# check it as the ring was checked: attention alone against SDPA on the whole sequence, and a GPT
+# for two SGD steps against one process, in float64. The number of heads must be a multiple of cp
+# (the limit, below), so these use `2 * cp` heads.
+
+# %%
+HEADS = 2 * CP
+U_SHAPE = (2, HEADS, S, 8)   # batch, heads, whole sequence, head_dim: full multi-head attention
+UCFG = GPTConfig(vocab_size=64, hidden=8 * HEADS, heads=HEADS, layers=2, seq_len=S)
+UDATA = Batches(UCFG, mbs=2, seed=SEED)
+
+
+def ulysses_fresh_model():
+    torch.manual_seed(SEED)
+    return perturbed(GPT(UCFG).to(DT), seed=SEED)
+
+
+def ulysses_on_rank(ctx):
+    q, k, v, upstream = whole_problem(U_SHAPE)
+    local = [mine(ctx, t, "contiguous")[0].requires_grad_() for t in (q, k, v)]
+    with CommLogger() as forward_log:
+        out = ulysses_attention(*local)
+    with CommLogger() as backward_log:
+        out.backward(mine(ctx, upstream, "contiguous")[0])
+    model = apply_cp(ulysses_fresh_model(), init_mesh(ctx, cp=ctx.world_size), layout="contiguous", kind="ulysses")
+    stream = UDATA.rank_stream(ctx.rank, ctx.world_size, by="sequence", layout="contiguous")
+    return {"attention": [t.detach() for t in (out, *(x.grad for x in local))],
+            "logs": (forward_log.totals(), backward_log.totals()),
+            "model": {**first_step(model, stream(0)), "positions": stream(0).positions,
+                      "weights": train(model, stream, 2, "sgd")}}
+
+
+ulysses_runs = cluster.run(ulysses_on_rank)
+q, k, v, upstream = (t.requires_grad_() for t in whole_problem(U_SHAPE))
+want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+want.backward(upstream)
+for i, (name, expected) in enumerate(zip(("output", "dQ", "dK", "dV"), (want.detach(), q.grad, k.grad, v.grad))):
+    assert_same(torch.cat([run["attention"][i] for run in ulysses_runs], dim=2), expected, f"Ulysses {name}",
+                optimizer=None)
+model = ulysses_fresh_model()
+one = {**first_step(model, UDATA.global_batch(0)), "weights": train(model, UDATA.global_stream(), 2, "sgd")}
+for rank, run in enumerate(ulysses_runs):
+    got = run["model"]
+    assert_same(got["logits"], one["logits"][:, got["positions"]], f"rank {rank}: logits", optimizer=None)
+    assert_same(got["grads"], one["grads"], f"rank {rank}: gradients", optimizer=None)
+    assert_same(got["weights"], one["weights"], f"rank {rank}: weights after 2 steps", optimizer="sgd")
+print(f"Ulysses, cp = {CP}, {HEADS} heads: output, dQ, dK, dV = SDPA on the whole sequence; the GPT's logits, "
+      "gradients and weights after 2 SGD steps = one process (float64)")
+
+# %% [markdown]
+# **What moves.** Each of the four all-to-alls (q, k, v there, the output back; in backward the
+# output's gradient there, dQ, dK, dV back) keeps $1/cp$ of a rank's $s/cp$ tokens and sends the
+# rest: per rank, forward, $(2\,h + 2\,h_{kv})\,d \cdot \frac{s}{cp} \cdot \frac{cp-1}{cp}$ elements
+# ($h$ query heads and $h_{kv}$ K/V heads of size $d$), which *falls* as cp grows: $O(n\,d/cp)$. The
+# ring sends $cp - 1$ K/V blocks, $2\,h_{kv}\,d\,(cp-1)\,\frac{s}{cp}$ elements forward, and in backward
+# the K/V again and the dK/dV's $cp$ hops home: close to all the sequence's K/V whatever cp is,
+# $O(n\,d_{kv})$. `ulysses_bytes` and `ring_bytes` are the two formulas; the logger measured Ulysses
+# above, and measures the ring on the same q, k, v now.
+
+# %%
+def ring_logs(ctx):
+    q, k, v, upstream = whole_problem(U_SHAPE)
+    local = [mine(ctx, t, "contiguous")[0].requires_grad_() for t in (q, k, v)]
+    with CommLogger() as forward_log:
+        out = context_parallel_attention(*local, layout="contiguous")
+    with CommLogger() as backward_log:
+        out.backward(mine(ctx, upstream, "contiguous")[0])
+    return forward_log.totals(), backward_log.totals()
+
+
+ring_runs = cluster.run(ring_logs)
+b, h, s, d = U_SHAPE
+print(f"bytes one rank sends per attention layer, cp = {CP}, q/k/v {U_SHAPE} float64 (measured = formula):")
+print(f"{'':>9} {'forward':>12} {'backward':>12}")
+for name, logs, op, formula in (
+        ("ring", [run for run in ring_runs], "batch_isend_irecv",
+         lambda backward: ring_bytes(b, h, s, d, CP, 8, backward=backward)),
+        ("Ulysses", [run["logs"] for run in ulysses_runs], "all_to_all_single",
+         lambda backward: ulysses_bytes(b, h, h, s, d, CP, 8, backward=backward))):
+    assert all(log[op]["bytes_sent"] == formula(i == 1) for rank in logs for i, log in enumerate(rank)), name
+    print(f"{name:>9} {format_bytes(formula(False)):>12} {format_bytes(formula(True)):>12}")
+print(f"Ulysses / ring, forward: {ulysses_bytes(b, h, h, s, d, CP, 8) / ring_bytes(b, h, s, d, CP, 8):.2f} = 2 / cp")
+
+# %% [markdown]
+# With full multi-head attention Ulysses sends $2/cp$ of the ring's forward bytes: the same at cp 2,
+# less beyond. Grouped-query attention shrinks the ring's K/V but not Ulysses's q and output. With
+# Llama 3 8B's 32 query and 8 K/V heads the ring sends less at cp = 4, Ulysses from cp = 8; beyond 8
+# ranks Ulysses needs each K/V head repeated (to cp K/V heads), and still sends less:
+
+# %%
+llama = dict(batch=1, seq=2 ** 17, head_dim=128, bytes_per_element=2)
+print("Llama 3 8B attention, 128k tokens, bf16: bytes one rank sends per layer, forward")
+for cp in (4, 8, 16, 32):
+    kv = max(8, cp)   # K/V heads Ulysses sends: repeated up to cp beyond 8 ranks
+    print(f"  cp = {cp:>2}: ring {format_bytes(ring_bytes(kv_heads=8, cp=cp, **llama)):>10}, "
+          f"Ulysses {format_bytes(ulysses_bytes(heads=32, kv_heads=kv, cp=cp, **llama)):>10}"
+          + (f" (K/V heads repeated to {kv})" if kv > 8 else ""))
+
+# %% [markdown]
+# **Its limit.** A head cannot be cut, so cp must divide the number of heads, and with grouped-query
+# attention the number of K/V heads as well: each rank needs whole K/V heads for its query heads.
+# Llama 3 8B's 8 K/V heads stop Ulysses at cp = 8, where the ring goes on. Both are refused, on
+# every rank, with what to do instead:
+
+# %%
+def ulysses_refusals(ctx):
+    q, k, v, _ = whole_problem((2, HEADS + 1, S, 8))
+    odd = [mine(ctx, t, "contiguous")[0] for t in (q, k, v)]
+    gqa = [odd[0][:, :HEADS], odd[1][:, :1], odd[2][:, :1]]   # 1 K/V head for 2*cp query heads
+    return {f"{HEADS + 1} heads": refusal(lambda: ulysses_attention(*odd)),
+            f"{HEADS} heads, 1 K/V head": refusal(lambda: ulysses_attention(*gqa)),
+            "zig-zag layout": refusal(lambda: apply_cp(ulysses_fresh_model(), init_mesh(ctx, cp=ctx.world_size),
+                                                      layout="zigzag", kind="ulysses"))}
+
+
+refused = cluster.run(ulysses_refusals)
+assert all(errors == refused[0] for errors in refused)
+for case, message in refused[0].items():
+    print(f"{case}:\n  {message}")
+
+# %% [markdown]
+# **A race.** Time one attention forward and backward, ring (zig-zag, its balanced layout) against
+# Ulysses (contiguous), on the ranks (float32, `2 * cp` heads of 32, two sequence lengths), five
+# times each after a warm-up; a time is the slowest rank's, and we print the median.
+
+# %% tags=["nbval-ignore-output"]
+RACE = [2 * CP * c for c in ((16, 64) if QUICK else (16, 64, 256))]
+
+
+def race(ctx):
+    times = {}
+    for seq in RACE:
+        q, k, v, upstream = whole_problem((1, HEADS, seq, 32), torch.float32)
+        for name, layout, attend in (("ring", "zigzag", context_parallel_attention),
+                                     ("Ulysses", "contiguous", ulysses_attention)):
+            local = [mine(ctx, t, layout)[0] for t in (q, k, v, upstream)]   # each in its own layout
+            samples = []
+            for repeat in range(6):
+                inputs = [t.clone().requires_grad_() for t in local[:3]]
+                ctx.barrier()
+                start = time.perf_counter()
+                attend(*inputs, layout=layout).backward(local[3])
+                samples.append(time.perf_counter() - start)
+            times[name, seq] = samples[1:]   # the first is a warm-up
+    return times
+
+
+raced = cluster.run(race)
+for seq in RACE:
+    medians = {name: float(np.median([max(r[name, seq][i] for r in raced) for i in range(5)]))
+               for name in ("ring", "Ulysses")}
+    print(f"{seq:>5} tokens: " + ", ".join(f"{name} {1e3 * t:6.1f} ms" for name, t in medians.items()))
+
+# %% [markdown]
+# On this machine the sizes are tiny and the "network" is gloo over loopback on two shared cores:
+# a collective costs a fixed fraction of a millisecond or more before it moves a byte, so the
+# count of communication steps matters more than their bytes. The ring takes $cp - 1$ steps forward
+# and $2\,cp - 1$ backward, each a point-to-point exchange; Ulysses takes four all-to-alls each way,
+# whatever cp is. Which wins here depends on those latencies and on how the two cores are shared,
+# and changes from run to run.
+#
+# The formulas say what happens at scale. Both do the same attention FLOPs per rank ($1/cp$ of the
+# whole), growing as $n^2$. The ring's bytes per rank stay near the whole sequence's K/V, $O(n\,d_{kv})$,
+# but travel during the compute and are hidden once a block's attention, $O((n/cp)^2)$, outlasts
+# its transfer (section 6). Ulysses moves $O(n\,d/cp)$, less for large cp, but its all-to-alls sit
+# between the projections and the attention, with nothing to overlap them, and every rank talks to
+# every other at once: cheap inside an NVLink node, costly across nodes. And it stops at cp =
+# number of (K/V) heads. That is why the two are combined: Ulysses inside a node, the ring across
+# nodes (USP, Fang and Zhao 2024, [arXiv 2405.07719](https://arxiv.org/abs/2405.07719)).
+
+# %% [markdown]
 # ## Summary
 #
 # | | contiguous | zig-zag |
@@ -896,6 +1085,9 @@ else:
 #   sequence's K/V. Both send the same bytes.
 # - Activations per rank divide by cp; weights do not, and their gradients are averaged over the
 #   CP group. The model trained under CP equals one process.
+# - Beyond the book: Ulysses trades the sequence split for a head split with one all-to-all, attends
+#   per head group over the whole sequence and trades back: $O(n\,d/cp)$ bytes per rank against the
+#   ring's $O(n\,d_{kv})$, but cp must divide the (K/V) heads and its all-to-alls are not overlapped.
 #
 # Next, chapter 07 splits the model by layers instead: pipeline parallelism.
 

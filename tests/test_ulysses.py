@@ -176,9 +176,9 @@ def test_heads_that_do_not_split_are_refused_on_every_rank_with_what_to_do():
         assert "4 heads do not split over 3 ranks" in errors["model"]
         assert errors["ring works after"] == (2, 4, 8, 8)
     for errors in shared_cluster(4).run(refusals, GQA):                # 2 K/V heads over 4 ranks
-        assert "2 K/V heads (grouped-query attention) do not split over 4 ranks" in errors["attention"]
+        assert "grouped-query attention's K/V heads (2) do not split over 4 ranks" in errors["attention"]
         assert "repeat each K/V head 2 times" in errors["attention"]
-        assert "2 K/V heads" in errors["model"]
+        assert "K/V heads (2)" in errors["model"]
         assert "use layout='contiguous'" in errors["zigzag"]
         assert "kind='ulysses' with layout='zigzag'" in errors["model zigzag"]
         assert errors["ring works after"] == (2, 4, 6, 8)

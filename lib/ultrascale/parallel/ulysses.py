@@ -49,8 +49,8 @@ def ulysses_problem(heads: int, kv_heads: int, cp: int) -> str | None:
         return (f"Ulysses gives each rank whole heads, but {heads} heads do not split over {cp} ranks: use a "
                 f"number of ranks that divides {heads}, or ring attention (kind='ring'), which has no such limit")
     if kv_heads % cp:
-        return (f"Ulysses gives each rank whole K/V heads, but {kv_heads} K/V heads (grouped-query attention) do "
-                f"not split over {cp} ranks: repeat each K/V head {cp // _gcd(kv_heads, cp)} times before the call "
+        return (f"Ulysses gives each rank whole K/V heads, but grouped-query attention's K/V heads ({kv_heads}) "
+                f"do not split over {cp} ranks: repeat each K/V head {cp // _gcd(kv_heads, cp)} times before the call "
                 "(k.repeat_interleave(..., dim=1), as many times the K/V bytes), or use ring attention "
                 "(kind='ring'), whose K/V blocks travel whole")
     return None
