@@ -8,6 +8,9 @@ and use it through the page: menus, clicks, keys.
 
 * the landing page opens on chapter 00; Run All there shows no error, draws its figures as
   images, and replaces the live plot's image in place while the ranks train;
+* the walk of issue 41: chapter 00's map opens chapter 04, its "Your turn" opens its exercises
+  (the learner's copies in work/); a wrong answer fails, the right one passes, the notebook is
+  saved; the command-line grader and the progress table count it; git status stays clean;
 * chapter 01's memory widget redraws when DP and the ZeRO stage change, and shows its error
   text for an impossible head count;
 * an exercise notebook, run as a learner who has written nothing, says "not implemented yet"
@@ -22,12 +25,14 @@ Screenshots of each step go to out/browser/. Every process the server and the br
 server by PID and fails if any of them is still there.
 
 Needs Debian's chromium and chromium-driver (installed with apt-get when missing, as root) and
-selenium (requirements-dev.txt); skips with the reason otherwise. About 3 minutes on 2 cores.
+selenium (requirements-dev.txt); skips with the reason otherwise. About 3 minutes on 2 cores, and
+about 2 to 3 more for the walk (it grades a notebook from the command line).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +41,7 @@ pytest.importorskip("selenium", reason="selenium is missing: pip install -r requ
 pytest.importorskip("jupyterlab")
 
 from browser.lab import ROOT, CourseCopy, Lab, Processes, Unavailable, browser_paths, start_browser  # noqa: E402
-from browser.page import Learner  # noqa: E402
+from browser.page import CELLS, NOTEBOOK, Learner  # noqa: E402
 
 pytestmark = [
     pytest.mark.browser,
@@ -193,6 +198,202 @@ def test_landing_page_is_chapter_00(session, learner):
     assert "Orientation" in title, title
     learner.wait_idle(90, "chapter 00's kernel to start")
     learner.screenshot("01_landing_page")
+
+
+# ---- the walk: map -> chapter 04 -> its exercises -> graded -> progress --------------------------
+# (before chapter 00's Run All: the tests after it open the course's own copies, chapters/ and
+# exercises/, whose autosave would show in git status; this one works in work/ only, as a learner)
+
+WALK_CHAPTER = "work/chapters/04_tensor_parallelism.ipynb"
+WALK_EXERCISES = "work/exercises/04_tensor_parallelism_exercises.ipynb"
+WALK_ID = "04.conjugate_pair"   # the first exercise of chapter 04's notebook
+# f's backward without its all-reduce: each rank keeps only its own part of the gradient
+WALK_WRONG = '''class Copy(torch.autograd.Function):
+    """f: identity in forward, all-reduce (sum) of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Reduce(torch.autograd.Function):
+    """f*: all-reduce (sum) in forward, identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        summed = x.clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None'''
+# what a learner may leave behind in git status that the lab did not make: the test's own setup
+HARNESS = (".lab-settings/", ".lab-workspaces/", ".runtime/", ".venv")
+
+
+def _solution(exercise_id: str) -> str:
+    """The exercise cell of solutions/ for ``exercise_id``, as a learner would write it: the code
+    between BEGIN and END SOLUTION, without the markers."""
+    import json
+
+    solutions = json.loads((ROOT / "solutions" / "04_tensor_parallelism_exercises.ipynb").read_text())
+    cells = [_source(c) for c in solutions["cells"] if c["cell_type"] == "code"]
+    check = next(i for i, c in enumerate(cells) if c.startswith(f'check("{exercise_id}"'))
+    stub = next(c for c in reversed(cells[:check]) if "BEGIN SOLUTION" in c)
+    return "\n".join(line for line in stub.splitlines() if not re.match(r"\s*# (BEGIN|END) SOLUTION", line))
+
+
+def _current_document(learner) -> tuple[str, str]:
+    """(label, caption) of the main area's current tab: the caption says the document's path."""
+    found = learner.js("""const tab = document.querySelector('#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current');
+        return tab ? [tab.querySelector('.lm-TabBar-tabLabel').innerText, tab.title || '',
+                      tab.classList.contains('jp-mod-dirty')] : null""")
+    return tuple(found) if found else ("", "", False)
+
+
+def _wait_document(learner, path: str, cells: int, what: str) -> None:
+    """Wait for ``path`` to be the active document, still so a second later, with its cells."""
+    name = Path(path).name
+
+    def active():
+        label, caption, _ = _current_document(learner)
+        # the tab's caption (Name, Path, Last Saved) comes once the document's file is read
+        return label == name and "Path: " in caption and caption
+
+    try:
+        caption = learner.wait(active, 90, f"{name} to be the active document ({what})")
+        time.sleep(1)
+        caption = learner.wait(active, 5, f"{name} to stay the active document ({what})")
+    finally:
+        shown = _current_document(learner)
+    assert f"Path: {path}\n" in caption + "\n", f"{what}: the active document is not {path}: {shown!r}"
+    learner.wait(lambda: len(learner.cells()) == cells, 90, f"the {cells} cells of {path}")
+
+
+def _click_link(learner, container_js: str, target: str, what: str) -> None:
+    """Click (as a learner) the link to ``target`` inside the element ``container_js`` finds.
+
+    Its cell is selected first, and the page left to settle: a click that also moves the
+    selection to the cell can hand the focus back to this notebook after the link's notebook
+    opened, and leave that one behind its tab (seen on a loaded machine).
+    """
+    link = learner.wait(lambda: learner.js(f"""const box = {container_js};
+        return box && [...box.querySelectorAll('a')].find(a =>
+            (a.getAttribute('href') || '').includes({target!r}) || (a.dataset.commandlinkerArgs || '').includes({target!r}))"""),
+        60, what)
+    cell = learner.js("const cell = arguments[0].closest('.jp-Cell'); "
+                      f"return [...document.querySelectorAll({CELLS!r})].indexOf(cell)", link)
+    assert cell >= 0, f"{what}: the link is in no cell of the notebook"
+    learner.select(cell)
+    time.sleep(1)
+    learner.js("arguments[0].scrollIntoView({block: 'center'})", link)
+    link.click()
+
+
+def _run(command: list[str], cwd: Path, timeout: float) -> str:
+    import subprocess
+
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"`{' '.join(command)}` exited {done.returncode}:\n{output[-3000:]}"
+    return output
+
+
+@pytest.mark.timeout(900)
+def test_walk_from_the_map_to_recorded_progress(session, learner, tmp_path):
+    """Issue 41's walk: chapter 00's map -> chapter 04 -> "Your turn" -> its exercises, a wrong then
+    a right answer, saved; graded from the command line, counted by the progress table; and git
+    status of the course stays clean (the lab wrote only the learner's copies in work/)."""
+    import json
+
+    course = session.course
+    assert course.git, "git is needed for this walk's git status (the course is cloned with it)"
+    assert not [line for line in course.git_status() if not line[3:].startswith(HARNESS)], course.git_status()
+    start = time.monotonic()
+    try:
+        # 1. the landing page, the learner's chapter 00: its map's link to chapter 04 opens it
+        session.driver.get(session.lab.url("/"))
+        _wait_document(learner, "work/" + ORIENTATION, len(session.notebook(ORIENTATION)["cells"]), "the landing page")
+        learner.wait_idle(120, "chapter 00's kernel to start")   # the lab has settled
+        the_map = (f"[...document.querySelectorAll({NOTEBOOK!r} + ' .jp-RenderedMarkdown')].find(m => "
+                   "[...m.querySelectorAll('table a')].some(a => a.innerText.trim() === '04'))")
+        _click_link(learner, the_map, "04_tensor_parallelism.ipynb", "chapter 00's map to link to chapter 04")
+        _wait_document(learner, WALK_CHAPTER, len(session.notebook("chapters/04_tensor_parallelism.ipynb")["cells"]),
+                       "the map's link to chapter 04")
+        learner.screenshot("walk_1_chapter_04_from_the_map")
+
+        # 2. chapter 04's "Your turn" links to its exercises: the learner's copy opens
+        your_turn = (f"[...document.querySelectorAll({NOTEBOOK!r} + ' .jp-RenderedMarkdown')]"
+                     ".find(m => [...m.querySelectorAll('h2')].some(h => h.innerText.trim().startsWith('Your turn')))")
+        _click_link(learner, your_turn, "04_tensor_parallelism_exercises.ipynb", "chapter 04's Your turn link")
+        notebook = session.notebook("exercises/04_tensor_parallelism_exercises.ipynb")
+        _wait_document(learner, WALK_EXERCISES, len(notebook["cells"]), "Your turn's link")
+        learner.wait_idle(120, "the exercise notebook's kernel to start")
+        learner.screenshot("walk_2_exercises_from_your_turn")
+
+        # 3. the first cells, a wrong answer (fails), the right one (passes), saved
+        code = _code_cells(notebook)
+        check = _find(notebook, f'check("{WALK_ID}"')
+        stub = max(i for i in code if i < check and "NotImplementedError" in _source(notebook["cells"][i]))
+        for index in code[:2]:   # the parameters; the imports and the shared cluster of ranks
+            learner.run_cell(index, 240)
+        session.used.add("ranks")
+        assert not (errors := learner.errors()), f"the first cells show errors: {errors}"
+        right = _solution(WALK_ID)
+        assert "NotImplementedError" not in right and "all_reduce" in right, right
+        for code_typed, verdict, name in ((WALK_WRONG, "Failed", "walk_3_wrong_answer_fails"),
+                                          (right, "Passed", "walk_4_right_answer_passes")):
+            typed = learner.type_into(stub, code_typed)
+            assert typed == code_typed, f"the editor holds:\n{typed}"
+            learner.run_cell(stub, 60)
+            learner.run_cell(check, 240)
+            shown = " ".join(output["text"] for output in learner.outputs(check))
+            assert verdict in shown and WALK_ID in shown, f"expected {verdict}: {shown}"
+            learner.screenshot(name, check)
+        learner.menu("File", "docmanager:save")
+        saved_file = course.root / WALK_EXERCISES
+        learner.wait(lambda: not _current_document(learner)[2]
+                     and _source(json.loads(saved_file.read_text())["cells"][stub]) == right, 60,
+                     "the notebook to be saved with the right answer")
+        print(f"walk in the browser: {time.monotonic() - start:.0f} s")
+        session.lab.shut_down_kernels()   # the ranks go: the grader runs a notebook of its own
+
+        # 4. the command-line grader on the saved copy, then the progress table, in the course
+        python = str(course.root / ".venv" / "bin" / "python")
+        graded = _run([python, "-m", "ultrascale.grading.cli", WALK_EXERCISES, "--json", str(tmp_path / "scores.json")],
+                      course.root, 600)
+        print(graded)
+        scores = json.loads((tmp_path / "scores.json").read_text())["notebooks"][0]["exercises"]
+        scored = next(e for e in scores if e["exercise"] == WALK_ID)
+        assert scored["status"] == "pass" and scored["points"] == scored["max_points"] > 0, scores
+        records = "work/.progress/grades.jsonl"   # the course's (progress's default is the library's course)
+        table = _run([python, "-m", "ultrascale.grading.progress", "--records", records], course.root, 300)
+        print(table)
+        rows = json.loads(_run([python, "-m", "ultrascale.grading.progress", "--records", records, "--json"],
+                               course.root, 300))
+        row = next(r for r in rows["chapters"] if r["chapter"] == "04")
+        assert row["exercises"][WALK_ID] == "pass", row
+        assert row["passed"] >= 1 and row["points"] >= scored["points"], row
+        assert not row["edited_since"] and rows["ignored"] == 0, rows
+        assert re.search(rf"^04\s+\d+/\d+\s+{row['points']:g}/", table, re.MULTILINE), table
+
+        # 5. git status: no tracked file changed, nothing new but what git ignores (work/)
+        changed = [line for line in course.git_status() if not line[3:].startswith(HARNESS)]
+        assert not changed, f"git status of the course after a saved run: {changed}"
+        assert (course.root / "work" / ".progress" / "grades.jsonl").is_file()
+    except BaseException:
+        try:
+            learner.screenshot("walk_failed")
+        except Exception:  # noqa: BLE001 - the failure itself is what matters
+            pass
+        raise
+    print(f"the walk took {time.monotonic() - start:.0f} s")
 
 
 def test_chapter_00_run_all(session, learner):

@@ -4,7 +4,7 @@
   missing and this process may (root, apt-get present); otherwise ``Unavailable`` says why. Selenium
   is always given both paths, so it never looks for, or downloads, a browser or driver of its own.
 * ``CourseCopy``: the notebooks copied to a temporary folder (with ``launch/`` and a link to
-  ``.venv``), so a learner's Run All, typing and autosave never touch the repository's notebooks.
+  ``.venv``; committed in a git repository of its own, for ``git status``), so a learner's Run All, typing and autosave never touch the repository's notebooks.
 * ``Lab``: ``launch/lab.sh`` of that copy, headless on a free localhost port with a token: the same
   script and settings as ``make lab``; its output goes to a log file (quoted if it fails to start).
 * ``Processes``: every process the server and the browser start (kernels, the ranks' fork server
@@ -87,7 +87,8 @@ def start_browser(browser: str, driver: str, profile: Path, log: Path):
 # ---- the course, copied ---------------------------------------------------------------
 
 class CourseCopy:
-    """chapters/, exercises/, results/ and launch/ copied to ``where``, .venv linked."""
+    """chapters/, exercises/, results/ and launch/ copied to ``where``, .venv linked, committed in
+    a git repository of its own (when git is there)."""
 
     def __init__(self, where: Path):
         self.root = where
@@ -110,6 +111,27 @@ class CourseCopy:
         tracker = where / ".lab-settings/@jupyterlab/notebook-extension/tracker.jupyterlab-settings"
         tracker.parent.mkdir(parents=True)
         tracker.write_text(json.dumps({"windowingMode": "none"}))
+        self.git = self._commit()
+
+    def _commit(self) -> bool:
+        """Make the copy a git repository whose one commit holds the course's files (and its
+        .gitignore), so a test can ask ``git status`` whether the lab changed a tracked file, as a
+        learner would; False when git is missing."""
+        if shutil.which("git") is None:
+            return False
+        shutil.copy2(ROOT / ".gitignore", self.root / ".gitignore")
+        env = dict(os.environ, GIT_AUTHOR_NAME="course copy", GIT_AUTHOR_EMAIL="copy@localhost",
+                   GIT_COMMITTER_NAME="course copy", GIT_COMMITTER_EMAIL="copy@localhost")
+        for command in (["init", "-q"], ["add", ".gitignore", "chapters", "exercises", "results", "launch"],
+                        ["-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "-m", "the course, copied"]):
+            subprocess.run(["git", *command], cwd=self.root, env=env, check=True, capture_output=True, timeout=120)
+        return True
+
+    def git_status(self) -> list[str]:
+        """``git status --porcelain`` of the copy, one line per changed or untracked (not ignored) path."""
+        done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=self.root,
+                              check=True, capture_output=True, text=True, timeout=120)
+        return done.stdout.splitlines()
 
     def notebook(self, relative: str) -> dict:
         return json.loads((self.root / relative).read_text())
