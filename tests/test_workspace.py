@@ -166,6 +166,10 @@ def test_the_grader_records_full_points(graded):
     assert entry["sha256"] == content_hash(notebook)
     line = next(line for line in _table(records).splitlines() if line.startswith("00 "))
     assert line.split()[1:3] == ["3/3", "3/3"], line
+    # run in the course, as `make progress` is, it reads that course's records by itself
+    here = subprocess.run([sys.executable, "-m", "ultrascale.grading.progress"], cwd=course,
+                          capture_output=True, text=True, timeout=120, check=True).stdout
+    assert next(line for line in here.splitlines() if line.startswith("00 ")).split()[1:3] == ["3/3", "3/3"]
 
 
 @pytest.mark.timeout(900)

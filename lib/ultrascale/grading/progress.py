@@ -214,7 +214,10 @@ def main(argv=None) -> int:
                         help=f"the grader's records (default: {WORK}/{PROGRESS_DIR}/{RECORDS_NAME} of the course)")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
-    result = progress(args.records)
+    # The course is the folder it is run in when that holds learner copies (a clone or a copy of
+    # the course next to the installed library: the grader recorded there), else the library's.
+    here = default_records(Path.cwd())
+    result = progress(args.records if args.records is not None else here if here.parent.parent.is_dir() else None)
     print(json.dumps(result, indent=1) if args.json else format_progress(result))
     return 0
 
