@@ -1094,7 +1094,7 @@ for seq in RACE:
 # %% [markdown]
 # ## Your turn
 # Open [exercises/06_context_parallelism_exercises.ipynb](../exercises/06_context_parallelism_exercises.ipynb): write the rule that merges two partial attentions, the zig-zag layout with its tile
-# counts, and one step of the ring.
+# counts, one step of the ring, and Ulysses's two all-to-alls.
 # Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/06_context_parallelism_exercises.ipynb` grades
 # the whole notebook from a terminal.
 

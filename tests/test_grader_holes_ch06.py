@@ -158,3 +158,82 @@ def test_ring_step_refuses_no_overlap_gathers_and_lost_merges(ch06):
     _fails(check(exercise, receives_into_kv), "new buffer", "torch.empty_like(kv)")
     _fails(check(exercise, sends_at_the_last_step), "the last step", "nothing left to send")
     assert check(exercise, ch06["ring_step"]).status == PASS
+
+
+# ---- 06.ulysses_attention ---------------------------------------------------------------
+
+def test_ulysses_refuses_no_way_back_own_tokens_wrong_order_group_gradient_and_gathering(ch06):
+    import torch.nn.functional as F
+
+    from ultrascale.comm.functional import all_to_all, gather_from_sequence_region
+
+    def to_heads(t, group, n, order=(1, 2, 0, 3, 4)):
+        b, h, s, d = t.shape
+        received = all_to_all(t.reshape(b, n, h // n, s, d).transpose(0, 1), group=group)
+        return received.permute(*order).reshape(b, h // n, n * s, d)
+
+    def to_tokens(t, group, n):
+        b, g, s, d = t.shape
+        received = all_to_all(t.reshape(b, g, n, s // n, d).permute(2, 0, 1, 3, 4), group=group)
+        return received.transpose(0, 1).reshape(b, n * g, s // n, d)
+
+    def no_way_back(q, k, v, group):
+        n = dist.get_world_size(group)
+        return F.scaled_dot_product_attention(*(to_heads(t, group, n) for t in (q, k, v)), is_causal=True)
+
+    def own_tokens_only(q, k, v, group):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def ranks_interleaved(q, k, v, group):   # the received pieces put together token by token
+        n = dist.get_world_size(group)
+        heads = [to_heads(t, group, n, order=(1, 2, 3, 0, 4)) for t in (q, k, v)]
+        return to_tokens(F.scaled_dot_product_attention(*heads, is_causal=True), group, n)
+
+    def no_mask(q, k, v, group):
+        n = dist.get_world_size(group)
+        return to_tokens(F.scaled_dot_product_attention(*(to_heads(t, group, n) for t in (q, k, v))), group, n)
+
+    def ignores_the_group(q, k, v, group):
+        n = dist.get_world_size()
+        y = F.scaled_dot_product_attention(*(to_heads(t, None, n) for t in (q, k, v)), is_causal=True)
+        return to_tokens(y, None, n)
+
+    def plain_all_to_all(q, k, v, group):   # right numbers, but autograd cannot see through it
+        n = dist.get_world_size(group)
+
+        def exchange(pieces):
+            out = torch.empty_like(pieces.contiguous())
+            dist.all_to_all_single(out, pieces.contiguous(), group=group)
+            return out
+
+        def there(t):
+            b, h, s, d = t.shape
+            received = exchange(t.reshape(b, n, h // n, s, d).transpose(0, 1))
+            return received.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+
+        y = F.scaled_dot_product_attention(there(q), there(k), there(v), is_causal=True)
+        b, g, s, d = y.shape
+        back = exchange(y.reshape(b, g, n, s // n, d).permute(2, 0, 1, 3, 4))
+        return back.transpose(0, 1).reshape(b, n * g, s // n, d)
+
+    def gathers_the_sequence(q, k, v, group):   # the all-gather variant: right answer, more bytes
+        k, v = (gather_from_sequence_region(t, dim=2, group=group) for t in (k, v))
+        r, s = dist.get_rank(group), q.shape[2]
+        mask = torch.arange(k.shape[2])[None, :] <= (r * s + torch.arange(s))[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def library(q, k, v, group):
+        from ultrascale.parallel.ulysses import ulysses_attention
+
+        return ulysses_attention(q, k, v, group)
+
+    exercise = "06.ulysses_attention"
+    _fails(check(exercise, no_way_back), "still split by heads", "second all-to-all")
+    _fails(check(exercise, own_tokens_only), "this rank's own tokens only", "all-to-all to head groups")
+    _fails(check(exercise, ranks_interleaved), "differs from causal attention", "piece i holds rank i's tokens")
+    _fails(check(exercise, no_mask), "without the causal mask")
+    _fails(check(exercise, ignores_the_group), "[1, 2]", "the default group (no group=)")
+    _fails(check(exercise, plain_all_to_all), "no gradient", "comm.functional's all_to_all")
+    _fails(check(exercise, gathers_the_sequence), "your forward sent", "four all-to-alls")
+    _fails(check(exercise, library), "the course library's", "ulysses_attention")
+    assert check(exercise, ch06["ulysses_attention"]).status == PASS

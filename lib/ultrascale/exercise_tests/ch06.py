@@ -36,6 +36,17 @@ context parallelism's three ideas, one at a time.
   happened when it was called: a transfer must be posted before ``attend`` runs, and waited
   for only after it (a blocking ``recv`` before ``attend`` counts as waiting). Every work must
   be waited for before the step returns.
+* ``06.ulysses_attention``: ``ulysses_attention(q, k, v, group) -> out``, DeepSpeed-Ulysses:
+  an all-to-all from this rank's tokens of every head to every token of its head group,
+  causal attention, and the all-to-all back. Run forward and backward (12 heads of 4, 3
+  tokens per rank) on clusters of 2 and 3 ranks (and the notebook's ``WORLD_SIZE`` when it
+  divides 12) and on the groups [0] and [1, 2] of 3 ranks (``only_group`` refuses a collective
+  over any other group), against SDPA over the whole sequence at this rank's rows and its
+  dQ, dK, dV; the forward's bytes (``CommLogger``) must be ``parallel.ulysses.ulysses_bytes``:
+  four all-to-alls and nothing else. Named: an output still split by heads (no way back),
+  attention to the rank's own tokens only, no causal mask, an output without gradient (a plain
+  ``dist.all_to_all_single``), a gathered sequence (more bytes). The last rank is judged first:
+  under a causal mask rank 0's rows need no other rank.
 
 While the learner's code runs the library's own answers refuse to run
 (``grading.guards.forbid_library``). All computations on the ranks run first and are judged
@@ -565,5 +576,98 @@ def test_ring_step(ring_step, world_size: int = 3, quick: bool = True, seed: int
             if problem:
                 raise AssertionError(problem)
     for problem in SPLIT.run(_ring_on_rank, ring_step, seed, SPLIT, what="ring_step", timeout=timeout):
+        if problem:
+            raise AssertionError(problem)
+
+
+# ---- 06.ulysses_attention ---------------------------------------------------------------
+
+U_HEADS, U_DIM = 12, 4   # 12 heads split over groups of 1, 2, 3 and 4 ranks
+
+
+def _ulysses_group(ctx, split):
+    if split is None:
+        return ctx.group, f"{ctx.world_size} ranks in one group"
+    _, group, _ = split.group_of(ctx)
+    return group, f"on {split} (each group given as group=)"
+
+
+def _ulysses_problem(ctx, ulysses, seed, split) -> str | None:
+    """Run the learner's function forward and backward on this rank's tokens; what is wrong, or None."""
+    from ultrascale.comm import CommLogger
+    from ultrascale.exercise_tests._groups import WrongGroup, only_group
+    from ultrascale.grading.guards import call_learner, forbid_library
+    from ultrascale.parallel import ulysses as library
+
+    group, where = _ulysses_group(ctx, split)
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    seq, index = 3 * n, dist.get_process_group_ranks(group)[0]   # each group its own inputs
+    q, k, v, upstream = (_randn((2, U_HEADS, seq, U_DIM), seed, 50 + i, n, index) for i in range(4))
+    rows = slice(r * seq // n, (r + 1) * seq // n)                 # the contiguous layout
+    mine = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
+    forbid = ([library.ulysses_attention, library._sequence_to_heads, library._heads_to_sequence],
+              "06.ulysses_attention", "write the two all-to-alls yourself, with comm.functional's all_to_all")
+    try:
+        with forbid_library(*forbid), only_group(group, "your ulysses_attention"), CommLogger() as log:
+            out = call_learner(ulysses, *mine, group, call="ulysses_attention(q, k, v, group)")
+    except WrongGroup as err:
+        return f"{where}, rank {ctx.rank}: {err}"
+    except AssertionError as err:
+        return f"{where}, rank {ctx.rank}: {err}"
+    what = f"{where}, rank {ctx.rank} (rank {r} of {n} in its group), q/k/v {tuple(mine[0].shape)}"
+    want_shape = tuple(mine[0].shape)
+    if not torch.is_tensor(out):
+        return f"{what}: return the output tensor, got {type(out).__name__}"
+    if tuple(out.shape) == (2, U_HEADS // n, seq, U_DIM) and n > 1:
+        return (f"{what}: your output has shape {tuple(out.shape)}, all the tokens of {U_HEADS // n} heads: it is "
+                f"still split by heads. Send each rank its tokens back with a second all-to-all, to {want_shape}")
+    if tuple(out.shape) != want_shape:
+        return f"{what}: your output has shape {tuple(out.shape)}; it must be shaped like q, {want_shape}"
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*whole, is_causal=True)
+    want.backward(upstream)
+    if not _close(out, want[:, :, rows]):
+        if _close(out, F.scaled_dot_product_attention(*(t[:, :, rows] for t in (q, k, v)), is_causal=True)):
+            return (f"{what}: your output is attention to this rank's own tokens only; each head needs the whole "
+                    "sequence's keys: an all-to-all to head groups first")
+        if n > 1 and _close(out, F.scaled_dot_product_attention(q, k, v)[:, :, rows]):
+            return f"{what}: your output is attention without the causal mask: a token must not see later ones"
+        return (f"{what}: your output differs from causal attention over the whole sequence at this rank's rows. "
+                "Check which dim you cut into pieces before the all-to-all (the heads: head group j goes to rank j) "
+                "and how you put the received pieces together (piece i holds rank i's tokens, in sequence order)")
+    want_bytes = library.ulysses_bytes(2, U_HEADS, U_HEADS, seq, U_DIM, n, 8)
+    if log.bytes_sent != want_bytes:
+        ops = sorted({e.op for e in log.events})
+        return (f"{what}: your forward sent {log.bytes_sent} bytes ({', '.join(ops) or 'nothing'}); Ulysses sends "
+                f"{want_bytes}: four all-to-alls (q, k, v, and the output back), each keeping 1/{n} of this rank's "
+                "slice and sending the rest, and nothing else")
+    if not out.requires_grad:
+        return (f"{what}: your output has no gradient: use comm.functional's all_to_all, whose backward sends the "
+                "gradients back, not dist.all_to_all_single on plain tensors")
+    try:
+        out.backward(upstream[:, :, rows])
+    except Exception as err:   # noqa: BLE001 - the learner's backward, reported
+        return f"{what}: backward through your output raised {type(err).__name__}: {err}"
+    for name, got, ref in zip(("dQ", "dK", "dV"), (m.grad for m in mine), (t.grad for t in whole)):
+        if got is None or not _close(got, ref[:, :, rows]):
+            return (f"{what}: {name} differs from the gradient of attention over the whole sequence: every step "
+                    "must be differentiable (comm.functional's all_to_all, reshapes, SDPA), with no .detach()")
+    return None
+
+
+@exercise("06.ulysses_attention", points=1)
+def test_ulysses_attention(ulysses, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60):
+    from ultrascale.runtime import shared_cluster
+
+    assert callable(ulysses), f"pass your function, got {ulysses!r}"
+    sizes = [size for size in sorted({2, 3, world_size} if quick else {2, 3, 4, world_size}) if U_HEADS % size == 0]
+    # The last rank's problem first: under a causal mask rank 0's rows need no other rank's
+    # tokens, so attention to its own tokens alone is right there, and only there.
+    for size in sizes:
+        for problem in reversed(shared_cluster(size).run(_ulysses_problem, ulysses, seed, None, timeout=timeout)):
+            if problem:
+                raise AssertionError(problem)
+    for problem in reversed(SPLIT.run(_ulysses_problem, ulysses, seed, SPLIT, what="ulysses_attention",
+                                      timeout=timeout)):
         if problem:
             raise AssertionError(problem)
