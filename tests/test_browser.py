@@ -194,7 +194,11 @@ def test_landing_page_is_chapter_00(session, learner):
     assert "/lab/tree/work/chapters" in session.driver.current_url, session.driver.current_url
     tab = learner.js("return document.querySelector('#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel').innerText")
     assert tab == "00_orientation.ipynb"
-    title = learner.js("return document.querySelector('.jp-RenderedMarkdown h1').innerText")
+    # the cells exist before their markdown is rendered: wait for the title itself (a loaded CI
+    # machine once read the page between the two)
+    heading = "return document.querySelector('.jp-RenderedMarkdown h1')"
+    learner.wait(lambda: learner.js(heading + " !== null"), 60, "chapter 00's title to render")
+    title = learner.js(heading + ".innerText")
     assert "Orientation" in title, title
     learner.wait_idle(90, "chapter 00's kernel to start")
     learner.screenshot("01_landing_page")
