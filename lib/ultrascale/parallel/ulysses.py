@@ -31,7 +31,6 @@ in rank order, which must be sequence order).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..comm.functional import all_to_all, rank_and_size
 from .ring_attention import _check
@@ -104,8 +103,11 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = True, layout: str =
     q_h, k_h, v_h = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
     # Head group r of q is served by K/V head group r: query head i uses K/V head
     # i // (heads/kv_heads), so the grouping of one process survives the cut.
-    y = F.scaled_dot_product_attention(q_h, k_h.to(q.dtype), v_h.to(q.dtype), is_causal=causal, scale=sm_scale,
-                                       enable_gqa=k.shape[1] != q.shape[1])
+    # aten's op, not F.scaled_dot_product_attention: torch 2.11's context_parallel() replaces the
+    # latter for as long as a rank lives (chapter 06 runs PyTorch's CP first on the same ranks),
+    # and its replacement refuses plain CPU tensors. The op and its autograd are the same.
+    y = torch.ops.aten.scaled_dot_product_attention(q_h, k_h.to(q.dtype), v_h.to(q.dtype), is_causal=causal,
+                                                    scale=sm_scale, enable_gqa=k.shape[1] != q.shape[1])
     return _heads_to_sequence(y, group, cp)
 
 
