@@ -202,12 +202,13 @@ def data(name):
     return Batches(CONFIGS[name], mbs=2, seed=0)
 
 
-def first_step_then_train(model, batch, stream):
+def first_step_then_train(model, batch, stream, steps=STEPS):
+    """The first step's logits and gradients, then the weights after ``steps`` SGD steps."""
     logits = model(batch.inputs, batch.positions)
     batch.loss(model).backward()
     out = {"logits": logits.detach(), "grads": gradients(model)}
     model.zero_grad(set_to_none=True)
-    return {**out, "weights": train(model, stream, STEPS, "sgd")}
+    return {**out, "weights": train(model, stream, steps, "sgd")}
 
 
 def under_cp(ctx, name, layout, kind, recompute):

@@ -18,7 +18,8 @@ from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.ulysses import ring_bytes, ulysses_attention, ulysses_bytes
 from ultrascale.parity import assert_same
 from ultrascale.runtime import shared_cluster
-from ultrascale.train import gradients, train
+
+from test_context_parallel import first_step_then_train
 
 DT = torch.float64
 MHA, GQA = (2, 4, 4, 24, 8), (2, 4, 2, 24, 8)   # (batch, heads, K/V heads, seq, head_dim)
@@ -79,25 +80,17 @@ def fresh_model(name):
     return model
 
 
-def first_step_then_train(model, batch, stream):
-    logits = model(batch.inputs, batch.positions)
-    batch.loss(model).backward()
-    out = {"logits": logits.detach(), "grads": gradients(model)}
-    model.zero_grad(set_to_none=True)
-    return {**out, "weights": train(model, stream, STEPS, "sgd")}
-
-
 def under_ulysses(ctx, name):
     model = apply_cp(fresh_model(name), init_mesh(ctx, cp=ctx.world_size), layout="contiguous", kind="ulysses")
     stream = Batches(CONFIGS[name], mbs=2, seed=0).rank_stream(ctx.rank, ctx.world_size, by="sequence",
                                                               layout="contiguous")
-    return first_step_then_train(model, stream(0), stream)
+    return first_step_then_train(model, stream(0), stream, STEPS)
 
 
 @pytest.mark.parametrize("name,cp", [("gpt", 2), ("gpt", 4), ("llama", 2)])
 def test_model_under_ulysses_trains_as_one_process(name, cp):
     data = Batches(CONFIGS[name], mbs=2, seed=0)
-    want = first_step_then_train(fresh_model(name), data.global_batch(0), data.global_stream(1))
+    want = first_step_then_train(fresh_model(name), data.global_batch(0), data.global_stream(1), STEPS)
     for rank, got in enumerate(shared_cluster(cp).run(under_ulysses, name)):
         what = f"{name} cp={cp} ulysses rank {rank}"
         positions = split(data.global_batch(0), rank, cp, by="sequence", layout="contiguous").positions
