@@ -14,7 +14,9 @@ The ideas it puts together each have their own module:
 * ``parallel_linear.py``: the column- and row-parallel linears and the slicing of a weight;
 * ``vocab_parallel.py``: the embedding, LM head and cross-entropy split over the vocabulary;
 * ``sequence_parallel.py``: ``sequence_parallel=True``, the activations between the TP
-  regions split along the sequence (``g``/``g*``, norm gradients, RoPE positions).
+  regions split along the sequence (``g``/``g*``, norm gradients, RoPE positions);
+* ``async_tp.py``: ``async_tp=True``, SP's all-gather and reduce-scatter cut into pieces
+  that overlap the matmuls of the linears beside them.
 
 The course models have no dropout, so there is no random state to seed per rank.
 Parameters sharded by TP carry ``tp_shard_dim`` and ``tp_group``; :func:`full_weights` and
@@ -26,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.functional import gather_along_dim
+from .async_tp import AsyncColumnParallelLinear, AsyncRowParallelLinear, enter_async_region
 from .matching import match_plan
 from .mesh import axis_group
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear, _rank_and_size
@@ -152,7 +155,7 @@ def _check(model, chosen, n, sequence_parallel):
 
 
 def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan: dict | None = None,
-             regather_in_backward: bool = True, timeline=None) -> nn.Module:
+             regather_in_backward: bool = True, async_tp: bool = False, timeline=None) -> nn.Module:
     """Tensor-parallel ``model`` over the ``tp`` axis of a mesh (or a group; None: all ranks).
 
     Swaps the layers ``plan`` names (``{module-name pattern: style}``, default ``GPT_PLAN`` or
@@ -163,27 +166,42 @@ def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan
     ``regather_in_backward`` (SP only): the layers of a TP region save this rank's slice of
     their gathered input and all-gather it again in backward (as Megatron-LM does; see
     :class:`RegatherInBackward`); False saves the whole gathered input instead.
-    ``timeline``: per-block compute bars (``Timeline.instrument(model.blocks)``).
+    ``async_tp`` (SP only): the linears of the TP regions overlap their all-gather and
+    reduce-scatter with their matmuls, piece by piece (``async_tp.py``); their gathered input is
+    kept for backward, not regathered. The vocabulary-parallel embedding and head keep theirs whole.
+    ``timeline``: per-block compute bars (``Timeline.instrument(model.blocks)``); with
+    ``async_tp``, the pieces instead: each matmul piece and each ring step (block bars would
+    cover them).
     """
+    if async_tp and not sequence_parallel:
+        raise ValueError("async_tp=True overlaps sequence parallelism's all-gather and reduce-scatter with the "
+                         "matmuls beside them; plain TP has neither: pass sequence_parallel=True as well")
     group = axis_group(mesh_or_group, "tp")
     _, n = _rank_and_size(group)
     chosen = _match(model, _default_plan(model) if plan is None else plan)
     _check(model, chosen, n, sequence_parallel)
     shared = {}   # original parameter -> its shard: keeps tied weights tied
     sp = sequence_parallel
+    column, row = (AsyncColumnParallelLinear, AsyncRowParallelLinear) if async_tp else \
+        (ColumnParallelLinear, RowParallelLinear)
     for name, style in chosen.items():   # named_modules order: embed before head
         module = model.get_submodule(name)
         entered = chosen.get(name.rpartition(".")[0]) == "parallel_region"   # the parent applied f / g
-        if style == "colwise":
-            model.set_submodule(name, ColumnParallelLinear.from_linear(module, group, sp, not entered, shared))
-        elif style == "rowwise":
-            model.set_submodule(name, RowParallelLinear.from_linear(module, group, sp, shared))
+        if style in ("colwise", "rowwise"):
+            layer = (column.from_linear(module, group, sp, not entered, shared) if style == "colwise" else
+                     row.from_linear(module, group, sp, shared))
+            if async_tp:
+                layer.timeline = timeline
+            model.set_submodule(name, layer)
         elif style == "vocab_embedding":
             model.set_submodule(name, VocabParallelEmbedding.from_embedding(module, group, sp, shared))
         elif style == "vocab_head":
             head = VocabParallelHead.from_linear(module, group, sp, True, shared)
             head.regather = regather_in_backward
             model.set_submodule(name, head)
+        elif style == "parallel_region" and async_tp:
+            module.register_forward_pre_hook(lambda mod, args: (
+                enter_async_region(mod, args[0], group, timeline), *args[1:]))
         elif style == "parallel_region":
             module.register_forward_pre_hook(lambda mod, args: (
                 _enter_region_keeping_shard(mod, args[0], group, sp, regather_in_backward), *args[1:]))
@@ -193,7 +211,7 @@ def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan
                 _sum_gradient_over_tp(p, group)
     if sequence_parallel:
         fill_global_positions(model, n)
-    if timeline is not None and hasattr(model, "blocks"):
+    if timeline is not None and hasattr(model, "blocks") and not async_tp:
         timeline.instrument(model.blocks)
     return model
 
