@@ -25,7 +25,9 @@
 # 3. see why the LayerNorm weights now need a gradient all-reduce;
 # 4. count the collectives (twice as many calls as TP, the same bytes) and measure the activations
 #    each rank saves (the hidden states drop to $b \cdot s \cdot h / tp$);
-# 5. use the memory model for the book's 70B example at 16k tokens.
+# 5. use the memory model for the book's 70B example at 16k tokens;
+# 6. go beyond the book: cut the all-gather and the reduce-scatter into pieces that overlap the
+#    matmuls beside them (asynchronous TP), check it and time it.
 #
 # The implementation is `lib/ultrascale/parallel/tensor_parallel.py` (`apply_tp(...,
 # sequence_parallel=True)`), with the collectives `g` and `g_star` of `lib/ultrascale/comm/functional.py`.
@@ -38,6 +40,7 @@ SEED = 0
 # %%
 from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import re
+import time
 from collections import Counter
 
 import matplotlib.pyplot as plt
@@ -57,7 +60,7 @@ from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.tensor_parallel import (VocabParallelLogits, apply_tp, choose_tp, full_gradients,
                                                  full_weights)
 from ultrascale.parity import assert_same, dtensor_tp, first_step_and_train, perturbed, tolerance
-from ultrascale.viz.gantt import plot_gantt
+from ultrascale.viz.gantt import lane_summary, plot_gantt
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)
@@ -836,6 +839,205 @@ else:
     print("no CUDA device: the single-GPU activation comparison is skipped (section 7 measured the same effect on CPU)")
 
 # %% [markdown]
+# ## 11. Beyond the book: asynchronous TP
+#
+# Sections 6 and 9 showed that with SP every collective is blocking: the column-parallel matmul
+# cannot start before `g` has gathered the whole sequence, and `g*` cannot start before the
+# row-parallel matmul has finished. The book stops there. This section follows two later works
+# that remove part of that wait: Wang et al., *Overlap Communication with Dependent Computation
+# via Decomposition in Large Deep Learning Models* (ASPLOS 2023), and PyTorch's micro-pipelined
+# ("asynchronous") TP, which torchtitan turns on for TP+SP and which is built on
+# `torch.distributed._symmetric_memory` (CUDA only).
+#
+# The idea: both collectives move the activation as `tp` shards of $s/tp$ tokens, and both
+# matmuls treat every token on its own. So they can be cut into the same pieces and interleaved.
+#
+# * **all-gather + matmul.** The shards go round a ring of the tp ranks: at each of the $tp-1$
+#   steps a rank sends the shard it holds to the next rank and receives one from the previous
+#   rank, $b \cdot (s/tp) \cdot h$ elements each way. While the next shard travels, the rank
+#   multiplies the shard it already has, $(b\,s/tp) \times h$ by its $h \times h'/tp$ weight slice,
+#   and writes the product into that shard's rows of the output. The matmul is cut into $tp$ pieces
+#   of $2\,b\,(s/tp)\,h\,h'/tp$ FLOPs.
+# * **matmul + reduce-scatter.** The rank computes its partial output for one destination shard at
+#   a time, adds the running sum received from the previous rank, and passes it on while it
+#   computes the next piece; after $tp$ pieces the complete sum of its own shard has arrived.
+#
+# The ring moves $(tp-1) \cdot b\,s\,h/tp$ elements per rank, exactly what the ring collective it
+# replaces moves: no byte is saved, only waiting. If one transfer takes $t_c/(tp-1)$ and one piece
+# $t_m/tp$, the decomposed version takes about
+# $$t_m/tp + (tp-1)\cdot\max\big(t_m/tp,\; t_c/(tp-1)\big)$$
+# instead of $t_c + t_m$: the communication hides completely when a piece takes longer than a
+# transfer, and the first (or, for the reduce-scatter, the last) piece can never hide anything.
+# Backward is decomposed the same way, since the gradient of an all-gather + matmul is a matmul +
+# reduce-scatter and the other way round. Our version (`lib/ultrascale/parallel/async_tp.py`) uses
+# gloo's point-to-point `isend`/`irecv` for the ring, so it runs on any device; `apply_tp(...,
+# sequence_parallel=True, async_tp=True)` puts it in place, with one ring per TP region for all
+# its column-parallel layers (q, k and v share their input). It keeps each region's gathered input
+# for the weight gradients instead of regathering it (section 7), a memory cost we accept for
+# simplicity. The idealised picture, with a transfer shorter than a piece:
+
+# %%
+def idealised_overlap(tp, t_matmul=1.0, t_comm=0.75):
+    """Bars of an all-gather then a matmul, plain and cut into tp pieces (times in units of t_matmul)."""
+    step, piece = t_comm / (tp - 1), t_matmul / tp
+    lap = max(step, piece)   # a ring step ends when both its transfer and its piece are done
+    plain = {"communication": [(0, t_comm)], "compute": [(t_comm, t_matmul)]}
+    pieces = {"communication": [(k * lap, step) for k in range(tp - 1)],
+              "compute": [(k * lap, piece) for k in range(tp)]}
+    return plain, pieces, (tp - 1) * lap + piece
+
+
+plain_bars, piece_bars, overlapped_time = idealised_overlap(TP)
+fig = Figure(figsize=(9, 2.6), layout="constrained")
+ax = fig.subplots()
+colours = {"compute": "#4c72b0", "communication": "#da8bc3"}
+for y, (scheme, bars) in enumerate([("plain TP+SP", plain_bars), ("async TP+SP", piece_bars)]):
+    for lane, offset in (("communication", -0.2), ("compute", 0.2)):
+        ax.broken_barh(bars[lane], (y + offset - 0.17, 0.34), facecolors=colours[lane], edgecolors="white")
+ax.set_yticks([0, 1], ["plain: gather, then multiply", f"async: {TP} pieces"])
+ax.invert_yaxis()
+ax.set_xlabel("time (units of one whole matmul)")
+ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()],
+          labels=["matmul (piece)", "transfer (ring step)"], loc="lower right", fontsize=8)
+ax.set_title(f"One all-gather + matmul at tp = {TP}, transfers 0.75 of a matmul in all")
+print(f"idealised: plain {1 + 0.75:.2f}, in {TP} pieces {overlapped_time:.2f} units of one matmul")
+fig
+
+# %% [markdown]
+# **Parity.** The pieces are the same products as the whole matmul and the ring adds the same
+# partial sums (in its own order), so async TP+SP must train exactly like TP+SP and one process:
+# float64 and the same tolerances as section 4.
+
+# %%
+def ours_async(ctx, optimizer):
+    model = apply_tp(fresh_model(DT), tp_group(ctx, TP), sequence_parallel=True, async_tp=True)
+    return first_step_and_train(model, DATA, STEPS, optimizer, full_logits=VocabParallelLogits.full_tensor,
+                                full_gradients=full_gradients, full_weights=full_weights)
+
+
+for opt in ("sgd", "adam"):
+    for rank, got in enumerate(cluster.run(ours_async, opt)):
+        assert_all_same(got, reference[opt], f"async TP+SP rank {rank}, {opt}", opt)
+        assert_all_same(got, results["ours", opt][rank], f"async TP+SP against TP+SP rank {rank}, {opt}", opt)
+print(f"async TP+SP = TP+SP = one process at tp = {TP}, float64: logits, loss, gradients and the weights "
+      f"after {STEPS} SGD and {STEPS} Adam steps, on all {WORLD_SIZE} ranks")
+
+# %% [markdown]
+# **The pieces on the ranks.** With `timeline=`, `apply_tp(..., async_tp=True)` records every
+# matmul piece in the compute lane and every ring step in the communication lane (from the moment
+# the transfer starts until the shard has arrived), for one forward and backward of the wider model
+# of section 9.
+
+# %%
+def async_step_bars(ctx, config):
+    torch.manual_seed(SEED)
+    timeline = Timeline(ctx.rank)
+    model = apply_tp(GPT(config), tp_group(ctx, TP), sequence_parallel=True, async_tp=True, timeline=timeline)
+    batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0)
+    batch.loss(model).backward()   # a first step warms up; the second is recorded
+    model.zero_grad(set_to_none=True)
+    timeline.clear()
+    batch.loss(model).backward()
+    return timeline.rows()
+
+
+async_bars = cluster.run(async_step_bars, WIDE)
+# Per block: 2 regions x 2 decomposed functions, each forward and backward: TP pieces and TP-1 steps.
+for bars in async_bars:
+    assert sum(b["lane"] == "compute" for b in bars) == 8 * WIDE.layers * TP
+    assert sum(b["lane"] == "communication" for b in bars) == 8 * WIDE.layers * (TP - 1)
+print(f"on every rank: {8 * WIDE.layers * TP} matmul pieces and {8 * WIDE.layers * (TP - 1)} ring steps "
+      f"for {WIDE.layers} blocks at tp = {TP}")
+
+# %% [markdown]
+# The upper chart is the whole step; the gap in its middle is the vocabulary-parallel head, the
+# loss and the embedding, which keep their plain collectives. The lower one enlarges the forward
+# of block 0's attention: the $tp$ pieces of q, k and v (computed together) beside the $tp-1$
+# steps of the all-gather ring, then the $tp$ pieces of the output projection beside the
+# reduce-scatter ring. A ring step's bar runs from the moment its send and receive start until the
+# shard has arrived, so it also counts the time spent waiting for a neighbour that is behind.
+
+# %% tags=["nbval-ignore-output"]
+def first_region(bars):
+    """This rank's events up to the end of block 0's attention forward (2 rings of TP pieces)."""
+    end = [b for b in bars if b["name"].startswith("forward matmul piece")][2 * TP - 1]["end"]
+    return [b for b in bars if b["start"] <= end]
+
+
+fig = Figure(figsize=(10, 9))   # plot_gantt lays the figure out itself (tight_layout)
+whole, zoom = fig.subplots(2, 1)
+plot_gantt(async_bars, title=f"async TP+SP (tp = {TP}), one forward and backward, h = {WIDE.hidden}", ax=whole)
+plot_gantt([first_region(bars) for bars in async_bars], ax=zoom,
+           title="enlarged: block 0's attention, forward (all-gather + q, k, v; out + reduce-scatter)")
+for rank, busy in lane_summary(async_bars).items():
+    print(f"rank {rank}: compute {busy['compute']:.1f} ms, ring steps {busy['communication']:.1f} ms, "
+          f"of which {busy['overlapped']:.1f} ms beside a matmul piece")
+fig
+
+# %% [markdown]
+# **Step time.** The same forward and backward of the wider model, plain TP+SP against async TP+SP,
+# alternated so that both see the same machine, each timed between two barriers (a step ends
+# when its slowest rank does); we keep the median of a few repeats. The plain model keeps its
+# gathered inputs too (`regather_in_backward=False`), so that both save the same tensors and run
+# the same collectives in backward, and only the overlap differs.
+
+# %%
+def step_times(ctx, config, repeats):
+    """Seconds of each forward and backward, per scheme, on this rank (the first is a warm-up)."""
+    batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0)
+    models = {}
+    for scheme, overlap in (("TP+SP", False), ("async TP+SP", True)):
+        torch.manual_seed(SEED)
+        models[scheme] = apply_tp(GPT(config), tp_group(ctx, TP), sequence_parallel=True, async_tp=overlap,
+                                  regather_in_backward=False)
+    seconds = {scheme: [] for scheme in models}
+    for _ in range(repeats + 1):
+        for scheme, model in models.items():
+            dist.barrier()
+            start = time.perf_counter()
+            batch.loss(model).backward()
+            dist.barrier()
+            seconds[scheme].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return {scheme: s[1:] for scheme, s in seconds.items()}
+
+
+REPEATS = 3 if QUICK else 15
+per_rank = cluster.run(step_times, WIDE, REPEATS)
+step_ms = {scheme: 1e3 * float(np.median(np.max([r[scheme] for r in per_rank], axis=0))) for scheme in per_rank[0]}
+
+# %% tags=["nbval-ignore-output"]
+for scheme, ms in step_ms.items():
+    print(f"{scheme:<12} {ms:7.1f} ms per forward and backward (median of {REPEATS}, {WORLD_SIZE} ranks, tp = {TP})")
+print(f"async / plain = {step_ms['async TP+SP'] / step_ms['TP+SP']:.2f}")
+
+# %% [markdown]
+# Do not read a speed-up into that ratio: on a laptop it moves from run to run. When we wrote this
+# section, on 2 shared cores that were also running other work, async TP was slower on 2 ranks
+# (1.2 to 1.7 times the plain step) and on 4 ranks ranged from a little faster (0.83) to about a
+# third slower.
+# There is little for the overlap to win here, and it adds costs:
+#
+# * **Nothing runs beside the cores.** gloo moves the data with memory copies and socket calls made
+#   by the CPU, on the same two cores the ranks' matmuls run on. A transfer "in flight" is work
+#   waiting for a core, so the communication lane can overlap the compute lane in time (as in the
+#   chart) without the work getting done any sooner. With more ranks than cores, the operating
+#   system already fills one rank's wait with another rank's matmul, with or without pieces.
+# * **More, smaller pieces.** $tp$ matmuls on $s/tp$ tokens each are less efficient than one, and
+#   each ring step costs a send and a receive with their fixed latency and Python overhead:
+#   $2(tp-1)$ messages where the collective was one call. At these sizes the fixed costs dominate
+#   (the compute bars above are thin beside the ring steps).
+# * **On GPUs the picture changes.** NCCL (or the copy engines, for PyTorch's symmetric-memory
+#   version) moves the data while the SMs run the matmul pieces, and a TP group sits on NVLink
+#   inside one node, where a transfer of $b\,(s/tp)\,h$ bf16 values is comparable to a piece of a
+#   large matmul: that is where the overlap hides most of the communication. PyTorch's version goes
+#   further than ours: the pieces run on separate CUDA streams and the GPUs write straight into each
+#   other's memory, without a separate collective launch per step.
+#
+# So the test of this section on a laptop is correctness (above) and the shape of the schedule (the
+# Gantt chart), not the speed-up, which only a GPU node can measure.
+
+# %% [markdown]
 # ## Summary
 #
 # | | TP only | TP + SP |
@@ -849,7 +1051,9 @@ else:
 # | activation memory | only the TP regions divided by tp | all of it divided by tp |
 #
 # Every row was checked above on a real cluster, and the model trained by TP+SP matched one
-# process and PyTorch's `parallelize_module` to float64 precision. Next, chapter 06 splits the
+# process and PyTorch's `parallelize_module` to float64 precision. Beyond the book, asynchronous
+# TP cut g and g\* into $tp-1$ ring steps overlapped with $tp$ matmul pieces: the same numbers and
+# the same bytes, with a gain that needs hardware that communicates beside the compute (GPUs). Next, chapter 06 splits the
 # sequence through attention itself: context parallelism.
 
 # %% [markdown]
