@@ -846,7 +846,7 @@ else:
 # row-parallel matmul has finished. The book stops there. This section follows two later works
 # that remove part of that wait: Wang et al., *Overlap Communication with Dependent Computation
 # via Decomposition in Large Deep Learning Models* (ASPLOS 2023), and PyTorch's micro-pipelined
-# ("asynchronous") TP, which torchtitan turns on for TP+SP and which is built on
+# ("asynchronous") TP, which torchtitan offers as an option for TP+SP and which is built on
 # `torch.distributed._symmetric_memory` (CUDA only).
 #
 # The idea: both collectives move the activation as `tp` shards of $s/tp$ tokens, and both
@@ -867,14 +867,16 @@ else:
 # $t_m/tp$, the decomposed version takes about
 # $$t_m/tp + (tp-1)\cdot\max\big(t_m/tp,\; t_c/(tp-1)\big)$$
 # instead of $t_c + t_m$: the communication hides completely when a piece takes longer than a
-# transfer, and the first (or, for the reduce-scatter, the last) piece can never hide anything.
+# transfer, and one piece (the last of an all-gather, the first of a reduce-scatter) has no
+# transfer beside it.
 # Backward is decomposed the same way, since the gradient of an all-gather + matmul is a matmul +
-# reduce-scatter and the other way round. Our version (`lib/ultrascale/parallel/async_tp.py`) uses
-# gloo's point-to-point `isend`/`irecv` for the ring, so it runs on any device; `apply_tp(...,
+# reduce-scatter and the other way round. Our version (`lib/ultrascale/parallel/async_tp.py`) runs
+# the ring with torch.distributed's point-to-point `isend`/`irecv` (gloo here), so it needs no
+# special hardware; `apply_tp(...,
 # sequence_parallel=True, async_tp=True)` puts it in place, with one ring per TP region for all
 # its column-parallel layers (q, k and v share their input). It keeps each region's gathered input
 # for the weight gradients instead of regathering it (section 7), a memory cost we accept for
-# simplicity. The idealised picture, with a transfer shorter than a piece:
+# simplicity. The idealised picture, with all the transfers together taking 0.75 of the matmul:
 
 # %%
 def idealised_overlap(tp, t_matmul=1.0, t_comm=0.75):
@@ -1027,12 +1029,13 @@ print(f"async / plain = {step_ms['async TP+SP'] / step_ms['TP+SP']:.2f}")
 #   each ring step costs a send and a receive with their fixed latency and Python overhead:
 #   $2(tp-1)$ messages where the collective was one call. At these sizes the fixed costs dominate
 #   (the compute bars above are thin beside the ring steps).
-# * **On GPUs the picture changes.** NCCL (or the copy engines, for PyTorch's symmetric-memory
-#   version) moves the data while the SMs run the matmul pieces, and a TP group sits on NVLink
-#   inside one node, where a transfer of $b\,(s/tp)\,h$ bf16 values is comparable to a piece of a
-#   large matmul: that is where the overlap hides most of the communication. PyTorch's version goes
-#   further than ours: the pieces run on separate CUDA streams and the GPUs write straight into each
-#   other's memory, without a separate collective launch per step.
+# * **On GPUs the picture changes.** Inside a node the TP group talks over NVLink, and the
+#   transfers are driven by a few SMs running NCCL's kernels (or, in PyTorch's symmetric-memory
+#   version, by the copy engines) while the rest of the GPU runs the matmul pieces. A transfer of
+#   $b\,(s/tp)\,h$ bf16 values then takes about as long as a piece of a large matmul, which is
+#   where the overlap hides most of the communication; not for free, since SMs busy communicating
+#   do not multiply. PyTorch's version also lets the GPUs of the group read and write each other's
+#   memory directly, with no collective call per step.
 #
 # So the test of this section on a laptop is correctness (above) and the shape of the schedule (the
 # Gantt chart), not the speed-up, which only a GPU node can measure.

@@ -10,6 +10,8 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   ``apply_zero``.
 * ``tensor_parallel``: column/row-parallel linears, vocabulary-parallel embedding, head and
   cross-entropy, sequence parallelism (NB04, NB05); ``apply_tp``.
+  ``async_tp``: SP's all-gather and reduce-scatter cut into ring steps that overlap the
+  pieces of the matmuls beside them (NB05, ``apply_tp(..., async_tp=True)``).
 * ``context_parallel``: the sequence split across ranks, contiguous or zig-zag (NB06);
   ``apply_cp``. Its attention is ``ring_attention``: K/V blocks passed round a ring of ranks
   while each block is attended to (or all-gathered), forward and backward; or ``ulysses``

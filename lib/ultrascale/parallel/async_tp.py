@@ -15,13 +15,13 @@ into the same ``tp`` pieces and interleaved with the ring that moves them:
   while it computes the next piece; after ``tp`` pieces the sum of its own shard arrives.
 
 ``tp - 1`` transfers of ``1/tp`` of the activation each, as in the ring collectives they
-replace, so the bytes are the same; only the first (all-gather) or last (reduce-scatter)
-matmul piece has no transfer to hide behind. This is the decomposition of Wang et al.,
+replace, so the bytes are the same; only one matmul piece (the last of an all-gather, the
+first of a reduce-scatter) has no transfer beside it. This is the decomposition of Wang et al.,
 "Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
 Models" (ASPLOS 2023), which PyTorch implements for CUDA as micro-pipelined TP
-(``torch.distributed._symmetric_memory``, "async TP" in torchtitan). Ours uses gloo's
-point-to-point sends, so it runs anywhere; whether it is faster depends on the hardware
-(chapter 05, section 11).
+(``torch.distributed._symmetric_memory``, "async TP" in torchtitan). Ours uses torch.distributed's
+point-to-point sends (gloo on a laptop), so it needs no special hardware; whether it is
+faster depends on the hardware (chapter 05, section 11).
 
 Backward is decomposed the same way: the input gradient of all-gather + matmul is a matmul
 + reduce-scatter, and that of matmul + reduce-scatter an all-gather + matmul. The weight
