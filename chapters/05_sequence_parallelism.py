@@ -1014,6 +1014,45 @@ for scheme, ms in step_ms.items():
 print(f"async / plain = {step_ms['async TP+SP'] / step_ms['TP+SP']:.2f}")
 
 # %% [markdown]
+# One ring step alone tells why. Each rank posts the send and the receive of one shard of the
+# wider model and then either waits at once, or first computes the matmul piece that the step is
+# meant to hide (q, k and v of one shard); we also time that piece alone. If the transfer really
+# ran beside the matmul, the third time would be close to the larger of the first two, not to
+# their sum.
+
+# %%
+def ring_step_times(ctx, config, repeats=100):
+    """Median ms of one ring step: transfer only, matmul piece only, both overlapped."""
+    group = tp_group(ctx, TP)
+    r = dist.get_rank(group)
+    to, came_from = (dist.get_global_rank(group, (r + d) % TP) for d in (1, -1))
+    shard = torch.randn(MBS, config.seq_len // TP, config.hidden)
+    weight = torch.randn(3 * config.hidden // TP, config.hidden)   # q, k and v of this rank
+    seconds = {"transfer": [], "matmul piece": [], "both": []}
+    for _ in range(repeats):
+        for case, times in seconds.items():
+            dist.barrier()
+            start = time.perf_counter()
+            if case != "matmul piece":
+                works = (dist.isend(shard, to, group=group), dist.irecv(torch.empty_like(shard), came_from, group=group))
+            if case != "transfer":
+                F.linear(shard, weight)
+            if case != "matmul piece":
+                for work in works:
+                    work.wait()
+            times.append(time.perf_counter() - start)
+    return {case: 1e3 * float(np.median(times)) for case, times in seconds.items()}
+
+
+ring_step = cluster.run(ring_step_times, WIDE)
+
+# %% tags=["nbval-ignore-output"]
+for rank, ms in enumerate(ring_step):
+    print(f"rank {rank}: transfer {ms['transfer']:.3f} ms, matmul piece {ms['matmul piece']:.3f} ms, "
+          f"both {ms['both']:.3f} ms (sum {ms['transfer'] + ms['matmul piece']:.3f}, "
+          f"larger {max(ms['transfer'], ms['matmul piece']):.3f})")
+
+# %% [markdown]
 # Do not read a speed-up into that ratio: on a laptop it moves from run to run. When we wrote this
 # section, on 2 shared cores that were also running other work, async TP was slower on 2 ranks
 # (1.2 to 1.7 times the plain step) and on 4 ranks ranged from a little faster (0.83) to about a
@@ -1021,10 +1060,13 @@ print(f"async / plain = {step_ms['async TP+SP'] / step_ms['TP+SP']:.2f}")
 # There is little for the overlap to win here, and it adds costs:
 #
 # * **Nothing runs beside the cores.** gloo moves the data with memory copies and socket calls made
-#   by the CPU, on the same two cores the ranks' matmuls run on. A transfer "in flight" is work
-#   waiting for a core, so the communication lane can overlap the compute lane in time (as in the
-#   chart) without the work getting done any sooner. With more ranks than cores, the operating
-#   system already fills one rank's wait with another rank's matmul, with or without pieces.
+#   by its own threads on the CPU, on the same two cores the ranks' matmuls run on. A transfer "in
+#   flight" is work waiting for a core, so the communication lane can overlap the compute lane in
+#   time (as in the chart) without the work getting done any sooner: in the ring step above,
+#   "both" comes out near the sum, or above it, when we run it. And the transfer alone takes
+#   several times as long as the piece it should hide, so even a perfect overlap would save only
+#   the small matmul time (in the formula, the max is the transfer). With more ranks than cores,
+#   the operating system already fills one rank's wait with another rank's matmul, pieces or not.
 # * **More, smaller pieces.** $tp$ matmuls on $s/tp$ tokens each are less efficient than one, and
 #   each ring step costs a send and a receive with their fixed latency and Python overhead:
 #   $2(tp-1)$ messages where the collective was one call. At these sizes the fixed costs dominate
