@@ -1064,9 +1064,10 @@ for rank, ms in enumerate(ring_step):
 #   flight" is work waiting for a core, so the communication lane can overlap the compute lane in
 #   time (as in the chart) without the work getting done any sooner: in the ring step above,
 #   "both" comes out near the sum, or above it, when we run it. And the transfer alone takes
-#   several times as long as the piece it should hide, so even a perfect overlap would save only
-#   the small matmul time (in the formula, the max is the transfer). With more ranks than cores,
-#   the operating system already fills one rank's wait with another rank's matmul, pieces or not.
+#   longer than the piece it should hide (two to six times in our runs at 2 to 4 ranks), so even
+#   a perfect overlap would save only the small matmul time (in the formula, the max is the
+#   transfer). With more ranks than cores, the operating system already fills one rank's wait
+#   with another rank's matmul, pieces or not.
 # * **More, smaller pieces.** $tp$ matmuls on $s/tp$ tokens each are less efficient than one, and
 #   each ring step costs a send and a receive with their fixed latency and Python overhead:
 #   $2(tp-1)$ messages where the collective was one call. At these sizes the fixed costs dominate
