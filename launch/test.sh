@@ -18,6 +18,11 @@ $BIN/python -m ultrascale.grading.generate --check
 # which depends on a float's last bits fails on this machine before a learner's CPU does.
 export MKL_ENABLE_INSTRUCTIONS=${MKL_ENABLE_INSTRUCTIONS:-SSE4_2} MKL_CBWR=${MKL_CBWR:-COMPATIBLE}
 
+# Idle OpenMP threads sleep rather than spin (as importing ultrascale arranges for a notebook;
+# here for the pytest processes too, which may import torch first): on 2 cores shared by two
+# tests, their kernels and ranks, a spinning thread burns the core another process needs.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+
 # Two tests at a time (pytest-xdist; tests/conftest.py says what may run side by side and why):
 # most of the suite's time is waiting on kernels and ranks, not arithmetic. TEST_WORKERS=0 runs
 # everything in this one process, in order (e.g. to debug a test that fails only beside another).

@@ -11,6 +11,7 @@ that range from its package metadata, without importing torch (which takes a sec
 and which the runtime starts importing on another core first).
 """
 
+import os
 import warnings
 
 __version__ = "0.1.0"
@@ -65,3 +66,19 @@ def check_torch_version(version: str | None = None) -> None:
 
 
 check_torch_version()
+
+
+def _threads_wait_passively() -> None:
+    """Let torch's idle OpenMP threads sleep, not spin (unless the user chose otherwise).
+
+    A notebook's kernel, its ranks and (in the tests) a second notebook share a few cores. By
+    default an OpenMP thread that finishes its part of a parallel region spins while it waits for
+    the others; when one of them has no core, the spinner burns its core waiting for it. On 2
+    busy cores a loop of small matmuls then took 24 s instead of 0.1 s. ``OMP_WAIT_POLICY=PASSIVE``
+    makes waiting threads sleep, which changes no result (the same threads split the same work).
+    OpenMP reads it once, when torch loads it: the course imports ``ultrascale`` before torch
+    (``from ultrascale.runtime import Cluster`` first), and the ranks and kernels it starts inherit it."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+_threads_wait_passively()
