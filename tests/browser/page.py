@@ -13,7 +13,7 @@ import re
 import time
 from pathlib import Path
 
-from selenium.common.exceptions import StaleElementReferenceException
+from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -126,10 +126,22 @@ class Learner:
         """Click a cell's prompt: the cell becomes the selected one, in command mode."""
         cell = self.cell(index)
         self.js("arguments[0].scrollIntoView({block: 'center'})", cell)
-        cell.find_element(By.CSS_SELECTOR, ".jp-Cell-inputWrapper .jp-InputPrompt").click()
+        try:
+            cell.find_element(By.CSS_SELECTOR, ".jp-Cell-inputWrapper .jp-InputPrompt").click()
+        except ElementClickInterceptedException:
+            self._fail_on_dialog(f"selecting cell {index}")
+            raise
         self.wait(lambda: "jp-mod-selected" in self.cell(index).get_attribute("class") and self.js(
             f"return !!document.querySelector({NOTEBOOK!r} + ' .jp-Notebook.jp-mod-commandMode')"),
             5, f"cell {index} selected")
+
+    def _fail_on_dialog(self, step: str) -> None:
+        """A JupyterLab dialog covers the page (seen once, on a loaded machine, when a click was
+        intercepted): fail with what it says, and save the page as dialog_<step>.png."""
+        text = self.js("const d = document.querySelector('.jp-Dialog'); return d ? d.innerText : ''")
+        if text:
+            self.screenshot("dialog_" + re.sub(r"\W+", "_", step)[:40])
+            raise AssertionError(f"a dialog covered the page while {step}: {' / '.join(text.split(chr(10)))[:400]}")
 
     def run_cell(self, index: int, timeout: float) -> None:
         """Select a cell and press Ctrl+Enter (run it, stay on it); wait for its new prompt number."""
