@@ -27,7 +27,8 @@ from ultrascale.parallel.vocab_parallel import VocabParallelLogits
 from ultrascale.parity import assert_same, first_step_and_train
 from ultrascale.runtime import shared_cluster
 
-from test_tensor_parallel import CONFIGS, GPT_CFG, STEPS, assert_matches, data, fresh_model, ours, reference
+from test_tensor_parallel import (CONFIGS, GPT_CFG, STEPS, _error, assert_matches, data, fresh_model, ours,
+                                  reference)
 
 DT = torch.float64
 B, PIECE, HIDDEN = 2, 3, 5   # each rank holds (2, 3, 5) of the sequence
@@ -156,14 +157,6 @@ def test_async_tp_trains_as_plain_tp_sp_and_one_process(name, tp, optimizer):
 
 
 # --------------------------------------------------------------------------- refusals and bars
-def _error(fn):
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def refusals_and_bars(ctx):
     n = ctx.world_size
     untouched = fresh_model(GPT_CFG)
