@@ -41,6 +41,17 @@ def test_results_in_rank_order_and_collectives_work(cluster):
     assert cluster.run(_all_reduce_rank) == [6.0, 6.0, 6.0]
 
 
+def test_new_ranks_need_not_import_what_an_optimizer_imports():
+    """The fork server preloads torch._dynamo (forkserver.PRELOAD): torch.optim imports it with a
+    process's first optimizer, about 2 s of CPU that every rank would otherwise pay again."""
+    def first_look(ctx):
+        already = "torch._dynamo" in sys.modules   # before this rank has made anything
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        return already, "torch._dynamo" in sys.modules
+    with Cluster(2) as fresh:
+        assert fresh.run(first_look) == [(True, True)] * 2
+
+
 def test_state_persists_across_calls(cluster):
     cluster.run(lambda ctx: ctx.state.__setitem__("x", torch.full((2,), float(ctx.rank))))
     got = cluster.run(lambda ctx: ctx.state["x"].sum().item())

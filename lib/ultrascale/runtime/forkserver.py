@@ -17,6 +17,13 @@ import os
 import sys
 
 EAGER = "ULTRASCALE_EAGER_FORKSERVER"
+# What the server imports before it forks any rank, so that no rank imports it again. Besides the
+# worker (and torch with it): torch._dynamo, which torch.optim imports when a process makes its
+# first optimizer (its optimizers' methods are wrapped to disable compilation). That import costs
+# about 2 s of CPU, in every rank: it was half of all the ranks' CPU time in a chapter such as
+# 09 (its papermill run went from 39 to 21 s of CPU), and on 2 cores 4 ranks importing it take
+# 4 s before their first step. The server pays it once, beside the notebook's own imports.
+PRELOAD = ("ultrascale.runtime.worker", "torch._dynamo")
 _started = False            # start_fork_server() has run in this process
 
 
@@ -56,7 +63,7 @@ def mp_context():
     if sys.platform == "win32":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["ultrascale.runtime.worker"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
