@@ -92,9 +92,11 @@ def is_a_rank() -> bool:
 
 def starts_at_import() -> bool:
     """Whether ``import ultrascale.runtime`` starts the fork server: in a notebook kernel and in
-    a script, never in a rank. Measured by ``benchmarks/bench_runtime.py`` on 2 cores, 4 ranks:
-    the Cluster cell of a notebook drops from about 1.2 s to 0.05 s, and the ``Cluster(4)`` line
-    of a script that imports the runtime before torch from about 1.2 s to 0.2 s."""
+    a script, never in a rank. Measured by ``benchmarks/bench_runtime.py`` on 2 cores, 4 ranks,
+    with torch._dynamo in the preload (PRELOAD): the Cluster cell of a notebook drops from about
+    1.6 s to 0.8 s, and a script's ``Cluster(4)`` line from about 3 s to 1.5-2 s when it imports
+    the runtime before torch. (Without torch._dynamo those were 0.07 s and 0.4 s, and each rank
+    then paid about 2 s of CPU at its first optimizer: 3.3 s before the first step of 4 ranks.)"""
     return (in_a_notebook() or in_a_script()) and not is_a_rank()
 
 
