@@ -21,8 +21,8 @@ EAGER = "ULTRASCALE_EAGER_FORKSERVER"
 # worker (and torch with it): torch._dynamo, which torch.optim imports when a process makes its
 # first optimizer (its optimizers' methods are wrapped to disable compilation). That import costs
 # about 2 s of CPU, in every rank: it was half of all the ranks' CPU time in a chapter such as
-# 09 (its papermill run went from 39 to 21 s of CPU), and on 2 cores 4 ranks importing it take
-# 4 s before their first step. The server pays it once, beside the notebook's own imports.
+# 09 (its papermill run went from 39 to 21 s of CPU), and on 2 cores 4 ranks importing it took
+# 3.3 s before their first step. The server pays it once, beside the notebook's own imports.
 PRELOAD = ("ultrascale.runtime.worker", "torch._dynamo")
 _started = False            # start_fork_server() has run in this process
 
@@ -94,7 +94,7 @@ def starts_at_import() -> bool:
     """Whether ``import ultrascale.runtime`` starts the fork server: in a notebook kernel and in
     a script, never in a rank. Measured by ``benchmarks/bench_runtime.py`` on 2 cores, 4 ranks,
     with torch._dynamo in the preload (PRELOAD): the Cluster cell of a notebook drops from about
-    1.6 s to 0.8 s, and a script's ``Cluster(4)`` line from about 3 s to 1.5-2 s when it imports
+    3.2 s to 0.8-0.9 s, and a script's ``Cluster(4)`` line from about 3 s to 1.5-2 s when it imports
     the runtime before torch. (Without torch._dynamo those were 0.07 s and 0.4 s, and each rank
     then paid about 2 s of CPU at its first optimizer: 3.3 s before the first step of 4 ranks.)"""
     return (in_a_notebook() or in_a_script()) and not is_a_rank()
