@@ -83,6 +83,14 @@ fi
 echo "[setup] installing the course's requirements"
 pip install -q -r requirements-dev.txt
 pip install -q --no-deps -e .
+# rfc3987-syntax (jupyter-events asks for it through jsonschema's format-nongpl extra) builds a Lark
+# grammar each time jsonschema is imported: 1.2 s of CPU in every process that imports nbformat
+# (papermill, nbval, the grader, the Jupyter server; papermill's import takes 1.7 s with it, 0.3 s
+# without). It only checks the "iri" string format, which nothing here validates; without it
+# jsonschema skips that one check (and `pip check` does not ask for an extra's packages).
+if "$VENV/bin/python" -c "import rfc3987_syntax" 2>/dev/null; then
+  pip uninstall -q -y rfc3987-syntax
+fi
 # Without a GPU the kernels run in Triton's interpreter; triton 3.6's (torch 2.11's CUDA build pins
 # it) fails on numpy 2.4, so there numpy stays below 2.4 (launch/check_triton_interpreter.py).
 if ! has_gpu && ! "$VENV/bin/python" launch/check_triton_interpreter.py; then
