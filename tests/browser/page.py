@@ -37,7 +37,11 @@ class Learner:
 
     # ---- waiting ------------------------------------------------------------------------
     def wait(self, condition, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
+        """Poll ``condition`` until it returns something true. Often at first, so that a short wait
+        stays short; then every half second: each poll is a script in the page, and polling a long
+        run ten times a second kept a fifth of a core busy in Chromium and its driver."""
+        start = time.monotonic()
+        deadline = start + timeout
         last_error = None
         while time.monotonic() < deadline:
             try:
@@ -46,7 +50,7 @@ class Learner:
                     return value
             except StaleElementReferenceException as error:   # the page re-rendered under us
                 last_error = error
-            time.sleep(0.1)
+            time.sleep(min(0.5, 0.1 + 0.1 * (time.monotonic() - start)))
         self.screenshot("timeout_" + re.sub(r"\W+", "_", what)[:40])
         raise PageTimeout(f"waited {timeout:.0f} s for {what}" + (f" ({last_error})" if last_error else ""))
 
