@@ -254,6 +254,34 @@ def test_a_failure_that_never_touched_the_group_keeps_the_state(cluster):
     assert cluster.pids == pids and cluster.run(lambda ctx: ctx.state["kept"]) == list(range(WORLD))
 
 
+
+class _PressesStopWhenDropped:
+    """Presses stop from inside its own finalizer: where CPython only prints an exception
+    ("Exception ignored in ...") instead of raising it. A real press lands there whenever its
+    signal is handled while a finalizer runs: a Process or a Connection that a restart drops."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the swallowed press
+def test_a_press_whose_interrupt_a_finalizer_swallowed_still_stops_the_call(cluster, sigint_raises, monkeypatch):
+    """Seen in the soak test on a loaded machine: a press during a restart was lost, and the call
+    (a Python loop) then ran until the test's timeout."""
+    from ultrascale.runtime.call import Call
+
+    send = Call.send
+
+    def send_then_drop(self, payload):
+        send(self, payload)
+        _PressesStopWhenDropped()   # dropped at once: the press lands in its __del__
+
+    monkeypatch.setattr(Call, "send", send_then_drop)
+    with pytest.raises(Stopped):
+        cluster.run(_spin, timeout=30)   # without the press: CallTimeout after 30 s
+    monkeypatch.undo()
+    _assert_healthy(cluster, 1, "a call stopped by a press a finalizer swallowed")
+
 # ---- the soak test -------------------------------------------------------------------------
 
 SOAK_SEED = 11

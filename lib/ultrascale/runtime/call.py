@@ -36,9 +36,10 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
 class Call:
     """The bookkeeping of one ``Cluster.run``: results, errors, output and logs."""
 
-    def __init__(self, cluster, job_id: int, ranks, on_log, name: str):
+    def __init__(self, cluster, job_id: int, ranks, on_log, name: str, presses=lambda: 0):
         self.cluster, self.job_id, self.ranks = cluster, job_id, ranks
         self.on_log, self.name = on_log, name
+        self.presses = presses  # stop presses since the call began (stop_button.counting_presses)
         self.pending = set(ranks)
         self.results: dict = {}
         self.failures: dict = {}
@@ -86,6 +87,8 @@ class Call:
         """Gather answers until every rank has answered; True if the deadline passed."""
         give_up_at = None  # set when a rank fails: the rest get `grace` seconds
         while self.pending and not self.lost:
+            if self.presses():   # stop was pressed, but its KeyboardInterrupt never reached us
+                raise KeyboardInterrupt
             now = time.monotonic()
             if now > deadline:
                 self._abandon()

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from .call import Call
 from .forkserver import mp_context, no_main_reimport
 from .pipe import read_message
+from .stop_button import counting_presses
 from .worker import worker_main
 
 # Ranks idle this long give their memory back (they are killed; the fork server, which has
@@ -274,7 +275,7 @@ class Cluster:
         if not ranks or any(not 0 <= r < self.world_size for r in ranks):
             raise ValueError(f"ranks must be a non-empty subset of 0..{self.world_size - 1}, got {ranks}")
         payload = cloudpickle.dumps((fn, args, kwargs))  # before anything is sent: fails here, cleanly
-        with self._busy:
+        with self._busy, counting_presses() as presses:   # a press a finalizer swallows still counts
             self._cancel_idle_timer()
             try:
                 if self._released:
@@ -288,7 +289,7 @@ class Cluster:
                     print(f"[ultrascale] restarting {self.world_size} ranks (per-rank state was lost)")
                     self.restart()
                 self._job_id += 1
-                call = Call(self, self._job_id, ranks, on_log, getattr(fn, "__name__", "fn"))
+                call = Call(self, self._job_id, ranks, on_log, getattr(fn, "__name__", "fn"), presses)
                 call.send(payload)
                 return call.collect(timeout)
             finally:
