@@ -32,11 +32,12 @@ def test_verdict_judges_the_digits_it_is_printed_with():
     assert verdict(7.0) == "OK"                                 # no bounds: nothing to miss
 
 
-# script -> (smallest arguments, patterns its output must contain)
+# script -> (smallest arguments, patterns its output must contain); 2 ranks where a benchmark takes
+# --world-size (the ring all-reduce's smoke run: 16 core-s at 4 ranks, 8 at 2)
 SMOKE = {
     "bench_runtime.py": (["--calls", "5", "--repeats", "1"], [r"no-op call is .* \(target >= 500x\): (OK|MISSED)"]),
-    "bench_send_recv.py": (["--exchanges", "5", "--rounds", "1"], [r"ring\s+1024 KiB"]),
-    "bench_ring_allreduce.py": (["--quick"], [r"1\.00 MiB .* >= 0\.9x: (OK|MISSED)", r"fit of the ring's own times"]),
+    "bench_send_recv.py": (["--exchanges", "5", "--rounds", "1", "--world-size", "2"], [r"ring\s+1024 KiB"]),
+    "bench_ring_allreduce.py": (["--quick", "--world-size", "2"], [r"1\.00 MiB .* >= 0\.9x: (OK|MISSED)", r"fit of the ring's own times"]),
     "bench_dp_zero.py": (["--steps", "1", "--warmup", "1", "--rounds", "1", "--dp-rounds", "1"],
                          [r"ours DP / DDP\s+= [\d.]+ .* (OK|MISSED)", r"90% of rounds redrawn: [\d.]+-[\d.]+: \w",
                           r"ours ZeRO-3 / FSDP2 = [\d.]+ .* (OK|MISSED)"]
