@@ -38,3 +38,10 @@ c.KernelSpecManager.allowed_kernelspecs = {"python3"}
 import os  # noqa: E402
 
 c.LabApp.app_settings_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lab_settings")
+
+# No check for a rebuild of JupyterLab at each load of the page, and no Build button. The course's
+# extensions come built with their pip packages, so a build is never needed; the check ran node
+# twice (yarn.js config, node-version-check.js) and read every extension's package.json, on every
+# load of the page: in the browser tests, 38 node processes and about a second of the server's
+# CPU per page.
+c.ServerApp.tornado_settings = {"page_config_data": {"buildCheck": False, "buildAvailable": False}}
