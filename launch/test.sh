@@ -27,6 +27,12 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 # most of the suite's time is waiting on kernels and ranks, not arithmetic. TEST_WORKERS=0 runs
 # everything in this one process, in order (e.g. to debug a test that fails only beside another).
 WORKERS=${TEST_WORKERS:-2}
+
+# The library compiled to bytecode once, here: where PYTHONDONTWRITEBYTECODE is set (it is on the
+# course's CI machines) no process writes a .pyc, so each of the suite's few hundred processes that
+# imports the library (kernels, ranks' fork servers, the grader's) compiled it again, about 0.1 s
+# of CPU each. A .pyc older than its source is not used, so an edited module is compiled as before.
+$BIN/python -m compileall -q lib
 echo "== pytest: library, runtime faults, grading, papermill runs, and nbval on chapters/ ($WORKERS workers)"
 $BIN/pytest -q -p no:cacheprovider --durations=25 -n "$WORKERS" tests chapters \
   --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env "$@"
