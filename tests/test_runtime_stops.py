@@ -254,7 +254,6 @@ def test_a_failure_that_never_touched_the_group_keeps_the_state(cluster):
     assert cluster.pids == pids and cluster.run(lambda ctx: ctx.state["kept"]) == list(range(WORLD))
 
 
-
 class _PressesStopWhenDropped:
     """Presses stop from inside its own finalizer: where CPython only prints an exception
     ("Exception ignored in ...") instead of raising it. A real press lands there whenever its
@@ -281,6 +280,7 @@ def test_a_press_whose_interrupt_a_finalizer_swallowed_still_stops_the_call(clus
         cluster.run(_spin, timeout=30)   # without the press: CallTimeout after 30 s
     monkeypatch.undo()
     _assert_healthy(cluster, 1, "a call stopped by a press a finalizer swallowed")
+
 
 # ---- the soak test -------------------------------------------------------------------------
 
