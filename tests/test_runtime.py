@@ -52,6 +52,38 @@ def test_new_ranks_need_not_import_what_an_optimizer_imports():
         assert fresh.run(first_look) == [(True, True)] * 2
 
 
+def test_ranks_collect_garbage_but_never_walk_torchs_objects():
+    """The fork server imports with the collector paused, then freezes what it imported
+    (runtime/collector.py): a rank must come out with the collector on (a rank whose collector
+    stayed off would never free a reference cycle), torch's objects frozen, and a cycle the rank
+    itself makes still freed."""
+    def collector_state(ctx):
+        import gc
+        import weakref
+
+        class Node:
+            pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a   # a cycle: only the collector frees it
+        gone = weakref.ref(a)
+        del a, b
+        gc.collect()
+        return gc.isenabled(), gc.get_freeze_count(), gone() is None
+    with Cluster(2) as fresh:
+        for enabled, frozen, freed in fresh.run(collector_state):
+            assert enabled and freed
+            assert frozen > 100_000, f"only {frozen} objects frozen: the fork server's imports were not"
+
+
+def test_importing_the_runtime_leaves_the_callers_collector_as_it_was():
+    for state in ("gc.enable()", "gc.disable()"):
+        code = (f"import gc; {state}; before = gc.isenabled(); import ultrascale.runtime; "
+                "assert gc.isenabled() == before, (before, gc.isenabled()); print('ok')")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, ULTRASCALE_EAGER_FORKSERVER="0"))
+        assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_state_persists_across_calls(cluster):
     cluster.run(lambda ctx: ctx.state.__setitem__("x", torch.full((2,), float(ctx.rank))))
     got = cluster.run(lambda ctx: ctx.state["x"].sum().item())

@@ -7,7 +7,8 @@
 Modules: ``cluster`` (the ranks' lifecycle, notebook side), ``call`` (one call,
 notebook side), ``worker`` (the rank side), ``context`` (the ``ctx`` every function
 receives), ``magic`` (the ``%%ranks`` cell magic), ``torchrun`` (the same function
-under torchrun or SLURM), ``errors``.
+under torchrun or SLURM), ``errors``, ``forkserver`` and ``preload`` (where the ranks come from),
+``collector`` (torch imported without the garbage collector walking its objects).
 """
 
 from .forkserver import start_fork_server, starts_at_import
@@ -17,9 +18,12 @@ if starts_at_import():
     # meanwhile (see forkserver.py), so the cell or line that makes the first Cluster need not wait.
     start_fork_server()
 
-from .cluster import Cluster, current_cluster, resolve_backend, shared_cluster  # noqa: E402
-from .context import RankContext  # noqa: E402
-from .errors import CallTimeout, RankError, RankFailure  # noqa: E402
+from .collector import collector_paused  # noqa: E402
+
+with collector_paused():   # torch's few hundred thousand objects, without the collector walking them (collector.py)
+    from .cluster import Cluster, current_cluster, resolve_backend, shared_cluster  # noqa: E402
+    from .context import RankContext  # noqa: E402
+    from .errors import CallTimeout, RankError, RankFailure  # noqa: E402
 
 __all__ = [
     "Cluster", "shared_cluster", "current_cluster", "resolve_backend", "start_fork_server",
