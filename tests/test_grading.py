@@ -332,6 +332,26 @@ def test_ch00_mean_across_ranks_on_the_cluster():
 
 # ---- the command-line grader -----------------------------------------------------------
 
+def test_the_points_read_from_the_tests_source_are_the_registrys():
+    """The grader's table takes each exercise's points from the test modules' source, without
+    importing them (registry.declared_points): the same ids and points as the registry holds once
+    every module is imported, and no torch imported to read them."""
+    import subprocess
+    import sys
+
+    from ultrascale.grading import registry
+
+    registry.load_all()
+    course = {e: ex.points for e, ex in registry._REGISTRY.items() if not e.startswith("zz.")}
+    assert registry.declared_points() == course
+    assert len(course) >= 57 and len(set(course.values())) > 1   # the course's exercises, not all worth 1
+    code = ("import sys; from pathlib import Path; from ultrascale.grading import cli; "
+            "print(cli.expected_exercises(Path('solutions/03_zero_exercises.ipynb')), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["{'03.flatten_padded':", "1,", "'03.zero1_step':", "2,", "'03.zero3_gather_free':",
+                                   "2}", "False"], done.stderr[-2000:]
+
+
 def test_grader_counts_checks_that_never_ran(tmp_path, monkeypatch):
     """Without a kernel: a stand-in for papermill runs only one of three checks."""
     import papermill

@@ -66,7 +66,7 @@ from .check import (DEFER_ENV, ERROR, FAIL, GRADE_FILE_ENV, NOT_IMPLEMENTED, NOT
                     _one_line, grade_exercise, submission_path)
 from . import progress
 from .generate import content_hash
-from .registry import exercises_of_chapter, get_exercise
+from .registry import chapter_of, declared_points, get_exercise
 from .sandbox import GiB, Limits, Outcome, Sandbox
 
 # The course's own notebook folders: graded without a sandbox unless --sandbox is given.
@@ -132,7 +132,7 @@ def expected_exercises(nb_path: Path) -> dict:
     except Exception:
         pass  # unreadable: the run reports it
     chapter = nb_path.name.split("_", 1)[0]
-    ids += [ex.id for ex in exercises_of_chapter(chapter)]
+    ids += sorted(e for e in declared_points() if chapter_of(e) == chapter)
     expected = {}
     for exercise_id in ids:
         if exercise_id in expected:
@@ -144,11 +144,9 @@ def expected_exercises(nb_path: Path) -> dict:
 
 
 def registered_points(exercise_id: str):
-    """The points the library's registry gives ``exercise_id``; None if it has no test."""
-    try:
-        return get_exercise(exercise_id).points
-    except KeyError:
-        return None
+    """The points the library's tests declare for ``exercise_id``; None if it has no test. (Read
+    from their source, not imported: registry.declared_points says why.)"""
+    return declared_points().get(exercise_id)
 
 
 def _read_grades(path: Path) -> dict:

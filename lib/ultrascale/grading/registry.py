@@ -10,9 +10,13 @@ chapter prefix names the module that holds its test (``exercise_tests/ch00.py``)
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import importlib.util
 import pkgutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 TESTS_PACKAGE = "ultrascale.exercise_tests"
@@ -103,3 +107,27 @@ def exercises_of_chapter(chapter: str) -> list[Exercise]:
     """All registered exercises of one chapter, in id order."""
     _import_chapter(chapter)
     return [ex for key, ex in sorted(_REGISTRY.items()) if ex.chapter == chapter]
+
+
+@functools.lru_cache(maxsize=None)
+def declared_points() -> dict[str, float]:
+    """{exercise id: points} as the test modules declare them, read from their source without
+    importing them: every ``@exercise("NN.name", points=P)`` with a literal id and points.
+
+    Why a second reading of the same decorators: the grader's table needs the points of every
+    exercise of a notebook's chapter before it knows which to run, and importing a chapter's tests
+    imports torch, 1.3 s of CPU in each process of the grader that only makes the table (the
+    tests themselves run in the regrading process, which imports them). tests/test_grading.py
+    checks that this reading and the registry agree on every exercise.
+    """
+    spec = importlib.util.find_spec(TESTS_PACKAGE)
+    declared = {}
+    for folder in spec.submodule_search_locations if spec else ():
+        for source in sorted(Path(folder).glob("*.py")):
+            for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"), str(source))):
+                if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "exercise" and node.args):
+                    continue
+                points = next((k.value for k in node.keywords if k.arg == "points"),
+                              node.args[1] if len(node.args) > 1 else ast.Constant(1))
+                declared[ast.literal_eval(node.args[0])] = ast.literal_eval(points)
+    return declared
