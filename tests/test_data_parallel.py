@@ -197,14 +197,26 @@ def test_timeline_interval_arithmetic():
 
 
 def test_gantt_draws_one_bar_per_event():
-    from ultrascale.viz.gantt import lane_summary, plot_gantt
+    from ultrascale.viz.gantt import COLOURS, lane_summary, plot_gantt
 
     rows = [[{"rank": r, "lane": lane, "name": name, "start": s, "end": e, "nbytes": 0}
              for lane, name, s, e in (("compute", "backward", 0.0, 0.004),
-                                      ("communication", "all_reduce bucket 0", 0.002, 0.006))]
+                                      ("communication", "all_reduce bucket 0", 0.002, 0.006),
+                                      ("compute", "optimizer", 0.006, 0.007),
+                                      ("compute", "backward", 0.007, 0.009))]
             for r in range(2)]
     fig = plot_gantt(rows, title="test")
-    assert len(fig.axes[0].collections) == 4
+    # every event a bar, where its lane and colour say (one artist per lane and colour)
+    bars = sorted((round(path.get_extents().y0 + 0.4, 6), collection.get_facecolor()[0].round(3).tolist(),
+                   round(path.get_extents().x0, 6), round(path.get_extents().width, 6))
+                  for collection in fig.axes[0].collections for path in collection.get_paths())
+    rgb = {k: [round(int(COLOURS[k][i:i + 2], 16) / 255, 3) for i in (1, 3, 5)] + [1.0]
+           for k in ("backward", "all_reduce", "optimizer")}
+    lanes = {(r, lane): 2 * r + (lane == "communication") for r in range(2) for lane in ("compute", "communication")}
+    expected = sorted((lanes[e["rank"], e["lane"]], rgb[e["name"].split()[0]], round(1e3 * e["start"], 6),
+                       round(1e3 * (e["end"] - e["start"]), 6)) for per_rank in rows for e in per_rank)
+    assert bars == expected
+    assert len(fig.axes[0].collections) == 6   # per rank: backward and optimizer lane, all_reduce lane
     summary = lane_summary(rows)
     assert summary[0]["overlapped"] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="no events"):
