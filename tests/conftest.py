@@ -123,13 +123,17 @@ for _notebook in sorted((REPO / "solutions").glob("*_exercises.ipynb")):
 #    test_run_all read one grader run), or each worker would run it;
 #  * the benchmark smoke runs are independent subprocesses: each test is a unit of its own.
 # Units start longest first (LONGEST_FIRST, from ``--durations`` of a full run), so that the last
-# minutes are not one worker alone with a long unit; the others keep their collection order.
+# minutes are not one worker alone with a long unit; the others keep their collection order. The
+# grader's sandbox tests go first of all, beside the graded course: they spend most of their 45 s
+# waiting for notebooks that never end to reach their time limit, and started later (beside the
+# browser tests) left a fifth of the two cores idle for that long; beside the grader, whose four
+# notebooks at a time fill both cores, nothing waits.
 # (A scheduler of our own rather than xdist's ``--dist loadgroup``: that one renames the tests'
 # node ids, which pytest 9.2 no longer lets a plugin do, so its groups are silently ignored.)
 SHARED_SESSION = {"tests/test_grading.py": "graded_course", "tests/test_run_all.py": "graded_course"}
 EACH_TEST_ALONE = {"tests/test_benchmarks.py"}
-LONGEST_FIRST = ["graded_course", "tests/test_notebooks.py", "tests/test_browser.py",
-                 "tests/test_grader_sandbox.py", "tests/test_runtime_stops.py"]
+LONGEST_FIRST = ["tests/test_grader_sandbox.py", "graded_course", "tests/test_notebooks.py", "tests/test_browser.py",
+                 "tests/test_runtime_stops.py"]
 
 
 def unit_of(nodeid: str) -> str:
