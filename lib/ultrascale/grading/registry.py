@@ -117,8 +117,8 @@ def declared_points() -> dict[str, float]:
     Why a second reading of the same decorators: the grader's table needs the points of every
     exercise of a notebook's chapter before it knows which to run, and importing a chapter's tests
     imports torch, 1.3 s of CPU in each process of the grader that only makes the table (the
-    tests themselves run in the process that grades them again, which imports them). tests/test_grading.py
-    checks that this reading and the registry agree on every exercise.
+    tests themselves run in the process that grades them again, which imports them).
+    tests/test_grading.py checks that this reading and the registry agree on every exercise.
     """
     spec = importlib.util.find_spec(TESTS_PACKAGE)
     declared = {}
