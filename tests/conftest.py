@@ -132,8 +132,8 @@ for _notebook in sorted((REPO / "solutions").glob("*_exercises.ipynb")):
 # node ids, which pytest 9.2 no longer lets a plugin do, so its groups are silently ignored.)
 SHARED_SESSION = {"tests/test_grading.py": "graded_course", "tests/test_run_all.py": "graded_course"}
 EACH_TEST_ALONE = {"tests/test_benchmarks.py"}
-LONGEST_FIRST = ["tests/test_grader_sandbox.py", "graded_course", "tests/test_notebooks.py", "tests/test_browser.py",
-                 "tests/test_runtime_stops.py"]
+LONGEST_FIRST = ["tests/test_grader_sandbox.py", "graded_course", "tests/test_notebooks.py",
+                 "tests/test_browser.py", "tests/test_runtime_stops.py"]
 
 
 def unit_of(nodeid: str) -> str:

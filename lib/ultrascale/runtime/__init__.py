@@ -20,7 +20,8 @@ if starts_at_import():
 
 from .collector import collector_paused  # noqa: E402
 
-with collector_paused():   # torch's few hundred thousand objects, without the collector walking them (collector.py)
+# torch's few hundred thousand objects, imported without the collector walking them (collector.py)
+with collector_paused():
     from .cluster import Cluster, current_cluster, resolve_backend, shared_cluster  # noqa: E402
     from .context import RankContext  # noqa: E402
     from .errors import CallTimeout, RankError, RankFailure  # noqa: E402

@@ -5,8 +5,8 @@ torch._dynamo, about 300,000). While they are being created the collector runs a
 (each time 700 new objects have piled up), and each of its fuller passes walks every object made
 so far: about a fifth of the import's CPU time, spent finding no garbage. Every kernel, fork
 server and grading process of the course imports torch, so the runtime imports it with the
-collector paused (``collector_paused``). Measured on 2 cores: ``import torch, torch._dynamo`` in
-2.6-2.9 s of CPU, 1.9-2.4 s with the collector paused.
+collector paused (``collector_paused``). Measured on 2 cores, inside the process (process_time):
+``import torch, torch._dynamo`` in 2.4-2.8 s of CPU, 2.0-2.2 s with the collector paused.
 
 The fork server goes one step further (``freeze_for_fork``, Python's own recipe for a process
 that forks without exec, see ``gc.freeze``): every object alive after its imports is moved out of
@@ -35,8 +35,8 @@ def collector_paused():
 
 def freeze_for_fork() -> None:
     """Freeze every object alive now. (Without a collection first: the imports leave about 9,000
-    objects of garbage, a few MB frozen with the rest, where one collection to free them walks all
-    300,000 objects, 0.25 s of CPU.)"""
+    objects of garbage, frozen with the rest, where one collection to free them walks all 300,000
+    objects, 0.25 s of CPU.)"""
     gc.freeze()
     # At this process's own exit the frozen objects become ordinary again, so that the interpreter's
     # shutdown frees them as usual (it skips frozen ones, and triton's bindings report those as leaked).

@@ -74,7 +74,8 @@ def plot_gantt(rows, title: str = "", ax=None, lanes=LANES, min_width_ms: float 
             bars.append((start, width, y, e["name"].split(" ", 1)[-1] if kind in ("forward", "backward")
                          else e["name"]))
     # One artist per lane and colour, not per event: a step's timeline has hundreds of events, and
-    # matplotlib's cost is per artist (a chart of 600 bars took 0.7 s of CPU to draw, 0.2 s this way).
+    # matplotlib's cost is per artist (a chart of 600 bars took 0.72 s of CPU to draw and save as a
+    # PNG, 0.10 s this way).
     for (y, colour), lane_spans in spans.items():
         ax.broken_barh(lane_spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.3)
     span = max(1e3 * (e["end"] - t0) for e in events)
