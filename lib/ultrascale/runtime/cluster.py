@@ -40,6 +40,7 @@ from .call import Call
 from .forkserver import mp_context, no_main_reimport
 from .pipe import read_message
 from .stop_button import counting_presses
+from .strict_device import enabled_by_env
 from .worker import worker_main
 
 # Ranks idle this long give their memory back (they are killed; the fork server, which has
@@ -105,12 +106,16 @@ class Cluster:
         threads: int | None = None,
         grace: float = 2.0,
         idle_release: float = IDLE_RELEASE_S,
+        strict_device: bool | None = None,
     ):
         world_size = _positive_int("world_size", world_size)
         if output not in ("ordered", "live"):
             raise ValueError(f"output must be 'ordered' or 'live', got {output!r}")
         self.world_size = world_size
         self.backend = resolve_backend(backend, world_size)
+        # strict-device mode (runtime/strict_device.py): a tensor left on the host fails here
+        # as it would on a GPU node; None: as ULTRASCALE_STRICT_DEVICE says (make test sets it)
+        self.strict_device = enabled_by_env() if strict_device is None else bool(strict_device)
         self.timeout = _seconds("timeout", timeout)
         self.output = output  # "ordered": each rank's lines after the call; "live": as they come
         self.grace = _seconds("grace", grace, minimum_excluded=False)  # how long other ranks
@@ -152,7 +157,8 @@ class Cluster:
             proc = mpctx.Process(
                 target=worker_main,
                 args=(rank, self.world_size, self.backend, child_conn, self._store.port,
-                      self._generation, os.getpid(), self.threads, list(sys.path), os.getcwd()),
+                      self._generation, os.getpid(), self.threads, list(sys.path), os.getcwd(),
+                      self.strict_device),
                 name=f"ultrascale-rank{rank}",
                 daemon=True,
             )
@@ -345,10 +351,10 @@ _SHARED: dict = {}
 
 def shared_cluster(world_size: int, backend: str = "auto") -> Cluster:
     """A cached cluster of ``world_size`` ranks, started on first use (for graders)."""
-    key = (world_size, backend)
+    key = (world_size, backend, enabled_by_env())
     cluster = _SHARED.get(key)
     if cluster is None or cluster._closed:
-        cluster = _SHARED[key] = Cluster(world_size, backend=backend)
+        cluster = _SHARED[key] = Cluster(world_size, backend=backend, strict_device=key[2])
     return cluster
 
 

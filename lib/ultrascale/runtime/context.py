@@ -24,6 +24,7 @@ class RankContext:
     device: torch.device
     channel: Any = None  # how log() reaches the notebook; None under torchrun
     state: dict = field(default_factory=dict)
+    strict_device: bool = False  # runtime/strict_device.py: host tensors fail as on a GPU node
     _groups: dict = field(default_factory=dict, repr=False)
 
     @property

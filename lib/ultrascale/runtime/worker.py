@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from . import strict_device as strict_device_mode
 from .context import RankContext, to_cpu
 
 
@@ -226,7 +227,7 @@ def _init_process_group(backend: str, rank: int, world_size: int, store_port: in
 
 
 def worker_main(rank, world_size, backend, conn, store_port, generation, notebook_pid, threads,
-                sys_path=None, cwd=None):
+                sys_path=None, cwd=None, strict_device=False):
     """Entry point of one rank (runs in a fresh process from the fork server)."""
     _set_parent_death_signal()
     # The fork server may have started before the notebook changed its import path or folder
@@ -253,6 +254,9 @@ def worker_main(rank, world_size, backend, conn, store_port, generation, noteboo
         channel.send("error", ("RuntimeError", traceback.format_exc(), None), job_id=0)
         return
     ctx = RankContext(rank=rank, world_size=world_size, backend=backend, device=device, channel=channel)
+    if strict_device:  # fail on this CPU where a GPU node would (strict_device.py)
+        strict_device_mode.install()
+        ctx.strict_device = True
 
     jobs: queue.Queue = queue.Queue()
     threading.Thread(
@@ -281,7 +285,8 @@ def _run_job(ctx: RankContext, channel: _Channel, job_id: int, payload: bytes) -
     try:
         with channel.gate.learner_code():
             fn, args, kwargs = cloudpickle.loads(payload)
-            result = fn(ctx, *args, **kwargs)
+            with strict_device_mode.StrictDevice() if ctx.strict_device else contextlib.nullcontext():
+                result = fn(ctx, *args, **kwargs)
         reply = ("result", cloudpickle.dumps(to_cpu(result)))
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is reported too
         reply = ("error", (type(exc).__name__, _format_exception(exc), _pickle_or_none(exc)))

@@ -1,0 +1,126 @@
+"""Strict-device mode (runtime/strict_device.py): a CPU run fails where a GPU node would.
+
+Each fault below is one a GPU node with one GPU per rank (NCCL) raises on, and each correct
+idiom one it accepts; the mode must tell them apart on a CPU. The chapters and the graders run
+in this mode in ``make test`` (tests/test_notebooks.py's papermill runs, the graded course).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ultrascale.runtime import Cluster, RankError
+
+
+@pytest.fixture(scope="module")
+def strict():
+    with Cluster(2, strict_device=True) as c:
+        yield c
+
+
+def _raises(cluster, fn, *needles):
+    with pytest.raises(RankError) as caught:
+        cluster.run(fn)
+    message = str(caught.value)
+    assert "DeviceError" in message and "strict device" in message, message
+    for needle in needles:
+        assert needle in message, (needle, message)
+    return message
+
+
+# ------------------------------------------------------------------ what a GPU node accepts
+def _the_course_idiom(ctx):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g).to(ctx.device)        # seeded on the host, then moved
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).to(ctx.device)
+    buf = torch.zeros(4, device=ctx.device)                    # made on the device
+    follows = torch.zeros_like(x) + x.new_ones(()) + torch.ones(1, device=x.device)
+    loss = model(x + follows).square().mean()
+    loss.backward()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)         # its step counters stay on the CPU
+    opt.step()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    dist.all_reduce(buf)
+    out = [torch.empty_like(buf) for _ in range(ctx.world_size)]
+    dist.all_gather(out, buf)
+    host = loss.detach().cpu()                                 # results back to the host: fine
+    dev = torch.empty(4, device=ctx.device)
+    dev.copy_(torch.arange(4.0))                               # a copy across devices: fine
+    return host.item() + dev.sum().item() + (x[torch.arange(2)].sum() * 0).item()
+
+
+def test_the_course_idiom_runs(strict):
+    a, b = strict.run(_the_course_idiom)
+    assert a == b and a > 6
+
+
+# ------------------------------------------------------------------ what a GPU node refuses
+def test_a_tensor_made_without_a_device_in_a_collective(strict):
+    def fault(ctx):
+        t = torch.tensor([float(ctx.rank)])       # on the CPU on a GPU node
+        dist.all_reduce(t)
+    _raises(strict, fault, "dist.all_reduce at `fault` line", "made on the host at `fault` line")
+
+
+def test_a_model_left_unmoved(strict):
+    def fault(ctx):
+        model = torch.nn.Linear(4, 4)             # never .to(ctx.device)
+        return model(torch.ones(2, 4, device=ctx.device)).sum().item()
+    _raises(strict, fault, "mixes a tensor made on the host")
+
+
+def test_data_left_on_the_host(strict):
+    def fault(ctx):
+        model = torch.nn.Linear(4, 4).to(ctx.device)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))   # not moved
+        return model(x).sum().item()
+    _raises(strict, fault, "torch.linear", "mixes a tensor made on the host")
+
+
+def test_gradients_of_an_unmoved_model(strict):
+    def fault(ctx):                               # everything on the host, until NCCL sees it
+        model = torch.nn.Linear(4, 4)
+        model(torch.ones(2, 4)).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+    _raises(strict, fault, "dist.all_reduce")
+
+
+def test_cpu_undoes_a_move(strict):
+    def fault(ctx):
+        t = torch.ones(4, device=ctx.device).cpu()
+        dist.broadcast(t, 0)
+    _raises(strict, fault, "dist.broadcast")
+
+
+def test_point_to_point_and_imported_names(strict):
+    def fault(ctx):
+        from torch.distributed import P2POp, batch_isend_irecv
+        peer = 1 - ctx.rank
+        send, recv = torch.ones(3), torch.empty(3, device=ctx.device)
+        for w in batch_isend_irecv([P2POp(dist.isend, send, peer), P2POp(dist.irecv, recv, peer)]):
+            w.wait()
+    _raises(strict, fault, "dist.batch_isend_irecv")
+
+
+def test_a_buffer_in_a_library_style_helper(strict):
+    def fault(ctx):
+        def ring_buffer(like):
+            return torch.zeros(like.numel())      # forgot device=like.device
+        x = torch.ones(4, device=ctx.device)
+        return (x + ring_buffer(x)).sum().item()
+    _raises(strict, fault, "add at `fault` line", "made on the host at `ring_buffer` line")
+
+
+def test_the_mode_is_what_catches_them():
+    """The same fault passes on a plain CPU cluster: only the mode tells it from a GPU node."""
+    with Cluster(2, strict_device=False) as plain:
+        def fault(ctx):
+            t = torch.tensor([1.0])
+            dist.all_reduce(t)
+            return t.item()
+        assert plain.run(fault) == [2.0, 2.0]
