@@ -11,8 +11,9 @@ a layer that quantises its inputs every step pays). The book says FP8 GEMMs run 
 bf16's on an H100; the target here is 1.6x or more at 8192. The record goes to
 results/fp8_<device>.json with its provenance; chapter 12 shows it on machines without a GPU.
 
-Without a CUDA GPU the script checks the same FP8 product on the CPU (``_scaled_mm`` runs
-there too), says that timings need a GPU, and writes nothing. The measurement itself lives in
+Without a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer: not an A100 or a T4)
+the script checks the same FP8 product on the CPU (``_scaled_mm`` runs there too), says why
+nothing is timed, and writes nothing. The measurement itself lives in
 ``ultrascale.precision.gemm_speed``, which chapter 12 runs too.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 
 from sidebyside import verdict
 from ultrascale import records
-from ultrascale.precision.gemm_speed import FP8_PRODUCT_TOLERANCE, check_fp8_product, measure_fp8_gemm, print_fp8_rows
+from ultrascale.precision.gemm_speed import (FP8_PRODUCT_TOLERANCE, check_fp8_product, fp8_gpu_refusal,
+                                             measure_fp8_gemm, print_fp8_rows)
 
 TARGET_AT_8192 = 1.6
 
@@ -35,9 +37,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(records.RESULTS), help="folder for the JSON record")
     args = parser.parse_args(argv)
     sizes = (1024, 2048) if args.quick else (1024, 2048, 4096, 8192)
-    if not torch.cuda.is_available():
+    refusal = fp8_gpu_refusal()
+    if refusal:
         errors = [check_fp8_product(n, "cpu") for n in (64, 256)]
-        print("bench_fp8: FP8 timings need a CUDA GPU with FP8 tensor cores; nothing is timed or recorded here.")
+        print(f"bench_fp8: {refusal}: nothing is timed or recorded here.")
         print(f"FP8 product checked on the CPU: relative error {max(errors):.3f} "
               f"(tolerance {FP8_PRODUCT_TOLERANCE}): OK")
         return 0

@@ -362,3 +362,24 @@ def test_the_course_cast_saturates_e4m3_on_every_torch():
     assert to_format(beyond, torch.float8_e5m2).float().tolist()[:2] == [-math.inf, -1024.0]   # in range: rounded
     assert to_format(torch.tensor([1e6]), torch.float16).item() == math.inf
     assert decode(-5.734e7, torch.float8_e4m3fn).value == -448.0
+
+
+def test_fp8_gemms_refused_with_the_reason_below_capability_8_9(monkeypatch):
+    """An A100 (8.0) or a T4 has no FP8 tensor cores: torch._scaled_mm raises there, so the
+    measurement refuses first and says why, and FP8Linear's GEMM falls back to the simulated
+    product (as on a CPU)."""
+    from ultrascale.precision import fp8_linear, gemm_speed
+
+    assert "no CUDA GPU" in gemm_speed.fp8_gpu_refusal() or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    reason = gemm_speed.fp8_gpu_refusal()
+    assert "A100" in reason and "8.0" in reason and "8.9" in reason
+    with pytest.raises(RuntimeError, match="compute capability 8.0.*recorded"):
+        gemm_speed.measure_fp8_gemm(1024)
+    fake_cuda = type("FakeCuda", (), {"is_cuda": True, "device": 0, "dtype": torch.float8_e4m3fn,
+                                      "shape": (16, 16)})()
+    assert not fp8_linear._scaled_mm_runs(fake_cuda, fake_cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert gemm_speed.fp8_gpu_refusal() is None and fp8_linear._scaled_mm_runs(fake_cuda, fake_cuda)

@@ -481,3 +481,22 @@ def _is_zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_what_a_cluster_says_about_the_gpus_it_does_not_use():
+    from ultrascale.runtime.cluster import gpu_notice
+
+    assert gpu_notice("gloo", 4, gpus=0) is None          # a laptop: nothing to say
+    assert gpu_notice("nccl", 4, gpus=8) is None          # one GPU per rank: as expected
+    fewer = gpu_notice("gloo", 4, gpus=2)
+    assert "2 GPU(s) for 4 ranks" in fewer and "CPU with gloo" in fewer and "Cluster(2)" in fewer
+    assert "asked for" in gpu_notice("gloo", 2, gpus=8)
+
+
+def test_torchrun_refuses_more_ranks_on_a_node_than_gpus():
+    from ultrascale.runtime.torchrun import rank_device
+
+    assert rank_device("gloo", 5, gpus=0) == torch.device("cpu")
+    assert rank_device("nccl", 3, gpus=4) == torch.device("cuda", 3)
+    with pytest.raises(RuntimeError, match=r"local rank 4 has no GPU.*4 GPU\(s\).*--nproc_per_node=4"):
+        rank_device("nccl", 4, gpus=4)

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from ..parallel.matching import match_plan
+from .gemm_speed import fp8_gpu_refusal
 from .scaling import E4M3, E5M2, expand_scales, quantize_per_tensor, quantize_tiles
 
 
@@ -110,7 +111,9 @@ def _scaled_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether an FP8 tensor core can take these operands (see the module docstring for the CPU)."""
     if a.dtype == E5M2 and b.dtype == E5M2:
         return False   # no FP8 tensor core takes two e5m2 operands
-    return a.is_cuda and all(n % 16 == 0 for n in (*a.shape, b.shape[1]))   # the GPU kernel's alignment
+    if not a.is_cuda or fp8_gpu_refusal(a.device):   # no FP8 tensor cores: simulated, as on a CPU
+        return False
+    return all(n % 16 == 0 for n in (*a.shape, b.shape[1]))   # the GPU kernel's alignment
 
 
 def fp8_gemm(a: Quantised, b: Quantised) -> torch.Tensor:

@@ -19,6 +19,23 @@ from .scaling import E4M3, quantize_per_tensor, relative_error
 # a wrong scale or a transposed operand gives errors of order 1.
 FP8_PRODUCT_TOLERANCE = 0.1
 
+# FP8 tensor cores arrived with compute capability 8.9 (Ada: L4, L40, RTX 40) and 9.0 (Hopper:
+# H100, H200); an A100 (8.0) or a T4 (7.5) has none, and torch._scaled_mm raises there.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_gpu_refusal(device=None) -> str | None:
+    """None where ``device`` (default: the current CUDA GPU) has FP8 tensor cores, else the
+    reason it has not, in a sentence to print (no CUDA GPU, or one older than 8.9)."""
+    if not torch.cuda.is_available():
+        return "FP8 GEMMs need a CUDA GPU with FP8 tensor cores; this machine has no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= FP8_MIN_CAPABILITY:
+        return None
+    return (f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; FP8 tensor cores "
+            f"need {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (Ada: L4, L40; Hopper: H100, H200), "
+            "and torch._scaled_mm refuses FP8 operands here")
+
 
 def fp8_operands(a: torch.Tensor, b: torch.Tensor):
     """Quantise a (row-major) and b (column-major, as _scaled_mm wants it) with one scale each."""
@@ -52,6 +69,10 @@ def gpu_milliseconds(fn) -> float:
 
 def measure_fp8_gemm(n: int) -> dict:
     """One row: the FP8 and bf16 GEMMs of size n^3 on the GPU, their TFLOP/s and ratios."""
+    refusal = fp8_gpu_refusal()
+    if refusal:
+        raise RuntimeError(f"measure_fp8_gemm: {refusal}. Show the recorded result instead "
+                           "(ultrascale.records, results/fp8_*.json).")
     error = check_fp8_product(n, "cuda")
     a, b = (torch.randn(n, n, device="cuda") for _ in range(2))
     a16, b16 = a.bfloat16(), b.bfloat16()

@@ -68,6 +68,20 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+def gpu_notice(backend: str, world_size: int, gpus: int | None = None) -> str | None:
+    """The one line a Cluster prints when the machine has GPUs but they do not decide the
+    backend the learner might expect: fewer GPUs than ranks (NCCL needs one per rank)."""
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend != "gloo" or gpus == 0:
+        return None
+    if gpus < world_size:
+        return (f"Cluster({world_size}): this machine has {gpus} GPU(s) for {world_size} ranks, and NCCL needs "
+                f"one GPU per rank, so the ranks run on the CPU with gloo (Cluster({gpus}) would put one "
+                "rank on each GPU)")
+    return f"Cluster({world_size}): backend='gloo' asked for, so the ranks run on the CPU though {gpus} GPU(s) are here"
+
+
 def _positive_int(name: str, value) -> int:
     """``value`` as an int if it is a positive integer of any integer type (numpy's too)."""
     try:
@@ -113,6 +127,9 @@ class Cluster:
             raise ValueError(f"output must be 'ordered' or 'live', got {output!r}")
         self.world_size = world_size
         self.backend = resolve_backend(backend, world_size)
+        notice = gpu_notice(self.backend, world_size)
+        if notice:
+            print(notice)
         # strict-device mode (runtime/strict_device.py): a tensor left on the host fails here
         # as it would on a GPU node; None: as ULTRASCALE_STRICT_DEVICE says (make test sets it)
         self.strict_device = enabled_by_env() if strict_device is None else bool(strict_device)

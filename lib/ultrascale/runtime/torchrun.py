@@ -60,15 +60,29 @@ def ranks_per_node() -> int:
     return gpus or int(os.environ.get("SLURM_CPUS_ON_NODE") or 2)
 
 
+def rank_device(backend: str, local_rank: int, gpus: int | None = None) -> torch.device:
+    """This rank's device: its own GPU under NCCL (one per rank), the CPU under gloo. More ranks
+    on a node than GPUs is refused with what to do (CUDA would say "invalid device ordinal")."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if local_rank >= gpus:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU of its own: this node has {gpus} GPU(s) and torchrun started "
+            f"at least {local_rank + 1} ranks on it, but NCCL needs one GPU per rank. Start "
+            f"--nproc_per_node={gpus} per node (launch/torchrun.sh and the SLURM templates pick one per GPU), "
+            "or pass --backend gloo to run the ranks on the CPU.")
+    return torch.device("cuda", local_rank)
+
+
 def run_under_torchrun(fn, *args, backend: str = "auto", **kwargs) -> list | None:
     """Join the torchrun process group, run ``fn(ctx, *args)``, gather results on rank 0."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+    device = rank_device(backend, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
     try:
