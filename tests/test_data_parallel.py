@@ -3,6 +3,8 @@ training and PyTorch DDP, no_sync accumulation, hook order, timelines, the batch
 
 Tolerances: ``ultrascale.parity.TOLERANCES`` (fp32, SGD), where the reason is written.
 """
+import time
+
 import matplotlib
 import pytest
 import torch
@@ -194,6 +196,90 @@ def test_timeline_interval_arithmetic():
     tl.mark("grad ready x")
     assert [e["name"] for e in tl.rows()] == ["forward", "grad ready x"]
     assert Timeline(enabled=False).rows() == []
+
+
+class _FakeGPU:
+    """A GPU as Timeline and wait_for_device see it, on a CPU: each CUDA event notes when it
+    was recorded and finishes ``lag`` seconds later (work still queued) until the host waits
+    for the device, which empties the queue; every wait is counted."""
+
+    def __init__(self, lag: float):
+        self.lag, self.waits, gpu = lag, 0, self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = time.perf_counter() + gpu.lag
+
+            def synchronize(self):
+                gpu.waits += 1
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1e3
+
+        self.Event = Event
+
+    def synchronize(self, device=None):
+        self.waits += 1
+        self.lag = 0.0
+
+
+def test_timeline_on_a_gpu_reads_its_events_once_and_never_waits_while_recording(monkeypatch):
+    gpu = _FakeGPU(lag=0.25)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    tl = Timeline(rank=0, device="cuda")
+    before = time.perf_counter()
+    with tl.span("forward"):
+        time.sleep(0.01)
+    with tl.span("backward"):
+        pass
+    assert gpu.waits == 0, "recording a bar must not make the host wait for the GPU"
+    rows = tl.rows()
+    assert gpu.waits == 2                      # one synchronize, one reference event: once per read
+    forward, backward = rows
+    assert [r["name"] for r in rows] == ["forward", "backward"]
+    # the bars are where the GPU ran them: 0.25 s after the host queued them, on the host's clock
+    assert forward["start"] >= before + 0.25 - 1e-3 and forward["end"] - forward["start"] >= 0.01
+    assert forward["end"] <= backward["start"] <= backward["end"]
+    tl.rows()
+    assert gpu.waits == 2                      # nothing new to read: no wait
+
+
+def test_asynchronous_transfers_on_a_gpu_end_when_the_device_says_so():
+    class Work:                                # NCCL's: wait() only orders streams
+        def __init__(self):
+            self.done_at, self.waited = time.perf_counter() + 0.05, 0
+
+        def is_completed(self):
+            return time.perf_counter() >= self.done_at
+
+        def wait(self):
+            self.waited += 1
+
+    tl = Timeline(rank=0, device="cuda")
+    work = Work()
+    watched = tl.communication("all_reduce", work)
+    watched.wait()
+    (bar,) = tl.rows()
+    assert bar["end"] >= work.done_at and work.waited == 1
+
+
+def test_timed_collectives_wait_for_the_gpu_only_where_one_is_used(monkeypatch):
+    from ultrascale.comm.logger import wait_for_device
+
+    gpu = _FakeGPU(lag=0)
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    wait_for_device("cpu")
+    wait_for_device(None)                      # no GPU used by this process
+    assert gpu.waits == 0
+    wait_for_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    wait_for_device(None)
+    assert gpu.waits == 2
 
 
 def test_gantt_draws_one_bar_per_event():

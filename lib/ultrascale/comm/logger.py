@@ -77,6 +77,17 @@ def _sync_if_cuda(tensors) -> None:
         torch.cuda.synchronize()
 
 
+def wait_for_device(device=None) -> None:
+    """Wait until the GPU has done the work queued so far, before reading a clock: CUDA calls
+    return when their kernels are queued, not when they finish. ``device``: the device the
+    timed work runs on; None: whatever GPU this process has used. Nothing to wait for on a CPU."""
+    if device is not None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @contextlib.contextmanager
 def record_op(op: str, group=None):
     """Time a hand-written collective; ``count_p2p`` calls inside it add their bytes.
@@ -91,10 +102,12 @@ def record_op(op: str, group=None):
     _, size = _group_rank_and_size(group)
     event = CommEvent(op, dist.get_rank() if dist.is_initialized() else 0, size, 0, 0, 0.0, "measured")
     _current_event = event
+    wait_for_device()   # earlier GPU work is not this operation's
     start = time.perf_counter()
     try:
         yield
     finally:
+        wait_for_device()
         event.seconds = time.perf_counter() - start
         _current_event = None
         for logger in _active_loggers:

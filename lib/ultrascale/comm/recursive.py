@@ -40,7 +40,7 @@ import torch
 from .cost_model import AlphaBeta, fit_alpha_beta
 from .direct import direct_all_reduce
 from .halving_doubling import _largest_power_of_two, halving_doubling_all_reduce, halving_doubling_time
-from .logger import record_op
+from .logger import record_op, wait_for_device
 from .ring import (_normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keeping_exchanges, ring_all_reduce,
                    send_recv)
 
@@ -198,8 +198,10 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
         # whole size measured slow bends the line, and one fit once came out with alpha near 2 ms.
         for _ in range(iters if partner < n else 0):
             for i, (send, receive) in enumerate(buffers):
+                wait_for_device(device)   # so that the fit is of transfer times, not of launch times
                 start = time.perf_counter()
                 send_recv(send, receive, partner, partner, group)
+                wait_for_device(device)
                 tries[i].append(time.perf_counter() - start)
     # The median try, not the fastest: inside a collective a message usually waits a little for its
     # partner (with more ranks than cores, for a core), and the fastest try is the rare one that

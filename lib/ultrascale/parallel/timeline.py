@@ -19,6 +19,13 @@ the transfer is done, so the end time is not delayed until someone calls wait().
 
 Times come from ``time.perf_counter`` (CLOCK_MONOTONIC on Linux), which all
 processes on one machine share, so the rows of several ranks line up on one axis.
+
+On a GPU, kernels run after Python returns, so the host clock at the end of a span is when the
+work was queued, not done. There a bar's ends are CUDA events recorded on the stream, read
+(converted to the host clock) only when the timeline is read, so that recording never makes the
+host wait for the GPU and the overlap it shows is the overlap that happened. An asynchronous
+collective's bar ends when the backend reports the transfer done on the device
+(``work.is_completed()``, polled by a helper thread), not when NCCL queued it.
 """
 from __future__ import annotations
 
@@ -54,6 +61,7 @@ class Timeline:
         # On a GPU, kernels run after Python returns: a compute bar must wait for the
         # stream to finish, or it would end when the work was queued, not when it was done.
         self.cuda = device is not None and torch.device(device).type == "cuda"
+        self._resolved = True           # no CUDA event waits to be read (see _stamp)
         self.events: list[Event] = []
         self._started: dict = {}        # open bars of instrumented modules
         self._lock = threading.Lock()   # comm callbacks arrive on the backend's thread
@@ -61,6 +69,32 @@ class Timeline:
     @staticmethod
     def now() -> float:
         return time.perf_counter()
+
+    def _stamp(self):
+        """Now, for a compute bar: the host clock on a CPU; on a GPU a CUDA event recorded on the
+        current stream, which is done when the work queued before it is (read by ``_resolve``)."""
+        if not self.cuda:
+            return self.now()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._resolved = False
+        return event
+
+    def _resolve(self) -> None:
+        """Turn the CUDA events of the bars into host-clock seconds: wait for the GPU once, then
+        record a reference event, whose host time is known, and place each event by its GPU
+        time before the reference."""
+        if self._resolved:
+            return
+        torch.cuda.synchronize()
+        reference = torch.cuda.Event(enable_timing=True)
+        reference.record()
+        reference.synchronize()
+        host = self.now()
+        at = lambda t: t if isinstance(t, float) else host - t.elapsed_time(reference) / 1e3   # noqa: E731
+        for e in self.events:
+            e.start, e.end = at(e.start), at(e.end)
+        self._resolved = True
 
     def add(self, lane: str, name: str, start: float, end: float, nbytes: int = 0) -> None:
         if self.enabled:
@@ -70,16 +104,11 @@ class Timeline:
     @contextlib.contextmanager
     def span(self, name: str, lane: str = COMPUTE, nbytes: int = 0):
         """Record the code inside the ``with`` block as one bar."""
-        start = self.now()
+        start = self._stamp()
         try:
             yield
         finally:
-            self._sync()
-            self.add(lane, name, start, self.now(), nbytes)
-
-    def _sync(self) -> None:
-        if self.enabled and self.cuda:
-            torch.cuda.current_stream().synchronize()
+            self.add(lane, name, start, self._stamp(), nbytes)
 
     def mark(self, name: str, lane: str = COMPUTE) -> None:
         """An instant, e.g. the moment a gradient became ready."""
@@ -97,6 +126,8 @@ class Timeline:
         if not self.enabled:
             return work
         record = lambda *_: self.add(COMMUNICATION, name, start, self.now(), nbytes)   # noqa: E731
+        if self.cuda:   # NCCL's future completes at launch: watch the transfer itself
+            return WatchedWork(work, record, on_device=True)
         try:
             future = work.get_future()
         except (AttributeError, RuntimeError):   # no future (gloo's reduce-scatter): watch it
@@ -126,7 +157,7 @@ class Timeline:
     def _before_forward(self, name, args):
         if not self.enabled:
             return None
-        self._started["forward", name] = self.now()
+        self._started["forward", name] = self._stamp()
         x = args[0] if args and torch.is_tensor(args[0]) else None
         if x is None or not (torch.is_grad_enabled() and x.requires_grad):
             return None
@@ -139,17 +170,15 @@ class Timeline:
     def _after_forward(self, name, out):
         if not self.enabled or ("forward", name) not in self._started:
             return
-        self._sync()
-        self.add(COMPUTE, f"forward {name}", self._started.pop(("forward", name)), self.now())
+        self.add(COMPUTE, f"forward {name}", self._started.pop(("forward", name)), self._stamp())
         if torch.is_tensor(out) and out.requires_grad:
             # The gradient reaching the output starts the backward bar.
-            out.register_hook(lambda grad: self._started.__setitem__(("backward", name), self.now()))
+            out.register_hook(lambda grad: self._started.__setitem__(("backward", name), self._stamp()))
 
     def _end_backward(self, name):
         start = self._started.pop(("backward", name), None)
         if start is not None:
-            self._sync()
-            self.add(COMPUTE, f"backward {name}", start, self.now())
+            self.add(COMPUTE, f"backward {name}", start, self._stamp())
 
     # ------------------------------------------------------------------ reading
     def clear(self) -> None:
@@ -159,10 +188,13 @@ class Timeline:
     def rows(self) -> list[dict]:
         """The events as plain dicts, sorted by start (picklable across ranks)."""
         with self._lock:
+            self._resolve()
             return [asdict(e) for e in sorted(self.events, key=lambda e: e.start)]
 
     def busy_seconds(self, lane: str) -> float:
         """Total time covered by the bars of one lane (overlapping bars counted once)."""
+        with self._lock:
+            self._resolve()
         return covered_seconds([(e.start, e.end) for e in self.events if e.lane == lane])
 
 
@@ -173,14 +205,18 @@ class WatchedWork:
     object instead of the work it wraps: the work is waited for once, by the thread (a
     gloo point-to-point work must not be waited for twice), and ``wait`` joins it."""
 
-    def __init__(self, work, on_done):
-        self.work, self.error = work, None
+    def __init__(self, work, on_done, on_device: bool = False):
+        self.work, self.error, self.on_device = work, None, on_device
         self.thread = threading.Thread(target=self._watch, args=(on_done,), daemon=True)
         self.thread.start()
 
     def _watch(self, on_done):
         try:
-            self.work.wait()
+            if self.on_device:   # NCCL: ask the GPU without waiting on it (wait() only orders streams)
+                while not self.work.is_completed():
+                    time.sleep(50e-6)
+            else:
+                self.work.wait()
         except Exception as err:   # raised again in the rank's own thread, by wait()
             self.error = err
         on_done()
@@ -189,6 +225,8 @@ class WatchedWork:
         self.thread.join()   # the bar is recorded before anyone reads the timeline
         if self.error is not None:
             raise self.error
+        if self.on_device:   # the current stream waits for the transfer, as work.wait() does
+            self.work.wait()
         return True
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..comm.bandwidth import bus_bandwidth_sweep
 from ..comm.cost_model import fit_ring_all_reduce
+from ..comm.logger import wait_for_device
 from ..data import Batches
 from ..model import GPT, GPTConfig
 from .enumerate import ParallelConfig
@@ -48,8 +49,8 @@ def calibration_configs(world_size: int, model=CALIBRATION_MODEL, mbs: int = 2) 
     return configs
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+def _slowest(seconds: float, device) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -81,37 +82,37 @@ def _setup(ctx, name: str, c: ParallelConfig, model, seed: int):
     from ..parallel import apply_data_parallel, apply_pp, apply_tp, apply_zero
 
     torch.manual_seed(seed)
-    net = GPT(model)
-    data = Batches(model, mbs=c.mbs, seed=seed)
+    net = GPT(model).to(ctx.device)
+    data = Batches(model, mbs=c.mbs, seed=seed)   # drawn on the CPU; each batch is moved to ctx.device
     if name == "compute":          # the unsharded model on one rank's micro-batch, no communication
         def step(i):
-            data.global_batch(i).loss(net).backward()
+            data.global_batch(i).to(ctx.device).loss(net).backward()
             net.zero_grad(set_to_none=True)
     elif name == "DP":
         wrapped = apply_data_parallel(net, None, kind="bucketed")
 
         def step(i):
-            data.rank_batch(ctx.rank, ctx.world_size, i).loss(wrapped).backward()
+            data.rank_batch(ctx.rank, ctx.world_size, i).to(ctx.device).loss(wrapped).backward()
             wrapped.finish_gradient_synchronization()
             net.zero_grad(set_to_none=True)
     elif name == "ZeRO-3":
         zero = apply_zero(net, None, stage=3, prefetch=True, lr=1e-3).zero_optimizer
 
         def step(i):
-            data.rank_batch(ctx.rank, ctx.world_size, i).loss(net).backward()
+            data.rank_batch(ctx.rank, ctx.world_size, i).to(ctx.device).loss(net).backward()
             zero.step()
             zero.zero_grad()
     elif name == "TP":
         apply_tp(net, None, sequence_parallel=True)
 
         def step(i):
-            data.global_batch(i).loss(net).backward()
+            data.global_batch(i).to(ctx.device).loss(net).backward()
             net.zero_grad(set_to_none=True)
     elif name == "PP":
         pipe = apply_pp(net, None, schedule="1f1b", microbatches=c.gas)
 
         def step(i):
-            pipe.step([data.global_batch(i, 1, micro) for micro in range(c.gas)])
+            pipe.step([data.global_batch(i, 1, micro).to(ctx.device) for micro in range(c.gas)])
             pipe.zero_grad(set_to_none=True)
     else:
         raise ValueError(f"no measurement for {name!r}: choose compute, DP, ZeRO-3, TP or PP")
@@ -135,10 +136,12 @@ def measure_steps(ctx, configs: dict, model=CALIBRATION_MODEL, mbs: int = 2, rou
         for name, step in steps.items():
             pair = []
             for fn in (compute, step):
+                wait_for_device(ctx.device)
                 dist.barrier()
                 start = time.perf_counter()
                 fn(r)
-                pair.append(_slowest(time.perf_counter() - start))
+                wait_for_device(ctx.device)   # the step's kernels, not their launch
+                pair.append(_slowest(time.perf_counter() - start, ctx.device))
             if r:
                 pairs[name].append(tuple(pair))
         if progress:
