@@ -96,7 +96,7 @@ assert results == [10 * r for r in range(WORLD_SIZE)]
 
 # %%
 def first_all_reduce(ctx):
-    tensor = torch.tensor([ctx.rank + 1.0, 10.0 * (ctx.rank + 1)])
+    tensor = torch.tensor([ctx.rank + 1.0, 10.0 * (ctx.rank + 1)], device=ctx.device)
     before = tensor.clone()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return before, tensor
@@ -121,8 +121,9 @@ assert total.tolist() == [n * (n + 1) / 2, 10 * n * (n + 1) / 2]
 
 # %%
 def try_collectives(ctx):
-    r, n = ctx.rank, ctx.world_size
-    x = lambda: torch.full((2,), float(r + 1))  # a fresh input per collective
+    r, n, dev = ctx.rank, ctx.world_size, ctx.device  # every tensor on the rank's device
+    x = lambda: torch.full((2,), float(r + 1), device=dev)  # a fresh input per collective
+    zeros = lambda k: torch.zeros(k, device=dev)  # an output buffer
     total = n * (n + 1) / 2
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -131,18 +132,18 @@ def try_collectives(ctx):
         "reduce": lambda: (dist.reduce(t := x(), dst=0), r != 0 or t[0].item() == total)[1],
         "all_reduce": lambda: (dist.all_reduce(t := x()), t[0].item() == total)[1],
         "gather": lambda: _gather(r, n, x()),
-        "all_gather": lambda: (dist.all_gather(out := [torch.zeros(2) for _ in range(n)], x()),
+        "all_gather": lambda: (dist.all_gather(out := [zeros(2) for _ in range(n)], x()),
                                [o[0].item() for o in out] == [i + 1.0 for i in range(n)])[1],
-        "all_gather_single": lambda: (all_gather_single(out := torch.zeros(2 * n), x()),
+        "all_gather_single": lambda: (all_gather_single(out := zeros(2 * n), x()),
                                            out[::2].tolist() == [i + 1.0 for i in range(n)])[1],
-        "scatter": lambda: _scatter(r, n),
-        "reduce_scatter": lambda: (dist.reduce_scatter(out := torch.zeros(2), [x() for _ in range(n)]),
+        "scatter": lambda: _scatter(r, n, dev),
+        "reduce_scatter": lambda: (dist.reduce_scatter(out := zeros(2), [x() for _ in range(n)]),
                                    out[0].item() == total)[1],
-        "reduce_scatter_single": lambda: (reduce_scatter_single(out := torch.zeros(2), torch.cat([x()] * n)),
+        "reduce_scatter_single": lambda: (reduce_scatter_single(out := zeros(2), torch.cat([x()] * n)),
                                           out[0].item() == total)[1],
-        "all_to_all_single": lambda: (dist.all_to_all_single(out := torch.zeros(n), torch.full((n,), float(r))),
+        "all_to_all_single": lambda: (dist.all_to_all_single(out := zeros(n), torch.full((n,), float(r), device=dev)),
                                       out.tolist() == [float(i) for i in range(n)])[1],
-        "send/recv": lambda: _ring_pass(r, n),
+        "send/recv": lambda: _ring_pass(r, n, dev),
         "barrier": lambda: dist.barrier() is None,
     }
     report = {}
@@ -155,25 +156,27 @@ def try_collectives(ctx):
 
 
 def _gather(r, n, tensor):
-    out = [torch.zeros(2) for _ in range(n)] if r == 0 else None
+    out = [torch.zeros_like(tensor) for _ in range(n)] if r == 0 else None
     dist.gather(tensor, out, dst=0)
     return r != 0 or [o[0].item() for o in out] == [i + 1.0 for i in range(n)]
 
 
-def _scatter(r, n):
-    out = torch.zeros(2)
-    chunks = [torch.full((2,), float(i)) for i in range(n)] if r == 0 else None
+def _scatter(r, n, dev):
+    out = torch.zeros(2, device=dev)
+    chunks = [torch.full((2,), float(i), device=dev) for i in range(n)] if r == 0 else None
     dist.scatter(out, chunks, src=0)
     return out[0].item() == r
 
 
-def _ring_pass(r, n):
-    """Send our rank to the right neighbour, receive from the left one (no deadlock:
-    isend does not wait for the matching receive)."""
-    got = torch.zeros(1)
-    request = dist.isend(torch.tensor([float(r)]), dst=(r + 1) % n)
-    dist.recv(got, src=(r - 1) % n)
-    request.wait()
+def _ring_pass(r, n, dev):
+    """Send our rank to the right neighbour while receiving from the left one, both posted as
+    one batch: under NCCL (a GPU node) a send waits until its receive is posted, and with two
+    ranks both neighbours are the same rank, so two sends posted first would wait forever."""
+    got = torch.zeros(1, device=dev)
+    mine = torch.tensor([float(r)], device=dev)
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (r + 1) % n),
+                                           dist.P2POp(dist.irecv, got, (r - 1) % n)]):
+        request.wait()
     return got.item() == (r - 1) % n
 
 
@@ -188,13 +191,13 @@ if cluster.backend == "gloo":
 # %% [markdown]
 # ## 3. The `%%ranks` cell magic
 # For quick experiments you can run a whole cell on every rank. Each rank keeps its own
-# variables between `%%ranks` cells, and `rank`, `world_size`, `torch` and `dist` are
+# variables between `%%ranks` cells, and `ctx`, `rank`, `world_size`, `torch` and `dist` are
 # predefined. `-r 0,2` runs a cell on some ranks only. The value of the last line is shown
 # per rank.
 
 # %%
 # %%ranks
-shard = torch.arange(4.0) + 4 * rank  # each rank owns a different slice of 0..4n-1
+shard = torch.arange(4.0, device=ctx.device) + 4 * rank  # each rank owns a different slice of 0..4n-1
 local_sum = shard.sum()
 dist.all_reduce(local_sum)
 local_sum.item()
@@ -218,8 +221,9 @@ def train_linear_regression(ctx, steps, seed):
     true_w = torch.tensor([2.0, -3.0, 0.5])
     x = torch.randn(64, 3)
     y = x @ true_w + 0.01 * torch.randn(64)
+    x, y = x.to(ctx.device), y.to(ctx.device)  # drawn on the CPU, then moved to the rank's device
     torch.manual_seed(seed)  # ...but all start from the same weights
-    w = torch.zeros(3, requires_grad=True)
+    w = torch.zeros(3, device=ctx.device, requires_grad=True)
     for step in range(steps):
         loss = ((x @ w - y) ** 2).mean()
         loss.backward()

@@ -210,7 +210,7 @@ print(cluster)
 # %%
 def unit_layout(ctx):
     torch.manual_seed(SEED)
-    zero = ZeRO(GPT(CFG), stage=1, optimizer_cls=torch.optim.SGD, lr=0.1)
+    zero = ZeRO(GPT(CFG).to(ctx.device), stage=1, optimizer_cls=torch.optim.SGD, lr=0.1)
     return [(u.name, u.numel, u.padded, u.shard_numel, (u.own.start, u.own.stop)) for u in zero.all_units]
 
 
@@ -283,17 +283,17 @@ def train_single_process(opt_name, world_size):
 
 
 def train_dp(ctx, opt_name):
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)   # the same initial weights on every rank, then moved
     dp = NaiveDataParallel(model)   # all-reduce and average the gradients after backward
     return train(model, local_batches(ctx), STEPS, opt_name, module=dp,
-                 after_backward=dp.finish_gradient_synchronization)
+                 after_backward=dp.finish_gradient_synchronization, device=ctx.device)
 
 
 def train_zero(ctx, stage, opt_name, prefetch=True):
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     cls, kwargs = OPTIMIZERS[opt_name]
     zero = ZeRO(model, stage=stage, optimizer_cls=cls, prefetch=prefetch, **kwargs)  # also the optimizer
-    run_steps(model, local_batches(ctx), STEPS, zero)
+    run_steps(model, local_batches(ctx), STEPS, zero, device=ctx.device)
     return zero.full_state_dict()   # ZeRO-3 gathers its shards for this
 
 
@@ -355,11 +355,11 @@ print("ZeRO-1, 2 and 3 also match plain DP with SGD: the gradients are averaged,
 
 # %%
 def train_fsdp2(ctx):
-    model = fsdp2(fresh_model(), device_mesh_1d(ctx))   # fully_shard each block, then the whole model
+    model = fsdp2(fresh_model().to(ctx.device), device_mesh_1d(ctx))   # fully_shard each block, then the whole model
     optimizer = make_optimizer(model.parameters(), "adam")
-    run_steps(model, local_batches(ctx), STEPS - 1, optimizer)
+    run_steps(model, local_batches(ctx), STEPS - 1, optimizer, device=ctx.device)
     with CommLogger() as log:        # the last step's collectives
-        run_steps(model, local_batches(ctx), 1, optimizer, first_step=STEPS - 1)
+        run_steps(model, local_batches(ctx), 1, optimizer, device=ctx.device, first_step=STEPS - 1)
     shards = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     return weights(model), log.totals(), shards
 
@@ -385,7 +385,7 @@ print("ZeRO-1, 2 and 3 match FSDP2 fully_shard on the same model and data")
 
 # %%
 def measure_stage(ctx, stage, units=None):
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     zero = ZeRO(model, stage=stage, units=units, param_dtype=torch.bfloat16, lr=1e-3)
     peak = {"parameters": 0}
 
@@ -401,7 +401,7 @@ def measure_stage(ctx, stage, units=None):
 
     for step in range(2):
         with CommLogger() as log:    # the second step's collectives are kept
-            run_steps(model, local_batches(ctx), 1, zero, first_step=step)
+            run_steps(model, local_batches(ctx), 1, zero, device=ctx.device, first_step=step)
     return {"state": zero.state_bytes(), "formula": zero.formula_bytes(k=12), "peak": peak["parameters"],
             "comm": log.totals(), "calls": log.collective_elements(),
             "units": [(u.name, u.numel, u.padded) for u in zero.all_units]}
@@ -599,13 +599,13 @@ TIMELINE_CFG = GPTConfig(vocab_size=256, hidden=128, layers=L, heads=4, seq_len=
 
 def record_step(ctx, stage, prefetch):
     torch.manual_seed(SEED)
-    model = GPT(TIMELINE_CFG)
+    model = GPT(TIMELINE_CFG).to(ctx.device)
     timeline = Timeline(ctx.rank)
     zero = ZeRO(model, stage=stage, prefetch=prefetch, timeline=timeline, lr=1e-3)
     # Bars for each block's forward and backward, by hooks registered after ZeRO's: waiting for
     # an all-gather happens before a bar starts, so it is not counted as compute.
     timeline.instrument(model.blocks)
-    batch = Batches(TIMELINE_CFG, mbs=4, seed=SEED).rank_batch(ctx.rank, ctx.world_size, 0)
+    batch = Batches(TIMELINE_CFG, mbs=4, seed=SEED).rank_batch(ctx.rank, ctx.world_size, 0).to(ctx.device)
     for step in range(2):            # the first step warms up; the second is recorded
         timeline.clear()
         start = time.perf_counter()

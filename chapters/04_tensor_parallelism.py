@@ -147,16 +147,17 @@ def tp_group(ctx):
 def both_identities(ctx):
     group = tp_group(ctx)
     r, n, root = dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
-    x = X.clone() if r == 0 else torch.zeros_like(X)
+    x_all, w = X.to(ctx.device), W.to(ctx.device)                # the notebook's matrices, moved
+    x = x_all.clone() if r == 0 else torch.zeros_like(x_all)
     with CommLogger() as log:
         dist.broadcast(x, src=root, group=group)                   # column-linear: everyone needs X
-        pieces = [torch.empty(2, 12 // n) for _ in range(n)]
-        dist.all_gather(pieces, x @ W.chunk(n, dim=1)[r], group=group)
+        pieces = [torch.empty(2, 12 // n, device=ctx.device) for _ in range(n)]
+        dist.all_gather(pieces, x @ w.chunk(n, dim=1)[r], group=group)
         by_columns = torch.cat(pieces, dim=1)
-        x_mine = torch.empty(2, 12 // n)                           # row-linear: each rank its columns of X
-        slices = [c.contiguous() for c in X.chunk(n, dim=1)]   # column slices are strided views: copy
+        x_mine = torch.empty(2, 12 // n, device=ctx.device)        # row-linear: each rank its columns of X
+        slices = [c.contiguous() for c in x_all.chunk(n, dim=1)]   # column slices are strided views: copy
         dist.scatter(x_mine, slices if r == 0 else None, src=root, group=group)
-        by_rows = x_mine @ W.chunk(n, dim=0)[r]
+        by_rows = x_mine @ w.chunk(n, dim=0)[r]
         dist.all_reduce(by_rows, group=group)
     return by_columns, by_rows, [e.op for e in log.events]
 
@@ -208,8 +209,8 @@ print(inspect.getsource(RowParallelLinear.forward))
 def tp_mlp(ctx):
     group = tp_group(ctx)
     torch.manual_seed(SEED)
-    mlp = MLP(CFG.hidden).double()                      # the single-process reference
-    x = torch.randn(2, CFG.seq_len, CFG.hidden, dtype=torch.float64, requires_grad=True)
+    mlp = MLP(CFG.hidden).double().to(ctx.device)       # the single-process reference
+    x = torch.randn(2, CFG.seq_len, CFG.hidden, dtype=torch.float64).to(ctx.device).requires_grad_()
     mlp(x).square().sum().backward()
     expected = {"y": mlp(x).detach(), "x.grad": x.grad.clone(), **gradients(mlp)}
 
@@ -278,22 +279,23 @@ STEPS = 3 if QUICK else 10
 DATA = Batches(CFG, mbs=2, seed=SEED)
 
 
-def fresh_model():
+def fresh_model(device=None):   # on a rank: its ctx.device; None: here, on the CPU
     torch.manual_seed(SEED)
-    return perturbed(GPT(CFG).double(), seed=SEED)   # biases off 0, norm weights off 1: a misplaced one shows
+    model = GPT(CFG).double().to(device)
+    return perturbed(model, seed=SEED)   # biases off 0, norm weights off 1: a misplaced one shows
 
 
 def ours(ctx):
-    model = apply_tp(fresh_model(), tp_group(ctx))
+    model = apply_tp(fresh_model(ctx.device), tp_group(ctx))
     out = first_step_and_train(model, DATA, STEPS, "sgd", full_logits=VocabParallelLogits.full_tensor,
-                               full_gradients=full_gradients, full_weights=full_weights)
+                               full_gradients=full_gradients, full_weights=full_weights, device=ctx.device)
     return {**out, "local vocabulary": model.head.weight.shape[0]}
 
 
 def pytorch(ctx):
-    model = dtensor_tp(fresh_model(), init_mesh(ctx, dp=REPLICAS, tp=TP).to_device_mesh()["tp"])
+    model = dtensor_tp(fresh_model(ctx.device), init_mesh(ctx, dp=REPLICAS, tp=TP).to_device_mesh()["tp"])
     # loss_parallel: F.cross_entropy on vocabulary-sharded DTensor logits
-    return first_step_and_train(model, DATA, STEPS, "sgd", loss_context=loss_parallel)
+    return first_step_and_train(model, DATA, STEPS, "sgd", loss_context=loss_parallel, device=ctx.device)
 
 
 reference = first_step_and_train(fresh_model(), DATA, STEPS, "sgd")
@@ -318,8 +320,8 @@ print(f"each rank held {results['ours'][0]['local vocabulary']} of the {CFG.voca
 
 # %%
 def norm_gradients(ctx):
-    model = apply_tp(fresh_model(), tp_group(ctx))
-    DATA.global_batch(0).loss(model).backward()
+    model = apply_tp(fresh_model(ctx.device), tp_group(ctx))
+    DATA.global_batch(0).to(ctx.device).loss(model).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if "norm" in n}
 
 
@@ -341,10 +343,10 @@ print(f"{len(per_rank[0])} LayerNorm gradients are bit-identical on all {WORLD_S
 # %%
 def dropout_after_all_reduce(ctx, shared_seed):
     group = tp_group(ctx)
-    y = torch.ones(4, CFG.hidden)
+    y = torch.ones(4, CFG.hidden, device=ctx.device)
     dist.all_reduce(y, group=group)                 # identical on every rank
     generator = torch.Generator().manual_seed(SEED if shared_seed else SEED + ctx.rank)
-    mask = torch.rand(y.shape, generator=generator) > 0.1   # what dropout(p=0.1) keeps
+    mask = torch.rand(y.shape, generator=generator).to(ctx.device) > 0.1   # what dropout(p=0.1) keeps
     return y * mask / 0.9
 
 
@@ -371,16 +373,16 @@ B, S, H = 2, CFG.seq_len, CFG.hidden
 
 
 def count_collectives(ctx):
-    model = apply_tp(GPT(CFG), tp_group(ctx))
+    model = apply_tp(GPT(CFG).to(ctx.device), tp_group(ctx))
     block = model.blocks[0]
-    cos, sin = rope_tables(S, CFG.head_dim, CFG.rope_theta)
-    x = torch.randn(B, S, H, requires_grad=True)
+    cos, sin = rope_tables(S, CFG.head_dim, CFG.rope_theta, device=ctx.device)
+    x = torch.randn(B, S, H).to(ctx.device).requires_grad_()
     with CommLogger() as forward:
         y = block(x, cos, sin)
     with CommLogger() as backward:
         y.sum().backward()
     with CommLogger() as model_forward:
-        loss = DATA.global_batch(0).loss(model)
+        loss = DATA.global_batch(0).to(ctx.device).loss(model)
     with CommLogger() as model_backward:
         loss.backward()
     return [(log.collective_elements(), log.bytes_sent) for log in (forward, backward, model_forward, model_backward)]
@@ -415,11 +417,11 @@ def block_timeline(ctx):
     if ctx.rank > 1:
         return []
     config = GPTConfig(vocab_size=96, hidden=192, heads=12, layers=1, seq_len=96)   # big enough to see
-    block = apply_tp(GPT(config), pair).blocks[0]
+    block = apply_tp(GPT(config).to(ctx.device), pair).blocks[0]
     timeline = Timeline(ctx.rank)
     timeline.instrument({"norm1": block.norm1, "attention": block.attn, "norm2": block.norm2, "mlp": block.mlp})
-    cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
-    x = torch.randn(4, config.seq_len, config.hidden, requires_grad=True)
+    cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta, device=ctx.device)
+    x = torch.randn(4, config.seq_len, config.hidden).to(ctx.device).requires_grad_()
     for _ in range(2):   # the second pass is the one we keep (the first warms up the allocator)
         timeline.clear()
         with CommLogger(timeline=timeline):
@@ -453,14 +455,14 @@ plot_gantt([r for rank_rows in rows for r in rank_rows], label_bars=True,
 def memory_at(ctx, tp):
     group = init_mesh(ctx, dp=WORLD_SIZE // tp, tp=tp).group("tp")
     torch.manual_seed(SEED)
-    model = GPT(CFG)
+    model = GPT(CFG).to(ctx.device)
     if tp > 1:
         apply_tp(model, group)
-    inputs = DATA.global_batch(0).inputs
+    inputs = DATA.global_batch(0).inputs.to(ctx.device)
     activations = saved_activation_bytes(model, inputs)
     optimizer, after_backward = make_optimizer(model.parameters(), "adam"), {}
-    run_steps(model, DATA.global_stream(1), 1, optimizer, after_backward=lambda: after_backward.update(
-        state_bytes(model)))   # the gradients exist between backward and the step
+    run_steps(model, DATA.global_stream(1), 1, optimizer, device=ctx.device, after_backward=lambda:
+              after_backward.update(state_bytes(model)))   # the gradients exist between backward and the step
     return {**state_bytes(model, optimizer), "gradients": after_backward["gradients"], "activations": activations}
 
 

@@ -175,7 +175,8 @@ def record_modules(model, log):
 def trace_forward(ctx=None, tp=1, sp=False):
     """One forward of the model (tensor-parallel over tp ranks when ctx is given), recorded."""
     torch.manual_seed(SEED)
-    model = GPT(CFG)
+    device = None if ctx is None else ctx.device   # None: here, on the CPU
+    model = GPT(CFG).to(device)
     if ctx is not None:
         group = tp_group(ctx, tp)
         if group is None:
@@ -183,7 +184,7 @@ def trace_forward(ctx=None, tp=1, sp=False):
         apply_tp(model, group, sequence_parallel=sp)
     with CommLogger() as log:
         seen = record_modules(model, log)
-        DATA.global_batch(0).loss(model)
+        DATA.global_batch(0).to(device).loss(model)
     return {"modules": seen, "ops": [(base_op(e.op), e.numel) for e in log.events]}
 
 
@@ -334,24 +335,25 @@ print(f"TP only: {TP} identical copies of a {tuple(whole[0].shape)} LayerNorm ou
 DT = torch.float64
 
 
-def fresh_model(dtype=torch.float32):
+def fresh_model(dtype=torch.float32, device=None):   # device: a rank's ctx.device; None: here, on the CPU
     torch.manual_seed(SEED)
-    return perturbed(GPT(CFG).to(dtype), seed=SEED)   # biases away from 0, LayerNorm weights away from 1
+    model = GPT(CFG).to(device, dtype)
+    return perturbed(model, seed=SEED)   # biases away from 0, LayerNorm weights away from 1
 
 
 def ours(ctx, optimizer):
-    model = apply_tp(fresh_model(DT), tp_group(ctx, TP), sequence_parallel=True)
+    model = apply_tp(fresh_model(DT, ctx.device), tp_group(ctx, TP), sequence_parallel=True)
     return first_step_and_train(model, DATA, STEPS, optimizer, full_logits=VocabParallelLogits.full_tensor,
-                                full_gradients=full_gradients, full_weights=full_weights)
+                                full_gradients=full_gradients, full_weights=full_weights, device=ctx.device)
 
 
 def pytorch(ctx, optimizer):
     from torch.distributed.tensor.parallel import loss_parallel
 
     mesh = init_mesh(ctx, dp=ctx.world_size // TP, tp=TP).to_device_mesh()["tp"]
-    model = dtensor_tp(fresh_model(DT), mesh, sequence_parallel=True)
+    model = dtensor_tp(fresh_model(DT, ctx.device), mesh, sequence_parallel=True)
     # loss_parallel: cross-entropy on vocabulary-sharded DTensor logits, forward and backward.
-    return first_step_and_train(model, DATA, STEPS, optimizer, loss_context=loss_parallel)
+    return first_step_and_train(model, DATA, STEPS, optimizer, loss_context=loss_parallel, device=ctx.device)
 
 
 def single_process(optimizer):
@@ -394,12 +396,12 @@ print(f"ours = one process = parallelize_module, on all {WORLD_SIZE} ranks, with
 
 # %%
 def norm_gradients(ctx, keep_sync):
-    model = apply_tp(fresh_model(DT), tp_group(ctx, TP), sequence_parallel=True)
+    model = apply_tp(fresh_model(DT, ctx.device), tp_group(ctx, TP), sequence_parallel=True)
     synced = [name for name, p in model.named_parameters() if hasattr(p, "_tp_grad_sync")]
     if not keep_sync:
         for name in synced:
             model.get_parameter(name)._tp_grad_sync.remove()
-    DATA.global_batch(0).loss(model).backward()
+    DATA.global_batch(0).to(ctx.device).loss(model).backward()
     local = {name: model.get_parameter(name).grad.clone() for name in synced}
     summed = {}
     for name, grad in local.items():   # the all-reduce the hooks would have done
@@ -465,10 +467,10 @@ print(f"  after an all-reduce over the {TP} ranks: equal to the one-process grad
 def one_step_log(ctx, sp, regather=True, config=CFG):
     """Every collective of one forward and backward, and the per-block compute bars."""
     torch.manual_seed(SEED)
-    model = GPT(config)
+    model = GPT(config).to(ctx.device)
     timeline = Timeline(ctx.rank)
     apply_tp(model, tp_group(ctx, TP), sequence_parallel=sp, regather_in_backward=regather, timeline=timeline)
-    batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0)
+    batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0).to(ctx.device)
     batch.loss(model).backward()   # a first step warms up; the second is logged
     model.zero_grad(set_to_none=True)
     timeline.clear()
@@ -611,10 +613,11 @@ def largest_saved(model, inputs):
 
 
 def activations(ctx=None, sp=False, regather=True):
-    model = GPT(CFG)
+    device = None if ctx is None else ctx.device   # None: here, on the CPU
+    model = GPT(CFG).to(device)
     if ctx is not None:
         apply_tp(model, tp_group(ctx, TP), sequence_parallel=sp, regather_in_backward=regather)
-    inputs = DATA.global_batch(0).inputs
+    inputs = DATA.global_batch(0).inputs.to(device)
     return largest_saved(model, inputs), saved_activation_bytes(model, inputs)
 
 
@@ -912,9 +915,9 @@ fig
 
 # %%
 def ours_async(ctx, optimizer):
-    model = apply_tp(fresh_model(DT), tp_group(ctx, TP), sequence_parallel=True, async_tp=True)
+    model = apply_tp(fresh_model(DT, ctx.device), tp_group(ctx, TP), sequence_parallel=True, async_tp=True)
     return first_step_and_train(model, DATA, STEPS, optimizer, full_logits=VocabParallelLogits.full_tensor,
-                                full_gradients=full_gradients, full_weights=full_weights)
+                                full_gradients=full_gradients, full_weights=full_weights, device=ctx.device)
 
 
 for opt in ("sgd", "adam"):
@@ -934,8 +937,9 @@ print(f"async TP+SP = TP+SP = one process at tp = {TP}, float64: logits, loss, g
 def async_step_bars(ctx, config):
     torch.manual_seed(SEED)
     timeline = Timeline(ctx.rank)
-    model = apply_tp(GPT(config), tp_group(ctx, TP), sequence_parallel=True, async_tp=True, timeline=timeline)
-    batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0)
+    model = apply_tp(GPT(config).to(ctx.device), tp_group(ctx, TP), sequence_parallel=True, async_tp=True,
+                     timeline=timeline)
+    batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0).to(ctx.device)
     batch.loss(model).backward()   # a first step warms up; the second is recorded
     model.zero_grad(set_to_none=True)
     timeline.clear()
@@ -986,12 +990,12 @@ fig
 # %%
 def step_times(ctx, config, repeats):
     """Seconds of each forward and backward, per scheme, on this rank (the first is a warm-up)."""
-    batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0)
+    batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0).to(ctx.device)
     models = {}
     for scheme, overlap in (("TP+SP", False), ("async TP+SP", True)):
         torch.manual_seed(SEED)
-        models[scheme] = apply_tp(GPT(config), tp_group(ctx, TP), sequence_parallel=True, async_tp=overlap,
-                                  regather_in_backward=False)
+        models[scheme] = apply_tp(GPT(config).to(ctx.device), tp_group(ctx, TP), sequence_parallel=True,
+                                  async_tp=overlap, regather_in_backward=False)
     seconds = {scheme: [] for scheme in models}
     for _ in range(repeats + 1):
         for scheme, model in models.items():
@@ -1026,8 +1030,8 @@ def ring_step_times(ctx, config, repeats=100):
     group = tp_group(ctx, TP)
     r = dist.get_rank(group)
     to, came_from = (dist.get_global_rank(group, (r + d) % TP) for d in (1, -1))
-    shard = torch.randn(MBS, config.seq_len // TP, config.hidden)
-    weight = torch.randn(3 * config.hidden // TP, config.hidden)   # q, k and v of this rank
+    shard = torch.randn(MBS, config.seq_len // TP, config.hidden).to(ctx.device)
+    weight = torch.randn(3 * config.hidden // TP, config.hidden).to(ctx.device)   # q, k and v of this rank
     seconds = {"transfer": [], "matmul piece": [], "both": []}
     for _ in range(repeats):
         for case, times in seconds.items():

@@ -186,8 +186,8 @@ def whole_problem(shape=SHAPE, dtype=DT):
 
 
 def mine(ctx, t, layout):
-    """This rank's tokens of ``t`` (sequence in dim 2) in ``layout``, and their global positions."""
-    return split_sequence(t, ctx.rank, ctx.world_size, layout, dim=2)
+    """This rank's tokens of ``t`` (sequence in dim 2) in ``layout`` on its device, and their global positions."""
+    return split_sequence(t.to(ctx.device), ctx.rank, ctx.world_size, layout, dim=2)
 
 
 def attention_on_rank(ctx):
@@ -510,7 +510,7 @@ MEM = (2, 4, S_MEM, 8)       # batch, K/V heads, sequence, head_dim
 
 def kv_buffers(ctx):
     groups = {cp: ctx.new_group(range(cp)) for cp in CPS}   # every rank creates every group
-    q, k, v, upstream = whole_problem(MEM, torch.float32)
+    q, k, v, upstream = (t.to(ctx.device) for t in whole_problem(MEM, torch.float32))
     result = {}
     for cp, group in groups.items():
         if ctx.rank >= cp:
@@ -610,10 +610,10 @@ def saved_per_rank(ctx):
     alone = [ctx.new_group([r]) for r in range(ctx.world_size)][ctx.rank]   # every rank creates every group
     result = {}
     for seq in SEQS:
-        ids = tokens(seq)
-        ring_alone = apply_cp(act_model(), alone, layout="zigzag")
+        ids = tokens(seq).to(ctx.device)
+        ring_alone = apply_cp(act_model().to(ctx.device), alone, layout="zigzag")
         result["ring attention, one rank", seq] = saved_activation_bytes(ring_alone, ids)
-        under_cp = apply_cp(act_model(), init_mesh(ctx, cp=ctx.world_size), layout="zigzag")
+        under_cp = apply_cp(act_model().to(ctx.device), init_mesh(ctx, cp=ctx.world_size), layout="zigzag")
         local = split_sequence(ids, ctx.rank, ctx.world_size, "zigzag", dim=1)[0]
         result[f"cp = {ctx.world_size}, per rank", seq] = saved_activation_bytes(under_cp, local)
     return result
@@ -717,12 +717,13 @@ def cp_training(ctx):
     results = {}
     for i, (layout, optimizer) in enumerate(RUNS):
         ctx.log(done=i)
-        model = apply_cp(fresh_model(), mesh, layout=layout)
+        model = apply_cp(fresh_model().to(ctx.device), mesh, layout=layout)
         stream = DATA.rank_stream(ctx.rank, ctx.world_size, by="sequence", layout=layout)
-        results[layout, optimizer] = {**first_step(model, stream(0)), "positions": stream(0).positions,
-                                      "weights": train(model, stream, STEPS, optimizer)}
-    unsynced = apply_cp(fresh_model(), mesh, layout="zigzag", sync_gradients=False)
-    DATA.rank_batch(ctx.rank, ctx.world_size, 0, by="sequence", layout="zigzag").loss(unsynced).backward()
+        results[layout, optimizer] = {**first_step(model, stream(0).to(ctx.device)), "positions": stream(0).positions,
+                                      "weights": train(model, stream, STEPS, optimizer, device=ctx.device)}
+    unsynced = apply_cp(fresh_model().to(ctx.device), mesh, layout="zigzag", sync_gradients=False)
+    batch = DATA.rank_batch(ctx.rank, ctx.world_size, 0, by="sequence", layout="zigzag").to(ctx.device)
+    batch.loss(unsynced).backward()
     results["own gradients"] = gradients(unsynced)
     return results
 
@@ -793,8 +794,8 @@ def refusals(ctx):
     q, k, v, _ = whole_problem()
     local = [mine(ctx, t, "zigzag")[0] for t in (q, k, v)]
     shorter = [t[:, :, :-2] if ctx.rank == 0 else t for t in local]
-    model = apply_cp(fresh_model(), init_mesh(ctx, cp=ctx.world_size), layout="zigzag")
-    wrong_layout = DATA.rank_batch(ctx.rank, ctx.world_size, 0, by="sequence", layout="contiguous")
+    model = apply_cp(fresh_model().to(ctx.device), init_mesh(ctx, cp=ctx.world_size), layout="zigzag")
+    wrong_layout = DATA.rank_batch(ctx.rank, ctx.world_size, 0, by="sequence", layout="contiguous").to(ctx.device)
     errors = {
         "rank 0 holds 2 tokens fewer": refusal(lambda: context_parallel_attention(*shorter, layout="zigzag")),
         "k and v with head_dim 6": refusal(lambda: context_parallel_attention(local[0], local[1][..., :6],
@@ -922,12 +923,13 @@ def ulysses_on_rank(ctx):
         out = ulysses_attention(*local)
     with CommLogger() as backward_log:
         out.backward(mine(ctx, upstream, "contiguous")[0])
-    model = apply_cp(ulysses_fresh_model(), init_mesh(ctx, cp=ctx.world_size), layout="contiguous", kind="ulysses")
+    model = apply_cp(ulysses_fresh_model().to(ctx.device), init_mesh(ctx, cp=ctx.world_size), layout="contiguous",
+                     kind="ulysses")
     stream = UDATA.rank_stream(ctx.rank, ctx.world_size, by="sequence", layout="contiguous")
     return {"attention": [t.detach() for t in (out, *(x.grad for x in local))],
             "logs": (forward_log.totals(), backward_log.totals()),
-            "model": {**first_step(model, stream(0)), "positions": stream(0).positions,
-                      "weights": train(model, stream, 2, "sgd")}}
+            "model": {**first_step(model, stream(0).to(ctx.device)), "positions": stream(0).positions,
+                      "weights": train(model, stream, 2, "sgd", device=ctx.device)}}
 
 
 ulysses_runs = cluster.run(ulysses_on_rank)

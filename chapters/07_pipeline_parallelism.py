@@ -290,8 +290,8 @@ def ours(ctx):
     results = {}
     for i, (name, v, m) in enumerate(RUNS):
         ctx.log(done=i)
-        pipe = apply_pp(fresh_model(), mesh, schedule=name, microbatches=m, chunks=v)
-        results[name] = first_step_and_train(pipe, stream(m), STEPS)
+        pipe = apply_pp(fresh_model().to(ctx.device), mesh, schedule=name, microbatches=m, chunks=v)
+        results[name] = first_step_and_train(pipe, stream(m), STEPS, device=ctx.device)
     return results
 
 
@@ -337,10 +337,10 @@ def pytorchs(ctx):
     results = {}
     for i, (name, v) in enumerate(TORCH_SCHEDULES):
         ctx.log(done=i)
-        pipe = pytorch_pipeline(fresh_model(), schedule=name, microbatches=M_TORCH, chunks=v)
+        pipe = pytorch_pipeline(fresh_model().to(ctx.device), schedule=name, microbatches=M_TORCH, chunks=v)
         results[name] = {"order": pipe.pipeline_order()}
         if (name, v) in TORCH_RUNS:
-            results[name].update(first_step_and_train(pipe, stream(M_TORCH), STEPS))
+            results[name].update(first_step_and_train(pipe, stream(M_TORCH), STEPS, device=ctx.device))
     return results
 
 
@@ -385,8 +385,8 @@ STEPS = 3   # timed steps per m; the one with the least bubble counts
 def measured_bubble(ctx, schedule, m):
     """This rank's timeline rows for each of STEPS calibrated steps."""
     torch.set_num_threads(1)
-    pipe = apply_pp(fresh_model(dtype=torch.float32), schedule=schedule, microbatches=m)
-    batches = [stream(m)(0, i) for i in range(m)]
+    pipe = apply_pp(fresh_model(dtype=torch.float32).to(ctx.device), schedule=schedule, microbatches=m)
+    batches = [stream(m)(0, i).to(ctx.device) for i in range(m)]
     pipe.step(batches)   # warm-up (threads, allocations), at the model's own speed
     calibrate_compute(pipe, t_f=T_F)
     steps = []
@@ -452,8 +452,9 @@ def peak_bytes(ctx):
     torch.set_num_threads(1)
     out = {}
     for name, m in (("afab", 1), ("afab", M_MEM), ("1f1b", M_MEM)):
-        pipe = apply_pp(fresh_model(dtype=torch.float32), schedule=name, microbatches=m, measure_activations=True)
-        pipe.step([own_tensors(stream(m)(0, i)) for i in range(m)])
+        pipe = apply_pp(fresh_model(dtype=torch.float32).to(ctx.device), schedule=name, microbatches=m,
+                        measure_activations=True)
+        pipe.step([own_tensors(stream(m)(0, i)).to(ctx.device) for i in range(m)])
         out[name, m] = (pipe.peak_activations, pipe.peak_activation_bytes)
     return out
 

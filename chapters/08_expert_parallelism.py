@@ -194,7 +194,7 @@ for (dp, ep), experts_held in held.items():
 
 # %%
 def held_parameters(ctx, config):
-    model = apply_ep(moe_model(config), None)
+    model = apply_ep(moe_model(config, device=ctx.device), None)
     experts = set(expert_parameter_names(model))
     count = lambda names: sum(p.numel() for n, p in model.named_parameters() if n in names)  # noqa: E731
     names = {n for n, _ in model.named_parameters()}
@@ -223,8 +223,9 @@ print(f"every rank: {dense_part:,} dense parameters (replicated) + {expert_part:
 # %%
 def one_layer_logged(ctx, config, seed, selection_bias=None):
     """One MoE layer, forward and backward, on this rank's tokens: bytes logged and predicted."""
-    model = apply_ep(moe_model(config, selection_bias=selection_bias), None, sync_gradients=False)
-    x = torch.randn(4 * SEQ, HIDDEN, generator=torch.Generator().manual_seed(seed + ctx.rank), requires_grad=True)
+    model = apply_ep(moe_model(config, selection_bias=selection_bias, device=ctx.device), None, sync_gradients=False)
+    x = torch.randn(4 * SEQ, HIDDEN, generator=torch.Generator().manual_seed(seed + ctx.rank)).to(ctx.device)
+    x.requires_grad_()
     return layer_traffic(model.blocks[0].mlp, x)
 
 

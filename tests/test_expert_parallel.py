@@ -104,8 +104,8 @@ def test_grouped_mlp_equals_the_per_expert_loop():
 def logged_layer(ctx, c):
     """One MoE layer's forward and backward under a CommLogger (with the model's own gradient
     hooks: their all-reduce is not counted), and the predicted bytes."""
-    model = apply_ep(moe_model(c), None)
-    x = torch.randn(2 * 16, 32, generator=torch.Generator().manual_seed(ctx.rank), requires_grad=True)
+    model = apply_ep(moe_model(c, device=ctx.device), None)
+    x = torch.randn(2 * 16, 32, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device).requires_grad_()
     return layer_traffic(model.blocks[0].mlp, x)
 
 

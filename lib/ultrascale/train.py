@@ -82,16 +82,16 @@ def run_steps(model, batches, steps: int, optimizer="sgd", *, grad_acc: int = 1,
     return losses
 
 
-def run_pipeline_steps(pipe, batches, steps: int, optimizer="sgd", first_step: int = 0) -> list:
+def run_pipeline_steps(pipe, batches, steps: int, optimizer="sgd", first_step: int = 0, *, device=None) -> list:
     """``run_steps`` for a pipeline (``parallel.pipeline_parallel.Pipeline``): each step,
     ``pipe.step`` on the m micro-batches ``batches(step, micro)`` (the same ones
-    ``run_steps(..., grad_acc=m)`` trains one process on), then the optimizer. Returns the
-    losses (None on ranks without the last stage)."""
+    ``run_steps(..., grad_acc=m)`` trains one process on), moved to ``device`` as in
+    ``run_steps``, then the optimizer. Returns the losses (None on ranks without the last stage)."""
     m = pipe.schedule.microbatches
     opt = make_optimizer(pipe.parameters(), optimizer) if isinstance(optimizer, str) else optimizer
     losses = []
     for step in range(first_step, first_step + steps):
-        losses.append(pipe.step([batches(step, micro) for micro in range(m)]))
+        losses.append(pipe.step([batches(step, micro).to(device) for micro in range(m)]))
         opt.step()
         opt.zero_grad()
     return losses

@@ -91,15 +91,17 @@ def perturbed(model, scale: float = 0.05, seed: int = 0):
 
 
 def first_step_and_train(model, data: "Batches", steps: int, optimizer="sgd", *, full_weights=None,
-                         loss_context=None, **readers) -> dict:
+                         loss_context=None, device=None, **readers) -> dict:
     """``first_step`` on batch 0 of ``data``, then ``steps`` optimizer steps on its global
     batches, then the weights: ``{"logits", "loss", "grads", "weights"}``, what a parity
     check of a model-parallel technique compares. ``readers``: ``full_logits`` and
     ``full_gradients`` as in ``first_step``; ``full_weights`` reads the weights (default
-    ``weights``). ``loss_context`` wraps the whole run (DTensor's ``loss_parallel``)."""
+    ``weights``). ``loss_context`` wraps the whole run (DTensor's ``loss_parallel``).
+    ``device``: where the batches go, the model's device (a rank's ``ctx.device``; None:
+    they stay where ``data`` makes them, on the host)."""
     with loss_context() if loss_context is not None else contextlib.nullcontext():
-        out = first_step(model, data.global_batch(0), **readers)
-        run_steps(model, data.global_stream(1), steps, optimizer)
+        out = first_step(model, data.global_batch(0).to(device), **readers)
+        run_steps(model, data.global_stream(1), steps, optimizer, device=device)
     return {**out, "weights": (full_weights or weights)(model)}
 
 

@@ -23,11 +23,12 @@ from . import assert_same, first_step, merge_ranks, perturbed
 __all__ = ["moe_model", "one_process_run", "ep_rank_run", "merged", "assert_ep_matches", "layer_traffic"]
 
 
-def moe_model(config, seed: int = 0, selection_bias=None):
+def moe_model(config, seed: int = 0, selection_bias=None, device=None):
     """The model every run starts from: the same weights in every process. ``selection_bias``
-    (E numbers): every router's ``selection_bias``, e.g. to skew the routing."""
+    (E numbers): every router's ``selection_bias``, e.g. to skew the routing. ``device``: where
+    it goes (``ctx.device`` on a rank); built on the host from the seed, then moved."""
     torch.manual_seed(seed)
-    model = perturbed(build_model(config), seed=seed)
+    model = perturbed(build_model(config).to(device), seed=seed)
     if selection_bias is not None:
         for name, buffer in model.named_buffers():
             if name.endswith("router.selection_bias"):
@@ -35,9 +36,9 @@ def moe_model(config, seed: int = 0, selection_bias=None):
     return model
 
 
-def _train(model, first, stream, steps: int, optimizer) -> dict:
-    out = first_step(model, first)
-    out["losses"] = run_steps(model, stream, steps, optimizer, first_step=1)
+def _train(model, first, stream, steps: int, optimizer, device=None) -> dict:
+    out = first_step(model, first.to(device))
+    out["losses"] = run_steps(model, stream, steps, optimizer, first_step=1, device=device)
     out["weights"] = weights(model)
     return out
 
@@ -57,10 +58,10 @@ def ep_rank_run(ctx, config, steps: int = 2, optimizer: str = "sgd", mbs: int = 
     mesh = None
     if mesh_sizes:
         mesh = init_mesh(ctx, joint=[("dp", "ep")] if len(mesh_sizes) > 1 else (), **mesh_sizes)
-    model = apply(moe_model(config, seed, selection_bias), mesh)
+    model = apply(moe_model(config, seed, selection_bias, device=ctx.device), mesh)
     data = Batches(config, mbs=mbs, seed=seed)
     return _train(model, data.rank_batch(ctx.rank, ctx.world_size, 0),
-                  data.rank_stream(ctx.rank, ctx.world_size), steps, optimizer)
+                  data.rank_stream(ctx.rank, ctx.world_size), steps, optimizer, device=ctx.device)
 
 
 def merged(per_rank: list) -> dict:

@@ -33,15 +33,16 @@ __all__ = ["PyTorchPipeline", "TORCH_SCHEDULES", "assert_same_as_one_process", "
            "first_step_and_train", "one_process", "pytorch_pipeline"]
 
 
-def first_step_and_train(pipe: Pipeline, batches, steps: int, optimizer="sgd") -> dict:
+def first_step_and_train(pipe: Pipeline, batches, steps: int, optimizer="sgd", *, device=None) -> dict:
     """This rank's share of a pipeline's parity check: the first step's loss (None off the last
     stage), gradients and activations held at once, then ``steps`` optimizer steps from step 0's
-    data on, then the weights. Set against ``one_process`` with ``assert_same_as_one_process``."""
+    data on, then the weights. Set against ``one_process`` with ``assert_same_as_one_process``.
+    ``device``: where the micro-batches go (``ctx.device``), as in ``run_pipeline_steps``."""
     m = pipe.schedule.microbatches
-    loss = pipe.step([batches(0, micro) for micro in range(m)])
+    loss = pipe.step([batches(0, micro).to(device) for micro in range(m)])
     out = {"loss": loss, "grads": pipe.gradients(), "peak": pipe.peak_activations}
     pipe.zero_grad()
-    run_pipeline_steps(pipe, batches, steps, optimizer)
+    run_pipeline_steps(pipe, batches, steps, optimizer, device=device)
     return {**out, "weights": pipe.weights()}
 
 
