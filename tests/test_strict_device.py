@@ -124,3 +124,32 @@ def test_the_mode_is_what_catches_them():
             dist.all_reduce(t)
             return t.item()
         assert plain.run(fault) == [2.0, 2.0]
+
+
+def test_a_device_taken_from_a_tensor_follows_that_tensor(strict):
+    """``device=x.device`` and ``.to(x)`` mean the host when x is on the host (as on a GPU
+    node), and the device when x is there."""
+    def follows(ctx):
+        host = torch.ones(3)                                   # an unmoved model's weights, say
+        assert (host + torch.ones(3).to(host.device)).sum() == 6      # all on the host: fine
+        assert (host + torch.zeros(3, device=host.device)).sum() == 3
+        assert (host + torch.ones(3).to(host)).sum() == 6
+        dev = torch.ones(3, device=ctx.device)
+        assert (dev + torch.zeros(3, device=dev.device)).sum() == 3   # all on the device: fine
+        return True
+    assert strict.run(follows) == [True, True]
+
+    def fault(ctx):
+        dev = torch.ones(3, device=ctx.device)
+        host = torch.ones(3)
+        return (dev + torch.zeros(3, device=host.device)).sum().item()
+    _raises(strict, fault, "mixes a tensor made on the host at `fault` line")
+
+
+def test_a_dtype_change_is_no_move(strict):
+    """``model.to(torch.float64)`` (Module.to passes non_blocking=False by position) leaves the
+    weights where they were: on the host."""
+    def fault(ctx):
+        model = torch.nn.Linear(4, 4).to(torch.float64)
+        return model(torch.ones(2, 4, device=ctx.device, dtype=torch.float64)).sum().item()
+    _raises(strict, fault, "mixes a tensor made on the host")

@@ -101,15 +101,17 @@ def send_recv(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
     ``keeping_exchanges()`` the Work objects are kept until the block ends (see there why).
     """
     sending, receiving = send.numel() > 0, recv.numel() > 0
-    if send.is_cuda or recv.is_cuda:
-        # NCCL: a send and a receive posted one by one can queue on one stream and wait for each
-        # other forever; batch_isend_irecv launches the pair as one group.
+    if send.is_cuda or recv.is_cuda or right == left:
+        # NCCL: a send and a receive posted one by one to one peer queue on that pair's stream,
+        # and when the peer does the same, each send waits for a receive queued behind the other
+        # send, forever; batch_isend_irecv launches the pair as one group. (On gloo that happens
+        # only when both go to one peer: two ranks, recursive doubling's partners.)
         ops = ([dist.P2POp(dist.isend, send, group=group, group_peer=right)] if sending else []) + \
               ([dist.P2POp(dist.irecv, recv, group=group, group_peer=left)] if receiving else [])
         works = dist.batch_isend_irecv(ops) if ops else []
     else:
-        # gloo: batch_isend_irecv would post the two one after the other all the same, and its
-        # bookkeeping cost 50-80 us more per exchange (benchmarks/bench_send_recv.py)
+        # gloo, two peers: each pair's stream holds one of the two, so either order is safe, and
+        # batch_isend_irecv's bookkeeping costs 50-80 us more per exchange (benchmarks/bench_send_recv.py)
         works = ([dist.isend(send, group=group, group_dst=right)] if sending else []) + \
                 ([dist.irecv(recv, group=group, group_src=left)] if receiving else [])
     for work in works:

@@ -41,6 +41,7 @@ from .forkserver import mp_context, no_main_reimport
 from .pipe import read_message
 from .stop_button import counting_presses
 from .strict_device import enabled_by_env
+from .strict_p2p import DEFAULT_TIMEOUT as DEFAULT_P2P_TIMEOUT, timeout_from_env
 from .worker import worker_main
 
 # Ranks idle this long give their memory back (they are killed; the fork server, which has
@@ -121,6 +122,7 @@ class Cluster:
         grace: float = 2.0,
         idle_release: float = IDLE_RELEASE_S,
         strict_device: bool | None = None,
+        strict_p2p: bool | float | None = None,
     ):
         world_size = _positive_int("world_size", world_size)
         if output not in ("ordered", "live"):
@@ -133,6 +135,12 @@ class Cluster:
         # strict-device mode (runtime/strict_device.py): a tensor left on the host fails here
         # as it would on a GPU node; None: as ULTRASCALE_STRICT_DEVICE says (make test sets it)
         self.strict_device = enabled_by_env() if strict_device is None else bool(strict_device)
+        # strict point-to-point mode (runtime/strict_p2p.py): a send waits for its receive, as
+        # under NCCL; the seconds it may wait (True: the default), None: off
+        if strict_p2p is None:
+            strict_p2p = timeout_from_env()
+        self.strict_p2p = (DEFAULT_P2P_TIMEOUT if strict_p2p is True else
+                           None if strict_p2p is False else strict_p2p)
         self.timeout = _seconds("timeout", timeout)
         self.output = output  # "ordered": each rank's lines after the call; "live": as they come
         self.grace = _seconds("grace", grace, minimum_excluded=False)  # how long other ranks
@@ -175,7 +183,7 @@ class Cluster:
                 target=worker_main,
                 args=(rank, self.world_size, self.backend, child_conn, self._store.port,
                       self._generation, os.getpid(), self.threads, list(sys.path), os.getcwd(),
-                      self.strict_device),
+                      self.strict_device, self.strict_p2p),
                 name=f"ultrascale-rank{rank}",
                 daemon=True,
             )
@@ -368,10 +376,10 @@ _SHARED: dict = {}
 
 def shared_cluster(world_size: int, backend: str = "auto") -> Cluster:
     """A cached cluster of ``world_size`` ranks, started on first use (for graders)."""
-    key = (world_size, backend, enabled_by_env())
+    key = (world_size, backend, enabled_by_env(), timeout_from_env())
     cluster = _SHARED.get(key)
     if cluster is None or cluster._closed:
-        cluster = _SHARED[key] = Cluster(world_size, backend=backend, strict_device=key[2])
+        cluster = _SHARED[key] = Cluster(world_size, backend=backend, strict_device=key[2], strict_p2p=key[3])
     return cluster
 
 

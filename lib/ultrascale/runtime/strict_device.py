@@ -17,7 +17,10 @@ GPU node:
 * a collective or send/receive given a host tensor raises (NCCL takes CUDA tensors only).
 
 Each error names the op and the line that made the host tensor. Copies between the two
-(``copy_``, ``.to``) and indexing are allowed, as CUDA allows them.
+(``copy_``, ``.to``) and indexing are allowed, as CUDA allows them. ``device=x.device`` and
+``.to(x)`` follow ``x``: to the host if ``x`` is there. One thing the mode cannot see: a device
+named by its string, ``device="cpu"``, counts as ``ctx.device`` (on a CPU the two are one);
+rank code names ``ctx.device`` or a tensor's device, never a literal.
 
 The course's idiom, written down in CONTRIBUTING.md: data and initial weights come from the
 seeded CPU generators and are then moved (``GPT(cfg).to(ctx.device)``,
@@ -126,8 +129,29 @@ def _new_object(t: torch.Tensor, result):
     return result
 
 
+_DEVICE_GETTER = torch._C.TensorBase.device   # ``t.device``, which reaches the mode as its __get__
+
+
 class StrictDevice(TorchFunctionMode):
     """The mode itself; see the module's docstring. ``with StrictDevice(): ...``"""
+
+    def __init__(self):
+        super().__init__()
+        # ``x.device`` of a host tensor x, as handed out: on a CPU it equals ctx.device, but
+        # ``device=x.device`` means the host there. torch makes a new device object per read,
+        # so the objects themselves are remembered (the most recent few hundred).
+        self.host_devices: dict[int, tuple] = {}
+
+    def _host_device(self, device, where: str) -> None:
+        self.host_devices[id(device)] = (device, where)
+        if len(self.host_devices) > 512:
+            del self.host_devices[next(iter(self.host_devices))]
+
+    def _where_device_puts(self, device) -> str | None:
+        """Where a tensor made or moved with ``device=device`` lives: the host (as a mark) for
+        the device of a host tensor, else ctx.device (None)."""
+        seen = self.host_devices.get(id(device))
+        return seen[1] if seen is not None and seen[0] is device else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -135,13 +159,19 @@ class StrictDevice(TorchFunctionMode):
         if not tensors:  # a factory: host unless it names a device
             result = func(*args, **kwargs)
             if isinstance(result, torch.Tensor):
-                generator = kwargs.get("generator")
-                on_host = kwargs.get("device") is None or (
-                    generator is not None and generator.device.type == "cpu")
-                _mark(result, _caller() if on_host else None)
+                generator, device = kwargs.get("generator"), kwargs.get("device")
+                if device is None or (generator is not None and generator.device.type == "cpu"):
+                    _mark(result, _caller())
+                else:
+                    _mark(result, self._where_device_puts(device))
             return result
         if func in _MOVES:
             return self._move(func, args, kwargs)
+        if getattr(func, "__self__", None) is _DEVICE_GETTER:  # x.device
+            result = func(*args, **kwargs)
+            if host_mark(args[0]) is not None:
+                self._host_device(result, host_mark(args[0]))
+            return result
         if getattr(func, "__name__", None) == "__set__" and len(args) == 2:  # p.data = v
             result = func(*args, **kwargs)
             _mark(args[0], host_mark(args[1]))
@@ -165,18 +195,27 @@ class StrictDevice(TorchFunctionMode):
         if func is torch.Tensor.cpu:
             result = _new_object(t, result)
             _mark(result, host_mark(t) or _caller())
-        elif _names_device(args[1:], kwargs):  # .to(device), .to(other_tensor), .cuda()
-            result = _new_object(t, result)
-            _mark(result, None)
-        else:  # .to(dtype): the data stays where it is
-            _mark(result, host_mark(t))
+        else:
+            target = _target(args[1:], kwargs)
+            if target is None:  # .to(dtype): the data stays where it is
+                _mark(result, host_mark(t))
+                return result
+            result = _new_object(t, result)   # .to(device), .to(other_tensor), .cuda()
+            if isinstance(target, torch.Tensor):
+                _mark(result, host_mark(target))
+            else:
+                _mark(result, self._where_device_puts(target))
         return result
 
 
-def _names_device(args, kwargs) -> bool:
-    if "device" in kwargs or any(isinstance(a, torch.Tensor) for a in args):
-        return True
-    return any(isinstance(a, (str, torch.device, int)) for a in args)
+def _target(args, kwargs):
+    """What ``.to(...)`` moves to: a device, a tensor whose device it takes, or None (a dtype)."""
+    if kwargs.get("device") is not None:
+        return kwargs["device"]
+    for a in args:   # (Module.to passes non_blocking by position: a bool is no device)
+        if isinstance(a, (torch.Tensor, str, torch.device, int)) and not isinstance(a, bool):
+            return a
+    return None
 
 
 def _split(tensors):

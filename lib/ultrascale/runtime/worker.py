@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import strict_device as strict_device_mode
+from .strict_device import StrictDevice, install as install_strict_device
+from .strict_p2p import install as install_strict_p2p, posted as strict_p2p_posted
 from .context import RankContext, to_cpu
 
 
@@ -227,7 +228,7 @@ def _init_process_group(backend: str, rank: int, world_size: int, store_port: in
 
 
 def worker_main(rank, world_size, backend, conn, store_port, generation, notebook_pid, threads,
-                sys_path=None, cwd=None, strict_device=False):
+                sys_path=None, cwd=None, strict_device=False, strict_p2p=None):
     """Entry point of one rank (runs in a fresh process from the fork server)."""
     _set_parent_death_signal()
     # The fork server may have started before the notebook changed its import path or folder
@@ -254,8 +255,10 @@ def worker_main(rank, world_size, backend, conn, store_port, generation, noteboo
         channel.send("error", ("RuntimeError", traceback.format_exc(), None), job_id=0)
         return
     ctx = RankContext(rank=rank, world_size=world_size, backend=backend, device=device, channel=channel)
+    if strict_p2p:  # NCCL's rules for sends and receives (strict_p2p.py)
+        install_strict_p2p(strict_p2p)
     if strict_device:  # fail on this CPU where a GPU node would (strict_device.py)
-        strict_device_mode.install()
+        install_strict_device()
         ctx.strict_device = True
 
     jobs: queue.Queue = queue.Queue()
@@ -285,7 +288,7 @@ def _run_job(ctx: RankContext, channel: _Channel, job_id: int, payload: bytes) -
     try:
         with channel.gate.learner_code():
             fn, args, kwargs = cloudpickle.loads(payload)
-            with strict_device_mode.StrictDevice() if ctx.strict_device else contextlib.nullcontext():
+            with StrictDevice() if ctx.strict_device else contextlib.nullcontext():
                 result = fn(ctx, *args, **kwargs)
         reply = ("result", cloudpickle.dumps(to_cpu(result)))
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is reported too
@@ -316,6 +319,8 @@ def _group_counters():
             counters[group] = group._get_sequence_number_for_group()
         except Exception:  # a backend without sequence numbers: assume it was used
             counters[group] = object()
+    # strict point-to-point mode posts sends and receives from its own threads, maybe not yet
+    counters["strict p2p"] = strict_p2p_posted()
     return counters
 
 
