@@ -170,16 +170,16 @@ for config in CONFIGS:
 # left out or a wrong slice of the batch is off by many orders of magnitude more.
 
 # %%
-def fresh_model():
+def fresh_model(device="cpu"):
     torch.manual_seed(SEED)
-    return perturbed(GPT(MODEL).double())   # biases and norms moved away from 0 and 1
+    return perturbed(GPT(MODEL).double().to(device))   # biases and norms moved away from 0 and 1
 
 
 def capstone(ctx, configs):
     results = []
     for i, config in enumerate(configs):
         ctx.log(done=i)
-        results.append(train_composed(ctx, fresh_model(), config, DATA, STEPS))
+        results.append(train_composed(ctx, fresh_model(ctx.device), config, DATA, STEPS))
     return results
 
 
@@ -222,13 +222,13 @@ else:
     MOE_CONFIG = ParallelConfig(ep=WORLD_SIZE) if 4 % WORLD_SIZE == 0 else None   # ep must divide the 4 experts
 
 
-def fresh_moe():
+def fresh_moe(device="cpu"):
     torch.manual_seed(SEED)
-    return perturbed(GPT(MOE_MODEL).double())
+    return perturbed(GPT(MOE_MODEL).double().to(device))
 
 
 if MOE_CONFIG is not None:
-    moe_runs = cluster.run(lambda ctx: train_composed(ctx, fresh_moe(), MOE_CONFIG, MOE_DATA, STEPS))
+    moe_runs = cluster.run(lambda ctx: train_composed(ctx, fresh_moe(ctx.device), MOE_CONFIG, MOE_DATA, STEPS))
     merged = assert_composition_matches(moe_runs, train_one_process(fresh_moe(), MOE_CONFIG, MOE_DATA, STEPS),
                                         MOE_CONFIG)
     print(f"{str(MOE_CONFIG):<16} (MoE, 4 experts, top-2) loss curve {' '.join(f'{x:.3f}' for x in merged['losses'])} "
@@ -275,7 +275,7 @@ class Measured:
 
 def measure_memory(ctx, config):
     torch.manual_seed(SEED)
-    par = apply_parallelisms(GPT(MODEL), build_mesh(ctx, config), config)
+    par = apply_parallelisms(GPT(MODEL).to(ctx.device), build_mesh(ctx, config), config)
     if par.pipeline is not None:
         par.pipeline.measure_activations = True
     par.optimizer = Measured(par)
@@ -387,7 +387,7 @@ CONSUMERS = ("parameters", "gradients", "optimizer states")
 def held_after_one_step(ctx, model_config, data, config):
     """What this rank holds after one float32 Adam step: ZeRO's parameters, gradients and states."""
     torch.manual_seed(SEED)
-    par = apply_parallelisms(GPT(model_config), build_mesh(ctx, config), config)
+    par = apply_parallelisms(GPT(model_config).to(ctx.device), build_mesh(ctx, config), config)
     par.train(par.batches(data), 1)
     totals = dict.fromkeys(CONSUMERS, 0)
     for zero in getattr(par.optimizer, "zeros", [par.optimizer]):   # dense and expert ZeRO, each over its group
@@ -399,7 +399,7 @@ def held_after_one_step(ctx, model_config, data, config):
 eight = cluster if WORLD_SIZE == 8 else Cluster(8)   # these layouts need 8 ranks, whatever WORLD_SIZE is
 published_rows = {}
 for name, (model_config, data, fresh, config) in PUBLISHED.items():
-    runs = eight.run(lambda ctx: train_composed(ctx, fresh(), config, data, STEPS))
+    runs = eight.run(lambda ctx: train_composed(ctx, fresh(ctx.device), config, data, STEPS))
     merged = assert_composition_matches(runs, train_one_process(fresh(), config, data, STEPS), config)
     print(f"{name:<22} {str(config):<26} loss {' '.join(f'{x:.3f}' for x in merged['losses'])} = one process")
     adam = ParallelConfig(**{**config.__dict__, "optimizer": "adam"})

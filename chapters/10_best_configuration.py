@@ -486,7 +486,7 @@ assert "TP" not in ratios or 0.9 <= ratios["TP"] <= 8, ratios["TP"]
 # %%
 def mismatched_collective(ctx):
     if ctx.rank == 0:
-        dist.all_reduce(torch.ones(1))   # nobody else joins: rank 0 hangs here
+        dist.all_reduce(torch.ones(1, device=ctx.device))   # nobody else joins: rank 0 hangs here
     return ctx.rank
 
 

@@ -897,12 +897,12 @@ GATHER_RANKS = 2   # whatever WORLD_SIZE says: BATCH rows split evenly over 2 ra
 
 def zero3_run(ctx, gather_dtype):
     """ZeRO-3 training on this rank's half of each step's rows; the first step logged."""
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     zero = ZeRO(model, stage=3, param_dtype=torch.bfloat16, gather_dtype=gather_dtype, lr=3e-3)
     batches = lambda step, micro=0: sequences(step, micro=ctx.rank, rows=BATCH // ctx.world_size)  # noqa: E731
     with CommLogger() as log:
-        losses = run_steps(model, batches, 1, zero)
-    losses += run_steps(model, batches, STEPS - 1, zero, first_step=1)
+        losses = run_steps(model, batches, 1, zero, device=ctx.device)
+    losses += run_steps(model, batches, STEPS - 1, zero, device=ctx.device, first_step=1)
     bytes_of = lambda op: sum(e.bytes_sent for e in log.events if base_op(e.op) == op)  # noqa: E731
     amax = log.totals().get(AMAX_ALL_REDUCE, {"calls": 0, "bytes_sent": 0})
     return {"losses": losses, "gathers": sum(base_op(e.op) == "all_gather" for e in log.events),

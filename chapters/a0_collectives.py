@@ -373,7 +373,7 @@ RING_RANKS = 5
 
 def traced_ring_all_reduce(ctx, length):
     """The library's ring all-reduce on 2**rank inputs, with a snapshot before every step."""
-    tensor = torch.full((length,), 2.0 ** ctx.rank)
+    tensor = torch.full((length,), 2.0 ** ctx.rank, device=ctx.device)
     chunks = tensor.tensor_split(ctx.world_size)  # the library's chunking rule: views of `tensor`
     frames, sends = [], []
     original = ring_module.send_recv
@@ -389,7 +389,7 @@ def traced_ring_all_reduce(ctx, length):
     finally:
         ring_module.send_recv = original
     frames.append(tensor.clone())
-    reference = torch.full((length,), 2.0 ** ctx.rank)
+    reference = torch.full((length,), 2.0 ** ctx.rank, device=ctx.device)
     dist.all_reduce(reference)
     return frames, sends, torch.equal(tensor, reference)
 
@@ -443,7 +443,7 @@ def ring_parity(ctx, lengths):
     failures = []
     eps = torch.finfo(torch.float32).eps
     for length in lengths:
-        x = torch.randn(length, generator=torch.Generator().manual_seed(1000 * ctx.rank + length))
+        x = torch.randn(length, generator=torch.Generator().manual_seed(1000 * ctx.rank + length)).to(ctx.device)
         abs_sum = x.abs()
         dist.all_reduce(abs_sum)
         sum_bound = 2 * (ctx.world_size - 1) * eps * abs_sum  # see the text above
@@ -464,13 +464,13 @@ def ring_parity(ctx, lengths):
                 failures.append(f"rank {ctx.rank}, length {length}, {op}: max error {error.max():.3g}")
         # The two phases alone: our reduce-scatter and all-gather against the built-ins.
         if length % ctx.world_size == 0:
-            mine, theirs = ring_reduce_scatter(x), torch.empty(length // ctx.world_size)
+            mine, theirs = ring_reduce_scatter(x), torch.empty(length // ctx.world_size, device=ctx.device)
             reduce_scatter_single(theirs, x)
             if not bool(((mine - theirs).abs() <= torch.tensor_split(sum_bound, ctx.world_size)[ctx.rank]).all()):
                 failures.append(f"rank {ctx.rank}, length {length}: reduce-scatter differs")
         chunk = torch.tensor_split(x, ctx.world_size)[ctx.rank]
         gathered = ring_all_gather(chunk, numel=length)
-        padded = torch.zeros(-(-length // ctx.world_size))  # all_gather needs equal sizes: pad
+        padded = torch.zeros(-(-length // ctx.world_size), device=ctx.device)  # all_gather needs equal sizes: pad
         padded[: chunk.numel()] = chunk
         pieces = [torch.empty_like(padded) for _ in range(ctx.world_size)]
         dist.all_gather(pieces, padded)
@@ -499,7 +499,7 @@ assert failures == [], failures
 
 # %%
 def logged_bytes(ctx, length):
-    x = torch.ones(length)
+    x = torch.ones(length, device=ctx.device)
     with CommLogger() as log:
         ring_all_reduce(x)
         dist.all_reduce(x)
@@ -555,7 +555,7 @@ def time_all_reduce_variants(ctx, sizes, iters):
     n = ctx.world_size
     for nbytes in sizes:
         numel = nbytes // 4 // n * n
-        full, shard = torch.zeros(numel), torch.empty(numel // n)  # zeros: repeated sums stay finite
+        full, shard = torch.zeros(numel, device=ctx.device), torch.empty(numel // n, device=ctx.device)  # zeros: repeated sums stay finite
         t_all_reduce = time_collective(lambda: dist.all_reduce(full), iters)
 
         def two_phases():
@@ -719,7 +719,7 @@ print("alpha > 0, beta > 0 and a monotone model for:", ", ".join(fits))
 def traced_doubling(ctx, length, module=recursive_module, all_reduce=recursive_doubling_all_reduce):
     """An all-reduce built on ``module.send_recv`` (recursive doubling unless told otherwise) on random
     inputs: its messages (kind, peer, bytes sent), bytes and result against dist.all_reduce."""
-    x = torch.randn(length, generator=torch.Generator().manual_seed(SEED + ctx.rank))
+    x = torch.randn(length, generator=torch.Generator().manual_seed(SEED + ctx.rank)).to(ctx.device)
     reference, abs_sum = x.clone(), x.abs()
     dist.all_reduce(reference)
     dist.all_reduce(abs_sum)
@@ -854,7 +854,7 @@ bus = bus_factor("all_reduce", N)
 
 
 def race(ctx, sizes, rounds):
-    model = fit_on_the_spot(ctx.group)
+    model = fit_on_the_spot(ctx.group, device=ctx.device)
     contenders = all_reduce_contenders(ctx.group, model, again=True)   # again: gloo once more, the noise floor
 
     def stream(row):   # rank 0: one point per plotted contender on the live plot
@@ -862,7 +862,7 @@ def race(ctx, sizes, rounds):
         ctx.log(**{"log2(bytes)": math.log2(nbytes),
                    **{f"{name} busbw (MB/s)": nbytes / times[name] * bus / 1e6 for name in names}})
 
-    return model, race_all_reduces(contenders, sizes, rounds, ctx.group, callback=stream)
+    return model, race_all_reduces(contenders, sizes, rounds, ctx.group, ctx.device, callback=stream)
 
 
 names = ("builtin", "ring", "doubling", "halving", "chosen")
@@ -932,7 +932,7 @@ fig
 def latency_race(ctx, nbytes, rounds):
     contenders = all_reduce_contenders(ctx.group)
     two = {name: contenders[name] for name in ("ring", "doubling")}
-    return race_all_reduces(two, [nbytes], rounds, ctx.group, keep=min)[0][1]
+    return race_all_reduces(two, [nbytes], rounds, ctx.group, ctx.device, keep=min)[0][1]
 
 
 assert fitted.alpha > 0 and fitted.beta > 0

@@ -168,7 +168,7 @@ cluster = Cluster(WORLD_SIZE, backend="gloo")
 
 
 def time_async_all_reduce(ctx, numel):
-    x = torch.ones(numel)
+    x = torch.ones(numel, device=ctx.device)
     dist.barrier()
     start = time.perf_counter()
     work = dist.all_reduce(x, async_op=True)
@@ -423,13 +423,13 @@ DP_CONFIG = GPTConfig(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32) 
 
 def profile_dp_step(ctx, trace_path):
     torch.manual_seed(SEED)
-    model = GPT(DP_CONFIG)
+    model = GPT(DP_CONFIG).to(ctx.device)
     dp_model = apply_data_parallel(model, None, kind="bucketed", bucket_cap_mb=0.25)
     optimizer = make_optimizer(model.parameters(), "sgd")
     data = Batches(DP_CONFIG, mbs=2, seed=SEED)
 
     def step(i):
-        data.rank_batch(ctx.rank, ctx.world_size, i).loss(dp_model).backward()
+        data.rank_batch(ctx.rank, ctx.world_size, i).to(ctx.device).loss(dp_model).backward()
         dp_model.finish_gradient_synchronization()
         optimizer.step()
         optimizer.zero_grad()

@@ -380,8 +380,8 @@ REPEATS = 3 if QUICK else 15
 def achieved_flops(ctx, config, mbs, repeats):
     """FLOP/s of forward + backward of the course GPT on this rank, without communication."""
     torch.manual_seed(SEED)
-    model = GPT(config)
-    batch = Batches(config, mbs=mbs, seed=SEED).rank_batch(ctx.rank, ctx.world_size, 0)
+    model = GPT(config).to(ctx.device)
+    batch = Batches(config, mbs=mbs, seed=SEED).rank_batch(ctx.rank, ctx.world_size, 0).to(ctx.device)
     seconds = []
     for i in range(1 + repeats):  # one warm-up step
         start = time.perf_counter()
@@ -394,7 +394,7 @@ def achieved_flops(ctx, config, mbs, repeats):
 
 def calibrate(ctx, sizes, repeats):
     dist.barrier()
-    flops = {"matmul 512": overlap.measure_matmul_flops(512, repeats=repeats),
+    flops = {"matmul 512": overlap.measure_matmul_flops(512, device=ctx.device, repeats=repeats),
              "chapter 02 model": achieved_flops(ctx, DP_CONFIG, DP_MBS, repeats),
              "chapter 03 model": achieved_flops(ctx, ZERO_CONFIG, ZERO_MBS, repeats)}
     bandwidth = {op: bus_bandwidth_sweep(ctx, sizes[op], op=op, iters=repeats) for op in sizes}
@@ -466,7 +466,7 @@ assert np.isclose(prediction["ZeRO-3 prefetch", "achieved"],
 # %%
 def record_dp_step(ctx):
     torch.manual_seed(SEED)
-    model = GPT(DP_CONFIG)
+    model = GPT(DP_CONFIG).to(ctx.device)
     timeline = Timeline(ctx.rank, device=ctx.device)
     dp_model = apply_data_parallel(model, None, kind="bucketed", bucket_cap_mb=DP_BUCKET_MB, timeline=timeline)
     timeline.instrument(model.blocks)
@@ -475,7 +475,7 @@ def record_dp_step(ctx):
         timeline.clear()
         dist.barrier()
         with CommLogger() as log:
-            data.rank_batch(ctx.rank, ctx.world_size, step).loss(dp_model).backward()
+            data.rank_batch(ctx.rank, ctx.world_size, step).to(ctx.device).loss(dp_model).backward()
             dp_model.finish_gradient_synchronization()
         model.zero_grad(set_to_none=True)
     return timeline.rows(), log.collective_elements(), dp_model.bucket_sizes
@@ -483,7 +483,7 @@ def record_dp_step(ctx):
 
 def record_zero3_step(ctx):
     torch.manual_seed(SEED)
-    model = GPT(ZERO_CONFIG)
+    model = GPT(ZERO_CONFIG).to(ctx.device)
     timeline = Timeline(ctx.rank, device=ctx.device)
     zero = apply_zero(model, None, stage=3, prefetch=True, timeline=timeline, lr=1e-3).zero_optimizer
     timeline.instrument(model.blocks)  # after ZeRO's hooks: waiting for a gather is not counted as compute
@@ -491,7 +491,7 @@ def record_zero3_step(ctx):
     for step in range(2):
         timeline.clear()
         dist.barrier()
-        data.rank_batch(ctx.rank, ctx.world_size, step).loss(model).backward()
+        data.rank_batch(ctx.rank, ctx.world_size, step).to(ctx.device).loss(model).backward()
         zero.step()
         zero.zero_grad()
     return timeline.rows(), [u.padded for u in zero.units]

@@ -164,13 +164,16 @@ class Parallelized:
 
     def batches(self, data: Batches):
         """``(step, micro) -> Batch``: this rank's share of ``data``: rows by its dp (x ep) index,
-        then, under CP, its tokens of those rows in the CP layout."""
+        then, under CP, its tokens of those rows in the CP layout, on the device of this rank's
+        parameters (``data`` draws them on the CPU)."""
         index, ways = data_index(self.mesh, self.mesh.rank)
         cp, cp_rank = self.mesh.size("cp"), self.mesh.rank_in("cp")
+        device = next(self.module.parameters()).device
 
         def stream(step, micro=0):
             rows = split(data.global_batch(step, ways, micro), index, ways, "data")
-            return split(rows, cp_rank, cp, "sequence", self.config.cp_layout) if cp > 1 else rows
+            rows = split(rows, cp_rank, cp, "sequence", self.config.cp_layout) if cp > 1 else rows
+            return rows.to(device)
         return stream
 
     def train(self, batches, steps: int, first_step: int = 0) -> list:
