@@ -202,13 +202,13 @@ def _train_on_rank(ctx, make_sync, steps, register_hooks, exercise_id, split=Non
         index, group, ranks = split.group_of(ctx)
         stream = _data_of(index).rank_stream(ranks.index(ctx.rank), len(ranks))
     with forbid_library(LIBRARY_DP, exercise_id, LIBRARY_DP_HINT):
-        return _train_watched(stream, lambda model: make_sync(model, group), steps, register_hooks)
+        return _train_watched(stream, lambda model: make_sync(model, group), steps, register_hooks, ctx.device)
 
 
-def _train_watched(stream, make_sync, steps, register_hooks):
+def _train_watched(stream, make_sync, steps, register_hooks, device=None):
     from ultrascale.comm import CommLogger
 
-    model = _fresh_model()
+    model = _fresh_model().to(device)   # seeded on the host, then on the rank's device
     sync = make_sync(model)
     if register_hooks:
         for p in model.parameters():
@@ -226,7 +226,7 @@ def _train_watched(stream, make_sync, steps, register_hooks):
         marks.append(_all_reduce_calls(log))
 
     with CommLogger() as log, watch.installed():
-        params = train(model, stream, steps, "sgd", after_backward=finish)
+        params = train(model, stream, steps, "sgd", after_backward=finish, device=device)
     names = {p: n for n, p in model.named_parameters()}
     buckets = getattr(sync, "buckets", None)
     if buckets is not None:

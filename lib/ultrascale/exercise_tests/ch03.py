@@ -107,9 +107,9 @@ def test_flatten_padded(flatten_padded, quick: bool = True, seed: int = 0):
 
 # ---- shared: the model and the data ---------------------------------------------------
 
-def _model():
+def _model(device=None):
     torch.manual_seed(0)
-    return GPT(CFG)
+    return GPT(CFG).to(device)   # seeded on the host, then on the rank's device
 
 
 # ---- 03.zero1_step ---------------------------------------------------------------------
@@ -118,16 +118,16 @@ def _train_dp(ctx, opt_name, steps):
     """The reference: plain data parallelism, full optimizer state on every rank."""
     from ultrascale.parallel import NaiveDataParallel
 
-    model = _model()
+    model = _model(ctx.device)
     dp = NaiveDataParallel(model)
     return train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, opt_name, module=dp,
-                 after_backward=dp.finish_gradient_synchronization)
+                 after_backward=dp.finish_gradient_synchronization, device=ctx.device)
 
 
 def _train_zero1(ctx, zero1_step, opt_name, steps):
     from ultrascale.comm import CommLogger
 
-    model = _model()
+    model = _model(ctx.device)
     params = list(model.parameters())
     flat = reference_flatten_padded(params, ctx.world_size)
     shard = flat.numel() // ctx.world_size
@@ -141,7 +141,7 @@ def _train_zero1(ctx, zero1_step, opt_name, steps):
         traffic.append(log.totals())
 
     learner = SimpleNamespace(step=step, zero_grad=lambda: model.zero_grad(set_to_none=True))
-    weights = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, learner)
+    weights = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, learner, device=ctx.device)
     state = [t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     return {"params": weights, "master": master.detach().clone(),
             "traffic": traffic, "state_numel": state, "padded": flat.numel()}
@@ -310,8 +310,9 @@ class _GatheredMemory:
 def _run_zero3(ctx, install_zero3_hooks, inputs):
     from ultrascale.comm import CommLogger
 
-    reference = _model()
-    model = _model()
+    reference = _model(ctx.device)
+    model = _model(ctx.device)
+    inputs = [tokens.to(ctx.device) for tokens in inputs]
     full_sizes = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     for block in model.blocks:
         shard_module(ctx, block)

@@ -79,8 +79,8 @@ def _pair_on_rank(ctx, Copy, Reduce, seed, split):
 
     group, layout = tp_group(ctx, split)
     n = dist.get_world_size(group)
-    x = randn(SHAPE, seed, 1, ctx.rank)           # a different input on every rank
-    upstream = randn(SHAPE, seed, 2, ctx.rank)    # and a different upstream gradient
+    x = randn(SHAPE, seed, 1, ctx.rank, device=ctx.device)          # a different input on every rank
+    upstream = randn(SHAPE, seed, 2, ctx.rank, device=ctx.device)   # and a different upstream gradient
     # Everything runs before anything is judged: no rank may leave the others in a collective.
     library = {"Copy": _run_pair(f, x, upstream, group), "Reduce": _run_pair(f_star, x, upstream, group)}
     forbid = ([functional._all_reduce], "04.conjugate_pair",
@@ -189,13 +189,14 @@ def test_conjugate_pair(Copy, Reduce, world_size: int = 3, quick: bool = True, s
 
 # ---- 04.column_parallel_linear and 04.row_parallel_linear --------------------------------
 
-def _full_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
-    """The same layer in every process; its bias away from zero, so a lost bias shows."""
+def _full_linear(in_features: int, out_features: int, seed: int, device=None) -> nn.Linear:
+    """The same layer in every process (seeded on the host, then moved to ``device``); its bias
+    away from zero, so a lost bias shows."""
     torch.manual_seed(seed)
     layer = nn.Linear(in_features, out_features)
     with torch.no_grad():
         layer.bias.copy_(randn((out_features,), seed, 5))
-    return layer
+    return layer.to(device)
 
 
 def _reference(layer: nn.Linear, x, dy) -> dict:
@@ -244,8 +245,9 @@ def _column_on_rank(ctx, forward, seed, split):
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
     local = 4                                        # output features per rank: 4n in all
-    layer = _full_linear(6, local * n, seed)
-    x, dy = randn((2, 3, 6), seed, 3), randn((2, 3, local * n), seed, 4)   # the same on every rank
+    layer = _full_linear(6, local * n, seed, ctx.device)
+    x, dy = (randn((2, 3, 6), seed, 3, device=ctx.device),   # the same on every rank
+             randn((2, 3, local * n), seed, 4, device=ctx.device))
     rows = slice(r * local, (r + 1) * local)
     full = _reference(layer, x, dy)
     w, b = layer.weight.detach()[rows], layer.bias.detach()[rows]
@@ -315,8 +317,9 @@ def _row_on_rank(ctx, forward, seed, split):
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
     local, out = 4, 5                                # input features per rank: 4n in all
-    layer = _full_linear(local * n, out, seed)
-    x, dy = randn((2, 3, local * n), seed, 6), randn((2, 3, out), seed, 7)   # the same on every rank
+    layer = _full_linear(local * n, out, seed, ctx.device)
+    x, dy = (randn((2, 3, local * n), seed, 6, device=ctx.device),   # the same on every rank
+             randn((2, 3, out), seed, 7, device=ctx.device))
     cols = slice(r * local, (r + 1) * local)
     full = _reference(layer, x, dy)
     w, b = layer.weight.detach()[:, cols], layer.bias.detach()
@@ -426,6 +429,7 @@ def _ce_on_rank(ctx, fn, seed, split):
     cols = slice(r * LOCAL_VOCAB, (r + 1) * LOCAL_VOCAB)
     runs = []
     for case, (logits, targets) in _cases(n, seed).items():
+        logits, targets = logits.to(ctx.device), targets.to(ctx.device)   # drawn on the host, then moved
         full = logits.clone().requires_grad_()
         expected = F.cross_entropy(full, targets)     # one process, the whole vocabulary
         expected.backward()

@@ -75,10 +75,12 @@ def _sequence_on_rank(ctx, Gather, ReduceScatter, seed, split):
     r, n = dist.get_rank(group), dist.get_world_size(group)
     runs = []   # everything runs before anything is judged
     for dim in DIMS:
-        x, upstream = randn(BASE, seed, 11, dim, ctx.rank), randn(_long(dim, n), seed, 12, dim, ctx.rank)
+        x = randn(BASE, seed, 11, dim, ctx.rank, device=ctx.device)
+        upstream = randn(_long(dim, n), seed, 12, dim, ctx.rank, device=ctx.device)
         runs.append(("Gather", dim, x, upstream, _run_region(g, x, dim, upstream, group),
                      _run_region(Gather.apply, x, dim, upstream, group, forbid)))
-        x, upstream = randn(_long(dim, n), seed, 13, dim, ctx.rank), randn(BASE, seed, 14, dim, ctx.rank)
+        x = randn(_long(dim, n), seed, 13, dim, ctx.rank, device=ctx.device)
+        upstream = randn(BASE, seed, 14, dim, ctx.rank, device=ctx.device)
         runs.append(("ReduceScatter", dim, x, upstream, _run_region(g_star, x, dim, upstream, group),
                      _run_region(ReduceScatter.apply, x, dim, upstream, group, forbid)))
     for name, dim, x, upstream, library, got in runs:
@@ -212,13 +214,14 @@ HIDDEN, PER_RANK, BATCH = 8, 3, 2   # each rank holds PER_RANK tokens of every s
 MICRO_BATCHES = 2                   # two backward passes accumulate into .grad
 
 
-def _layer_norm(seed: int) -> nn.LayerNorm:
-    """The same norm in every process, weight and bias away from 1 and 0."""
+def _layer_norm(seed: int, device=None) -> nn.LayerNorm:
+    """The same norm in every process (made on the host, then moved to ``device``), weight and
+    bias away from 1 and 0."""
     norm = nn.LayerNorm(HIDDEN)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.5 * randn((HIDDEN,), seed, 20))
         norm.bias.copy_(randn((HIDDEN,), seed, 21))
-    return norm
+    return norm.to(device)
 
 
 def _grads(module) -> dict:
@@ -245,7 +248,7 @@ def _norm_on_rank(ctx, sync_norm_gradients, seed, split):
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
-    norm, reference, alone = _layer_norm(seed), _layer_norm(seed), _layer_norm(seed)
+    norm, reference, alone = (_layer_norm(seed, ctx.device) for _ in range(3))
     given = _watch_hook_arguments(norm)   # registered first: the learner's hooks get the same tensors
     forbid = ([tensor_parallel._sum_gradient_over_tp, grad_sync.sync_in_backward, grad_sync.reduce_gradient],
               "05.sequence_parallel_norm_grads",
@@ -257,8 +260,8 @@ def _norm_on_rank(ctx, sync_norm_gradients, seed, split):
     mine = slice(r * PER_RANK, (r + 1) * PER_RANK)
     steps = []
     for micro in range(MICRO_BATCHES):
-        x = randn((BATCH, PER_RANK * n, HIDDEN), seed, 22, micro)   # the whole sequences, on every rank
-        dy = randn((BATCH, PER_RANK * n, HIDDEN), seed, 23, micro)
+        x = randn((BATCH, PER_RANK * n, HIDDEN), seed, 22, micro, device=ctx.device)   # the whole sequences
+        dy = randn((BATCH, PER_RANK * n, HIDDEN), seed, 23, micro, device=ctx.device)  # on every rank
         mine_x = x[:, mine].clone().requires_grad_()
         out = norm(mine_x)
         with CommLogger() as log:

@@ -74,9 +74,10 @@ DT = torch.float64
 TOL = tolerance(None, DT)
 
 
-def _randn(shape, seed: int, *salt: int) -> torch.Tensor:
+def _randn(shape, seed: int, *salt: int, device=None) -> torch.Tensor:
+    """Drawn on the host, then moved to ``device`` (a rank passes ``ctx.device``)."""
     mixed = seed * 1_000_003 + sum((i + 1) * 7919 * s for i, s in enumerate(salt))
-    return torch.randn(shape, generator=torch.Generator().manual_seed(mixed), dtype=DT)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(mixed), dtype=DT).to(device)
 
 
 def _close(got, want) -> bool:
@@ -340,6 +341,7 @@ class _P2PTracker:
         self.ranks, self.me = list(ranks), dist.get_rank()
         self.posted = {"isend": 0, "irecv": 0, "send": 0, "recv": 0}
         self.waits, self.works, self._saved = 0, [], []
+        self._inside = set()   # the names whose wrapper is running (see ``_outermost``)
 
     def _check_peer(self, name, original, args, kwargs):
         bound = inspect.signature(original).bind(*args, **kwargs).arguments
@@ -377,12 +379,28 @@ class _P2PTracker:
             return _TrackedWork(result, tracker) if name in ("isend", "irecv") and result is not None else result
         return wrapper
 
+    def _outermost(self, name, original, wrapper):
+        """``wrapper`` for the outermost call of ``name`` only. Under a TorchFunctionMode (the
+        strict-device mode) torch's ``dist.isend`` and kin hand the call back to the module's function
+        of the same name, which is the wrapper again: that inner call goes straight to ``original``,
+        so each transfer is counted (and its work wrapped) once."""
+        @functools.wraps(original)
+        def once(*args, **kwargs):
+            if name in self._inside:
+                return original(*args, **kwargs)
+            self._inside.add(name)
+            try:
+                return wrapper(*args, **kwargs)
+            finally:
+                self._inside.discard(name)
+        return once
+
     def __enter__(self):
         from torch.distributed import distributed_c10d as c10d
 
         for name in self.NAMES:
             original = getattr(dist, name)
-            wrapper = self._wrap(name, original)
+            wrapper = self._outermost(name, original, self._wrap(name, original))
             for module in (dist, c10d):
                 if getattr(module, name, None) is original:
                     self._saved.append((module, name, original))
@@ -427,11 +445,11 @@ def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r
     kv_exchange = importlib.import_module("ultrascale.parallel.kv_exchange")
 
     seq = q_full.shape[2]
-    positions = [sequence_positions(seq, src, n, layout) for src in range(n)]
+    positions = [sequence_positions(seq, src, n, layout).to(q_full.device) for src in range(n)]
     blocks = [torch.stack([k_full[:, :, positions[src]], v_full[:, :, positions[src]]]) for src in range(n)]
     q = q_full[:, :, positions[r]]
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     kv = blocks[r].clone()
     steps = []
     forbid = ([ring_attention.context_parallel_attention, kv_exchange._exchange,
@@ -552,7 +570,7 @@ def _ring_on_rank(ctx, ring_step, seed, split):
     runs = []
     for causal, layout in _ring_cases():   # everything runs before anything is judged
         seq = 2 * n * 3
-        q, k, v = (_randn((2, 2, seq, 4), seed, 30 + i, n) for i in range(3))
+        q, k, v = (_randn((2, 2, seq, 4), seed, 30 + i, n, device=ctx.device) for i in range(3))
         runs.append((causal, layout, *_run_ring(ring_step, group, ranks, q, k, v, causal, layout, r, n)))
     for causal, layout, steps, out, reference in runs:
         what = f"{layout_text}, rank {ctx.rank}, {'causal' if causal else 'no mask'}, {layout} layout"
@@ -602,7 +620,8 @@ def _ulysses_problem(ctx, ulysses, seed, split) -> str | None:
     group, where = _ulysses_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
     seq, index = 3 * n, dist.get_process_group_ranks(group)[0]   # each group its own inputs
-    q, k, v, upstream = (_randn((2, U_HEADS, seq, U_DIM), seed, 50 + i, n, index) for i in range(4))
+    q, k, v, upstream = (_randn((2, U_HEADS, seq, U_DIM), seed, 50 + i, n, index, device=ctx.device)
+                         for i in range(4))
     rows = slice(r * seq // n, (r + 1) * seq // n)                 # the contiguous layout
     mine = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
     forbid = ([library.ulysses_attention, library._sequence_to_heads, library._heads_to_sequence],

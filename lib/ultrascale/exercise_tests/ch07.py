@@ -206,12 +206,13 @@ CFG_KW = dict(vocab_size=64, hidden=16, heads=2, seq_len=8)
 DT = torch.float64
 
 
-def _model(layers: int, seed: int):
+def _model(layers: int, seed: int, device=None):
+    """Seeded and perturbed on the host, then moved to ``device`` (a rank's ``ctx.device``)."""
     from ultrascale.model import GPT, GPTConfig
     from ultrascale.parity import perturbed
 
     torch.manual_seed(seed)
-    return perturbed(GPT(GPTConfig(layers=layers, **CFG_KW)).to(DT), seed=seed)
+    return perturbed(GPT(GPTConfig(layers=layers, **CFG_KW)).to(DT), seed=seed).to(device)
 
 
 def _micro(m: int, seed: int):
@@ -285,9 +286,9 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
     from ultrascale.schedule import afab_rank, one_f_one_b_rank
 
     r, p = ctx.rank, ctx.world_size
-    pipe = apply_pp(_model(p, seed), schedule="1f1b", microbatches=m)   # this rank's stage and names
+    pipe = apply_pp(_model(p, seed, ctx.device), schedule="1f1b", microbatches=m)   # this rank's stage and names
     chunk = pipe.chunks[str(r)]
-    batches = _micro(m, seed)
+    batches = [batch.to(ctx.device) for batch in _micro(m, seed)]
     shape = (*batches[0].inputs.shape, CFG_KW["hidden"])
     actions = (one_f_one_b_rank if order == "1F1B" else afab_rank)(p, m, r)
     held, pending = {}, []
@@ -328,7 +329,7 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
         # Every rank runs 2m actions, and in the 1F1B and AFAB orders no receive of action k waits for a
         # send of a later action: so all ranks can agree after each one whether to go on, and a rank
         # that found a problem does not leave the others waiting for its messages.
-        flag = torch.tensor([0.0 if problem is None else 1.0])
+        flag = torch.tensor([0.0 if problem is None else 1.0], device=ctx.device)
         dist.all_reduce(flag, group=ctx.group)
         if flag.item():
             if problem is not None and problem.startswith(NOT_IMPLEMENTED):

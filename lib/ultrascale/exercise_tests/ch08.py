@@ -174,9 +174,9 @@ def _split_sizes_on_rank(ctx, split_sizes, seed, split=None):
     problems = []
     for k in (1, 2):
         per_rank = 2
-        chosen = _chosen(seed + index, r, 12, per_rank * n, k)
-        plan = ep.dispatch_plan(chosen, torch.ones(chosen.shape), n, per_rank)
-        want_send, want_receive = plan.send_counts, ep.exchange_counts(plan.send_counts, group)
+        chosen = _chosen(seed + index, r, 12, per_rank * n, k).to(ctx.device)   # drawn on the host, then moved
+        plan = ep.dispatch_plan(chosen, torch.ones(chosen.shape, device=chosen.device), n, per_rank)
+        want_send, want_receive = plan.send_counts, ep.exchange_counts(plan.send_counts, group, ctx.device)
         try:
             with forbid_library([ep.dispatch_plan, ep.exchange_counts], "08.split_sizes",
                                 "count the rows per rank and send the counts with an all-to-all yourself"), \
@@ -229,8 +229,10 @@ def test_split_sizes(split_sizes, world_size: int = 2, quick: bool = True, seed:
 
 # ---- 08.dispatch_combine -------------------------------------------------------------------
 
-def _layer_problem(seed: int, n: int, k: int, experts_per_rank: int = 2, tokens: int = 10, hidden: int = 6):
-    """Every rank's tokens, choices, weights and all E experts: the same in every process."""
+def _layer_problem(seed: int, n: int, k: int, experts_per_rank: int = 2, tokens: int = 10, hidden: int = 6,
+                   device=None):
+    """Every rank's tokens, choices, weights and all E experts: the same in every process (drawn on the
+    host, then moved to ``device``, a rank's ``ctx.device``)."""
     g = torch.Generator().manual_seed(seed)
     experts = [torch.nn.Linear(hidden, hidden, dtype=DT) for _ in range(n * experts_per_rank)]
     with torch.no_grad():
@@ -240,7 +242,9 @@ def _layer_problem(seed: int, n: int, k: int, experts_per_rank: int = 2, tokens:
     x = torch.randn(n, tokens, hidden, generator=g, dtype=DT)
     chosen = torch.stack([_chosen(seed, r, tokens, n * experts_per_rank, k) for r in range(n)])
     w = torch.rand(n, tokens, k, generator=g, dtype=DT)
-    return experts, x, chosen, w / w.sum(-1, keepdim=True), torch.randn(n, tokens, hidden, generator=g, dtype=DT)
+    upstream = torch.randn(n, tokens, hidden, generator=g, dtype=DT)
+    w = w / w.sum(-1, keepdim=True)
+    return [e.to(device) for e in experts], x.to(device), chosen.to(device), w.to(device), upstream.to(device)
 
 
 def _one_process_layer(experts, x, chosen, w, upstream):
@@ -260,12 +264,13 @@ def _dispatch_on_rank(ctx, ep_forward, seed, k, split=None):
     from ultrascale.parallel import expert_parallel as ep
 
     group, index, r, n, _ = _layout(ctx, split)
-    experts, x, chosen, w, upstream = _layer_problem(seed + index, n, k)
+    experts, x, chosen, w, upstream = _layer_problem(seed + index, n, k, device=ctx.device)
     per_rank = len(experts) // n
     mine = experts[r * per_rank:(r + 1) * per_rank]
     tokens, weights = x[r].clone().requires_grad_(), w[r].clone().requires_grad_()
     plan = ep.dispatch_plan(chosen[r], w[r], n, per_rank)
-    volume = ep.dispatch_volume(plan.send_counts, ep.exchange_counts(plan.send_counts, group), r, x.shape[-1], k, 8)
+    volume = ep.dispatch_volume(plan.send_counts, ep.exchange_counts(plan.send_counts, group, ctx.device), r,
+                                x.shape[-1], k, 8)
     out = {"error": None}
     try:
         with forbid_library([ep.ExpertParallelDispatch.__call__, ep.ExpertParallelDispatch._local_experts],

@@ -174,7 +174,7 @@ class _SendTap:
 def _padded_all_gather(chunk: torch.Tensor, numel: int, n: int) -> torch.Tensor:
     """The reference all-gather: dist.all_gather needs equal sizes, so pad, then trim."""
     sizes = [c.numel() for c in torch.tensor_split(torch.empty(numel), n)]
-    padded = torch.zeros(max(sizes), dtype=chunk.dtype)
+    padded = torch.zeros(max(sizes), dtype=chunk.dtype, device=chunk.device)
     padded[: chunk.numel()] = chunk
     pieces = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(pieces, padded)
@@ -198,7 +198,7 @@ def _on_rank(ctx, kind: str, payload: bytes, shapes, seed: int, exercise_name: s
     n, r = ctx.world_size, ctx.rank
     cases = []
     for shape in shapes:
-        x = rank_input(int(torch.Size(shape).numel()), r, seed).reshape(shape)
+        x = rank_input(int(torch.Size(shape).numel()), r, seed).reshape(shape).to(ctx.device)
         cases.append((shape, *_reference(kind, x, r, n)))
     from ultrascale.comm import CommLogger
 
