@@ -92,28 +92,36 @@ def keep(works: list) -> None:
         _kept_works.extend(works)
 
 
-def send_recv(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
-    """Send ``send`` to the right neighbour while receiving ``recv`` from the left one.
+def exchange(sends, recvs, right: int, left: int, group, tag: int = 0) -> list:
+    """Start sending ``sends`` to the right neighbour and receiving ``recvs`` from the left one
+    (ranks in ``group``; the i-th tensor of each under tag ``tag + i``), and return the works
+    without waiting: the one step of every ring in the course (the ring collectives, ring
+    attention's K/V, asynchronous TP's pieces), which its caller overlaps with compute.
 
-    Both are posted before waiting on either; a blocking send first would deadlock
-    once messages are too large to be buffered. Empty chunks are skipped on both sides
-    (every rank knows every chunk size, so the two ends agree). Inside
-    ``keeping_exchanges()`` the Work objects are kept until the block ends (see there why).
+    NCCL's rules decide how they are posted: a send completes only once its receive is posted,
+    and the messages between one pair of ranks run in the order posted. So when both go to one
+    peer (two ranks, recursive doubling's partners), two ranks that each posted their send
+    first would wait for each other forever: then, and always on a GPU, the sends and receives
+    go as one ``batch_isend_irecv``. With two peers each pair's stream holds one of them, so on
+    gloo they are posted one by one (batch_isend_irecv's bookkeeping costs 50-80 us more per
+    exchange there, ``benchmarks/bench_send_recv.py``). Empty tensors are skipped on both sides
+    (every rank knows every size, so the two ends agree).
     """
-    sending, receiving = send.numel() > 0, recv.numel() > 0
-    if send.is_cuda or recv.is_cuda or right == left:
-        # NCCL: a send and a receive posted one by one to one peer queue on that pair's stream,
-        # and when the peer does the same, each send waits for a receive queued behind the other
-        # send, forever; batch_isend_irecv launches the pair as one group. (On gloo that happens
-        # only when both go to one peer: two ranks, recursive doubling's partners.)
-        ops = ([dist.P2POp(dist.isend, send, group=group, group_peer=right)] if sending else []) + \
-              ([dist.P2POp(dist.irecv, recv, group=group, group_peer=left)] if receiving else [])
-        works = dist.batch_isend_irecv(ops) if ops else []
-    else:
-        # gloo, two peers: each pair's stream holds one of the two, so either order is safe, and
-        # batch_isend_irecv's bookkeeping costs 50-80 us more per exchange (benchmarks/bench_send_recv.py)
-        works = ([dist.isend(send, group=group, group_dst=right)] if sending else []) + \
-                ([dist.irecv(recv, group=group, group_src=left)] if receiving else [])
+    sends = [(t, tag + i) for i, t in enumerate(sends) if t.numel() > 0]
+    recvs = [(t, tag + i) for i, t in enumerate(recvs) if t.numel() > 0]
+    if right == left or any(t.is_cuda for t, _ in sends + recvs):
+        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=right, tag=k) for t, k in sends] + \
+              [dist.P2POp(dist.irecv, t, group=group, group_peer=left, tag=k) for t, k in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
+    return [dist.isend(t, group=group, group_dst=right, tag=k) for t, k in sends] + \
+           [dist.irecv(t, group=group, group_src=left, tag=k) for t, k in recvs]
+
+
+def send_recv(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
+    """Send ``send`` to the right neighbour while receiving ``recv`` from the left one
+    (``exchange``, waited for). Inside ``keeping_exchanges()`` the Work objects are kept until
+    the block ends (see there why)."""
+    works = exchange([send], [recv], right, left, group)
     for work in works:
         work.wait()
     keep(works)

@@ -39,10 +39,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.functional import _piece_size, rank_and_size
+from ..comm.ring import exchange
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "AllGatherMatmul", "MatmulReduceScatter",
@@ -51,23 +51,21 @@ __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "AllGatherMatmul", "Mat
 
 # --------------------------------------------------------------------------- the ring
 # Point-to-point sends, not one small collective per piece: a ring step is exactly "send to
-# the next rank, receive from the previous one", and isend/irecv let the rank compute while
-# both are in flight. Peers are global ranks of the group's members, so any group works.
+# the next rank, receive from the previous one" (comm.ring.exchange, which posts the two as
+# NCCL needs them), and the rank computes while both are in flight. Peers are ranks in the group.
 def _ring(group):
     r, n = rank_and_size(group, "asynchronous tensor parallelism")
-    members = group if group is not None else dist.group.WORLD
-    return r, n, dist.get_global_rank(members, (r + 1) % n), dist.get_global_rank(members, (r - 1) % n)
+    return r, n, (r + 1) % n, (r - 1) % n
 
 
 def _pass_along(tensor, to, came_from, group, timeline, name):
     """Send ``tensor`` to the next rank and receive a piece of its shape from the previous one,
     both started now; returns the receive buffer and the works to wait for."""
     received = torch.empty_like(tensor)
-    send = dist.isend(tensor, to, group=group)
-    recv = dist.irecv(received, came_from, group=group)
+    works = exchange([tensor], [received], to, came_from, group)
     if timeline is not None:   # a bar from now until the piece has arrived
-        recv = timeline.communication(name, recv, nbytes=tensor.nbytes)
-    return received, (send, recv)
+        works[-1] = timeline.communication(name, works[-1], nbytes=tensor.nbytes)
+    return received, works
 
 
 def _compute(timeline, name):

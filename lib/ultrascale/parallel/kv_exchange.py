@@ -20,9 +20,9 @@ import contextlib
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from ..comm.functional import all_gather_into, rank_and_size, reduce_scatter_into
+from ..comm.ring import exchange
 
 __all__ = ["KVBufferMeter"]
 
@@ -63,9 +63,7 @@ def _exchange(sends, recvs, group, tag, timeline=None, what="K/V"):
     """Start sending ``sends`` to the next rank and receiving ``recvs`` from the previous one;
     return what to wait for. Nothing is waited for here: the caller computes meanwhile."""
     r, n = rank_and_size(group)
-    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(r + 1) % n, tag=tag + i) for i, t in enumerate(sends)]
-    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(r - 1) % n, tag=tag + i) for i, t in enumerate(recvs)]
-    works = dist.batch_isend_irecv(ops)
+    works = exchange(sends, recvs, (r + 1) % n, (r - 1) % n, group, tag)
     if timeline is not None:   # a bar from now until the last block has arrived
         works[-1] = timeline.communication(f"receive {what}", works[-1], sum(t.nbytes for t in recvs))
     return works

@@ -5,6 +5,14 @@ input back to the previous one (``send_B``):
 
 * ``send_*``: ``isend``, never blocking, waited for at the end of the step (the tensor is
   kept alive until then); with a timeline, a helper thread draws each send's bar;
+* **one process group per direction**: a message to a higher rank of the pipeline goes on the pp
+  group, one to a lower rank on a second group over the same ranks (``_reverse_group``). Under
+  NCCL a send does not complete until its receive is posted, and the messages between two ranks
+  in one group run in the order they were posted; so in 1F1B's steady state, where each of two
+  neighbours sends to the other before receiving from it, one group would hold each rank's
+  receive behind its send, forever. Each group has its own NCCL streams: with one direction per
+  group, a receive never waits behind a send (torch's pipelining batches such pairs instead,
+  schedule by schedule; this works for every schedule, DualPipeV's two directions included);
 * ``recv_*``: ``irecv`` and wait, right before the action that needs it. Between two ranks,
   messages are received in the order they were sent (an earlier one is kept in the inbox
   until its action comes), as NCCL requires; gloo could also tell them apart by the tag
@@ -54,9 +62,22 @@ class StageMessages:
         """One tag per message: (micro-batch, receiving stage, forward or backward)."""
         return 2 * (mb * self.schedule.stages + stage) + (kind == "B")
 
+    def _towards(self, peer: int):
+        """The group of the messages between this rank and ``peer`` that go ``peer``'s way: the pp
+        group up the pipeline's ranks, its twin down (see the module's docstring)."""
+        if self.group_down is None:
+            self.group_down = _reverse_group(self.group)
+        return self.group if peer > self.rank else self.group_down
+
+    def _from(self, peer: int):
+        """The group of the messages that come from ``peer`` (its ``_towards`` this rank)."""
+        if self.group_down is None:
+            self.group_down = _reverse_group(self.group)
+        return self.group if peer < self.rank else self.group_down
+
     def _send(self, st, tensor, to_stage, kind, mb, what):
         dst = self.schedule.rank_of(to_stage)
-        work = dist.isend(tensor, group=self.group, group_dst=dst, tag=self._tag(kind, mb, to_stage))
+        work = dist.isend(tensor, group=self._towards(dst), group_dst=dst, tag=self._tag(kind, mb, to_stage))
         if self.timeline is not None:
             work = _WatchedSend(work, self.timeline, f"send {what} {mb} to stage {to_stage}",
                                 tensor.numel() * tensor.element_size())
@@ -76,7 +97,7 @@ class StageMessages:
                               device=batch.device)
             what = "activation" if kind == "F" else "gradient"
             with self._span(None, f"recv {what} {mb} for stage {stage}", COMMUNICATION):
-                dist.irecv(buf, group=self.group, group_src=src, tag=self._tag(kind, mb, stage)).wait()
+                dist.irecv(buf, group=self._from(src), group_src=src, tag=self._tag(kind, mb, stage)).wait()
             st.inbox[nxt] = buf
         return st.inbox.pop(message)
 
@@ -104,6 +125,19 @@ class StageMessages:
         """Embedding and head share one weight: add the gradient parts of its two ranks."""
         weight = self.tied_weight()
         weight.grad = self.add_tied(weight.grad if weight.grad is not None else torch.zeros_like(weight))
+
+
+_REVERSED: dict = {}   # pp group -> its twin for the messages down the ranks, one per process
+
+
+def _reverse_group(group):
+    """A second process group over ``group``'s ranks, in the same order (so a rank's number in
+    it is the same). Made once per pp group, by its ranks alone (``use_local_synchronization``:
+    the other pipelines of a mesh need not take part)."""
+    group = group if group is not None else dist.group.WORLD
+    if group not in _REVERSED:
+        _REVERSED[group] = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+    return _REVERSED[group]
 
 
 class _WatchedSend:

@@ -157,6 +157,7 @@ class Pipeline(StageMessages, nn.Module):
                  measure_activations: bool = False):
         super().__init__()
         self.group, self.schedule, self.timeline = group, schedule, timeline
+        self.group_down = None   # the messages' group down the ranks, made at the first (pipeline_messages)
         self.rank, size = dist.get_rank(group), dist.get_world_size(group)
         if size != schedule.ranks:
             raise ValueError(f"the schedule is for p={schedule.ranks} ranks but the pipeline group has {size}: "

@@ -52,7 +52,9 @@ _THIS_FILE = __file__.removesuffix("c")  # .pyc -> .py
 # Ops that may take a host tensor beside a device tensor on CUDA too.
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
 _ALLOWED_MIXED = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__,
-                  torch.Tensor.index_put_, torch.Tensor.set_}
+                  torch.Tensor.index_put_, torch.Tensor.set_,
+                  # these read only the other tensor's shape
+                  torch.Tensor.view_as, torch.Tensor.expand_as, torch.Tensor.reshape_as}
 
 
 def _may_mix(func) -> bool:
@@ -185,8 +187,10 @@ class StrictDevice(TorchFunctionMode):
                 f"device=ctx.device (or device=x.device), or move it with .to(ctx.device); "
                 f"a model with model.to(ctx.device).")
         result = func(*args, **kwargs)
-        if not (host and device):  # a mixed op's output keeps its own mark (copy_, x[i] = ...)
-            _mark(result, host if host else None)
+        if host and device:   # an op CUDA allows across devices: its output lives where self does
+            _mark(result, host_mark(args[0]))
+        else:
+            _mark(result, host)
         return result
 
     def _move(self, func, args, kwargs):
@@ -257,10 +261,10 @@ def install() -> None:
 
 # ----------------------------------------------------------------------- collectives
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter",
-                "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-                "batch_isend_irecv")
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                "_reduce_scatter_base", "broadcast", "reduce", "gather", "scatter", "all_to_all",
+                "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 def _check_collective(name: str, args, kwargs) -> None:

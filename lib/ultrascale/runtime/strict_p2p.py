@@ -6,6 +6,7 @@ Two rules of NCCL, the backend of a GPU node, decide who may send first:
   message into a buffer and lets the sender go on);
 * the sends and receives between one pair of ranks run on one stream, in the order they were
   posted: a receive posted after a send to the same peer starts only once that send is done.
+  (One stream per pair *and process group*: NCCL gives each group its own communicators.)
 
 So two ranks that each post a send to the other before their receives wait for each other
 forever on a GPU node, while on a CPU they pass. ``batch_isend_irecv`` launches its operations
@@ -13,7 +14,8 @@ together (one NCCL group): that is how a pair of ranks that both send and receiv
 (``comm.ring.send_recv`` does).
 
 In this mode every ``send``, ``recv``, ``isend``, ``irecv`` and ``batch_isend_irecv`` of a rank
-goes through one queue per peer, this pair's "stream", which a thread works through in order. A
+goes through one queue per peer and group, this pair's "stream", which a thread works through in
+order. A
 receive, when its turn comes, tells its peer through the process group's store that it is
 posted; a send waits for that word before it moves any data. The pattern that hangs under NCCL
 then hangs here too, and rather than hang, the send gives up after ``timeout`` seconds with an
@@ -69,6 +71,7 @@ class _Op:
     def __init__(self, kind: str, tensor, peer: int, group, tag: int):
         self.kind, self.tensor, self.peer, self.group, self.tag = kind, tensor, peer, group, tag
         self.done, self.error, self.number = threading.Event(), None, None
+        self.stream = (_group_name(group), peer)   # NCCL: one communicator per group and pair
 
     def describe(self, me: int) -> str:
         arrow = f"rank {me} -> rank {self.peer}" if self.kind == "send" else f"rank {self.peer} -> rank {me}"
@@ -98,8 +101,8 @@ class _Group:
     """The operations of one ``batch_isend_irecv``: they start once every stream they use has
     reached them, and then go together."""
 
-    def __init__(self, ops: list[_Op], peers: set):
-        self.ops, self.waiting = ops, len(peers)
+    def __init__(self, ops: list[_Op], streams: set):
+        self.ops, self.waiting = ops, len(streams)
         self.lock, self.done = threading.Lock(), threading.Event()
 
 
@@ -110,11 +113,11 @@ class StrictPointToPoint:
         self.timeout = timeout
         self.me = dist.get_rank()
         self.store = c10d._get_default_store()
-        self.streams: dict[int, queue.Queue] = {}
-        self.sends: dict[int, int] = {}      # peer -> sends posted to it so far
-        self.recvs: dict[int, int] = {}      # peer -> receives posted from it so far
+        self.streams: dict[tuple, queue.Queue] = {}   # (group, peer) -> its operations, in order
+        self.sends: dict[tuple, int] = {}      # (group, peer) -> sends posted to it so far
+        self.recvs: dict[tuple, int] = {}      # (group, peer) -> receives posted from it so far
         self.lock = threading.Lock()
-        self.broken: dict[int, BaseException] = {}
+        self.broken: dict[tuple, BaseException] = {}
         self.isend, self.irecv = dist.isend, dist.irecv   # the real ones, saved before we swap them
 
     # -------------------------------------------------------------- posting (caller's thread)
@@ -122,43 +125,43 @@ class StrictPointToPoint:
         op = _Op(kind, tensor, peer, group, tag)
         with self.lock:
             self._number(op)
-            self._stream(peer).put(op)
+            self._stream(op.stream).put(op)
         return _Work(op)
 
     def post_group(self, ops: list[_Op]) -> list[_Work]:
-        peers = {op.peer for op in ops}
-        group = _Group(ops, peers)
+        streams = {op.stream for op in ops}
+        group = _Group(ops, streams)
         with self.lock:
             for op in ops:
                 self._number(op)
-            for peer in sorted(peers):
-                self._stream(peer).put(group)
+            for stream in sorted(streams):
+                self._stream(stream).put(group)
         return [_Work(op) for op in ops]
 
     def _number(self, op: _Op) -> None:
         _POSTED[0] += 1
         counts = self.sends if op.kind == "send" else self.recvs
-        op.number = counts.get(op.peer, 0)
-        counts[op.peer] = op.number + 1
+        op.number = counts.get(op.stream, 0)
+        counts[op.stream] = op.number + 1
 
-    def _stream(self, peer: int) -> queue.Queue:
-        if peer not in self.streams:
-            self.streams[peer] = queue.Queue()
-            threading.Thread(target=self._run, args=(peer,), daemon=True,
-                             name=f"strict-p2p-{self.me}-{peer}").start()
-        return self.streams[peer]
+    def _stream(self, key: tuple) -> queue.Queue:
+        if key not in self.streams:
+            self.streams[key] = queue.Queue()
+            threading.Thread(target=self._run, args=(key,), daemon=True,
+                             name=f"strict-p2p-{self.me}-{key[1]}-group-{key[0]}").start()
+        return self.streams[key]
 
     # -------------------------------------------------------------- running (stream threads)
-    def _run(self, peer: int) -> None:
-        stream = self.streams[peer]
+    def _run(self, key: tuple) -> None:
+        stream = self.streams[key]
         while True:
             item = stream.get()
             if isinstance(item, _Group):
                 self._reach_group(item)
                 continue
             try:
-                if peer in self.broken:   # an earlier operation on this stream failed
-                    raise self.broken[peer]
+                if key in self.broken:   # an earlier operation on this stream failed
+                    raise self.broken[key]
                 if item.kind == "recv":
                     self._announce(item)
                     self.irecv(item.tensor, src=item.peer, group=item.group, tag=item.tag).wait()
@@ -166,7 +169,7 @@ class StrictPointToPoint:
                     self._await_receiver(item)
                     self.isend(item.tensor, dst=item.peer, group=item.group, tag=item.tag).wait()
             except BaseException as err:  # noqa: BLE001 - handed to whoever waits
-                item.error = self.broken[peer] = err
+                item.error = self.broken[key] = err
             item.done.set()
 
     def _reach_group(self, group: _Group) -> None:
@@ -191,19 +194,19 @@ class StrictPointToPoint:
         except BaseException as err:  # noqa: BLE001
             for op in group.ops:
                 op.error = err
-                self.broken[op.peer] = err
+                self.broken[op.stream] = err
         for op in group.ops:
             op.done.set()
         group.done.set()
 
-    def _key(self, src: int, dst: int, number: int) -> str:
-        return f"strict_p2p/{src}->{dst}/{number}"
+    def _key(self, op: _Op, src: int, dst: int) -> str:
+        return f"strict_p2p/group-{op.stream[0]}/{src}->{dst}/{op.number}"
 
     def _announce(self, op: _Op) -> None:
-        self.store.set(self._key(op.peer, self.me, op.number), b"posted")
+        self.store.set(self._key(op, op.peer, self.me), b"posted")
 
     def _await_receiver(self, op: _Op) -> None:
-        key = self._key(self.me, op.peer, op.number)
+        key = self._key(op, self.me, op.peer)
         # Polled, not store.wait(): the rank's store client is one connection, and a blocking wait
         # on it would hold back this rank's own announcements (made from other streams' threads).
         deadline, pause = time.monotonic() + self.timeout, 50e-6
@@ -223,6 +226,10 @@ class StrictPointToPoint:
 
 
 # ----------------------------------------------------------------------- installing
+def _group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
 def _global_peer(group, peer, group_peer) -> int:
     if group_peer is not None:
         return dist.get_global_rank(group, group_peer) if group not in (None, dist.group.WORLD) else group_peer
