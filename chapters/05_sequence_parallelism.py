@@ -52,7 +52,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ultrascale.comm import CommLogger
-from ultrascale.comm.logger import base_op
+from ultrascale.comm.logger import base_op, wait_for_device
+from ultrascale.comm.ring import exchange
 from ultrascale.data import Batches
 from ultrascale.memory import GB, activation_bytes, breakdown, saved_activation_bytes
 from ultrascale.model import GPT, LLAMA3_70B, GPTConfig, count_params
@@ -1002,6 +1003,7 @@ def step_times(ctx, config, repeats):
             dist.barrier()
             start = time.perf_counter()
             batch.loss(model).backward()
+            wait_for_device(ctx.device)   # on a GPU: the kernels done, not only queued
             dist.barrier()
             seconds[scheme].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
@@ -1029,7 +1031,6 @@ def ring_step_times(ctx, config, repeats=100):
     """Median ms of one ring step: transfer only, matmul piece only, both overlapped."""
     group = tp_group(ctx, TP)
     r = dist.get_rank(group)
-    to, came_from = (dist.get_global_rank(group, (r + d) % TP) for d in (1, -1))
     shard = torch.randn(MBS, config.seq_len // TP, config.hidden).to(ctx.device)
     weight = torch.randn(3 * config.hidden // TP, config.hidden).to(ctx.device)   # q, k and v of this rank
     seconds = {"transfer": [], "matmul piece": [], "both": []}
@@ -1037,13 +1038,14 @@ def ring_step_times(ctx, config, repeats=100):
         for case, times in seconds.items():
             dist.barrier()
             start = time.perf_counter()
-            if case != "matmul piece":
-                works = (dist.isend(shard, to, group=group), dist.irecv(torch.empty_like(shard), came_from, group=group))
+            if case != "matmul piece":   # to the next rank, from the previous (posted as NCCL needs)
+                works = exchange([shard], [torch.empty_like(shard)], (r + 1) % TP, (r - 1) % TP, group)
             if case != "transfer":
                 F.linear(shard, weight)
             if case != "matmul piece":
                 for work in works:
                     work.wait()
+            wait_for_device(ctx.device)
             times.append(time.perf_counter() - start)
     return {case: 1e3 * float(np.median(times)) for case, times in seconds.items()}
 

@@ -92,7 +92,7 @@ def keep(works: list) -> None:
         _kept_works.extend(works)
 
 
-def exchange(sends, recvs, right: int, left: int, group, tag: int = 0) -> list:
+def exchange(sends, recvs, right: int, left: int, group, tag: int = 0, batched: bool = False) -> list:
     """Start sending ``sends`` to the right neighbour and receiving ``recvs`` from the left one
     (ranks in ``group``; the i-th tensor of each under tag ``tag + i``), and return the works
     without waiting: the one step of every ring in the course (the ring collectives, ring
@@ -104,12 +104,13 @@ def exchange(sends, recvs, right: int, left: int, group, tag: int = 0) -> list:
     first would wait for each other forever: then, and always on a GPU, the sends and receives
     go as one ``batch_isend_irecv``. With two peers each pair's stream holds one of them, so on
     gloo they are posted one by one (batch_isend_irecv's bookkeeping costs 50-80 us more per
-    exchange there, ``benchmarks/bench_send_recv.py``). Empty tensors are skipped on both sides
+    exchange there, ``benchmarks/bench_send_recv.py``), unless ``batched`` asks for one batch
+    anyway (ring attention: a step's K and V go as one). Empty tensors are skipped on both sides
     (every rank knows every size, so the two ends agree).
     """
     sends = [(t, tag + i) for i, t in enumerate(sends) if t.numel() > 0]
     recvs = [(t, tag + i) for i, t in enumerate(recvs) if t.numel() > 0]
-    if right == left or any(t.is_cuda for t, _ in sends + recvs):
+    if batched or right == left or any(t.is_cuda for t, _ in sends + recvs):
         ops = [dist.P2POp(dist.isend, t, group=group, group_peer=right, tag=k) for t, k in sends] + \
               [dist.P2POp(dist.irecv, t, group=group, group_peer=left, tag=k) for t, k in recvs]
         return dist.batch_isend_irecv(ops) if ops else []

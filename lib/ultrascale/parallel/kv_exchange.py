@@ -63,7 +63,7 @@ def _exchange(sends, recvs, group, tag, timeline=None, what="K/V"):
     """Start sending ``sends`` to the next rank and receiving ``recvs`` from the previous one;
     return what to wait for. Nothing is waited for here: the caller computes meanwhile."""
     r, n = rank_and_size(group)
-    works = exchange(sends, recvs, (r + 1) % n, (r - 1) % n, group, tag)
+    works = exchange(sends, recvs, (r + 1) % n, (r - 1) % n, group, tag, batched=True)
     if timeline is not None:   # a bar from now until the last block has arrived
         works[-1] = timeline.communication(f"receive {what}", works[-1], sum(t.nbytes for t in recvs))
     return works
