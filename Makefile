@@ -9,7 +9,7 @@ WORLD_SIZE ?= 3
 TORCH_OLDEST := 2.11.0
 COMPAT_VENV ?= $(HOME)/.cache/ultrascale/venv-torch-$(TORCH_OLDEST)
 
-.PHONY: setup lab lab-headless test test-compat test-fast notebooks batch bench exercises grade progress site clean
+.PHONY: setup lab lab-headless test test-gpu test-compat test-fast notebooks batch bench exercises grade progress site clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml launch/setup.sh
 	bash launch/setup.sh
@@ -25,6 +25,9 @@ lab-headless:   ## JupyterLab for a server: no browser, port 8888
 
 test: $(STAMP)  ## every test: library, runtime faults, grading, notebooks (nbval + papermill), spelling
 	bash launch/test.sh
+
+test-gpu: $(STAMP)  ## on a GPU node: the GPU tests, every chapter with one rank per GPU (NCCL), the grader; one table
+	$(PY) launch/test_gpu.py
 
 test-compat:    ## the library's tests and every chapter (papermill, QUICK) under the oldest supported torch
 	VENV=$(COMPAT_VENV) TORCH_VERSION=$(TORCH_OLDEST) TORCH_FRESH=1 bash launch/setup.sh

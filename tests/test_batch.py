@@ -112,3 +112,17 @@ def test_batch_kernels_keep_quiet_but_errors_and_deaths_are_reported(tmp_path):
     executed = nbformat.read(tmp_path / "out" / "interrupted.ipynb", as_version=4)
     printed = next(c for c in executed.cells if c.source == INTERRUPTED[1])
     assert printed.outputs[0]["text"] == "still running\n"  # the cell after the interrupt ran
+
+
+def test_the_gpu_self_test_says_so_without_a_gpu_and_plans_one_rank_per_gpu(capsys, tmp_path):
+    spec = importlib.util.spec_from_file_location("test_gpu_launcher", ROOT / "launch" / "test_gpu.py")
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    if launcher.gpu_count() == 0:
+        assert launcher.main([]) == 0
+        assert "no CUDA GPU on this machine" in capsys.readouterr().out
+    plan = launcher.commands(8, tmp_path)
+    assert list(plan) == ["tests", "chapters", "grader"]
+    assert plan["chapters"][plan["chapters"].index("--world-size") + 1] == "8"      # one rank per GPU
+    assert launcher.commands(1, tmp_path)["chapters"][3] == "2"                      # one GPU: 2 ranks
+    assert "gpu or multigpu" in plan["tests"] and "solutions" in plan["grader"]
