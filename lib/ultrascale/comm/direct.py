@@ -50,10 +50,17 @@ def direct_rounds(world_size: int) -> int:
 
 
 def _post(sends: list, receives: list, group) -> tuple[list, list]:
-    """Post every (tensor, peer) send and receive at once; empty chunks are skipped on both
+    """Post every (tensor, peer) send and receive at once, as one ``batch_isend_irecv``: every
+    pair of ranks both sends to and receives from each other here, and under NCCL a send waits
+    for its receive while a pair's messages run in the order posted, so sends posted one by one
+    before the receives would wait for each other forever. Empty chunks are skipped on both
     sides (every rank knows every chunk size, so the two ends agree)."""
-    send_works = [dist.isend(t, group=group, group_dst=peer) for t, peer in sends if t.numel()]
-    recv_works = [(dist.irecv(t, group=group, group_src=peer), t) for t, peer in receives if t.numel()]
+    sends = [(t, peer) for t, peer in sends if t.numel()]
+    receives = [(t, peer) for t, peer in receives if t.numel()]
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends] + \
+          [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in receives]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    send_works, recv_works = works[:len(sends)], list(zip(works[len(sends):], [t for t, _ in receives]))
     count_p2p(sum(t.numel() * t.element_size() for t, _ in sends),
               sum(t.numel() * t.element_size() for t, _ in receives))
     keep(send_works + [w for w, _ in recv_works])      # until the collective returns (ring.keeping_exchanges)
@@ -65,13 +72,10 @@ def direct_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tenso
     """All-reduce ``tensor`` in place by direct exchange; returns ``tensor``.
 
     Any world size, shape and length (chunks may be empty when the buffer is shorter than N).
-    gloo only: NCCL would need the sends and receives of a round batched in one group.
+    Each round's sends and receives go as one batch (``_post``), as NCCL needs them.
     """
     op = _normalise_op(op, tensor.dtype)
     rank, n = _rank_and_size(group)
-    if tensor.is_cuda:
-        raise ValueError("direct_all_reduce posts its messages one by one, which NCCL may serialise into a "
-                         "deadlock; use ring_all_reduce or halving_doubling_all_reduce on GPUs")
     with record_op("direct_all_reduce", group), keeping_exchanges():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         chunks = flat.tensor_split(n)
