@@ -282,11 +282,16 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
     from ultrascale.grading.guards import ForbiddenCall, forbid_library
     from ultrascale.model import lm_loss
     from ultrascale.parallel import pipeline_parallel as pp_module
+    from ultrascale.parallel.pipeline_messages import twin_group
     from ultrascale.parallel.pipeline_parallel import apply_pp
     from ultrascale.schedule import afab_rank, one_f_one_b_rank
 
     r, p = ctx.rank, ctx.world_size
     pipe = apply_pp(_model(p, seed, ctx.device), schedule="1f1b", microbatches=m)   # this rank's stage and names
+    # forward_step's messages go down the ranks on the world group, backward_step's up on its
+    # twin: under NCCL a receive queued behind a send the other way would wait forever
+    # (pipeline_messages' module docstring), in 1F1B where neighbours send to each other first
+    groups = {"F": ctx.group, "B": twin_group(ctx.group)}
     chunk = pipe.chunks[str(r)]
     batches = [batch.to(ctx.device) for batch in _micro(m, seed)]
     shape = (*batches[0].inputs.shape, CFG_KW["hidden"])
@@ -307,10 +312,10 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
         try:
             with tracker, forbid_library(forbidden, "07.stage_step", "send and receive with dist.isend / dist.recv"):
                 if a.op == "F":
-                    got = forward_step(stage_for(a.microbatch), batches[a.microbatch].inputs, ctx.group, r, p, shape,
-                                       DT)
+                    got = forward_step(stage_for(a.microbatch), batches[a.microbatch].inputs, groups["F"], r, p,
+                                       shape, DT)
                 else:
-                    got = backward_step(*held.pop(a.microbatch), ctx.group, r, p)
+                    got = backward_step(*held.pop(a.microbatch), groups["B"], r, p)
         except ForbiddenCall as err:
             problem = str(err)
         except NotImplementedError as err:   # a stub: check reports "not implemented yet"
@@ -318,7 +323,7 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
         except Exception as err:   # judged here, so that this rank reports instead of hanging the others
             problem = f"raised {type(err).__name__}: {err}"
         else:
-            problem = _judge_transfers(a.op, r, p, tracker, got, ctx.group)
+            problem = _judge_transfers(a.op, r, p, tracker, got, groups[a.op])
         if problem is None and a.op == "F":
             if isinstance(got, (tuple, list)) and len(got) == 3:
                 held[a.microbatch] = got[:2]
@@ -345,9 +350,10 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
 def _judge_transfers(op: str, r: int, p: int, tracker, got, group) -> str | None:
     posted = tracker.posted
     if any(g is not group for g in tracker.groups):
-        return ("a send or receive without group=group. Here the pipeline group is every rank, but beside data or "
-                "tensor parallelism it is a subgroup, and a transfer on another group never meets its partner: "
-                "pass group=group to every dist.isend / dist.recv")
+        return ("a send or receive without group=group. Each step is given its group (forward_step the one for "
+                "messages down the pipeline, backward_step the one for messages up); beside data or tensor "
+                "parallelism it is a subgroup, and a transfer on another group never meets its partner: pass "
+                "group=group to every dist.isend / dist.recv")
     # torch's blocking send/recv post an isend/irecv and wait for it: count each transfer once.
     sends = max(posted["isend"], posted["send"])
     recvs = max(posted["irecv"], posted["recv"])

@@ -6,7 +6,7 @@ input back to the previous one (``send_B``):
 * ``send_*``: ``isend``, never blocking, waited for at the end of the step (the tensor is
   kept alive until then); with a timeline, a helper thread draws each send's bar;
 * **one process group per direction**: a message to a higher rank of the pipeline goes on the pp
-  group, one to a lower rank on a second group over the same ranks (``_reverse_group``). Under
+  group, one to a lower rank on a second group over the same ranks (``twin_group``). Under
   NCCL a send does not complete until its receive is posted, and the messages between two ranks
   in one group run in the order they were posted; so in 1F1B's steady state, where each of two
   neighbours sends to the other before receiving from it, one group would hold each rank's
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ..comm.ring import send_recv
 from .timeline import COMMUNICATION
 
-__all__ = ["StageMessages"]
+__all__ = ["StageMessages", "twin_group"]
 
 
 class StageMessages:
@@ -66,13 +66,13 @@ class StageMessages:
         """The group of the messages between this rank and ``peer`` that go ``peer``'s way: the pp
         group up the pipeline's ranks, its twin down (see the module's docstring)."""
         if self.group_down is None:
-            self.group_down = _reverse_group(self.group)
+            self.group_down = twin_group(self.group)
         return self.group if peer > self.rank else self.group_down
 
     def _from(self, peer: int):
         """The group of the messages that come from ``peer`` (its ``_towards`` this rank)."""
         if self.group_down is None:
-            self.group_down = _reverse_group(self.group)
+            self.group_down = twin_group(self.group)
         return self.group if peer < self.rank else self.group_down
 
     def _send(self, st, tensor, to_stage, kind, mb, what):
@@ -130,10 +130,11 @@ class StageMessages:
 _REVERSED: dict = {}   # pp group -> its twin for the messages down the ranks, one per process
 
 
-def _reverse_group(group):
+def twin_group(group):
     """A second process group over ``group``'s ranks, in the same order (so a rank's number in
-    it is the same). Made once per pp group, by its ranks alone (``use_local_synchronization``:
-    the other pipelines of a mesh need not take part)."""
+    it is the same), for the messages that go the other way. Made once per group and process, by
+    its ranks alone (``use_local_synchronization``: the other pipelines of a mesh need not take
+    part)."""
     group = group if group is not None else dist.group.WORLD
     if group not in _REVERSED:
         _REVERSED[group] = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)

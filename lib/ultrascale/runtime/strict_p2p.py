@@ -119,10 +119,15 @@ class StrictPointToPoint:
         self.lock = threading.Lock()
         self.broken: dict[tuple, BaseException] = {}
         self.isend, self.irecv = dist.isend, dist.irecv   # the real ones, saved before we swap them
+        self.batch = threading.local()   # .ops: the operations of the batch_isend_irecv being posted
 
     # -------------------------------------------------------------- posting (caller's thread)
     def post(self, kind: str, tensor, peer: int, group, tag: int) -> _Work:
         op = _Op(kind, tensor, peer, group, tag)
+        batch = getattr(self.batch, "ops", None)
+        if batch is not None:   # inside batch_isend_irecv: goes out with the batch
+            batch.append(op)
+            return _Work(op)
         with self.lock:
             self._number(op)
             self._stream(op.stream).put(op)
@@ -259,10 +264,21 @@ def install(timeout: float) -> StrictPointToPoint:
         return peer
 
     def batch_isend_irecv(p2p_op_list):
+        """Each operation through its own function, as torch's does (so whatever wraps isend and
+        irecv sees it), the ones that reach ``post`` kept, then posted as one group."""
         c10d._check_p2p_op_list(p2p_op_list)
-        ops = [_Op("send" if "send" in p.op.__name__ else "recv", p.tensor, p.peer, p.group, p.tag)
-               for p in p2p_op_list]
-        return streams.post_group(ops)
+        streams.batch.ops = []
+        try:
+            works = []
+            for p in p2p_op_list:
+                sending = p.op is dist.isend or "send" in getattr(p.op, "__name__", "")
+                peer = {"group_dst" if sending else "group_src": p.group_peer}
+                works.append(p.op(p.tensor, group=p.group, tag=p.tag, **peer))
+            ops = streams.batch.ops
+        finally:
+            streams.batch.ops = None
+        streams.post_group(ops)
+        return works
 
     for fn, original in ((isend, dist.isend), (irecv, dist.irecv), (send, dist.send), (recv, dist.recv),
                          (batch_isend_irecv, dist.batch_isend_irecv)):
