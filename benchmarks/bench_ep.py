@@ -60,7 +60,8 @@ def time_steps(ctx, impl, cfg, mbs, warmup, steps):
 
 def logged_bytes(ctx, cfg, mbs):
     """This rank's logged all-to-all bytes of one forward and backward, and the prediction."""
-    traffic = layer_traffic(layer(cfg, True), tokens(cfg, mbs, ctx.rank).view(-1, cfg.hidden).requires_grad_())
+    x = tokens(cfg, mbs, ctx.rank).view(-1, cfg.hidden).to(ctx.device).requires_grad_()
+    traffic = layer_traffic(layer(cfg, True).to(ctx.device), x)
     return traffic["logged"], traffic["predicted"], traffic["send"]
 
 

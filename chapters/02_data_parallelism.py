@@ -41,7 +41,7 @@ import torch.distributed as dist
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from ultrascale.batch_size import global_batch_size, plan_batch, samples_per_step
-from ultrascale.comm import AlphaBeta, CommLogger, format_bytes
+from ultrascale.comm import AlphaBeta, CommLogger, format_bytes, wait_for_device
 from ultrascale.data import Batches
 from ultrascale.memory import GB, GiB, breakdown
 from ultrascale.model import GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, GPTConfig, count_params
@@ -215,6 +215,7 @@ def train_on_rank(ctx, kind, steps=STEPS, grad_acc=1, use_no_sync=True, bucket_c
             with span("optimizer step"):
                 opt.step()
                 opt.zero_grad()
+        wait_for_device(ctx.device)  # on a GPU: the step's kernels done, not only queued
         step_seconds.append(time.perf_counter() - start)
         if log_comm:
             calls.append(log.totals().get("all_reduce", {}).get("calls", 0))
@@ -521,6 +522,7 @@ def time_per_tensor_vs_flat(ctx, repeats):
             dist.barrier()
             start = time.perf_counter()
             fn()
+            wait_for_device(ctx.device)
             seconds.append(time.perf_counter() - start)
         timings[name] = statistics.median(seconds)
     return timings

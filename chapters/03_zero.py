@@ -37,7 +37,7 @@ from IPython.display import display
 from matplotlib.figure import Figure
 import torch
 
-from ultrascale.comm import AlphaBeta, CommLogger
+from ultrascale.comm import AlphaBeta, CommLogger, wait_for_device
 from ultrascale.data import Batches
 from ultrascale.memory import GB, model_state_bytes, zero_bytes_per_rank
 from ultrascale.model import GPT, GPTConfig, count_params
@@ -613,6 +613,7 @@ def record_step(ctx, stage, prefetch):
         with timeline.span("step (optimizer)"):
             zero.step()
         zero.zero_grad()
+        wait_for_device(ctx.device)   # on a GPU: the kernels done, not only queued
         seconds = time.perf_counter() - start
     return timeline.rows(), seconds
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch
 
-from ultrascale.comm import CommLogger, format_bytes
+from ultrascale.comm import CommLogger, format_bytes, wait_for_device
 from ultrascale.data import Batches, split
 from ultrascale.kernels.tiled_attention import merge_partial_attention, naive_attention
 from ultrascale.memory import GB, activation_bytes, cp_kv_buffer_bytes, saved_activation_bytes
@@ -1042,6 +1042,7 @@ def race(ctx):
                 ctx.barrier()
                 start = time.perf_counter()
                 attend(*inputs, layout=layout).backward(local[3])
+                wait_for_device(ctx.device)   # on a GPU: the kernels done, not only queued
                 samples.append(time.perf_counter() - start)
             times[name, seq] = samples[1:]   # the first is a warm-up
     return times

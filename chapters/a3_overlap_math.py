@@ -46,7 +46,7 @@ import torch.distributed as dist
 from matplotlib.figure import Figure
 
 from ultrascale import overlap
-from ultrascale.comm import CommLogger, bus_bandwidth_sweep, format_bytes
+from ultrascale.comm import CommLogger, bus_bandwidth_sweep, format_bytes, wait_for_device
 from ultrascale.data import Batches
 from ultrascale.model import GPT, GPTConfig, count_params, training_flops
 from ultrascale.parallel import Timeline, apply_data_parallel, apply_zero, covered_seconds, overlap_seconds
@@ -384,8 +384,10 @@ def achieved_flops(ctx, config, mbs, repeats):
     batch = Batches(config, mbs=mbs, seed=SEED).rank_batch(ctx.rank, ctx.world_size, 0).to(ctx.device)
     seconds = []
     for i in range(1 + repeats):  # one warm-up step
+        wait_for_device(ctx.device)   # on a GPU: time the kernels, not their launch
         start = time.perf_counter()
         batch.loss(model).backward()
+        wait_for_device(ctx.device)
         if i >= 1:
             seconds.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)

@@ -153,3 +153,35 @@ def test_a_dtype_change_is_no_move(strict):
         model = torch.nn.Linear(4, 4).to(torch.float64)
         return model(torch.ones(2, 4, device=ctx.device, dtype=torch.float64)).sum().item()
     _raises(strict, fault, "mixes a tensor made on the host")
+
+
+# ------------------------------------------------------------------ in a grader, as a learner would
+def test_a_learner_buffer_left_on_the_host_fails_its_check_in_strict_mode(ch03, monkeypatch):
+    """A ZeRO-1 step whose gradient slice is made without a device: right on a CPU (the plain
+    grader passes it), a crash on a GPU node (NCCL's reduce-scatter gets a CPU tensor). In strict
+    mode, as make test grades, it fails with the line to fix; the solution still passes."""
+    from ultrascale.grading import FAIL, PASS, check
+    from ultrascale.parallel import all_gather_into, reduce_scatter_into
+
+    flatten_padded = ch03["flatten_padded"]
+
+    def zero1_step(ctx, params, master, optimizer):
+        n = ctx.world_size
+        grads = flatten_padded([p.grad for p in params], n) / n
+        grad_slice = torch.empty(master.numel(), dtype=grads.dtype)          # no device: the fault
+        reduce_scatter_into(grad_slice, grads)
+        master.grad = grad_slice.float()
+        optimizer.step()
+        full = torch.empty(master.numel() * n, dtype=params[0].dtype, device=params[0].device)
+        all_gather_into(full, master.detach().to(full.dtype))
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p.copy_(full[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    monkeypatch.setenv("ULTRASCALE_STRICT_DEVICE", "1")
+    result = check("03.zero1_step", zero1_step, world_size=2, quick=True)
+    assert result.status == FAIL and "strict device" in result.message, result
+    assert "made on the host at `zero1_step` line" in result.message, result.message
+    assert check("03.zero1_step", ch03["zero1_step"], world_size=2, quick=True).status == PASS

@@ -127,18 +127,19 @@ class StageMessages:
         weight.grad = self.add_tied(weight.grad if weight.grad is not None else torch.zeros_like(weight))
 
 
-_REVERSED: dict = {}   # pp group -> its twin for the messages down the ranks, one per process
+_TWINS: dict = {}   # the ranks of a group -> the twin over them, one per process
 
 
 def twin_group(group):
     """A second process group over ``group``'s ranks, in the same order (so a rank's number in
-    it is the same), for the messages that go the other way. Made once per group and process, by
-    its ranks alone (``use_local_synchronization``: the other pipelines of a mesh need not take
-    part)."""
-    group = group if group is not None else dist.group.WORLD
-    if group not in _REVERSED:
-        _REVERSED[group] = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
-    return _REVERSED[group]
+    it is the same), for the messages that go the other way. Made once per set of ranks and
+    process, by those ranks alone (``use_local_synchronization``: the other pipelines of a mesh
+    need not take part). Such a group is named after its ranks, so two of them over the same
+    ranks would collide: groups with the same ranks (the world, a mesh's pp group) share one."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    if ranks not in _TWINS:
+        _TWINS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _TWINS[ranks]
 
 
 class _WatchedSend:
