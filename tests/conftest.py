@@ -15,6 +15,7 @@ while a test that needs the whole course (no ``notebook`` parameter) grades ever
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -61,11 +62,15 @@ def _start_grading(folder: str, names: set | None, out: Path):
     # test run once, in the grader's own process.
     feedback = ["--feedback"] if folder == "exercises" else []
     log = out / f"{folder}.log"   # a file, not a pipe: nobody reads the second grader's until the first ends
+    # Both folders are graded under a GPU node's rules (strict-device and strict point-to-point modes,
+    # ultrascale.runtime.strict_device and strict_p2p): no tensor left on the host, no send that waits
+    # on a receive queued behind another, in every grader and every solution.
+    env = {**os.environ, "ULTRASCALE_STRICT_DEVICE": "1", "ULTRASCALE_STRICT_P2P": "1"}
     with log.open("w") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ultrascale.grading.cli", *paths, "--json", str(scores), "--keep", str(keep),
              "--jobs", str(GRADER_JOBS), *feedback],
-            cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env,
         )
 
     def result() -> GradedFolder:

@@ -15,6 +15,13 @@ like "the world size divides 4" gets caught. Which other size, and which chapter
 
 Set ULTRASCALE_NB_WORLD_SIZES=2,3,5 to run every chapter at each of those sizes instead.
 
+These runs are also the chapters' runs under a GPU node's rules: the strict-device and strict
+point-to-point modes (ULTRASCALE_STRICT_DEVICE=1, ULTRASCALE_STRICT_P2P=1;
+``ultrascale.runtime.strict_device`` and ``strict_p2p``). Every rank function of every chapter
+that starts ranks is held to what NCCL with one GPU per rank requires: no tensor left on the
+host, no send that waits on a receive queued behind another send. nbval's runs stay in the
+plain mode, as a learner runs the chapters.
+
 The runs the selected tests need go two at a time, each a papermill process of its own
 (``papermill_runs``): a chapter spends much of its time starting a kernel and ranks and
 in ranks waiting on each other, so on 2 cores two at a time take little more than one.
@@ -95,8 +102,10 @@ papermill.execute_notebook(notebook, out, cwd=cwd, kernel_name="python3", progre
 
 def _papermill(notebook: str, world_size: int, out: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
     command = [sys.executable, "-c", RUN_ONE, str(CHAPTERS / notebook), str(out), str(CHAPTERS), str(world_size)]
+    env = {**os.environ, "ULTRASCALE_STRICT_DEVICE": "1", "ULTRASCALE_STRICT_P2P": "1"}   # the kernel's clusters inherit it
     with log.open("w") as sink:
-        return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env)
 
 
 def _run_all(runs: list, folder: pathlib.Path, at_once: int = RUNS_AT_ONCE) -> dict:
