@@ -57,7 +57,7 @@ from ultrascale.precision import (BOOK_TABLE, DTYPES, E4M3, FP8_RECIPES, RECIPES
                                   FP8Recipe, Quantised, ScaledOptimizer, apply_fp8, decode, distinct_inside, fp8_gemm,
                                   layout, layouts, memory_row, quantize, quantize_tiles, relative_error, round_to,
                                   state_bytes, train_losses)
-from ultrascale.precision.gemm_speed import gpu_milliseconds, measure_fp8_gemm, print_fp8_rows
+from ultrascale.precision.gemm_speed import fp8_gpu_refusal, gpu_milliseconds, measure_fp8_gemm, print_fp8_rows
 from ultrascale.train import gradients, make_optimizer, weights
 from ultrascale.viz.live import ProgressBar
 
@@ -820,7 +820,8 @@ def gpu_tflops(fn, flops):
 
 
 FP8_TABLE = "e4m3 torch._scaled_mm (one scale per tensor, bf16 out) against bf16 torch.matmul"
-if torch.cuda.is_available():
+FP8_REFUSAL = fp8_gpu_refusal()   # None on a GPU with FP8 tensor cores (compute capability 8.9+)
+if FP8_REFUSAL is None:
     print(f"MEASURED NOW on {torch.cuda.get_device_name(0)}, torch {torch.__version__}: {FP8_TABLE}")
     print_fp8_rows([measure_fp8_gemm(n) for n in ((1024, 4096) if QUICK else (1024, 2048, 4096, 8192))])
     layer = nn.Linear(4096, 4096, bias=False, device="cuda")
@@ -837,20 +838,22 @@ if torch.cuda.is_available():
         theirs_rate = gpu_tflops(lambda: theirs(x).sum().backward(), 3 * 2 * 8192 * 4096 ** 2)
         print(f"  torchao float8 (tensorwise), the same layer: {theirs_rate:.0f} TFLOP/s, ours / torchao "
               f"{ours_rate / theirs_rate:.2f}")
-    model = fresh_model().cuda()
-    optimizer = ScaledOptimizer(make_optimizer(model.parameters(), "adam", lr=3e-3), torch.amp.GradScaler("cuda"))
-    cuda_batches = lambda step, micro=0: sequences(step, micro).to("cuda")   # noqa: E731
-    losses = train_losses(model, cuda_batches, STEPS, optimizer, autocast=torch.float16)
-    print(f"  fp16 + GradScaler on the GPU: loss {losses[0]:.2f} -> {losses[-1]:.2f}, "
-          f"{sum(optimizer.skipped)} skipped steps")
 else:
     recorded = records.recorded("fp8")
     for path, record in recorded:
         print(records.label(record, path))
         print(f"{FP8_TABLE}, from benchmarks/bench_fp8.py:")
         print_fp8_rows(record["rows"])
-    if not recorded:
-        print("no GPU here, and no FP8 run recorded in results/ yet: run benchmarks/bench_fp8.py on a GPU")
+    print(f"not measured here: {FP8_REFUSAL}; the rows above are recorded" if recorded else
+          f"not measured here: {FP8_REFUSAL}; no FP8 run recorded in results/ yet: run benchmarks/bench_fp8.py "
+          "on a GPU with FP8 tensor cores")
+if torch.cuda.is_available():   # fp16 needs no FP8 tensor cores: any GPU
+    model = fresh_model().cuda()
+    optimizer = ScaledOptimizer(make_optimizer(model.parameters(), "adam", lr=3e-3), torch.amp.GradScaler("cuda"))
+    cuda_batches = lambda step, micro=0: sequences(step, micro).to("cuda")   # noqa: E731
+    losses = train_losses(model, cuda_batches, STEPS, optimizer, autocast=torch.float16)
+    print(f"  fp16 + GradScaler on the GPU: loss {losses[0]:.2f} -> {losses[-1]:.2f}, "
+          f"{sum(optimizer.skipped)} skipped steps")
 
 # %% [markdown]
 # In the H100 run recorded on 2026-11-26, the FP8 GEMM's advantage grows with the size: 1.12x
