@@ -62,14 +62,22 @@ class StageMessages:
         """One tag per message: (micro-batch, receiving stage, forward or backward)."""
         return 2 * (mb * self.schedule.stages + stage) + (kind == "B")
 
-    def _group_of(self, sender: int, receiver: int):
-        """The group a message from ``sender`` to ``receiver`` goes on: the pp group up the
-        pipeline's ranks, its twin down (see the module's docstring)."""
-        return self.group if sender < receiver else self.group_down
+    def _towards(self, peer: int):
+        """The group of the messages between this rank and ``peer`` that go ``peer``'s way: the pp
+        group up the pipeline's ranks, its twin down (see the module's docstring)."""
+        if self.group_down is None:
+            self.group_down = twin_group(self.group)
+        return self.group if peer > self.rank else self.group_down
+
+    def _from(self, peer: int):
+        """The group of the messages that come from ``peer`` (its ``_towards`` this rank)."""
+        if self.group_down is None:
+            self.group_down = twin_group(self.group)
+        return self.group if peer < self.rank else self.group_down
 
     def _send(self, st, tensor, to_stage, kind, mb, what):
         dst = self.schedule.rank_of(to_stage)
-        work = dist.isend(tensor, group=self._group_of(self.rank, dst), group_dst=dst, tag=self._tag(kind, mb, to_stage))
+        work = dist.isend(tensor, group=self._towards(dst), group_dst=dst, tag=self._tag(kind, mb, to_stage))
         if self.timeline is not None:
             work = _WatchedSend(work, self.timeline, f"send {what} {mb} to stage {to_stage}",
                                 tensor.numel() * tensor.element_size())
@@ -89,7 +97,7 @@ class StageMessages:
                               device=batch.device)
             what = "activation" if kind == "F" else "gradient"
             with self._span(None, f"recv {what} {mb} for stage {stage}", COMMUNICATION):
-                dist.irecv(buf, group=self._group_of(src, self.rank), group_src=src, tag=self._tag(kind, mb, stage)).wait()
+                dist.irecv(buf, group=self._from(src), group_src=src, tag=self._tag(kind, mb, stage)).wait()
             st.inbox[nxt] = buf
         return st.inbox.pop(message)
 

@@ -254,12 +254,12 @@ def worker_main(rank, world_size, backend, conn, store_port, generation, noteboo
     except Exception:  # report, then exit: the notebook raises a clear error
         channel.send("error", ("RuntimeError", traceback.format_exc(), None), job_id=0)
         return
-    ctx = RankContext(rank=rank, world_size=world_size, backend=backend, device=device, channel=channel,
-                      strict_device=strict_device)
+    ctx = RankContext(rank=rank, world_size=world_size, backend=backend, device=device, channel=channel)
     if strict_p2p:  # NCCL's rules for sends and receives (strict_p2p.py)
         install_strict_p2p(strict_p2p)
     if strict_device:  # fail on this CPU where a GPU node would (strict_device.py)
         install_strict_device()
+        ctx.strict_device = True
 
     jobs: queue.Queue = queue.Queue()
     threading.Thread(
