@@ -393,12 +393,28 @@ def test_numpy_integers_are_world_sizes():
         assert c.run(_all_reduce_rank) == [3.0, 3.0]
 
 
-def test_run_after_close_is_a_clear_error():
-    c = Cluster(1)
-    c.close()
-    with pytest.raises(RuntimeError, match=r"was closed.*Cluster\(1\)"):
-        c.run(lambda ctx: 0)
-    assert not c.alive and "closed" in repr(c)
+def test_a_closed_cluster_starts_again_on_the_next_run(capsys):
+    """Issue 54: a chapter's last cell closes its cluster, and a learner then re-runs an earlier
+    cell. The ranks start again with one line that says ctx.state is lost, and a collective works
+    (a fresh process group); the closed cluster held no rank in between."""
+    from ultrascale.runtime import current_cluster
+
+    c = Cluster(2)
+    try:
+        before = c.pids
+        assert c.run(lambda ctx: ctx.state.setdefault("kept", ctx.rank + 10)) == [10, 11]
+        c.close()
+        assert not c.alive and "closed" in repr(c)
+        assert current_cluster() is c   # a %%ranks cell re-run after the close reopens it too
+        capsys.readouterr()
+        assert c.run(_all_reduce_rank) == [3.0, 3.0]
+        notice = capsys.readouterr().out
+        assert notice.count("\n") == 1 and "was closed" in notice and "ctx.state starts empty" in notice, notice
+        assert c.alive and c.pids != before and "running" in repr(c)
+        assert c.run(lambda ctx: ctx.state.get("kept")) == [None, None]   # the state the notice named
+        assert capsys.readouterr().out == ""   # only the first run after the close says it
+    finally:
+        c.close()
 
 
 def test_a_result_the_notebook_cannot_unpickle_names_its_rank(cluster):

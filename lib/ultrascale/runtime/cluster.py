@@ -18,6 +18,11 @@ A call ends in one of four ways, and the cluster stays usable after each:
 After a failure or a stop, the ranks are restarted on the next call if the call had
 used a process group (see ``call.py``: nothing it left unmatched may pair with a later
 call's), and keep their ``ctx.state`` otherwise; the message says which.
+
+``close()`` lets the ranks go, but the Cluster stays usable: a chapter's last cell closes it
+(its memory goes back), and a learner who then re-runs an earlier cell, the most common thing
+one does in a notebook, gets the ranks started again with a one-line notice that their
+``ctx.state`` is empty, not a traceback ending in "closed".
 """
 
 from __future__ import annotations
@@ -236,19 +241,29 @@ class Cluster:
         self._needs_restart = True
 
     def restart(self) -> None:
-        """Kill and start all ranks again: a new process group, empty ``ctx.state``."""
-        self._check_open()
+        """Kill and start all ranks again: a new process group, empty ``ctx.state``.
+        A closed Cluster is opened again."""
+        self._reopen()
         self._kill()
         self._start()
 
-    def _check_open(self) -> None:
+    def _reopen(self) -> None:
+        """Undo ``close()``: the Cluster counts as live again (its ranks are started by the
+        caller). The store stays open across ``close()``, and each start takes a new
+        generation of keys in it, so the new process group never meets the old one's."""
         if self._closed:
-            raise RuntimeError(f"this Cluster was closed (cluster.close()); start a new one: "
-                               f"Cluster({self.world_size})")
+            self._closed = False
+            _LIVE_CLUSTERS.add(self)   # killed at exit again
+            _CURRENT[:] = [self]       # %%ranks runs on it again
 
     def close(self) -> None:
-        """Let the ranks leave their process group and exit; kill any that linger."""
+        """Let the ranks leave their process group and exit; kill any that linger.
+
+        The Cluster can still be used: the next ``run`` starts its ranks again (with a notice,
+        their ``ctx.state`` empty), so a cell re-run after the chapter's last cell works.
+        """
         self._closed = True
+        self._released = False   # the next run says "closed", not "idle"
         self._cancel_idle_timer()
         for conn in self._conns:
             try:
@@ -260,8 +275,7 @@ class Cluster:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill()
         _LIVE_CLUSTERS.discard(self)
-        if _CURRENT and _CURRENT[0] is self:
-            _CURRENT.clear()
+        # _CURRENT keeps it: a %%ranks cell re-run after the close reopens it, as run does
 
     @property
     def alive(self) -> bool:
@@ -284,7 +298,7 @@ class Cluster:
             pass
 
     def __repr__(self) -> str:
-        state = ("closed" if self._closed else "running" if self.alive
+        state = ("closed: ranks stopped, back on the next call" if self._closed else "running" if self.alive
                  else "idle: ranks released, back on the next call" if self._released else "stopped")
         return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
@@ -295,7 +309,6 @@ class Cluster:
         Returns the results as a list in rank order. ``on_log(rank, metrics)`` is
         called in the notebook for every ``ctx.log(...)`` while the call runs.
         """
-        self._check_open()
         if not callable(fn):
             raise TypeError(f"cluster.run needs a function to run on the ranks, called as fn(ctx, *args); "
                             f"got {type(fn).__name__} {fn!r}")
@@ -309,7 +322,13 @@ class Cluster:
         with self._busy, counting_presses() as presses:   # a press a finalizer swallows still counts
             self._cancel_idle_timer()
             try:
-                if self._released:
+                if self._closed:
+                    # most often a cell re-run after the chapter's last cell closed the cluster
+                    print(f"[ultrascale] this Cluster was closed (cluster.close()): starting its "
+                          f"{self.world_size} ranks again (ctx.state starts empty: re-run the cells "
+                          f"that filled it if this one needs them)")
+                    self.restart()
+                elif self._released:
                     idle = (f"{self.idle_release / 60:g} min" if self.idle_release >= 60
                             else f"{self.idle_release:g} s")
                     print(f"[ultrascale] the ranks had been idle for {idle} and gave "
