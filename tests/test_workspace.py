@@ -5,6 +5,8 @@
   changes it; an edited copy is kept, and the run says where the course's new version is;
 * a learner's session leaves `git status` clean and a `git pull` of a commit changing the chapters
   succeeds (two temporary clones: the origin, and the learner's);
+* the grading command each exercise notebook prints is `make grade NB=work/exercises/<that notebook>`:
+  the learner's copy, which exists once the copies are made, and which make hands to the grader;
 * progress: the command-line grader records a graded notebook of work/exercises (a solution,
   copied there: full points in `make progress`'s table); a line written by hand, changed after,
   signed with another key, or written by the notebook's own cells counts for nothing.
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +74,32 @@ def test_copies_made_with_working_relative_paths(clones):
     assert (work / "exercises" / ".." / "chapters" / "00_orientation.ipynb").is_file()
     again = workspace.refresh(learner, log=lambda line: None)
     assert set(again.values()) == {workspace.UNCHANGED}
+
+
+CODE_SPAN_RE = re.compile(r"`([^`\n]*)`")   # the code spans of a markdown cell, in order
+
+
+def test_each_exercise_prints_the_command_that_grades_its_copy(clones):
+    """Issue 54: the command a notebook prints works as printed from the course's folder, and it
+    grades the learner's copy in work/, not the course's untouched exercises/ (the old
+    `ultrascale-grade exercises/...` was not on the PATH, and graded the wrong file)."""
+    _, learner = clones
+    workspace.refresh(learner, log=lambda line: None)
+    notebooks = sorted((ROOT / "exercises").glob("*_exercises.ipynb"))
+    assert len(notebooks) == len(list((ROOT / "solutions").glob("*_exercises.ipynb")))
+    for path in notebooks:
+        nb = nbformat.read(path, as_version=4)
+        printed = [span for cell in nb.cells if cell.cell_type == "markdown"
+                   for span in CODE_SPAN_RE.findall(cell.source) if re.search(r"\bgrade\b", span)]
+        assert printed == [f"make grade NB=work/exercises/{path.name}"], (path.name, printed)
+        assert "ultrascale-grade" not in path.read_text(), path.name
+        target = printed[0].split("NB=", 1)[1]
+        assert (learner / target).is_file(), target
+        # make's dry run (-n) shows the recipe without running it: the grader, on that very copy
+        recipe = subprocess.run(["make", "-n", *printed[0].split()[1:]], cwd=learner, capture_output=True,
+                                text=True, timeout=60)
+        assert recipe.returncode == 0, recipe.stderr
+        assert f"-m ultrascale.grading.cli {target} " in recipe.stdout, recipe.stdout
 
 
 @pytest.mark.timeout(600)
