@@ -243,9 +243,14 @@ assert sum(numel for _, numel, *_ in layouts[0]) == PSI
 # it: start sending each slice as soon as the optimizer has updated it, while it updates the next
 # (overlap with the step), or gather each layer's parameters just before the next forward needs
 # them (overlap with the forward, layer by layer, which is ZeRO-3's prefetch in disguise). Both
-# are fiddly to write by hand; in practice one gets the second by wrapping the whole model as one
-# FSDP unit. Our ZeRO-1/2 launch all units' all-gathers at once and wait for them at the end of
-# the step.
+# are fiddly to write by hand. The book suggests getting the second from PyTorch's FSDP by making
+# the whole model one FSDP unit, but that is the one layout that cannot overlap: a unit is gathered
+# in one piece, so the whole model's parameters arrive at once, before its first layer runs. The
+# layer-by-layer overlap needs one FSDP unit per block (as the FSDP2 comparison below wraps it), so
+# that block $i+1$ travels while block $i$ computes; keeping each block gathered from its forward
+# to its backward (FSDP2's `reshard_after_forward=False`) then skips ZeRO-3's second gather. Our
+# ZeRO-1/2 launch all units' all-gathers at once after the optimizer step and wait for them at the
+# end of the step.
 #
 # - **ZeRO-2** does not keep the full gradient: each unit's gradients are reduce-scattered as soon
 #   as backward has produced them, and the full gradient buffer is dropped. Only this rank's
@@ -689,7 +694,10 @@ for name, per_rank in timelines.items():
 # durations are noisy and overlap cannot buy as much as on GPUs, where NCCL moves data on its own
 # hardware path. The *launch order*, however, is exact, and we check it on every rank: without
 # prefetch, each block's gather starts after the previous block's forward has finished; with
-# prefetch, it starts before the previous block's forward has begun computing.
+# prefetch, it starts before the previous block's forward has begun computing. Backward with
+# prefetch runs as a three-stage pipeline: by the time block $i$'s backward begins, block $i-1$'s
+# gather (for its own backward) and the reduce-scatter of block $i+1$'s gradients have both been
+# launched, so two transfers travel beside one block's computation.
 
 # %%
 for name, prefetch in (("ZeRO-3 without prefetch", False), ("ZeRO-3 with prefetch", True)):
@@ -701,6 +709,12 @@ for name, prefetch in (("ZeRO-3 without prefetch", False), ("ZeRO-3 with prefetc
                 assert gather["start"] <= previous["start"], (name, i)
             else:
                 assert gather["start"] >= previous["end"], (name, i)
+        if prefetch:   # backward's pipeline: gather block i - 1, compute block i, reduce block i + 1
+            for i in range(1, L - 1):
+                backward = first(rows, f"backward block {i}")
+                regather = [e for e in rows if e["name"] == f"all_gather unit {i - 1}"][1]   # the backward one
+                assert regather["start"] <= backward["start"], (name, i)
+                assert first(rows, f"reduce_scatter unit {i + 1}")["start"] <= backward["start"], (name, i)
         assert len(events(rows, "communication", "all_gather")) == 2 * L   # as counted in section 3
 print("launch order checked on every rank")
 
@@ -732,6 +746,10 @@ print(f"a layer's all-gather outlasts its neighbour's forward from N_d = {expose
       f"(gather {gather_ms[nd_range == exposed[0]][0]:.1f} ms, forward {forward_ms[nd_range == exposed[0]][0]:.1f} ms)")
 assert np.all(np.diff(gather_ms) > 0) and np.all(np.diff(forward_ms) < 0)
 assert 64 < exposed[0] <= 1024, "with these assumptions the crossing lands in the hundreds, like the book's 512"
+# Backward: a block's backward computes about twice its forward, but it hides two transfers of the
+# same size, the gather of the block before it and the reduce-scatter of its own gradients.
+backward_ms, backward_transfers_ms = 2 * forward_ms, 2 * gather_ms
+assert np.array_equal(nd_range[backward_transfers_ms > backward_ms], exposed), "backward gives out at the same N_d"
 
 fig = Figure(figsize=(7, 3.5), layout="constrained")
 ax = fig.subplots()
@@ -746,8 +764,11 @@ ax.legend(fontsize=8)
 fig
 
 # %% [markdown]
-# Backward has about twice the forward's computation to hide the same gather behind, so it holds
-# out up to roughly twice the data-parallel degree; forward gives out first. Past that point, adding data-parallel ranks makes each
+# Backward does not hold out longer. Each block's backward computes about twice its forward, but it
+# has twice the traffic to hide as well: the gather of the block before it and the reduce-scatter
+# of its own gradients, the same number of bytes each (the pipeline checked on the timelines
+# above). Twice the compute against twice the communication: in this model backward gives out at
+# the same data-parallel degree as forward. Past that point, adding data-parallel ranks makes each
 # step wait on the network, which is one reason the next chapters add other kinds of parallelism
 # instead of ever more data parallelism.
 #
