@@ -35,6 +35,12 @@ c.KernelSpecManager.allowed_kernelspecs = {"python3"}
 # No "Jupyter news" pop-up over the first notebook, and no request to a news feed or for
 # updates: the settings' defaults are replaced by launch/lab_settings/overrides.json (a learner
 # can still change them in Settings).
+# The same file turns on "Shut down kernel" when a notebook's last tab closes (the notebook
+# tracker's kernelShutdown): a chapter's kernel and its ranks' fork server, both with torch
+# loaded, hold about half a GB, and JupyterLab's default kept them until the lab stopped, so a
+# learner who had visited five chapters held 2-3 GB. The kernel's exit takes its fork server
+# and ranks with it (ultrascale.runtime: the server sees its kernel's pipe close, the ranks
+# watch the kernel's process).
 import os  # noqa: E402
 
 c.LabApp.app_settings_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lab_settings")

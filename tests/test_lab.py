@@ -147,6 +147,15 @@ def test_no_news_pop_up_and_no_update_check(lab):
     assert defaults["fetchNews"] == "false" and defaults["checkForUpdates"] is False, defaults
 
 
+def test_closing_a_notebook_shuts_its_kernel_down(lab):
+    """Issue 54: each chapter's kernel and fork server hold about half a GB; closing the tab must
+    give it back (JupyterLab's default keeps the kernel). tests/test_browser.py measures it."""
+    url, _ = lab
+    settings = json.loads(_api(url, "/lab/api/settings/@jupyterlab/notebook-extension:tracker")[1])
+    assert settings["schema"]["properties"]["kernelShutdown"]["default"] is True
+    assert settings["settings"].get("kernelShutdown", True) is True, settings["settings"]
+
+
 def test_landing_page_is_the_learners_copy_and_saving_it_leaves_the_course_alone(lab):
     """launch/lab.sh made work/ (ultrascale.workspace): a save there changes no tracked notebook."""
     url, _ = lab
