@@ -343,9 +343,16 @@ def test_same_function_runs_under_torchrun(tmp_path):
         "-m", "ultrascale.runtime.torchrun", "ultrascale.runtime.examples:all_reduce_demo", "[4]",
         "--out", str(out),
     ]
-    subprocess.run(cmd, check=True, cwd=ROOT, timeout=120, capture_output=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, check=True, cwd=ROOT, timeout=120, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert json.loads(out.read_text())["results"] == [[3.0] * 4, [3.0] * 4]
+    # the log says which backend the ranks got, and why the CPU where it is the CPU (issue 54)
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    said = re.findall(r"^ultrascale\.runtime\.torchrun: 2 ranks on 1 node\(s\), backend (\w+), (.*)$",
+                      done.stdout, re.MULTILINE)
+    assert len(said) == 1 and said[0][0] == backend, done.stdout
+    if torch.version.cuda is None:
+        assert "is a CPU build" in said[0][1], said
 
 
 def test_same_function_runs_on_a_cluster():

@@ -86,6 +86,9 @@ def test_torchrun_sh_two_nodes_on_localhost_run_the_callers_module(user_dir):
                                          (["myexp:where"], {**env, "NODE_RANK": "0"})], cwd=user_dir)
     assert "torchrun.sh: node 1 of 2, 1 ranks here, rendezvous 127.0.0.1:" in node1
     assert results(node0) == [{"rank": 0, "node": 0, "sum": 3.0}, {"rank": 1, "node": 1, "sum": 3.0}]
+    # rank 0's log names the backend: how a learner checks that a GPU job used NCCL (README)
+    assert re.search(r"^ultrascale\.runtime\.torchrun: 2 ranks on 2 node\(s\), backend (gloo|nccl), ",
+                     node0, re.MULTILINE), node0
 
 
 def test_torchrun_sh_several_nodes_need_a_port_they_share(user_dir):

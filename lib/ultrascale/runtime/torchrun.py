@@ -75,6 +75,23 @@ def rank_device(backend: str, local_rank: int, gpus: int | None = None) -> torch
     return torch.device("cuda", local_rank)
 
 
+def backend_line(backend: str, world_size: int, nodes: int) -> str:
+    """The line rank 0 prints first, so a job's log says whether the GPUs were used: a GPU
+    cluster whose .venv got the CPU build of torch (setup run on a login node) would otherwise
+    run every GPU job as gloo ranks on the CPU, with nothing in the log to say so."""
+    where = f"{world_size} ranks on {nodes} node(s), backend {backend}"
+    if backend == "nccl":
+        return f"{where}, one GPU per rank ({torch.cuda.get_device_name(0)})"
+    if torch.version.cuda is None:
+        why = (f"torch {torch.__version__} is a CPU build (on a GPU cluster: .venv was set up where no "
+               "GPU was seen; README, GPU-cluster quick start)")
+    elif not torch.cuda.is_available():
+        why = "no GPU visible to torch here"
+    else:
+        why = "--backend gloo asked for"
+    return f"{where}, on the CPU: {why}"
+
+
 def run_under_torchrun(fn, *args, backend: str = "auto", **kwargs) -> list | None:
     """Join the torchrun process group, run ``fn(ctx, *args)``, gather results on rank 0."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -85,6 +102,9 @@ def run_under_torchrun(fn, *args, backend: str = "auto", **kwargs) -> list | Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
+    if rank == 0:
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)   # torchrun's count of nodes
+        print(f"ultrascale.runtime.torchrun: {backend_line(backend, world_size, nodes)}", flush=True)
     try:
         ctx = RankContext(rank=rank, world_size=world_size, backend=backend, device=device)
         result = to_cpu(fn(ctx, *args, **kwargs))
