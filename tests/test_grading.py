@@ -428,6 +428,19 @@ def test_deferred_submissions_of_the_right_answers_score_through_the_grader(tmp_
                       "00.memory_per_stage": PASS}
 
 
+def test_untouched_triton_kernels_are_not_implemented_through_the_grader():
+    """make grade's path, where check() only saves the kernel and the grader's own process tests it
+    (the shared run below grades exercises/ with --feedback, in the kernel, and did not see this):
+    a stub kernel names no ``tl``, so the kernel came back from cloudpickle without triton.language
+    in its globals, and Triton's interpreter refused it: "fail", not "not implemented" (issue 54)."""
+    notebook = REPO / "exercises" / "11_gpu_kernels_exercises.ipynb"
+    report = cli.grade_notebook(notebook, timeout=120, parameters={"QUICK": True})
+    assert report.status == "ok", report.error
+    rows = {e["exercise"]: e for e in report.exercises}
+    assert {"11.masked_add", "11.row_softmax", "11.matmul_tile"} <= set(rows)
+    assert {ex: row["status"] for ex, row in rows.items()} == dict.fromkeys(rows, NOT_IMPLEMENTED), rows
+    assert all("Hint:" in row["message"] for row in rows.values()), rows   # the stub's nudge, from the grader
+
 def test_grader_fails_only_on_infrastructure_errors(tmp_path, capsys):
     assert cli.main([str(tmp_path / "missing.ipynb")]) == 2
     assert cli.main([str(tmp_path)]) == 2  # an empty directory: nothing to grade
