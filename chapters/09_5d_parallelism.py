@@ -38,6 +38,7 @@ import torch
 from IPython.display import Markdown, display
 from matplotlib.figure import Figure
 
+from ultrascale import facts
 from ultrascale.data import Batches
 from ultrascale.memory import breakdown, pp_in_flight, state_bytes
 from ultrascale.methods import TP_CP_EP, ZERO3_VS_PP, comparison, example_config, markdown, quiz, summary_rows
@@ -57,7 +58,8 @@ plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell
 # ## 1. Which factorisations
 #
 # A factorisation gives each axis a degree whose product is the number of ranks. The chapter picks
-# them from `WORLD_SIZE`: at 8 ranks the book's three-axis example, dp 2 x pp 2 x tp 2; at 4 ranks
+# them from `WORLD_SIZE`: at 8 ranks the smallest layout with three axes, dp 2 x pp 2 x tp 2 (ours:
+# the book draws 3D layouts but trains none at this size); at 4 ranks
 # every pair of two axes that the course model allows (dp x tp, pp x tp, dp x pp, cp x tp); other
 # sizes get what divides them (the model has 4 heads, so tp is 1, 2 or 4). The model is tiny
 # (4 layers, hidden 32) and the checks run in float64 (the reason is in section 4).
@@ -129,24 +131,32 @@ print(f"every rank's process groups are the map's: {', '.join(layout.axes)}")
 # %% [markdown]
 # ## 3. One order for all the techniques
 #
-# `apply_parallelisms(model, mesh, config)` applies each technique from outside, in the order
-# torchtitan uses:
+# `apply_parallelisms(model, mesh, config)` applies each technique from outside, in one fixed order:
 #
-# 1. **TP/SP** first: it swaps the linears for column- and row-parallel ones and must see the
-#    whole model;
+# 1. **TP/SP**: it swaps the linears for column- and row-parallel ones;
 # 2. **CP** replaces the attention cores, **EP** the MoE layers;
 # 3. **PP** cuts what is left into stages: each stage keeps layers that TP already sharded;
 # 4. **DP/ZeRO** last: it must see the parameters the others sharded, and it averages each
 #    gradient over every rank that saw *different data* for that parameter.
 #
+# torchtitan does it the other way round for the first three (printed below): it splits the
+# pipeline first and applies TP and FSDP to each stage. That matters at scale, where a rank must
+# never build more than its own stages (a 405B model does not fit on one GPU); here every rank
+# builds the whole toy model anyway. The result is the same either way, because TP, CP and EP
+# change each layer on its own, so cutting before or after gives the same stage; only the data
+# parallelism must come last in both.
+#
 # Different data: the dp ranks get different rows, the cp ranks different tokens of the same rows,
 # and the ep ranks different rows too (for the dense layers of an MoE model). So one all-reduce
 # over the joint group of those axes does what CP's gradient average and DP's would do one after
-# the other. The tp and pp ranks hold different parameters, or (TP's norms and row-parallel biases)
-# the same gradient already: nothing is averaged over them. Here is who averages with whom and
-# which rows each rank trains on:
+# the other. The pp ranks hold different parameters, and so do the tp ranks, except TP's norms
+# and row-parallel biases, which every tp rank holds whole. Without SP those get the same gradient
+# on every tp rank already; with SP each tp rank applies them to its own slice of the sequence, so
+# their gradients must be *summed* over tp (SP hooks them to do that inside backward). Nothing is
+# *averaged* over tp or pp. Here is who averages with whom and which rows each rank trains on:
 
 # %%
+print(facts.TORCHTITAN_ORDER)
 for config in CONFIGS:
     mesh = config.layout()
     data_axes = [a for a in DENSE_AXES if a in mesh.axes]
@@ -362,11 +372,10 @@ assert breakdown(LLAMA3_70B, **args)["optimizer states"] < breakdown(LLAMA3_70B,
 #
 # Two real training runs, shrunk to the toy model and 8 ranks:
 #
-# - **Llama 3 405B** trained with TP 8 (with SP) inside each node, PP 16 across nodes, CP up to
-#   16 for its long-context stage, and FSDP (ZeRO-3) over the data-parallel replicas. Here: TP 2
-#   with SP, PP 2 and DP 2 with ZeRO-1. Its fourth axis, CP, would need 16 ranks, and this
-#   course's library does not yet compose SP inside pipeline stages with CP (`ParallelConfig`
-#   refuses it and says why).
+# - **Llama 3 405B** (its layout is printed below, from `ultrascale.facts`, which chapter 10
+#   reads too). Here: TP 2 with SP, PP 2 and DP 2 with ZeRO-2, the stage its FSDP amounts to. Its
+#   fourth axis, CP, would need 16 ranks, and this course's library does not yet compose SP
+#   inside pipeline stages with CP (`ParallelConfig` refuses it and says why).
 # - **DeepSeek-V3** trained with PP 16, EP 64 spread over 8 nodes and ZeRO-1 data parallelism,
 #   without TP. Here: PP 2, EP 2 and DP 2 with ZeRO-1, on the mixture-of-experts model above.
 #
@@ -377,8 +386,10 @@ assert breakdown(LLAMA3_70B, **args)["optimizer states"] < breakdown(LLAMA3_70B,
 # layer, dp for an expert.
 
 # %%
+print(facts.LLAMA3_405B)
+llama_zero = facts.LLAMA3_405B_LAYOUT["zero"]   # the toy layout shards what Llama 3 405B sharded
 PUBLISHED = {"Llama 3 405B's shape": (MODEL, DATA, fresh_model,
-                                      ParallelConfig(dp=2, tp=2, sp=True, pp=2, zero=1, microbatches=2)),
+                                      ParallelConfig(dp=2, tp=2, sp=True, pp=2, zero=llama_zero, microbatches=2)),
              "DeepSeek-V3's shape": (MOE_MODEL, MOE_DATA, fresh_moe,
                                      ParallelConfig(dp=2, pp=2, ep=2, zero=1, microbatches=2))}
 CONSUMERS = ("parameters", "gradients", "optimizer states")
@@ -440,10 +451,12 @@ display(Markdown(markdown(comparison(ZERO3_VS_PP))))
 # %% [markdown]
 # ZeRO-3 and PP both spread the model, in opposite ways: ZeRO-3 keeps a slice of every layer and
 # gathers the weights, PP keeps whole layers and passes activations. Combining them needs a larger
-# global batch (PP wants many micro-batches, ZeRO-3 large ones); ZeRO-1 and 2 combine with PP
-# easily (DeepSeek-V3 trained with PP and ZeRO-1), and TP+SP complements both.
+# global batch (PP wants many micro-batches, ZeRO-3 large ones). The lighter stages are another
+# matter (printed below): DeepSeek-V3 trained with PP and ZeRO-1, Llama 3 405B with PP and ZeRO-2.
+# TP+SP complements both.
 
 # %%
+print(facts.PP_WITH_ZERO)
 display(Markdown(markdown(comparison(TP_CP_EP))))
 
 # %% [markdown]
@@ -525,14 +538,15 @@ for case, message in messages.items():
 #
 # - One mesh, five axes, tp innermost: a rank's group along an axis is the ranks that differ only
 #   in that coordinate. `init_mesh` builds every group once per rank.
-# - `apply_parallelisms` applies TP/SP, CP, EP, PP and then DP/ZeRO from outside; the gradients
-#   are averaged over the ranks that saw different data (dp, cp, and ep for dense layers), never
-#   over tp or pp.
+# - `apply_parallelisms` applies TP/SP, CP, EP, PP and then DP/ZeRO from outside (torchtitan
+#   splits the pipeline first; the stages come out the same); the gradients are averaged over the
+#   ranks that saw different data (dp, cp, and ep for dense layers), never over tp or pp, but with
+#   SP the norms' gradients are summed over tp, since each tp rank saw other tokens.
 # - Every factorisation trains to the same loss curve and weights as one process (float64).
 # - The calculator covers every axis and the pipeline's in-flight micro-batches; each rank holds
 #   exactly the parameters we count, and the activations the calculator predicts within 25%.
 # - The published layouts compose at toy scale on 8 ranks: Llama 3 405B's (TP with SP, PP, DP
-#   with ZeRO-1; its CP would need 16 ranks) and DeepSeek-V3's (PP, EP, ZeRO-1, no TP) train as
+#   with ZeRO-2; its CP would need 16 ranks) and DeepSeek-V3's (PP, EP, ZeRO-1, no TP) train as
 #   one process, each rank within 10% of the calculator's bytes.
 #
 # Next, chapter 10 searches these factorisations for the fastest one that fits.

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from matplotlib.figure import Figure
 
-from ultrascale import overlap
+from ultrascale import facts, overlap
 from ultrascale.comm import CommLogger, bus_bandwidth_sweep, format_bytes, wait_for_device
 from ultrascale.data import Batches
 from ultrascale.model import GPT, GPTConfig, count_params, training_flops
@@ -563,10 +563,12 @@ fig
 # - **what is compared**: the measured quotient is over the whole step, every collective against
 #   every block's forward and backward; the ZeRO-3 ratio is about one gather against one forward.
 #   They tell the same story only roughly.
-# - **a shared "link"**: gloo moves the bytes with the same CPU cores that compute. On GPUs, NCCL
-#   moves data over NVLink and the network while the SMs compute; here a transfer and a matmul
-#   compete for the same two cores, so overlap buys less, and every measured bar is stretched by
-#   the other ranks' work.
+# - **a shared "link"**: gloo moves the bytes with the same CPU cores that compute, so here a
+#   transfer and a matmul compete for the same two cores, overlap buys less, and every measured bar
+#   is stretched by the other ranks' work. A GPU differs in degree, not in kind (the fact printed
+#   below): NCCL's collectives are kernels on the same SMs as the matmuls, so a hidden transfer
+#   still slows the compute it hides behind. The ratios above say whether the transfer *can* hide;
+#   what hiding costs is measured, never zero.
 # - **latency**: the ratio is about bandwidth. Each all-reduce or all-gather also pays a fixed cost
 #   per ring step (appendix A0's α), and these messages are small; measuring the bandwidth at their
 #   real size folds that cost in, on average.
@@ -575,7 +577,11 @@ fig
 #
 # What carries over to GPUs is the method: count the bytes exactly (checked above), measure the
 # bandwidth and the FLOP/s the work achieves, and divide. Chapter 10's planner does exactly this with `overlap.overlap_ratios`.
-#
+
+# %%
+print(facts.OVERLAP_ON_GPUS)
+
+# %% [markdown]
 # ## Summary
 #
 # | technique | $t_\text{comm} / t_\text{compute}$ | grows with | shrinks with |
