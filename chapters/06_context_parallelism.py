@@ -105,6 +105,13 @@ print(cluster)
 # `merge_partial_attention`, the function chapter 11's tiled attention uses for every key tile;
 # ring attention uses it for every block that arrives from another rank.
 #
+# A row may also see no key of *either* block, when both lie in its future (two key blocks merged
+# before the one that holds the row's own token, or a running result that starts empty). Then
+# $\ell = -\infty$ as well, and the formula's weight $e^{\ell_A - \ell}$ is $e^{-\infty + \infty}$:
+# NaN. The merge must give such a row output 0 and $\ell = -\infty$, ready to be merged with a
+# block it does see; `merge_partial_attention` computes the weights against a finite stand-in for
+# $\ell$ on those rows.
+#
 # Six tokens, keys 0-2 in block A and keys 3-5 in block B, causal: queries 0-2 see nothing in B.
 
 # %%
@@ -149,6 +156,30 @@ assert_same(ab[0], whole, "A then B vs all keys at once", optimizer=None)
 assert_same(ab[1], whole_lse, "lse of the merge", optimizer=None)
 assert_same(ba[0], ab[0], "B then A", optimizer=None)
 print("non-causal: merge(A, B) = merge(B, A) = attention over all keys (chapter 11's naive_attention, float32)")
+
+# %% [markdown]
+# Now the rows that see nothing. Cut block B once more, into B1 (keys 3-4) and B2 (key 5), and
+# merge those two first: queries 0-2 see neither.
+
+# %%
+B1, B2 = slice(3, 5), slice(5, 6)
+out_b1, lse_b1 = block_attention(q6, k6[..., B1, :], v6[..., B1, :], pos, pos[B1])
+out_b2, lse_b2 = block_attention(q6, k6[..., B2, :], v6[..., B2, :], pos, pos[B2])
+blind = slice(0, 3)   # the queries that see no key of B1 or B2
+naive_weight = torch.exp(lse_b1 - torch.logaddexp(lse_b1, lse_b2))   # the formula as written
+out_bb, lse_bb = merge_partial_attention(out_b1, lse_b1, out_b2, lse_b2)
+assert torch.isnan(naive_weight[..., blind]).all(), "the formula alone gives NaN on the blind rows"
+assert torch.isneginf(lse_bb[..., blind]).all() and not out_bb.isnan().any()
+assert torch.equal(out_bb[..., blind, :], torch.zeros_like(out_bb[..., blind, :])), "blind rows: output 0"
+assert_same(out_bb, out_b, "merge(B1, B2) vs B in one piece", optimizer=None)
+merged_3, _ = merge_partial_attention(out_a, lse_a, out_bb, lse_bb)
+assert_same(merged_3, full, "merge(A, merge(B1, B2)) vs causal SDPA", optimizer=None)
+print("query  weight of B1 by the formula  merged lse  largest |merged output|")
+for i in range(6):
+    print(f"{i:>5}  {naive_weight[0, 0, i].item():>27.3f}  {lse_bb[0, 0, i].item():>10.3f}  "
+          f"{out_bb[0, 0, i].abs().max().item():>22.3f}")
+print("rows 0-2 see no key of B1 or B2: the formula gives NaN, the merge gives output 0 and lse -inf;\n"
+      "merging that with A gives causal attention over all six keys")
 
 
 # %% [markdown]
@@ -368,6 +399,17 @@ for name, counts, total in (("(q, k) pairs", pairs, SMALL * (SMALL + 1) // 2),
 if CP == 4:
     assert pairs == {"contiguous": [10, 26, 42, 58], "zigzag": [34, 34, 34, 34]}   # the book's 16 tokens
 
+
+def contiguous_imbalance(tiles_per_rank):
+    """Slowest rank over the mean, contiguous layout, m causal tiles per rank: the last rank has
+    (cp - 1) m^2 full tiles and m (m + 1) / 2 on its diagonal; the mean is cp m (cp m + 1) / 2 / cp."""
+    m = tiles_per_rank
+    return ((2 * CP - 1) * m + 1) / (CP * m + 1)
+
+
+for counts, m in ((pairs, SMALL // CP), (chunks, 2)):
+    assert math.isclose(max(counts["contiguous"]) / (sum(counts["contiguous"]) / CP), contiguous_imbalance(m))
+
 # %% [markdown]
 # Those are counts of the mask. What the ranks *compute* depends on how the attention skips
 # masked work: ours skips a block that is entirely in a rank's future, and the rows and keys of a
@@ -421,9 +463,15 @@ assert math.isclose(balance["contiguous"], 2 * CP / (CP + 1))
 
 # %% [markdown]
 # Contiguous: rank $r$ meets $r + 1$ blocks that are not entirely in its future, so its work grows
-# as $1, 2, \dots, cp$ and the slowest rank does $2\,cp/(cp+1)$ times the mean (1.6 at cp = 4,
-# heading for 2 as cp grows). Zig-zag: its own block in full, and exactly half of every other
-# rank's block (the early chunk's keys, or the late chunk's queries), the same on every rank.
+# as $1, 2, \dots, cp$ and the slowest rank does $2\,cp/(cp+1)$ times the mean (1.60 at cp = 4,
+# heading for 2 as cp grows). That is the imbalance of the FLOPs our ring computes. The mask's own
+# (q, k) pairs, counted before, are more lopsided (1.71 for 16 tokens on 4 ranks): the ring
+# computes each rank's diagonal block whole, half of it masked, which adds the same work to every
+# rank and evens the ratio a little. Both are one formula: with $m$ causal tiles per rank the
+# slowest rank does $((2\,cp - 1)\,m + 1)/(cp\,m + 1)$ times the mean, $2\,cp/(cp+1)$ for one whole
+# block per rank ($m = 1$) and towards $2 - 1/cp$ (1.75 at cp = 4) for single tokens (asserted for
+# both counts above). Zig-zag: its own block in full, and exactly half of every other rank's block
+# (the early chunk's keys, or the late chunk's queries), the same on every rank.
 # (`benchmarks/bench_cp.py` times the two layouts on 4 ranks: zig-zag's slowest rank stays within
 # a few percent of the mean.)
 #
@@ -485,8 +533,10 @@ plot_gantt(timelines, title=f"ring attention, cp = {CP}, zig-zag, q/k/v {BIG} fl
 # the loopback interface, done by gloo threads that share the same two cores as the attention
 # of four ranks. Overlap on this machine means interleaving on the same cores, not a transfer
 # that costs nothing; and at these sizes a transfer through gloo (milliseconds) outlasts a
-# block's attention, so the chart is dominated by the communication lane and by waiting. On GPUs the transfer runs on copy engines and NVLink while the SMs compute,
-# and it is hidden when one block's attention takes longer than one block's transfer: the
+# block's attention, so the chart is dominated by the communication lane and by waiting. On GPUs
+# NCCL's kernels drive the transfer over NVLink or the network on a few SMs while the others
+# compute (not quite free: those SMs do not multiply), and it is hidden when one block's attention
+# takes longer than one block's transfer: the
 # attention of a block grows with (tokens per rank)², its K/V only with tokens per rank, so long
 # sequences hide the ring well. The price that stays is the latency of `cp - 1` separate steps.
 #
@@ -952,11 +1002,13 @@ print(f"Ulysses, cp = {CP}, {HEADS} heads: output, dQ, dK, dV = SDPA on the whol
 # %% [markdown]
 # **What moves.** Each of the four all-to-alls (q, k, v there, the output back; in backward the
 # output's gradient there, dQ, dK, dV back) keeps $1/cp$ of a rank's $s/cp$ tokens and sends the
-# rest: per rank, forward, $(2\,h + 2\,h_{kv})\,d \cdot \frac{s}{cp} \cdot \frac{cp-1}{cp}$ elements
-# ($h$ query heads and $h_{kv}$ K/V heads of size $d$), which *falls* as cp grows: $O(n\,d/cp)$. The
-# ring sends $cp - 1$ K/V blocks, $2\,h_{kv}\,d\,(cp-1)\,\frac{s}{cp}$ elements forward, and in backward
-# the K/V again and the dK/dV's $cp$ hops home: close to all the sequence's K/V whatever cp is,
-# $O(n\,d_{kv})$. `ulysses_bytes` and `ring_bytes` are the two formulas; the logger measured Ulysses
+# rest. With $h$ query heads and $h_{kv}$ K/V heads of $d$ values each, write $D = h\,d$ and
+# $D_{kv} = h_{kv}\,d$ for the width of all the query heads and of all the K/V heads. Per rank,
+# forward, Ulysses sends $2\,(D + D_{kv}) \cdot \frac{s}{cp} \cdot \frac{cp-1}{cp}$ elements, which
+# *falls* as cp grows: $O(s\,D/cp)$. The ring sends $cp - 1$ K/V blocks,
+# $2\,D_{kv}\,(cp-1)\,\frac{s}{cp}$ elements forward, and in backward the K/V again and the dK/dV's
+# $cp$ hops home: close to all the sequence's K/V whatever cp is, $O(s\,D_{kv})$.
+# `ulysses_bytes` and `ring_bytes` are the two formulas; the logger measured Ulysses
 # above, and measures the ring on the same q, k, v now.
 
 # %%
@@ -1001,8 +1053,10 @@ for cp in (4, 8, 16, 32):
 # %% [markdown]
 # **Its limit.** A head cannot be cut, so cp must divide the number of heads, and with grouped-query
 # attention the number of K/V heads as well: each rank needs whole K/V heads for its query heads.
-# Llama 3 8B's 8 K/V heads stop Ulysses at cp = 8, where the ring goes on. Both are refused, on
-# every rank, with what to do instead:
+# Llama 3 8B's 8 K/V heads stop Ulysses as it stands at cp = 8. The table above reached cp = 16
+# and 32 only by repeating every K/V head up to cp heads (2 and 4 copies), which multiplies the K/V
+# bytes Ulysses sends and holds by the same factor; the ring needs no copy at any cp. Both cases
+# are refused, on every rank, with what to do instead:
 
 # %%
 def ulysses_refusals(ctx):
@@ -1063,12 +1117,12 @@ for seq in RACE:
 # and changes from run to run.
 #
 # The formulas say what happens at scale. Both do the same attention FLOPs per rank ($1/cp$ of the
-# whole), growing as $n^2$. The ring's bytes per rank stay near the whole sequence's K/V, $O(n\,d_{kv})$,
-# but travel during the compute and are hidden once a block's attention, $O((n/cp)^2)$, outlasts
-# its transfer (section 6). Ulysses moves $O(n\,d/cp)$, less for large cp, but its all-to-alls sit
+# whole), growing as $s^2$. The ring's bytes per rank stay near the whole sequence's K/V, $O(s\,D_{kv})$,
+# but travel during the compute and are hidden once a block's attention, $O((s/cp)^2)$, outlasts
+# its transfer (section 6). Ulysses moves $O(s\,D/cp)$, less for large cp, but its all-to-alls sit
 # between the projections and the attention, with nothing to overlap them, and every rank talks to
-# every other at once: cheap inside an NVLink node, costly across nodes. And it stops at cp =
-# number of (K/V) heads. That is why the two are combined: Ulysses inside a node, the ring across
+# every other at once: cheap inside an NVLink node, costly across nodes. And past cp = number of
+# K/V heads it must repeat them. That is why the two are combined: Ulysses inside a node, the ring across
 # nodes (USP, Fang and Zhao 2024, [arXiv 2405.07719](https://arxiv.org/abs/2405.07719)).
 
 # %% [markdown]
@@ -1077,7 +1131,7 @@ for seq in RACE:
 # | | contiguous | zig-zag |
 # |---|---|---|
 # | rank $r$ holds | slice $r$ of $cp$ | chunks $r$ and $2\,cp - 1 - r$ of $2\,cp$ |
-# | causal work per rank | grows with $r$: slowest $2\,cp/(cp+1)$ times the mean | equal |
+# | causal work per rank | grows with $r$: the slowest rank's ring FLOPs $2\,cp/(cp+1)$ times the mean (1.60 at cp = 4), its unmasked (q, k) pairs up to $2 - 1/cp$ times (1.71 for 16 tokens) | equal |
 #
 # - Only attention crosses ranks. Ring attention passes K/V blocks point to point, `cp - 1`
 #   steps, each posted before the local block's attention so that the two overlap, and merges
@@ -1089,8 +1143,10 @@ for seq in RACE:
 # - Activations per rank divide by cp; weights do not, and their gradients are averaged over the
 #   CP group. The model trained under CP equals one process.
 # - Beyond the book: Ulysses trades the sequence split for a head split with one all-to-all, attends
-#   per head group over the whole sequence and trades back: $O(n\,d/cp)$ bytes per rank against the
-#   ring's $O(n\,d_{kv})$, but cp must divide the (K/V) heads and its all-to-alls are not overlapped.
+#   per head group over the whole sequence and trades back: $O(s\,D/cp)$ bytes per rank against the
+#   ring's $O(s\,D_{kv})$ ($D$, $D_{kv}$: the width of all query heads, of all K/V heads), but cp
+#   must divide the heads, K/V heads are repeated beyond their number, and its all-to-alls are not
+#   overlapped.
 #
 # Next, chapter 07 splits the model by layers instead: pipeline parallelism.
 
