@@ -63,13 +63,27 @@ def exercise(exercise_id: str, points: float = 1):
             raise ValueError(
                 f"exercise {exercise_id!r} is registered twice: by {_origin(old.test)} and by {_origin(test)}"
             )
-        _REGISTRY[exercise_id] = Exercise(exercise_id, points, test)
+        _REGISTRY[exercise_id] = Exercise(exercise_id, points, _held_to_contract(test, exercise_id))
         return test
 
     return register
 
 
+def _held_to_contract(test: Callable, exercise_id: str) -> Callable:
+    """``test``, given the learner's functions wrapped by the contract every exercise shares
+    (``grading.contract``: inputs unchanged, new storage, no state kept between calls)."""
+    from .contract import guard_objects
+
+    @functools.wraps(test)  # keeps the signature, which check() binds the learner's arguments to
+    def test_under_contract(*objects, **kwargs):
+        objects, kwargs = guard_objects(exercise_id, objects, kwargs)
+        return test(*objects, **kwargs)
+
+    return test_under_contract
+
+
 def _origin(fn: Callable) -> str:
+    fn = getattr(fn, "__wrapped__", fn)
     return f"{fn.__module__}.{fn.__qualname__}"
 
 

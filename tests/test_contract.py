@@ -1,0 +1,235 @@
+"""Issue 53, item 1: the contract every learner function is held to (``grading.contract``).
+
+Wrong answers of each kind the contract exists for, written as a learner might and different from
+the issue's examples, are submitted to the exercises they fit (off a rank: seconds), and each must
+fail with a message that names the mistake; the solutions pass (the graded course checks all of
+them under the contract, tests/conftest.py). The contract's own pieces are tested on plain
+functions first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import nbformat
+import pytest
+import torch
+from test_grader_holes import SOLUTIONS, _fails, _load
+
+from ultrascale.grading import PASS, check
+from ultrascale.grading.contract import CONTRACTS, Contract, guarded
+
+
+# ---- the pieces, on plain functions ------------------------------------------------------
+
+def test_a_function_that_keeps_its_inputs_and_returns_new_storage_passes():
+    def double(x, xs, table):
+        return x * 2, sorted(xs), dict(table)
+
+    out = guarded(double, "xx.double")(torch.ones(3), [3, 1, 2], {"a": 1})
+    assert out[1] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("body, phrases", [
+    (lambda x, xs, table: x.mul_(2), ["changed its argument `x`", "3 of its 3 values changed"]),
+    (lambda x, xs, table: xs.sort(), ["changed its argument `xs`", "reordered in place"]),
+    (lambda x, xs, table: xs.append(0), ["`xs`", "length went from 3 to 4"]),
+    (lambda x, xs, table: table.setdefault("b", 0), ["`table`", "'b' added"]),
+    (lambda x, xs, table: table.update(a=5), ["`table`['a']", "from 1 to 5"]),
+    (lambda x, xs, table: x[1:].zero_(), ["`x`", "2 of its 3 values changed"]),
+    (lambda x, xs, table: x.unsqueeze_(0), ["`x`", "shape went from (3,) to (1, 3)"]),
+])
+def test_changing_an_input_is_named(body, phrases):
+    def learner(x, xs, table):
+        body(x, xs, table)
+        return 0
+
+    with pytest.raises(AssertionError) as err:
+        guarded(learner, "xx.mutate")(torch.ones(3), [3, 1, 2], {"a": 1})
+    for phrase in phrases:
+        assert phrase in str(err.value), str(err.value)
+
+
+def test_returning_a_view_of_an_input_or_a_parameter_is_named():
+    layer = torch.nn.Linear(2, 3)
+    for learner, phrase in [(lambda x, model: x.view(-1), "argument `x`"),
+                            (lambda x, model: x[::2], "argument `x`"),
+                            (lambda x, model: (x + 1, [model.weight.detach().t()]), "`model.weight`")]:
+        with pytest.raises(AssertionError, match="shares memory") as err:
+            guarded(learner, "xx.view")(torch.ones(4), layer)
+        assert phrase in str(err.value)
+    # allowed where the exercise says so
+    assert guarded(lambda x, model: x, "xx.view", Contract(returns_inputs=True))(torch.ones(1), layer) is not None
+
+
+def test_gradients_an_exercise_updates_may_change_but_not_the_values():
+    layer = torch.nn.Linear(2, 1)
+
+    def accumulate(model):
+        model(torch.ones(1, 2)).sum().backward()
+
+    guarded(accumulate, "xx.grad", Contract(updates=("model.grad",)))(layer)
+    assert layer.weight.grad is not None
+
+    def step_too(model):
+        accumulate(model)
+        with torch.no_grad():
+            model.weight -= 0.1
+
+    with pytest.raises(AssertionError, match="`model`.weight"):
+        guarded(step_too, "xx.grad", Contract(updates=("model.grad",)))(layer)
+    with pytest.raises(AssertionError, match=r"\.grad \(its gradient was changed"):
+        guarded(accumulate, "xx.grad")(layer)   # not allowed by default
+
+
+def test_state_kept_between_calls_is_found():
+    def memo(n, seen={}):              # noqa: B006 (the mistake under test)
+        seen.setdefault(n, n * n)
+        return seen[n]
+
+    with pytest.raises(AssertionError, match="default argument `seen`"):
+        guarded(memo, "xx.state")(3)
+
+    calls = []
+
+    def counting(n):                   # an answer that drifts with a global counter
+        calls.append(n)
+        return n + len(calls)
+
+    with pytest.raises(AssertionError, match="called a second time with the same inputs"):
+        guarded(counting, "xx.state")(3)
+
+
+def test_a_generator_where_the_exercise_takes_any_iterable():
+    def twice_through(xs):
+        return max(xs) - min(xs)       # the second pass finds a spent generator
+
+    contract = Contract(iterables=("xs",))
+    with pytest.raises(AssertionError, match="`xs` came as a generator"):
+        guarded(twice_through, "xx.iter", contract)([1, 5, 2])
+    assert guarded(lambda xs: (lambda v: max(v) - min(v))(list(xs)), "xx.iter", contract)([1, 5, 2]) == 4
+
+
+def test_every_allowance_names_a_real_argument_of_the_solution():
+    """A typo in CONTRACTS would silently allow nothing; each name must be a parameter of one of
+    the solution's functions for that exercise."""
+    sources = {nb.name[:2]: nbformat.read(nb, as_version=4) for nb in SOLUTIONS.glob("*.ipynb")}
+    for exercise_id, contract in CONTRACTS.items():
+        chapter = exercise_id.split(".")[0]
+        code = "\n".join(c.source for c in sources[chapter].cells if c.cell_type == "code")
+        for name in contract.updates + contract.iterables:
+            assert f"{name.split('.')[0]}" in code, (exercise_id, name)
+        assert dataclasses.asdict(contract) != dataclasses.asdict(Contract()), exercise_id
+
+
+# ---- wrong answers submitted to the exercises ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def sol():
+    found = {}
+    for chapter in ("03_zero", "07_pipeline_parallelism", "10_best_configuration", "12_mixed_precision",
+                    "02_data_parallelism", "06_context_parallelism"):
+        found.update(_load(f"{chapter}_exercises.ipynb"))
+    return found
+
+
+def test_the_solutions_pass_under_the_contract(sol):
+    for exercise, name in [("03.flatten_padded", "flatten_padded"), ("12.quantize_per_tensor", "quantize_per_tensor"),
+                           ("07.bubble_fraction", "bubble"), ("10.memory_filter", "fitting"),
+                           ("02.assign_buckets", "assign_buckets"), ("06.merge_partial_attention", "merge_attention")]:
+        assert check(exercise, sol[name], quick=True).status == PASS, exercise
+
+
+def test_kind_1_inputs_changed_in_place(sol):
+    def flatten_by_appending(tensors, world_size):        # pads the caller's list itself
+        n = sum(t.numel() for t in tensors)
+        tensors.append(torch.zeros(-n % world_size, dtype=tensors[0].dtype))
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+    def quantize_in_place(x, dtype=torch.float8_e4m3fn):   # scales the caller's tensor
+        fp8_max = torch.finfo(dtype).max
+        scale = x.detach().abs().max().float().clamp(min=1e-12) / fp8_max
+        with torch.no_grad():
+            x /= scale
+        return x.detach().float().clamp(-fp8_max, fp8_max).to(dtype), scale
+
+    def bubble_sorting_each_rank(spans):                   # puts each rank's spans in time order
+        for rank in spans:
+            rank.sort()
+        return sol["bubble"]([list(r) for r in spans])
+
+    def fitting_sorted_by_size(model, configs, seq, memory_bytes, headroom):
+        configs.sort(key=lambda c: (c.tp, c.pp))           # the caller's list, sorted in place
+        return sol["fitting"](model, list(configs), seq, memory_bytes, headroom)
+
+    _fails(check("03.flatten_padded", flatten_by_appending, quick=True), "changed its argument `tensors`",
+           "length went from")
+    _fails(check("12.quantize_per_tensor", quantize_in_place, quick=True), "changed its argument `x`",
+           "values changed")
+    _fails(check("07.bubble_fraction", bubble_sorting_each_rank, quick=True), "changed its argument `spans`",
+           "reordered in place")
+    result = check("10.memory_filter", fitting_sorted_by_size, quick=True)
+    _fails(result, "changed its argument `configs`")
+
+
+def test_kind_2_a_view_where_new_storage_is_promised(sol):
+    def flatten_viewing_one_tensor(tensors, world_size):   # no copy when nothing needs padding
+        tensors = list(tensors)
+        if len(tensors) == 1 and tensors[0].numel() % world_size == 0:
+            return tensors[0].detach().view(-1)
+        return sol["flatten_padded"](tensors, world_size)
+
+    def merge_skipping_an_empty_part(out_a, lse_a, out_b, lse_b):   # hands back part a itself
+        if torch.isneginf(lse_b).all():
+            return out_a, lse_a
+        return sol["merge_attention"](out_a, lse_a, out_b, lse_b)
+
+    for exercise, learner in [("03.flatten_padded", flatten_viewing_one_tensor),
+                              ("06.merge_partial_attention", merge_skipping_an_empty_part)]:
+        _fails(check(exercise, learner, quick=True), "shares memory with its argument")
+
+
+def test_kind_7_state_across_calls(sol):
+    def one_f_one_b_memo(p, m, rank, _memo={}):            # noqa: B006 (the mistake under test)
+        if (p, rank) not in _memo:                          # keyed without m: wrong for the next m
+            _memo[(p, rank)] = sol["one_f_one_b_list"](p, m, rank)
+        return list(_memo[(p, rank)])
+
+    lookups = []
+
+    def bubble_with_a_running_count(spans):                # a global that the first call changes
+        lookups.append(1)
+        return sol["bubble"](spans) * (1 if len(lookups) < 2 else 1.0001)
+
+    _fails(check("07.one_f_one_b", one_f_one_b_memo, quick=True), "default argument `_memo`")
+    _fails(check("07.bubble_fraction", bubble_with_a_running_count, quick=True),
+           "called a second time with the same inputs")
+
+
+def test_a_generator_of_parameters_is_a_valid_input(sol):
+    def buckets_reversing_a_list(params, bucket_cap_bytes):   # reversed() needs a sequence
+        buckets, current, size = [], [], 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_cap_bytes:
+                buckets.append(current)
+                current, size = [], 0
+        return buckets + ([current] if current else [])
+
+    def flatten_counting_first(tensors, world_size):          # len() of a generator
+        assert len(tensors) >= 0
+        return sol["flatten_padded"](tensors, world_size)
+
+    _fails(check("02.assign_buckets", buckets_reversing_a_list, quick=True), "`params` came as a generator")
+    _fails(check("03.flatten_padded", flatten_counting_first, quick=True), "`tensors` came as a generator")
+
+
+def test_the_contract_is_part_of_every_registered_test():
+    from ultrascale.grading.registry import get_exercise, load_all, _REGISTRY
+
+    load_all()
+    for exercise_id in _REGISTRY:
+        test = get_exercise(exercise_id).test
+        assert test.__code__.co_name == "test_under_contract" and inspect.unwrap(test) is not test, exercise_id
