@@ -3,7 +3,8 @@
 #
 # A **mixture-of-experts** (MoE) layer replaces a block's one feed-forward network by E of them,
 # the *experts*, and a small *router* that sends each token to k of them (k = 1 in the Switch
-# Transformer, 2 in Mixtral; DeepSeek-V3 routes each token to 8 of its 256 experts, and GPT-4
+# Transformer, 2 in Mixtral; DeepSeek-V3 routes each token to 8 of its 256 routed experts and
+# sends every token through one *shared* expert as well, which needs no routing; GPT-4
 # is widely reported to be an MoE too). The layer has E times the feed-forward parameters, but a
 # token only pays for k feed-forwards: capacity grows, compute per token hardly does.
 #
@@ -285,7 +286,10 @@ for name in total:
 #
 # With top-8 routing over 256 experts, a token could need experts on 8 different nodes, and
 # cross-node bandwidth is the scarce one. DeepSeek-V3 caps it: each token may use experts of at
-# most **M = 4** nodes, the nodes whose best experts score highest. First the arithmetic, for its
+# most **M = 4** nodes. It scores each node by the *sum* of the token's `k/M = 2` highest
+# affinities among that node's experts, keeps the M best nodes, and then picks the top 8 experts
+# within them. (Its shared expert is not routed, so the limit does not concern it.) First the
+# arithmetic, for its
 # 256 experts on 8 nodes (32 per node) and 8 experts per token chosen at random: a node holds
 # none of them with probability C(224, 8) / C(256, 8), so on average a token reaches
 # 8 · (1 − C(224, 8) / C(256, 8)) nodes.
@@ -299,7 +303,10 @@ assert 5 < expected_nodes < 6
 
 # %% [markdown]
 # Here each rank plays a node: the experts are cut into `expert_groups = ep` groups, one per rank,
-# and `group_limit = M` restricts each token to its M best groups (`moe.limit_groups`). A token
+# and `group_limit = M` restricts each token to its M best groups (`moe.limit_groups`). Our
+# library scores a group by its single best expert, DeepSeek-V3's rule only when `k/M = 1`; with
+# top-2 and M = 1 below, DeepSeek-V3 would add the group's two best scores instead. Either way the
+# cap, and so the traffic it saves, is the same: at most M groups per token. A token
 # then occupies at most M rows of the dispatch instead of up to k. We measure the dispatch bytes
 # with `CommLogger`, top-2 over E experts, without a limit and with M = 1, and train the limited
 # model under EP to the same numbers as one process (the limit changes the model, not the parity).
