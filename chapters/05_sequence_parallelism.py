@@ -810,9 +810,9 @@ print("forward order on every rank: embedding reduce-scatter, then per block "
 # %% [markdown]
 # ## 10. On a GPU
 #
-# The curriculum's GPU experiment compares, on one device, the activation memory of one TP rank's
-# MLP half-block of a 3B-like model (h = 3072, MLP 8192 wide, bf16) at 4,096 tokens, without SP
-# and with SP. It runs only when CUDA is present; here it is skipped otherwise.
+# One GPU is enough to see section 7's saving at a realistic size: the activation memory of one TP
+# rank's MLP half-block of a 3B-like model (h = 3072, MLP 8192 wide, bf16) at 4,096 tokens, without
+# SP and with SP. It runs only when CUDA is present and is skipped otherwise.
 
 # %%
 def rank_mlp_bytes(tp, sp, seq=4096, hidden=3072, ffn=8192, device="cuda", dtype=torch.bfloat16):
@@ -1057,23 +1057,23 @@ for rank, ms in enumerate(ring_step):
     print(f"rank {rank}: transfer {ms['transfer']:.3f} ms, matmul piece {ms['matmul piece']:.3f} ms, "
           f"both {ms['both']:.3f} ms (sum {ms['transfer'] + ms['matmul piece']:.3f}, "
           f"larger {max(ms['transfer'], ms['matmul piece']):.3f})")
+ratios = [ms["transfer"] / ms["matmul piece"] for ms in ring_step]
+print(f"the transfer takes {min(ratios):.1f} to {max(ratios):.1f} times the matmul piece it should hide")
 
 # %% [markdown]
-# Do not read a speed-up into that ratio: on a laptop it moves from run to run. When we wrote this
-# section, on 2 shared cores that were also running other work, async TP was slower on 2 ranks
-# (1.2 to 1.7 times the plain step) and on 4 ranks ranged from a little faster (0.83) to about a
-# third slower.
-# There is little for the overlap to win here, and it adds costs:
+# Do not read a speed-up into the async / plain ratio printed further up: on two shared cores it
+# moves from run to run, and has come out on either side of 1. There is little for the overlap to
+# win here, and it adds costs:
 #
 # * **Nothing runs beside the cores.** gloo moves the data with memory copies and socket calls made
 #   by its own threads on the CPU, on the same two cores the ranks' matmuls run on. A transfer "in
 #   flight" is work waiting for a core, so the communication lane can overlap the compute lane in
-#   time (as in the chart) without the work getting done any sooner: in the ring step above,
-#   "both" comes out near the sum, or above it, when we run it. And the transfer alone takes
-#   longer than the piece it should hide (two to six times in our runs at 2 to 4 ranks), so even
-#   a perfect overlap would save only the small matmul time (in the formula, the max is the
-#   transfer). With more ranks than cores, the operating system already fills one rank's wait
-#   with another rank's matmul, pieces or not.
+#   time (as in the chart) without the work getting done any sooner: in the ring step above, an
+#   overlap that worked would bring "both" down to "larger", and one that did not leaves it at
+#   "sum" or above. And the transfer alone takes several times longer than the piece it should
+#   hide (the last line above prints how many), so even a perfect overlap would save only the
+#   small matmul time (in the formula, the max is the transfer). With more ranks than cores, the
+#   operating system already fills one rank's wait with another rank's matmul, pieces or not.
 # * **More, smaller pieces.** $tp$ matmuls on $s/tp$ tokens each are less efficient than one, and
 #   each ring step costs a send and a receive with their fixed latency and Python overhead:
 #   $2(tp-1)$ messages where the collective was one call. At these sizes the fixed costs dominate
