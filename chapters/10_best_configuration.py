@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from matplotlib.figure import Figure
 
+from ultrascale import facts
 from ultrascale.model import LLAMA3_8B, LLAMA3_70B, LLAMA_TINY
 from ultrascale.plan import H100, ParallelConfig, PlanError, enumerate_configs, plan, violations
 from ultrascale.plan import calibrate as cal
@@ -64,10 +65,12 @@ def gb(x):
 # **Step 1: fit a step in memory.** On a GPU-rich cluster the book suggests: below 10B parameters
 # one technique on a node (TP, or ZeRO-3/DP with full recomputation); from 10B to 100B, TP 8 with
 # PP, TP 8 with ZeRO-3, or ZeRO-3 alone; from 512 GPUs, pure DP or ZeRO-3 loses efficiency and
-# needs TP or PP beside it; from 1024 GPUs, TP 8 with ZeRO-2 data parallelism and PP. Our rule
-# adds two things the book says elsewhere: PP goes with plain DP or ZeRO-1, rarely with ZeRO-3
-# (which would gather the weights again for each of PP's many micro-batches), and a model under
-# 10B needs no PP at any scale, so on 512 GPUs and more it gets TP beside data parallelism. Long
+# needs TP or PP beside it; from 1024 GPUs, TP 8 with ZeRO-2 data parallelism and PP. The book
+# also says which ZeRO stages go with PP (printed below). Our rule makes two choices of its own:
+# from 512 to 1023 GPUs it pairs PP with plain DP or ZeRO-1 only (narrower than the book, which
+# would allow ZeRO-2 too: ZeRO-1 already shards the optimizer states, the largest part), and a
+# model under 10B gets no PP at any scale, so on 512 GPUs and more it gets TP beside data
+# parallelism. Long
 # sequences add CP across nodes, a mixture of experts adds EP across nodes. A GPU-poor cluster
 # trades compute for memory: full recomputation and more gradient accumulation.
 #
@@ -78,6 +81,7 @@ def gb(x):
 # to PP once DP's communication is the bottleneck; one axis at a time; sweep the micro-batch.
 
 # %%
+print(facts.PP_WITH_ZERO)
 for n_params, gpus in ((3e9, 8), (70e9, 64), (70e9, 512), (8e9, 1024), (405e9, 16384)):
     options = [" + ".join(sorted(o)) for o in rules.step1_techniques(n_params, gpus)]
     print(f"{n_params / 1e9:>4.0f}B on {gpus:>5} GPUs: {' | '.join(options)}")
@@ -135,9 +139,12 @@ for label, request in requests.items():
 # an assumed 70% matmul efficiency (lower for short micro-batches); TP's collectives in full
 # (each feeds the next matmul); CP, PP, DP and ZeRO-3 traffic only where appendix A3's ratio says it
 # cannot hide; the bubble `(pp-1)/(v·gas)`. Links are NVLink (450 GB/s) inside a node and
-# InfiniBand (50 GB/s per GPU) across nodes, as in A3. The top layouts for Llama 3 8B on 8 nodes:
+# InfiniBand (50 GB/s per GPU) across nodes, as in A3. Traffic that hides is charged nothing,
+# which flatters every layout that overlaps (the fact below, also in appendix A3); the assumed 70%
+# is where that cost, among others, must go. The top layouts for Llama 3 8B on 8 nodes:
 
 # %%
+print(facts.OVERLAP_ON_GPUS)
 def show(rows):
     keys = ["rank", "config", "GB/GPU", "step s", "MFU", "compute", "recompute", "TP", "PP", "bubble", "DP"]
     print("  ".join(f"{k:>9}" if k != "config" else f"{k:<32}" for k in keys))
@@ -249,12 +256,13 @@ assert best_8b.mbs == max(fitting), "the planner keeps the largest micro-batch t
 # batch, let it search, and look up where their layout lands (fields they did not report, such as
 # the recomputation or the interleaving, are the planner's best for that layout):
 #
-# - **Llama 3 405B** on 16,384 H100s: TP 8, PP 16, DP 128, 8K sequences, 16M-token batches
-#   (and CP 16 for its 128K-token stage);
+# - **Llama 3 405B** (printed below, from `ultrascale.facts`, as in chapter 09), with 16M-token
+#   batches; the planner's record of it (`plan.published`) has the same degrees and ZeRO-2;
 # - **DeepSeek-V3** on 2,048 H800s (NVLink cut to about 160 GB/s): PP 16, EP 64, ZeRO-1, no TP,
 #   approximated by the course's MoE config (about 700B parameters, 36B active).
 
 # %%
+print(facts.LLAMA3_405B)
 comparisons = {}
 for setup in published.PUBLISHED:
     max_cp = 64 if setup.seq > 8192 else 1
@@ -424,55 +432,39 @@ for name, r in comparison.items():
           f"(rounds: {', '.join(f'{b / a:.2f}' for a, b in pairs[name])}); measured / predicted {r['ratio']:.2f}")
 
 # %% [markdown]
-# What to expect. The target is 30%, and the model should meet it where it knows everything that
-# happens: **DP** (one all-reduce of the gradients beside the backward; on a CPU nothing hides)
-# and **PP** (one activation per micro-batch, and the bubble). Where it does not, the measurement
-# comes out slower than the prediction, for reasons we can name:
+# What to expect. The model should come within 30% where it knows everything that happens:
+# **DP** (one all-reduce of the gradients beside the backward; on a CPU nothing hides) and **PP**
+# (one activation per micro-batch, and the bubble). Where it does not, the measurement comes out
+# slower than the prediction, for reasons we can name:
 # - **TP** does more than the model counts on a CPU: besides its 8 collectives per layer, the
 #   vocabulary-parallel embedding and loss and the sequence-parallel norms communicate; each
-#   collective is a few small messages at gloo's latency of about a millisecond; and matmuls split
-#   four ways over a 128-wide model run below the calibrated speed.
+#   collective is a few small messages, each paying gloo's latency (the alpha printed above); and
+#   matmuls split four ways over a 128-wide model run below the calibrated speed.
 # - **ZeRO-3** gathers and frees each block's weights in flat buffers, forward and backward:
 #   copies and Python work per block that the model, which counts bytes on the wire, leaves out.
-#   Its prefetch can also use a core another rank leaves idle, which pulls the other way.
 #
-# Load still reaches the quotients: a layout that communicates, or whose ranks wait for each other
-# (PP), waits for a core more often than the compute step beside it, and the per-round quotients
-# printed above show how far apart rounds can land. On a quiet machine (load average about 1) the
-# rounds agree to within about 20%, and we measured DP at 1.28 and PP at 1.23, within the 30%
-# target, and ZeRO-3 at 2.0 and TP at 4.2: steady gaps, the model's missing pieces named above, not
-# noise. With other work keeping the load average above 10 on these two cores, the rounds spread by
-# factors of two to five, and we saw DP anywhere from 1.03 to 1.9, PP up to 2.3 and TP up to 5.4.
-# One effect pushes PP the other way when there are more ranks than cores (3 or 4 ranks on 2
-# cores): a stage waiting for its neighbour, in the bubble or for an activation, leaves its core
-# to a stage that computes, which then runs faster than the calibration saw, with every rank
-# computing at once. PP can then beat its prediction by up to `ranks / cores`, the more so when
-# other work takes cores too; at `WORLD_SIZE = 3` we once measured PP at 0.666 beside another
-# chapter's run. So the asserted band is what this shared machine lets us promise: DP within a
-# factor of 1.5 below and 2.5 above its prediction, PP the same but with the lower bound divided
-# by `ranks / cores` where that is above one. For ZeRO-3 and TP we measured the spread: 9 runs of
-# this section (QUICK, 4 ranks on 2 cores, load average 20 to 37, four of them two at a time) gave
-# ZeRO-3 0.72 to 2.02 (median 1.5) and TP 1.40 to 4.22 (median 2.5), beside the 2.0 and 4.2 of a
-# quiet machine and TP's 5.4 under load above. Each band reaches a factor of about 1.5 beyond
-# both extremes: ZeRO-3 within 2 below and 3 above, TP from 0.9 to 8. TP's band stays nearly on
-# one side of 1, the direction its missing pieces push it. The gaps vary by a factor of three
-# from run to run and not together (TP over ZeRO-3 went from 0.8 to 3.4), so a constant fitted on
-# one layout would not predict the other better than these bands. Which layouts met the 30%
-# target in this run is printed below.
+# Load reaches the quotients too: a layout that communicates, or whose ranks wait for each other
+# (PP), waits for a core more often than the compute step beside it. The per-round quotients
+# printed above are the noise: the same layout, timed against itself round after round. When
+# they spread by more than the gap between prediction and measurement, this run cannot tell the
+# two apart. (With more ranks than cores, PP can even beat its prediction: a stage waiting in the
+# bubble leaves its core to one that computes, faster than the calibration saw.) So nothing here
+# asserts a timing band; the cell below prints which layouts met the 30% target in this run, and
+# how wide each layout's own rounds spread.
 
 # %% tags=["nbval-ignore-output"]
 within = [name for name, r in ratios.items() if 1 / 1.3 <= r <= 1.3]
 print("within 30%:", ", ".join(within) or "none", "| outside:",
       ", ".join(n for n in ratios if n not in within) or "none")
+for name, rows in pairs.items():
+    rounds_units = [b / a for a, b in rows]
+    print(f"{name:>6}: measured / predicted {ratios[name]:.2f}; its rounds spread over a factor of "
+          f"{max(rounds_units) / min(rounds_units):.1f} (slowest / fastest round)")
 
 # %%
-oversubscribed = max(1.0, WORLD_SIZE / (os.cpu_count() or 1))   # ranks per core, when above one
-for name, low in (("DP", 1 / 1.5), ("PP", 1 / (1.5 * oversubscribed))):
-    assert name not in ratios or low <= ratios[name] <= 2.5, (name, ratios[name], low)
-# measured over 9 runs on 2 CPU cores (load 20-37): ZeRO-3 0.72..2.02, TP 1.40..4.22 (5.4 and 2.0, 4.2 in
-# earlier records); band = the extremes widened by about 1.5 each way
-assert 1 / 2 <= ratios["ZeRO-3"] <= 3, ratios["ZeRO-3"]
-assert "TP" not in ratios or 0.9 <= ratios["TP"] <= 8, ratios["TP"]
+# What holds on any machine, loaded or not: every layout was predicted and measured, and each
+# quotient is a positive, finite number of compute steps.
+assert set(ratios) == set(configs) and all(0 < r < float("inf") for r in ratios.values()), ratios
 
 # %% [markdown]
 # ## 8. Robustness: a hung rank, found and cleaned up
@@ -530,7 +522,8 @@ assert not leftover
 #   measurement turns this machine into one.
 # - It reproduces the book's heatmap findings, puts Llama 3 405B's layout among its best, and
 #   misses DeepSeek-V3's by exactly the expert all-to-all that DeepSeek built DualPipe to hide.
-# - On real ranks it predicts the layouts it models fully; where it does not, the gap has a reason.
+# - On real ranks it is held against measured steps, with each layout's rounds beside it as the
+#   noise: where the model misses, the gap has a reason; on a shared CPU the noise can be larger.
 # - And the lesson of large sweeps: put a timeout on everything, and make sure nothing survives it.
 
 # %% [markdown]
