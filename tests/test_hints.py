@@ -16,6 +16,12 @@ whitespace removed (and quotes unified), it contains
 
 Naming a function (``torch.autograd.grad``, ``dist.all_reduce``) is allowed; writing the call
 the solution makes is not.
+
+The same rule holds for the third kind of help, the failure messages of the exercise tests
+(``lib/ultrascale/exercise_tests/chNN.py``, issue 54): a message points at the idea the code
+missed, and may repeat what the exercise's own text shows, but never writes the solution's code
+beyond it, nor computes the answer of the case that failed (chapter 06's zig-zag feedback named
+the chunks a rank should hold).
 """
 
 from __future__ import annotations
@@ -252,3 +258,113 @@ def test_no_instruction_spells_out_the_solution(path):
     found = [(i, s) for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and IDEA_MARK not in c.source
              for s in sorted(long) if s in squash(c.source)]
     assert found == [], f"instruction cells holding solution code: {found}"
+
+
+# ---- failure messages --------------------------------------------------------------------------
+
+EXERCISE_TESTS = ROOT / "lib" / "ultrascale" / "exercise_tests"
+
+
+def messages(source: str) -> list:
+    """(line, text) of every string a test module can put in a message: its string constants and
+    f-strings (as written, with their {fields}), docstrings left out (they document the test)."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    inside_fstrings = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+              and id(node) not in inside_fstrings):
+            found.append((node.lineno, node.value))
+    return found
+
+
+def instructions(nb) -> str:
+    """The exercise's own text (every markdown cell but the ideas), squashed: what it already shows."""
+    return "".join(squash(c.source) for c in nb.cells if c.cell_type == "markdown" and IDEA_MARK not in c.source)
+
+
+def message_leaks(nb, module_source: str) -> list:
+    """(line, the solution's code) for every message of the test module that writes code of the
+    notebook's solution regions that the exercise's text does not show already."""
+    _, secrets = hints_and_secrets(nb)
+    shown = instructions(nb)
+    return [(line, secret) for line, text in messages(module_source) for secret in sorted(secrets)
+            if secret in squash(text) and secret not in shown]
+
+
+def _test_module(path: Path) -> Path:
+    prefix = path.name.split("_")[0]
+    return EXERCISE_TESTS / f"ch{prefix}.py"
+
+
+def test_the_message_rule_catches_a_message_that_writes_the_call():
+    nb = _cell(OLD_SPLIT_BACKWARD.format(hint="a nudge"))
+    leaking = ('def test(fn):\n    """Docstrings may say torch.autograd.grad(output, stage_input, grad_output, '
+               'retain_graph=True)."""\n    raise AssertionError(f"B of micro-batch {i}: use '
+               'torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)")\n')
+    assert [line for line, _ in message_leaks(nb, leaking)] == [3]
+    pointing = leaking.replace("use torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)",
+                               "ask torch.autograd.grad for the input's gradient only")
+    assert message_leaks(nb, pointing) == []
+    # what the exercise's own text shows already, a message may repeat
+    nb.cells.insert(0, nbformat.v4.new_markdown_cell(
+        "Call `torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)`."))
+    assert message_leaks(nb, leaking) == []
+
+
+SHARED_TEST_MODULES = sorted(EXERCISE_TESTS.glob("_*.py"))   # helpers whose messages every chapter's tests give
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_failure_message_writes_the_solution(path):
+    nb = nbformat.read(path, as_version=4)
+    module = _test_module(path)
+    assert module.is_file(), module
+    for source in (module, *SHARED_TEST_MODULES):
+        found = message_leaks(nb, source.read_text())
+        assert found == [], f"messages of {source.name} that write the solution's code (line, code): {found}"
+
+
+def _zigzag_feedback(zigzag_positions) -> str:
+    """Chapter 06's zig-zag test's message for a wrong ``zigzag_positions`` (the library's counts)."""
+    from ultrascale.exercise_tests import ch06
+    from ultrascale.parallel.context_parallel import causal_tile_counts
+
+    def tile_counts(positions, tile):   # right, so that only the positions can fail
+        return int((positions.view(-1, tile)[:, -1] // tile + 1).sum())
+
+    assert causal_tile_counts  # the counts the test compares with come from the library
+    with pytest.raises(AssertionError) as failed:
+        ch06.test_zigzag_chunks(zigzag_positions, tile_counts)
+    return str(failed.value)
+
+
+@pytest.mark.parametrize("mistake", ["contiguous", "wrong mirror", "scattered"])
+def test_the_zigzag_feedback_names_the_idea_not_the_chunks(mistake):
+    """The feedback on a wrong layout says what is wrong with the chunks it got, and which idea
+    places them, but neither the chunks nor the positions the rank should hold."""
+    import torch
+
+    from ultrascale import data
+
+    def wrong(seq, rank, cp):
+        if seq % (2 * cp):
+            raise ValueError("does not cut")
+        size = seq // (2 * cp)
+        chunks = {"contiguous": [2 * rank, 2 * rank + 1], "wrong mirror": [rank, 2 * cp - 2 - rank if rank < cp - 1
+                                                                          else 2 * cp - 1],
+                  "scattered": [rank]}[mistake]
+        positions = torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+        return positions if mistake != "scattered" else torch.arange(rank, seq, cp)
+    message = _zigzag_feedback(wrong)
+    seq, rank, cp = (int(n) for n in re.search(r"zigzag_positions\((\d+), (\d+), (\d+)\)", message).groups())
+    right = data.sequence_positions(seq, rank, cp, "zigzag")
+    assert wrong(seq, rank, cp).tolist() != right.tolist()   # the case that failed is a wrong one
+    assert str(right.tolist()) not in message, message
+    assert not re.search(rf"chunks? {rank}\b[^.]*\b{2 * cp - 1 - rank}\b", message), message
+    assert "mirror" in message or "early" in message, message   # the idea, named

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..grading.guards import swapped_dist_functions
 
 HINT = ("Pass group=group to every collective, send and receive; take the size and the rank from the group "
-        "(dist.get_world_size(group), dist.get_rank(group)), not from the world; a rank within the group goes to "
+        "(dist.get_world_size and dist.get_rank take it too), not from the world; a rank within the group goes to "
         "group_dst= / group_src= / group_peer=, while dst= / src= take a global rank")
 
 

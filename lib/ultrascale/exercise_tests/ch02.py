@@ -281,15 +281,15 @@ def _compare_weights(results, size, steps, what, data=DATA, where=None, world=No
                                  "learn from its own rows: the gradients were never averaged across ranks")
         if world and not _differing(got, _single_process(data.global_stream(size), steps, lr_scale=size / world)):
             raise AssertionError(f"{where(r)}: the gradients were averaged over the group but divided by the "
-                                 f"world's size ({world}), not the group's ({size}): use dist.get_world_size(group)")
+                                 f"world's size ({world}), not the group's ({size}): the mean is over the group")
         if size > 1 and not _differing(got, _single_process(data.global_stream(size), steps, lr_scale=size)):
             raise AssertionError(f"{where(r)}: the gradients were summed over the ranks "
                                  f"but not divided by the world size ({size})")
         if world:
             raise AssertionError(f"{where(r)}: the weights differ from data-parallel training over this group "
                                  "alone, though they were right when the group was the whole world: gradients of "
-                                 "ranks outside the group got in. Pass group=self.group to every dist.all_reduce "
-                                 "and divide by dist.get_world_size(group)")
+                                 "ranks outside the group got in. Every collective must be told the group, and the "
+                                 "mean is over the group's ranks")
         err = max_difference(got[wrong[0]], reference[wrong[0]])
         raise AssertionError(f"{where(r)}, parameter {wrong[0]}: after {steps} SGD steps the "
                              f"weights differ from single-process training on the concatenated batch by up "

@@ -96,8 +96,8 @@ def test_one_f_one_b(one_f_one_b_list, world_size: int = 4, quick: bool = True, 
                   if not 0 <= a.microbatch < m]
         if beyond:
             raise AssertionError(f"{where}: {beyond[0]}, but there are only m={m} micro-batches (0..{m - 1}). "
-                                 "With fewer micro-batches than stages the warm-up is cut short: "
-                                 "min(p - 1 - rank, m) forwards")
+                                 "With fewer micro-batches than stages the warm-up is cut short: it cannot run "
+                                 "more forwards than there are micro-batches")
         try:
             schedule = Schedule("your 1F1B", lists, m)
         except ScheduleError as err:
@@ -489,14 +489,14 @@ def _problem_split(backward_input, backward_weight, seed: int, mbs: int = 3) -> 
         after = gradients(split)
         if any((before[n] is None) != (after[n] is None)
                or before[n] is not None and not torch.equal(before[n], after[n]) for n in before):
-            return (f"B of micro-batch {i} changed the weights' .grad: B computes only the input's gradient "
-                    "(torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)); the weights' "
-                    "gradients are W's job, later")
+            return (f"B of micro-batch {i} changed the weights' .grad: B computes only the input's gradient (ask "
+                    "torch.autograd.grad for that one alone, and keep the graph for W); the weights' gradients are "
+                    "W's job, later")
         if watch.count("weights"):
             return (f"B of micro-batch {i} computed the weights' gradients too (kept for W?). The point of the "
                     "split is that B computes only the input's gradient, which the previous stage waits for, "
-                    "and leaves the weights' to W, which fills the bubbles later: "
-                    "torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)")
+                    "and leaves the weights' to W, which fills the bubbles later: ask torch.autograd.grad for the "
+                    "stage input's gradient only")
         problem = _grad_output_problem(given, dy, f"B of micro-batch {i}")
         if problem:
             return problem

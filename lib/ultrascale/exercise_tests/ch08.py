@@ -139,7 +139,7 @@ def _router_gradient_problem(router, x, weights, chosen, want_w, want_c, upstrea
         if torch.allclose(got, _gate_gradient(router, chosen_probs / chosen_probs.sum(-1, keepdim=True).detach(),
                                               want_c, upstream), rtol=1e-4, atol=1e-6):
             return ("the right weights, but the renormalising sum is detached: it depends on the logits too, and "
-                    "its gradient is part of the router's. Divide by weights.sum(-1, keepdim=True) itself")
+                    "its gradient is part of the router's. Divide by the sum itself, not by a detached copy")
     return (f"the right weights, but the router's gradient through them differs from that of softmax -> top-k"
             f"{' -> divide by their sum' if k > 1 else ''} by up to {(got - want).abs().max().item():.3g}: is a "
             "part of the computation detached or done outside autograd?")
@@ -194,7 +194,7 @@ def _split_sizes_on_rank(ctx, split_sizes, seed, split=None):
         where = f"{layout}, top-{k}, rank {r}" + ("" if split is None else f" within it (global rank {ctx.rank})")
         if len(send) != n or len(receive) != n:
             problems.append(f"{where}: send and receive must hold one count per rank of the group ({n}), got "
-                            f"{len(send)} and {len(receive)}: take the size from the group, dist.get_world_size(group)")
+                            f"{len(send)} and {len(receive)}: take the size from the group, not from the world")
             continue
         choices = torch.bincount((chosen // per_rank).flatten(), minlength=n).tolist()
         if send != want_send:
@@ -449,5 +449,5 @@ def test_expert_gradients(reduce_gradient, world_size: int = 2, quick: bool = Tr
         _judge_ep([per_rank[g] for g in ranks], one_process_run(config, len(ranks), steps=1, seed=seed + i),
                   f"ep=2 on each of {EP_SPLIT}, the group {list(ranks)}",
                   f"Here data_group is the group {list(ranks)}, not the world. Did you pass group=? All-reduce "
-                  "dense gradients with group=data_group, not over the default group, and divide by "
-                  "dist.get_world_size(data_group), not by the world's size")
+                  "dense gradients over data_group, not over the default group, and divide by the size of "
+                  "data_group, not by the world's size")
