@@ -745,10 +745,10 @@ assert with_no_sync[0]["all_reduce_calls"][1:] == ddp_acc[0]["buckets_per_step"]
 # The counts differ only in the first step, and DDP's source says why: in its first iteration
 # DDP does not yet know in which order the gradients will arrive, so it puts them all in one
 # bucket; after that iteration it rebuilds the buckets in the order it observed. From then on it
-# makes as many buckets as ours, since both close a bucket once it has *reached* the cap. (An
-# earlier version of `build_buckets` closed a bucket before it would *exceed* the cap: one bucket
-# more than DDP on the benchmark model, and a step a few percent slower than DDP's, which the
-# change of rule alone took back.) The averaged gradients are the same either way.
+# makes as many buckets as ours, since both close a bucket once it has *reached* the cap. (Closing
+# a bucket before it would *exceed* the cap, the other natural rule, makes one bucket more than DDP
+# on the benchmark model, and one more all-reduce launch per step.) The averaged gradients are the
+# same either way.
 #
 # ### What ours pays that DDP does not: Python in every hook
 # One cost of ours remains that DDP does not share: where the bookkeeping runs. Our hook is
@@ -803,16 +803,17 @@ print(f"  the hooks' own work (the bookkeeping, and each gradient's scaled copy 
 print(f"  launching {len(layout)} all-reduces from them: {1e3 * launch:.2f} ms (DDP launches the same)")
 
 # %% [markdown]
-# On the course's benchmark (`python benchmarks/bench_dp_zero.py`: 4 ranks on a 2-core machine,
-# a 0.9M-parameter model, 1 MiB buckets), ten runs on 2026-11-26 put our step at 0.95-1.07x
-# DDP's, 0.99 at the median (the last four 0.95-0.99); the five that printed the range of their
-# redrawn rounds could not tell the two apart (each range held 1.00). With 2 ranks, one per core, ours was 1-2%
+# How much does it cost in the whole step? The course's benchmark (`python
+# benchmarks/bench_dp_zero.py`: 4 ranks on a 2-core machine, a 0.9M-parameter model, 1 MiB
+# buckets) times our step against DDP's; over repeated runs the ratio lands within several percent
+# of 1 on either side, and the range the benchmark prints for its own repeats holds 1.00, so the
+# two cannot be told apart there. With 2 ranks, one per core, ours comes out a percent or two
 # slower: the price of running in Python what DDP's reducer runs in C++. (Not all of the hook time
 # above is that price: DDP copies and scales each gradient into its bucket too, and by default
-# copies it back out.) Our version buys code you can read in one screen with it.
-# (Three earlier costs are gone: hooks that looked their bucket and slot up by tensor every
-# time, a second pass over each bucket to divide it by the world size, and 1/N passed as a
-# Python float, which becomes a new tensor at every multiply.)
+# copies it back out.) Our version buys code you can read in one screen with it. Three details keep
+# the hook cheap: each hook knows its bucket and slot from the start instead of looking them up by
+# tensor, the division by the world size happens in the copy into the slot, not in a second pass,
+# and 1/N is a tensor made once, not a Python float that becomes a new tensor at every multiply.
 #
 # ## 6. The batch-size recipe, and where DP stops scaling
 #
