@@ -6,6 +6,8 @@ or see what a learner sees. These tests start the course's JupyterLab (launch/la
 temporary folder (a Run All, typed code and autosave never reach the repository's notebooks),
 and use it through the page: menus, clicks, keys.
 
+* closing a chapter's tab shuts its kernel down, and its ranks and fork server go too: after three
+  chapters opened, run and closed, the lab's private memory is back within 150 MiB of a fresh lab's;
 * the landing page opens on chapter 00; Run All there shows no error, draws its figures as
   images, and replaces the live plot's image in place while the ranks train;
 * the walk of issue 41: chapter 00's map opens chapter 04, its "Your turn" opens its exercises
@@ -42,6 +44,7 @@ pytest.importorskip("jupyterlab")
 
 from browser.lab import ROOT, CourseCopy, Lab, Processes, Unavailable, browser_paths, start_browser  # noqa: E402
 from browser.page import CELLS, NOTEBOOK, Learner  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
 
 pytestmark = [
     pytest.mark.browser,
@@ -87,6 +90,13 @@ class Session:
         self.processes.add_root(self.lab.process.pid, session=True)
         try:
             self.lab.wait_ready()
+            # the private memory of a fresh lab: the server alone, before any page or kernel (once
+            # the helpers it starts as it comes up, such as `npm prefix -g`, have exited)
+            root = self.lab.process.pid
+            deadline = time.monotonic() + 30
+            while set(self.processes.under(root)) != {root} and time.monotonic() < deadline:
+                time.sleep(0.5)
+            self.fresh_mib, self.fresh_counted = self.processes.private_mib(root)
             self.driver = start_browser(browser, driver, tmp / "chromium-profile", tmp / "chromedriver.log")
             self.processes.add_root(self.driver.service.process.pid)
         except BaseException:
@@ -202,6 +212,75 @@ def test_landing_page_is_chapter_00(session, learner):
     assert "Orientation" in title, title
     learner.wait_idle(90, "chapter 00's kernel to start")
     learner.screenshot("01_landing_page")
+
+
+# ---- closing a tab gives the memory back ------------------------------------------------------
+
+# Three chapters whose third code cell starts their Cluster: their first cells start a kernel, its
+# fork server and the ranks, everything a visited chapter holds.
+CLOSED_CHAPTERS = ("chapters/05_sequence_parallelism.ipynb", "chapters/06_context_parallelism.ipynb",
+                   "chapters/08_expert_parallelism.ipynb")
+MEMORY_SLACK_MIB = 150   # what the server may keep of three visits (issue 54: measured +29 MiB)
+
+
+def _open_from_file_browser(learner, path: str, cells: int) -> None:
+    """Double-click ``path`` in the file browser (its folder is the one shown: that of the
+    notebook the page opened on); wait for its cells and an idle kernel."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    name = Path(path).name
+    item = learner.wait(lambda: [e for e in learner.driver.find_elements(By.CSS_SELECTOR, ".jp-DirListing-item")
+                                 if e.find_element(By.CSS_SELECTOR, ".jp-DirListing-itemText").text.strip() == name],
+                        30, f"{name} in the file browser")
+    ActionChains(learner.driver).double_click(item[0]).perform()
+    _wait_document(learner, path, cells, "opened from the file browser")
+    learner.wait_idle(90, f"{path}'s kernel to start")
+
+
+def _lab_is_alone(session) -> bool:
+    """No kernel, and of the lab's processes only the server is left (no kernel, fork server or
+    rank, even one whose kernel died)."""
+    return not session.lab.kernels() and set(session.processes.under(session.lab.process.pid)) == {session.lab.process.pid}
+
+
+@pytest.mark.timeout(600)
+def test_closing_a_chapters_tab_gives_its_memory_back(session, learner):
+    """Issue 54: each chapter visited kept its kernel, fork server and ranks (about 250 MiB of
+    private memory each) after its tab closed. Three chapters opened (the learner's copies in
+    work/), their first cells run (a Cluster), each closed with File > Close Tab, its changes
+    discarded: each kernel goes with its tab (launch/lab_settings: kernelShutdown), its fork
+    server and ranks with it, and the lab's private memory (the sum of the USS of the server and
+    everything it started, browser/lab.py) ends within MEMORY_SLACK_MIB of the fresh lab's."""
+    root = session.lab.process.pid
+    session.lab.shut_down_kernels()   # the landing page's kernel: start from a lab without any
+    learner.wait(lambda: _lab_is_alone(session), 60, "the landing page's kernel to go")
+    start = time.monotonic()
+    for chapter in CLOSED_CHAPTERS:
+        notebook = session.notebook(chapter)
+        code = _code_cells(notebook)
+        assert "Cluster(" in _source(notebook["cells"][code[2]]), f"{chapter}'s third code cell starts no Cluster"
+        if chapter == CLOSED_CHAPTERS[0]:
+            learner.open("work/" + chapter, len(notebook["cells"]))
+        else:   # from the file browser, beside the page (a fresh page per chapter costs seconds)
+            _open_from_file_browser(learner, "work/" + chapter, len(notebook["cells"]))
+        session.used.add("ranks")
+        learner.run_all(240, command="notebook:run-all-above", selected=code[3])
+        assert not (errors := learner.errors()), f"{chapter}: {errors}"
+        open_mib, running = session.processes.private_mib(root)
+        assert any("forkserver" in command for command in running.values()), running
+        learner.menu("File", "application:close")
+        # the run left the notebook modified: JupyterLab asks; the learner discards (work/ stays as it was)
+        discard = learner.wait(lambda: [b for b in session.driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog button")
+                                        if b.text.strip() == "Discard"], 10, "the save-or-discard dialog")
+        discard[0].click()
+        learner.wait(lambda: _lab_is_alone(session), 60,
+                     f"{chapter}'s kernel, fork server and ranks to go with its tab (kernelShutdown)")
+        print(f"{chapter}: {open_mib:.0f} MiB private with it open")
+    after, counted = session.processes.private_mib(root)
+    print(f"three chapters opened, run and closed in {time.monotonic() - start:.0f} s: the lab holds "
+          f"{after:.0f} MiB private, {session.fresh_mib:.0f} MiB fresh ({counted}; fresh: {session.fresh_counted})")
+    assert after - session.fresh_mib <= MEMORY_SLACK_MIB, (
+        f"the lab holds {after - session.fresh_mib:.0f} MiB more than fresh after its tabs closed: {counted}")
 
 
 # ---- the walk: map -> chapter 04 -> its exercises -> graded -> progress --------------------------

@@ -245,7 +245,9 @@ class Processes:
     def __init__(self, every: float = 0.5):
         self.roots: list[int] = []
         self.sessions: list[int] = []
+        self._session_roots: list[int] = []   # the root whose session each of ``sessions`` is
         self.seen: dict[int, tuple[float, str]] = {}   # pid -> (start time, command line)
+        self.root_of: dict[int, int] = {}   # pid -> the root it was found under (the server's or the browser's)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, args=(every,), daemon=True)
@@ -256,26 +258,27 @@ class Processes:
             self.roots.append(pid)
             if session:
                 self.sessions.append(os.getsid(pid))
+                self._session_roots.append(pid)
         self.snapshot()
 
     def snapshot(self) -> None:
-        found = []
+        found = []   # (process, the root it belongs to)
         with self._lock:
-            roots, sessions = list(self.roots), list(self.sessions)
+            roots, sessions = list(self.roots), dict(zip(self.sessions, self._session_roots))
         for pid in roots:
             try:
                 root = psutil.Process(pid)
-                found += [root, *root.children(recursive=True)]
+                found += [(p, pid) for p in (root, *root.children(recursive=True))]
             except psutil.Error:
                 continue
         if sessions:
             for process in psutil.process_iter():
                 try:
-                    if os.getsid(process.pid) in sessions:
-                        found.append(process)
+                    if (sid := os.getsid(process.pid)) in sessions:
+                        found.append((process, sessions[sid]))
                 except (OSError, psutil.Error):
                     continue
-        for process in found:
+        for process, root in found:
             try:
                 started, command = process.create_time(), " ".join(process.cmdline())[:160]
             except psutil.Error:
@@ -283,6 +286,7 @@ class Processes:
             with self._lock:   # the latest command line: lab.sh's bash becomes jupyter-lab (exec)
                 if self.seen.get(process.pid, (started,))[0] == started:
                     self.seen[process.pid] = (started, command)
+                    self.root_of.setdefault(process.pid, root)
 
     def _watch(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -301,6 +305,27 @@ class Processes:
             except psutil.Error:
                 continue
         return running
+
+    def under(self, root: int) -> dict[int, str]:
+        """The noted processes of ``root`` still running: a kernel's fork server or rank whose
+        kernel died (adopted by init) stays on the list, since it was noted while it ran."""
+        self.snapshot()
+        return {pid: command for pid, command in self.alive().items() if self.root_of.get(pid) == root}
+
+    def private_mib(self, root: int) -> tuple[float, dict[int, str]]:
+        """The private memory of ``root``'s processes, in MiB: the sum of their USS (pages that
+        only that process maps; what the machine gets back when it exits), and who was counted,
+        each as "NN MiB command". Shared pages (torch's libraries, mapped by a kernel and its fork
+        server alike) are counted in no one's USS, so the sum never counts a page twice."""
+        total, counted = 0, {}
+        for pid, command in self.under(root).items():
+            try:
+                uss = psutil.Process(pid).memory_full_info().uss
+            except psutil.Error:
+                continue   # gone meanwhile
+            total += uss
+            counted[pid] = f"{uss / 2**20:.0f} MiB {command[:90]}"
+        return total / 2**20, counted
 
     def stop_watching(self) -> None:
         self.snapshot()
