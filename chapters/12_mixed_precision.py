@@ -506,10 +506,34 @@ fig
 #
 # `torch.autocast` is mixed precision without touching the model: the parameters stay fp32 (the
 # master copy of trick 1), each matrix multiply casts its inputs to bf16 and accumulates in
-# fp32, and softmax, norms and the loss stay in fp32 (`lm_loss` upcasts the logits). bf16 has
-# fp32's range, so no loss scaling is needed. Same initial weights, same data and the course
-# loop for both runs; a third run in fp32 with another initialisation gives a yardstick: how
-# far two equally good runs drift apart anyway.
+# fp32, the loss stays in fp32 (`lm_loss` upcasts the logits), and the norms read the residual
+# stream, which stays fp32 (a bf16 branch added to it is promoted). Softmax depends on the device:
+# CUDA's autocast runs it in fp32, but CPU autocast has no such rule, so in this chapter's CPU
+# runs the eager attention's softmax works on bf16 scores and returns bf16 (the cell below checks
+# it). bf16 has fp32's range, so no loss scaling is needed. Same initial weights, same data and
+# the course loop for both runs; a third run in fp32 with another initialisation gives a
+# yardstick: how far two equally good runs drift apart anyway.
+
+# %%
+def softmax_under_autocast(device_type):
+    """The dtypes of attention-like scores (a matmul) and of their softmax under bf16 autocast."""
+    q = torch.randn(4, 8).to(device_type)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        scores = q @ q.T
+        return scores.dtype, torch.softmax(scores, dim=-1).dtype
+
+
+cpu_scores, cpu_softmax = softmax_under_autocast("cpu")
+assert cpu_scores == cpu_softmax == torch.bfloat16   # CPU autocast keeps softmax in bf16
+print(f"CPU bf16 autocast: scores {cpu_scores}, softmax {cpu_softmax}")
+
+# %% tags=["nbval-ignore-output"]
+if torch.cuda.is_available():
+    cuda_scores, cuda_softmax = softmax_under_autocast("cuda")
+    assert cuda_scores == torch.bfloat16 and cuda_softmax == torch.float32   # CUDA autocast's fp32 list
+    print(f"CUDA bf16 autocast: scores {cuda_scores}, softmax {cuda_softmax}")
+else:
+    print("no GPU here: CUDA autocast would return the softmax in torch.float32")
 
 # %%
 curves = {}
