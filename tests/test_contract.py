@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 
 import nbformat
 import pytest
@@ -233,3 +234,91 @@ def test_the_contract_is_part_of_every_registered_test():
     for exercise_id in _REGISTRY:
         test = get_exercise(exercise_id).test
         assert test.__code__.co_name == "test_under_contract" and inspect.unwrap(test) is not test, exercise_id
+
+
+# ---- issue 53 item 2: property-based cases (grading/properties.py, exercise_tests/properties.py) --
+
+@pytest.fixture(scope="module")
+def more():
+    found = {}
+    for chapter in ("08_expert_parallelism", "09_5d_parallelism", "11_gpu_kernels"):
+        found.update(_load(f"{chapter}_exercises.ipynb"))
+    return found
+
+
+def test_the_solutions_pass_their_properties(more):
+    for exercise, name in [("08.router", "route"), ("09.group_ranks", "group_ranks"),
+                           ("11.online_softmax_update", "online_softmax_update")]:
+        assert check(exercise, more[name], quick=True).status == PASS, exercise
+
+
+def test_kind_3_assuming_the_tested_dtypes_and_shapes(sol, more):
+    def flatten_in_float32(tensors, world_size):           # a buffer made without a dtype
+        tensors = list(tensors)
+        n = sum(t.numel() for t in tensors)
+        flat = torch.zeros(n + (-n % world_size))
+        flat[:n] = torch.cat([t.detach().reshape(-1) for t in tensors])
+        return flat
+
+    def flatten_with_view(tensors, world_size):            # view() needs contiguous memory
+        flat = torch.cat([t.detach().view(-1) for t in tensors])
+        return torch.cat([flat, flat.new_zeros(-flat.numel() % world_size)])
+
+    def group_ranks_of_two_axes(sizes, axis):              # a joint group of at most two axes
+        order = [a for a in ("dp", "pp", "ep", "cp", "tp") if a in sizes]
+        grid = torch.arange(math.prod(sizes.values())).view([sizes[a] for a in order])
+        if isinstance(axis, str):
+            dims = [order.index(axis)]
+        else:
+            first, second = axis
+            dims = sorted([order.index(first), order.index(second)])
+        others = [d for d in range(len(order)) if d not in dims]
+        return grid.permute(others + dims).reshape(-1, math.prod(grid.shape[d] for d in dims)).tolist()
+
+    _fails(check("03.flatten_padded", flatten_in_float32, quick=True), "torch.bfloat16", "float32")
+    _fails(check("03.flatten_padded", flatten_with_view, quick=True), "transposed views", "raised RuntimeError")
+    _fails(check("09.group_ranks", group_ranks_of_two_axes, quick=True), "an input they do not cover",
+           "raised ValueError: too many values to unpack")
+
+
+def test_kind_4_numerically_unstable(sol, more):
+    def merge_by_plain_exps(out_a, lse_a, out_b, lse_b):   # exp(lse) overflows for large scores
+        w_a, w_b = torch.exp(lse_a), torch.exp(lse_b)
+        total = w_a + w_b
+        safe = torch.where(total > 0, total, torch.ones_like(total))
+        out = (w_a[..., None] * out_a + w_b[..., None] * out_b) / safe[..., None]
+        return torch.where((total > 0)[..., None], out, torch.zeros_like(out)), torch.log(total)
+
+    def route_by_plain_exps(logits, k):                    # a softmax without the row's maximum
+        e = torch.exp(logits)
+        probs = e / e.sum(-1, keepdim=True)
+        top, chosen = probs.topk(k, dim=-1)
+        return (top if k == 1 else top / top.sum(-1, keepdim=True)), chosen
+
+    def online_by_ratio(m, l, acc, s_block, v_block):      # exp(s) / exp(m): both overflow
+        m_new = torch.maximum(m, s_block.max(dim=1).values)
+        alpha = torch.exp(m) / torch.exp(m_new)
+        alpha = torch.where(torch.isneginf(m), torch.zeros_like(alpha), alpha)
+        p = torch.exp(s_block) / torch.exp(m_new)[:, None]
+        return m_new, alpha * l + p.sum(dim=1), alpha[:, None] * acc + p @ v_block
+
+    for exercise, learner, phrase in [("06.merge_partial_attention", merge_by_plain_exps, "overflow"),
+                                      ("08.router", route_by_plain_exps, "overflow"),
+                                      ("11.online_softmax_update", online_by_ratio, "inf or NaN")]:
+        result = check(exercise, learner, quick=True)
+        _fails(result, phrase)
+
+
+def test_kind_5_constants_that_fit_the_fixed_cases(sol):
+    def quantize_with_e4m3s_max(x, dtype=torch.float8_e4m3fn):   # 448 whatever the format
+        scale = x.detach().abs().max().float().clamp(min=1e-12) / 448.0
+        return (x.detach().float() / scale).clamp(-448.0, 448.0).to(dtype), scale
+
+    def quantize_with_an_eps_floor(x, dtype=torch.float8_e4m3fn):   # float32's eps as the amax floor
+        top = torch.finfo(dtype).max
+        scale = x.detach().abs().max().float().clamp(min=torch.finfo(torch.float32).eps) / top
+        return (x.detach().float() / scale).clamp(-top, top).to(dtype), scale
+
+    _fails(check("12.quantize_per_tensor", quantize_with_e4m3s_max, quick=True), "e5m2", "57,344")
+    _fails(check("12.quantize_per_tensor", quantize_with_an_eps_floor, quick=True), "values of size ~1e-",
+           "largest |x| must land on")

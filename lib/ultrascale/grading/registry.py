@@ -71,13 +71,23 @@ def exercise(exercise_id: str, points: float = 1):
 
 def _held_to_contract(test: Callable, exercise_id: str) -> Callable:
     """``test``, given the learner's functions wrapped by the contract every exercise shares
-    (``grading.contract``: inputs unchanged, new storage, no state kept between calls)."""
+    (``grading.contract``: inputs unchanged, new storage, no state kept between calls), then,
+    once its fixed cases pass, the exercise's property tried on drawn inputs
+    (``grading.properties``, declared in ``exercise_tests.properties``)."""
     from .contract import guard_objects
 
     @functools.wraps(test)  # keeps the signature, which check() binds the learner's arguments to
     def test_under_contract(*objects, **kwargs):
         objects, kwargs = guard_objects(exercise_id, objects, kwargs)
-        return test(*objects, **kwargs)
+        result = test(*objects, **kwargs)
+        from ultrascale.exercise_tests.properties import PROPERTIES
+
+        if exercise_id in PROPERTIES:
+            from .properties import run
+
+            prop = PROPERTIES[exercise_id]
+            run(exercise_id, prop, objects[prop.argument], quick=kwargs.get("quick", True))
+        return result
 
     return test_under_contract
 

@@ -1,0 +1,74 @@
+"""Property-based cases: an exercise's function tried on inputs drawn by hypothesis.
+
+An exercise's test runs fixed cases, chosen to name each classic mistake. A learner's answer can
+still pass them and be wrong on an input they never give: another dtype, a 0-d or non-contiguous
+tensor, a size the ranks do not divide, values near overflow, a size-1 axis. So after the fixed
+cases pass, the exercise's *property* (declared in ``ultrascale.exercise_tests.properties``)
+draws inputs over those dimensions with `hypothesis <https://hypothesis.readthedocs.io>`_ and
+checks each against the property's judge:
+
+* a property may name cases always tried first (``examples``: edges the draws could miss);
+* the draws are **derandomized** (the same inputs on every machine and run: a grade must not
+  depend on luck) and few in QUICK (``QUICK_EXAMPLES``), so the grader stays about as fast;
+* a failing input is **shrunk** by hypothesis to the smallest one that still fails, and the
+  learner sees that input and what was wrong with it;
+* an exception the learner's code raises on a drawn input is reported the same way.
+
+A property is a :class:`Property`: a hypothesis strategy of cases, a ``judge(fn, case)`` that
+returns what is wrong (or None), and ``describe(case)`` for the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+QUICK_EXAMPLES = 25
+FULL_EXAMPLES = 150
+
+
+@dataclasses.dataclass(frozen=True)
+class Property:
+    strategy: Callable[[], Any]                  # () -> a hypothesis SearchStrategy of cases
+    judge: Callable[[Callable, Any], str | None]
+    describe: Callable[[Any], str]
+    argument: int = 0                            # which of check()'s objects is the function tried
+    examples: tuple = ()                         # cases always tried first (the edges draws may miss)
+
+
+def run(exercise_id: str, prop: Property, fn: Callable, quick: bool = True) -> None:
+    """Try ``fn`` on the property's drawn cases; raise ``AssertionError`` naming the smallest
+    failing case."""
+    from hypothesis import HealthCheck, Phase, example, given, settings
+
+    last = {}
+
+    @settings(max_examples=QUICK_EXAMPLES if quick else FULL_EXAMPLES, derandomize=True, database=None,
+              deadline=None, print_blob=False, suppress_health_check=list(HealthCheck),
+              phases=(Phase.explicit, Phase.generate, Phase.shrink))
+    @given(prop.strategy())
+    def holds(case):
+        last["case"] = case  # hypothesis replays the shrunk case last: this is the one to show
+        try:
+            problem = prop.judge(fn, case)
+        except NotImplementedError:
+            raise
+        except AssertionError as err:  # the contract's findings, or a judge's own assertion
+            problem = str(err)
+        except Exception as err:
+            problem = f"your function raised {type(err).__name__}: {err}"
+        if problem:
+            raise _Failed(problem)
+
+    for case in prop.examples:
+        holds = example(case)(holds)
+    try:
+        holds()
+    except _Failed as err:
+        raise AssertionError(
+            f"{exercise_id}: the fixed cases pass, but an input they do not cover fails (drawn by hypothesis, then "
+            f"shrunk to the smallest that still fails): {prop.describe(last['case'])}. {err}") from None
+
+
+class _Failed(Exception):
+    """A case failed (not an AssertionError: hypothesis must not take the judge's for its own)."""
