@@ -691,13 +691,14 @@ for name, per_rank in timelines.items():
 
 # %% [markdown]
 # On a laptop the ranks and gloo's communication threads share the same few CPU cores, so the
-# durations are noisy and overlap cannot buy as much as on GPUs, where NCCL moves data on its own
-# hardware path. The *launch order*, however, is exact, and we check it on every rank: without
-# prefetch, each block's gather starts after the previous block's forward has finished; with
-# prefetch, it starts before the previous block's forward has begun computing. Backward with
-# prefetch runs as a three-stage pipeline: by the time block $i$'s backward begins, block $i-1$'s
-# gather (for its own backward) and the reduce-scatter of block $i+1$'s gradients have both been
-# launched, so two transfers travel beside one block's computation.
+# durations are noisy and overlap cannot buy as much as on GPUs, where NCCL's kernels move the data
+# over NVLink or the network on a few of the GPU's SMs while the others compute (not quite free:
+# those SMs do not compute meanwhile). The *launch order*, however, is exact, and we check it on
+# every rank: without prefetch, each block's gather starts after the previous block's forward has
+# finished; with prefetch, it starts before the previous block's forward has begun computing.
+# Backward with prefetch runs as a three-stage pipeline: by the time block $i$'s backward begins,
+# block $i-1$'s gather (for its own backward) and the reduce-scatter of block $i+1$'s gradients
+# have both been launched, so two transfers travel beside one block's computation.
 
 # %%
 for name, prefetch in (("ZeRO-3 without prefetch", False), ("ZeRO-3 with prefetch", True)):
