@@ -317,6 +317,8 @@ with quiet_native_stderr(), torch.profiler.profile(
 # The aggregated table, sorted by total time: CPU time here, GPU time on a GPU (the book sorts
 # by `cuda_time_total`, which PyTorch now calls `device_time_total`). "Total" includes the
 # operators an operator calls; "self" does not. The memory columns come from `profile_memory`.
+# (The book's text promises the top 10 operators, but its code passes `row_limit=8`, as we do:
+# eight rows.)
 
 # %% tags=["nbval-ignore-output"]
 print(p.key_averages().table(sort_by="device_time_total" if CUDA else "cpu_time_total", row_limit=8))
