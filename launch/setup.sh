@@ -16,12 +16,59 @@
 # TORCH_VERSION=...  the torch to install where none is kept;
 # TORCH_FRESH=1  never keep the system's torch (make test-compat: the oldest torch, even on a GPU node);
 # TORCH_CPU_INDEX=...  another CPU wheel index (a mirror).
+#
+# On a GPU cluster, run it on a GPU node (srun --gpus=1 bash launch/setup.sh): on a login node
+# there is no GPU, so the CPU build is installed, and every GPU job would then run its ranks on
+# the CPU with gloo. It warns at the end when the GPUs and the torch it kept do not match;
+# `bash launch/setup.sh --check-gpu` runs only that check, on the environment as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
+warn() { echo "[setup] WARNING: $*" >&2; }
+
+# Where setup ran, against the torch it left: a GPU that torch cannot use, or no GPU where GPUs
+# are expected (a SLURM job, CUDA_VISIBLE_DEVICES, or a SLURM cluster whose nodes have GPUs: a
+# login node, likely) with the CPU build installed. Both end with GPU jobs run as gloo ranks on the CPU, silently.
+gpu_warnings() {
+  local found version cuda usable context=""
+  found=$("$VENV/bin/python" -c "import torch; print(torch.__version__, torch.version.cuda or 'cpu', int(torch.cuda.is_available()))" 2>/dev/null) || return 0
+  read -r version cuda usable <<<"$found"
+  if has_gpu; then
+    if [ "$cuda" = cpu ]; then
+      warn "nvidia-smi lists $(nvidia-smi -L | grep -c GPU) GPU(s), but $VENV has torch $version, a CPU build:" \
+           "every cluster and GPU job would run its ranks on the CPU with gloo. Set it up again here, on" \
+           "this GPU node: rm -rf $VENV && bash launch/setup.sh"
+    elif [ "$usable" != 1 ]; then
+      warn "nvidia-smi lists a GPU, but torch $version (CUDA $cuda) cannot use it: the NVIDIA driver is" \
+           "probably older than CUDA $cuda needs (nvidia-smi's header names the newest CUDA it supports)"
+    fi
+    return 0
+  fi
+  [ "$cuda" = cpu ] || return 0   # a CUDA build (from pip's index) would use the GPUs of a GPU node
+  if [ -n "${SLURM_JOB_ID:-}" ]; then
+    context="this is SLURM job $SLURM_JOB_ID"
+  elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    context="CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES is set"
+  elif command -v sinfo >/dev/null 2>&1 && timeout 15 sinfo -h -o %G 2>/dev/null | grep -q gpu; then
+    # on a login node: SLURM's partitions offer GPUs (their generic resources, gpu:N), this node has none
+    context="SLURM's nodes have GPUs (sinfo) and this one has none: a login node, likely"
+  fi
+  if [ -n "$context" ]; then
+    warn "no GPU is visible (nvidia-smi lists none), though $context; so $VENV has torch $version, the" \
+         "CPU build, and GPU jobs run with it would use the CPU (gloo), not the GPUs. To use them, set" \
+         "up on a GPU node: rm -rf $VENV && srun --gpus=1 bash launch/setup.sh (README: GPU clusters)." \
+         "On a cluster without GPUs, ignore this."
+  fi
+}
+if [ "${1:-}" = "--check-gpu" ]; then
+  gpu_warnings
+  exit 0
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   if [ -z "${TORCH_FRESH:-}" ] && "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -35,7 +82,6 @@ fi
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
 
-has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
 reachable() { "$VENV/bin/python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=15)" "$1" 2>/dev/null; }
 
 # pip's own log says where each file came from: "Downloading <url> (<size>)", or a local path.
@@ -111,3 +157,4 @@ import torch, triton, ultrascale
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (gloo + Triton interpreter)"
 print(f"[setup] ready: torch {torch.__version__}, triton {triton.__version__}, {gpu}")
 PY
+gpu_warnings   # last, where it is read

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -175,3 +176,75 @@ def test_slurm_batch_sbatch_runs_a_chapter_and_writes_the_table_where_the_log_sa
     assert parameters and f"WORLD_SIZE = {slurm.cpus}" in "".join(parameters[0]["source"])
     assert all(c["execution_count"] for c in executed["cells"] if c["cell_type"] == "code")
     assert re.search(r"^00_orientation\.ipynb +[0-9.]+ s  ok$", log, re.M), log   # the table line
+
+
+# ---------------------------------------------------------------- setup.sh's GPU warnings
+# Issue 54: setup run on a cluster's login node installs the CPU build of torch (no GPU there),
+# and GPU jobs then run as gloo ranks on the CPU without a word. `launch/setup.sh --check-gpu`
+# runs the check setup ends with; here against fake tools: nvidia-smi, sinfo and the venv's
+# python are scripts, and PATH holds nothing else, so the machine's own tools never answer.
+NVIDIA_SMI = {True: 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"; echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"',
+              False: 'echo "No devices were found"; exit 6'}   # as nvidia-smi says on a node without GPUs
+CPU_TORCH, CUDA_TORCH, CUDA_TORCH_OLD_DRIVER = "2.13.0+cpu cpu 0", "2.13.0+cu128 12.8 1", "2.13.0+cu128 12.8 0"
+
+
+def _script(path: Path, body: str) -> None:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+
+
+def setup_gpu_check(tmp_path: Path, gpus: bool, torch_says: str | None = None, sinfo: str | None = None, **env) -> str:
+    """What `launch/setup.sh --check-gpu` prints: nvidia-smi listing two GPUs or none, the venv's
+    torch as ``torch_says`` ("version cuda usable", the one line setup asks it for; None: the
+    real .venv), SLURM's sinfo printing ``sinfo`` (None: no sinfo)."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("dirname", "grep", "timeout"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    _script(tools / "nvidia-smi", NVIDIA_SMI[gpus])
+    if sinfo is not None:
+        _script(tools / "sinfo", f'echo "{sinfo}"')
+    venv = ROOT / ".venv"
+    if torch_says is not None:
+        venv = tmp_path / "venv"
+        (venv / "bin").mkdir(parents=True)
+        _script(venv / "bin" / "python", f'echo "{torch_says}"')
+    done = subprocess.run([shutil.which("bash"), str(LAUNCH / "setup.sh"), "--check-gpu"], capture_output=True,
+                          text=True, timeout=120, env={"PATH": str(tools), "VENV": str(venv), **env})
+    assert done.returncode == 0 and done.stdout == "", done
+    return done.stderr
+
+
+@pytest.mark.parametrize("gpus, torch_says, sinfo, env, warning", [
+    # a GPU node whose .venv was set up on a login node
+    (True, CPU_TORCH, None, {}, "lists 2 GPU\\(s\\), but .* has torch 2.13.0\\+cpu, a CPU build"),
+    (True, CUDA_TORCH_OLD_DRIVER, None, {}, "torch 2.13.0\\+cu128 \\(CUDA 12.8\\) cannot use it: the NVIDIA driver"),
+    # no GPU where GPUs are expected, and the CPU build installed
+    (False, CPU_TORCH, None, {"SLURM_JOB_ID": "4242"}, "no GPU is visible .* this is SLURM job 4242"),
+    (False, CPU_TORCH, None, {"CUDA_VISIBLE_DEVICES": "0,1"}, "no GPU is visible .* CUDA_VISIBLE_DEVICES=0,1 is set"),
+    (False, CPU_TORCH, "gpu:8(S:0-1)", {}, "no GPU is visible .* SLURM's nodes have GPUs .* a login node"),
+    # nothing to say
+    (True, CUDA_TORCH, None, {"SLURM_JOB_ID": "4242"}, None),        # a GPU node, set up there
+    (False, CPU_TORCH, None, {}, None),                              # a laptop
+    (False, CPU_TORCH, "(null)", {}, None),                          # a SLURM cluster without GPUs
+    (False, CUDA_TORCH, None, {"SLURM_JOB_ID": "4242"}, None),       # a CUDA build: it would use a GPU node's
+], ids=["gpu-cpu-torch", "gpu-old-driver", "slurm-job-no-gpu", "cuda-visible-no-gpu", "login-node",
+        "gpu-node-ok", "laptop", "cpu-cluster", "login-node-cuda-torch"])
+def test_setup_warns_when_gpus_and_torch_do_not_match(tmp_path, gpus, torch_says, sinfo, env, warning):
+    said = setup_gpu_check(tmp_path, gpus, torch_says, sinfo, **env)
+    if warning is None:
+        assert said == "", said
+    else:
+        assert said.startswith("[setup] WARNING: ") and said.count("\n") == 1, said
+        assert re.search(warning, said), said
+        assert "rm -rf" in said or "driver" in said, f"the warning says no way out: {said}"
+
+
+def test_setup_gpu_check_reads_the_real_venvs_torch(tmp_path):
+    """The same check with .venv's own python: the line it asks torch for is read right."""
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("this .venv has a CUDA build of torch: the check has nothing to say on a GPU")
+    said = setup_gpu_check(tmp_path, gpus=True)
+    assert f"has torch {torch.__version__}, a CPU build" in said, said
