@@ -68,6 +68,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     gpus = gpu_count()
     if gpus == 0:
+        # torch sees no GPU. On a GPU node whose .venv got the CPU build of torch (set up on a login
+        # node) that is no reason for a clean exit: setup's own check says so, and this fails.
+        check = subprocess.run(["bash", str(ROOT / "launch" / "setup.sh"), "--check-gpu"],
+                               capture_output=True, text=True, timeout=120)
+        if check.stderr.strip():
+            print(f"test-gpu: torch sees no GPU here, and\n{check.stderr.strip()}")
+            return 1
         print("test-gpu: no CUDA GPU on this machine, so nothing to test here. On a CPU, `make test` "
               "holds every chapter and grader to a GPU node's rules (strict-device and strict "
               "point-to-point modes); run this on the GPU node before a class.")
