@@ -121,7 +121,7 @@ def test_every_allowance_names_a_real_argument_of_the_solution():
         code = "\n".join(c.source for c in sources[chapter].cells if c.cell_type == "code")
         for name in contract.updates + contract.iterables:
             assert f"{name.split('.')[0]}" in code, (exercise_id, name)
-        assert dataclasses.asdict(contract) != dataclasses.asdict(Contract()), exercise_id
+        assert contract != Contract(), exercise_id
 
 
 # ---- wrong answers submitted to the exercises ---------------------------------------------
@@ -322,3 +322,25 @@ def test_kind_5_constants_that_fit_the_fixed_cases(sol):
     _fails(check("12.quantize_per_tensor", quantize_with_e4m3s_max, quick=True), "e5m2", "57,344")
     _fails(check("12.quantize_per_tensor", quantize_with_an_eps_floor, quick=True), "values of size ~1e-",
            "largest |x| must land on")
+
+
+# ---- issue 53 item 3: the technique's collectives (contract.collectives, on the ranks) ------------
+
+def test_the_right_numbers_through_another_collective_fail_naming_the_one_expected():
+    import torch.distributed as dist
+
+    def mean_by_all_gather(ctx, tensor):                  # gathers N copies to average locally
+        parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=ctx.group)
+        return torch.stack(parts).mean(dim=0)
+
+    def mean_by_broadcasts(ctx, tensor):                  # every rank broadcasts its tensor in turn
+        total = torch.zeros_like(tensor)
+        for src in range(ctx.world_size):
+            part = tensor.clone()
+            dist.broadcast(part, src=src, group=ctx.group)
+            total += part
+        return total / ctx.world_size
+
+    for wrong, used in [(mean_by_all_gather, "all_gather x1"), (mean_by_broadcasts, "broadcast x")]:
+        _fails(check("00.mean_across_ranks", wrong, quick=True), used, "made of all_reduce", "another algorithm")

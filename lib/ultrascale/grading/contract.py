@@ -17,6 +17,9 @@ or on a rank, then checks that:
   and shared by every call, so an answer cached in it leaks into the next call. The runtime
   unpickles a fresh copy of the function for each call on a rank, so only this check sees it
   there;
+* on a rank, where the exercise names the collectives its technique is made of (``collectives``),
+  **the call uses them and no other** (logged by the course's ``CommLogger``): an all-gather and
+  a local mean give an all-reduce's numbers with other bytes;
 * off a rank (where a call sends nothing), **the first call is made twice** on fresh copies of
   the same inputs, and must give the same result (unless a function is among its inputs: a clock
   or a workload may rightly answer differently the second time); and where a caller may pass any iterable
@@ -49,6 +52,10 @@ class Contract:
     returns_inputs: bool = False         # may return its inputs, or views of them
     iterables: tuple[str, ...] = ()      # arguments a caller may pass as any iterable
     repeat: bool = True                  # off a rank, the first call is made twice
+    # On a rank, the collectives the technique is made of: each call must use every one of
+    # ``collectives`` ("a|b": either) and no other collective (point-to-point calls are free),
+    # by base name (all_gather for all_gather_into_tensor, ...); empty: not checked here.
+    collectives: tuple[str, ...] = ()
 
 
 STRICT = Contract()
@@ -60,7 +67,12 @@ CONTRACTS: dict[str, Contract] = {
     "01.grad_accumulation": Contract(updates=("model.grad",), repeat=False),
     "02.assign_buckets": Contract(returns_inputs=True, iterables=("params",)),  # groups the caller's own
     "03.flatten_padded": Contract(iterables=("tensors",)),                      # parameters
-    "03.zero1_step": Contract(updates=("params", "master")),         # the step writes the new weights
+    "00.mean_across_ranks": Contract(collectives=("all_reduce",)),
+    # the step writes the new weights
+    "03.zero1_step": Contract(updates=("params", "master"), collectives=("reduce_scatter", "all_gather")),
+    "06.ulysses_attention": Contract(collectives=("all_to_all|all_to_all_single",)),
+    "08.split_sizes": Contract(collectives=("all_to_all|all_to_all_single",)),
+    "08.dispatch_combine": Contract(collectives=("all_to_all|all_to_all_single",)),
     "07.stage_step": Contract(returns_inputs=True),                  # the first stage's input is the caller's
     "07.split_backward": Contract(updates=("params.grad",)),         # W adds to the weights' .grad
     "10.memory_filter": Contract(iterables=("configs",)),
@@ -103,8 +115,11 @@ def guarded(fn: Callable, exercise_id: str, contract: Contract = STRICT) -> Call
         before = {name: _snapshot(value, grads=f"{name}.grad" not in contract.updates)
                   for name, value in named.items() if name not in contract.updates}
         defaults_before = _snapshot(_mutable_defaults(fn))
-        result = fn(*args, **kwargs)
         who = f"{exercise_id}: your `{getattr(fn, '__name__', 'function')}`"
+        if contract.collectives and _on_a_rank():
+            result = _with_signature(who, contract.collectives, fn, args, kwargs)
+        else:
+            result = fn(*args, **kwargs)
         _check_defaults(who, fn, defaults_before)
         for name, snap in before.items():
             change = _difference(snap, named[name])
@@ -325,6 +340,39 @@ def _check_new_storage(who: str, result, named: dict) -> None:
                 f"{who} returned a tensor ({path}) that shares memory with its argument `{inputs[key]}`: a view "
                 "of the caller's data, not the new buffer the exercise asks for, so a later write to one would "
                 "change the other. Return new storage (`.clone()`, or a tensor you made)")
+
+
+# ---- the technique's collectives ---------------------------------------------------------------
+
+POINT_TO_POINT = {"send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier"}
+
+
+def _with_signature(who: str, expected: tuple, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` on a rank, its collectives logged by the course's ``CommLogger``
+    and held to ``expected``: a shortcut through another collective (an all-gather then a
+    local mean where the exercise is an all-reduce) gives the right numbers and misses the
+    point, and the bytes it moves."""
+    from ultrascale.comm.logger import CommLogger, base_op
+
+    with CommLogger() as log:
+        result = fn(*args, **kwargs)
+    used: dict = {}
+    for e in log.events:
+        op = base_op(e.op)
+        if op not in POINT_TO_POINT:
+            calls, sent = used.get(op, (0, 0))
+            used[op] = (calls + 1, sent + e.bytes_sent)
+    seen = ", ".join(f"{op} x{calls} ({sent:,} bytes sent)" for op, (calls, sent) in used.items()) or "none"
+    allowed = {op for entry in expected for op in entry.split("|")}
+    wanted = " and ".join(entry.replace("|", " (or ") + (")" if "|" in entry else "") for entry in expected)
+    others = [op for op in used if op not in allowed]
+    missing = [entry for entry in expected if not any(op in used for op in entry.split("|"))]
+    if others or missing:
+        raise AssertionError(
+            f"{who} called these collectives on this rank: {seen}. The exercise's technique is made of {wanted}"
+            + (f": {', '.join(others)} is another algorithm, with other traffic, even where the numbers agree"
+               if others else f", and {' and '.join(missing)} was never called"))
+    return result
 
 
 # ---- the same result twice ---------------------------------------------------------------
