@@ -12,6 +12,16 @@
 # 3. watch ranks report metrics while they work (a live plot),
 # 4. see the map of the course, organised around three pressures.
 #
+# **Running a notebook.** Shift+Enter runs the selected cell and moves to the next one; Run ▸ Run
+# All Cells runs the whole notebook, top to bottom; the ■ button of the toolbar stops a running
+# cell, ranks included. Each open notebook has a kernel of its own: a Python process that keeps
+# the notebook's variables, and here also the ranks it starts, about a quarter of a GB in all.
+# **Closing a notebook's tab shuts its kernel down** (this lab is set up so) and gives that
+# memory back; Kernel ▸ Shut Down Kernel does it with the tab open, and the Running Terminals and
+# Kernels panel (the second icon of the left sidebar) lists the kernels still running. The last
+# cell of a chapter closes its cluster; a cell re-run after it starts the ranks again, with a
+# one-line notice that what they kept (`ctx.state`) is gone.
+#
 # The cell below holds the parameters. Batch runs (papermill) override them, e.g.
 # `papermill -p WORLD_SIZE 3 00_orientation.ipynb out.ipynb`.
 
