@@ -129,3 +129,23 @@ def test_masked_add_refuses_unmasked_loads():
 
         _fails(check("11.masked_add", Kernel(), quick=True), "loaded past element n-1 of x or y",
                "Mask the loads too")
+
+
+# ---- 11.row_softmax: the exps underflow (not overflow) when zero padding wins the maximum ------------
+
+@triton.jit
+def _softmax_zero_padding(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols, BLOCK_SIZE: tl.constexpr):
+    """Padding lanes loaded as 0 win the maximum of a hugely negative row; masked out of the sum,
+    they leave 0 / 0 (issue 53: reported as an overflow before)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    valid = cols < n_cols
+    logits = tl.load(in_ptr + row * in_row_stride + cols, mask=valid, other=0.0)
+    numerator = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    tl.store(out_ptr + row * out_row_stride + cols, numerator / tl.sum(numerator, axis=0), mask=valid)
+
+
+def test_row_softmax_names_an_underflow_as_an_underflow():
+    result = check("11.row_softmax", _softmax_zero_padding, quick=True)
+    _fails(result, "underflows to 0", "0/0", "padding lanes loaded as 0")
+    assert "overflowed" not in result.message

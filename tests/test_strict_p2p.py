@@ -90,3 +90,22 @@ def test_what_nccl_accepts_runs_and_moves_the_right_data(strict):
     assert [g["chain"] for g in results] == [1.0, 2.0, 3.0]
     assert results[0]["pair"] == 20.0 and results[1]["pair"] == 10.0
     assert results[0]["group"] == 2.0 and results[2]["group"] == 0.0
+
+
+def test_a_send_and_a_receive_of_other_sizes_name_both_ends(strict):
+    """gloo aborts the receiving process ("Connection reset by peer" on the other); here the
+    send refuses, naming its tensor and the receive's buffer (issue 53's misleading rejection)."""
+    def float32_buffer(ctx):
+        if ctx.rank == 0:
+            dist.send(torch.zeros(4, dtype=torch.float64), 1)
+        elif ctx.rank == 1:
+            into = torch.empty(4)                       # float32: half the bytes
+            dist.irecv(into, 0)                         # left posted; the send fails first
+        return None
+
+    with pytest.raises(RankError) as caught:
+        strict.run(float32_buffer, timeout=60)
+    message = str(caught.value)
+    assert "MessageMismatch" in message and "(4,) torch.float64" in message and "32 bytes" in message, message
+    assert "torch.float32, 16 bytes" in message, message
+    assert strict.run(lambda ctx: ctx.rank) == [0, 1, 2]   # the cluster goes on

@@ -181,6 +181,11 @@ def test_row_softmax(softmax_kernel, quick: bool = True, seed: int = 0):
                                  "cols < n_cols, and use out_row_stride for the row start)")
         expected = torch.softmax(x, dim=-1)
         if torch.isnan(out).any():
+            if scale < -100:   # exp underflows here, it does not overflow
+                raise AssertionError(f"{where}: the output has NaN: every logit is hugely negative, so exp "
+                                     "underflows to 0 across the row and the division is 0/0. Subtract the row "
+                                     "maximum (tl.max(x, axis=0)) before tl.exp, so the largest term is exp(0) = 1; "
+                                     "padding lanes loaded as 0 instead of -inf would win that maximum.")
             if abs(scale) > 100:
                 raise AssertionError(f"{where}: the output has NaN: exp overflowed. Subtract the row maximum "
                                      "(tl.max(x, axis=0)) before tl.exp, and load padding lanes as -inf.")

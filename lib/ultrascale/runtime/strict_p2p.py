@@ -19,7 +19,9 @@ order. A
 receive, when its turn comes, tells its peer through the process group's store that it is
 posted; a send waits for that word before it moves any data. The pattern that hangs under NCCL
 then hangs here too, and rather than hang, the send gives up after ``timeout`` seconds with an
-error that says which send waited for which receive, and what to do. Operations of one
+error that says which send waited for which receive, and what to do. The word a receive leaves
+carries its buffer's shape, dtype and size, so a send of another size fails on the sender with
+both ends named, where gloo would abort the receiving process ("Connection reset by peer"). Operations of one
 ``batch_isend_irecv`` go as one: their receives are announced first, then their sends wait.
 
 Turned on by ``Cluster(n, strict_p2p=True)`` or ``ULTRASCALE_STRICT_P2P=1`` (a number: the
@@ -43,6 +45,10 @@ DEFAULT_TIMEOUT = 60.0   # seconds a send may wait for its receive: far more tha
 
 class PointToPointDeadlock(RuntimeError):
     """A send whose receive was never posted: under NCCL the two ranks would wait forever."""
+
+
+class MessageMismatch(RuntimeError):
+    """A send and its receive of different sizes: the two ends disagree on shape or dtype."""
 
 
 def timeout_from_env() -> float | None:
@@ -208,7 +214,11 @@ class StrictPointToPoint:
         return f"strict_p2p/group-{op.stream[0]}/{src}->{dst}/{op.number}"
 
     def _announce(self, op: _Op) -> None:
-        self.store.set(self._key(op, op.peer, self.me), b"posted")
+        # The word carries the receive's buffer, so that the send can say what differs: gloo
+        # would abort the receiving process, NCCL would corrupt memory or hang.
+        t = op.tensor
+        self.store.set(self._key(op, op.peer, self.me),
+                       f"{tuple(t.shape)} {t.dtype} {t.numel() * t.element_size()}".encode())
 
     def _await_receiver(self, op: _Op) -> None:
         key = self._key(op, self.me, op.peer)
@@ -227,7 +237,17 @@ class StrictPointToPoint:
                     f"of the two ranks.")
             time.sleep(pause)
             pause = min(2 * pause, 2e-3)
+        receive = self.store.get(key).decode()
         self.store.delete_key(key)
+        t = op.tensor
+        if int(receive.rsplit(" ", 1)[1]) != t.numel() * t.element_size():
+            shape, dtype, nbytes = receive.rsplit(" ", 2)
+            raise MessageMismatch(
+                f"rank {self.me}'s {op.describe(self.me)} is {t.numel() * t.element_size():,} bytes, but rank "
+                f"{op.peer} posted the matching receive #{op.number} into a buffer of shape {shape} and {dtype}, "
+                f"{int(nbytes):,} bytes. The two ends of a message must agree on shape and dtype: make the "
+                "receive buffer like the tensor sent (torch.empty_like, or the sender's dtype and shape). "
+                "The send was not made (gloo would abort the receiving process; NCCL would hang or corrupt it)")
 
 
 # ----------------------------------------------------------------------- installing
