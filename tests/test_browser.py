@@ -20,7 +20,7 @@ and use it through the page: menus, clicks, keys.
   one fails and names the failing input;
 * a widget whose callback raises is caught (the same check the memory widget passes);
 * every chapter's first cells run in the browser: the chapters are read from chapters/*.ipynb,
-  so a new chapter is covered as soon as its notebook exists.
+  so a new chapter is covered as soon as its notebook exists (05, 06 and 08 by the memory test).
 
 Screenshots of each step go to out/browser/. Every process the server and the browser start
 (kernels, ranks, chromium) is noted while it runs; the last test stops the browser and the
@@ -217,7 +217,8 @@ def test_landing_page_is_chapter_00(session, learner):
 # ---- closing a tab gives the memory back ------------------------------------------------------
 
 # Three chapters whose third code cell starts their Cluster: their first cells start a kernel, its
-# fork server and the ranks, everything a visited chapter holds.
+# fork server and the ranks, everything a visited chapter holds. The test checks their first cells
+# as test_chapter_first_cells does the other chapters' (so they are run once, not twice).
 CLOSED_CHAPTERS = ("chapters/05_sequence_parallelism.ipynb", "chapters/06_context_parallelism.ipynb",
                    "chapters/08_expert_parallelism.ipynb")
 MEMORY_SLACK_MIB = 150   # what the server may keep of three visits (issue 54: measured +29 MiB)
@@ -258,14 +259,20 @@ def test_closing_a_chapters_tab_gives_its_memory_back(session, learner):
     for chapter in CLOSED_CHAPTERS:
         notebook = session.notebook(chapter)
         code = _code_cells(notebook)
-        assert "Cluster(" in _source(notebook["cells"][code[2]]), f"{chapter}'s third code cell starts no Cluster"
+        assert "Cluster(" in _source(notebook["cells"][code[FIRST_CELLS - 1]]), f"{chapter}'s first cells start no Cluster"
         if chapter == CLOSED_CHAPTERS[0]:
             learner.open("work/" + chapter, len(notebook["cells"]))
         else:   # from the file browser, beside the page (a fresh page per chapter costs seconds)
             _open_from_file_browser(learner, "work/" + chapter, len(notebook["cells"]))
         session.used.add("ranks")
-        learner.run_all(240, command="notebook:run-all-above", selected=code[3])
+        # what test_chapter_first_cells checks of every other chapter
+        learner.clear_outputs()
+        learner.run_all(120 + 30 * FIRST_CELLS, command="notebook:run-all-above", selected=code[FIRST_CELLS])
+        prompts = learner.prompts()
+        assert [prompts[i] for i in code[:FIRST_CELLS]] == [f"[{n}]:" for n in range(1, FIRST_CELLS + 1)], prompts
         assert not (errors := learner.errors()), f"{chapter}: {errors}"
+        assert learner.log_entries() == 0
+        learner.screenshot(f"chapter_{Path(chapter).stem}", code[FIRST_CELLS - 1])
         open_mib, running = session.processes.private_mib(root)
         assert any("forkserver" in command for command in running.values()), running
         learner.menu("File", "application:close")
@@ -595,7 +602,10 @@ def test_a_broken_widget_callback_fails_the_check(session, learner):
 
 # ---- every chapter's first cells ---------------------------------------------------------------
 
-@pytest.mark.parametrize("chapter", CHAPTERS, ids=[Path(c).stem for c in CHAPTERS])
+FIRST_CELL_CHAPTERS = [c for c in CHAPTERS if c not in CLOSED_CHAPTERS]   # those: in the memory test
+
+
+@pytest.mark.parametrize("chapter", FIRST_CELL_CHAPTERS, ids=[Path(c).stem for c in FIRST_CELL_CHAPTERS])
 def test_chapter_first_cells(session, learner, chapter):
     notebook = session.notebook(chapter)
     code = _code_cells(notebook)
