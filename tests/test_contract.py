@@ -344,3 +344,20 @@ def test_the_right_numbers_through_another_collective_fail_naming_the_one_expect
 
     for wrong, used in [(mean_by_all_gather, "all_gather x1"), (mean_by_broadcasts, "broadcast x")]:
         _fails(check("00.mean_across_ranks", wrong, quick=True), used, "made of all_reduce", "another algorithm")
+
+
+def test_the_exercise_texts_state_the_contract_and_each_allowance():
+    """The contract is stated once in every exercise notebook's introduction, and each
+    generator allowance in the exercise's own text (the check and the text say the same)."""
+    import json
+
+    for nb in sorted(SOLUTIONS.glob("*.ipynb")):
+        intro = "".join(json.loads(nb.read_text())["cells"][0]["source"])
+        assert "grading.contract" in intro and "leaves its inputs as they were" in intro, nb.name
+    texts = {nb.name[:2]: "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"]
+                                    if c["cell_type"] == "markdown") for nb in SOLUTIONS.glob("*.ipynb")}
+    for exercise_id, contract in CONTRACTS.items():
+        text = texts[exercise_id.split(".")[0]]
+        for name in contract.iterables:
+            assert f"`{name}` may be any iterable" in text or f"`{name}` and" in text and "any iterables" in text, (
+                exercise_id, name)
