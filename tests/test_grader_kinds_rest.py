@@ -149,3 +149,40 @@ def test_row_softmax_names_an_underflow_as_an_underflow():
     result = check("11.row_softmax", _softmax_zero_padding, quick=True)
     _fails(result, "underflows to 0", "0/0", "padding lanes loaded as 0")
     assert "overflowed" not in result.message
+
+
+# ---- 11: masked loads without other= (a GPU leaves those lanes undefined), scalar loads ---------------
+
+@triton.jit
+def _matmul_without_other(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                          stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Masks right, but no other=: the interpreter's zeros made it pass; a GPU's lanes are garbage."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + ks
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k_idx[None, :] * stride_ak,
+                    mask=(rows[:, None] < M) & (k_idx[None, :] < K))
+        b = tl.load(b_ptr + k_idx[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=(k_idx[:, None] < K) & (cols[None, :] < N))
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _add_one_element_at_a_time(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    """Right values, but a scalar load per element: the exercise is a vector load."""
+    start = tl.program_id(0) * BLOCK_SIZE
+    for i in range(BLOCK_SIZE):
+        if start + i < n_elements:
+            tl.store(out_ptr + start + i, tl.load(x_ptr + start + i) + tl.load(y_ptr + start + i))
+
+
+def test_triton_kernels_run_as_on_a_gpu_masked_lanes_undefined_and_vector_loads():
+    result = check("11.matmul_tile", _matmul_without_other, quick=True)
+    _fails(result, "C has NaN", "no other=", "undefined on a GPU")
+    _fails(check("11.masked_add", _add_one_element_at_a_time, quick=True), "loads per program instance",
+           "scalar tl.load", "vector load")

@@ -56,11 +56,59 @@ def _window(values: torch.Tensor, pad_rows: int, pad_cols: int, fill: float) -> 
     return buf, view
 
 
-def _launch(kernel, grid, *args, **kwargs):
+def _launch(kernel, grid, *args, loads_per_program: int | None = None, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, under the interpreter as a GPU would run it: a masked
+    load without ``other=`` gives garbage (NaN) in its masked lanes, not the interpreter's zeros,
+    and a program instance may make at most ``loads_per_program`` loads (a vector load per
+    operand, not one load per element)."""
     if not hasattr(kernel, "__getitem__") or not hasattr(kernel, "fn"):
         raise AssertionError(f"expected a @triton.jit kernel, got {type(kernel).__name__}: "
                              "pass the kernel itself (the decorated function), not a wrapper")
-    kernel[grid](*args, **kwargs)
+    with _as_on_a_gpu() as loads:
+        kernel[grid](*args, **kwargs)
+    programs = math.prod(grid)
+    if loads is not None and loads_per_program is not None and loads[0] > loads_per_program * programs:
+        raise AssertionError(
+            f"the kernel made {loads[0] / programs:g} loads per program instance, where this one needs at most "
+            f"{loads_per_program}: it reads element by element (a loop of scalar tl.load calls). Load the whole "
+            "block at once, tl.load(ptr + offsets, mask=...) with offsets = start + tl.arange(0, BLOCK_SIZE): one "
+            "vector load that the GPU coalesces into a few wide memory transactions")
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu():
+    """Under Triton's interpreter: masked-off lanes of a load without ``other=`` read NaN (or an
+    integer's largest value), since on a GPU they are undefined; yields ``[loads made]``. ``None``
+    on a GPU or a Triton whose interpreter differs (then not checked)."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    current = getattr(builder, "create_masked_load", None)
+    to_numpy = getattr(interpreter, "_get_np_dtype", None)
+    if not _interpreted() or current is None or to_numpy is None or not hasattr(interpreter, "TensorHandle"):
+        yield None
+        return
+    count = [0]
+
+    def undefined_when_masked(ptrs, mask, other=None, *args, **kwargs):
+        count[0] += 1
+        if other is None:
+            dtype = to_numpy(ptrs.get_element_ty())
+            fill = np.nan if np.issubdtype(dtype, np.floating) else (True if dtype == np.bool_ else
+                                                                     np.iinfo(dtype).max)
+            other = interpreter.TensorHandle(np.full(np.shape(ptrs.data), fill, dtype=dtype),
+                                             ptrs.get_element_ty())
+        return current(ptrs, mask, other, *args, **kwargs)
+
+    had_own = "create_masked_load" in vars(builder)
+    builder.create_masked_load = undefined_when_masked
+    try:
+        yield count
+    finally:
+        if had_own:
+            builder.create_masked_load = current   # _loads_seen's watcher, still open around us
+        else:
+            del builder.create_masked_load
 
 
 def _outside(buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
@@ -129,7 +177,7 @@ def test_masked_add(masked_add_kernel, quick: bool = True, seed: int = 0):
         out_buf, out = _window(torch.zeros(n, device=x.device), 0, block, SENTINEL)
         grid = (triton.cdiv(n, block),)
         with _loads_seen() as loads:
-            _launch(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block)
+            _launch(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block, loads_per_program=4)
         where = f"n={n}, BLOCK_SIZE={block} ({grid[0]} program instance{'s' if grid[0] > 1 else ''})"
         if _read_past(loads, (x_view, y_view)):
             raise AssertionError(f"{where}: the kernel loaded past element n-1 of x or y. The masked store hides "
@@ -174,7 +222,8 @@ def test_row_softmax(softmax_kernel, quick: bool = True, seed: int = 0):
         _, x_view = _window(x, 0, 5, float("nan"))
         out_buf, out = _window(torch.zeros(rows, cols, device=x.device), 1, 3, SENTINEL)
         block = triton.next_power_of_2(cols)
-        _launch(softmax_kernel, (rows,), out, x_view, x_view.stride(0), out.stride(0), cols, BLOCK_SIZE=block)
+        _launch(softmax_kernel, (rows,), out, x_view, x_view.stride(0), out.stride(0), cols, BLOCK_SIZE=block,
+                loads_per_program=4)
         where = f"shape ({rows}, {cols}), logits of size ~{abs(scale):g}, BLOCK_SIZE={block}"
         if not (_outside(out_buf, out) == SENTINEL).all():
             raise AssertionError(f"{where}: the kernel wrote outside the output rows (mask the store with "
@@ -244,7 +293,7 @@ def test_matmul_tile(matmul_tile_kernel, quick: bool = True, seed: int = 0):
         grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
         _launch(matmul_tile_kernel, grid, a_view, b_view, c, M, N, K,
                 a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.stride(0), c.stride(1),
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, loads_per_program=2 * triton.cdiv(K, bk) + 4)
         where = (f"({M} x {K}) @ ({K} x {N}), tiles {bm} x {bn} x {bk}, grid {grid}"
                  + (f", {' and '.join(column_major)} column-major (strides {a_view.stride()}, {b_view.stride()}, "
                     f"{c.stride()})" if column_major else ""))
@@ -254,8 +303,10 @@ def test_matmul_tile(matmul_tile_kernel, quick: bool = True, seed: int = 0):
                                     "column-major" if "C" in column_major else "") + ".")
         expected = a @ b
         if torch.isnan(c).any():
-            raise AssertionError(f"{where}: C has NaN: some loads read past the edge of A or B. Mask the A "
-                                 "tile with rows < M and k < K, the B tile with k < K and cols < N, with other=0."
+            raise AssertionError(f"{where}: C has NaN: some loads read past the edge of A or B, or kept masked "
+                                 "lanes without a value (a load with mask= but no other= leaves them undefined on a "
+                                 "GPU: here NaN, as garbage would be). Mask the A tile with rows < M and k < K, the "
+                                 "B tile with k < K and cols < N, with other=0."
                                  + (" Use the strides passed in for every operand: with a column-major operand its "
                                     "column stride is not 1" if column_major else ""))
         if not torch.allclose(c, expected, **tol):
