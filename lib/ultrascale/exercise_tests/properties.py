@@ -292,3 +292,8 @@ PROPERTIES = {
     "11.online_softmax_update": Property(_online_cases, _judge_online, _describe_online),
     "12.quantize_per_tensor": Property(_quantize_cases, _judge_quantize, _describe_quantize),
 }
+
+# The formula and schedule exercises' properties (no ranks: many draws are cheap) live beside these.
+from ultrascale.exercise_tests.properties_formulas import PROPERTIES as _FORMULAS  # noqa: E402
+
+PROPERTIES.update(_FORMULAS)
