@@ -58,8 +58,8 @@ plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell
 # ## 1. Which factorisations
 #
 # A factorisation gives each axis a degree whose product is the number of ranks. The chapter picks
-# them from `WORLD_SIZE`: at 8 ranks the smallest layout with three axes, dp 2 x pp 2 x tp 2 (ours:
-# the book draws 3D layouts but trains none at this size); at 4 ranks
+# them from `WORLD_SIZE`: at 8 ranks the smallest layout with three axes, dp 2 x pp 2 x tp 2 (our
+# choice: the book gives no example of this size); at 4 ranks
 # every pair of two axes that the course model allows (dp x tp, pp x tp, dp x pp, cp x tp); other
 # sizes get what divides them (the model has 4 heads, so tp is 1, 2 or 4). The model is tiny
 # (4 layers, hidden 32) and the checks run in float64 (the reason is in section 4).
