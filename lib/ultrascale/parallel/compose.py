@@ -3,7 +3,8 @@
 Each technique of chapters 02-08 takes its own axis of the mesh (``parallel.mesh``):
 ``tp`` (tensor, with optional sequence parallelism), ``cp`` (context), ``ep`` (expert),
 ``pp`` (pipeline) and ``dp`` (data, plain or ZeRO). ``apply_parallelisms`` applies them
-from outside in one fixed order, torchtitan's:
+from outside in one fixed order (torchtitan splits the pipeline first and then applies TP and
+FSDP to each stage; sharding before the split, as here, gives the same stages):
 
 1. **TP/SP** swaps the linears for their sharded versions: it must see the whole model;
 2. **CP** replaces the attention cores, and **EP** the MoE layers (they run inside a stage);

@@ -14,7 +14,8 @@ asks for), and ``<schedule>(p, m, ...)`` the checked :class:`Schedule` of all ra
   "Breadth-First Pipeline"); Llama 3.1 tunes between the two;
 * ``zb_h1``: 1F1B with the backward split into B (input gradients, on the critical path) and
   W (weight gradients), rank r deferring its W by r steps (Zero Bubble's ZB-H1): the bubble of
-  1F1B with t_w taken out twice per stage, the same peak memory;
+  1F1B with t_w taken out twice per stage, and 1F1B's highest peak memory (p micro-batches in
+  flight) on every rank, where 1F1B's rank r holds only p - r;
 * ``dualpipe_v``: DeepSeek's DualPipe folded onto p ranks as a V (rank r holds stages r and
   2p-1-r), as ``torch.distributed.pipelining.ScheduleDualPipeV`` builds it. DualPipe runs the
   forward of one micro-batch *while* the backward of another communicates; our simulator
