@@ -499,6 +499,48 @@ def test_idle_ranks_give_their_memory_back_and_return_on_the_next_call(capsys):
         assert "had been idle" in capsys.readouterr().out and idle.alive and idle.pids != first
 
 
+def test_the_fork_server_goes_when_no_cluster_has_ranks(tmp_path):
+    """The fork server holds torch, imported: about 200 MB of its own once no rank shares its
+    pages (issue 54). It goes with the last idle cluster's ranks, and after a close, and the next
+    call brings it back. In a process of its own: this module's cluster keeps ranks."""
+    script = tmp_path / "idle.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, time
+        import multiprocessing.forkserver as fs
+        from ultrascale.runtime import Cluster
+
+        def server_gone(pid, seconds=30):   # a bound for a loaded machine; returns once it is gone
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if fs._forkserver._forkserver_pid is None and not os.path.exists(f"/proc/{pid}"):
+                    return True
+                time.sleep(0.05)
+            return False
+
+        if __name__ == "__main__":
+            kept = Cluster(1, idle_release=float("inf"))   # ranks that never go keep the server
+            idle = Cluster(2, idle_release=0.3)
+            idle.run(lambda ctx: 0)
+            first = fs._forkserver._forkserver_pid
+            kept_it = not server_gone(first, seconds=2)
+            kept.close()   # (its own release never comes: idle_release=inf)
+            idle.run(lambda ctx: 0)   # the idle timer starts again, with no other cluster's ranks
+            idle_gone = server_gone(first)
+            again = idle.run(lambda ctx: ctx.rank + 1)   # a new server, new ranks
+            second = fs._forkserver._forkserver_pid
+            idle.close()
+            closed_gone = server_gone(second)
+            print(json.dumps([kept_it, idle_gone, again, second not in (None, first), closed_gone]))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    kept_it, idle_gone, again, restarted, closed_gone = json.loads(done.stdout.splitlines()[-1])
+    assert kept_it, "the fork server went while another cluster still had ranks"
+    assert idle_gone, "the fork server stayed after the last ranks were released"
+    assert again == [1, 2] and restarted, (again, restarted)
+    assert closed_gone, "the fork server stayed after the last cluster was closed"
+
+
 def test_a_busy_cluster_is_not_released():
     with Cluster(2, idle_release=0.3) as busy:
         assert busy.run(lambda ctx: time.sleep(1.0) or ctx.rank) == [0, 1]   # longer than idle_release

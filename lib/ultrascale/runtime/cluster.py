@@ -42,19 +42,25 @@ import torch
 import torch.distributed as dist
 
 from .call import Call
-from .forkserver import mp_context, no_main_reimport
+from .forkserver import mp_context, no_main_reimport, stop_fork_server
 from .pipe import read_message
 from .stop_button import counting_presses
 from .strict_device import enabled_by_env
 from .strict_p2p import DEFAULT_TIMEOUT as DEFAULT_P2P_TIMEOUT, timeout_from_env
 from .worker import worker_main
 
-# Ranks idle this long give their memory back (they are killed; the fork server, which has
-# torch imported, stays, so the next call starts them as fast as any restart). Five open
-# chapters would otherwise hold about 0.8 GB each until their kernels are shut down.
+# Ranks idle this long give their memory back: they are killed, and so is the fork server once
+# no cluster of the kernel has ranks left (it holds torch, imported: about 200 MB of its own).
+# The next call starts both again, in a few seconds. Five open chapters would otherwise hold
+# about 0.8 GB each until their kernels are shut down; a closed cluster lets the server go
+# after the same time.
 IDLE_RELEASE_S = float(os.environ.get("ULTRASCALE_IDLE_MINUTES", "10")) * 60
 
 _LIVE_CLUSTERS: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+_EVERY_CLUSTER: "weakref.WeakSet[Cluster]" = weakref.WeakSet()   # closed and starting ones too
+# Held while ranks start (from their fork and until they are ready), and while the fork server
+# is stopped: a server stopped under a starting cluster would take its new ranks with it.
+_SERVER_LOCK = threading.Lock()
 _CURRENT: list = []  # the most recently started cluster, used by the %%ranks magic
 
 
@@ -164,6 +170,7 @@ class Cluster:
         self._idle_timer = None
         self._released = False
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        _EVERY_CLUSTER.add(self)
         self._start()
         _LIVE_CLUSTERS.add(self)
         _CURRENT[:] = [self]
@@ -172,8 +179,9 @@ class Cluster:
     # ----------------------------------------------------------------- lifecycle
     def _start(self) -> None:
         try:
-            self._spawn()
-            self._wait_ready()
+            with _SERVER_LOCK:
+                self._spawn()
+                self._wait_ready()
         except BaseException:  # a stop or an error half-way: no half-started ranks linger
             self._lose()
             raise
@@ -276,6 +284,7 @@ class Cluster:
         self._kill()
         _LIVE_CLUSTERS.discard(self)
         # _CURRENT keeps it: a %%ranks cell re-run after the close reopens it, as run does
+        _schedule_server_release(self.idle_release)   # as the ranks of an idle cluster go
 
     @property
     def alive(self) -> bool:
@@ -360,13 +369,15 @@ class Cluster:
             self._idle_timer = None
 
     def _release_if_idle(self) -> None:
-        """From the timer's thread: kill the idle ranks, unless a call has just begun."""
+        """From the timer's thread: kill the idle ranks, unless a call has just begun; then the
+        fork server, if no cluster has ranks left."""
         if not self._busy.acquire(blocking=False):
             return   # a call is running: it re-arms the timer when it ends
         try:
             if not self._closed and self._procs:
                 self._kill()
                 self._released = True
+            _release_fork_server_if_unused()
         finally:
             self._busy.release()
 
@@ -388,6 +399,37 @@ class Cluster:
         for rank in ranks:
             stacks.setdefault(rank, "(no answer: the rank is not responding)\n")
         return stacks
+
+
+_SERVER_TIMER: list = []   # the one pending release of the server after a close
+
+
+def _schedule_server_release(delay: float) -> None:
+    """In ``delay`` seconds, stop the fork server if no cluster has ranks then (one timer for
+    the process: each close moves it, so closing many clusters leaves one sleeping thread)."""
+    for timer in _SERVER_TIMER:
+        timer.cancel()
+    _SERVER_TIMER.clear()
+    if math.isinf(delay):
+        return
+    timer = threading.Timer(delay, _release_fork_server_if_unused)
+    timer.daemon = True   # never keeps a finished kernel or script alive
+    timer.start()
+    _SERVER_TIMER.append(timer)
+
+
+def _release_fork_server_if_unused() -> bool:
+    """Stop the fork server when no cluster of this process has ranks (its death would kill
+    them) and none is starting some (it holds _SERVER_LOCK: then the server stays, until the
+    next idle release or close)."""
+    if not _SERVER_LOCK.acquire(blocking=False):
+        return False
+    try:
+        if any(cluster._procs for cluster in list(_EVERY_CLUSTER)):
+            return False
+        return stop_fork_server()
+    finally:
+        _SERVER_LOCK.release()
 
 
 _SHARED: dict = {}
