@@ -20,7 +20,8 @@ or on a rank, then checks that:
 * on a rank, where the exercise names the collectives its technique is made of (``collectives``),
   **the call uses them and no other** (logged by the course's ``CommLogger``): an all-gather and
   a local mean give an all-reduce's numbers with other bytes;
-* off a rank (where a call sends nothing), **the first call is made twice** on fresh copies of
+* off a rank (where a call sends nothing), once the exercise's own cases have passed, **the first
+  call is made twice** on fresh copies of
   the same inputs, and must give the same result (unless a function is among its inputs: a clock
   or a workload may rightly answer differently the second time); and where a caller may pass any iterable
   (``iterables``: the exercise says "a sequence of ..."), once more with generators in their
@@ -131,11 +132,21 @@ def guarded(fn: Callable, exercise_id: str, contract: Contract = STRICT) -> Call
                        else ""))
         if not contract.returns_inputs:
             _check_new_storage(who, result, named)
-        if repeat_with is not None:
-            _check_repeat(who, fn, result, repeat_with, contract)
+        if repeat_with is not None:   # checked once the exercise's own cases have passed (see below)
+            call.deferred.append(functools.partial(_check_repeat, who, fn, result, repeat_with, contract))
         return result
 
+    call.deferred = []
     return call
+
+
+def run_deferred(objects: tuple, kwargs: dict) -> None:
+    """The second calls of the learner's functions (same inputs, then generators), made after
+    the exercise's test has passed: a wrong answer is first told what its test finds wrong,
+    the more specific message, and only a right one is then held to these."""
+    for obj in list(objects) + list(kwargs.values()):
+        for deferred_check in getattr(obj, "deferred", ()):
+            deferred_check()
 
 
 # ---- what a call changed ----------------------------------------------------------------

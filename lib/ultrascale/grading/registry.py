@@ -74,12 +74,13 @@ def _held_to_contract(test: Callable, exercise_id: str) -> Callable:
     (``grading.contract``: inputs unchanged, new storage, no state kept between calls), then,
     once its fixed cases pass, the exercise's property tried on drawn inputs
     (``grading.properties``, declared in ``exercise_tests.properties``)."""
-    from .contract import guard_objects
+    from .contract import guard_objects, run_deferred
 
     @functools.wraps(test)  # keeps the signature, which check() binds the learner's arguments to
     def test_under_contract(*objects, **kwargs):
         objects, kwargs = guard_objects(exercise_id, objects, kwargs)
         result = test(*objects, **kwargs)
+        run_deferred(objects, kwargs)
         from ultrascale.exercise_tests.properties import PROPERTIES
 
         if exercise_id in PROPERTIES:
