@@ -368,3 +368,28 @@ def test_the_exercise_texts_state_the_contract_and_each_allowance():
         for name in contract.iterables:
             assert f"`{name}` may be any iterable" in text or f"`{name}` and" in text and "any iterables" in text, (
                 exercise_id, name)
+
+
+def test_the_graders_ranks_follow_a_gpu_nodes_rules_by_default(monkeypatch, sol):
+    """grading_cluster: both strict modes on unless the environment turns one off, so a receive
+    buffer of the wrong dtype is named as such, not as gloo's 'Connection reset by peer'."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("ULTRASCALE_STRICT_P2P", raising=False)
+    monkeypatch.delenv("ULTRASCALE_STRICT_DEVICE", raising=False)
+    merge = sol["merge_attention"]
+
+    def ring_step_float32_buffer(q, kv, out, lse, attend, group, last):
+        works, incoming = [], None
+        if not last:
+            r, n = dist.get_rank(group), dist.get_world_size(group)
+            incoming = torch.empty(kv.shape, device=kv.device)   # float32, whatever kv holds
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, group=group, group_peer=(r + 1) % n),
+                                            dist.P2POp(dist.irecv, incoming, group=group, group_peer=(r - 1) % n)])
+        out, lse = merge(out, lse, *attend(q, kv[0], kv[1]))
+        for work in works:
+            work.wait()
+        return out, lse, incoming
+
+    _fails(check("06.ring_step", ring_step_float32_buffer, quick=True), "MessageMismatch", "torch.float32",
+           "must agree on shape and dtype")

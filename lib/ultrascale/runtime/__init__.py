@@ -22,12 +22,12 @@ from .collector import collector_paused  # noqa: E402
 
 # torch's few hundred thousand objects, imported without the collector walking them (collector.py)
 with collector_paused():
-    from .cluster import Cluster, current_cluster, resolve_backend, shared_cluster  # noqa: E402
+    from .cluster import Cluster, current_cluster, grading_cluster, resolve_backend, shared_cluster  # noqa: E402
     from .context import RankContext  # noqa: E402
     from .errors import CallTimeout, RankError, RankFailure  # noqa: E402
 
 __all__ = [
-    "Cluster", "shared_cluster", "current_cluster", "resolve_backend", "start_fork_server",
+    "Cluster", "shared_cluster", "grading_cluster", "current_cluster", "resolve_backend", "start_fork_server",
     "RankContext", "RankError", "CallTimeout", "RankFailure", "load_ipython_extension",
 ]
 
