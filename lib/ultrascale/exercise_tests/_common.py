@@ -206,10 +206,10 @@ def shape_problem(what: str, got, want) -> str | None:
 
 def run_layouts(on_rank, args, world_size: int, quick: bool, timeout: float) -> None:
     """Run ``on_rank(ctx, *args, split)`` on every layout; raise the first problem a rank reports."""
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     for size, split in layouts(world_size, quick):
-        results = shared_cluster(size).run(on_rank, *args, split, timeout=timeout)
+        results = grading_cluster(size).run(on_rank, *args, split, timeout=timeout)
         for problem in results:
             if problem:
                 raise AssertionError(problem)

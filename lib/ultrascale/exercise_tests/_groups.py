@@ -66,13 +66,13 @@ class Split:
         return GroupContext(ctx, self)
 
     def run(self, fn, *args, what: str, timeout: float) -> list:
-        """``shared_cluster(world_size).run(fn, *args)``; an error or a hang on the ranks is
+        """``grading_cluster(world_size).run(fn, *args)``; an error or a hang on the ranks is
         reported as a failure on these groups, with ``HINT`` (a stub not filled in still is one)."""
         from ultrascale.grading.check import _one_line
-        from ultrascale.runtime import CallTimeout, RankError, shared_cluster
+        from ultrascale.runtime import CallTimeout, RankError, grading_cluster
 
         try:
-            return shared_cluster(self.world_size).run(fn, *args, timeout=timeout)
+            return grading_cluster(self.world_size).run(fn, *args, timeout=timeout)
         except CallTimeout:
             raise AssertionError(
                 f"{what} on {self}: the ranks waited for each other for {timeout:g} s and were stopped. A collective "

@@ -46,11 +46,11 @@ def test_mean_across_ranks(mean_across_ranks, world_size: int = 3, quick: bool =
 
     Runs on several cluster sizes, so that dividing by a fixed number fails.
     """
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     sizes = sorted({2, 3, world_size} if quick else {2, 3, 4, world_size})
     for size in sizes:
-        outputs = shared_cluster(size).run(_mean_on_rank, mean_across_ranks, SHAPES, seed, timeout=timeout)
+        outputs = grading_cluster(size).run(_mean_on_rank, mean_across_ranks, SHAPES, seed, timeout=timeout)
         for i, shape in enumerate(SHAPES):
             inputs = [rank_input(shape, r, seed) for r in range(size)]
             expected = torch.stack(inputs).mean(dim=0)

@@ -8,7 +8,7 @@
 
 The distributed ones train the course GPT for a few SGD steps on clusters of 2 and 3
 ranks and compare the weights with single-process training on the concatenated batch
-(``shared_cluster`` keeps those clusters between checks), then with the 3 ranks cut into the groups
+(``grading_cluster`` keeps those clusters between checks), then with the 3 ranks cut into the groups
 [0] and [1, 2] (``_groups.Split``), each training on data of its own and given its group: an
 all-reduce over the default group, or a division by the world's size, shows there. With the parity harness
 (``ultrascale.parity``): the same seeded batches, the same training loop, the same loss.
@@ -302,10 +302,10 @@ def _layouts():
 
 
 def _run_layout(size, split, make_sync, steps, register_hooks, exercise_id, timeout):
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     if split is None:
-        return shared_cluster(size).run(_train_on_rank, make_sync, steps, register_hooks, exercise_id,
+        return grading_cluster(size).run(_train_on_rank, make_sync, steps, register_hooks, exercise_id,
                                         timeout=timeout)
     return split.run(_train_on_rank, make_sync, steps, register_hooks, exercise_id, split,
                      what=exercise_id, timeout=timeout)

@@ -149,11 +149,11 @@ def _train_zero1(ctx, zero1_step, opt_name, steps):
 
 @exercise("03.zero1_step", points=2)
 def test_zero1_step(zero1_step, world_size: int = 3, quick: bool = True, timeout: float = 120):
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     steps = 3 if quick else 6
     for size in _sizes(world_size, quick):
-        cluster = shared_cluster(size)
+        cluster = grading_cluster(size)
         for opt_name, shown in OPTIMIZERS.items():
             tol = tolerance(opt_name)
             expected = cluster.run(_train_dp, opt_name, steps, timeout=timeout)[0]
@@ -355,12 +355,12 @@ def _run_zero3(ctx, install_zero3_hooks, inputs):
 
 @exercise("03.zero3_gather_free", points=2)
 def test_zero3_gather_free(install_zero3_hooks, world_size: int = 3, quick: bool = True, timeout: float = 120):
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     layers = CFG.layers
     inputs = [DATA.global_batch(step).inputs for step in range(2)]
     for size in _sizes(world_size, quick):
-        results = shared_cluster(size).run(_run_zero3, install_zero3_hooks, inputs, timeout=timeout)
+        results = grading_cluster(size).run(_run_zero3, install_zero3_hooks, inputs, timeout=timeout)
         for rank, out in enumerate(results):
             where = f"{size} ranks, rank {rank}"
             for call, (got, want) in enumerate(zip(out["logits"], out["expected"])):

@@ -196,13 +196,13 @@ def _judge_reduce_scatter(got, library, x, upstream, dim, r, n) -> str | None:
 @exercise("05.sequence_gather_scatter", points=2)
 def test_sequence_gather_scatter(Gather, ReduceScatter, world_size: int = 3, quick: bool = True, seed: int = 0,
                                  timeout: float = 60):
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     for name, cls in (("Gather", Gather), ("ReduceScatter", ReduceScatter)):
         assert isinstance(cls, type) and issubclass(cls, torch.autograd.Function), (
             f"pass your {name} class itself (a subclass of torch.autograd.Function), got {cls!r}")
     for size, split in layouts(world_size, quick):
-        for problem in shared_cluster(size).run(_sequence_on_rank, Gather, ReduceScatter, seed, split,
+        for problem in grading_cluster(size).run(_sequence_on_rank, Gather, ReduceScatter, seed, split,
                                                 timeout=timeout):
             if problem:
                 raise AssertionError(problem)
@@ -329,11 +329,11 @@ def _judge_norm(steps, n) -> str | None:
 @exercise("05.sequence_parallel_norm_grads", points=1)
 def test_sequence_parallel_norm_grads(sync_norm_gradients, world_size: int = 3, quick: bool = True, seed: int = 0,
                                       timeout: float = 60):
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     assert callable(sync_norm_gradients), f"pass your function, got {sync_norm_gradients!r}"
     for size, split in layouts(world_size, quick):
-        results = shared_cluster(size).run(_norm_on_rank, sync_norm_gradients, seed, split, timeout=timeout)
+        results = grading_cluster(size).run(_norm_on_rank, sync_norm_gradients, seed, split, timeout=timeout)
         for result in results:
             if result["problem"]:
                 raise AssertionError(result["problem"])

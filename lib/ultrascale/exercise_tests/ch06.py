@@ -592,12 +592,12 @@ def _ring_on_rank(ctx, ring_step, seed, split):
 
 @exercise("06.ring_step", points=2)
 def test_ring_step(ring_step, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60):
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     assert callable(ring_step), f"pass your function, got {ring_step!r}"
     sizes = sorted({2, 3, world_size} if quick else {2, 3, 4, world_size})
     for size in sizes:
-        for problem in shared_cluster(size).run(_ring_on_rank, ring_step, seed, None, timeout=timeout):
+        for problem in grading_cluster(size).run(_ring_on_rank, ring_step, seed, None, timeout=timeout):
             if problem:
                 raise AssertionError(problem)
     for problem in SPLIT.run(_ring_on_rank, ring_step, seed, SPLIT, what="ring_step", timeout=timeout):
@@ -683,14 +683,14 @@ def _ulysses_problem(ctx, ulysses, seed, split) -> str | None:
 
 @exercise("06.ulysses_attention", points=1)
 def test_ulysses_attention(ulysses, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60):
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     assert callable(ulysses), f"pass your function, got {ulysses!r}"
     sizes = [size for size in sorted({2, 3, world_size} if quick else {2, 3, 4, world_size}) if U_HEADS % size == 0]
     # The last rank's problem first: under a causal mask rank 0's rows need no other rank's
     # tokens, so attention to its own tokens alone is right there, and only there.
     for size in sizes:
-        for problem in reversed(shared_cluster(size).run(_ulysses_problem, ulysses, seed, None, timeout=timeout)):
+        for problem in reversed(grading_cluster(size).run(_ulysses_problem, ulysses, seed, None, timeout=timeout)):
             if problem:
                 raise AssertionError(problem)
     for problem in reversed(SPLIT.run(_ulysses_problem, ulysses, seed, SPLIT, what="ulysses_attention",

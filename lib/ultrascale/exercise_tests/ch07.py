@@ -385,14 +385,14 @@ def test_stage_step(forward_step, backward_step, world_size: int = 4, quick: boo
                     timeout: float = 60):
     from ultrascale.parity import merge_ranks
     from ultrascale.parity import assert_same
-    from ultrascale.runtime import CallTimeout, shared_cluster
+    from ultrascale.runtime import CallTimeout, grading_cluster
 
     assert callable(forward_step) and callable(backward_step), "pass forward_step and backward_step"
     sizes = sorted({2, 3, world_size} if quick else {2, 3, 4, world_size})
     for p in sizes:
         for order, m in (("1F1B", p + 1), ("AFAB", 3)):
             try:
-                results = shared_cluster(p).run(_stage_on_rank, forward_step, backward_step, order, m, seed,
+                results = grading_cluster(p).run(_stage_on_rank, forward_step, backward_step, order, m, seed,
                                                 timeout=timeout)
             except CallTimeout as err:
                 raise AssertionError(f"{order}, p={p}, m={m}: the ranks waited for each other for {timeout:g} s and "
@@ -400,7 +400,7 @@ def test_stage_step(forward_step, backward_step, world_size: int = 4, quick: boo
                                      f"rank)? {str(err).splitlines()[0]}") from None
             problems = [result["problem"] for result in results if "problem" in result]
             if problems:
-                shared_cluster(p).restart()   # sends the others posted may have no receiver: a fresh group
+                grading_cluster(p).restart()   # sends the others posted may have no receiver: a fresh group
                 first = next((text for text in problems if text), "a rank failed")
                 if first.startswith(NOT_IMPLEMENTED):
                     raise NotImplementedError(first[len(NOT_IMPLEMENTED):])

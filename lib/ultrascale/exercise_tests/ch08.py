@@ -214,11 +214,11 @@ def _split_sizes_on_rank(ctx, split_sizes, seed, split=None):
 
 @exercise("08.split_sizes", points=1)
 def test_split_sizes(split_sizes, world_size: int = 2, quick: bool = True, seed: int = 0, timeout: float = 60):
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     assert callable(split_sizes), f"pass your function, got {split_sizes!r}"
     for size in sorted({2, 4, world_size}):
-        for problems in shared_cluster(size).run(_split_sizes_on_rank, split_sizes, seed, timeout=timeout):
+        for problems in grading_cluster(size).run(_split_sizes_on_rank, split_sizes, seed, timeout=timeout):
             if problems:
                 raise AssertionError(problems[0])
     per_rank = SPLIT.run(_split_sizes_on_rank, split_sizes, seed, SPLIT, what="split_sizes", timeout=timeout)
@@ -344,12 +344,12 @@ def _judge_dispatch(per_rank, reference, where, k) -> str | None:
 
 @exercise("08.dispatch_combine", points=2)
 def test_dispatch_combine(ep_forward, world_size: int = 2, quick: bool = True, seed: int = 0, timeout: float = 60):
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     assert callable(ep_forward), f"pass your function, got {ep_forward!r}"
     for n in sorted({2, 4, world_size}):
         for k in (1, 2):
-            per_rank = shared_cluster(n).run(_dispatch_on_rank, ep_forward, seed, k, timeout=timeout)
+            per_rank = grading_cluster(n).run(_dispatch_on_rank, ep_forward, seed, k, timeout=timeout)
             reference = _one_process_layer(*_layer_problem(seed, n, k))
             problem = _judge_dispatch(per_rank, reference, f"{n} ranks", k)
             if problem:
@@ -428,7 +428,7 @@ def test_expert_gradients(reduce_gradient, world_size: int = 2, quick: bool = Tr
                           timeout: float = 120):
     from ultrascale.model import GPTConfig
     from ultrascale.parity.expert_runs import one_process_run
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     assert callable(reduce_gradient), f"pass your function, got {reduce_gradient!r}"
     config = GPTConfig(vocab_size=32, hidden=16, heads=2, layers=1, seq_len=8, experts=4, top_k=2)
@@ -438,7 +438,7 @@ def test_expert_gradients(reduce_gradient, world_size: int = 2, quick: bool = Tr
         n = 1
         for s in sizes.values():
             n *= s
-        per_rank = shared_cluster(n).run(_ep_on_rank, reduce_gradient, config, sizes, seed, timeout=timeout)
+        per_rank = grading_cluster(n).run(_ep_on_rank, reduce_gradient, config, sizes, seed, timeout=timeout)
         _judge_ep(per_rank, one_process_run(config, n, steps=1, seed=seed),
                   " x ".join(f"{a}={s}" for a, s in sizes.items()), hint)
     # Each group of the split trains with ep=2: its data_group is the group, not the world.

@@ -232,14 +232,14 @@ def _world_sizes(world_size: int, quick: bool) -> list:
 
 def _run(kind: str, fn, shapes, world_size: int, quick: bool, seed: int, timeout: float):
     """Yield (n, per-rank results) for every cluster size, after the forbidden-call check."""
-    from ultrascale.runtime import shared_cluster
+    from ultrascale.runtime import grading_cluster
 
     if not callable(fn):
         raise AssertionError(f"expected your function, got {type(fn).__name__}")
     payload = cloudpickle.dumps(fn)
     name = getattr(fn, "__name__", "your function")
     for n in _world_sizes(world_size, quick):
-        per_rank = shared_cluster(n).run(_on_rank, kind, payload, shapes, seed, name, timeout=timeout)
+        per_rank = grading_cluster(n).run(_on_rank, kind, payload, shapes, seed, name, timeout=timeout)
         for rank, answer in enumerate(per_rank):
             if "forbidden" in answer:
                 raise AssertionError(f"world_size={n}, rank {rank}: {answer['forbidden']}")
