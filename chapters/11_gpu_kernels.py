@@ -8,7 +8,8 @@
 #
 # The plan:
 # 1. **the hardware**: streaming multiprocessors, warps, blocks and the memory hierarchy, with the
-#    H100's numbers and the index arithmetic every kernel starts with;
+#    H100's numbers, the tensor cores its peak FLOP/s comes from, and the index arithmetic every
+#    kernel starts with;
 # 2. **the tool ladder**: the same ELU in eager PyTorch, through `torch.compile` (we read the
 #    code it generates) and as a hand-written Triton kernel;
 # 3. **the performance ideas**, counted on paper so that a CPU can show them: memory coalescing,
@@ -123,6 +124,52 @@ threads_per_block = 256  # what the book's vector-add host code launches
 warps_per_block = threads_per_block // H100["warp_size"]
 assert warps_per_block * H100["warp_size"] == threads_per_block
 print(f"a block of {threads_per_block} threads is {warps_per_block} warps of {H100['warp_size']}")
+
+# %% [markdown]
+# ### Tensor cores: where the 989 TFLOP/s comes from
+# The 16,896 cores above are the *FP32 cores*: each does one fused multiply-add (FMA, two FLOPs)
+# on two 32-bit numbers per clock. They are not where a transformer's matrix products run. Each SM
+# also holds four **tensor cores**, units that each take small tiles of a matrix product in one go:
+# they multiply 16-bit inputs (BF16 or FP16) and add the products into a 32-bit accumulator. A
+# 16-bit multiplier is far smaller than a 32-bit one, so the chip fits many more of them; and the
+# product of two BF16 numbers (8 significant bits each) fits exactly in FP32 (24 bits), so only
+# the accumulation rounds, and it rounds in FP32. `tl.dot` in Triton and cuBLAS's BF16 kernels use
+# them; chapter 12 is about what the 16-bit inputs cost in accuracy.
+#
+# The peak FLOP/s the whole course divides by (MFU in chapter 01, the planner in chapter 10) is the
+# tensor cores' count times their rate times the clock. NVIDIA quotes the tensor-core figures at a
+# boost clock of 1.83 GHz and the FP32 cores' at 1.98 GHz; the product, in code:
+
+# %%
+H100_TENSOR = dict(tensor_cores_per_sm=4, bf16_fma_per_tensor_core_per_clock=512, tensor_clock_hz=1.83e9,
+                   fp32_clock_hz=1.98e9)
+tensor_cores = H100["sms"] * H100_TENSOR["tensor_cores_per_sm"]
+flops_per_clock = tensor_cores * 2 * H100_TENSOR["bf16_fma_per_tensor_core_per_clock"]   # an FMA is 2 FLOPs
+tensor_peak = flops_per_clock * H100_TENSOR["tensor_clock_hz"]
+fp32_peak = cores * 2 * H100_TENSOR["fp32_clock_hz"]
+print(f"tensor cores: {H100['sms']} SMs x {H100_TENSOR['tensor_cores_per_sm']} = {tensor_cores} tensor cores, "
+      f"x {2 * H100_TENSOR['bf16_fma_per_tensor_core_per_clock']} FLOPs per clock each = {flops_per_clock:,} FLOPs "
+      f"per clock\n  x {H100_TENSOR['tensor_clock_hz'] / 1e9} GHz = {tensor_peak / 1e12:.1f} TFLOP/s dense BF16")
+print(f"FP32 cores:   {cores:,} cores x 2 FLOPs (one FMA) x {H100_TENSOR['fp32_clock_hz'] / 1e9} GHz "
+      f"= {fp32_peak / 1e12:.1f} TFLOP/s")
+print(f"the tensor cores do {tensor_peak / fp32_peak:.1f}x the FP32 cores' work per second; the course's peak "
+      f"(ultrascale.plan.datasheet('H100')) is {datasheet('H100').bf16_flops / 1e12:.0f} TFLOP/s")
+assert round(tensor_peak / 1e12, 1) == 989.4 and round(fp32_peak / 1e12, 1) == 66.9
+assert round(tensor_peak / 1e12) == datasheet("H100").bf16_flops / 1e12
+
+# %% [markdown]
+# Why the accumulator must be 32 bits: BF16 keeps 8 significant bits, so from 256 on it cannot
+# tell `x` from `x + 1`. A dot product of 4096 ones, accumulated in BF16 one product at a time,
+# stops growing at 256; accumulated in FP32, as a tensor core does, it reaches 4096 exactly.
+
+# %%
+ones = torch.ones(4096, dtype=torch.bfloat16)
+acc16, acc32 = torch.zeros((), dtype=torch.bfloat16), torch.zeros((), dtype=torch.float32)
+for a_i, b_i in zip(ones, ones):
+    acc16 = acc16 + a_i * b_i                  # multiply and add in 16 bits
+    acc32 = acc32 + a_i.float() * b_i.float()  # 16-bit inputs, exact product, 32-bit accumulator
+print(f"sum of 4096 products 1 x 1: accumulated in BF16 = {acc16.item():.0f}, in FP32 = {acc32.item():.0f}")
+assert acc16.item() == 256 and acc32.item() == 4096
 
 # %% [markdown]
 # ### Which element does a thread own?
@@ -1050,6 +1097,8 @@ figure
 # * A GPU is many SMs running warps of 32 lanes in lock-step; HBM is large and slow, registers and
 #   shared memory are small and fast. Kernel index arithmetic (global index, blocks per grid, a
 #   mask for the last block) is the same in CUDA and Triton.
+# * The H100's 989 TFLOP/s is its 528 tensor cores (16-bit products, 32-bit sums) at 1.83 GHz,
+#   about 15x what its FP32 cores can do; a 32-bit accumulator keeps a long sum from stalling.
 # * Fusion removes round trips through memory: eager ELU moves 42 bytes per element in five
 #   kernels, a fused kernel 8. `torch.compile` fuses automatically; Triton lets you do it by hand.
 # * Coalescing, tiling and coarsening all cut memory transactions; predication avoids divergent
