@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 from matplotlib.figure import Figure
 import numpy as np
 import torch
@@ -659,6 +660,159 @@ axes[0].legend(fontsize=8)
 fig
 
 # %% [markdown]
+# ### Checkpointing every C blocks: the square-root rule
+# *Full* recomputation keeps the input of every block. One can keep fewer: cut the `N` blocks into
+# segments of `C` blocks, keep only each segment's input, and in backward recompute one segment at
+# a time, just before its gradients are needed. Two things are then alive at the worst moment,
+# when backward starts on the last segment: the `N/C` kept segment inputs, and the `C` blocks'
+# worth of activations that segment's recomputation has just rebuilt. Counting one kept input and
+# one block's activations as one unit each (the classic analysis of Chen et al., 2016), memory is
+# `N/C + C`, smallest at `C = √N`: `2√N` units instead of `N`. The compute price does not depend
+# on `C`: every block is recomputed exactly once, one extra forward, as for full recomputation.
+#
+# A transformer block does not fit the unit count: it keeps far more than its input. With `x`
+# the bytes of one kept input and `A` the bytes one block saves, the peak is `(N/C)·x + C·A`,
+# smallest at `C = √(N·x/A)`. We measure it on 64 blocks of the course GPT. To see the peak *during
+# backward* we count, at every moment, the bytes of the tensors autograd holds: a
+# `saved_tensors_hooks` pack hook wraps each saved tensor in a small object that adds its bytes
+# (once per storage) and subtracts them when autograd lets go of it. The segments use
+# `checkpoint(..., use_reentrant=True)`, whose recomputation saves its tensors through the same
+# hooks (the non-reentrant version keeps the recomputed tensors to itself, out of the hooks'
+# sight). FP32 here, no autocast, so that `x` is simply `4·seq·bs·h` bytes.
+
+# %%
+class SavedBytes:
+    """Bytes of the tensors autograd holds for backward: `now`, and `peak`, the most at any moment.
+    A storage saved by several operations counts once; parameters are left out, as before."""
+
+    def __init__(self, model):
+        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.holders, self.now, self.peak = {}, 0, 0   # storage address -> [bytes, saved how many times]
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self.weights:
+            return tensor
+        entry = self.holders.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        entry[1] += 1
+        return _Saved(self, tensor)
+
+    def unpack(self, saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+class _Saved:
+    """What autograd keeps in place of a saved tensor; autograd drops it once backward has used it."""
+
+    def __init__(self, owner, tensor):
+        self.owner, self.tensor, self.address = owner, tensor, tensor.untyped_storage().data_ptr()
+
+    def __del__(self):
+        entry = self.owner.holders[self.address]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.owner.now -= entry[0]
+            del self.owner.holders[self.address]
+
+
+ck_config = GPTConfig(vocab_size=256, hidden=32, layers=64, heads=2)
+torch.manual_seed(SEED)
+ck_blocks = GPT(ck_config).blocks
+ck_N, ck_seq, ck_bs, ck_h = ck_config.layers, 32, 1, ck_config.hidden
+ck_cos, ck_sin = rope_tables(torch.arange(ck_seq), ck_config.head_dim, ck_config.rope_theta)
+ck_input = torch.randn(ck_bs, ck_seq, ck_h)
+block_forwards = [0]
+for block in ck_blocks:
+    block.register_forward_pre_hook(lambda *_: block_forwards.__setitem__(0, block_forwards[0] + 1))
+
+
+def forward_in_segments(x, C):
+    """The blocks in segments of C, each segment checkpointed; C=None: no checkpointing."""
+    def segment(x, first, size):
+        for block in ck_blocks[first:first + size]:
+            x = block(x, ck_cos, ck_sin)
+        return x
+    if C is None:
+        return segment(x, 0, ck_N)
+    for first in range(0, ck_N, C):
+        x = checkpoint(segment, x, first, C, use_reentrant=True)
+    return x
+
+
+def measure_segments(C):
+    """(bytes held after forward, peak bytes held, block forwards run, input gradient)."""
+    x = ck_input.clone().requires_grad_()
+    saved, block_forwards[0] = SavedBytes(ck_blocks), 0
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        out = forward_in_segments(x, C)
+        after_forward = saved.now
+        out.backward(torch.ones_like(out))   # the gradient of out.sum(), which saves nothing itself
+    assert saved.now == 0   # backward let go of everything
+    ck_blocks.zero_grad(set_to_none=True)
+    return after_forward, saved.peak, block_forwards[0], x.grad
+
+
+_, peak_none, forwards_none, grad_none = measure_segments(None)
+x_bytes = 4 * ck_seq * ck_bs * ck_h                      # one kept FP32 input
+rope_bytes = ck_cos.nbytes + ck_sin.nbytes                # the RoPE tables, saved once for all blocks
+A_bytes = (peak_none - rope_bytes) // ck_N                # what one block saves, its own input included
+assert A_bytes * ck_N + rope_bytes == peak_none and forwards_none == ck_N
+segment_sizes = [C for C in range(1, ck_N + 1) if ck_N % C == 0]
+measured_peak = {}
+print(f"N = {ck_N} blocks; one kept input x = {x_bytes:,} bytes; one block saves A = {A_bytes:,} bytes "
+      f"= {A_bytes / x_bytes:.2f} x; no checkpointing: {peak_none:,} bytes")
+print(f"{'C':>4} {'kept after forward':>19} {'peak, measured':>15} {'(N/C)x + CA + R - x':>20} {'block forwards':>15}")
+for C in segment_sizes:
+    kept, peak, forwards, grad = measure_segments(C)
+    # the last segment's input is both kept and saved again by its first block: it counts once (- x);
+    # R: the RoPE tables, saved by every block's attention, one storage
+    predicted = (ck_N // C) * x_bytes + C * A_bytes + rope_bytes - x_bytes
+    assert kept == (ck_N // C) * x_bytes and peak == predicted, (C, kept, peak, predicted)
+    assert forwards == 2 * ck_N        # one extra forward, whatever C
+    assert torch.equal(grad, grad_none)   # and the same gradient, bit for bit
+    measured_peak[C] = peak
+    print(f"{C:>4} {kept:>19,} {peak:>15,} {predicted:>20,} {forwards:>15}")
+best_C = min(measured_peak, key=measured_peak.get)
+C_star = math.sqrt(ck_N * x_bytes / A_bytes)
+print(f"smallest peak at C = {best_C}: {measured_peak[best_C] / peak_none:.1%} of no checkpointing, "
+      f"{measured_peak[best_C] / measured_peak[1]:.1%} of checkpointing every block (C = 1); "
+      f"√(N·x/A) = {C_star:.2f}, √N = {math.sqrt(ck_N):.0f}")
+assert best_C == 2 and 1 < C_star < 2
+
+fig = Figure(figsize=(6, 3.2), layout="constrained")
+ax = fig.add_subplot()
+Cs = np.geomspace(1, ck_N, 200)
+ax.plot(Cs, ((ck_N / Cs) * x_bytes + Cs * A_bytes + rope_bytes - x_bytes) / 2**20, "k-", lw=1,
+        label="(N/C)·x + C·A (+ RoPE tables − x)")
+ax.plot(segment_sizes, [measured_peak[C] / 2**20 for C in segment_sizes], "o", color="#C44E52",
+        label="measured peak of saved tensors")
+ax.axhline(peak_none / 2**20, color="grey", ls=":", label="no checkpointing")
+ax.axvline(C_star, color="#4C72B0", ls="--", lw=1, label="C = √(N·x/A)")
+ax.axvline(math.sqrt(ck_N), color="#4C72B0", ls=":", lw=1, label="C = √N (x = A)")
+ax.set(xscale="log", yscale="log", xlabel="C, blocks per checkpointed segment", ylabel="MiB",
+       title=f"{ck_N} blocks of the course GPT, FP32, seq {ck_seq}")
+ax.set_xticks(segment_sizes, [str(C) for C in segment_sizes])
+for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+    axis(matplotlib.ticker.FormatStrFormatter("%.1f"))   # 0.3 rather than 3 x 10^-1
+ax.legend(fontsize=7)
+fig
+
+# %% [markdown]
+# The measured peaks equal the formula to the byte (the asserts above), and so does the rule's
+# shape: memory first falls as `C` grows (fewer kept inputs), then rises (a longer segment to
+# rebuild). Where it turns depends on how much a block keeps against its input: here a block
+# saves 18 times its input (the ratio printed above), so the best segment is `√(64/18.4) ≈ 1.9`
+# blocks, not `√64 = 8`, and two blocks per segment beat one by the margin printed above. In real
+# models the same count decides: with FlashAttention a block keeps roughly 17 times its BF16 input
+# (the 34 bytes per token and hidden unit against 2), so segments longer than one block start to
+# pay only from a few dozen layers on, and most frameworks checkpoint every block (`C = 1`),
+# which is also the simplest. Every value of `C` costs the same one extra forward: the block
+# forwards counted above are `2N` for all of them.
+
+# %% [markdown]
 # ## 6. Gradient accumulation
 #
 # When even a recomputed micro-batch of the batch we want does not fit, we split the batch:
@@ -1181,6 +1335,9 @@ if not bench_records:
 #   LayerNorm inputs), and we accounted for every byte of ours.
 # - Recomputation trades compute for memory: selective removes the quadratic term cheaply, full
 #   keeps one tensor per block for one more forward; gradients are unchanged.
+# - Checkpointing every `C` of `N` blocks keeps `(N/C)·x + C·A` bytes at its peak (measured to the
+#   byte): `√N` segments when a kept input weighs as much as a block's activations, `√(N·x/A)` in
+#   general, always for one extra forward.
 # - Gradient accumulation gives the large-batch gradient exactly, if each micro-batch loss is
 #   divided by `grad_acc`.
 # - The profiler shows where time goes and, per category, where memory goes: optimizer states
