@@ -18,10 +18,12 @@
 # 5. the book's heatmap, recomputed: the best layout per model size and node count, coloured by MFU;
 # 6. the planner against published setups: Llama 3 405B and DeepSeek-V3;
 # 7. an explorer for your own model and cluster;
-# 8. the planner against reality: calibrated on this machine, its predictions held against step
-#    times measured on `WORLD_SIZE` real ranks;
-# 9. the lesson from the book's sweep that no formula teaches: hung ranks, found by a timeout and
-#    cleaned up.
+# 8. the planner against measured GPUs: the course's own H100 runs (`results/`) and Llama 3's
+#    published MFU, the error of each, and the efficiency the planner assumes, fitted;
+# 9. the planner against real ranks: its FLOPs and bytes counted on `WORLD_SIZE` ranks of this
+#    machine, its step times calibrated here and measured;
+# 10. the lesson from the book's sweep that no formula teaches: hung ranks, found by a timeout and
+#     cleaned up.
 #
 # The library is `lib/ultrascale/plan/` (`hardware`, `enumerate`, `fit`, `steptime`, `search`,
 # `rules`, `published`, `calibrate`). It is arithmetic: only `calibrate` runs anything.
@@ -141,7 +143,7 @@ for label, request in requests.items():
 # cannot hide; the bubble `(pp-1)/(v·gas)`. Links are NVLink (450 GB/s) inside a node and
 # InfiniBand (50 GB/s per GPU) across nodes, as in A3. Traffic that hides is charged nothing,
 # which flatters every layout that overlaps (the fact below, also in appendix A3); the assumed 70%
-# is where that cost, among others, must go. The top layouts for Llama 3 8B on 8 nodes:
+# is where that cost, among others, must go (section 7 holds it against measured runs). The top layouts for Llama 3 8B on 8 nodes:
 
 # %%
 print(facts.OVERLAP_ON_GPUS)
@@ -246,7 +248,7 @@ assert best_8b.mbs == max(fitting), "the planner keeps the largest micro-batch t
 # What no model of this kind predicts, the book found too: **the quality of the implementation
 # decides the ranking**. In its sweep TP first beat PP; after the PP code was optimised PP won;
 # and better overlap of TP's communication is expected to turn it back. The planner's step time
-# assumes one fixed efficiency per technique: calibrate it on your own code (section 7) before
+# assumes one fixed efficiency per technique: calibrate it on your own code (sections 7 and 8) before
 # trusting its ranking of close candidates.
 
 # %% [markdown]
@@ -387,29 +389,213 @@ show(default.table(5))
 figure
 
 # %% [markdown]
-# ## 7. The planner against real ranks
+# ## 7. The planner against measured GPUs
 #
-# A cost model earns trust by predicting something measurable. On this machine we can run small
-# layouts for real with the chapters' own techniques. The recipe:
+# Every MFU above rests on one assumed number: the H100 runs matmuls at 70% of its 989 TFLOP/s
+# (`Hardware.matmul_efficiency`, less for micro-batches of few tokens). Two kinds of measurement
+# can hold it to account:
 #
-# 1. **calibrate**: the FLOP/s one rank achieves in an unsharded forward and backward of the
+# - **the course's own runs on one H100**, recorded in `results/` by chapter 01's MFU cell and
+#   `benchmarks/bench_mfu.py` (a 0.35B, a 0.87B and a 1.3B course GPT with SDPA attention, each
+#   without recomputation, with selective and with full). On one GPU the planner charges
+#   nothing but compute, so its predicted MFU is proportional to the assumed efficiency, and
+#   each record says which efficiency would have predicted it;
+# - **published MFU at scale**: Llama 3 405B's table 4 gives 43% on 8,192 H100s, 41% on 16,384
+#   and 38% on 16,384 at 128K tokens, for the layouts of section 5 (the 8,192-GPU run is DP 64
+#   with 32 sequences per replica). The book's benchmark shows its own measured MFU as the
+#   heatmap's colours; the course keeps no table of those values, so it quotes none.
+#
+# The records are read from their files (a GPU run of chapter 01 or of `bench_mfu.py` replaces
+# them); the eager-attention and `torch.compile` rows are left out, since the planner models
+# one implementation of the same FLOPs.
+
+# %% tags=["nbval-ignore-output"]
+# (recorded GPU numbers: a new record changes this output, so it is not compared)
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from ultrascale import records  # noqa: E402
+from ultrascale.model import GPTConfig, count_params  # noqa: E402
+
+RESULTS = Path("..") / "results"
+# The course GPTs the records measured: chapter 01's MFU cell and bench_mfu.py's two sizes
+RECORDED_SHAPES = {
+    "one_gpu_mfu": GPTConfig(vocab_size=32768, hidden=2048, layers=16, heads=16, attention="sdpa"),
+    "mfu_bench_350m": GPTConfig(vocab_size=50304, hidden=1024, layers=24, heads=16, attention="sdpa"),
+    "mfu_bench_1b": GPTConfig(vocab_size=50304, hidden=2048, layers=24, heads=16, attention="sdpa")}
+
+
+def recorded_points():
+    """(label, model, mbs, seq, recomputation, measured MFU) for every SDPA row of every record."""
+    points = []
+    for kind, shape in RECORDED_SHAPES.items():
+        for path, record in records.recorded(kind, RESULTS):
+            assert count_params(shape) == record["params"], f"{path.name} measured another model"
+            print(records.label(record, path))
+            if kind == "one_gpu_mfu":
+                rows = [(mode, record[mode]["mfu"]) for mode in ("none", "selective", "full")]
+            else:
+                rows = [(r["recompute"], r["mfu"]) for r in record["rows"]
+                        if r["variant"].startswith("SDPA") and "compile" not in r["variant"]]
+            points += [(f"{record['params'] / 1e9:.2f}B", shape, record["micro_batch"], record["seq"], mode, m)
+                       for mode, m in rows]
+    return points
+
+
+def one_gpu_mfu(shape, mbs, seq, recompute, hardware=H100):
+    return step_time(shape, ParallelConfig(mbs=mbs, recompute=recompute), seq, hardware)["mfu"]
+
+
+points = recorded_points()
+assumed = H100.matmul_efficiency
+# On one GPU the predicted MFU is proportional to the efficiency: the fit is the geometric mean
+# of the efficiencies that would have predicted each record (least squares on the log error).
+fitted = assumed * math.exp(sum(math.log(m / one_gpu_mfu(s, b, q, r)) for _, s, b, q, r, m in points)
+                            / max(len(points), 1))
+course_h100 = dataclasses.replace(H100, matmul_efficiency=fitted)
+print(f"\n{'model':>6} {'mbs':>3} {'seq':>5} {'recompute':<10} {'measured':>8} "
+      f"{'planner (' + format(assumed, '.2f') + ')':>16} {'error':>6}   {'fitted (' + format(fitted, '.2f') + ')':>13} {'error':>6}")
+errors = {"assumed": [], "fitted": []}
+for label, shape, mbs, seq, mode, measured in points:
+    p, f = one_gpu_mfu(shape, mbs, seq, mode), one_gpu_mfu(shape, mbs, seq, mode, course_h100)
+    errors["assumed"].append(p / measured - 1)
+    errors["fitted"].append(f / measured - 1)
+    print(f"{label:>6} {mbs:>3} {seq:>5} {mode:<10} {measured:>8.1%} {p:>16.1%} {p / measured - 1:>+6.0%}   "
+          f"{f:>13.1%} {f / measured - 1:>+6.0%}")
+
+# %% [markdown]
+# Then Llama 3 405B's three published points, each predicted for its own layout (the free
+# fields, recomputation and interleaving, as in section 5: the planner's best that fits):
+
+# %% tags=["nbval-ignore-output"]
+# (read with the GPU records above: not compared)
+LLAMA3_MFU = {"Llama 3 405B, 8,192 GPUs": 0.43, "Llama 3 405B": 0.41, "Llama 3 405B, long context": 0.38}
+pretrain = comparisons["Llama 3 405B"]["published"].config
+on_8192 = replace(pretrain, dp=64, gas=32)   # same 16M-token batch: 64 replicas of 32 sequences
+setup = published.LLAMA3_405B_PRETRAIN
+assert on_8192.gpus == 8192 and on_8192.batch_tokens(setup.seq) == setup.global_batch_tokens
+assert fits(setup.model, on_8192, setup.seq, H100)
+at_scale = {"Llama 3 405B, 8,192 GPUs": step_time(setup.model, on_8192, setup.seq, H100)["mfu"],
+            **{name: comparisons[name]["published"].mfu for name in ("Llama 3 405B", "Llama 3 405B, long context")}}
+for name, reported in LLAMA3_MFU.items():
+    errors.setdefault("Llama 3", []).append(at_scale[name] / reported - 1)
+    print(f"{name:<27} reported {reported:.0%}, planner {at_scale[name]:.1%} ({at_scale[name] / reported - 1:+.0%})")
+
+print(f"\nefficiency assumed {assumed:.2f}; fitted to the course's {len(points)} H100 records {fitted:.2f}")
+print("mean |error|: course records "
+      f"{np.mean(np.abs(errors['assumed'])):.0%} with the assumed efficiency, "
+      f"{np.mean(np.abs(errors['fitted'])):.0%} with the fitted one; Llama 3 {np.mean(np.abs(errors['Llama 3'])):.0%}")
+print("the heatmap's best layouts at the course's efficiency (same layouts, MFU assumed -> fitted):")
+for m in names:
+    print(f"  {m:>4}: " + ", ".join(
+        f"{n} node{'s' * (n > 1)} {cells[m, n].mfu:.0%} -> "
+        f"{step_time(published.SWEEP_MODELS[m], cells[m, n].config, SEQ, course_h100)['mfu']:.0%}"
+        for n in (1, 8, 64) if cells[m, n] is not None))
+
+# %%
+# The records are files, so these hold on any machine. One factor should describe the course's
+# runs to within 35%: what is left is what the planner does not model (below). And the planner
+# with its assumed efficiency should stay within 25% of each published point at scale.
+assert all(abs(e) <= 0.35 for e in errors["fitted"]), errors["fitted"]
+assert all(abs(e) <= 0.25 for e in errors["Llama 3"]), errors["Llama 3"]
+assert 0 < fitted < assumed
+
+# %% [markdown]
+# What the two kinds of measurement say:
+#
+# - **On the course's own GPT, the assumed 70% is far too high**: every record is predicted too
+#   high (the first "error" column). The heatmap of section 4 describes a code base that runs
+#   its matmuls at 70% of the peak over a whole step; the course's code, on one GPU where no
+#   communication can go wrong, reaches the fitted factor printed above, and the heatmap's
+#   cells at that factor are the last lines above. Where the step's time goes besides matmuls is
+#   chapter 01's and chapter 11's subject: the element-wise kernels and the optimizer step,
+#   which read memory rather than compute; kernel launches; attention.
+# - **One factor does not fit every size**: the fitted efficiency predicts the smallest model
+#   (h = 1024) too high and the larger ones too low, because its matmuls are thinner and its
+#   memory-bound work weighs more. The planner scales efficiency with the tokens of a
+#   micro-batch only, not with the hidden size.
+# - **At scale, a tuned stack gets close to the assumed efficiency**: Llama 3's published MFU
+#   is close to the planner's prediction for its layouts, with the step's communication and
+#   bubble included; the planner is, if anything, low, because its memory model makes it
+#   choose full recomputation for these layouts. Read the two together: 0.7 is what a
+#   well-tuned implementation approaches, not what a first one gets. Before trusting the
+#   planner's MFU for your code, measure one GPU (chapter 01's cell), fit the factor as done
+#   here, and pass it as `Hardware(matmul_efficiency=...)`.
+
+# %% [markdown]
+# ## 8. The planner against real ranks
+#
+# A cost model earns trust by predicting something measurable. The planner's step time is counts
+# divided by speeds: the FLOPs of the busiest rank over its FLOP/s, the bytes it sends over the
+# links' bandwidth. Section 7 held the speeds against GPU records; here both halves meet real
+# ranks, running small layouts (DP, ZeRO-3, TP with SP, PP with 1F1B) with the chapters' own
+# techniques (`apply_data_parallel`, `apply_zero`, `apply_tp`, `apply_pp`) on `WORLD_SIZE` ranks:
+#
+# 1. **count** one real step of each layout: its FLOPs (`torch.utils.flop_counter`, matmuls and
+#    attention, forward and backward) and the bytes each rank sends (`CommLogger`), against what
+#    `step_time` charges the busiest rank. Run on `cal.counting_hardware`, where a FLOP and a byte
+#    each take one second, the model's parts are these counts;
+# 2. **calibrate**: the FLOP/s one rank achieves in an unsharded forward and backward of the
 #    course GPT (every rank at once, as in the layouts), and gloo's all-reduce times over a sweep
 #    of sizes, fitted with appendix A0's alpha-beta model. A CPU's gloo collectives run on the
 #    cores that compute, so the calibrated hardware hides nothing (`overlap=False`);
-# 2. **predict** the step of each layout (DP, ZeRO-3, TP with SP, PP with 1F1B) on `WORLD_SIZE`
-#    ranks with the same `step_time` that planned the H100 clusters;
-# 3. **measure** the same layouts: `apply_data_parallel`, `apply_zero`, `apply_tp`, `apply_pp`.
+# 3. **predict** the step of each layout with the same `step_time` that planned the H100
+#    clusters, and **measure** it.
 #
-# Other work shares this machine's two cores, and its load changes from second to second: two
-# timings of the same step taken a minute apart can differ by a factor of three. So each layout's
-# step is timed right after an unsharded compute step (the calibration's own), round after round,
-# and we compare quotients: the measured step in units of the compute step beside it (the median
-# over rounds) against the predicted step in units of the predicted compute step.
+# Counts do not depend on how busy the machine is; times do. So the counts are checked with a
+# band, and the times are shown with their noise.
 
 # %%
 cluster = Cluster(WORLD_SIZE, backend="gloo")
 configs = cal.calibration_configs(WORLD_SIZE)
 model = cal.CALIBRATION_MODEL
+counts = cal.compare_counts(cluster.run(cal.count_steps, configs), configs)
+print(f"{'layout':>6} {'':<24} {'MFLOP':>7} {'model':>7} {'ratio':>5}   {'kB sent':>7} {'model':>7} {'ratio':>5}")
+for name, c in counts.items():
+    nbytes = (f"{c['bytes'] / 1e3:>7.0f} {c['predicted_bytes'] / 1e3:>7.0f} {c['bytes_ratio']:>5.2f}"
+              if c["bytes_ratio"] else "")
+    print(f"{name:>6} {configs[name].short():<24} {c['flops'] / 1e6:>7.0f} {c['predicted_flops'] / 1e6:>7.0f} "
+          f"{c['flops_ratio']:>5.2f}   {nbytes}")
+
+# %% [markdown]
+# Where the counts differ, the difference is a fixed amount with a reason:
+# - **FLOPs** a little above the model's everywhere: the course GPT's eager attention multiplies
+#   the masked half of the score matrix too, which a causal count leaves out. PP's busiest stage
+#   is further above it: the model gives each stage an even share of the whole model, the
+#   language-model head included, while the real last stage holds a block and all of the head.
+# - **DP and PP bytes** are the model's exactly: one all-reduce of the gradients; one activation
+#   forward and one gradient back per micro-batch.
+# - **ZeRO-3** sends less than the model's three passes over the weights (all-gather in forward,
+#   in backward, reduce-scatter of the gradients): the last unit's weights are still gathered
+#   when backward starts, so they are not gathered again, as in FSDP.
+# - **TP** sends more: besides the model's 8 collectives per layer, its sequence-parallel linear
+#   layers keep only their slice of the input and all-gather it again in backward for the
+#   weight gradient (as Megatron-LM does, to save memory; on a GPU that gather overlaps the
+#   input-gradient matmul), the vocabulary-parallel embedding and loss communicate, and the
+#   norms' weight gradients are summed over the group.
+#
+# So the check is a band around 1 that holds these differences, and no more:
+
+# %%
+# Counts depend on the shapes alone, never on load: the band can be tight and still never flake.
+# Its margins hold the fixed differences named above: FLOPs within 1.25x (eager attention's masked
+# half, about 3% here; PP's last stage with the whole head, up to 15% at 4 ranks); bytes within
+# 1.5x (TP's backward re-gathers and embedding and loss traffic, 1.41 at 2 and 4 ranks; ZeRO-3's
+# kept last unit, 0.91). A model wrong by 2x in FLOPs or bytes falls outside.
+assert set(counts) == set(configs)
+for name, c in counts.items():
+    assert 1 / 1.25 <= c["flops_ratio"] <= 1.25, (name, c)
+    assert 1 / 1.5 <= c["bytes_ratio"] <= 1.5, (name, c)
+
+# %% [markdown]
+# Then the times. Other work shares this machine's two cores, and its load changes from second
+# to second: two timings of the same step taken a minute apart can differ by a factor of three. So each layout's
+# step is timed right after an unsharded compute step (the calibration's own), round after round,
+# and we compare quotients: the measured step in units of the compute step beside it (the median
+# over rounds) against the predicted step in units of the predicted compute step.
+
+# %%
 bandwidth = cluster.run(cal.measure_bandwidth, repeats=3 if QUICK else 10)[0]
 rounds = 7 if QUICK else 15
 bar = ProgressBar("calibration rounds", total=rounds + 1)
@@ -436,10 +622,10 @@ for name, r in comparison.items():
 # **DP** (one all-reduce of the gradients beside the backward; on a CPU nothing hides) and **PP**
 # (one activation per micro-batch, and the bubble). Where it does not, the measurement comes out
 # slower than the prediction, for reasons we can name:
-# - **TP** does more than the model counts on a CPU: besides its 8 collectives per layer, the
-#   vocabulary-parallel embedding and loss and the sequence-parallel norms communicate; each
-#   collective is a few small messages, each paying gloo's latency (the alpha printed above); and
-#   matmuls split four ways over a 128-wide model run below the calibrated speed.
+# - **TP** sends more than the model counts (the counts above), in more collectives than it
+#   counts; each collective is a few small messages, each paying gloo's latency (the alpha
+#   printed above); and matmuls split four ways over a 128-wide model run below the calibrated
+#   speed.
 # - **ZeRO-3** gathers and frees each block's weights in flat buffers, forward and backward:
 #   copies and Python work per block that the model, which counts bytes on the wire, leaves out.
 #
@@ -449,8 +635,8 @@ for name, r in comparison.items():
 # they spread by more than the gap between prediction and measurement, this run cannot tell the
 # two apart. (With more ranks than cores, PP can even beat its prediction: a stage waiting in the
 # bubble leaves its core to one that computes, faster than the calibration saw.) So nothing here
-# asserts a timing band; the cell below prints which layouts met the 30% target in this run, and
-# how wide each layout's own rounds spread.
+# asserts a timing band (the counts above are what it asserts); the cell below prints which
+# layouts met the 30% target in this run, and how wide each layout's own rounds spread.
 
 # %% tags=["nbval-ignore-output"]
 within = [name for name, r in ratios.items() if 1 / 1.3 <= r <= 1.3]
@@ -462,12 +648,11 @@ for name, rows in pairs.items():
           f"{max(rounds_units) / min(rounds_units):.1f} (slowest / fastest round)")
 
 # %%
-# What holds on any machine, loaded or not: every layout was predicted and measured, and each
-# quotient is a positive, finite number of compute steps.
-assert set(ratios) == set(configs) and all(0 < r < float("inf") for r in ratios.values()), ratios
+# Every layout was predicted and measured (its time is shown above, not asserted: see the counts)
+assert set(ratios) == set(configs), ratios
 
 # %% [markdown]
-# ## 8. Robustness: a hung rank, found and cleaned up
+# ## 9. Robustness: a hung rank, found and cleaned up
 #
 # The book's sweep met problems no cost model has: processes that did not clean up, jobs killed,
 # benchmarks that hung for hours. The usual cause of a hang is a collective that not every rank
@@ -522,8 +707,13 @@ assert not leftover
 #   measurement turns this machine into one.
 # - It reproduces the book's heatmap findings, puts Llama 3 405B's layout among its best, and
 #   misses DeepSeek-V3's by exactly the expert all-to-all that DeepSeek built DualPipe to hide.
-# - On real ranks it is held against measured steps, with each layout's rounds beside it as the
-#   noise: where the model misses, the gap has a reason; on a shared CPU the noise can be larger.
+# - Held against measured GPUs, its assumed 70% matmul efficiency predicts the course's own H100
+#   runs far too high and Llama 3's published MFU a little low: fit the factor on your code
+#   (one GPU is enough) before trusting its MFU.
+# - On real ranks its FLOP and byte counts agree with a real step within fixed, explained
+#   differences, checked by a band that a model wrong by 2x fails; its step times are shown with
+#   each layout's rounds beside them as the noise: on a shared CPU the noise can be larger than
+#   the gap.
 # - And the lesson of large sweeps: put a timeout on everything, and make sure nothing survives it.
 
 # %% [markdown]

@@ -11,6 +11,11 @@
    chapters' techniques (``apply_data_parallel``, ``apply_zero``, ``apply_tp``,
    ``apply_pp``), each step timed by its slowest rank and paired with an unsharded compute
    step run just before it; :func:`compare` sets the median quotient against the predicted one.
+4. **Count** (:func:`count_steps`, :func:`compare_counts`): the FLOPs and the bytes one step
+   of each configuration really costs its busiest rank, against what the step-time model
+   charges (:func:`counting_hardware`). Times on a shared machine move with its load;
+   counts depend on the shapes alone, so a check on them can be tight and still never
+   flake.
 
 The planner itself stays arithmetic: this is the one module of ``ultrascale.plan`` that
 runs anything, and it imports the parallel techniques inside the functions that use them.
@@ -24,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 from ..comm.bandwidth import bus_bandwidth_sweep
-from ..comm.cost_model import fit_ring_all_reduce
-from ..comm.logger import wait_for_device
+from ..comm.cost_model import AlphaBeta, fit_ring_all_reduce
+from ..comm.logger import CommLogger, wait_for_device
 from ..data import Batches
 from ..model import GPT, GPTConfig
 from .enumerate import ParallelConfig
 from .hardware import Hardware, hardware_from_measurements
-from .steptime import micro_batch_flops
+from .steptime import micro_batch_flops, step_time
 
 CALIBRATION_MODEL = GPTConfig(vocab_size=256, hidden=128, layers=4, heads=4, seq_len=64)
 SWEEP_BYTES = (2**12, 2**16, 2**20, 2**22)
@@ -152,8 +157,6 @@ def measure_steps(ctx, configs: dict, model=CALIBRATION_MODEL, mbs: int = 2, rou
 def compare(pairs: dict, configs: dict, hardware: Hardware, model=CALIBRATION_MODEL) -> dict:
     """Measured against predicted, for each configuration: the median over rounds of
     (configuration step / paired compute step), over the predicted same quotient."""
-    from .steptime import step_time
-
     compute = step_time(model, ParallelConfig(mbs=configs_mbs(configs)), model.seq_len, hardware)["step"]
     out = {}
     for name, c in configs.items():
@@ -167,3 +170,55 @@ def compare(pairs: dict, configs: dict, hardware: Hardware, model=CALIBRATION_MO
 def configs_mbs(configs: dict) -> int:
     """The per-rank micro-batch of the DP layout, which the compute step runs."""
     return configs["DP"].mbs
+
+
+COMMUNICATION_PARTS = ("TP", "CP", "EP", "PP", "DP")
+
+
+def counting_hardware(world_size: int) -> Hardware:
+    """A ``Hardware`` on which the step-time model counts instead of timing: one FLOP/s at full
+    efficiency at any size, links of one byte per second without latency, fp32 on the wire,
+    nothing hidden. Each part of ``step_time`` is then what the model charges the busiest rank:
+    ``compute`` in FLOPs, every communication part in bytes sent (a ring phase sends
+    ``(n - 1) / n`` of its buffer, as ``CommLogger`` counts it). Only ``bubble`` is no count."""
+    return hardware_from_measurements(peak_flops=1.0, link=AlphaBeta(0.0, 1.0), memory_bytes=1e12,
+                                      gpus_per_node=world_size, name="counting: 1 FLOP/s, 1 B/s")
+
+
+def count_steps(ctx, configs: dict, model=CALIBRATION_MODEL, mbs: int = 2, seed: int = 0) -> dict:
+    """What one training step of each configuration costs this rank, counted, not timed:
+    ``{name: {"flops": ..., "bytes": ..., "ops": {op: [calls, bytes sent]}}}``, with the
+    unsharded ``"compute"`` step first. FLOPs are ``torch.utils.flop_counter``'s (matmuls and
+    attention, forward and backward), bytes the ``CommLogger``'s (sent, by the ring algorithm's
+    volume for a built-in collective). One step is run first, uncounted, so one-time work
+    (buffers, first gathers) stays out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = {}
+    for name, c in {"compute": ParallelConfig(mbs=mbs), **configs}.items():
+        step = _setup(ctx, name, c, model, seed)
+        step(0)
+        with CommLogger() as log, FlopCounterMode(display=False) as flops:
+            step(1)
+        out[name] = {"flops": flops.get_total_flops(), "bytes": log.bytes_sent,
+                     "ops": {op: [t["calls"], t["bytes_sent"]] for op, t in log.totals().items()}}
+    return out
+
+
+def compare_counts(per_rank: list, configs: dict, model=CALIBRATION_MODEL, world_size: int | None = None) -> dict:
+    """The busiest rank's counts (the largest over ``per_rank``, :func:`count_steps`'s results)
+    against the step-time model's: ``{name: {"flops", "predicted_flops", "flops_ratio",
+    "bytes", "predicted_bytes", "bytes_ratio"}}`` (a ratio is measured / predicted; None
+    where the model predicts no traffic)."""
+    hw = counting_hardware(world_size or len(per_rank))
+    out = {}
+    for name, c in configs.items():
+        predicted = step_time(model, c, model.seq_len, hw)
+        flops = max(r[name]["flops"] for r in per_rank)
+        nbytes = max(r[name]["bytes"] for r in per_rank)
+        predicted_bytes = sum(predicted[k] for k in COMMUNICATION_PARTS)
+        out[name] = {"flops": flops, "predicted_flops": predicted["compute"] + predicted["recompute"],
+                     "bytes": nbytes, "predicted_bytes": predicted_bytes}
+        out[name]["flops_ratio"] = flops / out[name]["predicted_flops"]
+        out[name]["bytes_ratio"] = nbytes / predicted_bytes if predicted_bytes else None
+    return out
