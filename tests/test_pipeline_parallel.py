@@ -306,3 +306,28 @@ def test_a_pipeline_is_not_called_like_a_model():
         apply_pp(fresh_model(), schedule="1f1b", microbatches=2)(torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(Exception, match=r"call pipe\.step\(micro_batches\)"):
         run_on(2, call)
+
+
+def _subset_pipeline_then_all(ctx):
+    import torch.distributed as dist
+
+    from ultrascale.parallel.pipeline_messages import twin_group
+
+    sub = ctx.new_group([1, 2])            # made by every rank; only ranks 1 and 2 register it
+    if ctx.rank in (1, 2):
+        twin_group(sub)                    # a pipeline over ranks 1 and 2 makes its twin
+    twin = twin_group(ctx.group)           # then one over all three: before the fix, a hang
+    t = torch.full((1,), float(ctx.rank))
+    dist.all_reduce(t, group=twin)
+    return t.item()
+
+
+def test_a_twin_group_is_made_after_ranks_made_different_groups():
+    """torch names a locally synchronized group after its ranks and the calling process's count of
+    groups: ranks whose counts differ (rank 0 kept out of a smaller pipeline) picked different
+    names and waited for each other forever (the hang of a pipeline test in a full CI run).
+    twin_group first brings the counts level."""
+    from ultrascale.runtime import Cluster
+
+    with Cluster(3) as cluster:
+        assert cluster.run(_subset_pipeline_then_all, timeout=60) == [3.0, 3.0, 3.0]

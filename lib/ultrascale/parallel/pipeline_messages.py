@@ -34,6 +34,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from ..comm.ring import send_recv
 from .timeline import COMMUNICATION
@@ -62,22 +63,15 @@ class StageMessages:
         """One tag per message: (micro-batch, receiving stage, forward or backward)."""
         return 2 * (mb * self.schedule.stages + stage) + (kind == "B")
 
-    def _towards(self, peer: int):
-        """The group of the messages between this rank and ``peer`` that go ``peer``'s way: the pp
-        group up the pipeline's ranks, its twin down (see the module's docstring)."""
-        if self.group_down is None:
-            self.group_down = twin_group(self.group)
-        return self.group if peer > self.rank else self.group_down
-
-    def _from(self, peer: int):
-        """The group of the messages that come from ``peer`` (its ``_towards`` this rank)."""
-        if self.group_down is None:
-            self.group_down = twin_group(self.group)
-        return self.group if peer < self.rank else self.group_down
+    def _group_of(self, sender: int, receiver: int):
+        """The group a message from ``sender`` to ``receiver`` goes on: the pp group up the
+        pipeline's ranks, its twin down (see the module's docstring)."""
+        return self.group if sender < receiver else self.group_down
 
     def _send(self, st, tensor, to_stage, kind, mb, what):
         dst = self.schedule.rank_of(to_stage)
-        work = dist.isend(tensor, group=self._towards(dst), group_dst=dst, tag=self._tag(kind, mb, to_stage))
+        work = dist.isend(tensor, group=self._group_of(self.rank, dst), group_dst=dst,
+                          tag=self._tag(kind, mb, to_stage))
         if self.timeline is not None:
             work = _WatchedSend(work, self.timeline, f"send {what} {mb} to stage {to_stage}",
                                 tensor.numel() * tensor.element_size())
@@ -97,7 +91,8 @@ class StageMessages:
                               device=batch.device)
             what = "activation" if kind == "F" else "gradient"
             with self._span(None, f"recv {what} {mb} for stage {stage}", COMMUNICATION):
-                dist.irecv(buf, group=self._from(src), group_src=src, tag=self._tag(kind, mb, stage)).wait()
+                dist.irecv(buf, group=self._group_of(src, self.rank), group_src=src,
+                           tag=self._tag(kind, mb, stage)).wait()
             st.inbox[nxt] = buf
         return st.inbox.pop(message)
 
@@ -134,12 +129,31 @@ def twin_group(group):
     """A second process group over ``group``'s ranks, in the same order (so a rank's number in
     it is the same), for the messages that go the other way. Made once per set of ranks and
     process, by those ranks alone (``use_local_synchronization``: the other pipelines of a mesh
-    need not take part). Such a group is named after its ranks, so two of them over the same
-    ranks would collide: groups with the same ranks (the world, a mesh's pp group) share one."""
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    need not take part); groups with the same ranks (the world, a mesh's pp group) share one."""
+    group = group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group))
     if ranks not in _TWINS:
+        _same_group_count(group)
         _TWINS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
     return _TWINS[ranks]
+
+
+def _same_group_count(group) -> None:
+    """Bring this rank's count of process groups up to the highest among ``group``'s ranks.
+
+    torch names a group made with ``use_local_synchronization`` after its ranks *and the number
+    of groups the calling process already has*, and its ranks meet in the store under that name.
+    Ranks that made different groups before (rank 0 kept out of a pipeline over ranks 1 and 2,
+    which made a twin of its own) would pick different names and wait for each other forever.
+    So the ranks first tell each other their counts (on the group's backend, which no CommLogger
+    counts as the technique's traffic), and those behind make one-rank groups, which need no
+    one else, until every rank has the same count."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor([len(c10d._world.pg_names)], device=device)
+    counts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    group.allgather([counts], [mine]).wait()
+    for _ in range(int(max(c.item() for c in counts) - mine.item())):
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 class _WatchedSend:

@@ -49,7 +49,7 @@ from ..data import Batch, micro_batches
 from ..model import lm_loss
 from ..schedule import Schedule, event_name, make_schedule
 from .mesh import axis_group
-from .pipeline_messages import StageMessages
+from .pipeline_messages import StageMessages, twin_group
 
 __all__ = ["Pipeline", "apply_pp", "backward_input", "backward_weight", "build_stage", "split_layers",
            "stage_modules"]
@@ -157,11 +157,13 @@ class Pipeline(StageMessages, nn.Module):
                  measure_activations: bool = False):
         super().__init__()
         self.group, self.schedule, self.timeline = group, schedule, timeline
-        self.group_down = None   # the messages' group down the ranks, made at the first (pipeline_messages)
         self.rank, size = dist.get_rank(group), dist.get_world_size(group)
         if size != schedule.ranks:
             raise ValueError(f"the schedule is for p={schedule.ranks} ranks but the pipeline group has {size}: "
                              f"build the schedule with p={size}")
+        # The messages' group down the ranks (pipeline_messages). Made here, where every rank of the
+        # pipeline is, rather than at a rank's first message, when its neighbours may be waiting on it.
+        self.group_down = twin_group(group) if size > 1 else group
         self.chunks = nn.ModuleDict({str(s): m for s, m in stage_modules(model, schedule, self.rank, plan).items()})
         self.last = schedule.stages - 1
         self.hidden, self.dtype = model.config.hidden, next(model.parameters()).dtype
