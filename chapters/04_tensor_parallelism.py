@@ -56,6 +56,7 @@ from ultrascale.parallel.tensor_parallel import (ColumnParallelLinear, RowParall
 from ultrascale.parity import assert_same, dtensor_tp, first_step_and_train, perturbed
 from ultrascale.refusal import refusal
 from ultrascale.train import gradients, make_optimizer, run_steps
+from ultrascale.viz.diagrams import tp_split_figure
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 
@@ -181,6 +182,15 @@ print("on every rank, both ways give exactly X @ W; collectives called:", ", ".j
 # forward pass. In training the input $X$ is already the same on every rank of the group (it came
 # out of the previous all-reduce), so the broadcast is not needed either.
 #
+# Attention is cut the same way, along its heads (the subsection after next tests it): each rank
+# computes q, k and v for its own heads, attends with them, and multiplies by its rows of the
+# output projection; one all-reduce sums the ranks' shares. The picture, for this notebook's
+# `tp` and the model's 12 heads:
+
+# %%
+tp_split_figure(tp=TP, heads=CFG.heads)
+
+# %% [markdown]
 # ### The conjugate pair f and f*
 # A collective inside the forward pass needs a derivative too. The book names two operators:
 #

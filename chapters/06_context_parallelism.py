@@ -64,6 +64,7 @@ from ultrascale.parallel.ulysses import ring_bytes, ulysses_attention, ulysses_b
 from ultrascale.parity import assert_same, first_step, perturbed, tolerance
 from ultrascale.refusal import refusal
 from ultrascale.train import gradients, train
+from ultrascale.viz.diagrams import cp_ring_figure
 from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 
@@ -86,6 +87,17 @@ print(f"cp = {CP} ranks; sequence of {S} tokens = {2 * CP} chunks of {CHUNK}; {S
 
 cluster = Cluster(WORLD_SIZE)
 print(cluster)
+
+# %% [markdown]
+# The whole idea in one picture, for `cp = WORLD_SIZE` and the contiguous layout: each rank holds
+# one chunk of the sequence, for the whole model. In attention it keeps its queries, and the K/V
+# chunks go round the ring, one rank along per step, until every rank has seen every chunk (under
+# a causal mask some of those blocks are skipped, which section 5 balances). Sections 2 to 4 build
+# this up: the rule that merges the partial results, the ring against full attention, the steps of
+# a real run.
+
+# %%
+cp_ring_figure(CP)
 
 
 # %% [markdown]

@@ -18,12 +18,14 @@ def test_moe_layer_names_every_choice_and_the_rank_of_every_expert():
     fig = moe_layer_figure([[0, 1], [3, 0]], [[0.6, 0.4], [0.7, 0.3]], experts_per_rank=2)
     texts = _texts(fig)
     assert isinstance(fig, Figure)
-    assert "top-2: E0 0.6, E1 0.4" in texts and "top-2: E3 0.7, E0 0.3" in texts
+    assert "top-2: E0 0.60, E1 0.40" in texts and "top-2: E3 0.70, E0 0.30" in texts
     assert [t for t in texts if t.startswith("expert")] == [
         "expert 0 (rank 0)", "expert 1 (rank 0)", "expert 2 (rank 1)", "expert 3 (rank 1)"]
     assert "dispatch (all-to-all)" in texts
     # one process: no ranks, no all-to-all
     assert "dispatch" in _texts(moe_layer_figure([[1]], [[1.0]]))
+    # every expert drawn, chosen or not
+    assert "expert 7" in _texts(moe_layer_figure([[1]], [[1.0]], experts=8))
 
 
 def test_tp_split_gives_each_rank_whole_heads_and_one_all_reduce_per_layer():

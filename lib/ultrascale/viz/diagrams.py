@@ -1,6 +1,6 @@
 """Diagrams of three layers split over ranks, drawn from their sizes (no run needed).
 
-    moe_layer_figure(chosen, weights, experts_per_rank=2)  # chapter 08: router, top-k, dispatch, combine
+    moe_layer_figure(chosen, weights, 8, experts_per_rank=2)  # chapter 08: router, top-k, dispatch, combine
     tp_split_figure(tp=2, heads=4)                          # chapter 04: the MLP and attention under TP
     cp_ring_figure(cp=4)                                    # chapter 06: sequence chunks and the K/V ring
 
@@ -38,20 +38,21 @@ def _frame(ax, width, height, title):
 
 
 # ---- chapter 08: a mixture-of-experts layer ----------------------------------------------
-def moe_layer_figure(chosen, weights, experts_per_rank: int | None = None) -> Figure:
+def moe_layer_figure(chosen, weights, experts: int | None = None, experts_per_rank: int | None = None) -> Figure:
     """One MoE layer on a few tokens: the router scores every expert, keeps the top k, each
     token is dispatched to its k experts (across ranks when ``experts_per_rank`` is given:
     the all-to-all), and the experts' outputs are combined, weighted, back on the token.
 
-    ``chosen`` and ``weights`` are (tokens, k) nested lists or tensors: the router's choice.
+    ``chosen`` and ``weights`` are (tokens, k) nested lists or tensors: the router's choice;
+    ``experts``: how many to draw (default: enough for every expert chosen).
     """
     chosen = [[int(e) for e in row] for row in chosen]
     weights = [[float(w) for w in row] for row in weights]
     tokens, k = len(chosen), len(chosen[0])
-    experts = max(max(row) for row in chosen) + 1
+    experts = max(experts or 0, max(max(row) for row in chosen) + 1)
     if experts_per_rank:
         experts = -(-experts // experts_per_rank) * experts_per_rank
-    fig = Figure(figsize=(8.4, 0.55 * max(tokens, experts) + 1.3), layout="constrained")
+    fig = Figure(figsize=(8.4, 0.45 * max(tokens, experts) + 1.0), layout="constrained")
     ax = fig.add_subplot()
     height = max(tokens, experts) + 0.6
     _frame(ax, 10, height, f"a mixture-of-experts layer: {tokens} tokens, {experts} experts, top-{k}")
@@ -63,7 +64,7 @@ def moe_layer_figure(chosen, weights, experts_per_rank: int | None = None) -> Fi
     for t in range(tokens):
         y = row_y(t, tokens)
         _box(ax, 0.1, y + 0.1, 1.2, 0.8, f"token {t}", token_colours(t % 8))
-        ranked = ", ".join(f"E{e} {w:.1f}" for e, w in zip(chosen[t], weights[t]))
+        ranked = ", ".join(f"E{e} {w:.2f}" for e, w in zip(chosen[t], weights[t]))
         _box(ax, 2.0, y + 0.1, 2.0, 0.8, f"top-{k}: {ranked}", "white", fontsize=7)
         _arrow(ax, (1.3, y + 0.5), (2.0, y + 0.5))
     ax.text(3.0, height - 0.15, "router: softmax(x W), keep top k", ha="center", va="top", fontsize=7)
@@ -95,19 +96,19 @@ def tp_split_figure(tp: int = 2, heads: int = 4) -> Figure:
     holds, and where the one all-reduce of each sits (forward)."""
     if heads % tp:
         raise ValueError(f"tp={tp} must divide heads={heads}")
-    fig = Figure(figsize=(9, 1.0 + 1.0 * tp), layout="constrained")
+    fig = Figure(figsize=(9, 0.9 + 0.65 * tp), layout="constrained")
     mlp_ax, attn_ax = fig.subplots(1, 2)
     height = tp + 0.7
-    _frame(mlp_ax, 10, height, "MLP: A split by columns, B by rows")
-    _frame(attn_ax, 10, height, f"attention: {heads} heads, {heads // tp} per rank")
+    _frame(mlp_ax, 10, height, f"MLP, tp = {tp}: A split by columns, B by rows")
+    _frame(attn_ax, 10, height, f"attention, tp = {tp}: {heads} heads, {heads // tp} per rank")
     per_rank = heads // tp
     for r in range(tp):
         y = height - 0.2 - (r + 1) + 0.1
         colour = _RANK_COLOURS(r % 10)
         # MLP: X (whole, on every rank) -> X A_r (h x 4h/tp) -> GeLU -> Z_r B_r (4h/tp x h) -> partial Y_r
         _box(mlp_ax, 0.1, y, 1.0, 0.8, "X")
-        _box(mlp_ax, 1.6, y, 2.2, 0.8, f"GeLU(X A{r})\nA{r}: h × 4h/{tp}", colour, fontsize=7)
-        _box(mlp_ax, 4.3, y, 2.2, 0.8, f"Z{r} B{r}\nB{r}: 4h/{tp} × h", colour, fontsize=7)
+        _box(mlp_ax, 1.6, y, 2.2, 0.8, f"GeLU(X A{r})\nA{r}: h × 4h/tp", colour, fontsize=7)
+        _box(mlp_ax, 4.3, y, 2.2, 0.8, f"Z{r} B{r}\nB{r}: 4h/tp × h", colour, fontsize=7)
         _arrow(mlp_ax, (1.1, y + 0.4), (1.6, y + 0.4))
         _arrow(mlp_ax, (3.8, y + 0.4), (4.3, y + 0.4))
         _arrow(mlp_ax, (6.5, y + 0.4), (7.2, height / 2))
