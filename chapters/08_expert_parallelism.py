@@ -51,6 +51,7 @@ from ultrascale.model import GPT, MLP, GPTConfig, active_params, count_params
 from ultrascale.moe import MoE, apply_experts, auxiliary_loss, grouped_mlp, update_selection_bias
 from ultrascale.parallel.expert_parallel import apply_ep, dispatch_plan, expert_parameter_names, local_experts
 from ultrascale.parity.expert_runs import assert_ep_matches, ep_rank_run, layer_traffic, moe_model, one_process_run
+from ultrascale.viz.diagrams import moe_layer_figure
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)
@@ -111,6 +112,17 @@ by_token = torch.stack([sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weight
 torch.testing.assert_close(moe.experts_forward(x, chosen, weights), by_token)
 assert torch.allclose(weights.sum(-1), torch.ones(len(x)))
 print("tokens gathered per expert = a loop over tokens; top-2 weights sum to 1")
+
+# %% [markdown]
+# The first four of those tokens, drawn: the router picks two experts for each and weights them
+# (an untrained router weights its two picks almost equally; the thicker the line, the larger the
+# weight); dispatch sends the token to both; each expert runs on the tokens it received; combine
+# adds the weighted outputs back on the token. The experts
+# are coloured by the rank that holds them under EP (section 4), where dispatch and combine
+# become the two all-to-alls.
+
+# %%
+moe_layer_figure(chosen[:4], weights[:4], experts=E, experts_per_rank=E // EP)
 
 # %% [markdown]
 # ## 3. One dispatch, by hand
