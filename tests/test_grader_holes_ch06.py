@@ -219,7 +219,8 @@ def test_ulysses_refuses_no_way_back_own_tokens_wrong_order_group_gradient_and_g
     def gathers_the_sequence(q, k, v, group):   # the all-gather variant: right answer, more bytes
         k, v = (gather_from_sequence_region(t, dim=2, group=group) for t in (k, v))
         r, s = dist.get_rank(group), q.shape[2]
-        mask = torch.arange(k.shape[2])[None, :] <= (r * s + torch.arange(s))[:, None]
+        keys, queries = torch.arange(k.shape[2], device=q.device), torch.arange(s, device=q.device)
+        mask = keys[None, :] <= (r * s + queries)[:, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def library(q, k, v, group):

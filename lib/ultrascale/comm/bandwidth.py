@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .logger import wait_for_device
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -106,15 +107,14 @@ def time_collective(fn: Callable[[], object], iters: int = 10, warmup: int = 2, 
     CUDA ``device`` the GPU is synchronized, since kernels return before they finish.
     """
     device = torch.device(device or "cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
-    sync()
+    wait_for_device(device)
     dist.barrier(group=group)
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    sync()
+    wait_for_device(device)
     return _max_over_ranks((time.perf_counter() - start) / iters, group, device)
 
 

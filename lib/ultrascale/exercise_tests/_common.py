@@ -55,11 +55,12 @@ def tp_group(ctx, split):
                           f"pass group=group, or it sums over the wrong ranks)")
 
 
-def randn(shape, seed: int, *salt: int, device=None) -> torch.Tensor:
-    """A float32 tensor drawn from a generator seeded by ``seed`` and ``salt``, on the host, then
-    moved to ``device`` (a rank passes ``ctx.device``): the same values on every device."""
+def randn(shape, seed: int, *salt: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """A tensor (float32 unless ``dtype`` says) drawn from a generator seeded by ``seed`` and
+    ``salt``, on the host, then moved to ``device`` (a rank passes ``ctx.device``): the same
+    values on every device."""
     mixed = seed * 1_000_003 + sum((i + 1) * 7919 * s for i, s in enumerate(salt))
-    return torch.randn(shape, generator=torch.Generator().manual_seed(mixed)).to(device)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(mixed), dtype=dtype).to(device)
 
 
 def collectives(log) -> list:

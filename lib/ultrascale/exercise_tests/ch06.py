@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ultrascale.exercise_tests._common import randn
 from ultrascale.exercise_tests._groups import Split
 from ultrascale.grading import exercise
 from ultrascale.parity import max_difference, tolerance
@@ -75,9 +76,8 @@ TOL = tolerance(None, DT)
 
 
 def _randn(shape, seed: int, *salt: int, device=None) -> torch.Tensor:
-    """Drawn on the host, then moved to ``device`` (a rank passes ``ctx.device``)."""
-    mixed = seed * 1_000_003 + sum((i + 1) * 7919 * s for i, s in enumerate(salt))
-    return torch.randn(shape, generator=torch.Generator().manual_seed(mixed), dtype=DT).to(device)
+    """``_common.randn`` in this chapter's float64."""
+    return randn(shape, seed, *salt, device=device, dtype=DT)
 
 
 def _close(got, want) -> bool:
