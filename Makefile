@@ -9,7 +9,7 @@ WORLD_SIZE ?= 3
 TORCH_OLDEST := 2.11.0
 COMPAT_VENV ?= $(HOME)/.cache/ultrascale/venv-torch-$(TORCH_OLDEST)
 
-.PHONY: setup lab lab-headless test test-gpu test-compat test-fast notebooks batch bench exercises grade progress site clean
+.PHONY: setup lab lab-headless test test-gpu test-compat test-fast busy-check notebooks batch bench exercises grade progress site clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml launch/setup.sh
 	bash launch/setup.sh
@@ -32,6 +32,9 @@ test-gpu: $(STAMP)  ## on a GPU node: the GPU tests, every chapter with one rank
 test-compat:    ## the library's tests and every chapter (papermill, QUICK) under the oldest supported torch
 	VENV=$(COMPAT_VENV) TORCH_VERSION=$(TORCH_OLDEST) TORCH_FRESH=1 bash launch/setup.sh
 	VENV=$(COMPAT_VENV) bash launch/test_compat.sh
+
+busy-check: $(STAMP)  ## the timing chapters (07 a0 02 05 06 10) N times each beside another chapter's run, QUICK, WORLD_SIZE 3; a pass/fail table: make busy-check N=1 CHAPTERS="07 10"
+	$(PY) launch/busy_check.py --repeats $(or $(N),5) $(CHAPTERS)
 
 notebooks: $(STAMP)  ## re-execute the chapters and save their outputs (the nbval reference)
 	$(PY) launch/build_notebooks.py
