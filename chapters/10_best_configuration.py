@@ -143,7 +143,8 @@ for label, request in requests.items():
 # cannot hide; the bubble `(pp-1)/(v·gas)`. Links are NVLink (450 GB/s) inside a node and
 # InfiniBand (50 GB/s per GPU) across nodes, as in A3. Traffic that hides is charged nothing,
 # which flatters every layout that overlaps (the fact below, also in appendix A3); the assumed 70%
-# is where that cost, among others, must go (section 7 holds it against measured runs). The top layouts for Llama 3 8B on 8 nodes:
+# is where that cost, among others, must go (section 7 holds it against measured runs). The
+# top layouts for Llama 3 8B on 8 nodes:
 
 # %%
 print(facts.OVERLAP_ON_GPUS)
