@@ -370,13 +370,12 @@ def test_the_exercise_texts_state_the_contract_and_each_allowance():
                 exercise_id, name)
 
 
-def test_the_graders_ranks_follow_a_gpu_nodes_rules_by_default(monkeypatch, sol):
-    """grading_cluster: both strict modes on unless the environment turns one off, so a receive
-    buffer of the wrong dtype is named as such, not as gloo's 'Connection reset by peer'."""
+def test_the_graders_ranks_under_strict_p2p_name_a_receive_buffer_of_the_wrong_dtype(monkeypatch, sol):
+    """grading_cluster in strict p2p mode: a receive buffer of the wrong dtype is named as such,
+    not as gloo's 'Connection reset by peer'."""
     import torch.distributed as dist
 
-    monkeypatch.delenv("ULTRASCALE_STRICT_P2P", raising=False)
-    monkeypatch.delenv("ULTRASCALE_STRICT_DEVICE", raising=False)
+    monkeypatch.setenv("ULTRASCALE_STRICT_P2P", "1")   # as make test grades, and a learner may ask
     merge = sol["merge_attention"]
 
     def ring_step_float32_buffer(q, kv, out, lse, attend, group, last):

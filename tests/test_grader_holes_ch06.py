@@ -155,7 +155,7 @@ def test_ring_step_refuses_no_overlap_gathers_and_lost_merges(ch06):
     _fails(check(exercise, compute_then_post), "attend ran before the transfer was posted")
     _fails(check(exercise, all_gather), "called dist.all_gather_into_tensor", "point-to-point")
     _fails(check(exercise, forgets_the_merge), "step 1", "this block's attention alone")
-    _fails(check(exercise, receives_into_kv), "new buffer")
+    _fails(check(exercise, receives_into_kv), "changed its argument `kv`", "work on a copy")   # the contract
     _fails(check(exercise, sends_at_the_last_step), "the last step", "nothing left to send")
     assert check(exercise, ch06["ring_step"]).status == PASS
 
