@@ -26,7 +26,9 @@ def _layouts_without(rule):
         sequences = global_batch_tokens // seq
         divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
         found = set()
-        for tp in divisors(gpus if rule == "tp within a node" else gpus_per_node):
+        powers_of_two = [t for t in (1, 2, 4, 8, 16) if gpus_per_node % t == 0]   # nodes of 4 or 8, surely
+        for tp in (powers_of_two if rule == "tp a power of two"
+                   else divisors(gpus if rule == "tp within a node" else gpus_per_node)):
             if heads % tp or (rule != "kv heads" and kv_heads % tp):
                 continue
             for pp in divisors(gpus):

@@ -147,26 +147,9 @@ def test_a_bubble_from_sums_of_ends_and_starts_fails_on_wall_clock_times():
 
 
 def test_layouts_with_tp_a_power_of_two_fail_on_a_node_of_six():
-    def layouts(gpus, global_batch_tokens, seq, layers, heads, kv_heads, gpus_per_node=8):
-        if global_batch_tokens % seq:
-            raise ValueError("not a whole number of sequences")
-        sequences = global_batch_tokens // seq
-        divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
-        found = set()
-        for tp in (1, 2, 4, 8, 16):                  # nodes have 4 or 8 GPUs, don't they
-            if gpus_per_node % tp or heads % tp or kv_heads % tp:
-                continue
-            for pp in divisors(gpus):
-                for cp in divisors(gpus):
-                    if gpus % (tp * pp * cp) or pp > layers or (cp > 1 and seq % (2 * cp)):
-                        continue
-                    dp = gpus // (tp * pp * cp)
-                    if sequences % dp:
-                        continue
-                    for mbs in divisors(sequences // dp):
-                        found.add((dp, tp, pp, cp, mbs, sequences // (dp * mbs)))
-        return found
+    from test_grader_holes_ch10 import _layouts_without
 
+    layouts = _layouts_without("tp a power of two")
     _fails(check("10.enumerate", layouts), "gpus_per_node=6", "is missing", "not only a power of two")
 
 
