@@ -392,3 +392,17 @@ def test_the_graders_ranks_under_strict_p2p_name_a_receive_buffer_of_the_wrong_d
 
     _fails(check("06.ring_step", ring_step_float32_buffer, quick=True), "MessageMismatch", "torch.float32",
            "must agree on shape and dtype")
+
+
+def test_a_count_read_off_the_librarys_built_model_is_refused():
+    """01.param_count: building the course GPT (on the meta device it costs nothing) and summing
+    its parameters answers without counting; the model's classes are refused while it runs."""
+    from ultrascale.model import GPT, GPTConfig
+
+    def gpt_param_count(hidden, vocab, layers, tied=True):
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=vocab, hidden=hidden, layers=layers, heads=1))   # tied
+        return sum(p.numel() for p in model.parameters()) + (0 if tied else hidden * vocab)
+
+    _fails(check("01.param_count", gpt_param_count, quick=True), "ultrascale.model.GPT", "compute it yourself")
+    GPT(GPTConfig(vocab_size=8, hidden=4, layers=1, heads=1))   # built again once the check is over

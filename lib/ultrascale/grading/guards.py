@@ -49,11 +49,16 @@ def forbid_library(functions: Iterable[Callable], exercise_id: str, hint: str = 
     The function objects themselves are changed (their code is swapped for one that
     raises, and put back on exit), so the refusal reaches every name they are known
     by: ``from ultrascale.model import count_params`` in a notebook included. Only
-    plain module-level functions (no closure) can be forbidden.
+    plain module-level functions (no closure) can be forbidden, and classes: building
+    one (its ``__init__``, and so its subclasses') is refused.
     """
-    saved = []
+    saved, classes = [], []
     try:
         for fn in dict.fromkeys(functions):
+            if isinstance(fn, type):   # a class: building one is refused (its __init__ is swapped)
+                classes.append((fn, fn.__dict__.get("__init__")))
+                fn.__init__ = _refusing_init(_forbidden_message(fn, exercise_id, hint))
+                continue
             if fn.__closure__ is not None:
                 raise TypeError(f"cannot forbid {fn.__qualname__}: it is a closure")
             saved.append((fn, fn.__code__))
@@ -62,6 +67,18 @@ def forbid_library(functions: Iterable[Callable], exercise_id: str, hint: str = 
     finally:
         for fn, code in reversed(saved):
             fn.__code__ = code
+        for cls, init in reversed(classes):
+            if init is None:
+                del cls.__init__   # it inherited its __init__: inherit it again
+            else:
+                cls.__init__ = init
+
+
+def _refusing_init(message: str):
+    def refuse(self, *args, **kwargs):
+        raise ForbiddenCall(message)
+
+    return refuse
 
 
 def without_library(learner_fn: Callable, functions: Iterable[Callable], exercise_id: str,
