@@ -46,6 +46,8 @@ def moe_layer_figure(chosen, weights, experts: int | None = None, experts_per_ra
     ``chosen`` and ``weights`` are (tokens, k) nested lists or tensors: the router's choice;
     ``experts``: how many to draw (default: enough for every expert chosen).
     """
+    if hasattr(weights, "detach"):   # a router's weights carry autograd: read plain numbers
+        weights = weights.detach()
     chosen = [[int(e) for e in row] for row in chosen]
     weights = [[float(w) for w in row] for row in weights]
     tokens, k = len(chosen), len(chosen[0])
