@@ -93,6 +93,16 @@ def moe_layer_figure(chosen, weights, experts: int | None = None, experts_per_ra
 
 
 # ---- chapter 04: tensor parallelism's two splits ------------------------------------------
+def _tp_row(ax, y: float, height: float, colour, first: str, second: str) -> None:
+    """One rank's row: X, its column-parallel piece, its row-parallel piece, an arrow to the sum."""
+    _box(ax, 0.1, y, 1.0, 0.8, "X")
+    _box(ax, 1.6, y, 2.2, 0.8, first, colour, fontsize=7)
+    _box(ax, 4.3, y, 2.2, 0.8, second, colour, fontsize=7)
+    _arrow(ax, (1.1, y + 0.4), (1.6, y + 0.4))
+    _arrow(ax, (3.8, y + 0.4), (4.3, y + 0.4))
+    _arrow(ax, (6.5, y + 0.4), (7.2, height / 2))
+
+
 def tp_split_figure(tp: int = 2, heads: int = 4) -> Figure:
     """The MLP and attention of one block under TP: which slice of each weight every rank
     holds, and where the one all-reduce of each sits (forward)."""
@@ -108,21 +118,10 @@ def tp_split_figure(tp: int = 2, heads: int = 4) -> Figure:
         y = height - 0.2 - (r + 1) + 0.1
         colour = _RANK_COLOURS(r % 10)
         # MLP: X (whole, on every rank) -> X A_r (h x 4h/tp) -> GeLU -> Z_r B_r (4h/tp x h) -> partial Y_r
-        _box(mlp_ax, 0.1, y, 1.0, 0.8, "X")
-        _box(mlp_ax, 1.6, y, 2.2, 0.8, f"GeLU(X A{r})\nA{r}: h × 4h/tp", colour, fontsize=7)
-        _box(mlp_ax, 4.3, y, 2.2, 0.8, f"Z{r} B{r}\nB{r}: 4h/tp × h", colour, fontsize=7)
-        _arrow(mlp_ax, (1.1, y + 0.4), (1.6, y + 0.4))
-        _arrow(mlp_ax, (3.8, y + 0.4), (4.3, y + 0.4))
-        _arrow(mlp_ax, (6.5, y + 0.4), (7.2, height / 2))
+        _tp_row(mlp_ax, y, height, colour, f"GeLU(X A{r})\nA{r}: h × 4h/tp", f"Z{r} B{r}\nB{r}: 4h/tp × h")
         # attention: X -> q, k, v of this rank's heads -> attention per head -> out-projection rows
-        first = r * per_rank
-        names = ",".join(str(i) for i in range(first, first + per_rank))
-        _box(attn_ax, 0.1, y, 1.0, 0.8, "X")
-        _box(attn_ax, 1.6, y, 2.2, 0.8, f"q, k, v of\nheads {names}", colour, fontsize=7)
-        _box(attn_ax, 4.3, y, 2.2, 0.8, f"attention\n→ O{r} W_out,{r}", colour, fontsize=7)
-        _arrow(attn_ax, (1.1, y + 0.4), (1.6, y + 0.4))
-        _arrow(attn_ax, (3.8, y + 0.4), (4.3, y + 0.4))
-        _arrow(attn_ax, (6.5, y + 0.4), (7.2, height / 2))
+        names = ",".join(str(i) for i in range(r * per_rank, (r + 1) * per_rank))
+        _tp_row(attn_ax, y, height, colour, f"q, k, v of\nheads {names}", f"attention\n→ O{r} W_out,{r}")
     for ax, first, second in ((mlp_ax, "column-parallel", "row-parallel"),
                               (attn_ax, "heads split (columns)", "out-proj rows")):
         ax.text(0.6, 0.0, "X: whole\non every rank", ha="center", va="bottom", fontsize=6)
