@@ -23,7 +23,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 2  # ranks for the data-parallel training run of section 6 (1 or more)
-QUICK = True  # True: small sweeps and short runs, about a minute on 2 CPU cores; False: wider sweeps, more timing rounds, 200 training steps (longer)
+QUICK = True  # True: small sweeps and short runs, about 20 s on 2 CPU cores; False: wider sweeps, more timing rounds, 200 training steps (longer)
 SEED = 0
 
 # %%

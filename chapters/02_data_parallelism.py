@@ -24,7 +24,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # data-parallel ranks: any value of 2 or more works
-QUICK = True  # True: a small model, few timing steps, about a minute on 2 CPU cores; False: a larger model, more steps and repeats (longer)
+QUICK = True  # True: a small model, few timing steps, about 20 s on 2 CPU cores; False: a larger model, more steps and repeats (longer)
 SEED = 0
 
 # %%

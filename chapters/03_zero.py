@@ -23,7 +23,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # data-parallel ranks N_d: any value of at least 2 works (3 shows the padding)
-QUICK = True  # True: a small model and 3 steps, about a minute on 2 CPU cores; False: a larger model and 10 steps (longer)
+QUICK = True  # True: a small model and 3 steps, about 20 s on 2 CPU cores; False: a larger model and 10 steps (longer)
 SEED = 0
 
 # %%

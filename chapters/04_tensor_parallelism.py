@@ -28,7 +28,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; tp is the largest degree that divides it and fits the model (2, 3, 4, 6, ...)
-QUICK = True  # True: 3 steps and small matrices, about a minute on 2 CPU cores; False: 10 steps, larger matrices (longer)
+QUICK = True  # True: 3 steps and small matrices, about 10 s on 2 CPU cores; False: 10 steps, larger matrices (longer)
 SEED = 0
 
 # %%

@@ -34,7 +34,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; tp is the largest degree that divides it and the model (2, 3 and 4 all work)
-QUICK = True  # True: a small model and 3 steps, about a minute on 2 CPU cores; False: a larger model and 10 steps (longer)
+QUICK = True  # True: a small model and 3 steps, about 20 s on 2 CPU cores; False: a larger model and 10 steps (longer)
 SEED = 0
 
 # %%

@@ -43,7 +43,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks, all in one pipeline (p is WORLD_SIZE; 2, 3 and 4 all work)
-QUICK = True  # True: small sizes, about 45 s on 2 CPU cores; False: more steps, micro-batch counts and PyTorch schedules, a larger block (longer)
+QUICK = True  # True: small sizes, about 30 s on 2 CPU cores; False: more steps, micro-batch counts and PyTorch schedules, a larger block (longer)
 SEED = 0
 
 # %%

@@ -32,7 +32,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; ep divides it (2, 3 and 4 all work: E is a multiple of WORLD_SIZE)
-QUICK = True  # True: small timing sizes, about 45 s on 2 CPU cores; False: larger sizes and more repeats (longer)
+QUICK = True  # True: small timing sizes, about 15 s on 2 CPU cores; False: larger sizes and more repeats (longer)
 SEED = 0
 
 # %%

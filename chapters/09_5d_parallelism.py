@@ -28,7 +28,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; 4 gives four 2 x 2 factorisations, 8 gives dp 2 x pp 2 x tp 2
-QUICK = True  # True: fewer factorisations and 4 steps, about 45 s on 2 CPU cores; False: more of them and 10 steps (longer)
+QUICK = True  # True: fewer factorisations and 4 steps, about 15 s on 2 CPU cores; False: more of them and 10 steps (longer)
 SEED = 0
 
 # %%

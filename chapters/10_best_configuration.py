@@ -30,7 +30,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks for the calibration (2 and 4 work; TP needs it to divide the 4 heads)
-QUICK = True  # True: fewer timing rounds, about 45 s on 2 CPU cores; False: more rounds and repeats (longer)
+QUICK = True  # True: fewer timing rounds, about 25 s on 2 CPU cores; False: more rounds and repeats (longer)
 SEED = 0
 
 # %%

@@ -29,7 +29,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # kept so every chapter takes the same parameters; this one runs in a single process
-QUICK = True  # True: small sizes, about a minute on 2 CPU cores; False: larger sizes and longer sequences (longer)
+QUICK = True  # True: small sizes, about 20 s on 2 CPU cores; False: larger sizes and longer sequences (longer)
 SEED = 0
 
 # %% [markdown]

@@ -31,7 +31,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 1  # accepted like every chapter's, and unused: precision is a one-process matter
-QUICK = True  # True: a small model, short runs, about a minute on 2 CPU cores; False: a larger model, 150 steps, more GEMM sizes (longer)
+QUICK = True  # True: a small model, short runs, about 20 s on 2 CPU cores; False: a larger model, 150 steps, more GEMM sizes (longer)
 SEED = 0
 
 # %% [markdown]

@@ -26,7 +26,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 3  # number of ranks; the book's examples use 3, anything from 2 to about 8 works
-QUICK = True  # True: small sizes, short sleeps, about a minute on 2 CPU cores; False: larger sizes, 1 s sleeps, more repeats (longer)
+QUICK = True  # True: small sizes, short sleeps, about 20 s on 2 CPU cores; False: larger sizes, 1 s sleeps, more repeats (longer)
 SEED = 0
 
 # %%

@@ -21,7 +21,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 2  # ranks for the asynchronous collective and the distributed trace (2 or more)
-QUICK = True  # True: 15 repeats in the timing sections, about 45 s on 2 CPU cores; False: 50 repeats (longer)
+QUICK = True  # True: 15 repeats in the timing sections, about 5 s on 2 CPU cores; False: 50 repeats (longer)
 SEED = 0
 
 # %%

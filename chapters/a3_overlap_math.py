@@ -29,7 +29,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks for the calibration and the timelines (chapters 02 and 03 use 4 too)
-QUICK = True  # True: 3 repeats in the measurements, about 45 s on 2 CPU cores; False: 15 repeats (longer)
+QUICK = True  # True: 3 repeats in the measurements, about 10 s on 2 CPU cores; False: 15 repeats (longer)
 SEED = 0
 
 # %%

@@ -126,3 +126,25 @@ def test_the_gpu_self_test_says_so_without_a_gpu_and_plans_one_rank_per_gpu(caps
     assert plan["chapters"][plan["chapters"].index("--world-size") + 1] == "8"      # one rank per GPU
     assert launcher.commands(1, tmp_path)["chapters"][3] == "2"                      # one GPU: 2 ranks
     assert "gpu or multigpu" in plan["tests"] and "solutions" in plan["grader"]
+
+
+def test_each_chapters_stated_run_time_is_the_measured_one():
+    """Issue 54 item 8: the "about N s on 2 CPU cores" of each chapter's QUICK line is read off a
+    measured run (chapters/run_times.json, made by `launch/batch.py chapters --cpu-times ...` with
+    its provenance), within a factor of 2 either way: a guess 2-20x too high is what learners met."""
+    import json
+    import re
+    from pathlib import Path
+
+    chapters = Path(__file__).resolve().parents[1] / "chapters"
+    record = json.loads((chapters / "run_times.json").read_text())
+    assert record["device"].startswith("cpu") and record["parameters"]["QUICK"] is True, record["device"]
+    measured = {run["notebook"]: run["seconds"] for run in record["runs"] if run["status"] == "ok"}
+    assert {p.stem for p in chapters.glob("*.py")} == {Path(n).stem for n in measured}, "a chapter has no time"
+    for source in sorted(chapters.glob("*.py")):
+        line = next(l for l in source.read_text().splitlines() if l.startswith("QUICK = True"))
+        stated = re.search(r"about (\d+) s on 2 CPU cores", line)
+        assert stated, f"{source.name}: its QUICK line states no 'about N s on 2 CPU cores': {line}"
+        ratio = int(stated.group(1)) / measured[source.stem + ".ipynb"]
+        assert 0.5 <= ratio <= 2, (f"{source.name} says about {stated.group(1)} s; it took "
+                                   f"{measured[source.stem + '.ipynb']} s in the recorded run")
