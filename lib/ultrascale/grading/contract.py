@@ -64,18 +64,21 @@ STRICT = Contract()
 # Exercise id -> what its functions may do beyond the strict contract. The exercise's text in
 # solutions/ says the same (tests/test_contract.py checks that each named argument exists).
 CONTRACTS: dict[str, Contract] = {
+    "00.mean_across_ranks": Contract(collectives=("all_reduce",)),
     # leaves the batch's gradient in .grad; the test counts the forward passes, so one call only
     "01.grad_accumulation": Contract(updates=("model.grad",), repeat=False),
-    "02.assign_buckets": Contract(returns_inputs=True, iterables=("params",)),  # groups the caller's own
-    "03.flatten_padded": Contract(iterables=("tensors",)),                      # parameters
-    "00.mean_across_ranks": Contract(collectives=("all_reduce",)),
-    # the step writes the new weights
+    # the buckets hold the caller's own parameters, which may come from model.parameters()
+    "02.assign_buckets": Contract(returns_inputs=True, iterables=("params",)),
+    "03.flatten_padded": Contract(iterables=("tensors",)),
+    # the step writes the new weights into the parameters and the master slice
     "03.zero1_step": Contract(updates=("params", "master"), collectives=("reduce_scatter", "all_gather")),
     "06.ulysses_attention": Contract(collectives=("all_to_all|all_to_all_single",)),
+    # the first stage's input is the caller's tensor, returned as the stage input
+    "07.stage_step": Contract(returns_inputs=True),
+    # W adds to the weights' .grad
+    "07.split_backward": Contract(updates=("params.grad",)),
     "08.split_sizes": Contract(collectives=("all_to_all|all_to_all_single",)),
     "08.dispatch_combine": Contract(collectives=("all_to_all|all_to_all_single",)),
-    "07.stage_step": Contract(returns_inputs=True),                  # the first stage's input is the caller's
-    "07.split_backward": Contract(updates=("params.grad",)),         # W adds to the weights' .grad
     "10.memory_filter": Contract(iterables=("configs",)),
     "a1.launched_by": Contract(iterables=("events",)),
     "a1.communication_overlap": Contract(iterables=("compute", "communication")),
