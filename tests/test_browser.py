@@ -210,7 +210,7 @@ def test_landing_page_is_chapter_00(session, learner):
     learner.wait(lambda: learner.js(heading + " !== null"), 60, "chapter 00's title to render")
     title = learner.js(heading + ".innerText")
     assert "Orientation" in title, title
-    learner.wait_idle(90, "chapter 00's kernel to start")
+    learner.wait_idle(180, "chapter 00's kernel to start")
     learner.screenshot("01_landing_page")
 
 
@@ -235,7 +235,7 @@ def _open_from_file_browser(learner, path: str, cells: int) -> None:
                         30, f"{name} in the file browser")
     ActionChains(learner.driver).double_click(item[0]).perform()
     _wait_document(learner, path, cells, "opened from the file browser")
-    learner.wait_idle(90, f"{path}'s kernel to start")
+    learner.wait_idle(180, f"{path}'s kernel to start")
 
 
 def _lab_is_alone(session) -> bool:
@@ -410,7 +410,7 @@ def test_walk_from_the_map_to_recorded_progress(session, learner, tmp_path):
         # 1. the landing page, the learner's chapter 00: its map's link to chapter 04 opens it
         session.driver.get(session.lab.url("/"))
         _wait_document(learner, "work/" + ORIENTATION, len(session.notebook(ORIENTATION)["cells"]), "the landing page")
-        learner.wait_idle(120, "chapter 00's kernel to start")   # the lab has settled
+        learner.wait_idle(180, "chapter 00's kernel to start")   # the lab has settled
         the_map = (f"[...document.querySelectorAll({NOTEBOOK!r} + ' .jp-RenderedMarkdown')].find(m => "
                    "[...m.querySelectorAll('table a')].some(a => a.innerText.trim() === '04'))")
         _click_link(learner, the_map, "04_tensor_parallelism.ipynb", "chapter 00's map to link to chapter 04")
@@ -424,7 +424,7 @@ def test_walk_from_the_map_to_recorded_progress(session, learner, tmp_path):
         _click_link(learner, your_turn, "04_tensor_parallelism_exercises.ipynb", "chapter 04's Your turn link")
         notebook = session.notebook("exercises/04_tensor_parallelism_exercises.ipynb")
         _wait_document(learner, WALK_EXERCISES, len(notebook["cells"]), "Your turn's link")
-        learner.wait_idle(120, "the exercise notebook's kernel to start")
+        learner.wait_idle(180, "the exercise notebook's kernel to start")
         learner.screenshot("walk_2_exercises_from_your_turn")
 
         # 3. the first cells, a wrong answer (fails), the right one (passes), saved

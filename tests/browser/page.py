@@ -58,7 +58,7 @@ class Learner:
         return self.driver.execute_script(script, *args)
 
     # ---- notebooks ------------------------------------------------------------------------
-    def open(self, path: str, cells: int, timeout: float = 90) -> None:
+    def open(self, path: str, cells: int, timeout: float = 180) -> None:
         """Open ``path`` in a fresh workspace and wait for its ``cells`` cells and an idle kernel."""
         self.driver.get(self.lab.url(f"/lab/tree/{path}?reset"))
         self.wait(lambda: len(self.cells()) == cells, timeout, f"the {cells} cells of {path}")
