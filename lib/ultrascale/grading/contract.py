@@ -108,23 +108,24 @@ def guard_objects(exercise_id: str, objects: tuple, kwargs: dict) -> tuple[tuple
 def guarded(fn: Callable, exercise_id: str, contract: Contract = STRICT) -> Callable:
     """``fn`` held to ``contract`` on every call (see the module's docstring)."""
     state = {"first": True}
+    signature = inspect.signature(fn)   # read once: the wrapper runs on every call
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        named = _named_arguments(fn, args, kwargs)
+        named = _named_arguments(signature, args, kwargs)
         repeat_with = None
         if state["first"] and contract.repeat and not _on_a_rank() and not _any_callable(named):
             repeat_with = _copied(args, kwargs)
         state["first"] = False
         before = {name: _snapshot(value, grads=f"{name}.grad" not in contract.updates)
                   for name, value in named.items() if name not in contract.updates}
-        defaults_before = _snapshot(_mutable_defaults(fn))
+        defaults_before = _snapshot(_mutable_defaults(signature))
         who = f"{exercise_id}: your `{getattr(fn, '__name__', 'function')}`"
         if contract.collectives and _on_a_rank():
             result = _with_signature(who, contract.collectives, fn, args, kwargs)
         else:
             result = fn(*args, **kwargs)
-        _check_defaults(who, fn, defaults_before)
+        _check_defaults(who, signature, defaults_before)
         for name, snap in before.items():
             change = _difference(snap, named[name])
             if change:
@@ -135,8 +136,10 @@ def guarded(fn: Callable, exercise_id: str, contract: Contract = STRICT) -> Call
                        else ""))
         if not contract.returns_inputs:
             _check_new_storage(who, result, named)
-        if repeat_with is not None:   # checked once the exercise's own cases have passed (see below)
-            call.deferred.append(functools.partial(_check_repeat, who, fn, result, repeat_with, contract))
+        if repeat_with is not None:   # checked once the exercise's own cases have passed (see below);
+            # the result as it was returned, before the exercise's test could touch it
+            call.deferred.append(functools.partial(_check_repeat, who, fn, signature, _snapshot(result),
+                                                   repeat_with, contract))
         return result
 
     call.deferred = []
@@ -154,14 +157,14 @@ def run_deferred(objects: tuple, kwargs: dict) -> None:
 
 # ---- what a call changed ----------------------------------------------------------------
 
-def _named_arguments(fn, args, kwargs) -> dict:
+def _named_arguments(signature: inspect.Signature, args, kwargs) -> dict:
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
     except (TypeError, ValueError):  # the call itself will say what is wrong
         return {f"#{i}": a for i, a in enumerate(args)} | dict(kwargs)
     named = {}
     for name, value in bound.arguments.items():
-        kind = inspect.signature(fn).parameters[name].kind
+        kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_POSITIONAL:
             named.update({f"{name}[{i}]": v for i, v in enumerate(value)})
         elif kind is inspect.Parameter.VAR_KEYWORD:
@@ -293,15 +296,14 @@ def _names(names) -> str:
 
 # ---- mutable defaults -------------------------------------------------------------------
 
-def _mutable_defaults(fn) -> dict:
-    params = inspect.signature(fn).parameters.values() if callable(fn) else ()
-    return {p.name: p.default for p in params
+def _mutable_defaults(signature: inspect.Signature) -> dict:
+    return {p.name: p.default for p in signature.parameters.values()
             if p.default is not inspect.Parameter.empty
             and isinstance(p.default, (list, dict, set, torch.Tensor, torch.nn.Module))}
 
 
-def _check_defaults(who: str, fn, before) -> None:
-    now = _mutable_defaults(fn)
+def _check_defaults(who: str, signature: inspect.Signature, before) -> None:
+    now = _mutable_defaults(signature)   # its defaults are the function's own objects
     for name, snap in before[1].items():
         if _difference(snap, now[name]):
             raise AssertionError(
@@ -409,19 +411,20 @@ def _copied(args, kwargs):
         return None
 
 
-def _check_repeat(who, fn, first, repeat_with, contract: Contract) -> None:
+def _check_repeat(who, fn, signature, first, repeat_with, contract: Contract) -> None:
+    """``first``: the snapshot of the first call's result, taken when it returned."""
     args, kwargs = repeat_with
     again = fn(*copy.deepcopy(args), **copy.deepcopy(kwargs))
-    change = _difference(_snapshot(first), again)
-    if change or (_snapshot(first) is None and _snapshot(again) is not None):
+    change = _difference(first, again)
+    if change or (first is None and _snapshot(again) is not None):
         raise AssertionError(
             f"{who} returned something else when called a second time with the same inputs (the result"
             f"{change or ' changed'}). A function's answer must depend on its inputs alone: does it keep "
             "state between calls, in a global, a cache or a counter?")
     if not contract.iterables:
         return
-    named = _named_arguments(fn, args, kwargs)
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    named = _named_arguments(signature, args, kwargs)
+    bound = signature.bind(*args, **kwargs)
     for name in contract.iterables:
         if name in named:
             bound.arguments[name] = iter(list(named[name]))
@@ -432,7 +435,7 @@ def _check_repeat(who, fn, first, repeat_with, contract: Contract) -> None:
             f"{who} raised {type(err).__name__}: {err} when {_names(contract.iterables)} came as a generator "
             "instead of a list. A caller may pass any iterable there: go through it once, or make a list of "
             "it first (`list(...)`)") from err
-    change = _difference(_snapshot(first), lazy)
+    change = _difference(first, lazy)
     if change:
         raise AssertionError(
             f"{who} returned something else when {_names(contract.iterables)} came as a generator instead of a "
