@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -324,7 +325,10 @@ class Processes:
             except psutil.Error:
                 continue   # gone meanwhile
             total += uss
-            counted[pid] = f"{uss / 2**20:.0f} MiB {command[:90]}"
+            # the interpreter's path said once as "python": a clone's path (/check/work/main/.venv/...)
+            # must not push what the command runs past the cut
+            command = command.replace(sys.executable, "python")
+            counted[pid] = f"{uss / 2**20:.0f} MiB {command[:160]}"
         return total / 2**20, counted
 
     def stop_watching(self) -> None:
