@@ -7,6 +7,8 @@ in this mode in ``make test`` (tests/test_notebooks.py's papermill runs, the gra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -185,3 +187,74 @@ def test_a_learner_buffer_left_on_the_host_fails_its_check_in_strict_mode(ch03, 
     assert result.status == FAIL and "strict device" in result.message, result
     assert "made on the host at `zero1_step` line" in result.message, result.message
     # (the solution passes in strict mode: the graded course, tests/conftest.py, grades it so)
+
+
+# ------------------------------------------------------------------ device work timed on the device
+# Issue 52 item 4: a CUDA call returns when its kernels are queued, so a clock read around device
+# work without a synchronize times the launch. Every function of the course that reads a clock
+# twice (a timed region) must wait for the device inside it, through one of these, or be listed
+# below as timing host work only, with the reason. (Module-level cells are not scanned: the
+# chapters time device work in functions, and a1 times a launch on purpose, to show the trap.)
+CLOCK_READS = {"perf_counter", "perf_counter_ns", "time", "monotonic"}
+DEVICE_WAITS = {"wait_for_device", "synchronize", "sync", "_sync_if_cuda", "elapsed_time", "do_bench"}
+HOST_ONLY_FOLDERS = ("lib/ultrascale/runtime/", "launch/")   # processes and pipes, never tensors
+HOST_ONLY = {
+    "benchmarks/bench_kernels.py::wall_ms": "the interpreter's timer: on a GPU, timer() uses do_bench",
+    "benchmarks/bench_runtime.py::spawn_per_call": "process starts",
+    "benchmarks/bench_runtime.py::main": "cluster starts and calls",
+    "benchmarks/bench_send_recv.py::exchanges": "gloo on host tensors (its Cluster is backend='gloo')",
+    "chapters/01_one_gpu.py::fwd_bwd_seconds": "CPU autocast: the recomputation price on this CPU",
+    "chapters/11_gpu_kernels.py::wall_ms": "CPU timings; on a GPU the chapter uses triton.testing",
+    "chapters/11_gpu_kernels.py::strided_read_ms": "a host buffer's strided reads",
+    "chapters/a0_collectives.py::example_barrier": "host sleeps around a barrier",
+    "chapters/a1_profiling.py::time_async_all_reduce": "a gloo all-reduce's launch, measured on purpose",
+    "lib/ultrascale/parallel/pipeline_parallel.py::_compute": "sleeps that stand in for compute",
+}
+
+
+def _timed_functions():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    files = subprocess.run(["git", "ls-files", "lib/*.py", "benchmarks/*.py", "chapters/*.py", "launch/*.py"],
+                           cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    for path in files:
+        if "/grading/" not in path and "/exercise_tests/" not in path:   # the grader times no device
+            yield from _timed_in(path, (root / path).read_text())
+
+
+def _timed_in(path: str, source: str):
+    """(path::function, line, waits for the device) of each function reading a clock twice."""
+    import ast
+
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            nested = {id(n) for inner in ast.walk(fn) if inner is not fn
+                      and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                      for n in ast.walk(inner)}
+            called = [n.func for n in ast.walk(fn) if isinstance(n, ast.Call) and id(n) not in nested]
+            clocks = [f for f in called if isinstance(f, ast.Attribute) and f.attr in CLOCK_READS
+                      and isinstance(f.value, ast.Name) and f.value.id == "time"]
+            if len(clocks) >= 2:
+                names = {f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None) for f in called}
+                yield f"{path}::{fn.name}", fn.lineno, bool(names & DEVICE_WAITS)
+
+
+def test_the_timing_scan_tells_a_launch_from_the_work():
+    """The scan below on planted code: a matmul timed bare is flagged, timed with a wait it is not."""
+    bare = "import time\ndef step(x):\n    start = time.perf_counter()\n    x @ x\n    return time.perf_counter() - start\n"
+    waited = bare.replace("    return", "    wait_for_device(x.device)\n    return")
+    assert list(_timed_in("planted.py", bare)) == [("planted.py::step", 2, False)]
+    assert list(_timed_in("planted.py", waited)) == [("planted.py::step", 2, True)]
+
+
+def test_every_timed_region_waits_for_the_device():
+    timed = list(_timed_functions())
+    assert len(timed) > 20, f"the scan found only {len(timed)} timed functions: is it still looking?"
+    unsynced = [f"{name} (line {line})" for name, line, waits in timed
+                if not waits and name not in HOST_ONLY and not name.startswith(HOST_ONLY_FOLDERS)]
+    assert not unsynced, ("these read a clock around work that may run on a GPU without waiting for it "
+                          "(comm.logger.wait_for_device, torch.cuda.synchronize or CUDA events); if they "
+                          "time host work only, list them in HOST_ONLY with the reason: " + ", ".join(unsynced))
+    stale = set(HOST_ONLY) - {name for name, _, _ in timed}
+    assert not stale, f"HOST_ONLY names functions that no longer time anything: {sorted(stale)}"
