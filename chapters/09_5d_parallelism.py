@@ -39,6 +39,7 @@ from IPython.display import Markdown, display
 from matplotlib.figure import Figure
 
 from ultrascale import facts
+from ultrascale.checks import nonempty
 from ultrascale.data import Batches
 from ultrascale.memory import breakdown, pp_in_flight, state_bytes
 from ultrascale.methods import TP_CP_EP, ZERO3_VS_PP, comparison, example_config, markdown, quiz, summary_rows
@@ -205,7 +206,7 @@ for i, config in enumerate(CONFIGS):
 # %%
 fig = Figure(figsize=(6.5, 3.2), layout="constrained")
 ax = fig.add_subplot()
-for name, (ours, one) in curves.items():
+for name, (ours, one) in nonempty(curves, "loss curves (the cell above)").items():
     line, = ax.plot(range(1, STEPS + 1), ours, marker="o", label=f"{name} (ranks)")
     ax.plot(range(1, STEPS + 1), one, color=line.get_color(), linestyle=":", linewidth=3, alpha=0.5)
 ax.set_xlabel("step")
@@ -428,7 +429,7 @@ if eight is not cluster:
     eight.close()
 
 # %% tags=["nbval-ignore-output"]
-for name, (held, predicted) in published_rows.items():
+for name, (held, predicted) in nonempty(published_rows, "measured layouts").items():
     print(f"{name}: bytes per rank, measured (breakdown's prediction)")
     for rank, got in enumerate(held):
         print(f"  rank {rank}: " + ", ".join(f"{c} {got[c]:,} ({predicted[c]:,.0f})" for c in CONSUMERS))
