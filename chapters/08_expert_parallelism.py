@@ -48,7 +48,8 @@ from matplotlib.figure import Figure
 
 from ultrascale.comm import format_bytes
 from ultrascale.model import GPT, MLP, GPTConfig, active_params, count_params
-from ultrascale.moe import MoE, apply_experts, auxiliary_loss, grouped_mlp, update_selection_bias
+from ultrascale.checks import nonempty
+from ultrascale.moe import MoE, apply_experts, auxiliary_loss, grouped_mlp, limit_groups, update_selection_bias
 from ultrascale.parallel.expert_parallel import apply_ep, dispatch_plan, expert_parameter_names, local_experts
 from ultrascale.parity.expert_runs import assert_ep_matches, ep_rank_run, layer_traffic, moe_model, one_process_run
 from ultrascale.viz.diagrams import moe_layer_figure
@@ -315,13 +316,24 @@ assert 5 < expected_nodes < 6
 
 # %% [markdown]
 # Here each rank plays a node: the experts are cut into `expert_groups = ep` groups, one per rank,
-# and `group_limit = M` restricts each token to its M best groups (`moe.limit_groups`). Our
-# library scores a group by its single best expert, DeepSeek-V3's rule only when `k/M = 1`; with
-# top-2 and M = 1 below, DeepSeek-V3 would add the group's two best scores instead. Either way the
-# cap, and so the traffic it saves, is the same: at most M groups per token. A token
-# then occupies at most M rows of the dispatch instead of up to k. We measure the dispatch bytes
-# with `CommLogger`, top-2 over E experts, without a limit and with M = 1, and train the limited
-# model under EP to the same numbers as one process (the limit changes the model, not the parity).
+# and `group_limit = M` restricts each token to its M best groups (`moe.limit_groups`), scored as
+# DeepSeek-V3 scores its nodes: the sum of the token's `k/M` highest scores in the group. With
+# `k = M` that is the single best expert (DeepSeek-V2's device-limited rule); the sum prefers a
+# group that can supply its share of the k picks over one with a lone strong expert:
+
+# %%
+token = torch.tensor([[0.50, 0.00, 0.30, 0.30]])   # one token's scores, two groups of two experts
+kept = limit_groups(token, groups=2, limit=1, top_k=2).isfinite().nonzero()[:, 1].tolist()
+print(f"top-2 from M = 1 group: group 0's best expert scores 0.50, group 1's two best add up to 0.60; "
+      f"experts kept: {kept}")
+assert kept == [2, 3]   # the best-expert rule would keep group 0, whose second pick scores 0.00
+
+# %% [markdown]
+# Whatever the scoring, the cap, and so the traffic it saves, is the same: at most M groups per
+# token, so a token occupies at most M rows of the dispatch instead of up to k. We measure the
+# dispatch bytes with `CommLogger`, top-2 over E experts, without a limit and with M = 1, and
+# train the limited model under EP to the same numbers as one process (the limit changes the
+# model, not the parity).
 
 # %%
 free_config = replace(config, expert_groups=EP)
@@ -339,7 +351,7 @@ print(f"M = 1: every token is one row ({sent['M = 1']['rows']} rows for {WORLD_S
       "less dispatch traffic than without a limit; training under EP still matches one process")
 
 # %% tags=["nbval-ignore-output"]
-for name, s in sent.items():
+for name, s in nonempty(sent, "dispatch measurements").items():
     print(f"{name:>8}: {s['rows']:>4} rows, {format_bytes(s['bytes']):>10} of dispatch sent over all ranks")
 print(f"the limit removes {1 - sent['M = 1']['bytes'] / sent['no limit']['bytes']:.0%} of the dispatch bytes")
 

@@ -319,8 +319,29 @@ def test_group_limited_routing_keeps_each_token_within_its_groups():
     limited.load_state_dict(free.state_dict())
     groups = lambda chosen: torch.tensor([len(set((c // 2).tolist())) for c in chosen])   # noqa: E731
     assert groups(limited(x)[1]).max() == 2 < groups(free(x)[1]).max()
-    # the best expert always stays (its group is the best group)
-    assert torch.equal(limited(x)[1][:, 0], free(x)[1][:, 0])
+    # the groups kept are those whose 4 / 2 = 2 best probabilities add up to the most
+    probs = free(x)[2].view(200, 4, 2)
+    best_groups = probs.sum(-1).topk(2, dim=-1).indices.sort(-1).values
+    for chosen, kept in zip(limited(x)[1], best_groups):
+        assert set((chosen // 2).tolist()) <= set(kept.tolist())
+
+
+def test_group_limit_scores_a_group_by_the_sum_of_its_best_experts():
+    """DeepSeek-V3: top_k / M experts per group summed, not the single best (DeepSeek-V2's rule).
+    Group 0 holds the best expert (0.5) but group 1's two (0.3 + 0.3) add up to more."""
+    from ultrascale.moe import limit_groups
+    scores = torch.tensor([[0.5, 0.0, 0.3, 0.3]], dtype=torch.float64)
+    kept = limit_groups(scores, groups=2, limit=1, top_k=2)
+    assert torch.equal(kept.isfinite(), torch.tensor([[False, False, True, True]]))
+    # one pick per group (top_k = limit): the best expert decides, 0.5 beats 0.3
+    kept = limit_groups(scores, groups=2, limit=1, top_k=1)
+    assert torch.equal(kept.isfinite(), torch.tensor([[True, True, False, False]]))
+    # DeepSeek-V3's shape: 8 of 256 experts on at most 4 of 8 nodes, each node scored by its best 2
+    torch.manual_seed(0)
+    scores = torch.rand(16, 256, dtype=torch.float64)
+    kept = limit_groups(scores, groups=8, limit=4, top_k=8).isfinite().view(16, 8, 32).all(-1)
+    by_two = scores.view(16, 8, 32).topk(2, dim=-1).values.sum(-1)
+    assert torch.equal(kept, torch.zeros_like(kept).scatter(1, by_two.topk(4, dim=-1).indices, True))
 
 
 def test_balance_loss_is_one_when_even_and_reaches_the_training_loss():

@@ -11,7 +11,7 @@ only k MLPs: more parameters at nearly the same FLOPs.
   (Switch), since a renormalised single weight is always 1 and the router would get no
   gradient from the loss. *Group-limited* routing (DeepSeek's node-limited routing) lets a
   token choose experts from at most ``group_limit`` of ``expert_groups`` groups of experts:
-  the groups with the highest best-expert probability.
+  the groups whose ``top_k / group_limit`` best probabilities add up to the most.
 * ``apply_experts``: the tokens gathered per expert (sorted by expert id), each expert run
   once on its batch of tokens, the outputs weighted and added back to their tokens.
 * ``MoE``: the module. ``experts_forward`` is the step expert parallelism replaces from
@@ -46,7 +46,7 @@ class Router(nn.Module):
         probs = torch.softmax(self.gate(x), dim=-1)
         scores = probs + self.selection_bias
         if self.group_limit:
-            scores = limit_groups(scores, self.expert_groups, self.group_limit)
+            scores = limit_groups(scores, self.expert_groups, self.group_limit, self.top_k)
         chosen = scores.topk(self.top_k, dim=-1).indices
         weights = probs.gather(-1, chosen)
         if self.top_k > 1:
@@ -65,12 +65,22 @@ class Router(nn.Module):
         self.load = counts if self.load is None else self.load + counts
 
 
-def limit_groups(scores, groups: int, limit: int):
+def limit_groups(scores, groups: int, limit: int, top_k: int):
     """``scores`` (T, E) with the experts outside each token's ``limit`` best groups set to
-    -inf, so top-k never picks them. A group's score is its best expert's score."""
+    -inf, so top-k never picks them.
+
+    A group's score is the sum of its ``top_k / limit`` highest scores (DeepSeek-V3's
+    node-limited routing: 8 experts from at most 4 nodes, each node scored by its 2 best
+    experts). With one expert per group and per pick that is the best expert's score, the
+    rule of DeepSeek-V2; the sum prefers a group that can supply its share of the k picks
+    over a group with a single strong expert.
+    """
     t, e = scores.shape
-    best = scores.detach().view(t, groups, e // groups).amax(-1)          # (T, groups)
-    keep = torch.zeros_like(best, dtype=torch.bool).scatter(1, best.topk(limit, dim=-1).indices, True)
+    per_group = max(1, min(e // groups, top_k // limit))
+    ranked = scores.detach().view(t, groups, e // groups).topk(per_group, dim=-1).values
+    group_scores = ranked.sum(-1)                                          # (T, groups)
+    best = group_scores.topk(limit, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
     return scores.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
 
 
