@@ -97,6 +97,28 @@ def graded_course(request, tmp_path_factory) -> dict:
     return {folder: result() for folder, result in waiting.items()}
 
 
+# --------------------------------------------------------------------------- a GPU node's rules
+STRICT_MODES = ("ULTRASCALE_STRICT_DEVICE", "ULTRASCALE_STRICT_P2P")
+
+
+@pytest.fixture(scope="module")
+def strict_modes():
+    """A module's clusters under a GPU node's rules: while the module runs, ``shared_cluster``
+    hands out ranks in the strict-device and strict point-to-point modes (CONTRIBUTING.md), so a
+    tensor a test leaves on the host, or two ranks whose sends wait on each other, fail here as
+    they would under NCCL. The technique tests use it (``pytestmark`` in each, listed in
+    tests/test_strict_device.py). Where torch sees a GPU (``make test-gpu`` runs these tests,
+    marked ``multigpu``) the modes are left as the environment has them: NCCL judges there."""
+    import torch
+
+    with pytest.MonkeyPatch.context() as patch:
+        if not torch.cuda.is_available():
+            for name in STRICT_MODES:
+                if os.environ.get(name, "").strip() in ("", "0"):
+                    patch.setenv(name, "1")
+        yield
+
+
 # --------------------------------------------------------------------------- solutions
 def _solution_fixture(stem: str):
     @pytest.fixture(scope="module")
