@@ -29,6 +29,9 @@ from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import ZeRO
 from ultrascale.runtime import shared_cluster
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 STEPS, ROWS = 6, 3                      # ROWS per rank; every rank gets the same number
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 TOL = dict(rtol=1e-10, atol=1e-12)      # float64: see the module docstring
@@ -120,8 +123,8 @@ def toy_reference(n, groups=False, steps=STEPS):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def toy_zero(stage, groups=False, scrambled=False):
-    model = make_toy()
+def toy_zero(ctx, stage, groups=False, scrambled=False):
+    model = make_toy().to(ctx.device)   # seeded on the host, then moved, as every rank does
     if scrambled:                       # weights that only a checkpoint can bring back
         with torch.no_grad():
             for p in model.parameters():
@@ -139,7 +142,7 @@ def toy_zero(stage, groups=False, scrambled=False):
 def toy_steps(ctx, model, zero, steps):
     for step in steps:
         set_step(model, step)
-        x, y, route = global_batch(step, ctx.world_size)
+        x, y, route = (t.to(ctx.device) for t in global_batch(step, ctx.world_size))
         rows = slice(ROWS * ctx.rank, ROWS * (ctx.rank + 1))
         F.mse_loss(model(x[rows], route[rows]), y[rows]).backward()
         zero.step()
@@ -147,7 +150,7 @@ def toy_steps(ctx, model, zero, steps):
 
 
 def train_toy(ctx, stage, groups=False):
-    model, zero = toy_zero(stage, groups)
+    model, zero = toy_zero(ctx, stage, groups)
     toy_steps(ctx, model, zero, range(STEPS))
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     return zero.full_state_dict(), requires_grad, zero.num_parameters
@@ -186,8 +189,8 @@ def bad_groups(ctx):
     messages = []
     for make in (lambda m: [{"params": [m.head.weight]}],                        # most are missing
                  lambda m: [{"params": list(m.parameters())}, {"params": [m.head.bias]}],
-                 lambda m: [{"params": list(m.parameters()) + [torch.zeros(2)]}]):
-        model = make_toy()
+                 lambda m: [{"params": list(m.parameters()) + [torch.zeros(2, device=ctx.device)]}]):
+        model = make_toy().to(ctx.device)
         try:
             ZeRO(model, 1, torch.optim.AdamW, param_groups=make(model), **ADAMW)
         except ValueError as e:
@@ -205,18 +208,18 @@ def test_bad_parameter_groups_are_clear_errors(cluster):
 
 def checkpoint_and_resume(ctx, stage, groups, saved_at):
     """Train STEPS steps straight, and saved_at steps + save + a fresh ZeRO + load + the rest."""
-    model, zero = toy_zero(stage, groups)
+    model, zero = toy_zero(ctx, stage, groups)
     toy_steps(ctx, model, zero, range(STEPS))
     straight = zero.full_state_dict()
 
-    model, zero = toy_zero(stage, groups)
+    model, zero = toy_zero(ctx, stage, groups)
     toy_steps(ctx, model, zero, range(saved_at))
     checkpoint = io.BytesIO()           # through bytes, as to a file
     torch.save(zero.state_dict(), checkpoint)
 
-    model, zero = toy_zero(stage, groups, scrambled=True)
+    model, zero = toy_zero(ctx, stage, groups, scrambled=True)
     checkpoint.seek(0)
-    zero.load_state_dict(torch.load(checkpoint))
+    zero.load_state_dict(torch.load(checkpoint, map_location=ctx.device))
     toy_steps(ctx, model, zero, range(saved_at, STEPS))
     return straight, zero.full_state_dict(), checkpoint.getvalue()
 
@@ -233,9 +236,10 @@ def test_checkpoint_and_resume(cluster, stage):
 
 
 def load_elsewhere(ctx, checkpoints, stage):
-    model, zero = toy_zero(stage)
+    model, zero = toy_zero(ctx, stage)
     try:
-        zero.load_state_dict(torch.load(io.BytesIO(checkpoints[ctx.rank % len(checkpoints)])))
+        saved = io.BytesIO(checkpoints[ctx.rank % len(checkpoints)])
+        zero.load_state_dict(torch.load(saved, map_location=ctx.device))
     except ValueError as e:
         return str(e)
     return None
@@ -269,9 +273,9 @@ def gpt_groups(model):
 
 
 def train_gpt(ctx, stage):
-    model = make_gpt()
+    model = make_gpt().to(ctx.device)
     zero = ZeRO(model, stage, torch.optim.AdamW, param_groups=gpt_groups(model), **GPT_ADAMW)
-    train.run_steps(model, GPT_DATA.rank_stream(ctx.rank, ctx.world_size), GPT_STEPS, zero)
+    train.run_steps(model, GPT_DATA.rank_stream(ctx.rank, ctx.world_size), GPT_STEPS, zero, device=ctx.device)
     return zero.full_state_dict()
 
 
