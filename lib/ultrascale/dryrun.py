@@ -1,0 +1,425 @@
+"""One rank of a real-size model, measured without its memory: a dry run.
+
+A 405B-parameter model does not fit a laptop, but one rank's *shapes* do. PyTorch has two
+pieces that make a real-size run possible on one CPU:
+
+* fake tensors (``torch._subclasses.FakeTensorMode``): tensors with a shape, a dtype and a
+  device but no storage, so building a 16k-wide layer costs nothing and a matmul only
+  works out the shape of its result;
+* the fake process group (``torch.testing._internal.distributed.fake_pg``): a backend whose
+  collectives return at once, so one process can play rank 1234 of 16384.
+
+``dryrun(layout, config, rank)`` builds the model under both, applies the course's own
+techniques to it in compose's order (TP/SP, CP, PP, ZeRO or DP: ``parallel.compose``), runs
+one training step and reports what that rank held and did:
+
+    result = dryrun(ParallelConfig(tp=8, pp=16, dp=8, zero=1, optimizer="adam", microbatches=16),
+                    LLAMA3_405B, rank=0)
+    result.memory()        # parameters, gradients, optimizer states, peak activations (bytes)
+    result.flops           # FlopCounterMode's count for the step
+    result.collectives     # CommLogger's calls and bytes per collective
+
+What is measured, and how:
+* parameters, gradients, optimizer states: the bytes of the tensors that hold them after
+  the step (before ``zero_grad``), each storage once, as ``memory.state_bytes`` counts (ZeRO's
+  own ``state_bytes`` with ZeRO: its flat buffers and fp32 master shards);
+* activations: the peak of the bytes autograd keeps saved for backward over the whole step
+  (saved-tensor hooks, as ``memory.saved_activation_bytes``; parameters left out). A
+  pipeline's schedule holds several micro-batches at once: the peak is taken as they come
+  and go;
+* FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention kernels, forward
+  and backward; element-wise work is not counted);
+* collectives: ``comm.CommLogger``, the same bytes per call as on a real cluster.
+
+The run has no values. Where the library reads one to decide what to do, the dry run
+answers as if every rank agreed (``stand_ins`` lists each read): ZeRO asks whether any rank
+has a parameter's gradient (yes: every rank runs the same layers), context parallelism
+whether the ranks' slices have the same shapes (they do), Adam which step it takes (the first). What cannot be answered that way
+is refused with an error naming the technique: an MoE layer routes each token by the
+router's values (which expert, how many tokens each), so MoE and expert parallelism do not
+dry-run.
+
+Each call runs in a fresh process (the runtime's fork server, torch already imported):
+the fake process group and the caches of process groups the techniques keep stay there, so
+a notebook may call ``dryrun`` again and again, and never holds a process group itself.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import traceback
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from .comm.logger import CommLogger
+from .data import Batch, split
+from .model import build_model
+from .parallel.compose import ParallelConfig, apply_parallelisms, build_mesh
+
+__all__ = ["DryRun", "DryRunError", "dryrun", "dryrun_here", "measure_step", "rank_batches", "refuse"]
+
+MEMORY_KEYS = ("parameters", "gradients", "optimizer states", "activations")
+
+# Which technique a source file is, to name it when something cannot run on fake tensors.
+TECHNIQUES = {"moe.py": "MoE routing", "expert_parallel.py": "expert parallelism (EP)",
+              "tensor_parallel.py": "tensor parallelism (TP)", "sequence_parallel.py": "sequence parallelism (SP)",
+              "vocab_parallel.py": "tensor parallelism (TP, the vocabulary)", "parallel_linear.py": "tensor parallelism (TP)",
+              "context_parallel.py": "context parallelism (CP)", "ring_attention.py": "context parallelism (CP)",
+              "kv_exchange.py": "context parallelism (CP)", "ulysses.py": "context parallelism (Ulysses)",
+              "pipeline_parallel.py": "pipeline parallelism (PP)", "pipeline_messages.py": "pipeline parallelism (PP)",
+              "zero.py": "ZeRO", "zero3.py": "ZeRO-3", "compose_zero.py": "ZeRO", "flat.py": "ZeRO",
+              "data_parallel.py": "data parallelism (DP)", "grad_sync.py": "data parallelism (DP)"}
+
+
+class DryRunError(RuntimeError):
+    """A layout or model the dry run cannot run on fake tensors; the message says which technique."""
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What one rank held and did in one training step (bytes, FLOPs), measured."""
+
+    layout: str                 # str(ParallelConfig)
+    rank: int
+    coordinate: dict            # the rank's place on the mesh: {"dp": ..., "pp": ..., ...}
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int            # the peak of the bytes saved for backward
+    flops: int
+    tokens: int                 # tokens this rank ran forward and backward in the step
+    collectives: dict           # op -> {"calls", "bytes_sent", "bytes_received"}
+    stand_ins: dict = field(default_factory=dict)   # where a value was read: "file:function" -> reads
+
+    def memory(self) -> dict:
+        """The four consumers, keyed as ``memory.breakdown``'s result."""
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer states": self.optimizer_states, "activations": self.activations}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.memory().values())
+
+
+# --------------------------------------------------------------------------- the entry point
+def dryrun(layout: ParallelConfig, config, rank: int = 0, *, micro_batch: int = 1, seq: int | None = None,
+           dtype=torch.float32, recompute: str = "none", timeout: float = 600) -> DryRun:
+    """Rank ``rank`` of ``layout`` training ``config`` at full size, one step, measured.
+
+    ``micro_batch``: rows per micro-batch (the layout's ``microbatches`` is how many);
+    ``seq``: tokens per row (default ``config.seq_len``); ``dtype``: of the parameters,
+    gradients and activations (the optimizer's states follow the parameters; ZeRO keeps
+    fp32 master shards); ``recompute``: "none", "selective" or "full" (``model.set_recompute``).
+    Runs in a fresh process (see the module's docstring); raises :class:`DryRunError` where a
+    technique cannot run on fake tensors.
+    """
+    from .runtime.forkserver import mp_context, no_main_reimport   # imports no torch: cheap
+
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank={rank}: the layout {layout} has ranks 0..{layout.world_size - 1}")
+    refuse(layout, config)   # at once, not after a process has started
+    with no_main_reimport(), concurrent.futures.ProcessPoolExecutor(1, mp_context=mp_context()) as pool:
+        job = pool.submit(dryrun_here, layout, config, rank, micro_batch=micro_batch, seq=seq, dtype=dtype,
+                          recompute=recompute)
+        return job.result(timeout=timeout)
+
+
+def dryrun_here(layout: ParallelConfig, config, rank: int = 0, **options) -> DryRun:
+    """``dryrun`` in this process: it initialises the fake process group and destroys it after.
+    For a process that has none and runs nothing else distributed (``dryrun``'s child)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # torch's fake backend (test utility)
+
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a process group: call dryrun(...), which runs in a fresh "
+                           "process, rather than dryrun_here")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        return _dry_step(layout, config, rank, **options)
+    finally:
+        dist.destroy_process_group()
+
+
+class _FakeRankContext:
+    """The ``ctx`` a technique gets, for one rank of a fake world: it makes only the process
+    groups this rank is in (the others would be thousands of groups no one uses here)."""
+
+    def __init__(self, rank: int, world_size: int):
+        from .runtime import RankContext
+
+        self.inner, self.groups = RankContext(rank, world_size, "fake", torch.device("cpu")), {}
+
+    def __getattr__(self, name):   # rank, world_size, device, state: the real context's
+        return getattr(self.inner, name)
+
+    def new_group(self, ranks):
+        key = tuple(sorted(ranks))
+        if self.inner.rank not in key:
+            return None
+        if key not in self.groups:   # by its own ranks alone: no other rank of this world runs
+            self.groups[key] = dist.new_group(list(key), use_local_synchronization=True)
+        return self.groups[key]
+
+
+def refuse(layout: ParallelConfig, config) -> None:
+    """Raise :class:`DryRunError` for what cannot run on fake tensors here, naming the technique."""
+    why = None
+    if getattr(config, "experts", 0):
+        why = ("MoE routing (and expert parallelism) cannot run on fake tensors: which experts a token goes to, and "
+               "so how many rows each expert and each ep rank gets, are values of the router's output, and a fake "
+               "tensor has a shape only")
+    elif layout.cp > 1:
+        why = ("context parallelism (CP) cannot run on fake tensors: ring attention decides which blocks of keys a "
+               "block of queries sees from the tokens' positions (values), and a fake tensor has none")
+    elif layout.sp:
+        why = ("sequence parallelism (SP) cannot run on fake tensors: its saved-tensor hooks find the gathered input "
+               "by data_ptr(), which is 0 for every fake tensor, so they would take every saved tensor for it; "
+               "run sp=False (TP alone) and compare with memory.breakdown(..., sequence_parallel=False)")
+    if why:
+        raise DryRunError(why)
+
+
+def _dry_step(layout, config, rank, *, micro_batch=1, seq=None, dtype=torch.float32, recompute="none") -> DryRun:
+    from torch._subclasses import FakeTensorMode   # torch's fake tensors (private module, public class)
+
+    from .parallel.pipeline_messages import twin_group
+
+    refuse(layout, config)
+    seq = seq or config.seq_len
+    config = replace(config, seq_len=seq)
+    mesh = build_mesh(_FakeRankContext(rank, layout.world_size), layout)
+    if layout.pp > 1:   # made with real tensors: making it reads the ranks' counts of groups
+        twin_group(mesh.group("pp"))
+    real_batches = rank_batches(layout, mesh, config, micro_batch)
+    try:
+        with FakeTensorMode() as mode:
+            model = _build(config, dtype).set_recompute(recompute)
+            par = apply_parallelisms(model, mesh, layout)
+            batches = [Batch(*(None if t is None else mode.from_tensor(t) for t in (b.inputs, b.targets, b.positions)))
+                       for b in real_batches]
+            with _StandIns() as stand_ins, _vocab_logits_plain():
+                measured = measure_step(par, batches)
+    except DryRunError:
+        raise
+    except Exception as error:   # noqa: BLE001 - any failure under fake tensors gets its technique named
+        raise DryRunError(_explain(error)) from error
+    tokens = micro_batch * len(batches) * batches[0].inputs.shape[1]
+    return DryRun(str(layout), rank, mesh.coordinate(rank), tokens=tokens, stand_ins=dict(stand_ins.reads),
+                  **measured)
+
+
+def _build(config, dtype):
+    """The model with its parameters made in ``dtype`` (``.to(dtype)`` cannot swap fake parameters)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return build_model(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def rank_batches(layout: ParallelConfig, mesh, config, micro_batch: int = 1) -> list:
+    """This rank's micro-batches of one step: ``micro_batch`` rows of ``config.seq_len`` tokens
+    each (its tokens of them, in the CP layout, under CP). The tokens are zeros: a dry run's
+    shapes are all that matter, and a real run of the tests trains on the same."""
+    tokens = torch.zeros(micro_batch, config.seq_len, dtype=torch.long)
+    whole = Batch(tokens, tokens)
+    if layout.cp > 1:
+        whole = split(whole, mesh.rank_in("cp"), layout.cp, "sequence", layout.cp_layout)
+    return [whole] * layout.microbatches
+
+
+# --------------------------------------------------------------------------- one measured step
+def measure_step(par, batches) -> dict:
+    """One training step of ``par`` (from ``apply_parallelisms``) on this rank's micro-batches,
+    measured: what ``DryRun`` holds but the layout. Works on real tensors as on fake ones, so
+    a real small run and a dry run are measured by the same code (the tests compare them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    activations = _SavedBytes(par.module)
+    with CommLogger() as log, FlopCounterMode(display=False) as flops, activations:
+        _train_step(par, batches)
+    state = _state_bytes(par)   # after the step, before zero_grad: the gradients are still there
+    par.optimizer.zero_grad()
+    collectives = {op: {k: row[k] for k in ("calls", "bytes_sent", "bytes_received")}
+                   for op, row in log.totals().items()}
+    return dict(parameters=state["parameters"], gradients=state["gradients"],
+                optimizer_states=state["optimizer states"], activations=activations.peak,
+                flops=int(flops.get_total_flops()), collectives=collectives)
+
+
+def _train_step(par, batches) -> None:
+    """compose's ``Parallelized.train`` for one step, reading no value (it has none here)."""
+    m = len(batches)
+    if par.pipeline is not None:
+        par.pipeline.step(batches)
+    else:
+        dp, module = par.data_parallel, par.data_parallel or par.model
+        for micro, batch in enumerate(batches):
+            local = dp is not None and micro < m - 1   # gradient accumulation: sync on the last only
+            with dp.no_sync() if local else contextlib.nullcontext():
+                (batch.loss(module) / m).backward()
+    if par.data_parallel is not None:
+        par.data_parallel.finish_gradient_synchronization()
+    par.optimizer.step()
+
+
+def _state_bytes(par) -> dict:
+    """Parameters, gradients and optimizer states on this rank, each storage once."""
+    zeros = getattr(par.optimizer, "zeros", None)
+    if zeros is not None:   # ZeRO keeps them in flat buffers of its own
+        counts = [z.state_bytes() for z in zeros]
+        return {k: sum(c[k] for c in counts) for k in counts[0]}
+    params = list(par.module.parameters())
+    states = [t for s in par.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {"parameters": _unique_bytes(params), "gradients": _unique_bytes(p.grad for p in params),
+            "optimizer states": _unique_bytes(states)}
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # A storage's identity. memory.state_bytes keys by data_ptr(), which is 0 for every fake
+    # tensor; _cdata (torch's private handle on the storage) is unique for real and fake alike.
+    return t.untyped_storage()._cdata
+
+
+def _unique_bytes(tensors) -> int:
+    storages = {_storage_key(t): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+class _SavedBytes:
+    """The peak of the bytes autograd holds saved for backward, over a whole step.
+
+    Each saved tensor is wrapped in a token; autograd drops the token when the backward that
+    needed it has run, and the bytes of its storage go when its last token does. A storage
+    saved twice counts once; the parameters' storages (looked up when a tensor is saved, as
+    ZeRO-3 swaps them) are not activations and are left out."""
+
+    def __init__(self, module):
+        self.module, self.live, self.held, self.peak = module, collections.Counter(), 0, 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda token: token.tensor)
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def _pack(self, tensor):
+        key = _storage_key(tensor)
+        if key in {_storage_key(p) for p in self.module.parameters()}:
+            return _Token(tensor, None, self)
+        if self.live[key] == 0:
+            self.held += tensor.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.held)
+        self.live[key] += 1
+        return _Token(tensor, key, self)
+
+    def release(self, key, nbytes):
+        self.live[key] -= 1
+        if self.live[key] == 0:
+            del self.live[key]
+            self.held -= nbytes
+
+
+class _Token:
+    __slots__ = ("tensor", "key", "owner", "nbytes")
+
+    def __init__(self, tensor, key, owner):
+        self.tensor, self.key, self.owner = tensor, key, owner
+        self.nbytes = tensor.untyped_storage().nbytes()
+
+    def __del__(self):
+        if self.key is not None:
+            self.owner.release(self.key, self.nbytes)
+
+
+@contextlib.contextmanager
+def _vocab_logits_plain():
+    """TP's vocabulary-parallel logits without their Tensor subclass, in this process only.
+
+    ``VocabParallelHead`` returns ``VocabParallelLogits``, a subclass of Tensor made with
+    ``as_subclass``; a fake tensor is a subclass already and cannot become another. So here
+    the head's logits stay a plain (fake) tensor carrying the subclass' two attributes, and
+    the loss hands them to ``vocab_parallel_cross_entropy``, the function the subclass'
+    ``F.cross_entropy`` calls, with the same reshape and upcast as ``lm_loss``: the same
+    operations, saved tensors and collectives (the tests compare with a real run)."""
+    from unittest import mock
+
+    from . import data, model
+    from .parallel import pipeline_parallel, vocab_parallel
+
+    def wrap(local, vocab_start, group):
+        local.vocab_start, local.group = vocab_start, group
+        return local
+
+    def lm_loss(logits, targets):
+        if not hasattr(logits, "vocab_start"):
+            return model.lm_loss(logits, targets)
+        flat = logits.flatten(0, 1)
+        flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+        return vocab_parallel.vocab_parallel_cross_entropy(flat, targets.flatten(), logits.vocab_start, logits.group)
+
+    with mock.patch.object(vocab_parallel.VocabParallelLogits, "wrap", staticmethod(wrap)), \
+            mock.patch.object(data, "lm_loss", lm_loss), mock.patch.object(pipeline_parallel, "lm_loss", lm_loss):
+        yield
+
+
+# --------------------------------------------------------------------------- reading values
+class _StandInsMode(torch.utils._python_dispatch.TorchDispatchMode):
+    # A dispatch mode (torch.utils._python_dispatch: private module, the public way to write one).
+    def __init__(self, reads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads[_caller()] += 1
+            # 1 for a flag (ZeRO: "a rank has this gradient") and for a float (Adam's step
+            # count: this is the first step). Any other read has no answer that holds for
+            # every layout: refused, with the place that asked.
+            dtype = args[0].dtype
+            if dtype in (torch.bool, torch.uint8) or dtype.is_floating_point:
+                return 1
+            raise DryRunError(f"{_caller()} reads the value of a {dtype} tensor, which a fake tensor does not have")
+        return func(*args, **(kwargs or {}))
+
+
+class _StandIns:
+    def __init__(self):
+        self.reads = collections.Counter()
+        self.mode = _StandInsMode(self.reads)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _caller() -> str:
+    """The course function that read a value: "zero.py:_gradient_flags"."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/ultrascale/" in frame.filename and not frame.filename.endswith("dryrun.py"):
+            return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.name}"
+    return "torch"
+
+
+def _explain(error: Exception) -> str:
+    """Which technique failed on fake tensors, and why, from the error's traceback."""
+    frames = traceback.extract_tb(error.__traceback__)
+    technique = next((TECHNIQUES[f.filename.rsplit("/", 1)[-1]] for f in reversed(frames)
+                      if f.filename.rsplit("/", 1)[-1] in TECHNIQUES and "/ultrascale/" in f.filename), None)
+    where = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} ({f.name})" for f in reversed(frames)
+                  if "/ultrascale/" in f.filename), "torch")
+    name = type(error).__name__
+    if "DynamicOutputShape" in name or "DataDependent" in name:
+        why = ("it needs the values of a tensor (a shape that depends on the data, such as which tokens an "
+               "expert gets), and fake tensors have shapes only")
+    else:
+        why = f"{name}: {error}"
+    return f"{technique or 'the model'} cannot run on fake tensors at {where}: {why}"

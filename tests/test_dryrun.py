@@ -1,0 +1,67 @@
+"""The dry run (ultrascale.dryrun) measures what a real run measures, exactly.
+
+A small Llama-style model trains one step on 4 real ranks (gloo) and, for the same layout and
+rank, in a dry run (fake tensors, fake process group, a fresh process). Bytes of parameters,
+gradients and optimizer states, the peak of saved activations, FLOPs and every collective's
+calls and bytes must be equal, not close: a fake tensor has the same shapes and dtypes as the
+real one, so any difference is something the dry run does differently (a technique swapped,
+a tensor made twice, a collective lost), which is what this file exists to catch.
+The layouts cover TP (with its vocabulary-parallel loss, which the dry run calls without its
+Tensor subclass), gradient accumulation, a 1F1B pipeline's first and last stages, ZeRO-1 and
+ZeRO-3; the refusals name their technique.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from ultrascale.dryrun import DryRunError, dryrun, measure_step, rank_batches, refuse
+from ultrascale.memory import state_bytes
+from ultrascale.model import LlamaConfig, build_model
+from ultrascale.parallel.compose import ParallelConfig, apply_parallelisms, build_mesh
+from ultrascale.runtime import shared_cluster
+
+# kv_heads < heads (grouped-query attention) and an untied head, as the published Llama presets
+CONFIG = LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, seq_len=16)
+
+CASES = [   # (layout, the rank compared): a dry run costs seconds, so one rank each
+    (ParallelConfig(pp=2, tp=2, microbatches=3, optimizer="adam"), 3),   # TP's vocab loss on the last stage
+    (ParallelConfig(dp=2, pp=2, microbatches=2, zero=1, optimizer="adam"), 0),   # the first stage, ZeRO-1
+    (ParallelConfig(dp=2, tp=2, microbatches=2, zero=3, optimizer="sgd"), 1),    # ZeRO-3, TP, accumulation
+]
+
+
+def real_step(ctx, layout, config):
+    """One measured step of the real model on this rank: what the dry run must reproduce."""
+    torch.manual_seed(0)
+    mesh = build_mesh(ctx, layout)
+    par = apply_parallelisms(build_model(config).to(ctx.device), mesh, layout)
+    batches = [b.to(ctx.device) for b in rank_batches(layout, mesh, config)]
+    measured = measure_step(par, batches)
+    # the same parameters as memory's own count (keyed by data_ptr, which real tensors have)
+    independent = None if layout.zero else state_bytes(par.module)["parameters"]
+    return measured, independent
+
+
+@pytest.mark.parametrize("layout,rank", CASES, ids=[str(c[0]) for c in CASES])
+def test_a_dry_run_measures_what_a_real_run_does(layout, rank):
+    real, independent = shared_cluster(4).run(real_step, layout, CONFIG)[rank]
+    dry = dryrun(layout, CONFIG, rank)
+    assert dry.rank == rank and dry.layout == str(layout)
+    for key in ("parameters", "gradients", "optimizer_states", "activations", "flops", "collectives"):
+        assert getattr(dry, key) == real[key], f"{layout}, rank {rank}: {key} {getattr(dry, key)} != {real[key]}"
+    assert real["activations"] > 0 and real["flops"] > 0 and real["collectives"]
+    if independent is not None:
+        assert real["parameters"] == independent
+    assert not dist.is_initialized()   # the dry run left no process group here
+
+
+def test_what_cannot_run_on_fake_tensors_is_refused_by_name():
+    moe = LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, seq_len=16, experts=4)
+    for layout, config, technique in [(ParallelConfig(dp=2), moe, "MoE routing"),
+                                      (ParallelConfig(cp=2), CONFIG, "context parallelism"),
+                                      (ParallelConfig(tp=2, sp=True), CONFIG, "sequence parallelism")]:
+        with pytest.raises(DryRunError, match=technique):
+            refuse(layout, config)
+    refuse(ParallelConfig(dp=2, tp=2, pp=2, zero=1), CONFIG)   # these run
+    with pytest.raises(ValueError, match="ranks 0..3"):
+        dryrun(ParallelConfig(dp=2, tp=2), CONFIG, rank=4)
