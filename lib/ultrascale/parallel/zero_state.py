@@ -69,6 +69,18 @@ class ShardedState:
                 "master": [u.master.clone() for u in self.all_units],
                 "optimizer": copy.deepcopy(self.optimizer.state_dict())}   # not live references
 
+    def publish_master(self) -> None:
+        """Make the parameters the master weights again (a collective at stages 1 and 2), after
+        something other than ``load_state_dict`` wrote into the master shards (a DCP load,
+        ``ultrascale.checkpoint``)."""
+        self._publish_parameters()
+
+    def use_pieces(self, pieces: list) -> None:
+        """Step these pieces from now on (their optimizer state already in place): how a
+        checkpoint splits a piece whose parameters were saved with different step counts."""
+        self.pieces = pieces
+        self._sync_param_groups()
+
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` (a collective at stages 1 and 2: call it on all ranks)."""
         for key in ("world_size", "stage", "rank"):
