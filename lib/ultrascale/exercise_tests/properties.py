@@ -297,3 +297,8 @@ PROPERTIES = {
 from ultrascale.exercise_tests.properties_formulas import PROPERTIES as _FORMULAS  # noqa: E402
 
 PROPERTIES.update(_FORMULAS)
+
+# Those of exercises on lists of tensors, traces, clocks, layouts, models, and the first on ranks.
+from ultrascale.exercise_tests.properties_more import PROPERTIES as _MORE  # noqa: E402
+
+PROPERTIES.update(_MORE)

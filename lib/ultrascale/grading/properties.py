@@ -41,14 +41,11 @@ def run(exercise_id: str, prop: Property, fn: Callable, quick: bool = True) -> N
     failing case."""
     from hypothesis import HealthCheck, Phase, example, given, settings
 
-    last = {}
-
     @settings(max_examples=QUICK_EXAMPLES if quick else FULL_EXAMPLES, derandomize=True, database=None,
               deadline=None, print_blob=False, suppress_health_check=list(HealthCheck),
               phases=(Phase.explicit, Phase.generate, Phase.shrink))
     @given(prop.strategy())
     def holds(case):
-        last["case"] = case  # hypothesis replays the shrunk case last: this is the one to show
         try:
             problem = prop.judge(fn, case)
         except NotImplementedError:
@@ -58,16 +55,17 @@ def run(exercise_id: str, prop: Property, fn: Callable, quick: bool = True) -> N
         except Exception as err:
             problem = f"your function raised {type(err).__name__}: {err}"
         if problem:
-            raise _Failed(problem)
+            raise _Failed(problem, case)   # the case travels with its failure: hypothesis may run others after it
 
     for case in prop.examples:
         holds = example(case)(holds)
     try:
         holds()
     except _Failed as err:
+        problem, case = err.args
         raise AssertionError(
             f"{exercise_id}: the fixed cases pass, but an input they do not cover fails (drawn by hypothesis, then "
-            f"shrunk to the smallest that still fails): {prop.describe(last['case'])}. {err}") from None
+            f"shrunk to the smallest that still fails): {prop.describe(case)}. {problem}") from None
 
 
 class _Failed(Exception):

@@ -1,0 +1,416 @@
+"""Properties of exercises whose inputs are lists of tensors, traces, clocks, layouts and models
+(one process), and of the first distributed exercise (see ``exercise_tests.properties`` for how
+they run). Each section names what its draws reach that the exercise's fixed cases do not:
+
+* ``00.mean_across_ranks``: float64 and bf16 tensors, 0-d, size-1 and transposed (non-contiguous)
+  ones, on 2 and 3 ranks (a result made in float32, or through ``view``, is wrong there);
+* ``01.grad_accumulation``: float64 models (a loss logged in a float32 accumulator loses their
+  digits), token batches that are transposed views, sequences of length 1, one micro-batch;
+* ``02.assign_buckets``: parameters of mixed dtypes in one list (bf16 beside float64), 0-d ones,
+  and views into a larger storage (its bytes are not the parameter's);
+* ``10.memory_filter``: a GPU whose usable memory is exactly what one layout needs (it fits:
+  ``<=``), other models, cluster sizes and headrooms;
+* ``a1.timed_median``: an even number of repeats whose middle two differ by an odd amount (the
+  median is then not a whole number), no warm-up, launches that cost nothing;
+* ``a1.launched_by``: launches named otherwise than ``cudaLaunchKernel`` (the driver's
+  ``cuLaunchKernel``, ``cudaLaunchKernelExC``), launches on an operator's very edge, kernels that
+  start together, two processes sharing thread ids, timestamps since the epoch.
+
+Values come from torch or ``random`` generators seeded by a drawn integer, as in
+``exercise_tests.properties``. The model and cluster draws are the slowest (a forward and
+backward, or a call on 2 or 3 ranks): each still costs well under a tenth of a second.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import random
+import statistics
+
+import torch
+
+from ultrascale.grading.properties import Property
+
+FLOATS = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _st():
+    import hypothesis.strategies as st
+    return st
+
+
+def _values(seed: int, shape, dtype, magnitude: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (magnitude * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+
+
+# ---- 00.mean_across_ranks ------------------------------------------------------------------
+
+def _mean_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), shape=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+        dtype=st.sampled_from(FLOATS), transposed=st.booleans(), seed=st.integers(0, 99)))
+
+
+def _mean_input(case, rank: int) -> torch.Tensor:
+    shape = case["shape"]
+    if case["transposed"] and len(shape) == 2:   # a non-contiguous view, as W.t() gives
+        return _values(1000 * case["seed"] + rank, shape[::-1], case["dtype"]).t()
+    return _values(1000 * case["seed"] + rank, shape, case["dtype"])
+
+
+def _mean_on_rank(ctx, fn, case):
+    x = _mean_input(case, ctx.rank).to(ctx.device)
+    out = fn(ctx, x)
+    return out.detach().cpu() if torch.is_tensor(out) else out
+
+
+def _judge_mean(fn, case):
+    from ultrascale.runtime import grading_cluster
+
+    n, dtype = case["world_size"], case["dtype"]
+    inputs = [_mean_input(case, r) for r in range(n)]
+    want = torch.stack([x.double() for x in inputs]).mean(0)
+    for rank, got in enumerate(grading_cluster(n).run(_mean_on_rank, fn, case)):
+        if not torch.is_tensor(got):
+            return f"rank {rank} returned {type(got).__name__}, not a tensor"
+        if got.dtype != dtype or tuple(got.shape) != tuple(want.shape):
+            return (f"rank {rank} returned a {tuple(got.shape)} tensor of {got.dtype}; the mean of {dtype} tensors "
+                    f"of shape {tuple(want.shape)} is one too (all-reduce a clone of the input itself: no "
+                    "float(), view(-1) or torch.zeros of another dtype or shape)")
+        # float64 sums are exact to its last bits; bf16 keeps 8 bits, so a sum of n of them is off
+        # by up to about n * 2**-8 of the largest input
+        scale = max(float(x.double().abs().max()) for x in inputs) if want.numel() else 0.0
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, n * 2.0 ** -7) * max(scale, 1.0)
+        if not torch.allclose(got.double(), want, rtol=0, atol=tol):
+            return f"rank {rank}'s values differ from the mean of every rank's input (computed in float64)"
+    return None
+
+
+def _describe_mean(case):
+    shape = tuple(case["shape"])
+    layout = " (a transposed, non-contiguous view)" if case["transposed"] and len(shape) == 2 else ""
+    return (f"world_size={case['world_size']}, a {case['dtype']} tensor of shape {shape}"
+            f"{' (0-d)' if not shape else ''}{layout} on each rank")
+
+
+# ---- 01.grad_accumulation --------------------------------------------------------------------
+
+def _accumulation_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        llama=st.booleans(), dtype=st.sampled_from((torch.float32, torch.float64)), grad_acc=st.integers(1, 4),
+        mbs=st.integers(1, 3), seq=st.integers(1, 6), transposed=st.booleans(), seed=st.integers(0, 99)))
+
+
+def _accumulation_model(case):
+    from ultrascale.model import GPTConfig, LlamaConfig, build_model
+
+    config = (LlamaConfig(vocab_size=11, hidden=8, layers=1, heads=2, kv_heads=1, ffn=12) if case["llama"]
+              else GPTConfig(vocab_size=11, hidden=8, layers=1, heads=2))
+    torch.manual_seed(case["seed"])
+    return build_model(config).to(case["dtype"]), config
+
+
+def _tokens(case, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    batch, seq = case["mbs"] * case["grad_acc"], case["seq"]
+    if case["transposed"]:   # (batch, seq) as a view of a (seq, batch) tensor: not contiguous
+        return torch.randint(0, vocab, (seq, batch), generator=g).t()
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def _judge_accumulation(fn, case):
+    model, config = _accumulation_model(case)
+    reference = copy.deepcopy(model)
+    inputs = _tokens(case, config.vocab_size, 2 * case["seed"])
+    targets = _tokens(case, config.vocab_size, 2 * case["seed"] + 1)
+    loss = reference.loss(inputs, targets)
+    loss.backward()
+    got_loss = fn(model, inputs, targets, case["grad_acc"])
+    # float32 sums in another order differ in their last bits; float64 ones far less
+    tol = 1e-5 if case["dtype"] == torch.float32 else 1e-10
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.grad is None or p.grad.dtype != q.dtype:
+            return f"{name}.grad is {None if p.grad is None else p.grad.dtype}, expected {q.dtype}"
+        if not torch.allclose(p.grad, q.grad, rtol=tol, atol=tol):
+            return f"the gradient of {name} differs from the whole batch's"
+    if got_loss is None or not math.isclose(float(got_loss), loss.item(), rel_tol=tol, abs_tol=tol):
+        return f"returned loss {got_loss!r}, the whole batch's mean loss is {loss.item():.10g}"
+    return None
+
+
+def _describe_accumulation(case):
+    batch = case["mbs"] * case["grad_acc"]
+    return (f"a {'Llama' if case['llama'] else 'GPT'} model in {case['dtype']}, batch of {batch} = {case['mbs']} x "
+            f"grad_acc {case['grad_acc']}, seq {case['seq']}"
+            + (", inputs and targets transposed views (not contiguous)" if case["transposed"] else ""))
+
+
+# ---- 02.assign_buckets -----------------------------------------------------------------------
+
+def _bucket_cases():
+    st = _st()
+    param = st.fixed_dictionaries(dict(
+        shape=st.lists(st.integers(1, 6), min_size=0, max_size=3),     # [] is a 0-d parameter
+        dtype=st.sampled_from(FLOATS + (torch.float16,)), view=st.booleans()))
+    return st.fixed_dictionaries(dict(params=st.lists(param, min_size=1, max_size=8), cap=st.integers(1, 300)))
+
+
+def _bucket_params(case) -> list:
+    params = []
+    for spec in case["params"]:
+        numel = math.prod(spec["shape"])
+        if spec["view"]:    # a window into a larger flat storage, as a flattened model's parameters are
+            storage = torch.zeros(numel + 7, dtype=spec["dtype"])
+            params.append(storage[3:3 + numel].view(spec["shape"]))
+        else:
+            params.append(torch.zeros(spec["shape"], dtype=spec["dtype"]))
+    return params
+
+
+def _buckets_by(params, cap, nbytes) -> list:
+    """The buckets (by parameter index) DDP's rule makes when a parameter weighs ``nbytes(p)``."""
+    buckets, current, total = [], [], 0
+    for i in reversed(range(len(params))):
+        current.append(i)
+        total += nbytes(params[i])
+        if total >= cap:
+            buckets.append(current)
+            current, total = [], 0
+    return buckets + ([current] if current else [])
+
+
+def _judge_buckets(fn, case):
+    params, cap = _bucket_params(case), case["cap"]
+    want = _buckets_by(params, cap, lambda p: p.numel() * p.element_size())
+    index = {id(p): i for i, p in enumerate(params)}
+    got = fn(list(params), cap)
+    try:
+        got = [[index[id(p)] for p in bucket] for bucket in got]
+    except (KeyError, TypeError):
+        return "return a list of buckets, each a list of the parameters given (the same objects)"
+    if got == want:
+        return None
+    hint = ""
+    if got == _buckets_by(params, cap, lambda p: p.numel() * params[0].element_size()):
+        hint = " Every parameter was weighed with the first one's element size: weigh each by its own dtype."
+    elif got == _buckets_by(params, cap, lambda p: p.untyped_storage().nbytes()):
+        hint = (" A parameter was weighed by its storage, which a view shares with other tensors: weigh its own "
+                "elements, p.numel() * p.element_size().")
+    return f"expected buckets (by parameter index) {want}, got {got}.{hint}"
+
+
+def _describe_buckets(case):
+    kinds = [f"{tuple(s['shape'])} {str(s['dtype']).replace('torch.', '')}{' view' if s['view'] else ''}"
+             for s in case["params"]]
+    return f"assign_buckets(<parameters {', '.join(kinds)}>, bucket_cap_bytes={case['cap']})"
+
+
+# ---- 10.memory_filter ------------------------------------------------------------------------
+
+MEMORY_MODELS = ("LLAMA3_8B", "LLAMA3_70B", "MOE_8B")
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(model_name: str, gpus: int, seq: int) -> tuple:
+    from ultrascale import plan
+
+    return tuple(plan.enumerate_configs(_memory_model(model_name), gpus=gpus, global_batch_tokens=2 ** 20, seq=seq,
+                                        max_cp=4))
+
+
+def _memory_model(name: str):
+    import dataclasses
+
+    from ultrascale import model
+
+    if name == "MOE_8B":
+        return dataclasses.replace(model.LLAMA3_8B, experts=8, top_k=2)
+    return getattr(model, name)
+
+
+def _memory_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        model=st.sampled_from(MEMORY_MODELS), gpus=st.sampled_from((8, 16, 32)), seq=st.sampled_from((2048, 4096)),
+        count=st.integers(1, 12), boundary=st.booleans(), gigabytes=st.sampled_from((24, 40, 80, 141)),
+        # headrooms whose 1 - h is a power of two: memory_bytes * (1 - h) is then exact
+        headroom=st.sampled_from((0.0, 0.5, 0.75)), seed=st.integers(0, 999)))
+
+
+def _memory_problem(case):
+    from ultrascale.plan import fit
+
+    model = _memory_model(case["model"])
+    layouts = _layouts(case["model"], case["gpus"], case["seq"])
+    configs = random.Random(case["seed"]).sample(layouts, min(case["count"], len(layouts)))
+    memory_bytes = case["gigabytes"] * 1e9
+    if case["boundary"]:   # usable memory exactly the first layout's need (every part is a whole number of bytes)
+        memory_bytes = fit.memory_per_gpu(model, configs[0], case["seq"])["total"] / (1 - case["headroom"])
+    return model, configs, memory_bytes
+
+
+def _judge_memory(fn, case):
+    from ultrascale.plan import Hardware, fit
+
+    model, configs, memory_bytes = _memory_problem(case)
+    want, _ = fit.memory_filter(model, configs, case["seq"],
+                                Hardware(memory_bytes=memory_bytes, memory_headroom=case["headroom"]))
+    got = fn(model, list(configs), case["seq"], memory_bytes, case["headroom"])
+    got = list(got) if got is not None else None
+    if got is None or [c for c, _ in got] != [c for c, _ in want]:
+        kept = None if got is None else [c.short() for c, _ in got]
+        hint = ""
+        if case["boundary"] and got is not None and [c for c, _ in got] == [c for c, _ in want[1:]] \
+                and want and want[0][0] == configs[0]:
+            hint = (f" {configs[0].short()} needs exactly the usable memory, "
+                    f"{memory_bytes * (1 - case['headroom']):.0f} bytes: it fits (need <= usable, not <)")
+        return f"kept {kept}, expected {[c.short() for c, _ in want]} (in the order given).{hint}"
+    for (c, nbytes), (_, need) in zip(got, want):
+        if not math.isclose(nbytes, need, rel_tol=1e-9):
+            return f"{c.short()} needs {need:.0f} bytes, you say {nbytes!r}"
+    return None
+
+
+def _describe_memory(case):
+    model, configs, memory_bytes = _memory_problem(case)
+    return (f"fitting({case['model']}, {len(configs)} layouts of {case['gpus']} GPUs, seq={case['seq']}, "
+            f"memory_bytes={memory_bytes:.6g}, headroom={case['headroom']})"
+            + (f", where {configs[0].short()} needs exactly the usable memory" if case["boundary"] else ""))
+
+
+# ---- a1.timed_median -------------------------------------------------------------------------
+
+def _timing_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        warmup=st.integers(0, 4), repeats=st.integers(1, 8), launch_cost=st.integers(0, 3),
+        durations=st.lists(st.integers(0, 500), min_size=12, max_size=12)))
+
+
+def _judge_timing(fn, case):
+    from ultrascale.exercise_tests.cha1 import FakeDevice
+
+    warmup, repeats = case["warmup"], case["repeats"]
+    durations = case["durations"][:warmup + repeats]
+    device = FakeDevice(durations, launch_cost=case["launch_cost"])
+    want = statistics.median(case["launch_cost"] + d for d in durations[warmup:])
+    got = fn(device.launch, warmup=warmup, repeats=repeats, synchronize=device.synchronize, clock=device.clock)
+    if device.calls != warmup + repeats:
+        return f"fn was called {device.calls} times, not warmup + repeats = {warmup + repeats}"
+    if got == want:
+        return None
+    hint = ""
+    if repeats % 2 == 0 and want != int(want) and got == math.floor(want):
+        hint = (" With an even number of repeats the median is the mean of the middle two, which need not be a "
+                "whole number: statistics.median, or (a + b) / 2, not //")
+    return f"expected a median of {want} time units, got {got!r}.{hint}"
+
+
+def _describe_timing(case):
+    warmup, repeats = case["warmup"], case["repeats"]
+    d = case["durations"]
+    return (f"time_median(fn, warmup={warmup}, repeats={repeats}, ...) on a device whose calls take "
+            f"{d[:warmup]} (warm-up) then {d[warmup:warmup + repeats]} time units, plus {case['launch_cost']} "
+            "to launch")
+
+
+# ---- a1.launched_by --------------------------------------------------------------------------
+
+# (name, category) of the host calls that launch a kernel in real traces
+LAUNCHES = (("cudaLaunchKernel", "cuda_runtime"), ("cudaLaunchKernelExC", "cuda_runtime"),
+            ("cuLaunchKernel", "cuda_driver"))
+
+
+def _launch_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        processes=st.integers(1, 2), threads=st.integers(1, 2), other_launches=st.booleans(), edges=st.booleans(),
+        ties=st.booleans(), epoch=st.booleans(), seed=st.integers(0, 999)))
+
+
+def _launch_trace(case) -> list:
+    """Nested operators per (pid, tid), launches inside them (on their edges when drawn), kernels."""
+    from ultrascale.exercise_tests.cha1 import _x
+
+    rng = random.Random(case["seed"])
+    offset = 1_732_000_000_000_000 if case["epoch"] else 0     # microseconds since the epoch
+    events, corr, kernel_ts = [], 0, []
+
+    def ops(pid, tid, start, end, depth):
+        nonlocal corr
+        t = start
+        while t < end - 4:
+            dur = rng.randint(2, max(2, (end - t) // 2))
+            events.append(_x(f"aten::op{depth}_{rng.randint(0, 99)}", "cpu_op", offset + t, dur, pid=pid, tid=tid))
+            if depth < 2 and dur > 8:
+                ops(pid, tid, t + 1, t + dur - 1, depth + 1)
+            if rng.random() < 0.7:
+                corr += 1
+                at = rng.choice((t, t + dur)) if case["edges"] and rng.random() < 0.5 else t + rng.randint(0, dur - 1) + 0.5
+                name, cat = rng.choice(LAUNCHES) if case["other_launches"] else LAUNCHES[0]
+                events.append(_x(name, cat, offset + at, 1, pid=pid, tid=tid, correlation=corr))
+                ts = rng.choice(kernel_ts) if case["ties"] and kernel_ts and rng.random() < 0.5 else \
+                    offset + at + rng.randint(1, 50)
+                kernel_ts.append(ts)
+                events.append(_x(f"kernel_{corr}", "kernel", ts, rng.randint(1, 9), pid=0, tid=7, correlation=corr))
+            t += dur + rng.randint(1, 5)
+
+    for pid in range(1, case["processes"] + 1):
+        for tid in range(1, case["threads"] + 1):
+            ops(pid, tid, rng.randint(0, 5), 200, 0)
+    rng.shuffle(events)
+    return events
+
+
+def _judge_launches(fn, case):
+    from ultrascale.exercise_tests.cha1 import reference_launched_by
+
+    events = _launch_trace(case)
+    want = reference_launched_by(events)
+    got = fn(events)
+    got = None if got is None else [tuple(pair) for pair in got]
+    if got == want:
+        return None
+    hint = ""
+    if got is not None and len(got) == len(want) and sorted(got, key=str) == sorted(want, key=str):
+        hint = " The pairs are right but not in order: sort by the kernel's ts, kernels with equal ts kept in trace order."
+    elif got is not None and len(got) == len(want):
+        launch_names = {name for name, _ in LAUNCHES}
+        hint = (" The launch is the non-kernel complete event with the kernel's correlation number, whatever it is "
+                f"called ({', '.join(sorted(launch_names))}) and whichever API (cuda_runtime, cuda_driver) made it"
+                if case["other_launches"] else "")
+    return f"expected {want}, got {got}.{hint}"
+
+
+def _describe_launches(case):
+    traits = [f"{case['processes']} process(es) x {case['threads']} thread(s) sharing thread ids"]
+    traits += [t for t, on in (("launches named cudaLaunchKernelExC or cuLaunchKernel (cat cuda_driver) too",
+                                case["other_launches"]),
+                               ("launches on an operator's start or end", case["edges"]),
+                               ("kernels that start at the same ts", case["ties"]),
+                               ("timestamps in microseconds since the epoch", case["epoch"])) if on]
+    return f"launched_by(<a random trace, seed {case['seed']}: {'; '.join(traits)}>)"
+
+
+PROPERTIES: dict = {
+    "00.mean_across_ranks": Property(_mean_cases, _judge_mean, _describe_mean, examples=(
+        dict(world_size=2, shape=[], dtype=torch.float64, transposed=False, seed=0),
+        dict(world_size=3, shape=[2, 3], dtype=torch.bfloat16, transposed=True, seed=1))),
+    "01.grad_accumulation": Property(_accumulation_cases, _judge_accumulation, _describe_accumulation, examples=(
+        dict(llama=False, dtype=torch.float64, grad_acc=3, mbs=2, seq=1, transposed=True, seed=0),)),
+    "02.assign_buckets": Property(_bucket_cases, _judge_buckets, _describe_buckets, examples=(
+        # bf16 then float64 then a 0-d float32 view: each weighs its own bytes
+        dict(params=[dict(shape=[8], dtype=torch.bfloat16, view=False), dict(shape=[2, 2], dtype=torch.float64,
+             view=False), dict(shape=[], dtype=torch.float32, view=True)], cap=20),)),
+    "10.memory_filter": Property(_memory_cases, _judge_memory, _describe_memory, examples=(
+        dict(model="LLAMA3_8B", gpus=8, seq=4096, count=6, boundary=True, gigabytes=80, headroom=0.5, seed=1),)),
+    "a1.timed_median": Property(_timing_cases, _judge_timing, _describe_timing, examples=(
+        dict(warmup=1, repeats=2, launch_cost=1, durations=[100, 10, 13] + [0] * 9),)),
+    "a1.launched_by": Property(_launch_cases, _judge_launches, _describe_launches, examples=(
+        dict(processes=2, threads=2, other_launches=True, edges=True, ties=True, epoch=True, seed=0),)),
+}

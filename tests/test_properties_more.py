@@ -1,0 +1,137 @@
+"""Issue 53, item 2, for the exercises of ``exercise_tests.properties_more`` (lists of tensors,
+traces, clocks, layouts, models, and the mean across ranks): the solutions pass their checks with
+the property cases added (graded as every solution is, by test_grading's papermill run of
+solutions/), and wrong answers that pass every fixed case (each written as a learner
+might, on an assumption the fixed cases happen to satisfy) fail on a drawn input with a message
+that names the mistake.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from test_grader_holes import _fails
+
+from ultrascale.exercise_tests import properties_more
+from ultrascale.exercise_tests.properties import PROPERTIES
+from ultrascale.grading import check
+
+COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", "10.memory_filter", "a1.timed_median",
+           "a1.launched_by"}
+DRAWN = "the fixed cases pass, but an input they do not cover fails"
+
+
+def test_every_exercise_here_has_a_property_in_the_merged_table():
+    assert set(properties_more.PROPERTIES) == COVERED
+    for exercise_id, prop in properties_more.PROPERTIES.items():
+        assert PROPERTIES[exercise_id] is prop
+
+
+# ---- wrong answers that pass every fixed case ---------------------------------------------------
+
+def test_a_mean_made_in_float32_fails_on_float64_and_bf16():
+    def mean_across_ranks(ctx, tensor):
+        total = tensor.float().clone()    # a copy, so the caller's tensor is safe... and float32
+        dist.all_reduce(total, group=ctx.group)
+        return total / ctx.world_size
+
+    _fails(check("00.mean_across_ranks", mean_across_ranks), DRAWN, "torch.float64", "no float()")
+
+
+def test_a_mean_through_view_fails_on_a_transposed_tensor():
+    def mean_across_ranks(ctx, tensor):
+        flat = tensor.view(-1).clone()    # one flat buffer for the collective
+        dist.all_reduce(flat, group=ctx.group)
+        return (flat / ctx.world_size).view(tensor.shape)
+
+    _fails(check("00.mean_across_ranks", mean_across_ranks), DRAWN, "transposed, non-contiguous", "RuntimeError")
+
+
+def test_a_logged_loss_summed_in_float32_fails_on_a_float64_model():
+    def accumulate_gradients(model, inputs, targets, grad_acc):
+        model.zero_grad()
+        total = torch.zeros(())           # float32, as every fixed case's model is
+        for x, y in zip(inputs.chunk(grad_acc), targets.chunk(grad_acc)):
+            loss = model.loss(x, y) / grad_acc
+            loss.backward()
+            total += loss.detach()
+        return total.item()
+
+    _fails(check("01.grad_accumulation", accumulate_gradients), DRAWN, "torch.float64", "returned loss")
+
+
+def _buckets_weighing(nbytes):
+    def assign_buckets(params, bucket_cap_bytes):
+        params = list(params)
+        buckets, current, total = [], [], 0
+        for p in reversed(params):
+            current.append(p)
+            total += nbytes(p, params)
+            if total >= bucket_cap_bytes:
+                buckets.append(current)
+                current, total = [], 0
+        return buckets + ([current] if current else [])
+    return assign_buckets
+
+
+def test_buckets_weighed_with_the_first_parameters_dtype_fail_on_mixed_dtypes():
+    wrong = _buckets_weighing(lambda p, params: p.numel() * params[0].element_size())  # one dtype per model
+    _fails(check("02.assign_buckets", wrong), DRAWN, "bfloat16", "its own dtype")
+
+
+def test_buckets_weighed_by_storage_fail_on_views():
+    wrong = _buckets_weighing(lambda p, params: p.untyped_storage().nbytes())
+    _fails(check("02.assign_buckets", wrong), DRAWN, "view", "weighed by its storage")
+
+
+def test_a_memory_filter_with_a_strict_comparison_fails_at_exactly_full():
+    from ultrascale.memory import breakdown
+
+    def fitting(model, configs, seq, memory_bytes, headroom):
+        usable = memory_bytes * (1 - headroom)
+        kept = []
+        for c in configs:
+            parts = breakdown(model, seq=seq, micro_batch=c.mbs, mixed_precision=True, recompute=c.recompute,
+                              zero_stage=c.zero, tp=c.tp, dp=c.dp * c.cp, pp=c.pp, cp=c.cp, sequence_parallel=True,
+                              ep=c.ep)
+            need = sum(parts[k] for k in ("parameters", "gradients", "optimizer states", "activations"))
+            if need < usable:             # room to spare
+                kept.append((c, need))
+        return kept
+
+    _fails(check("10.memory_filter", fitting), DRAWN, "needs exactly the usable memory", "need <= usable")
+
+
+def test_a_median_by_floor_division_fails_between_two_odd_middles():
+    def time_median(fn, warmup, repeats, synchronize, clock):
+        for _ in range(warmup):
+            fn()
+        synchronize()
+        times = []
+        for _ in range(repeats):
+            start = clock()
+            fn()
+            synchronize()
+            times.append(clock() - start)
+        times.sort()
+        middle = len(times) // 2
+        return times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) // 2   # the clock is ints
+
+    _fails(check("a1.timed_median", time_median), DRAWN, "even number of repeats", "not //")
+
+
+def test_launches_found_by_the_name_cudalaunchkernel_miss_the_driver_api():
+    def launched_by(events):
+        events = list(events)
+        ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+        launches = {e["args"]["correlation"]: e for e in events if e.get("name") == "cudaLaunchKernel"}
+        pairs = []
+        for k in sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"]):
+            launch = launches.get(k["args"].get("correlation"))
+            around = [] if launch is None else [
+                o for o in ops if (o["pid"], o["tid"]) == (launch["pid"], launch["tid"])
+                and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+            pairs.append((k["name"], min(around, key=lambda o: o["dur"])["name"] if around else None))
+        return pairs
+
+    _fails(check("a1.launched_by", launched_by), DRAWN, "cuLaunchKernel", "whatever it is called")
