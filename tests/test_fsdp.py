@@ -1,0 +1,246 @@
+"""Per-parameter sharding (parallel/fsdp.py, FSDP2's design): a plain torch optimizer steps the
+shards, and training ends with the weights of one process and of PyTorch's ``fully_shard``.
+
+Tolerances: the parity ones (``parity.TOLERANCES``) for the dtype and optimizer. Against one
+process they are needed (the ranks sum their averaged gradients in another order); against
+``fully_shard`` we measured bit-identical weights (both cut rows as ``torch.chunk`` does and
+reduce in the same order), but hold it only to the same justified tolerance.
+"""
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from ultrascale.comm import CommLogger
+from ultrascale.comm.logger import base_op
+from ultrascale.data import Batches
+from ultrascale.model import GPT, GPTConfig
+from ultrascale.parallel.fsdp import apply_fsdp, full_state_dict, shard_rows
+from ultrascale.parallel.sharded_muon import Muon
+from ultrascale.parity import assert_replicas_identical, assert_same, perturbed
+from ultrascale.runtime import shared_cluster
+from ultrascale.train import make_optimizer, run_steps, weights
+
+STEPS = 3
+# vocab 64 over 3 ranks: 22, 22, 20 rows; vocab 9 over 4 ranks: 3, 3, 3 and an empty shard
+CONFIGS = {2: GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16),
+           3: GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16),
+           4: GPTConfig(vocab_size=9, hidden=32, layers=2, heads=2, seq_len=16)}
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def fresh_model(world, dtype=torch.float64):
+    torch.manual_seed(0)
+    return perturbed(GPT(CONFIGS[world])).to(dtype)   # perturbed: no norm weight left at 1, no bias at 0
+
+
+def data(world):
+    return Batches(CONFIGS[world], mbs=2, seed=0)
+
+
+def train_ours(ctx, opt, dtype=torch.float64, mesh_shape=None, grad_acc=1, **options):
+    mesh = None if mesh_shape is None else init_device_mesh(ctx.device.type, mesh_shape, mesh_dim_names=HSDP_DIMS)
+    model = apply_fsdp(fresh_model(ctx.world_size, dtype).to(ctx.device), mesh, **options)
+    optimizer = make_optimizer(model.parameters(), opt)     # a plain torch optimizer on the shards
+    batches = data(ctx.world_size).rank_stream(ctx.rank, ctx.world_size)
+    batches(0, 0).to(ctx.device).loss(model).backward()
+    grad_shapes = {n: (tuple(p.shape), tuple(p.grad.shape), p.grad.dtype) for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with CommLogger() as log:
+        losses = run_steps(model, batches, STEPS, optimizer, device=ctx.device, grad_acc=grad_acc)
+    return {"weights": full_state_dict(model), "losses": losses, "comm": by_collective(log), "grad_shapes": grad_shapes,
+            "replicated": {n: p.detach().cpu() for n, p in model.named_parameters() if "norm" in n}}
+
+
+def train_fully_shard(ctx, opt, dtype=torch.float64, mesh_shape=None, mp_policy=None):
+    mesh = init_device_mesh(ctx.device.type, mesh_shape or (ctx.world_size,),
+                            mesh_dim_names=HSDP_DIMS if mesh_shape else None)
+    model = fresh_model(ctx.world_size, dtype).to(ctx.device)
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for block in model.blocks:            # the same units as apply_fsdp's default
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+    losses = run_steps(model, data(ctx.world_size).rank_stream(ctx.rank, ctx.world_size), STEPS,
+                       make_optimizer(model.parameters(), opt), device=ctx.device)
+    return {"weights": weights(model), "losses": losses, "shapes": shapes}
+
+
+def by_collective(log) -> dict:
+    """The logger's totals by collective: all_gather_single (torch 2.13) and
+    all_gather_into_tensor (2.11) are both "all_gather"."""
+    return {base_op(op): row for op, row in log.totals().items()}
+
+
+def one_process(world, opt, dtype=torch.float64, grad_acc=1):
+    model = fresh_model(world, dtype)
+    run_steps(model, data(world).global_stream(world), STEPS, opt, grad_acc=grad_acc)
+    return weights(model)
+
+
+def test_shard_rows_cut_as_torch_chunk():
+    for rows in range(0, 12):
+        for n in range(1, 6):
+            chunks = torch.arange(rows).chunk(n) if rows else ()
+            lengths = [shard_rows(rows, n, r)[1] for r in range(n)]
+            assert lengths == [len(c) for c in chunks] + [0] * (n - len(chunks)), (rows, n)
+            starts = [shard_rows(rows, n, r)[0] for r in range(n)]
+            assert starts == [sum(lengths[:r]) for r in range(n)], (rows, n)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_plain_optimizer_equals_one_process_and_fully_shard(world):
+    cluster = shared_cluster(world)
+    for opt in ("sgd", "adamw"):
+        ours = cluster.run(train_ours, opt)
+        theirs = cluster.run(train_fully_shard, opt)
+        reference = one_process(world, opt)
+        for rank, (mine, torch_s) in enumerate(zip(ours, theirs)):
+            for name, (shape, grad_shape, grad_dtype) in mine["grad_shapes"].items():
+                assert shape == torch_s["shapes"][name], f"rank {rank} {name}: shard {shape}, fully_shard's " \
+                                                         f"{torch_s['shapes'][name]}"
+                assert grad_shape == shape and grad_dtype == torch.float64, f"rank {rank} {name}: .grad {grad_shape}"
+            assert_same(mine["weights"], reference, f"{world} ranks {opt} vs one process", optimizer=opt)
+            assert_same(mine["weights"], torch_s["weights"], f"{world} ranks {opt} vs fully_shard", optimizer=opt)
+        if world == 4:   # vocab 9 over 4 ranks: the last rank's embedding shard is empty
+            assert ours[3]["grad_shapes"]["embed.weight"][0] == (0, 32)
+
+
+def test_replicated_norms_and_accumulation():
+    """Norms kept whole: their gradients are all-reduced, so every rank steps them alike;
+    with two micro-batches per step the run still equals one process."""
+    cluster = shared_cluster(3)
+    results = cluster.run(train_ours, "sgd", grad_acc=2, replicate=("*norm*",))
+    shapes = results[0]["grad_shapes"]
+    assert shapes["norm.weight"][0] == (32,) and shapes["blocks.0.attn.q.weight"][0] == (11, 32)
+    assert_replicas_identical([r["replicated"] for r in results], "replicated norms")
+    assert_same(results[0]["weights"], one_process(3, "sgd", grad_acc=2), "replicated norms", optimizer="sgd")
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["reduce-fp32", "reduce-bf16"])
+def test_mixed_precision_matches_fully_shard(reduce_dtype):
+    """bf16 gathers, fp32 masters: the same weights as fully_shard under the same policy,
+    exactly half the all-gather bytes of fp32, and a loss near fp32 training's."""
+    cluster = shared_cluster(3)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    fp32 = cluster.run(train_ours, "adamw", torch.float32)
+    ours = cluster.run(train_ours, "adamw", torch.float32, mp_policy=policy)
+    theirs = cluster.run(train_fully_shard, "adamw", torch.float32, mp_policy=policy)
+    for mine, torch_s, full in zip(ours, theirs, fp32):
+        assert all(w.dtype == torch.float32 for w in mine["weights"].values()), "masters must stay fp32"
+        assert_same(mine["weights"], torch_s["weights"], "bf16 gathers vs fully_shard", optimizer="adamw")
+        gathered = mine["comm"]["all_gather"]
+        assert gathered["calls"] == full["comm"]["all_gather"]["calls"]
+        assert 2 * gathered["bytes_received"] == full["comm"]["all_gather"]["bytes_received"]
+        reduced = mine["comm"]["reduce_scatter"]["bytes_sent"]
+        assert reduced * (2 if reduce_dtype is None else 1) == full["comm"]["reduce_scatter"]["bytes_sent"]
+        # bf16 keeps 8 bits: the loss moves by a few parts in a thousand, not more
+        assert_same(torch.tensor(mine["losses"]), torch.tensor(full["losses"]), "bf16 loss vs fp32",
+                    tol=dict(rtol=1e-2, atol=0.0))
+
+
+def test_hybrid_sharding_matches_fully_shard_on_2d_mesh():
+    """HSDP on 4 ranks, (replicate 2) x (shard 2): weights of one process and of fully_shard's
+    HSDP; a rank holds half of each sharded parameter and all-reduces its gradient shard once
+    per unit and step over the replicate axis."""
+    cluster = shared_cluster(4)
+    ours = cluster.run(train_ours, "adamw", mesh_shape=(2, 2))
+    theirs = cluster.run(train_fully_shard, "adamw", mesh_shape=(2, 2))
+    reference = one_process(4, "adamw")
+    units = 1 + CONFIGS[4].layers   # each block, and the rest
+    for mine, torch_s in zip(ours, theirs):
+        assert_same(mine["weights"], reference, "HSDP vs one process", optimizer="adamw")
+        assert_same(mine["weights"], torch_s["weights"], "HSDP vs fully_shard", optimizer="adamw")
+        assert mine["grad_shapes"]["blocks.0.mlp.fc.weight"][0] == (64, 32)   # 128 rows over 2 shards
+        assert mine["comm"]["reduce_scatter"]["calls"] == units * STEPS
+        assert mine["comm"]["all_reduce"]["calls"] == units * STEPS
+    # the replicate axis all-reduces the padded gradient shards: a ring over R = 2 ranks sends
+    # 2 (R-1) / R = 1 times the buffer per rank and step
+    shard_bytes = sum(-(-w.shape[0] // 2) * w[0].numel() for w in reference.values()) * 8
+    assert ours[0]["comm"]["all_reduce"]["bytes_sent"] == STEPS * shard_bytes
+
+
+def test_recomputation_refused():
+    model = GPT(CONFIGS[2]).set_recompute("full")
+    with pytest.raises(ValueError, match="recomputation"):
+        apply_fsdp(model)
+
+
+# --------------------------------------------------------------------------- Muon
+class Optimizers:
+    """Muon for the blocks' matrices, AdamW for the rest (embeddings, norms): stepped together."""
+
+    def __init__(self, model, **muon):
+        matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and n.endswith(".weight")
+                    and "norm" not in n]
+        rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+        self.all = [Muon(matrices, lr=0.02, ns_dtype=torch.float64, **muon), torch.optim.AdamW(rest, lr=1e-3)]
+
+    def step(self):
+        for opt in self.all:
+            opt.step()
+
+    def zero_grad(self):
+        for opt in self.all:
+            opt.zero_grad()
+
+
+def muon_matrix_shapes(world):
+    return [tuple(p.shape) for n, p in fresh_model(world).named_parameters()
+            if n.startswith("blocks.") and n.endswith(".weight") and "norm" not in n]
+
+
+def train_sharded_muon(ctx, mode):
+    model = apply_fsdp(fresh_model(ctx.world_size).to(ctx.device))
+    with CommLogger() as log:
+        run_steps(model, data(ctx.world_size).rank_stream(ctx.rank, ctx.world_size), STEPS,
+                  Optimizers(model, fsdp=model.fsdp, mode=mode), device=ctx.device)
+    return {"weights": full_state_dict(model), "comm": by_collective(log)}
+
+
+def test_muon_equals_torch_muon():
+    """Our Muon on whole matrices (wide, tall, square; with and without Nesterov) against
+    torch.optim.Muon on the same gradients: the same operations, so the same numbers."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (4, 9), (6, 6)]
+    for nesterov in (True, False):
+        ours = [torch.randn(s, generator=generator).requires_grad_() for s in shapes]
+        theirs = [p.detach().clone().requires_grad_() for p in ours]
+        opts = [Muon(ours, lr=0.02, nesterov=nesterov), torch.optim.Muon(theirs, lr=0.02, nesterov=nesterov)]
+        for _ in range(STEPS):
+            for mine, torch_p in zip(ours, theirs):
+                mine.grad = torch.randn(mine.shape, generator=generator)
+                torch_p.grad = mine.grad.clone()
+            for opt in opts:
+                opt.step()
+        for mine, torch_p in zip(ours, theirs):
+            assert_same(mine.detach(), torch_p.detach(), f"Muon nesterov={nesterov}", optimizer="adam")
+    with pytest.raises(ValueError, match="matrices"):
+        Muon([torch.zeros(3, requires_grad=True)])
+
+
+@pytest.mark.parametrize("mode", ["gather", "owners"])
+def test_sharded_muon_equals_one_process(mode):
+    """Muon on row shards (3 ranks: uneven rows) equals Muon on whole matrices in one process.
+    The traffic Muon adds: "gather" all-gathers every matrix to every rank ((N-1)/N of the
+    padded matrices received per rank and step); "owners" moves those same bytes only once in
+    all, into the owners, and once back out."""
+    world = 3
+    results = shared_cluster(world).run(train_sharded_muon, mode)
+    model = fresh_model(world)
+    run_steps(model, data(world).global_stream(world), STEPS, Optimizers(model))
+    reference = weights(model)
+    for r in results:
+        assert_same(r["weights"], reference, f"sharded Muon ({mode})", optimizer="adam")
+    padded = sum(-(-rows // world) * world * cols for rows, cols in muon_matrix_shapes(world)) * 8
+    muon_bytes = STEPS * padded * (world - 1) // world
+    fsdp_gathers = STEPS * (2 * (1 + CONFIGS[world].layers) - 1)   # forward per unit, backward but the root
+    for r in results:
+        gathers = r["comm"]["all_gather"]
+        assert gathers["calls"] == fsdp_gathers + (STEPS * len(muon_matrix_shapes(world)) if mode == "gather" else 0)
+    if mode == "gather":
+        adamw = shared_cluster(world).run(train_ours, "adamw")[0]["comm"]["all_gather"]["bytes_received"]
+        assert results[0]["comm"]["all_gather"]["bytes_received"] - adamw == muon_bytes
+    else:
+        assert sum(r["comm"]["gather"]["bytes_received"] for r in results) == muon_bytes
+        assert sum(r["comm"]["scatter"]["bytes_sent"] for r in results) == muon_bytes
