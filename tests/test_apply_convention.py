@@ -10,10 +10,11 @@ import torch.nn as nn
 
 from ultrascale.parallel import apply_cp, apply_data_parallel, apply_pp, apply_tp, apply_zero
 from ultrascale.parallel.expert_parallel import apply_ep
+from ultrascale.parallel.fsdp import apply_fsdp
 from ultrascale.parallel.grad_sync import DATA_AXES
 from ultrascale.precision import apply_fp8
 
-DISTRIBUTED = [apply_tp, apply_cp, apply_ep, apply_pp, apply_zero, apply_data_parallel]
+DISTRIBUTED = [apply_tp, apply_cp, apply_ep, apply_pp, apply_zero, apply_fsdp, apply_data_parallel]
 
 
 @pytest.mark.parametrize("apply", DISTRIBUTED + [apply_fp8], ids=lambda f: f.__name__)
