@@ -21,5 +21,6 @@ def cluster(request):
 
 
 def fresh_model(seed=0):
+    """The tiny GPT, seeded, on the host: a rank moves it with ``.to(ctx.device)``."""
     torch.manual_seed(seed)
     return GPT(CFG)

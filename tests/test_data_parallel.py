@@ -18,6 +18,9 @@ from ultrascale.parity import assert_replicas_identical, assert_same, ddp
 from ultrascale.train import train
 from dp_common import CFG, DATA, STEPS, cluster, fresh_model  # noqa: F401  (cluster is a fixture)
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 matplotlib.use("Agg")
 
 BUCKET_MB = 0.02   # ~20 KB: the tiny model (110 KB of fp32 gradients) fills several buckets
@@ -35,18 +38,18 @@ def single_process(world, grad_acc=1):
 
 def _model_on_rank(ctx):
     # different on each rank: the wrapper's broadcast must fix it
-    return fresh_model(0 if ctx.rank == 0 else 100 + ctx.rank)
+    return fresh_model(0 if ctx.rank == 0 else 100 + ctx.rank).to(ctx.device)
 
 
 def train_dp(ctx, kind, grad_acc, use_no_sync):
     model = _model_on_rank(ctx)
-    timeline = Timeline(ctx.rank)
+    timeline = Timeline(ctx.rank, device=ctx.device)
     dp = WRAPPERS[kind](model, timeline=timeline)
     timeline.instrument(model.blocks)
     with CommLogger() as log:
         params = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), STEPS, "sgd", grad_acc=grad_acc,
                        module=dp, no_sync=dp.no_sync if use_no_sync else None,
-                       after_backward=dp.finish_gradient_synchronization)
+                       after_backward=dp.finish_gradient_synchronization, device=ctx.device)
     return {"params": params, "all_reduces": log.totals()["all_reduce"]["calls"], "syncs": dp.num_syncs,
             "order": getattr(dp, "ready_order", []), "rows": timeline.rows()}
 
@@ -84,7 +87,7 @@ def train_ddp_and_ours(ctx, grad_acc):
             wrapped = BucketedDataParallel(model, bucket_cap_mb=BUCKET_MB)
             sync = wrapped.finish_gradient_synchronization
         out[name] = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), STEPS, "sgd", grad_acc=grad_acc,
-                          module=wrapped, no_sync=wrapped.no_sync, after_backward=sync)
+                          module=wrapped, no_sync=wrapped.no_sync, after_backward=sync, device=ctx.device)
     return out
 
 
@@ -116,7 +119,7 @@ def count_all_reduce_calls(ctx, kind):
     model = _model_on_rank(ctx)
     dp = WRAPPERS[kind](model)
     with CommLogger() as log:
-        DATA.rank_batch(ctx.rank, ctx.world_size, 0).loss(dp).backward()
+        DATA.rank_batch(ctx.rank, ctx.world_size, 0).to(ctx.device).loss(dp).backward()
         dp.finish_gradient_synchronization()
     return log.totals()["all_reduce"]["calls"], len(getattr(dp, "buckets", []))
 
@@ -135,7 +138,7 @@ def gradients_live_in_buckets(ctx):
     storages = {b.buffer.untyped_storage().data_ptr() for b in dp.buckets}
     for step in range(2):
         model.zero_grad(set_to_none=step == 0)
-        DATA.rank_batch(ctx.rank, ctx.world_size, step).loss(dp).backward()
+        DATA.rank_batch(ctx.rank, ctx.world_size, step).to(ctx.device).loss(dp).backward()
         dp.finish_gradient_synchronization()
     return all(p.grad.untyped_storage().data_ptr() in storages for p in model.parameters())
 

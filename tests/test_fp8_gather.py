@@ -20,6 +20,9 @@ from ultrascale.runtime import shared_cluster
 from ultrascale.train import run_steps
 from dp_common import DATA, cluster, fresh_model  # noqa: F401  (cluster is a fixture)
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 E4M3 = torch.float8_e4m3fn
 
 
@@ -30,11 +33,11 @@ def gather_bytes(log) -> tuple:
 
 
 def one_step_traffic(ctx, param_dtype, gather_dtype):
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     zero = ZeRO(model, stage=3, param_dtype=param_dtype, gather_dtype=gather_dtype, lr=1e-3)
     batches = DATA.rank_stream(ctx.rank, ctx.world_size)
     with CommLogger() as log:
-        run_steps(model, batches, 1, zero)
+        run_steps(model, batches, 1, zero, device=ctx.device)
     calls, nbytes = gather_bytes(log)
     amax = log.totals().get(AMAX_ALL_REDUCE, {"calls": 0, "bytes_sent": 0})
     return {"calls": calls, "bytes": nbytes, "elements": log.collective_elements()["all_gather elements"],
@@ -63,15 +66,15 @@ def test_fp8_gather_halves_the_bytes(cluster):
 def gathered_in_forward(ctx, param_dtype, steps):
     """After ``steps`` steps: every block's parameters as the block's forward sees them, and
     the exact full parameters."""
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     zero = ZeRO(model, stage=3, param_dtype=param_dtype, gather_dtype=E4M3, lr=1e-2)
     batches = DATA.rank_stream(ctx.rank, ctx.world_size)
-    run_steps(model, batches, steps, zero)
+    run_steps(model, batches, steps, zero, device=ctx.device)
     seen = {}
     for i, block in enumerate(model.blocks):   # ZeRO's gather hook runs first, then this one
         block.register_forward_pre_hook(
             lambda m, a, i=i: seen.update({f"blocks.{i}.{n}": p.detach().clone() for n, p in m.named_parameters()}))
-    batches(steps, 0).loss(model).backward()
+    batches(steps, 0).to(ctx.device).loss(model).backward()
     zero.zero_grad()
     exact = zero.full_state_dict()
     cut = [sum(1 for _ in local_ranges(u)) for u in zero.all_units]   # shards split parameters
@@ -97,9 +100,9 @@ def test_gathered_weight_is_quantize_dequantize_with_the_global_amax(cluster, pa
 
 
 def train_curve(ctx, gather_dtype, steps):
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     zero = ZeRO(model, stage=3, gather_dtype=gather_dtype, lr=1e-2)
-    return run_steps(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, zero)
+    return run_steps(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, zero, device=ctx.device)
 
 
 def rounding_effect_bound(rank=0, world_size=2) -> float:
@@ -138,7 +141,7 @@ def test_fp8_gather_trains_like_the_exact_gather():
 def test_gather_dtype_is_refused_outside_stage_3_and_fp8(cluster):
     def build(ctx, stage, gather_dtype):
         try:
-            ZeRO(fresh_model(), stage=stage, gather_dtype=gather_dtype)
+            ZeRO(fresh_model().to(ctx.device), stage=stage, gather_dtype=gather_dtype)
         except ValueError as error:
             return str(error)
         return "built"

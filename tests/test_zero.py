@@ -21,6 +21,9 @@ from ultrascale.parity import assert_same, device_mesh_1d, fsdp2
 from ultrascale.train import OPTIMIZERS, run_steps, train
 from dp_common import CFG, DATA, STEPS, cluster, fresh_model  # noqa: F401  (cluster is a fixture)
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 
 def my_batches(ctx):
     return DATA.rank_stream(ctx.rank, ctx.world_size)
@@ -28,20 +31,20 @@ def my_batches(ctx):
 
 def train_dp(ctx, opt_name, grad_acc=1):
     """The reference: plain data parallelism with the optimizer on full tensors."""
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     dp = NaiveDataParallel(model)
     return train(model, my_batches(ctx), STEPS, opt_name, grad_acc=grad_acc, module=dp, no_sync=dp.no_sync,
-                 after_backward=dp.finish_gradient_synchronization)
+                 after_backward=dp.finish_gradient_synchronization, device=ctx.device)
 
 
 def train_zero(ctx, stage, opt_name, prefetch=True, grad_acc=1, recompute="none"):
-    model = fresh_model().set_recompute(recompute)
+    model = fresh_model().set_recompute(recompute).to(ctx.device)
     cls, kwargs = OPTIMIZERS[opt_name]
     zero = ZeRO(model, stage=stage, optimizer_cls=cls, prefetch=prefetch, **kwargs)
     per_step, flag_calls = [], []
     for step in range(STEPS):
         with CommLogger() as log:
-            run_steps(model, my_batches(ctx), 1, zero, grad_acc=grad_acc, first_step=step)
+            run_steps(model, my_batches(ctx), 1, zero, grad_acc=grad_acc, first_step=step, device=ctx.device)
         per_step.append(log.collective_elements())
         flag_calls.append(log.totals().get(GRADIENT_FLAGS, {}).get("calls", 0))
     state = zero.state_bytes()
@@ -51,8 +54,8 @@ def train_zero(ctx, stage, opt_name, prefetch=True, grad_acc=1, recompute="none"
 
 
 def train_fsdp2(ctx):
-    model = fsdp2(fresh_model(), device_mesh_1d(ctx))   # the same units as ours: each block, and the root
-    return train(model, my_batches(ctx), STEPS, "adam")
+    model = fsdp2(fresh_model().to(ctx.device), device_mesh_1d(ctx))   # the same units as ours: each block, the root
+    return train(model, my_batches(ctx), STEPS, "adam", device=ctx.device)
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +136,10 @@ def test_communication_volume_and_all_gather_count(cluster):
 
 
 def comm_logger_bytes(ctx):
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     zero = ZeRO(model, stage=3, optimizer_cls=torch.optim.SGD, lr=0.1)
     with CommLogger() as log:
-        DATA.rank_batch(ctx.rank, ctx.world_size, 0).loss(model).backward()
+        DATA.rank_batch(ctx.rank, ctx.world_size, 0).to(ctx.device).loss(model).backward()
         zero.step()
     flat_buffers = sum(e.bytes_sent for e in log.events if e.op != GRADIENT_FLAGS)
     return flat_buffers, log.collective_elements()["elements"]
@@ -150,10 +153,10 @@ def test_comm_logger_bytes_are_the_ring_volume_of_the_elements(cluster):
 
 
 def zero3_memory_and_eval(ctx):
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     zero = ZeRO(model, stage=3, param_dtype=torch.bfloat16, lr=1e-3)
     at_rest = zero.state_bytes()["parameters"]
-    batch = DATA.rank_batch(ctx.rank, ctx.world_size, 0)
+    batch = DATA.rank_batch(ctx.rank, ctx.world_size, 0).to(ctx.device)
     with torch.no_grad():
         logits = model(batch.inputs)
     after_eval = zero.state_bytes()["parameters"]
@@ -179,9 +182,9 @@ def sequential_zero3_vs_dp(ctx):
     """Any module, with units chosen by hand and no root parameters left over."""
     def make():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
+        return torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.GELU(), torch.nn.Linear(7, 3)).to(ctx.device)
     g = torch.Generator().manual_seed(ctx.rank)
-    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+    x, y = torch.randn(5, 4, generator=g).to(ctx.device), torch.randn(5, 3, generator=g).to(ctx.device)
     ours, ref = make(), make()
     zero = ZeRO(ours, stage=3, units=[ours[0], ours[2]], optimizer_cls=torch.optim.SGD, lr=0.1)
     dp = NaiveDataParallel(ref)
@@ -215,16 +218,17 @@ def apply_on_a_mesh(ctx):
     from ultrascale.parallel.zero import PLAN, units_of
 
     mesh = init_mesh(ctx, dp=ctx.world_size)
-    model = fresh_model()
+    model = fresh_model().to(ctx.device)
     assert units_of(model, PLAN) == list(model.blocks)
     assert units_of(model, {"blocks.1": "unit"}) == [model.blocks[1]]
     zero = apply_zero(model, mesh, stage=3, plan={"blocks.*": "unit"}, optimizer_cls=torch.optim.SGD, lr=0.1)
     assert isinstance(zero, torch.nn.Module) and zero is model   # every apply_* returns the model it changed
     zero = model.zero_optimizer
-    run_steps(model, my_batches(ctx), STEPS, zero)
-    plain = fresh_model()
+    run_steps(model, my_batches(ctx), STEPS, zero, device=ctx.device)
+    plain = fresh_model().to(ctx.device)
     dp = apply_data_parallel(plain, mesh, kind="overlapped")
-    expected = train(plain, my_batches(ctx), STEPS, "sgd", module=dp, after_backward=dp.finish_gradient_synchronization)
+    expected = train(plain, my_batches(ctx), STEPS, "sgd", module=dp, after_backward=dp.finish_gradient_synchronization,
+                     device=ctx.device)
     return zero.full_state_dict(), expected, len(zero.units)
 
 
