@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from test_grader_holes import _fails
+from test_grader_holes import _fails, _load
 
 from ultrascale.exercise_tests import properties_more
 from ultrascale.exercise_tests.properties import PROPERTIES
 from ultrascale.grading import check
 
 COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", "10.memory_filter", "a1.timed_median",
-           "a1.launched_by"}
+           "a1.launched_by", "a0.ring_reduce_scatter", "a0.ring_all_gather", "a0.ring_all_reduce",
+           "a0.recursive_doubling", "a0.halving_doubling"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -135,3 +136,29 @@ def test_launches_found_by_the_name_cudalaunchkernel_miss_the_driver_api():
         return pairs
 
     _fails(check("a1.launched_by", launched_by), DRAWN, "cuLaunchKernel", "whatever it is called")
+
+
+def test_a_ring_all_gather_into_a_float32_buffer_fails_on_float64_and_bf16():
+    send_recv = _load("a0_collectives_exercises.ipynb")["send_recv"]
+
+    def ring_all_gather(ctx, chunk, numel):
+        me, size = ctx.rank, ctx.world_size
+        gathered = torch.empty(numel, device=chunk.device)     # float32, as every fixed case's chunks are
+        places = torch.tensor_split(gathered, size)
+        places[me].copy_(chunk)
+        for step in range(size - 1):
+            send_recv(places[(me - step) % size], places[(me - step - 1) % size], (me + 1) % size, (me - 1) % size)
+        return gathered
+
+    _fails(check("a0.ring_all_gather", ring_all_gather), DRAWN, "torch.float32, expected", "new_empty")
+
+
+def test_a_ring_all_reduce_through_view_fails_on_a_transposed_tensor():
+    a0 = _load("a0_collectives_exercises.ipynb")
+    reduce_scatter, all_gather = a0["ring_reduce_scatter"], a0["ring_all_gather"]
+
+    def ring_all_reduce(ctx, tensor):
+        flat = tensor.view(-1)                                  # every fixed case's tensor is contiguous
+        return all_gather(ctx, reduce_scatter(ctx, flat), flat.numel()).view(tensor.shape)
+
+    _fails(check("a0.ring_all_reduce", ring_all_reduce), DRAWN, "transposed, non-contiguous", "RuntimeError")

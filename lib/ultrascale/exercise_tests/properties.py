@@ -14,6 +14,11 @@ the case's structure and seed, never a float's last bits.
 * ``11.online_softmax_update``: scores up to 10^4, masked keys, float64;
 * ``12.quantize_per_tensor``: both FP8 formats, bf16 and float64 inputs, magnitudes from 10^-10 (above the
   amax floor of 1e-12 the exercise names) to 10^30, all-zero tensors.
+
+The formula exercises' properties are in ``properties_formulas``, those of exercises on lists of
+tensors, traces, clocks, layouts, models and the a0 collectives in ``properties_more``; all are
+merged into ``PROPERTIES`` below. ``09.quiz`` has none, and needs none: a quiz takes no input to
+draw (its answers are fixed values, checked one by one, and refused when read off the library's tables).
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   and views into a larger storage (its bytes are not the parameter's);
 * ``10.memory_filter``: a GPU whose usable memory is exactly what one layout needs (it fits:
   ``<=``), other models, cluster sizes and headrooms;
+* ``a0.ring_reduce_scatter``, ``a0.ring_all_gather``, ``a0.ring_all_reduce``,
+  ``a0.recursive_doubling``, ``a0.halving_doubling``: float64 and bf16 tensors (whole numbers, so
+  every dtype adds them exactly), strided and transposed views, 0-d tensors, lengths the ranks do
+  not divide, on 2 and 3 ranks (a buffer made with ``torch.empty(n)`` is float32; ``view`` needs
+  contiguous memory);
 * ``a1.timed_median``: an even number of repeats whose middle two differ by an odd amount (the
   median is then not a whole number), no warm-up, launches that cost nothing;
 * ``a1.launched_by``: launches named otherwise than ``cudaLaunchKernel`` (the driver's
@@ -397,6 +402,86 @@ def _describe_launches(case):
     return f"launched_by(<a random trace, seed {case['seed']}: {'; '.join(traits)}>)"
 
 
+# ---- a0: the ring, recursive doubling and halving-doubling collectives ---------------------------
+
+def _collective_cases(flat: bool):
+    """Tensors of any dtype the ranks add exactly (whole numbers: float32, float64, and bf16, whose 8 bits
+    hold every sum of three of them), lengths the ranks do not divide or that leave chunks empty, and
+    (all-reduces) 0-d and transposed 2-D tensors, on 2 and 3 ranks."""
+    st = _st()
+    shape = st.lists(st.integers(1, 7), min_size=1, max_size=1) if flat else \
+        st.lists(st.integers(1, 5), min_size=0, max_size=2)
+    return st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), shape=shape, dtype=st.sampled_from(FLOATS),
+        strided=st.booleans(), seed=st.integers(0, 99)))
+
+
+def _collective_input(case, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * case["seed"] + rank)
+    shape = list(case["shape"])
+    if case["strided"] and len(shape) == 2:     # a transposed view
+        return torch.randint(-50, 51, shape[::-1], generator=g).to(case["dtype"]).t()
+    if case["strided"] and len(shape) == 1:     # every other element of a longer tensor
+        return torch.randint(-50, 51, (2 * shape[0],), generator=g).to(case["dtype"])[::2]
+    return torch.randint(-50, 51, shape, generator=g).to(case["dtype"])
+
+
+def _collective_on_rank(ctx, kind: str, fn, case):
+    from ultrascale.exercise_tests.cha0 import forbid_collectives
+
+    x = _collective_input(case, ctx.rank).to(ctx.device)
+    with forbid_collectives(getattr(fn, "__name__", "your function")):
+        if kind == "all_gather":
+            chunk = torch.tensor_split(x.reshape(-1), ctx.world_size)[ctx.rank]
+            out = fn(ctx, chunk, x.numel())
+        else:
+            out = fn(ctx, x)
+    return out.detach().cpu() if torch.is_tensor(out) else out
+
+
+def _collective_want(kind: str, case, rank: int) -> torch.Tensor:
+    n = case["world_size"]
+    inputs = [_collective_input(case, r) for r in range(n)]
+    if kind == "all_gather":
+        return torch.cat([torch.tensor_split(x.reshape(-1), n)[r] for r, x in enumerate(inputs)])
+    total = torch.stack(inputs).sum(0)      # whole numbers: exact in every dtype drawn
+    return torch.tensor_split(total, n)[rank] if kind == "reduce_scatter" else total
+
+
+def _collective_judge(kind: str):
+    def judge(fn, case):
+        from ultrascale.runtime import grading_cluster
+
+        for rank, got in enumerate(grading_cluster(case["world_size"]).run(_collective_on_rank, kind, fn, case)):
+            want = _collective_want(kind, case, rank)
+            if not torch.is_tensor(got):
+                return f"rank {rank} returned {type(got).__name__}, not a tensor"
+            if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+                return (f"rank {rank} returned a {tuple(got.shape)} tensor of {got.dtype}, expected "
+                        f"{tuple(want.shape)} of {want.dtype}: make buffers from the input (new_empty, empty_like, "
+                        "clone), whose dtype they then keep, and reshape (view needs contiguous memory)")
+            if not torch.equal(got, want):
+                return f"rank {rank}'s values differ from the {kind.replace('_', '-')} of the ranks' inputs"
+        return None
+    return judge
+
+
+def _describe_collective(case):
+    shape = tuple(case["shape"])
+    layout = ""
+    if case["strided"] and len(shape) == 2:
+        layout = " (a transposed, non-contiguous view)"
+    elif case["strided"] and len(shape) == 1:
+        layout = " (every other element of a longer tensor: not contiguous)"
+    return (f"world_size={case['world_size']}, a {case['dtype']} tensor of shape {shape}{' (0-d)' if not shape else ''}"
+            f"{layout} of whole numbers on each rank")
+
+
+def _collective(kind: str, flat: bool) -> Property:
+    edge = dict(world_size=3, shape=[2] if flat else [2, 3], dtype=torch.float64, strided=True, seed=0)
+    return Property(lambda: _collective_cases(flat), _collective_judge(kind), _describe_collective, examples=(edge,))
+
+
 PROPERTIES: dict = {
     "00.mean_across_ranks": Property(_mean_cases, _judge_mean, _describe_mean, examples=(
         dict(world_size=2, shape=[], dtype=torch.float64, transposed=False, seed=0),
@@ -413,4 +498,9 @@ PROPERTIES: dict = {
         dict(warmup=1, repeats=2, launch_cost=1, durations=[100, 10, 13] + [0] * 9),)),
     "a1.launched_by": Property(_launch_cases, _judge_launches, _describe_launches, examples=(
         dict(processes=2, threads=2, other_launches=True, edges=True, ties=True, epoch=True, seed=0),)),
+    "a0.ring_reduce_scatter": _collective("reduce_scatter", flat=True),
+    "a0.ring_all_gather": _collective("all_gather", flat=True),
+    "a0.ring_all_reduce": _collective("all_reduce", flat=False),
+    "a0.recursive_doubling": _collective("all_reduce", flat=False),
+    "a0.halving_doubling": _collective("all_reduce", flat=False),
 }
