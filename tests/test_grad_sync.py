@@ -11,6 +11,9 @@ import torch.distributed as dist
 from ultrascale.comm import CommLogger
 from ultrascale.runtime import shared_cluster
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 GROUPS = ([0], [1, 2])
 
 
@@ -27,7 +30,7 @@ def _my_group(ctx):
 def _reduce_on_rank(ctx):
     from ultrascale.parallel.grad_sync import NO_REPLICAS, reduce_gradient
 
-    group, grad = _my_group(ctx), torch.full((3,), ctx.rank + 1.0)
+    group, grad = _my_group(ctx), torch.full((3,), ctx.rank + 1.0, device=ctx.device)
     with CommLogger() as log:
         mean = reduce_gradient(grad, group, divide_by=dist.get_world_size(group))
         total = reduce_gradient(grad, group)
@@ -49,10 +52,10 @@ def _in_backward_on_rank(ctx, divide_by):
     from ultrascale.parallel.grad_sync import sync_in_backward
 
     group = _my_group(ctx)
-    model = torch.nn.Linear(2, 1, bias=False)
-    frozen = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+    model = torch.nn.Linear(2, 1, bias=False).to(ctx.device)
+    frozen = torch.nn.Parameter(torch.ones(1, device=ctx.device), requires_grad=False)
     sync_in_backward([*model.parameters(), frozen], group, divide_by=divide_by, keep_as="_test_sync")
-    x = torch.full((1, 2), ctx.rank + 1.0)
+    x = torch.full((1, 2), ctx.rank + 1.0, device=ctx.device)
     for _ in range(2):                       # two micro-batches accumulate into .grad
         model(x).sum().backward()
     synced = model.weight.grad.tolist()
@@ -77,7 +80,7 @@ def _after_backward_on_rank(ctx):
     from ultrascale.parallel import average_gradients
 
     group = _my_group(ctx)
-    model = torch.nn.Linear(2, 1)
+    model = torch.nn.Linear(2, 1).to(ctx.device)
     model.bias.requires_grad_(False)
     (model.weight * (ctx.rank + 1.0)).sum().backward()
     average_gradients(model, group)          # a module: its parameters; no .grad: left alone
