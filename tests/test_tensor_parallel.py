@@ -30,6 +30,9 @@ from ultrascale.parallel.vocab_parallel import VocabParallelLogits
 from ultrascale.parity import assert_same, device_mesh_1d, dtensor_tp, first_step_and_train, max_difference, perturbed
 from ultrascale.runtime import shared_cluster
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 # 12 heads, FFN 192, vocabulary 96 and 12 tokens: tp = 2, 3 and 4 all divide them.
 GPT_CFG = GPTConfig(vocab_size=96, hidden=48, heads=12, layers=2, seq_len=12)
 # Grouped-query attention with 2 K/V heads: tp=2 works, tp=4 is refused.
@@ -51,21 +54,23 @@ def data(cfg):
 # --------------------------------------------------------------------------- on the ranks
 def ours(ctx, name, sp, optimizer, tamper=None):
     mesh = init_mesh(ctx, tp=ctx.world_size)
-    model = apply_tp(fresh_model(CONFIGS[name]), mesh, sequence_parallel=sp)
+    model = apply_tp(fresh_model(CONFIGS[name]).to(ctx.device), mesh, sequence_parallel=sp)
     if tamper is not None:
         tamper(model)
     out = first_step_and_train(model, data(CONFIGS[name]), STEPS, optimizer, full_gradients=full_gradients,
-                               full_logits=VocabParallelLogits.full_tensor, full_weights=full_weights)
-    out["local logits"] = model(data(CONFIGS[name]).global_batch(0).inputs).shape[-1]
+                               full_logits=VocabParallelLogits.full_tensor, full_weights=full_weights,
+                               device=ctx.device)
+    out["local logits"] = model(data(CONFIGS[name]).global_batch(0).inputs.to(ctx.device)).shape[-1]
     out["tied"] = model.head.weight is model.embed.weight
     out["names"] = [n for n, _ in model.named_parameters()]
     return out
 
 
 def pytorch(ctx, name, sp, optimizer):
-    model = dtensor_tp(fresh_model(CONFIGS[name]), device_mesh_1d(ctx), sequence_parallel=sp)
+    model = dtensor_tp(fresh_model(CONFIGS[name]).to(ctx.device), device_mesh_1d(ctx), sequence_parallel=sp)
     # loss_parallel: F.cross_entropy on vocabulary-sharded DTensor logits, forward and backward
-    return first_step_and_train(model, data(CONFIGS[name]), STEPS, optimizer, loss_context=loss_parallel)
+    return first_step_and_train(model, data(CONFIGS[name]), STEPS, optimizer, loss_context=loss_parallel,
+                                device=ctx.device)
 
 
 def single_process(name, optimizer):
@@ -180,31 +185,35 @@ def _error(fn):
 
 def refusals(ctx):
     n = ctx.world_size
+
+    def on_device(cfg):
+        return fresh_model(cfg).to(ctx.device)
+
     gpt6 = GPTConfig(vocab_size=96, hidden=48, heads=6, layers=1, seq_len=12)
     odd_vocab = GPTConfig(vocab_size=98, hidden=48, heads=12, layers=1, seq_len=12)
     odd_ffn = LlamaConfig(vocab_size=96, hidden=48, heads=4, kv_heads=4, ffn=90, layers=1, seq_len=12)
-    untouched = fresh_model(gpt6)
+    untouched = on_device(gpt6)
     out = {
-        "kv_heads": _error(lambda: apply_tp(fresh_model(LLAMA_CFG))),
+        "kv_heads": _error(lambda: apply_tp(on_device(LLAMA_CFG))),
         "heads": _error(lambda: apply_tp(untouched)),
-        "vocab": _error(lambda: apply_tp(fresh_model(odd_vocab))),
-        "ffn": _error(lambda: apply_tp(fresh_model(odd_ffn))),
-        "plan": _error(lambda: apply_tp(fresh_model(GPT_CFG), plan=LLAMA_PLAN)),
-        "style": _error(lambda: apply_tp(fresh_model(GPT_CFG), plan={"blocks.*.norm1": "colwise"})),
-        "unknown": _error(lambda: apply_tp(fresh_model(GPT_CFG), plan={"head": "columnwise"})),
-        "tied": _error(lambda: apply_tp(fresh_model(GPT_CFG), plan={"embed": "vocab_embedding"})),
-        "sp without vocab": _error(lambda: apply_tp(fresh_model(GPT_CFG), sequence_parallel=True,
+        "vocab": _error(lambda: apply_tp(on_device(odd_vocab))),
+        "ffn": _error(lambda: apply_tp(on_device(odd_ffn))),
+        "plan": _error(lambda: apply_tp(on_device(GPT_CFG), plan=LLAMA_PLAN)),
+        "style": _error(lambda: apply_tp(on_device(GPT_CFG), plan={"blocks.*.norm1": "colwise"})),
+        "unknown": _error(lambda: apply_tp(on_device(GPT_CFG), plan={"head": "columnwise"})),
+        "tied": _error(lambda: apply_tp(on_device(GPT_CFG), plan={"embed": "vocab_embedding"})),
+        "sp without vocab": _error(lambda: apply_tp(on_device(GPT_CFG), sequence_parallel=True,
                                                     plan={k: v for k, v in GPT_PLAN.items() if "vocab" not in v})),
-        "sp attention": _error(lambda: apply_tp(fresh_model(GPT_CFG), sequence_parallel=True,
+        "sp attention": _error(lambda: apply_tp(on_device(GPT_CFG), sequence_parallel=True,
                                                 plan={k: v for k, v in GPT_PLAN.items() if k != "blocks.*.attn"})),
     }
     out["untouched"] = type(untouched.blocks[0].attn.q).__name__   # a refusal swaps nothing
-    timeline = Timeline(ctx.rank)
-    model = apply_tp(fresh_model(GPT_CFG), sequence_parallel=True, timeline=timeline)
-    batch = data(GPT_CFG).global_batch(0)
+    timeline = Timeline(ctx.rank, device=ctx.device)
+    model = apply_tp(on_device(GPT_CFG), sequence_parallel=True, timeline=timeline)
+    batch = data(GPT_CFG).global_batch(0).to(ctx.device)
     out["sequence"] = _error(lambda: model(batch.inputs[:, : n + 1]))
     # Explicit global positions are used as given (e.g. context parallelism gives its own).
-    out["positions"] = (Batch(batch.inputs, batch.targets, torch.arange(GPT_CFG.seq_len)).loss(model)
+    out["positions"] = (Batch(batch.inputs, batch.targets, torch.arange(GPT_CFG.seq_len, device=ctx.device)).loss(model)
                         - batch.loss(model)).abs().item()
     batch.loss(model).backward()
     out["bars"] = sorted({row["name"] for row in timeline.rows()})
@@ -233,6 +242,7 @@ def test_refusals_name_the_fix():
 def parallel_cross_entropy(ctx, logits, targets):
     from ultrascale.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
+    logits, targets = logits.to(ctx.device), targets.to(ctx.device)
     width = logits.shape[-1] // ctx.world_size
     local = logits[..., ctx.rank * width:(ctx.rank + 1) * width].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, targets, ctx.rank * width)
@@ -263,10 +273,10 @@ def saved_per_rank(ctx, sp, regather, tensor_parallel=True):
     (tensors h wide: (b, s, h) or the (b*s, h) view a linear layer saves)."""
     from ultrascale.memory import saved_activation_bytes
 
-    model = fresh_model(GPT_CFG).float()
+    model = fresh_model(GPT_CFG).float().to(ctx.device)
     if tensor_parallel:
         apply_tp(model, init_mesh(ctx, tp=ctx.world_size), sequence_parallel=sp, regather_in_backward=regather)
-    inputs = data(GPT_CFG).global_batch(0).inputs
+    inputs = data(GPT_CFG).global_batch(0).inputs.to(ctx.device)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     lengths = []
 
