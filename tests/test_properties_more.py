@@ -18,7 +18,7 @@ from ultrascale.grading import check
 
 COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", "10.memory_filter", "a1.timed_median",
            "a1.launched_by", "a0.ring_reduce_scatter", "a0.ring_all_gather", "a0.ring_all_reduce",
-           "a0.recursive_doubling", "a0.halving_doubling"}
+           "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -162,3 +162,27 @@ def test_a_ring_all_reduce_through_view_fails_on_a_transposed_tensor():
         return all_gather(ctx, reduce_scatter(ctx, flat), flat.numel()).view(tensor.shape)
 
     _fails(check("a0.ring_all_reduce", ring_all_reduce), DRAWN, "transposed, non-contiguous", "RuntimeError")
+
+
+def _split_sizes(needs):
+    def split_sizes(chosen, per_rank, group=None):
+        n = dist.get_world_size(group)
+        send = needs(chosen, per_rank, n).sum(0)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send, group=group)
+        return send.tolist(), receive.tolist()
+    return split_sizes
+
+
+def test_split_sizes_with_two_experts_per_rank_built_in_fail_on_one_or_three():
+    def needs(chosen, per_rank, n):                            # expert e lives on rank e // 2
+        return torch.zeros(chosen.shape[0], n, dtype=torch.bool, device=chosen.device).scatter_(1, chosen // 2, True)
+
+    _fails(check("08.split_sizes", _split_sizes(needs)), DRAWN, "experts_per_rank=", "on rank e // ")
+
+
+def test_split_sizes_stacked_per_token_fail_on_a_rank_without_tokens():
+    def needs(chosen, per_rank, n):
+        return torch.stack([torch.bincount(row // per_rank, minlength=n) > 0 for row in chosen])
+
+    _fails(check("08.split_sizes", _split_sizes(needs)), DRAWN, "0 token(s) per rank (none: an empty batch)")

@@ -8,6 +8,8 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   digits), token batches that are transposed views, sequences of length 1, one micro-batch;
 * ``02.assign_buckets``: parameters of mixed dtypes in one list (bf16 beside float64), 0-d ones,
   and views into a larger storage (its bytes are not the parameter's);
+* ``08.split_sizes``: 1 and 3 experts per rank (every fixed case has 2), a rank with no tokens,
+  top-3 routing;
 * ``10.memory_filter``: a GPU whose usable memory is exactly what one layout needs (it fits:
   ``<=``), other models, cluster sizes and headrooms;
 * ``a0.ring_reduce_scatter``, ``a0.ring_all_gather``, ``a0.ring_all_reduce``,
@@ -288,6 +290,49 @@ def _describe_memory(case):
             + (f", where {configs[0].short()} needs exactly the usable memory" if case["boundary"] else ""))
 
 
+# ---- 08.split_sizes ---------------------------------------------------------------------------
+
+def _split_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), per_rank=st.integers(1, 3), tokens=st.integers(0, 7), k=st.integers(1, 3),
+        seed=st.integers(0, 99)))
+
+
+def _split_chosen(case, rank: int) -> torch.Tensor:
+    """Each token's k distinct experts (k at most the number of experts)."""
+    experts = case["per_rank"] * case["world_size"]
+    g = torch.Generator().manual_seed(1009 * case["seed"] + rank)
+    rows = [torch.randperm(experts, generator=g)[:min(case["k"], experts)] for _ in range(case["tokens"])]
+    return torch.stack(rows) if rows else torch.zeros(0, min(case["k"], experts), dtype=torch.long)
+
+
+def _split_on_rank(ctx, fn, case):
+    send, receive = fn(_split_chosen(case, ctx.rank).to(ctx.device), case["per_rank"], None)
+    return [int(v) for v in send], [int(v) for v in receive]
+
+
+def _judge_split(fn, case):
+    from ultrascale.runtime import grading_cluster
+
+    n = case["world_size"]
+    # sends[r][q]: the tokens of rank r with at least one expert on rank q
+    sends = [[int(((_split_chosen(case, r) // case["per_rank"]) == q).any(-1).sum()) for q in range(n)]
+             for r in range(n)]
+    for rank, (send, receive) in enumerate(grading_cluster(n).run(_split_on_rank, fn, case)):
+        want_receive = [sends[q][rank] for q in range(n)]
+        if (send, receive) != (sends[rank], want_receive):
+            return (f"rank {rank}: send {send}, receive {receive}; expected {sends[rank]} and {want_receive} "
+                    f"(experts_per_rank={case['per_rank']} puts expert e on rank e // {case['per_rank']})")
+    return None
+
+
+def _describe_split(case):
+    k = min(case["k"], case["per_rank"] * case["world_size"])
+    return (f"split_sizes(chosen, experts_per_rank={case['per_rank']}) on {case['world_size']} ranks, "
+            f"{case['tokens']} token(s) per rank{' (none: an empty batch)' if not case['tokens'] else ''}, top-{k}")
+
+
 # ---- a1.timed_median -------------------------------------------------------------------------
 
 def _timing_cases():
@@ -498,6 +543,8 @@ PROPERTIES: dict = {
         dict(warmup=1, repeats=2, launch_cost=1, durations=[100, 10, 13] + [0] * 9),)),
     "a1.launched_by": Property(_launch_cases, _judge_launches, _describe_launches, examples=(
         dict(processes=2, threads=2, other_launches=True, edges=True, ties=True, epoch=True, seed=0),)),
+    "08.split_sizes": Property(_split_cases, _judge_split, _describe_split, examples=(
+        dict(world_size=2, per_rank=3, tokens=0, k=2, seed=0),)),
     "a0.ring_reduce_scatter": _collective("reduce_scatter", flat=True),
     "a0.ring_all_gather": _collective("all_gather", flat=True),
     "a0.ring_all_reduce": _collective("all_reduce", flat=False),
