@@ -23,6 +23,9 @@ from ultrascale.comm import CommLogger
 from ultrascale.comm import functional as F
 from ultrascale.runtime import shared_cluster
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 WORLD_SIZES = (2, 3, 4)
 TOL = 1e-12
 DT = torch.float64
@@ -37,15 +40,21 @@ def _randn(*shape, seed):
     return torch.randn(*shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
 
 
+def _randn_on(device):
+    """``_randn`` for a rank: the same numbers, drawn on the host and moved to its device."""
+    return lambda *shape, seed: _randn(*shape, seed=seed).to(device)
+
+
 def _close(a, b):
     return a.shape == b.shape and bool(((a - b).abs() <= TOL).all())
 
 
 # ---- f and f*: a column-parallel and a row-parallel linear -----------------------------
 def _tensor_parallel_on_rank(ctx):
+    randn = _randn_on(ctx.device)
     r, n = ctx.rank, ctx.world_size
-    x_full, W = _randn(5, 6, seed=1), _randn(4 * n, 6, seed=2)  # y = x @ W.T, 4n outputs
-    w_out = _randn(5, 4 * n, seed=3)                             # loss = (y * w_out).sum()
+    x_full, W = randn(5, 6, seed=1), randn(4 * n, 6, seed=2)  # y = x @ W.T, 4n outputs
+    w_out = randn(5, 4 * n, seed=3)                             # loss = (y * w_out).sum()
     rows = slice(4 * r, 4 * r + 4)
 
     # Column parallel: every rank has all of x and rows `rows` of W, so its slice of y.
@@ -56,7 +65,7 @@ def _tensor_parallel_on_rank(ctx):
     column = (y_r.detach(), x.grad, W_r.grad)
 
     # Row parallel: x is split along its 6n input features, W by columns; f* sums y.
-    W2, x2_full, w2 = _randn(7, 6 * n, seed=4), _randn(5, 6 * n, seed=5), _randn(5, 7, seed=6)
+    W2, x2_full, w2 = randn(7, 6 * n, seed=4), randn(5, 6 * n, seed=5), randn(5, 7, seed=6)
     cols = slice(6 * r, 6 * r + 6)
     x2 = x2_full[:, cols].clone().requires_grad_()
     W2_r = W2[:, cols].clone().requires_grad_()
@@ -87,12 +96,13 @@ def test_f_and_f_star_match_single_process_linear(cluster):
 
 
 def _f_pair_direct_on_rank(ctx):
+    randn = _randn_on(ctx.device)
     r = ctx.rank
-    x = _randn(3, 4, seed=10).requires_grad_()
-    upstream = _randn(3, 4, seed=20 + r)  # a different upstream gradient on every rank
+    x = randn(3, 4, seed=10).requires_grad_()
+    upstream = randn(3, 4, seed=20 + r)  # a different upstream gradient on every rank
     kept = upstream.clone()
     F.copy_to_parallel_region(x).backward(upstream)
-    y_in = _randn(3, 4, seed=30 + r).requires_grad_()
+    y_in = randn(3, 4, seed=30 + r).requires_grad_()
     y = F.reduce_from_parallel_region(y_in)
     y.backward(upstream)
     return x.grad, torch.equal(upstream, kept), y.detach(), y_in.grad
@@ -119,31 +129,32 @@ def _piece(t, dim, r, n):
 
 
 def _sequence_on_rank(ctx):
+    randn = _randn_on(ctx.device)
     r, n = ctx.rank, ctx.world_size
     out = {}
     for dim in (0, 1, 2, -1):  # dim 0 is already contiguous; 1 and 2 need the movedim path
         full_shape = list(SHAPE)
         full_shape[dim] *= n
-        X = _randn(*full_shape, seed=100)
+        X = randn(*full_shape, seed=100)
         # g: gather this rank's slice; then each rank uses the whole with its own weight.
         x = _piece(X, dim, r, n).clone().requires_grad_()
         y = F.g(x, dim=dim)
-        (y * _randn(*full_shape, seed=200 + r)).sum().backward()
+        (y * randn(*full_shape, seed=200 + r)).sum().backward()
         out["g", dim] = (y.detach(), x.grad)
         # g*: each rank holds a full-length partial sum; it keeps its slice of the total.
-        p = _randn(*full_shape, seed=300 + r).requires_grad_()
+        p = randn(*full_shape, seed=300 + r).requires_grad_()
         s = F.g_star(p, dim=dim)
-        (s * _piece(_randn(*full_shape, seed=400), dim, r, n)).sum().backward()
+        (s * _piece(randn(*full_shape, seed=400), dim, r, n)).sum().backward()
         out["g*", dim] = (s.detach(), p.grad)
         # split: a replicated tensor, each rank keeps its slice.
         xs = X.clone().requires_grad_()
         piece = F.split_along_dim(xs, dim=dim)
-        (piece * _piece(_randn(*full_shape, seed=500), dim, r, n)).sum().backward()
+        (piece * _piece(randn(*full_shape, seed=500), dim, r, n)).sum().backward()
         out["split", dim] = (piece.detach(), xs.grad)
         # gather: slices to the replicated whole, the same loss on every rank.
         xg = _piece(X, dim, r, n).clone().requires_grad_()
         whole = F.gather_along_dim(xg, dim=dim)
-        (whole * _randn(*full_shape, seed=600)).sum().backward()
+        (whole * randn(*full_shape, seed=600)).sum().backward()
         out["gather", dim] = (whole.detach(), xg.grad)
     return out
 
@@ -178,7 +189,7 @@ def test_sequence_pair_and_edges_match_single_process(cluster):
 
 
 def _not_divisible_on_rank(ctx):
-    x = torch.zeros(2, 13, 4)  # 13 is divisible by none of 2, 3, 4
+    x = torch.zeros(2, 13, 4, device=ctx.device)  # 13 is divisible by none of 2, 3, 4
     messages = []
     for call in (lambda: F.g_star(x, dim=1), lambda: F.split_along_dim(x, dim=1),
                  lambda: F.all_to_all(x.transpose(0, 1))):
@@ -208,10 +219,10 @@ def _a2a_input(r, n):
 
 def _a2a_on_rank(ctx, give_output_sizes):
     r, n = ctx.rank, ctx.world_size
-    x = _a2a_input(r, n).requires_grad_()
+    x = _a2a_input(r, n).to(ctx.device).requires_grad_()
     out_sizes = [_sends(k, r) for k in range(n)] if give_output_sizes else None
     y = F.all_to_all(x, out_sizes, [_sends(r, j) for j in range(n)])
-    (y * _randn(*y.shape, seed=800 + r)).sum().backward()
+    (y * _randn(*y.shape, seed=800 + r).to(ctx.device)).sum().backward()
     return y.detach(), x.grad
 
 
@@ -231,9 +242,10 @@ def test_all_to_all_uneven_splits(cluster, give_output_sizes):
 
 
 def _a2a_equal_on_rank(ctx):
-    x = _randn(2 * ctx.world_size, 3, seed=900 + ctx.rank).requires_grad_()
+    randn = _randn_on(ctx.device)
+    x = randn(2 * ctx.world_size, 3, seed=900 + ctx.rank).requires_grad_()
     y = F.all_to_all(x)
-    y.backward(_randn(*y.shape, seed=950 + ctx.rank))
+    y.backward(randn(*y.shape, seed=950 + ctx.rank))
     return y.detach(), x.grad
 
 
@@ -249,7 +261,8 @@ def test_all_to_all_equal_splits_is_a_transpose_of_blocks(cluster):
 
 # ---- the CommLogger sees the collectives in forward and backward ------------------------
 def _logged_on_rank(ctx):
-    x = _randn(4, 2 * ctx.world_size, 3, seed=1).requires_grad_()
+    randn = _randn_on(ctx.device)
+    x = randn(4, 2 * ctx.world_size, 3, seed=1).requires_grad_()
     ops = {}
     for name, fn in (("f", F.f), ("f_star", F.f_star), ("g", F.g), ("g_star", F.g_star)):
         with CommLogger() as forward_log:
