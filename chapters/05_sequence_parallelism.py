@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from ultrascale.comm import CommLogger
 from ultrascale.comm.logger import base_op, wait_for_device
-from ultrascale.comm.ring import exchange
+from ultrascale.comm.ring import ring_step, wait_all
 from ultrascale.data import Batches
 from ultrascale.memory import GB, activation_bytes, breakdown, saved_activation_bytes
 from ultrascale.model import GPT, LLAMA3_70B, GPTConfig, count_params
@@ -1030,7 +1030,6 @@ print(f"async / plain = {step_ms['async TP+SP'] / step_ms['TP+SP']:.2f}")
 def ring_step_times(ctx, config, repeats=100):
     """Median ms of one ring step: transfer only, matmul piece only, both overlapped."""
     group = tp_group(ctx, TP)
-    r = dist.get_rank(group)
     shard = torch.randn(MBS, config.seq_len // TP, config.hidden).to(ctx.device)
     weight = torch.randn(3 * config.hidden // TP, config.hidden).to(ctx.device)   # q, k and v of this rank
     seconds = {"transfer": [], "matmul piece": [], "both": []}
@@ -1039,25 +1038,24 @@ def ring_step_times(ctx, config, repeats=100):
             dist.barrier()
             start = time.perf_counter()
             if case != "matmul piece":   # to the next rank, from the previous (posted as NCCL needs)
-                works = exchange([shard], [torch.empty_like(shard)], (r + 1) % TP, (r - 1) % TP, group)
+                works = ring_step([shard], [torch.empty_like(shard)], group)
             if case != "transfer":
                 F.linear(shard, weight)
             if case != "matmul piece":
-                for work in works:
-                    work.wait()
+                wait_all(works)
             wait_for_device(ctx.device)
             times.append(time.perf_counter() - start)
     return {case: 1e3 * float(np.median(times)) for case, times in seconds.items()}
 
 
-ring_step = cluster.run(ring_step_times, WIDE)
+one_step_ms = cluster.run(ring_step_times, WIDE)
 
 # %% tags=["nbval-ignore-output"]
-for rank, ms in enumerate(ring_step):
+for rank, ms in enumerate(one_step_ms):
     print(f"rank {rank}: transfer {ms['transfer']:.3f} ms, matmul piece {ms['matmul piece']:.3f} ms, "
           f"both {ms['both']:.3f} ms (sum {ms['transfer'] + ms['matmul piece']:.3f}, "
           f"larger {max(ms['transfer'], ms['matmul piece']):.3f})")
-ratios = [ms["transfer"] / ms["matmul piece"] for ms in ring_step]
+ratios = [ms["transfer"] / ms["matmul piece"] for ms in one_step_ms]
 print(f"the transfer takes {min(ratios):.1f} to {max(ratios):.1f} times the matmul piece it should hide")
 
 # %% [markdown]

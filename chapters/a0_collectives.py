@@ -365,8 +365,8 @@ fig
 # To watch it, we run it on **5 ranks with a tensor of 5 elements**, so each chunk is one
 # element, as in the book's animations. Rank `r` starts with `2**r` everywhere: any sum of those
 # is a different whole number whose binary digits say which ranks' inputs it contains. We spy on
-# the library by wrapping its one-exchange helper, `send_recv`, to photograph the tensor before
-# each step and note which chunk goes out.
+# the library by wrapping its ring step, `ring_step` (send to the right, receive from the left),
+# to photograph the tensor before each step and note which chunk goes out.
 
 # %%
 RING_RANKS = 5
@@ -377,18 +377,18 @@ def traced_ring_all_reduce(ctx, length):
     tensor = torch.full((length,), 2.0 ** ctx.rank, device=ctx.device)
     chunks = tensor.tensor_split(ctx.world_size)  # the library's chunking rule: views of `tensor`
     frames, sends = [], []
-    original = ring_module.send_recv
+    original = ring_module.ring_step
 
-    def spy(send, recv, right, left, group):
+    def spy(outgoing, incoming, group, **options):
         frames.append(tensor.clone())  # the state after the previous step
-        sends.append(next(i for i, c in enumerate(chunks) if c.data_ptr() == send.data_ptr()))
-        return original(send, recv, right, left, group)
+        sends.append(next(i for i, c in enumerate(chunks) if c.data_ptr() == outgoing[0].data_ptr()))
+        return original(outgoing, incoming, group, **options)
 
-    ring_module.send_recv = spy
+    ring_module.ring_step = spy
     try:
         ring_all_reduce(tensor)  # sums in place (the tensor is contiguous)
     finally:
-        ring_module.send_recv = original
+        ring_module.ring_step = original
     frames.append(tensor.clone())
     reference = torch.full((length,), 2.0 ** ctx.rank, device=ctx.device)
     dist.all_reduce(reference)

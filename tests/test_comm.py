@@ -691,23 +691,28 @@ def _works_kept_then_released(ctx):
     from ultrascale.comm.halving_doubling import halving_doubling_all_reduce
     from ultrascale.comm.recursive import recursive_doubling_all_reduce
 
-    report, original = {}, ring_module.send_recv
+    report = {}
     kept_counts = []
 
-    def spy(send, recv, right, left, group):
-        original(send, recv, right, left, group)
-        kept_counts.append(len(ring_module._kept_works))   # fails (TypeError) if nothing is kept
-
-    for name, collective in (("ring", ring_module.ring_all_reduce), ("doubling", recursive_doubling_all_reduce),
-                             ("halving", halving_doubling_all_reduce)):
+    # The ring steps with ring_step (works returned, waited for later), the others with send_recv.
+    for name, collective, step in (("ring", ring_module.ring_all_reduce, "ring_step"),
+                                   ("doubling", recursive_doubling_all_reduce, "send_recv"),
+                                   ("halving", halving_doubling_all_reduce, "send_recv")):
         kept_counts.clear()
         module = importlib.import_module(collective.__module__)
-        module.send_recv = spy
+        original = getattr(module, step)
+
+        def spy(*args, original=original, **kwargs):
+            result = original(*args, **kwargs)
+            kept_counts.append(len(ring_module._kept_works))   # fails (TypeError) if nothing is kept
+            return result
+
+        setattr(module, step, spy)
         try:
             x = torch.ones(1 << 12)
             collective(x)
         finally:
-            module.send_recv = original
+            setattr(module, step, original)
         alive = weakref.ref(x)
         del x
         gc.collect()

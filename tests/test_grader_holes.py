@@ -631,22 +631,22 @@ def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
         return F.cross_entropy(VocabParallelLogits.wrap(local_logits, vocab_start, group), targets)
 
     def sync_norm_gradients(module, group):
-        from ultrascale.parallel.sequence_parallel import _sum_gradient_over_tp
+        from ultrascale.parallel.sequence_parallel import sum_gradient_over_tp
 
         for p in module.parameters():
-            _sum_gradient_over_tp(p, group)
+            sum_gradient_over_tp(p, group)
 
     _fails(check("04.column_parallel_linear", column_parallel_forward), "the course library's",
            "ColumnParallelLinear is the answer")
     for wrong in (through_the_library, through_sharded_logits):
         _fails(check("04.vocab_parallel_cross_entropy", wrong), "the course library's ultrascale.parallel."
                "vocab_parallel.", "compute it yourself")
-    def through_the_shared_helper(module, group):   # what _sum_gradient_over_tp calls
+    def through_the_shared_helper(module, group):   # what sum_gradient_over_tp calls
         from ultrascale.parallel.grad_sync import sync_in_backward
 
         sync_in_backward(list(module.parameters()), group, divide_by=1, keep_as="_mine")
 
-    _fails(check("05.sequence_parallel_norm_grads", sync_norm_gradients), "_sum_gradient_over_tp",
+    _fails(check("05.sequence_parallel_norm_grads", sync_norm_gradients), "sum_gradient_over_tp",
            "register the hooks yourself")
     _fails(check("05.sequence_parallel_norm_grads", through_the_shared_helper), "sync_in_backward",
            "register the hooks yourself")

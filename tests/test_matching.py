@@ -1,8 +1,8 @@
-"""``parallel.matching.match_plan``: the one set of rules by which every technique reads a plan."""
+"""``matching.match_plan``: the one set of rules by which every technique reads a plan."""
 import pytest
 import torch.nn as nn
 
-from ultrascale.parallel.matching import match_plan
+from ultrascale.matching import match_plan
 
 
 class Block(nn.Module):

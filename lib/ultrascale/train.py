@@ -98,7 +98,7 @@ def run_pipeline_steps(pipe, batches, steps: int, optimizer="sgd", first_step: i
 
 
 # --------------------------------------------------------------------------- reading
-def _full(t: torch.Tensor, name: str = "") -> torch.Tensor:
+def cpu_copy(t: torch.Tensor, name: str = "") -> torch.Tensor:
     """A plain CPU copy; a DTensor (FSDP2, DTensor TP) is gathered first (a collective)."""
     t = t.full_tensor() if hasattr(t, "full_tensor") else t
     needed = (t.storage_offset() + t.numel()) * t.element_size()
@@ -111,9 +111,9 @@ def _full(t: torch.Tensor, name: str = "") -> torch.Tensor:
 
 def weights(model) -> dict:
     """Every parameter by name, as plain CPU tensors."""
-    return {name: _full(p, name) for name, p in model.named_parameters()}
+    return {name: cpu_copy(p, name) for name, p in model.named_parameters()}
 
 
 def gradients(model) -> dict:
     """Every gradient by name (None where a parameter has none), as plain CPU tensors."""
-    return {name: None if p.grad is None else _full(p.grad, name) for name, p in model.named_parameters()}
+    return {name: None if p.grad is None else cpu_copy(p.grad, name) for name, p in model.named_parameters()}

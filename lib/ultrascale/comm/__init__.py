@@ -1,7 +1,9 @@
 """Communication: collectives built from send/recv, a logger, bandwidth and cost models.
 
-* ``ring``: ``ring_reduce_scatter``, ``ring_all_gather``, ``ring_all_reduce``, and
-  ``send_recv``, the point-to-point step they are built from.
+* ``ring``: ``ring_reduce_scatter``, ``ring_all_gather``, ``ring_all_reduce``; ``ring_step``,
+  the point-to-point step of every ring in the course (send to the next rank, receive from the
+  previous one), and ``ring_blocks``, which walks every rank's block round the ring with it;
+  ``send_recv``, one such step between any two peers.
 * ``recursive``: ``recursive_doubling_all_reduce`` (log2 N steps, latency-optimal) and
   ``all_reduce``, which picks it, halving-doubling or the ring by size with an alpha-beta model,
   and direct exchange above a crossover measured on the spot.
@@ -25,13 +27,13 @@ from .cost_model import (AlphaBeta, crossover_size, fit_alpha_beta,
                          fit_ring_all_reduce, tensor_parallel_scaling,
                          tensor_parallel_throughput)
 from .logger import CommEvent, CommLogger, format_bytes, wait_for_device
-from .ring import (chunk_sizes, exchange, release_buffers, ring_all_gather, ring_all_reduce,
-                   ring_reduce_scatter, send_recv)
+from .ring import (chunk_sizes, exchange, release_buffers, ring_all_gather, ring_all_reduce, ring_blocks,
+                   ring_reduce_scatter, ring_step, send_recv)
 
 __all__ = [
     "AlphaBeta", "CommEvent", "CommLogger", "bus_bandwidth_sweep", "bus_factor",
     "chunk_sizes", "crossover_size", "exchange", "fit_alpha_beta", "fit_ring_all_reduce",
     "format_bytes", "release_buffers", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
-    "send_recv", "tensor_parallel_scaling", "tensor_parallel_throughput", "time_collective",
+    "ring_blocks", "ring_step", "send_recv", "tensor_parallel_scaling", "tensor_parallel_throughput", "time_collective",
     "wait_for_device", "functional",
 ]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .logger import count_p2p, record_op
-from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keep, keeping_exchanges
+from .ring import collective_rank_and_size, keep, keeping_exchanges, normalise_op, receive_buffer, reduce_into
 
 
 def direct_steps(world_size: int) -> int:
@@ -74,8 +74,8 @@ def direct_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tenso
     Any world size, shape and length (chunks may be empty when the buffer is shorter than N).
     Each round's sends and receives go as one batch (``_post``), as NCCL needs them.
     """
-    op = _normalise_op(op, tensor.dtype)
-    rank, n = _rank_and_size(group)
+    op = normalise_op(op, tensor.dtype)
+    rank, n = collective_rank_and_size(group)
     with record_op("direct_all_reduce", group), keeping_exchanges():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         chunks = flat.tensor_split(n)
@@ -83,13 +83,13 @@ def direct_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tenso
         peers = [(rank + k) % n for k in range(1, n)]          # send to r+1, r+2, ...
         sources = [(rank - k) % n for k in range(1, n)]        # receive from r-1, r-2, ...
         m = mine.numel()
-        buffer = _receive_buffer((n - 1) * m, flat)
+        buffer = receive_buffer((n - 1) * m, flat)
         incoming = [buffer[i * m:(i + 1) * m] for i in range(n - 1)]    # one slot per contributor
         # reduce-scatter: everything out at once; add each contribution as soon as it is in
         sends, receives = _post([(chunks[p], p) for p in peers], list(zip(incoming, sources)), group)
         for work, contribution in receives:
             work.wait()
-            _reduce_into(mine, contribution, op)
+            reduce_into(mine, contribution, op)
         if op == "avg":
             mine.div_(n)
         for work in sends:                      # our chunks must have left before they change

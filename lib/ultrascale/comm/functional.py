@@ -65,7 +65,7 @@ def rank_and_size(group=None, who: str = "these functions") -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _piece_size(size: int, n: int, dim: int, what: str) -> int:
+def piece_size(size: int, n: int, dim: int, what: str) -> int:
     """``size // n``, refusing sizes that do not split: a silent remainder would mis-shape."""
     if size % n:
         raise ValueError(
@@ -87,7 +87,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     _, n = rank_and_size(group)
-    piece = _piece_size(x.shape[dim], n, dim, "reduce_scatter_to_sequence_region (g*)")
+    piece = piece_size(x.shape[dim], n, dim, "reduce_scatter_to_sequence_region (g*)")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((piece, *front.shape[1:]))
     reduce_scatter_into(out, front, group)
@@ -96,7 +96,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def _own_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     r, n = rank_and_size(group)
-    piece = _piece_size(x.shape[dim], n, dim, "split_along_dim")
+    piece = piece_size(x.shape[dim], n, dim, "split_along_dim")
     return x.narrow(dim, r * piece, piece).contiguous()  # no communication at all
 
 
@@ -200,7 +200,7 @@ def _resolve_splits(x, output_split_sizes, input_split_sizes, group):
     """Both split lists as explicit lists of ``world_size`` row counts."""
     _, n = rank_and_size(group)
     if input_split_sizes is None:
-        input_split_sizes = [_piece_size(x.shape[0], n, 0, "all_to_all")] * n
+        input_split_sizes = [piece_size(x.shape[0], n, 0, "all_to_all")] * n
         if output_split_sizes is None:  # equal pieces of same-shaped tensors both ways
             output_split_sizes = input_split_sizes
     input_split_sizes = list(input_split_sizes)

@@ -40,12 +40,13 @@ import torch
 
 from .cost_model import AlphaBeta
 from .logger import record_op
-from .ring import _normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keeping_exchanges, send_recv
+from .ring import (collective_rank_and_size, keeping_exchanges, normalise_op, receive_buffer, reduce_into,
+                   send_recv)
 
 NOTHING = torch.empty(0)
 
 
-def _largest_power_of_two(n: int) -> int:
+def largest_power_of_two(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
@@ -59,19 +60,19 @@ def halving_doubling_steps(world_size: int) -> int:
     """Messages on the busiest rank: ``2 log2 P - 1``, plus the fold and unfold when ``N != P``."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    power = _largest_power_of_two(world_size)
+    power = largest_power_of_two(world_size)
     return _exchanges(power) + (2 if world_size != power else 0)
 
 
 def halving_doubling_bytes(nbytes, world_size: int):
     """Bytes the busiest rank sends for an all-reduce of ``nbytes``."""
-    power = _largest_power_of_two(world_size)
+    power = largest_power_of_two(world_size)
     return 2 * (power - 1) / power * nbytes + (nbytes if world_size != power else 0)
 
 
 def halving_doubling_time(model: AlphaBeta, nbytes, world_size: int):
     """Seconds under the alpha-beta model; the fold's two messages carry the whole buffer each."""
-    power = _largest_power_of_two(world_size)
+    power = largest_power_of_two(world_size)
     fold = 2 * model.message_time(nbytes) if world_size != power else 0.0
     return fold + _exchanges(power) * model.alpha + 2 * (power - 1) / power * nbytes / model.beta
 
@@ -91,17 +92,17 @@ def _halving_then_doubling(flat: torch.Tensor, op: str, rank: int, power: int, w
     while 2 * distance < power:                 # reduce-scatter: the range halves at every level
         partner = rank ^ distance
         (k_lo, k_hi), (g_lo, g_hi) = _halves(lo, hi, upper=bool(rank & distance))
-        incoming = _receive_buffer(k_hi - k_lo, flat)
+        incoming = receive_buffer(k_hi - k_lo, flat)
         send_recv(flat[g_lo:g_hi], incoming, partner, partner, group)
-        _reduce_into(flat[k_lo:k_hi], incoming, op)
+        reduce_into(flat[k_lo:k_hi], incoming, op)
         exchanges.append((partner, (k_lo, k_hi), (g_lo, g_hi)))
         lo, hi = k_lo, k_hi
         distance *= 2
     if distance < power:                        # the innermost level: both hold [lo, hi); swap it whole
         partner = rank ^ distance
-        incoming = _receive_buffer(hi - lo, flat)
+        incoming = receive_buffer(hi - lo, flat)
         send_recv(flat[lo:hi], incoming, partner, partner, group)
-        _reduce_into(flat[lo:hi], incoming, op)
+        reduce_into(flat[lo:hi], incoming, op)
     if op == "avg":
         flat[lo:hi].div_(world_size)      # once, on the part of the buffer this rank has summed
     for partner, (k_lo, k_hi), (g_lo, g_hi) in reversed(exchanges):   # all-gather: it doubles back
@@ -114,9 +115,9 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> t
 
     Any world size, shape and length (ranges may be empty when the buffer is shorter than N).
     """
-    op = _normalise_op(op, tensor.dtype)
-    rank, n = _rank_and_size(group)
-    power = _largest_power_of_two(n)
+    op = normalise_op(op, tensor.dtype)
+    rank, n = collective_rank_and_size(group)
+    power = largest_power_of_two(n)
     with record_op("halving_doubling_all_reduce", group), keeping_exchanges():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         if rank >= power:                       # an extra rank: fold in, wait for the answer
@@ -124,9 +125,9 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> t
             send_recv(NOTHING, flat, rank - power, rank - power, group)
         else:
             if rank + power < n:                # take the extra rank's input first
-                incoming = _receive_buffer(flat.numel(), flat)
+                incoming = receive_buffer(flat.numel(), flat)
                 send_recv(NOTHING, incoming, rank + power, rank + power, group)
-                _reduce_into(flat, incoming, op)
+                reduce_into(flat, incoming, op)
             _halving_then_doubling(flat, op, rank, power, n, group)
             if rank + power < n:                # and hand the result back
                 send_recv(flat, NOTHING, rank + power, rank + power, group)

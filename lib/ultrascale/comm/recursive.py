@@ -39,10 +39,10 @@ import torch
 
 from .cost_model import AlphaBeta, fit_alpha_beta
 from .direct import direct_all_reduce
-from .halving_doubling import _largest_power_of_two, halving_doubling_all_reduce, halving_doubling_time
+from .halving_doubling import halving_doubling_all_reduce, halving_doubling_time, largest_power_of_two
 from .logger import record_op, wait_for_device
-from .ring import (_normalise_op, _rank_and_size, _receive_buffer, _reduce_into, keeping_exchanges, ring_all_reduce,
-                   send_recv)
+from .ring import (collective_rank_and_size, keeping_exchanges, normalise_op, receive_buffer, reduce_into,
+                   ring_all_reduce, send_recv)
 
 NOTHING = torch.empty(0)
 
@@ -51,7 +51,7 @@ def doubling_steps(world_size: int) -> int:
     """Messages each rank takes part in: ``log2 P``, plus the fold and unfold when ``N != P``."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    power = _largest_power_of_two(world_size)
+    power = largest_power_of_two(world_size)
     return int(math.log2(power)) + (2 if world_size != power else 0)
 
 
@@ -78,24 +78,24 @@ def crossover_bytes(model: AlphaBeta, world_size: int) -> float:
 @torch.no_grad()
 def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
     """All-reduce ``tensor`` in place by recursive doubling; returns ``tensor``. Any world size."""
-    op = _normalise_op(op, tensor.dtype)
-    rank, n = _rank_and_size(group)
-    power = _largest_power_of_two(n)
+    op = normalise_op(op, tensor.dtype)
+    rank, n = collective_rank_and_size(group)
+    power = largest_power_of_two(n)
     with record_op("recursive_doubling_all_reduce", group), keeping_exchanges():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        incoming = _receive_buffer(flat.numel(), flat)
+        incoming = receive_buffer(flat.numel(), flat)
         if rank >= power:                       # an extra rank: fold in, wait for the answer
             send_recv(flat, NOTHING, rank - power, rank - power, group)
             send_recv(NOTHING, flat, rank - power, rank - power, group)
         else:
             if rank + power < n:                # take the extra rank's input first
                 send_recv(NOTHING, incoming, rank + power, rank + power, group)
-                _reduce_into(flat, incoming, op)
+                reduce_into(flat, incoming, op)
             distance = 1
             while distance < power:             # log2 P swaps of the whole running sum
                 partner = rank ^ distance
                 send_recv(flat, incoming, partner, partner, group)
-                _reduce_into(flat, incoming, op)
+                reduce_into(flat, incoming, op)
                 distance *= 2
             if op == "avg":
                 flat.div_(n)
@@ -135,7 +135,7 @@ def choose_algorithm(nbytes: int, world_size: int, model: AlphaBeta, direct_from
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, *, model: AlphaBeta,
                direct_from: int | None = None) -> torch.Tensor:
     """All-reduce in place with the algorithm ``choose_algorithm`` picks for its size."""
-    _, n = _rank_and_size(group)
+    _, n = collective_rank_and_size(group)
     nbytes = tensor.numel() * tensor.element_size()
     return ALGORITHMS[choose_algorithm(nbytes, n, model, direct_from)](tensor, op, group)
 
@@ -181,7 +181,7 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
 
     import torch.distributed as dist
 
-    rank, n = _rank_and_size(group)
+    rank, n = collective_rank_and_size(group)
     if n < 2:
         raise ValueError("fitting alpha-beta needs at least two ranks")
     partner = rank ^ 1

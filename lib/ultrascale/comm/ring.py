@@ -7,7 +7,11 @@ is busy in every step and no rank is a bottleneck.
 * ``ring_reduce_scatter``: after ``N - 1`` steps rank ``r`` holds chunk ``r`` of the sum.
 * ``ring_all_gather``: after ``N - 1`` more steps every rank holds every chunk.
 * ``ring_all_reduce`` = reduce-scatter followed by all-gather.
-* ``send_recv``: the one step they are made of (send right, receive left, together);
+* ``ring_step``: the one step of every ring in the course (start sending to the next rank of
+  a group and receiving from the previous one, posted as NCCL needs them), and
+  ``ring_blocks``: the walk of every rank's block round the ring, made of those steps. Ring
+  attention's K/V, asynchronous TP's pieces and the all-gather below all walk with it.
+* ``send_recv``: one step between any two peers, waited for (recursive doubling's partners);
   ``keeping_exchanges``: how every collective holds its steps' Work objects until it returns.
 
 Chunking rule: the tensor is flattened and cut with ``torch.tensor_split(flat, N)``,
@@ -40,11 +44,11 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(world_size)]
 
 
-def _rank_and_size(group) -> tuple[int, int]:
+def collective_rank_and_size(group) -> tuple[int, int]:
     return rank_and_size(group, "the ring collectives")
 
 
-def _normalise_op(op, dtype: torch.dtype) -> str:
+def normalise_op(op, dtype: torch.dtype) -> str:
     names = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max"}
     if not isinstance(op, str):
         op = names.get(op, op)
@@ -118,6 +122,64 @@ def exchange(sends, recvs, right: int, left: int, group, tag: int = 0, batched: 
            [dist.irecv(t, group=group, group_src=left, tag=k) for t, k in recvs]
 
 
+def ring_neighbours(group, what: str = "the ring collectives") -> tuple[int, int, int, int]:
+    """``(rank, size, next, previous)`` in ``group``: a ring sends to the next rank and
+    receives from the previous one."""
+    r, n = rank_and_size(group, what)
+    return r, n, (r + 1) % n, (r - 1) % n
+
+
+def ring_step(sends, recvs, group, *, tag: int = 0, batched: bool = False, timeline=None,
+              name: str = "ring step") -> list:
+    """Start sending ``sends`` to the next rank of ``group`` and receiving ``recvs`` from the
+    previous one (posted by ``exchange``, as NCCL needs them); return the works without
+    waiting, so the caller computes while the tensors travel. With a ``timeline`` the step is
+    a bar from now until the last tensor has arrived. Inside ``keeping_exchanges()`` the works
+    are kept until the block ends, and inside ``record_op`` the bytes are counted."""
+    _, _, right, left = ring_neighbours(group)
+    works = exchange(sends, recvs, right, left, group, tag, batched)
+    keep(works)
+    count_p2p(sum(t.nbytes for t in sends), sum(t.nbytes for t in recvs))
+    if works and timeline is not None and timeline.enabled:
+        works[-1] = timeline.communication(name, works[-1], nbytes=sum(t.nbytes for t in recvs))
+    return works
+
+
+def wait_all(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def ring_blocks(block, group, receive_buffer, **step_options):
+    """Walk every rank's block round the ring: yield ``(owner, block)`` ``size`` times, this
+    rank's own ``block`` first; at step ``s`` rank ``r`` holds the block of rank ``r - s``.
+
+    Before a block is handed to the caller, the transfer of the next one has started (send
+    the block in hand on, receive the previous rank's into ``receive_buffer(step, owner)``, a
+    buffer the shape of the block for rank ``owner``), so it travels while the caller computes;
+    it is waited for when the caller asks for the next block. ``step_options`` go to
+    ``ring_step`` (``tag``, ``batched``, ``timeline``, ``name``: ``{step}`` in the name is
+    replaced by the step's number, from 1). A block is a tensor or a tuple of tensors."""
+    r, n, _, _ = ring_neighbours(group)
+    name = step_options.pop("name", "ring step")
+    current = block
+    for step in range(n):
+        owner = (r - step) % n
+        works = []
+        if step < n - 1:
+            incoming = receive_buffer(step, (owner - 1) % n)
+            works = ring_step(_tensors(current), _tensors(incoming), group,
+                              name=name.format(step=step + 1), **step_options)
+        yield owner, current
+        wait_all(works)
+        if step < n - 1:
+            current = incoming
+
+
+def _tensors(block) -> list:
+    return list(block) if isinstance(block, (tuple, list)) else [block]
+
+
 def send_recv(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
     """Send ``send`` to the right neighbour while receiving ``recv`` from the left one
     (``exchange``, waited for). Inside ``keeping_exchanges()`` the Work objects are kept until
@@ -135,7 +197,7 @@ def send_recv(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
 _receive_buffers: dict[tuple, torch.Tensor] = {}
 
 
-def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+def receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     key = (like.dtype, like.device)
     buffer = _receive_buffers.get(key)
     if buffer is None or buffer.numel() < numel:
@@ -148,7 +210,7 @@ def release_buffers() -> None:
     _receive_buffers.clear()
 
 
-def _reduce_into(target: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
+def reduce_into(target: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
     if op == "max":
         torch.maximum(target, incoming, out=target)
     else:  # sum and avg both add; avg divides once at the end
@@ -163,15 +225,14 @@ def _reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group) -> None:
     in the step before) and adds the incoming chunk ``r - s - 2`` into its own copy.
     After ``N - 1`` steps the last chunk received, ``r - N = r``, has every rank's term.
     """
-    r, n = _rank_and_size(group)
-    right, left = (r + 1) % n, (r - 1) % n
+    r, n, _, _ = ring_neighbours(group)
     # One receive buffer, reused in every step (and every call).
-    buffer = _receive_buffer(max(c.numel() for c in chunks), chunks[0])
+    buffer = receive_buffer(max(c.numel() for c in chunks), chunks[0])
     for step in range(n - 1):
         send_index, recv_index = (r - step - 1) % n, (r - step - 2) % n
         incoming = buffer[: chunks[recv_index].numel()]
-        send_recv(chunks[send_index], incoming, right, left, group)
-        _reduce_into(chunks[recv_index], incoming, op)
+        wait_all(ring_step([chunks[send_index]], [incoming], group))
+        reduce_into(chunks[recv_index], incoming, op)
     if op == "avg":
         chunks[r].div_(n)
 
@@ -179,14 +240,13 @@ def _reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group) -> None:
 def _all_gather_chunks(chunks: list[torch.Tensor], group) -> None:
     """In place: rank ``r`` starts with ``chunks[r]`` filled and ends with all of them.
 
-    In step ``s`` rank ``r`` forwards chunk ``r - s`` and receives chunk ``r - s - 1``
-    straight into its place in the output, so nothing is copied twice.
+    The chunks walk round the ring (``ring_blocks``): in step ``s`` rank ``r`` forwards
+    chunk ``r - s`` and receives chunk ``r - s - 1`` straight into its place in the output,
+    so nothing is copied twice.
     """
-    r, n = _rank_and_size(group)
-    right, left = (r + 1) % n, (r - 1) % n
-    for step in range(n - 1):
-        send_index, recv_index = (r - step) % n, (r - step - 1) % n
-        send_recv(chunks[send_index], chunks[recv_index], right, left, group)
+    r, _ = collective_rank_and_size(group)
+    for _ in ring_blocks(chunks[r], group, lambda step, owner: chunks[owner]):
+        pass
 
 
 # ---- public collectives --------------------------------------------------------------
@@ -197,8 +257,8 @@ def ring_reduce_scatter(tensor: torch.Tensor, op="sum", group=None) -> torch.Ten
     The returned chunk is 1-D: chunk ``r`` of ``torch.tensor_split(tensor.flatten(), N)``.
     ``tensor`` is left unchanged. ``op`` is ``"sum"``, ``"avg"`` or ``"max"``.
     """
-    op = _normalise_op(op, tensor.dtype)
-    r, n = _rank_and_size(group)
+    op = normalise_op(op, tensor.dtype)
+    r, n = collective_rank_and_size(group)
     with record_op("ring_reduce_scatter", group), keeping_exchanges():
         work = tensor.detach().flatten().clone()  # the reduction happens in this copy
         chunks = list(torch.tensor_split(work, n))
@@ -215,7 +275,7 @@ def ring_all_gather(chunk: torch.Tensor, numel: int | None = None, group=None) -
     length) the chunks follow the ``tensor_split`` rule, so they may differ by one
     element, and the result is 1-D: this inverts ``ring_reduce_scatter``.
     """
-    r, n = _rank_and_size(group)
+    r, n = collective_rank_and_size(group)
     if numel is None:
         output = chunk.new_empty((n * chunk.shape[0], *chunk.shape[1:]) if chunk.dim() else (n,))
     else:
@@ -238,8 +298,8 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
     Works for any world size (1 is a no-op), any shape and any length, including
     lengths smaller than or not divisible by the world size.
     """
-    op = _normalise_op(op, tensor.dtype)
-    _, n = _rank_and_size(group)
+    op = normalise_op(op, tensor.dtype)
+    _, n = collective_rank_and_size(group)
     with record_op("ring_all_reduce", group), keeping_exchanges():
         # A contiguous tensor is reduced where it lies; otherwise in a copy, copied back.
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)

@@ -250,7 +250,7 @@ def _norm_on_rank(ctx, sync_norm_gradients, seed, split):
     r, n = dist.get_rank(group), dist.get_world_size(group)
     norm, reference, alone = (_layer_norm(seed, ctx.device) for _ in range(3))
     given = _watch_hook_arguments(norm)   # registered first: the learner's hooks get the same tensors
-    forbid = ([tensor_parallel._sum_gradient_over_tp, grad_sync.sync_in_backward, grad_sync.reduce_gradient],
+    forbid = ([tensor_parallel.sum_gradient_over_tp, grad_sync.sync_in_backward, grad_sync.reduce_gradient],
               "05.sequence_parallel_norm_grads",
               "register the hooks yourself")
     with refused_library(forbid) as refusal:

@@ -449,6 +449,7 @@ def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r
     # The module (the package re-exports a function of the same name).
     ring_attention = importlib.import_module("ultrascale.parallel.ring_attention")
     kv_exchange = importlib.import_module("ultrascale.parallel.kv_exchange")
+    comm_ring = importlib.import_module("ultrascale.comm.ring")
 
     seq = q_full.shape[2]
     positions = [sequence_positions(seq, src, n, layout).to(q_full.device) for src in range(n)]
@@ -458,8 +459,8 @@ def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     kv = blocks[r].clone()
     steps = []
-    forbid = ([ring_attention.context_parallel_attention, kv_exchange._exchange,
-               ring_attention.ContextParallelAttention.forward], "06.ring_step",
+    forbid = ([ring_attention.context_parallel_attention, kv_exchange.ring_kv_blocks, comm_ring.ring_step,
+               comm_ring.ring_blocks, ring_attention.ContextParallelAttention.forward], "06.ring_step",
               "post the transfers with dist.isend / dist.irecv (or batch_isend_irecv) yourself")
     for step in range(n):
         src, last = (r - step) % n, step == n - 1

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ultrascale.comm.halving_doubling import _largest_power_of_two
+from ultrascale.comm.halving_doubling import largest_power_of_two
 from ultrascale.grading import exercise
 
 # Every built-in that moves data between several ranks at once. Point-to-point calls
@@ -104,11 +104,13 @@ ADVICE = ("build it from point-to-point calls only (dist.isend / dist.irecv, dis
 def forbid_collectives(exercise_name: str):
     """Make every built-in collective raise (torch.distributed's functions, the process group's
     methods and the c10d operators: guards.forbid_collectives), and the course's own all-reduces:
-    each module of them sends through its own ``send_recv`` (direct exchange through ``_post``)."""
+    each module of them sends through its own ``send_recv`` (the ring through ``ring_step``, direct
+    exchange through ``_post``)."""
     from ultrascale.comm import direct, halving_doubling, recursive, ring
     from ultrascale.grading.guards import forbid_collectives as forbid_builtins
 
-    senders = [(ring, "send_recv"), (recursive, "send_recv"), (halving_doubling, "send_recv"), (direct, "_post")]
+    senders = [(ring, "send_recv"), (ring, "ring_step"), (recursive, "send_recv"), (halving_doubling, "send_recv"),
+               (direct, "_post")]
     saved = [getattr(module, name) for module, name in senders]
     for module, name in senders:
         setattr(module, name, _library_ring)
@@ -444,7 +446,7 @@ def doubling_messages(rank: int, n: int, numel: int) -> list:
     ``P + i`` hands its tensor to rank ``i`` (and receives the result back); rank ``r < P``
     swaps its running sum with ``r XOR 1``, ``r XOR 2``, ... ``r XOR P/2``, then hands the
     result to rank ``r + P`` if there is one. Every message is the whole tensor."""
-    power, nbytes = _largest_power_of_two(n), 4 * numel
+    power, nbytes = largest_power_of_two(n), 4 * numel
     if rank >= power:
         return [(rank - power, nbytes)]
     swaps = [(rank ^ (1 << k), nbytes) for k in range(power.bit_length() - 1)]
@@ -459,7 +461,7 @@ def halving_doubling_messages(rank: int, n: int, numel: int, merged: bool = Fals
     keeps ``[mid, hi)``, and each sends the half it gives away; the all-gather then sends each
     level's kept range back, innermost level first. ``merged``: the innermost level is one swap
     of its whole range (the library's form), instead of a half there and a half back."""
-    power = _largest_power_of_two(n)
+    power = largest_power_of_two(n)
     if rank >= power:
         return [(rank - power, 4 * numel)] if numel else []
     levels, (lo, hi), distance = [], (0, numel), 1
@@ -484,7 +486,7 @@ def halving_doubling_messages(rank: int, n: int, numel: int, merged: bool = Fals
 
 
 def _doubling_hints(n: int, got: list, want: list, nbytes: int) -> list:
-    power = _largest_power_of_two(n)
+    power = largest_power_of_two(n)
     hints = []
     if any(size < nbytes for size in _sizes(got)):
         hints.append(f"every message carries the whole tensor ({nbytes} bytes), not a chunk of it: cutting "

@@ -22,8 +22,8 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   combined by all-to-all (NB08); ``apply_ep``, ``expert_parameters``.
 * ``compose``: the techniques applied together on one mesh (NB09); ``apply_parallelisms``.
 * ``mesh``: ``Mesh`` / ``init_mesh``, the process mesh over named axes (dp, pp, ep, cp, tp).
-* ``matching``: ``match_plan``, a plan's module-name patterns matched to a model's modules,
-  with one set of rules for every technique.
+* ``match_plan`` (from ``ultrascale.matching``, beside the techniques and the precisions that
+  all use it): a plan's module-name patterns matched to a model's modules, one set of rules.
 * ``grad_sync``: ``sync_in_backward`` and ``average_gradients``, gradients summed over a group
   and divided, during or after backward, for every technique but DP's overlapped wrappers.
 * ``timeline``: per-rank compute and communication events, for Gantt charts.
@@ -33,13 +33,13 @@ Checking them (each against one process, or against PyTorch's own version) is
 """
 
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
+from ..matching import match_plan
 from .context_parallel import (all_gather_attention, apply_cp, causal_tile_counts, context_parallel_attention,
                                ring_attention, split_sequence)
 from .data_parallel import (BucketedDataParallel, DataParallel, NaiveDataParallel,
                             OverlappedDataParallel, apply_data_parallel, build_buckets)
 from .expert_parallel import apply_ep, expert_parameters
 from .grad_sync import average_gradients, sync_in_backward
-from .matching import match_plan
 from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import Pipeline, apply_pp, backward_input, backward_weight, split_layers, stage_modules
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tp

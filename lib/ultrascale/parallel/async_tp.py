@@ -36,14 +36,13 @@ all-gather + matmul with all their weights and hands each layer its output.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
-from ..comm.functional import _piece_size, rank_and_size
-from ..comm.ring import exchange
+from ..comm.functional import piece_size, rank_and_size
+from ..comm.ring import ring_blocks, ring_neighbours, ring_step, wait_all
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .timeline import or_disabled
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "AllGatherMatmul", "MatmulReduceScatter",
            "AsyncColumnParallelLinear", "AsyncRowParallelLinear", "enter_async_region"]
@@ -51,61 +50,36 @@ __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "AllGatherMatmul", "Mat
 
 # --------------------------------------------------------------------------- the ring
 # Point-to-point sends, not one small collective per piece: a ring step is exactly "send to
-# the next rank, receive from the previous one" (comm.ring.exchange, which posts the two as
-# NCCL needs them), and the rank computes while both are in flight. Peers are ranks in the group.
-def _ring(group):
-    r, n = rank_and_size(group, "asynchronous tensor parallelism")
-    return r, n, (r + 1) % n, (r - 1) % n
-
-
-def _pass_along(tensor, to, came_from, group, timeline, name):
-    """Send ``tensor`` to the next rank and receive a piece of its shape from the previous one,
-    both started now; returns the receive buffer and the works to wait for."""
-    received = torch.empty_like(tensor)
-    works = exchange([tensor], [received], to, came_from, group)
-    if timeline is not None:   # a bar from now until the piece has arrived
-        works[-1] = timeline.communication(name, works[-1], nbytes=tensor.nbytes)
-    return received, works
-
-
-def _compute(timeline, name):
-    return timeline.span(name) if timeline is not None else contextlib.nullcontext()
-
-
-def ring_all_gather(shard, group, use_piece, timeline=None, name="all_gather", phase="forward"):
-    """Pass every rank's shard round the ring; ``use_piece(c, shard_c)`` runs on each of the
-    ``tp`` shards in turn, on the one in hand while the next one travels."""
-    r, n, to, came_from = _ring(group)
-    current = shard.contiguous()
-    for step in range(n):
-        c = (r - step) % n   # own shard first; each step brings the previous rank's shard
-        works = ()
-        if step < n - 1:
-            incoming, works = _pass_along(current, to, came_from, group, timeline, f"{name} step {step + 1}")
-        with _compute(timeline, f"{phase} matmul piece {c}"):
+# the next rank, receive from the previous one" (comm.ring.ring_step, which posts the two as
+# NCCL needs them), and the rank computes while both are in flight.
+def overlapped_all_gather(shard, group, use_piece, timeline, name="all_gather", phase="forward"):
+    """Pass every rank's shard round the ring (``comm.ring.ring_blocks``): ``use_piece(c,
+    shard_c)`` runs on each of the ``tp`` shards in turn, on the one in hand while the next
+    one travels."""
+    shard = shard.contiguous()
+    blocks = ring_blocks(shard, group, lambda step, owner: torch.empty_like(shard),
+                         timeline=timeline, name=f"{name} step {{step}}")
+    for c, current in blocks:   # own shard first; each step brings the previous rank's shard
+        with timeline.span(f"{phase} matmul piece {c}"):
             use_piece(c, current)
-        for work in works:
-            work.wait()
-        if works:
-            current = incoming
 
 
-def ring_reduce_scatter(partial, group, timeline=None, name="reduce_scatter", phase="forward"):
+def overlapped_reduce_scatter(partial, group, timeline, name="reduce_scatter", phase="forward"):
     """``partial(c)``: this rank's contribution to shard ``c`` of a sum over ranks. Returns
     shard ``rank`` of the sum. Each rank adds its piece to the running sum it received and
     passes it on; the next piece is computed while the sum travels."""
-    r, n, to, came_from = _ring(group)
-    works = ()
+    r, n, _, _ = ring_neighbours(group, "asynchronous tensor parallelism")
+    works, incoming = [], None
     for step in range(n):
         c = (r - step - 1) % n   # the shard whose running sum arrives now; the last one is ours
-        with _compute(timeline, f"{phase} matmul piece {c}"):
+        with timeline.span(f"{phase} matmul piece {c}"):
             piece = partial(c)
-        for work in works:
-            work.wait()
-        if step > 0:
+        wait_all(works)
+        if incoming is not None:
             piece = piece + incoming   # a new tensor: the one sent last step must stay unchanged
         if step < n - 1:
-            incoming, works = _pass_along(piece, to, came_from, group, timeline, f"{name} step {step + 1}")
+            incoming = torch.empty_like(piece)
+            works = ring_step([piece], [incoming], group, timeline=timeline, name=f"{name} step {step + 1}")
     return piece
 
 
@@ -130,7 +104,7 @@ class AllGatherMatmul(torch.autograd.Function):
             for out, w in zip(outs, weights):
                 out[:, _rows(c, piece)] = F.linear(shard, w)
 
-        ring_all_gather(x, group, multiply, timeline, "all_gather", "forward")
+        overlapped_all_gather(x, group, multiply, timeline, "all_gather", "forward")
         ctx.save_for_backward(gathered, *weights)
         ctx.group, ctx.timeline, ctx.piece = group, timeline, piece
         ctx.set_materialize_grads(False)   # an unused output (often the gathered input) has no gradient
@@ -151,7 +125,7 @@ class AllGatherMatmul(torch.autograd.Function):
                     total += grad[:, rows] @ w
             return total
 
-        grad_x = ring_reduce_scatter(partial, ctx.group, ctx.timeline, "reduce_scatter", "backward")
+        grad_x = overlapped_reduce_scatter(partial, ctx.group, ctx.timeline, "reduce_scatter", "backward")
         flat = gathered.flatten(0, -2)
         grad_weights = [None if grad is None or not need else grad.flatten(0, -2).T @ flat
                         for grad, need in zip(grad_outs, ctx.needs_input_grad[3:])]
@@ -164,8 +138,8 @@ class MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, timeline):
         _, n = rank_and_size(group, "asynchronous tensor parallelism")
-        piece = _piece_size(x.shape[1], n, 1, "matmul_reduce_scatter (async TP's g*)")
-        y = ring_reduce_scatter(lambda c: F.linear(x[:, _rows(c, piece)], weight), group, timeline,
+        piece = piece_size(x.shape[1], n, 1, "matmul_reduce_scatter (async TP's g*)")
+        y = overlapped_reduce_scatter(lambda c: F.linear(x[:, _rows(c, piece)], weight), group, timeline,
                                 "reduce_scatter", "forward")
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.timeline, ctx.piece = group, timeline, piece
@@ -181,21 +155,21 @@ class MatmulReduceScatter(torch.autograd.Function):
             grad_x[:, rows] = grad @ weight
             grad_w.add_(grad.flatten(0, -2).T @ x[:, rows].flatten(0, -2))
 
-        ring_all_gather(grad_y, ctx.group, multiply, ctx.timeline, "all_gather", "backward")
+        overlapped_all_gather(grad_y, ctx.group, multiply, ctx.timeline, "all_gather", "backward")
         return grad_x, grad_w, None, None
 
 
 def all_gather_matmul(x, weights, group=None, timeline=None):
     """All-gather ``x`` (b, s/tp, h) along the sequence and multiply it by each weight
     (out_i, h), overlapped. Returns ``(gathered (b, s, h), [(b, s, out_i), ...])``."""
-    gathered, *outs = AllGatherMatmul.apply(x, group, timeline, *weights)
+    gathered, *outs = AllGatherMatmul.apply(x, group, or_disabled(timeline), *weights)
     return gathered, outs
 
 
 def matmul_reduce_scatter(x, weight, group=None, timeline=None):
     """``x W^T`` (x: (b, s, k), this rank's input features) summed over the tp ranks, and
     only this rank's ``s/tp`` tokens kept, overlapped: (b, s/tp, out)."""
-    return MatmulReduceScatter.apply(x, weight, group, timeline)
+    return MatmulReduceScatter.apply(x, weight, group, or_disabled(timeline))
 
 
 # --------------------------------------------------------------------------- layers

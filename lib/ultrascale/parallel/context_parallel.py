@@ -40,8 +40,8 @@ import torch.nn as nn
 
 from ..comm.functional import rank_and_size
 from ..data import sequence_positions
+from ..matching import match_plan
 from .grad_sync import sync_in_backward
-from .matching import match_plan
 from .mesh import axis_group
 from .kv_exchange import KVBufferMeter
 from .ring_attention import KINDS as RING_KINDS

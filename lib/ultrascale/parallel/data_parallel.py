@@ -41,7 +41,7 @@ import torch.nn as nn
 from ..comm.functional import broadcast_parameters
 from .grad_sync import average_gradients  # noqa: F401  naive DP without a wrapper, shared with EP
 from .mesh import axis_group
-from .timeline import COMMUNICATION, Timeline
+from .timeline import COMMUNICATION, Timeline, or_disabled
 
 
 class DataParallel(nn.Module):
@@ -64,7 +64,7 @@ class DataParallel(nn.Module):
         # costs on a CPU (1 MiB: about 50 us against 130 us here); with a power-of-two world
         # size the two are bit for bit the same, otherwise one unit in the last place at most apart.
         self.scale = 1.0 / self.world_size
-        self.timeline = timeline or Timeline(dist.get_rank(), enabled=False)
+        self.timeline = or_disabled(timeline)
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.num_syncs = 0                      # gradient synchronisations (one per step)
         self.names = {p: n for n, p in module.named_parameters()}

@@ -44,10 +44,11 @@ import torch.nn as nn
 
 from ..comm.functional import all_to_all, rank_and_size
 from ..comm.logger import labelled
+from ..matching import match_plan
 from ..moe import MoE, apply_experts
 from .grad_sync import NO_REPLICAS, average_gradients, reduce_gradient, sync_in_backward
-from .matching import match_plan
 from .mesh import Mesh, axis_group
+from .timeline import or_disabled
 
 __all__ = ["apply_ep", "local_experts", "dispatch_plan", "exchange_counts", "ExpertParallelDispatch",
            "expert_parameters", "expert_parameter_names", "average_after_backward", "average_in_backward", "rank_load",
@@ -105,7 +106,7 @@ class ExpertParallelDispatch:
     """``MoE.experts_forward`` under EP: dispatch, local experts, combine (steps 1-5 above)."""
 
     def __init__(self, experts: nn.ModuleDict, num_experts: int, group=None, timeline=None):
-        self.experts, self.group, self.timeline = experts, group, timeline
+        self.experts, self.group, self.timeline = experts, group, or_disabled(timeline)
         self.ep = rank_and_size(group)[1]
         self.per_rank = num_experts // self.ep
 
@@ -124,8 +125,6 @@ class ExpertParallelDispatch:
         return tokens.new_zeros(tokens.shape).index_add(0, plan.rows, back)
 
     def _local_experts(self, x, ids, w):
-        if self.timeline is None:
-            return apply_experts(list(self.experts.values()), x, ids, w)
         with self.timeline.span("experts"):
             return apply_experts(list(self.experts.values()), x, ids, w)
 

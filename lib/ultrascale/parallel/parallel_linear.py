@@ -17,21 +17,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm.functional import f_star, g_star, rank_and_size
-from .sequence_parallel import _enter_region_keeping_shard, _leave_region, _sum_gradient_over_tp
+from .sequence_parallel import enter_region_keeping_shard, leave_region, sum_gradient_over_tp
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
-
-
-def _rank_and_size(group) -> tuple[int, int]:
-    return rank_and_size(group, "tensor-parallel layers")
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_parameter"]
 
 
-def _shard(tensor, dim, group, shared=None) -> nn.Parameter:
+def shard_parameter(tensor, dim, group, shared=None) -> nn.Parameter:
     """This rank's slice of ``tensor`` along ``dim`` as a new Parameter. ``shared`` maps an
     original parameter to its shard, so weights tied in the model stay tied (GPT's embedding)."""
     if shared is not None and id(tensor) in shared:
         return shared[id(tensor)]
-    rank, n = _rank_and_size(group)
+    rank, n = rank_and_size(group, "tensor-parallel layers")
     if tensor.shape[dim] % n:
         raise ValueError(f"tp={n} does not divide the {tensor.shape[dim]} rows/columns (dim {dim}) of a "
                          f"{tuple(tensor.shape)} weight: choose a tp that divides it")
@@ -64,17 +60,17 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel=False, enter_region=True, shared=None):
         """Slice an existing ``nn.Linear`` (rows of its weight, its bias) for this rank."""
-        bias = None if linear.bias is None else _shard(linear.bias, 0, group, shared)
-        return cls(_shard(linear.weight, 0, group, shared), bias, group, sequence_parallel, enter_region)
+        bias = None if linear.bias is None else shard_parameter(linear.bias, 0, group, shared)
+        return cls(shard_parameter(linear.weight, 0, group, shared), bias, group, sequence_parallel, enter_region)
 
     def forward(self, x):
         if not self.enter_region:
             return F.linear(x, self.weight, self.bias)
-        x = _enter_region_keeping_shard(self, x, self.group, self.sequence_parallel, self.regather)
+        x = enter_region_keeping_shard(self, x, self.group, self.sequence_parallel, self.regather)
         try:
             return F.linear(x, self.weight, self.bias)
         finally:
-            _leave_region(self)
+            leave_region(self)
 
     def extra_repr(self):
         return (f"in_features={self.weight.shape[1]}, local out_features={self.weight.shape[0]}, "
@@ -94,14 +90,14 @@ class RowParallelLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.group, self.sequence_parallel = group, sequence_parallel
         if sequence_parallel and bias is not None:
-            _sum_gradient_over_tp(bias, group)
+            sum_gradient_over_tp(bias, group)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel=False, shared=None):
         """Slice an existing ``nn.Linear`` (columns of its weight) for this rank; the bias is kept whole."""
         bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                             requires_grad=linear.bias.requires_grad)
-        return cls(_shard(linear.weight, 1, group, shared), bias, group, sequence_parallel)
+        return cls(shard_parameter(linear.weight, 1, group, shared), bias, group, sequence_parallel)
 
     def forward(self, x):
         y = F.linear(x, self.weight)

@@ -72,7 +72,7 @@ class StageMessages:
         dst = self.schedule.rank_of(to_stage)
         work = dist.isend(tensor, group=self._group_of(self.rank, dst), group_dst=dst,
                           tag=self._tag(kind, mb, to_stage))
-        if self.timeline is not None:
+        if self.timeline.enabled:   # a helper thread per send: only when someone draws it
             work = _WatchedSend(work, self.timeline, f"send {what} {mb} to stage {to_stage}",
                                 tensor.numel() * tensor.element_size())
         st.sends.append(work)

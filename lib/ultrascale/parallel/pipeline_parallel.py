@@ -50,6 +50,7 @@ from ..model import lm_loss
 from ..schedule import Schedule, event_name, make_schedule
 from .mesh import axis_group
 from .pipeline_messages import StageMessages, twin_group
+from .timeline import or_disabled
 
 __all__ = ["Pipeline", "apply_pp", "backward_input", "backward_weight", "build_stage", "split_layers",
            "stage_modules"]
@@ -156,7 +157,7 @@ class Pipeline(StageMessages, nn.Module):
     def __init__(self, model, schedule: Schedule, group=None, timeline=None, plan=None,
                  measure_activations: bool = False):
         super().__init__()
-        self.group, self.schedule, self.timeline = group, schedule, timeline
+        self.group, self.schedule, self.timeline = group, schedule, or_disabled(timeline)
         self.rank, size = dist.get_rank(group), dist.get_world_size(group)
         if size != schedule.ranks:
             raise ValueError(f"the schedule is for p={schedule.ranks} ranks but the pipeline group has {size}: "
@@ -259,8 +260,6 @@ class Pipeline(StageMessages, nn.Module):
                 time.sleep(max(0.0, self.durations(action) - (time.perf_counter() - start)))
 
     def _span(self, action, name=None, lane="compute"):
-        if self.timeline is None:
-            return contextlib.nullcontext()
         return self.timeline.span(name or event_name(action), lane)
 
     @contextlib.contextmanager

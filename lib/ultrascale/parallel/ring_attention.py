@@ -28,8 +28,6 @@ applies this to the course model.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -38,10 +36,11 @@ from ..comm.logger import labelled
 from ..data import SEQUENCE_LAYOUTS as LAYOUTS
 from ..data import sequence_positions
 from ..kernels.tiled_attention import merge_partial_attention
-from .kv_exchange import _BLOCKS
+from .kv_exchange import KV_EXCHANGES
+from .timeline import or_disabled
 
 __all__ = ["KINDS", "LAYOUTS", "context_parallel_attention", "ring_attention", "all_gather_attention",
-           "ContextParallelAttention"]
+           "ContextParallelAttention", "check_attention_inputs"]
 
 KINDS = ("ring", "all_gather")
 
@@ -100,10 +99,6 @@ def _attend_backward(q, k, v, grad_out, lse, delta, mask, scale):
 
 
 # --------------------------------------------------------------------------- the autograd Function
-def _span(timeline, name):
-    return timeline.span(name) if timeline is not None else contextlib.nullcontext()
-
-
 class ContextParallelAttention(torch.autograd.Function):
     """Attention of this rank's queries to every rank's keys; see the module docstring."""
 
@@ -119,9 +114,9 @@ class ContextParallelAttention(torch.autograd.Function):
         visible = {src: _visible(positions[r], positions[src], causal) for src in range(n)}
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)   # nothing seen yet
-        blocks, _ = _BLOCKS[kind]
+        blocks, _ = KV_EXCHANGES[kind]
         for src, (k_blk, v_blk) in blocks(k, v, group, timeline):
-            with _span(timeline, f"attend to K/V of rank {src}"):
+            with timeline.span(f"attend to K/V of rank {src}"):
                 if visible[src] is None:
                     continue
                 first, last, mask = visible[src]
@@ -139,11 +134,11 @@ class ContextParallelAttention(torch.autograd.Function):
         grad_out = grad_out.to(q.dtype)
         delta = (grad_out * out).sum(-1)
         dq = torch.zeros_like(q)
-        blocks, Gradients = _BLOCKS[kind]
+        blocks, Gradients = KV_EXCHANGES[kind]
         grads = Gradients(k, q.dtype, group, timeline)   # dK/dV accumulated in q's (>= fp32) dtype
         for src, (k_blk, v_blk) in blocks(k, v, group, timeline):
             part = None
-            with _span(timeline, f"backward for K/V of rank {src}"):
+            with timeline.span(f"backward for K/V of rank {src}"):
                 if visible[src] is not None:
                     first, last, mask = visible[src]
                     dq_part, dk, dv = _attend_backward(q[..., first:, :], k_blk[..., :last, :], v_blk[..., :last, :],
@@ -180,7 +175,7 @@ def _local_problem(q, k, v, layout, kind):
     return None
 
 
-def _check(q, k, v, group, layout, kind):
+def check_attention_inputs(q, k, v, group, layout="contiguous", kind="ring"):
     """Refuse bad inputs on *every* rank of the group, so that none is left waiting in the ring.
 
     One small all-reduce (max of each size and of minus each size) tells every rank the
@@ -217,9 +212,9 @@ def context_parallel_attention(q, k, v, group=None, *, causal: bool = True, layo
     Every rank of ``group`` must call it, with inputs of the same shapes.
     """
     rank_and_size(group, "context-parallel attention")   # a clear error outside a process group
-    _check(q, k, v, group, layout, kind)
+    check_attention_inputs(q, k, v, group, layout, kind)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    return ContextParallelAttention.apply(q, k, v, group, causal, layout, kind, scale, timeline)
+    return ContextParallelAttention.apply(q, k, v, group, causal, layout, kind, scale, or_disabled(timeline))
 
 
 def ring_attention(q, k, v, group=None, **options):

@@ -11,7 +11,7 @@ of this module in place:
 * :class:`RegatherInBackward`: the layers after ``g`` save only this rank's slice of their
   gathered input and all-gather it again in backward (as Megatron-LM does);
 * a replicated parameter used on a slice of the sequence (norm weights, row-parallel biases)
-  gets only that slice's gradient; :func:`_sum_gradient_over_tp` hooks each such parameter
+  gets only that slice's gradient; :func:`sum_gradient_over_tp` hooks each such parameter
   so its gradient is all-reduced over the tp group as it is computed, inside backward (so
   accumulation over micro-batches stays right and nothing has to be called after backward);
 * the blocks see ``seq/tp`` tokens, but the model computes default RoPE positions from the
@@ -28,10 +28,11 @@ import torch.nn as nn
 from ..comm.functional import f, g, gather_along_dim
 from .grad_sync import sync_in_backward
 
-__all__ = ["enter_parallel_region", "RegatherInBackward", "fill_global_positions"]
+__all__ = ["enter_parallel_region", "RegatherInBackward", "fill_global_positions", "sum_gradient_over_tp",
+           "enter_region_keeping_shard", "leave_region"]
 
 
-def _sum_gradient_over_tp(param: nn.Parameter, group) -> None:
+def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
     """Under SP a replicated parameter sees only this rank's tokens: its full gradient is the
     sum over the tp ranks. The hook changes the gradient *before* it is accumulated into
     ``.grad``, so gradient accumulation over micro-batches is unaffected."""
@@ -94,7 +95,7 @@ class RegatherInBackward:
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
 
-def _enter_region_keeping_shard(module, x, group, sequence_parallel, regather):
+def enter_region_keeping_shard(module, x, group, sequence_parallel, regather):
     """Apply f (g); with SP and ``regather``, push RegatherInBackward until the module's forward ends."""
     gathered = enter_parallel_region(x, group, sequence_parallel)
     if sequence_parallel and regather and torch.is_grad_enabled():
@@ -103,7 +104,7 @@ def _enter_region_keeping_shard(module, x, group, sequence_parallel, regather):
     return gathered
 
 
-def _leave_region(module, *_):
+def leave_region(module, *_):
     regather = module.__dict__.pop("_regather", None)
     if regather is not None:
         regather.hooks.__exit__(None, None, None)

@@ -27,13 +27,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..comm.functional import gather_along_dim
+from ..comm.functional import gather_along_dim, rank_and_size
+from ..matching import match_plan
 from .async_tp import AsyncColumnParallelLinear, AsyncRowParallelLinear, enter_async_region
-from .matching import match_plan
 from .mesh import axis_group
-from .parallel_linear import ColumnParallelLinear, RowParallelLinear, _rank_and_size
-from .sequence_parallel import (_enter_region_keeping_shard, _leave_region, _sum_gradient_over_tp,
-                                fill_global_positions)
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .sequence_parallel import (enter_region_keeping_shard, fill_global_positions, leave_region,
+                                sum_gradient_over_tp)
 # VocabParallelLogits: not used here, but chapters 04 and 05 import it from this module.
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, VocabParallelLogits  # noqa: F401
 
@@ -177,7 +177,7 @@ def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan
         raise ValueError("async_tp=True overlaps sequence parallelism's all-gather and reduce-scatter with the "
                          "matmuls beside them; plain TP has neither: pass sequence_parallel=True as well")
     group = axis_group(mesh_or_group, "tp")
-    _, n = _rank_and_size(group)
+    _, n = rank_and_size(group, "tensor-parallel layers")
     chosen = _match(model, _default_plan(model) if plan is None else plan)
     _check(model, chosen, n, sequence_parallel)
     shared = {}   # original parameter -> its shard: keeps tied weights tied
@@ -204,11 +204,11 @@ def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan
                 enter_async_region(mod, args[0], group, timeline), *args[1:]))
         elif style == "parallel_region":
             module.register_forward_pre_hook(lambda mod, args: (
-                _enter_region_keeping_shard(mod, args[0], group, sp, regather_in_backward), *args[1:]))
-            module.register_forward_hook(_leave_region, always_call=True)
+                enter_region_keeping_shard(mod, args[0], group, sp, regather_in_backward), *args[1:]))
+            module.register_forward_hook(leave_region, always_call=True)
         elif sp:   # sequence_norm: runs on a slice of the tokens
             for p in module.parameters():
-                _sum_gradient_over_tp(p, group)
+                sum_gradient_over_tp(p, group)
     if sequence_parallel:
         fill_global_positions(model, n)
     if timeline is not None and hasattr(model, "blocks") and not async_tp:

@@ -30,10 +30,12 @@ in rank order, which must be sequence order).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..comm.functional import all_to_all, rank_and_size
-from .ring_attention import _check
+from .ring_attention import check_attention_inputs
 
 __all__ = ["ulysses_attention", "ulysses_problem", "ulysses_bytes", "ring_bytes", "LAYOUT_REFUSAL"]
 
@@ -49,16 +51,10 @@ def ulysses_problem(heads: int, kv_heads: int, cp: int) -> str | None:
                 f"number of ranks that divides {heads}, or ring attention (kind='ring'), which has no such limit")
     if kv_heads % cp:
         return (f"Ulysses gives each rank whole K/V heads, but grouped-query attention's K/V heads ({kv_heads}) "
-                f"do not split over {cp} ranks: repeat each K/V head {cp // _gcd(kv_heads, cp)} times before the call "
+                f"do not split over {cp} ranks: repeat each K/V head {cp // math.gcd(kv_heads, cp)} times before the call "
                 "(k.repeat_interleave(..., dim=1), as many times the K/V bytes), or use ring attention "
                 "(kind='ring'), whose K/V blocks travel whole")
     return None
-
-
-def _gcd(a, b):
-    while b:
-        a, b = b, a % b
-    return a
 
 
 # --------------------------------------------------------------------------- the two all-to-alls
@@ -95,7 +91,7 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = True, layout: str =
     rank_and_size(group, "Ulysses attention")      # a clear error outside a process group
     if layout != "contiguous":
         raise ValueError(f"layout={layout!r}: {LAYOUT_REFUSAL}")
-    _check(q, k, v, group, "contiguous", "ring")   # the same shapes on every rank, or all refuse together
+    check_attention_inputs(q, k, v, group)   # the same shapes on every rank, or all refuse together
     _, cp = rank_and_size(group)
     problem = ulysses_problem(q.shape[1], k.shape[1], cp)
     if problem is not None:   # the shapes agree on every rank by now, so every rank refuses

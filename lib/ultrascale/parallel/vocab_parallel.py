@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm.functional import f_star, g_star, gather_along_dim
-from .parallel_linear import ColumnParallelLinear, _rank_and_size, _shard
+from ..comm.functional import f_star, g_star, gather_along_dim, rank_and_size
+from .parallel_linear import ColumnParallelLinear, shard_parameter
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelHead", "VocabParallelLogits", "vocab_parallel_cross_entropy"]
 
@@ -39,8 +39,9 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group=None, sequence_parallel=False, shared=None):
-        weight = _shard(embedding.weight, 0, group, shared)
-        return cls(weight, _rank_and_size(group)[0] * weight.shape[0], group, sequence_parallel)
+        weight = shard_parameter(embedding.weight, 0, group, shared)
+        start = rank_and_size(group, "tensor-parallel layers")[0] * weight.shape[0]
+        return cls(weight, start, group, sequence_parallel)
 
     def forward(self, idx):
         outside = (idx < self.vocab_start) | (idx >= self.vocab_start + self.weight.shape[0])
@@ -64,7 +65,7 @@ class VocabParallelHead(ColumnParallelLinear):
 
     def forward(self, x):
         local = super().forward(x)   # (batch, seq, V/tp): with SP, g has gathered the sequence
-        start = _rank_and_size(self.group)[0] * self.weight.shape[0]
+        start = rank_and_size(self.group, "tensor-parallel layers")[0] * self.weight.shape[0]
         return VocabParallelLogits.wrap(local, start, self.group)
 
 

@@ -63,8 +63,8 @@ import torch.nn as nn
 
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from ..comm.logger import labelled
+from ..matching import match_plan
 from .flat import FlatUnit, coarse_pieces, parameter_owners, resolve_param_groups, split_piece
-from .matching import match_plan
 from .mesh import axis_group
 from .timeline import COMMUNICATION, Timeline
 from .zero3 import ParameterSharding

@@ -38,7 +38,7 @@ import torch
 
 from ..data import Batch, Batches
 from ..model import auxiliary_loss, lm_loss
-from ..train import _full, gradients, run_steps, weights
+from ..train import cpu_copy, gradients, run_steps, weights
 
 # --------------------------------------------------------------------------- tolerances
 # Why the runs differ at all: each rank averages the loss over its own samples and the
@@ -117,7 +117,7 @@ def first_step(model, batch: Batch, *, full_logits=None, full_gradients=None, lo
         logits = model(batch.inputs)
         loss = lm_loss(logits, batch.targets) + auxiliary_loss(model)
         loss.backward()
-    out = {"logits": (full_logits or _full)(logits).detach(), "loss": _full(loss),
+    out = {"logits": (full_logits or cpu_copy)(logits).detach(), "loss": cpu_copy(loss),
            "grads": (full_gradients or gradients)(model)}
     model.zero_grad(set_to_none=True)
     return out

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.logger import labelled
-from .scaling import MIN_AMAX, _to_fp8, check_fp8, fp8_max
+from .scaling import MIN_AMAX, to_fp8, check_fp8, fp8_max
 
 # Its name in a CommLogger's log: a few bytes per unit, kept apart from the flat buffers'
 # all-gathers (and out of ``collective_elements``), as ZeRO's gradient flags are.
@@ -70,7 +70,7 @@ def quantize_shard(unit, scales, dtype=torch.float8_e4m3fn) -> torch.Tensor:
     format's range, as ``to_format`` does); the padding stays zero."""
     q = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.shard.device)
     for i, lo, hi in local_ranges(unit):
-        q[lo:hi] = _to_fp8(unit.shard[lo:hi].detach(), scales[i], dtype)
+        q[lo:hi] = to_fp8(unit.shard[lo:hi].detach(), scales[i], dtype)
     return q
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..parallel.matching import match_plan
+from ..matching import match_plan
 from .gemm_speed import fp8_gpu_refusal
 from .scaling import E4M3, E5M2, expand_scales, quantize_per_tensor, quantize_tiles
 

@@ -51,7 +51,7 @@ def fp8_max(dtype) -> float:
     return torch.finfo(check_fp8(dtype)).max
 
 
-def _to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     limit = fp8_max(dtype)
     return (x.float() / scale).clamp(-limit, limit).to(dtype)
 
@@ -62,7 +62,7 @@ def quantize_per_tensor(x: torch.Tensor, dtype=E4M3) -> tuple:
     if not x.is_floating_point() or x.dtype in FP8_DTYPES:
         raise ValueError(f"quantise a float32, bfloat16 or float16 tensor, got {x.dtype}")
     scale = x.detach().abs().max().float().clamp(min=MIN_AMAX) / fp8_max(dtype)
-    return _to_fp8(x.detach(), scale, dtype), scale
+    return to_fp8(x.detach(), scale, dtype), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,7 @@ def quantize_tiles(x: torch.Tensor, tile=ACTIVATION_TILE, dtype=E4M3, pad: bool 
     padded[:rows, :cols] = x.detach()
     blocks = padded.view(gr, tr, gc, tc)                       # block (i, j) is blocks[i, :, j, :]
     scales = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / fp8_max(dtype)
-    q = _to_fp8(blocks, scales[:, None, :, None], dtype).view(gr * tr, gc * tc)
+    q = to_fp8(blocks, scales[:, None, :, None], dtype).view(gr * tr, gc * tc)
     return q[:rows, :cols], scales
 
 

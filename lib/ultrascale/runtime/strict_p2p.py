@@ -11,7 +11,7 @@ Two rules of NCCL, the backend of a GPU node, decide who may send first:
 So two ranks that each post a send to the other before their receives wait for each other
 forever on a GPU node, while on a CPU they pass. ``batch_isend_irecv`` launches its operations
 together (one NCCL group): that is how a pair of ranks that both send and receive must post them
-(``comm.ring.send_recv`` does).
+(``comm.ring.ring_step`` and ``send_recv`` do).
 
 In this mode every ``send``, ``recv``, ``isend``, ``irecv`` and ``batch_isend_irecv`` of a rank
 goes through one queue per peer and group, this pair's "stream", which a thread works through in
@@ -233,7 +233,7 @@ class StrictPointToPoint:
                     f"once its receive is posted, and a pair of ranks' sends and receives run in the order "
                     f"posted: if rank {op.peer} posted a send to rank {self.me} before that receive, the two "
                     f"wait for each other forever. Post a pair's send and receive together with "
-                    f"dist.batch_isend_irecv (comm.ring.send_recv does), or receive before sending on one "
+                    f"dist.batch_isend_irecv (comm.ring.ring_step does), or receive before sending on one "
                     f"of the two ranks.")
             time.sleep(pause)
             pause = min(2 * pause, 2e-3)
