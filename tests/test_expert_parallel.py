@@ -19,6 +19,9 @@ from ultrascale.parity.expert_runs import (assert_ep_matches, ep_rank_run, layer
                                              one_process_run)
 from ultrascale.runtime import shared_cluster
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 torch.set_num_threads(1)
 
 
@@ -132,10 +135,10 @@ def test_group_limited_routing_removes_dispatch_traffic():
 # --------------------------------------------------------------------------- errors
 def refuse(ctx, c):
     with pytest.raises(ValueError, match=r"ep=3 does not divide the 4 experts.*ep in \[1, 2, 4\]"):
-        apply_ep(moe_model(c), None)
+        apply_ep(moe_model(c, device=ctx.device), None)
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        apply_ep(GPT(GPTConfig()), None)
-    model = apply_ep(moe_model(config(6, 2)), None)
+        apply_ep(GPT(GPTConfig()).to(ctx.device), None)
+    model = apply_ep(moe_model(config(6, 2), device=ctx.device), None)
     with pytest.raises(ValueError, match="already applied"):
         apply_ep(model, None)
     return True
