@@ -199,8 +199,9 @@ def _dry_step(layout, config, rank, *, micro_batch=1, seq=None, dtype=torch.floa
             par = apply_parallelisms(model, mesh, layout)
             batches = [Batch(*(None if t is None else mode.from_tensor(t) for t in (b.inputs, b.targets, b.positions)))
                        for b in real_batches]
-            with _StandIns() as stand_ins, _vocab_logits_plain():
-                measured = measure_step(par, batches)
+            stand_ins = _StandIns()
+            with _vocab_logits_plain():
+                measured = measure_step(par, batches, stand_ins)
     except DryRunError:
         raise
     except Exception as error:   # noqa: BLE001 - any failure under fake tensors gets its technique named
@@ -232,15 +233,17 @@ def rank_batches(layout: ParallelConfig, mesh, config, micro_batch: int = 1) -> 
 
 
 # --------------------------------------------------------------------------- one measured step
-def measure_step(par, batches) -> dict:
+def measure_step(par, batches, optimizer_reads=contextlib.nullcontext()) -> dict:
     """One training step of ``par`` (from ``apply_parallelisms``) on this rank's micro-batches,
     measured: what ``DryRun`` holds but the layout. Works on real tensors as on fake ones, so
-    a real small run and a dry run are measured by the same code (the tests compare them)."""
+    a real small run and a dry run are measured by the same code (the tests compare them).
+    ``optimizer_reads``: a context around the optimizer's step (the dry run's stand-ins for
+    the values it reads; forward and backward read none, and run faster without it)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     activations = _SavedBytes(par.module)
     with CommLogger() as log, FlopCounterMode(display=False) as flops, activations:
-        _train_step(par, batches)
+        _train_step(par, batches, optimizer_reads)
     state = _state_bytes(par)   # after the step, before zero_grad: the gradients are still there
     par.optimizer.zero_grad()
     collectives = {op: {k: row[k] for k in ("calls", "bytes_sent", "bytes_received")}
@@ -250,7 +253,7 @@ def measure_step(par, batches) -> dict:
                 flops=int(flops.get_total_flops()), collectives=collectives)
 
 
-def _train_step(par, batches) -> None:
+def _train_step(par, batches, optimizer_reads) -> None:
     """compose's ``Parallelized.train`` for one step, reading no value (it has none here)."""
     m = len(batches)
     if par.pipeline is not None:
@@ -263,7 +266,8 @@ def _train_step(par, batches) -> None:
                 (batch.loss(module) / m).backward()
     if par.data_parallel is not None:
         par.data_parallel.finish_gradient_synchronization()
-    par.optimizer.step()
+    with optimizer_reads:
+        par.optimizer.step()
 
 
 def _state_bytes(par) -> dict:
