@@ -219,13 +219,13 @@ def test_muon_equals_torch_muon():
         Muon([torch.zeros(3, requires_grad=True)])
 
 
-@pytest.mark.parametrize("mode", ["gather", "owners"])
-def test_sharded_muon_equals_one_process(mode):
-    """Muon on row shards (3 ranks: uneven rows) equals Muon on whole matrices in one process.
+@pytest.mark.parametrize("mode, world", [("gather", 3), ("owners", 3), ("owners", 4)])
+def test_sharded_muon_equals_one_process(mode, world):
+    """Muon on row shards (3 ranks: uneven rows, padded; 4: even, so the owner scatters views of
+    the tall matrices' transposed result) equals Muon on whole matrices in one process.
     The traffic Muon adds: "gather" all-gathers every matrix to every rank ((N-1)/N of the
     padded matrices received per rank and step); "owners" moves those same bytes only once in
     all, into the owners, and once back out."""
-    world = 3
     results = shared_cluster(world).run(train_sharded_muon, mode)
     model = fresh_model(world)
     run_steps(model, data(world).global_stream(world), STEPS, Optimizers(model))

@@ -116,7 +116,8 @@ class Muon(torch.optim.Optimizer):
         dist.gather(padded, pieces, dst=owner_global, group=fsdp.shard_group)
         if mine:
             ortho = newton_schulz(torch.cat(pieces)[:entry.full_shape[0]], **ns).to(padded.dtype)
-            pieces = list(pad_rows(ortho, fsdp.n * entry.rows).split(entry.rows))
+            # contiguous: a tall matrix comes back transposed, and a collective sends raw memory
+            pieces = list(pad_rows(ortho.contiguous(), fsdp.n * entry.rows).split(entry.rows))
         out = torch.empty_like(padded)
         dist.scatter(out, pieces, src=owner_global, group=fsdp.shard_group)
         return out[:p.shape[0]]
