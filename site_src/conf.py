@@ -12,6 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import vendor  # noqa: E402  (site_src/vendor.py: the scripts kept in site_src/vendor/)
+
 project = "ultrascale"
 author = "the ultrascale course"
 copyright = "the ultrascale course"
@@ -38,6 +40,14 @@ html_theme_options = {
     "home_page_in_toc": True,
 }
 html_last_updated_fmt = None
+
+# Offline: RequireJS, the widgets' HTML manager and MathJax from site_src/vendor/ (copied into
+# _static/), not from a CDN (site_src/vendor.py says where they come from). MathJax 3, whose
+# configuration MyST writes (mathjax3_config); its fonts sit beside it, where it looks for them.
+# static/widgets_public_path.js tells RequireJS where the widget manager's fonts are.
+html_static_path = ["vendor", "static"]
+mathjax_path = vendor.MATHJAX_JS
+nb_ipywidgets_js = {vendor.REQUIRE_JS: {}, "widgets_public_path.js": {}, vendor.WIDGETS_JS: {}}
 html_copy_source = True            # the notebooks themselves, downloadable from each page
 html_show_sourcelink = False
 

@@ -8,10 +8,13 @@
 * a chapter page's exercise link and grading link land on an existing page and anchor, and the
   exercise pages' JupyterLab-style section links (`chapter.ipynb#3.-Bucketing:-...`) on a section;
 * the results pages list every GPU record with its provenance;
-* in Debian's headless chromium (skipped without it or selenium): chapter 07's sidebar shows the
-  17 chapters in order, its Gantt charts are loaded images, and its exercise link opens the
-  exercise page. Screenshots go to out/browser/site_07.png (the top of the page) and
-  site_07_gantt.png (its first chart).
+* in Debian's headless chromium (skipped without it or selenium), with every host but this
+  machine's loopback unreachable (a dead proxy and a resolver that finds no name): chapter 07's
+  sidebar shows the 17 chapters in order, its Gantt charts are loaded images, its schedule
+  widget is drawn with its controls, its formulas are typeset by MathJax, every file the page
+  loaded came from the site itself, and its exercise link opens the exercise page. Screenshots
+  go to out/browser/site_07.png (the top of the page) and site_07_gantt.png (its first chart);
+* the scripts that make this work offline (site_src/vendor/) are all there, with licences.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import html
 import http.server
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -78,6 +82,30 @@ def _sidebar(page: str) -> dict[str, list[tuple[str, str]]]:
 def _chapter_titles() -> list[str]:
     return [site_build.title(json.loads((ROOT / "chapters" / f"{stem}.ipynb").read_text()))
             for stem in site_build.reading_order()]
+
+
+def test_offline_scripts_are_kept_with_their_licences():
+    """The pages load RequireJS, the widget manager and MathJax from site_src/vendor/ (in the
+    site's _static/), each beside its package's licence."""
+    vendor = importlib.util.spec_from_file_location("ultrascale_site_vendor", ROOT / "site_src" / "vendor.py")
+    module = importlib.util.module_from_spec(vendor)
+    vendor.loader.exec_module(module)
+    assert not module.missing(), module.missing()
+    for script in (module.REQUIRE_JS, module.WIDGETS_JS, module.MATHJAX_JS):
+        folder = (module.VENDOR / script).parents[len(Path(script).parts) - 2]
+        licence = [p for p in folder.iterdir() if "LICENSE" in p.name] or (
+            ["require.js header"] if "@license RequireJS" in (module.VENDOR / script).read_text()[:300] else [])
+        assert licence, f"no licence beside {script}"
+
+
+def test_pages_load_the_scripts_from_the_site(site):
+    page = (site / f"chapters/{CHAPTER_07}.html").read_text()
+    scripts = re.findall(r'<script[^>]*src="([^"]+)"', page)
+    assert not [src for src in scripts if "://" in src or src.startswith("//")], scripts
+    for src in scripts:
+        assert (site / "chapters").joinpath(src.split("?")[0]).resolve().is_file(), src
+    for name in ("require.js", "embed-amd.js", "tex-chtml.js"):
+        assert any(src.split("?")[0].endswith(name) for src in scripts), (name, scripts)
 
 
 def test_reading_order_is_the_course_map():
@@ -170,7 +198,20 @@ def test_results_pages_list_every_record_with_its_provenance(site):
 def browser(tmp_path_factory):
     pytest.importorskip("selenium", reason="selenium is missing: pip install -r requirements-dev.txt")
     sys.path.insert(0, str(ROOT / "tests"))
-    from browser.lab import Unavailable, browser_paths, start_browser
+    from browser.lab import Unavailable, browser_paths
+
+    def start_browser(chromium, driver, profile, log):
+        """As browser.lab's, with the network off but for this machine's loopback (the site's server)."""
+        from browser.lab import chrome_options
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        os.environ["SE_OFFLINE"] = "true"   # Selenium Manager, if ever reached, must not download
+        options = chrome_options(chromium, profile)
+        # Chromium never proxies loopback; every other host goes to a closed port, and no name resolves
+        options.add_argument("--proxy-server=http://127.0.0.1:9")
+        options.add_argument("--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1")
+        return webdriver.Chrome(service=Service(executable_path=driver, log_output=str(log)), options=options)
 
     try:
         chromium, driver = browser_paths()
@@ -208,9 +249,31 @@ def test_chapter_07_in_chromium(browser, served):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.set_page_load_timeout(60)   # the widget and MathJax scripts come from a CDN: none here
+    browser.set_page_load_timeout(60)
     browser.get(f"{served}/chapters/{CHAPTER_07}.html")
     WebDriverWait(browser, 30).until(lambda b: b.execute_script("return document.readyState") == "complete")
+
+    # The network is off: the widget manager, RequireJS and MathJax come from the site itself.
+    # The schedule explorer (an ipywidgets view restored from the saved state) is drawn with its
+    # drop-down menus and sliders, in place of the script tag that holds its state.
+    controls = WebDriverWait(browser, 60).until(lambda b: b.execute_script("""
+        const views = document.querySelectorAll('.jupyter-widgets select, .jupyter-widgets .slider-container');
+        return [...views].filter(v => v.getBoundingClientRect().width > 0).length;"""))
+    assert controls >= 2, controls
+    # Every formula typeset: MathJax replaced each math element's TeX with its rendering.
+    math = WebDriverWait(browser, 60).until(lambda b: b.execute_script("""
+        const math = [...document.querySelectorAll('article .math')];
+        return math.length && math.every(m => m.querySelector('mjx-container')) ? math.length : 0;"""))
+    assert math >= 5, math
+    errors = browser.execute_script("return document.querySelectorAll('article mjx-merror').length")
+    assert errors == 0, f"{errors} formulas MathJax could not typeset"
+    outside = browser.execute_script("""return performance.getEntriesByType('resource')
+        .map(e => e.name).filter(u => !u.startsWith(location.origin));""")
+    assert not outside, f"the page asked for files from outside the site: {outside}"
+    missing = browser.execute_script("""return performance.getEntriesByType('resource')
+        .filter(e => e.responseStatus >= 400 && !e.name.endsWith('/favicon.ico'))   // the browser's own
+        .map(e => [e.name, e.responseStatus]);""")
+    assert not missing, f"files the page asked for and the site does not have: {missing}"
 
     entries = browser.execute_script("""
         const caption = [...document.querySelectorAll('nav.bd-links .caption-text')]
