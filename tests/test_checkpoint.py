@@ -22,12 +22,13 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ultrascale.checkpoint import (PARTIAL, SampleLoader, checkpoint_steps, latest_checkpoint, load_checkpoint,
-                                   save_checkpoint)
+                                   save_checkpoint, save_checkpoint_async)
 from ultrascale.checkpoint.failures import daly_interval, simulate_run, young_interval
 from ultrascale.checkpoint.pieces import flat_boxes
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import NaiveDataParallel, ZeRO
 from ultrascale.parallel.tensor_parallel import apply_tp
+from ultrascale.parity import device_mesh_1d, fsdp2
 from ultrascale.runtime import Cluster, RankError, shared_cluster
 from ultrascale.train import run_steps
 
@@ -52,6 +53,10 @@ def build(ctx, layout: str, stage: int = 1):
     if layout == "zero":
         opt = ZeRO(model, stage=stage, optimizer_cls=torch.optim.Adam, lr=1e-3)
         return model, opt, None, None, SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank, ctx.world_size, ctx.device)
+    if layout == "fsdp2":      # PyTorch's own: fully_shard each block, then the root (ZeRO-3's units)
+        model = fsdp2(model, device_mesh_1d(ctx))
+        return model, adam(model.parameters()), None, None, SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank,
+                                                                          ctx.world_size, ctx.device)
     if layout == "tp":         # every rank one tp shard of one replica: all read the whole batch
         apply_tp(model)
         return model, adam(model.parameters()), None, None, SampleLoader(CFG, GLOBAL_BATCH, device=ctx.device)
@@ -60,10 +65,12 @@ def build(ctx, layout: str, stage: int = 1):
             SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank, ctx.world_size, ctx.device))
 
 
-def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every=None, kill=None):
+def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every=None, kill=None,
+                   in_background=False):
     """Resume from the newest checkpoint under ``resume_from`` (if any), train ``steps`` more,
     saving under ``root`` every ``save_every`` steps and at the end. ``kill``: (rank, step,
-    "step" or "save"): that rank SIGKILLs itself in the middle of that step, or of its save."""
+    "step" or "save"): that rank SIGKILLs itself in the middle of that step, or of its save.
+    ``in_background``: each save is written while the next step trains (``save_checkpoint_async``)."""
     model, opt, module, after, loader = build(ctx, layout, stage)
     done, resumed = 0, None
     path = latest_checkpoint(resume_from) if resume_from else None
@@ -75,15 +82,23 @@ def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
 
+    pending = None
     for step in range(done + 1, done + steps + 1):
         if kill and kill[1:] == (step, "step") and ctx.rank == kill[0]:
             batch = loader.next_batch()
             batch.loss(model if module is None else module)   # a forward, then the process is gone
             die()
         run_steps(model, loader, 1, opt, module=module, after_backward=after)
+        if pending is not None:       # the previous step's save, written while this step trained
+            pending = pending.wait()
         if step == done + steps or (save_every and step % save_every == 0):
             killing = kill and kill[1:] == (step, "save") and ctx.rank == kill[0]
-            save_checkpoint(root, step, model, opt, loader=loader, before_commit=die if killing else None)
+            if in_background:
+                pending = save_checkpoint_async(root, step, model, opt, loader=loader)
+            else:
+                save_checkpoint(root, step, model, opt, loader=loader, before_commit=die if killing else None)
+    if pending is not None:
+        pending.wait()
     return resumed
 
 
@@ -143,12 +158,28 @@ def test_zero1_on_4_ranks_resumes_as_zero3_on_3(tmp_path):
     assert_same_training_state(got, want, "ZeRO-1 x4 -> ZeRO-3 x3")
 
 
-def test_tensor_parallel_resumes_as_plain_data_parallel(tmp_path):
-    want = reference_checkpoint(tmp_path, 4)
+def test_tensor_parallel_resumes_as_plain_data_parallel_saving_in_the_background(tmp_path):
+    """tp 2 into dp 2; then every step's checkpoint is written while the next step trains (the
+    step-3 one while step 4 changes the weights): each holds its own step's state."""
     cluster = shared_cluster(2)
     cluster.run(train_and_save, tmp_path / "tp", "tp", 0, 2)
-    cluster.run(train_and_save, tmp_path / "dp", "dp", 0, 2, tmp_path / "tp")
-    assert_same_training_state(read_whole(latest_checkpoint(tmp_path / "dp"), tmp_path), want, "tp 2 -> dp 2")
+    cluster.run(train_and_save, tmp_path / "dp", "dp", 0, 2, tmp_path / "tp", 1, None, True)
+    assert checkpoint_steps(tmp_path / "dp") == [3, 4]
+    for step in (3, 4):
+        assert_same_training_state(read_whole(tmp_path / "dp" / f"step-{step:08d}", tmp_path),
+                                   reference_checkpoint(tmp_path, step), f"tp 2 -> dp 2, step {step} in the background")
+
+
+@pytest.mark.parametrize("first, then", [("zero", "fsdp2"), ("fsdp2", "zero")])
+def test_zero3_and_fsdp2_load_each_others_checkpoints(tmp_path, first, then):
+    """Our ZeRO-3's checkpoint trains on in torch's FSDP2 (fully_shard), and the other way round:
+    the same keys and global shapes, so DCP reads one's flat-shard boxes into the other's DTensors."""
+    want = reference_checkpoint(tmp_path, 4)
+    cluster = shared_cluster(3)
+    cluster.run(train_and_save, tmp_path / first, first, 3, 2)
+    cluster.run(train_and_save, tmp_path / then, then, 3, 2, tmp_path / first)
+    assert_same_training_state(read_whole(latest_checkpoint(tmp_path / then), tmp_path), want,
+                               f"{first} x3 -> {then} x3")
 
 
 def test_a_rank_killed_mid_save_and_mid_step_loses_no_step(tmp_path):

@@ -9,7 +9,8 @@
 * ``failures``: the best checkpoint interval (Young, Daly) and a simulated run with failures.
 """
 from .loader import SampleLoader
-from .store import PARTIAL, checkpoint_steps, latest_checkpoint, load_checkpoint, save_checkpoint
+from .store import (PARTIAL, PendingSave, checkpoint_steps, latest_checkpoint, load_checkpoint, save_checkpoint,
+                    save_checkpoint_async)
 
 __all__ = ["SampleLoader", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_steps",
-           "PARTIAL"]
+           "save_checkpoint_async", "PendingSave", "PARTIAL"]

@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..parallel.zero import ZeRO
 from .layouts import load_module_state, load_zero_state, module_state, zero_state
-from .pieces import PiecesLoadPlanner, PiecesSavePlanner
+from .pieces import Box, Pieces, PiecesLoadPlanner, PiecesSavePlanner
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_steps", "PARTIAL"]
+__all__ = ["save_checkpoint", "save_checkpoint_async", "PendingSave", "load_checkpoint", "latest_checkpoint", "checkpoint_steps", "PARTIAL"]
 
 PARTIAL = ".partial"
 NAME = re.compile(r"step-(\d{8})")
@@ -55,11 +55,7 @@ def _training_state(model, optimizer, for_load: bool = False):
     if isinstance(optimizer, ZeRO):
         return zero_state(optimizer, model, for_load)
     if _is_fsdp2(model):
-        model_state, optim_state = get_state_dict(model, optimizer)
-        flat = {f"model.{k}": v for k, v in model_state.items()}
-        flat.update({f"optim.state.{name}.{key}": value for name, state in optim_state["state"].items()
-                     for key, value in state.items()})
-        return flat, None
+        return _fsdp2_flat(model, *get_state_dict(model, optimizer)), None
     return module_state(model, optimizer, for_load)
 
 
@@ -85,28 +81,90 @@ def save_checkpoint(root, step: int, model, optimizer, *, loader=None, group=Non
     """Save this training state under ``root/step-NNNNNNNN`` (a collective: call it on every
     rank of ``group``). ``before_commit``: called on every rank once the files are written and
     before the rename (the failure tests kill a rank there). Returns the directory."""
-    root, rank = Path(root), _rank(group)
-    final = root / f"step-{step:08d}"
+    final, partial = _begin(root, step, group)
+    state = _state_to_save(step, model, optimizer, loader, group)
+    with _one_process_is_fine():
+        dcp.save(state, storage_writer=FileSystemWriter(partial), planner=PiecesSavePlanner(), process_group=group)
+    return _commit(final, partial, group, before_commit)
+
+
+def _begin(root, step: int, group) -> tuple[Path, Path]:
+    final = Path(root) / f"step-{step:08d}"
     partial = final.with_name(final.name + PARTIAL)
-    if rank == 0:              # a save killed earlier may have left files here
+    if _rank(group) == 0:      # a save killed earlier may have left files here
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier(group)
+    return final, partial
+
+
+def _state_to_save(step: int, model, optimizer, loader, group) -> dict:
     state, _ = _training_state(model, optimizer)
     state.update(_meta(step, loader, group))
-    with _one_process_is_fine():
-        dcp.save(state, storage_writer=FileSystemWriter(partial), planner=PiecesSavePlanner(), process_group=group)
+    return state
+
+
+def _commit(final: Path, partial: Path, group, before_commit=None) -> Path:
     if before_commit is not None:
         before_commit()
     if dist.is_initialized():
         dist.barrier(group)    # every rank is done with this step's files: only now may it count
-    if rank == 0:
+    if _rank(group) == 0:
         shutil.rmtree(final, ignore_errors=True)   # saving the same step again replaces it
         os.replace(partial, final)
     if dist.is_initialized():
         dist.barrier(group)    # nobody looks for the checkpoint before it has its name
     return final
+
+
+# --------------------------------------------------------------------------- without stopping
+_CHECKPOINT_GROUPS: dict = {}
+
+
+def _checkpoint_group(group):
+    """A gloo group of the same ranks for the background writes: their collectives (DCP's plan,
+    the barriers) must not interleave with training's on the training group. Made on first use,
+    which every rank reaches at the same save."""
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    if ranks not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return _CHECKPOINT_GROUPS[ranks]
+
+
+def _on_host(value):
+    """A copy in host memory: what the background write reads while training changes the original."""
+    if isinstance(value, Pieces):
+        return Pieces(value.shape, value.dtype,
+                      [Box(b.offsets, b.sizes, b.tensor.detach().to("cpu", copy=True)) for b in value.boxes])
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    return value
+
+
+class PendingSave:
+    """A checkpoint being written in the background. ``wait()`` finishes it (a collective):
+    the write, then the same barrier and rename as a blocking save. Call it before the next save."""
+
+    def __init__(self, future, final: Path, partial: Path, group):
+        self.future, self.final, self.partial, self.group = future, final, partial, group
+
+    def wait(self) -> Path:
+        self.future.result()
+        return _commit(self.final, self.partial, self.group)
+
+
+def save_checkpoint_async(root, step: int, model, optimizer, *, loader=None, group=None) -> PendingSave:
+    """``save_checkpoint`` that returns as soon as this rank's state is copied to host memory:
+    DCP's ``async_save`` writes the copy from a background thread, over a group of its own,
+    while training goes on. The cost a step sees is the copy; ``wait()`` commits it."""
+    final, partial = _begin(root, step, group)
+    staged = {key: _on_host(value) for key, value in _state_to_save(step, model, optimizer, loader, group).items()}
+    ckpt_group = _checkpoint_group(group) if dist.is_initialized() else None
+    with _one_process_is_fine():
+        future = dcp.async_save(staged, storage_writer=FileSystemWriter(partial), planner=PiecesSavePlanner(),
+                                process_group=ckpt_group)
+    return PendingSave(future, final, partial, ckpt_group)
 
 
 def checkpoint_steps(root) -> list[int]:
@@ -158,18 +216,35 @@ def _state_to_load(model, optimizer, present):
     return load_module_state(model, optimizer, present)
 
 
+def _fsdp2_flat(model, model_state, optim_state) -> dict:
+    """torch's state dicts under our keys: a parameter once (a tied one under its first name, as
+    ``named_parameters`` gives it), its optimizer state beside it."""
+    names = dict(model.named_parameters())
+    flat = {f"model.{k}": v for k, v in model_state.items() if k in names}
+    flat.update({f"optim.state.{name}.{key}": value for name, state in optim_state["state"].items()
+                 if name in names for key, value in state.items()})
+    return flat
+
+
 def _fsdp2_state_to_load(model, optimizer, present):
     """torch's own path for FSDP2: ``get_state_dict`` gives DTensors (with the optimizer state
     initialised), DCP fills them, ``set_state_dict`` puts them back."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    flat = {f"model.{k}": v for k, v in model_state.items()}
-    flat.update({f"optim.state.{name}.{key}": value for name, state in optim_state["state"].items()
-                 for key, value in state.items()})
+    flat = _fsdp2_flat(model, model_state, optim_state)
+    first_name = {}      # a tied parameter's other names take the loaded tensor of its first
+    for name, value in model_state.items():
+        first_name.setdefault(id(value), name)
+
+    missing = [k for k in flat if k.startswith("model.") and k not in present]
+    if missing:
+        raise KeyError(f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more): "
+                       "it was saved from another model")
 
     def finish(loaded: dict) -> None:
+        for name, value in list(model_state.items()):
+            model_state[name] = loaded.get(f"model.{first_name[id(value)]}", value)
         for name, state in optim_state["state"].items():
             for key in state:
-                state[key] = loaded[f"optim.state.{name}.{key}"]
-        set_state_dict(model, optimizer, model_state_dict={k: loaded[f"model.{k}"] for k in model_state},
-                       optim_state_dict=optim_state)
+                state[key] = loaded.get(f"optim.state.{name}.{key}", state[key])
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     return {k: v for k, v in flat.items() if k in present}, finish
