@@ -18,7 +18,8 @@ from ultrascale.grading import check
 
 COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", "10.memory_filter", "a1.timed_median",
            "a1.launched_by", "a0.ring_reduce_scatter", "a0.ring_all_gather", "a0.ring_all_reduce",
-           "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes"}
+           "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes",
+           "05.sequence_gather_scatter"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -186,3 +187,35 @@ def test_split_sizes_stacked_per_token_fail_on_a_rank_without_tokens():
         return torch.stack([torch.bincount(row // per_rank, minlength=n) > 0 for row in chosen])
 
     _fails(check("08.split_sizes", _split_sizes(needs)), DRAWN, "0 token(s) per rank (none: an empty batch)")
+
+
+def test_a_gather_into_float32_buffers_fails_on_float64_and_bf16():
+    from ultrascale.comm.functional import all_gather_into, reduce_scatter_into
+
+    def along(x, dim, group, collective, rows):
+        first = x.movedim(dim, 0).contiguous()
+        out = torch.empty((rows(first.shape[0]), *first.shape[1:]), device=x.device)   # float32, as the fixed x
+        collective(out, first, group)
+        return out.movedim(0, dim).contiguous()
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group, ctx.n = dim, group, dist.get_world_size(group)
+            return along(x, dim, group, all_gather_into, lambda r: r * ctx.n)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return along(grad, ctx.dim, ctx.group, reduce_scatter_into, lambda r: r // ctx.n), None, None
+
+    class ReduceScatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group, ctx.n = dim, group, dist.get_world_size(group)
+            return along(x, dim, group, reduce_scatter_into, lambda r: r // ctx.n)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return along(grad, ctx.dim, ctx.group, all_gather_into, lambda r: r * ctx.n), None, None
+
+    _fails(check("05.sequence_gather_scatter", Gather, ReduceScatter), DRAWN, "torch.float64")

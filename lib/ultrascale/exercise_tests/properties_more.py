@@ -8,6 +8,9 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   digits), token batches that are transposed views, sequences of length 1, one micro-batch;
 * ``02.assign_buckets``: parameters of mixed dtypes in one list (bf16 beside float64), 0-d ones,
   and views into a larger storage (its bytes are not the parameter's);
+* ``05.sequence_gather_scatter`` (its ``Gather``, whose backward is the reduce-scatter): any
+  dim, negative ones included, float64 and bf16, size-1 axes, transposed inputs (a buffer that is
+  contiguous only when the dim moved is not 0);
 * ``08.split_sizes``: 1 and 3 experts per rank (every fixed case has 2), a rank with no tokens,
   top-3 routing;
 * ``10.memory_filter``: a GPU whose usable memory is exactly what one layout needs (it fits:
@@ -290,6 +293,64 @@ def _describe_memory(case):
             + (f", where {configs[0].short()} needs exactly the usable memory" if case["boundary"] else ""))
 
 
+# ---- 05.sequence_gather_scatter (Gather: its backward is the reduce-scatter) --------------------
+
+def _gather_cases():
+    st = _st()
+    return st.lists(st.integers(1, 3), min_size=1, max_size=3).flatmap(lambda shape: st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), shape=st.just(shape),
+        dim=st.integers(-len(shape), len(shape) - 1),          # negative dims count from the end
+        dtype=st.sampled_from(FLOATS), transposed=st.booleans(), seed=st.integers(0, 99))))
+
+
+def _gather_tensors(case, rank: int):
+    """This rank's x (a transposed view when drawn, for 2-D and 3-D) and its upstream gradient."""
+    shape, n, dim = list(case["shape"]), case["world_size"], case["dim"]
+    if case["transposed"] and len(shape) > 1:
+        x = _values(1000 * case["seed"] + rank, shape[::-1], case["dtype"]).permute(*reversed(range(len(shape))))
+    else:
+        x = _values(1000 * case["seed"] + rank, shape, case["dtype"])
+    long = [size * n if d == dim % len(shape) else size for d, size in enumerate(shape)]
+    return x, _values(1000 * case["seed"] + 500 + rank, long, case["dtype"])
+
+
+def _gather_on_rank(ctx, Gather, case):
+    x, upstream = (t.to(ctx.device) for t in _gather_tensors(case, ctx.rank))
+    x.requires_grad_(True)
+    y = Gather.apply(x, case["dim"], None)
+    y.backward(upstream)
+    return y.detach().cpu(), None if x.grad is None else x.grad.cpu()
+
+
+def _judge_gather(Gather, case):
+    from ultrascale.runtime import grading_cluster
+
+    n, dim, dtype = case["world_size"], case["dim"], case["dtype"]
+    pairs = [_gather_tensors(case, r) for r in range(n)]
+    want_y = torch.cat([x.double() for x, _ in pairs], dim)
+    summed = torch.stack([u.double() for _, u in pairs]).sum(0)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, n * 2.0 ** -7) * max(
+        float(summed.abs().max()), 1.0)
+    for rank, (y, grad) in enumerate(grading_cluster(n).run(_gather_on_rank, Gather, case)):
+        if y.dtype != dtype or tuple(y.shape) != tuple(want_y.shape):
+            return (f"rank {rank}'s output is a {tuple(y.shape)} tensor of {y.dtype}, expected {tuple(want_y.shape)} "
+                    f"of {dtype}: every rank's x concatenated along dim {dim}")
+        if not torch.equal(y.double(), want_y):
+            return f"rank {rank}'s output is not every rank's x concatenated along dim {dim} in rank order"
+        want_grad = torch.tensor_split(summed, n, dim)[rank]
+        if grad is None or grad.dtype != dtype or not torch.allclose(grad.double(), want_grad, rtol=0, atol=tol):
+            return (f"rank {rank}'s x.grad is not its slice, along dim {dim}, of the sum over ranks of the upstream "
+                    "gradients" + ("" if grad is None or grad.dtype == dtype else f" (it is {grad.dtype})"))
+    return None
+
+
+def _describe_gather(case):
+    shape = tuple(case["shape"])
+    layout = " (a transposed, non-contiguous view)" if case["transposed"] and len(shape) > 1 else ""
+    return (f"Gather.apply(x, dim={case['dim']}, group) on {case['world_size']} ranks, x a {case['dtype']} tensor of "
+            f"shape {shape}{layout}, then backward")
+
+
 # ---- 08.split_sizes ---------------------------------------------------------------------------
 
 def _split_cases():
@@ -543,6 +604,9 @@ PROPERTIES: dict = {
         dict(warmup=1, repeats=2, launch_cost=1, durations=[100, 10, 13] + [0] * 9),)),
     "a1.launched_by": Property(_launch_cases, _judge_launches, _describe_launches, examples=(
         dict(processes=2, threads=2, other_launches=True, edges=True, ties=True, epoch=True, seed=0),)),
+    "05.sequence_gather_scatter": Property(_gather_cases, _judge_gather, _describe_gather, examples=(
+        dict(world_size=2, shape=[2, 3], dim=0, dtype=torch.float64, transposed=True, seed=0),
+        dict(world_size=3, shape=[1, 2, 1], dim=-2, dtype=torch.bfloat16, transposed=False, seed=1))),
     "08.split_sizes": Property(_split_cases, _judge_split, _describe_split, examples=(
         dict(world_size=2, per_rank=3, tokens=0, k=2, seed=0),)),
     "a0.ring_reduce_scatter": _collective("reduce_scatter", flat=True),
