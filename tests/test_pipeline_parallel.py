@@ -32,6 +32,9 @@ from ultrascale.parity import assert_same
 from ultrascale.parity.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
                                              one_process, pytorch_pipeline)
 from ultrascale.runtime import shared_cluster
+
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
 from ultrascale.schedule import Schedule, ScheduleError, bubble_fraction, make_schedule, one_f_one_b_rank, simulate
 from ultrascale.train import gradients
 from ultrascale.viz.schedule import draw
@@ -89,19 +92,19 @@ def reference(m):
 
 
 # --------------------------------------------------------------------------- on the ranks
-def train(pipe, m):
+def train(ctx, pipe, m):
     """The first step's loss and gradients, then STEPS steps of SGD; this rank's share."""
-    return first_step_and_train(pipe, stream(m), STEPS)
+    return first_step_and_train(pipe, stream(m), STEPS, device=ctx.device)
 
 
 def ours(ctx, schedule, v, m=M):
     mesh = init_mesh(ctx, pp=ctx.world_size)
-    return train(apply_pp(fresh_model(), mesh, schedule=schedule, microbatches=m, chunks=v), m)
+    return train(ctx, apply_pp(fresh_model().to(ctx.device), mesh, schedule=schedule, microbatches=m, chunks=v), m)
 
 
 def pytorchs(ctx, schedule, v, m):
-    pipe = pytorch_pipeline(fresh_model(), schedule=schedule, microbatches=m, chunks=v)
-    return {**train(pipe, m), "order": pipe.pipeline_order()}
+    pipe = pytorch_pipeline(fresh_model().to(ctx.device), schedule=schedule, microbatches=m, chunks=v)
+    return {**train(ctx, pipe, m), "order": pipe.pipeline_order()}
 
 
 def assert_matches_reference(results, m, what):
@@ -145,7 +148,7 @@ def test_same_as_torch_distributed_pipelining(schedule, v):
 
 def _warmup_peers(ctx, p):
     """Whom each of this rank's DualPipeV stages would send or receive its warm-up tensor from."""
-    pipe = pytorch_pipeline(fresh_model(), schedule="dualpipe-v", microbatches=2 * p, chunks=2)
+    pipe = pytorch_pipeline(fresh_model().to(ctx.device), schedule="dualpipe-v", microbatches=2 * p, chunks=2)
     for stage in pipe.torch_schedule._stages:   # the schedule sets this map before its first step
         stage.stage_index_to_group_rank = {s: min(s, 2 * p - 1 - s) for s in range(2 * p)}
     return {stage.stage_index: sorted(op.group_peer for op in stage._get_init_p2p_neighbors_ops())
@@ -176,7 +179,8 @@ def assert_same_lists(torch_lists, schedule, name):
 
 
 def _torch_orders(ctx, m):
-    return {name: pytorch_pipeline(fresh_model(), schedule=name, microbatches=m, chunks=v).pipeline_order()
+    return {name: pytorch_pipeline(fresh_model().to(ctx.device), schedule=name, microbatches=m,
+                                   chunks=v).pipeline_order()
             for name, v in TORCH_CASES}
 
 
@@ -217,7 +221,7 @@ def test_split_backward_is_the_whole_backward():
 # --------------------------------------------------------------------------- learners' schedules
 def custom(ctx, lists):
     schedule = Schedule("mine", lists, M)
-    return train(apply_pp(fresh_model(), schedule=schedule), M)
+    return train(ctx, apply_pp(fresh_model().to(ctx.device), schedule=schedule), M)
 
 
 def test_a_hand_written_schedule_runs():
@@ -228,12 +232,12 @@ def test_a_hand_written_schedule_runs():
 
 # --------------------------------------------------------------------------- timelines and bytes
 def logged(ctx, schedule, delay):
-    tl = Timeline(ctx.rank)
-    pipe = apply_pp(fresh_model(), schedule=schedule, microbatches=4, timeline=tl)
+    tl = Timeline(ctx.rank, device=ctx.device)
+    pipe = apply_pp(fresh_model().to(ctx.device), schedule=schedule, microbatches=4, timeline=tl)
     if delay:
         calibrate_compute(pipe, t_f=delay)
     with CommLogger() as log:
-        pipe.step([stream(4)(0, i) for i in range(4)])
+        pipe.step([stream(4)(0, i).to(ctx.device) for i in range(4)])
     return {"rows": tl.rows(), "p2p": {op: t["bytes_sent"] + t["bytes_received"] for op, t in log.totals().items()}}
 
 
@@ -264,8 +268,8 @@ def test_calibrated_compute_sleeps_the_stated_times():
 
 
 def held(ctx, schedule):
-    pipe = apply_pp(fresh_model(), schedule=schedule, microbatches=4, measure_activations=True)
-    pipe.step([stream(4)(0, i) for i in range(4)])
+    pipe = apply_pp(fresh_model().to(ctx.device), schedule=schedule, microbatches=4, measure_activations=True)
+    pipe.step([stream(4)(0, i).to(ctx.device) for i in range(4)])
     return pipe.peak_activations, pipe.peak_activation_bytes
 
 
@@ -287,7 +291,7 @@ def test_more_stages_than_layers_is_refused():
 
 
 def _apply(ctx, **options):
-    apply_pp(fresh_model(), **options)
+    apply_pp(fresh_model().to(ctx.device), **options)
 
 
 @pytest.mark.parametrize("options,message", [
@@ -303,7 +307,8 @@ def test_bad_input_on_the_ranks(options, message):
 
 def test_a_pipeline_is_not_called_like_a_model():
     def call(ctx):
-        apply_pp(fresh_model(), schedule="1f1b", microbatches=2)(torch.zeros(1, 8, dtype=torch.long))
+        pipe = apply_pp(fresh_model().to(ctx.device), schedule="1f1b", microbatches=2)
+        pipe(torch.zeros(1, 8, dtype=torch.long, device=ctx.device))
     with pytest.raises(Exception, match=r"call pipe\.step\(micro_batches\)"):
         run_on(2, call)
 
@@ -317,7 +322,7 @@ def _subset_pipeline_then_all(ctx):
     if ctx.rank in (1, 2):
         twin_group(sub)                    # a pipeline over ranks 1 and 2 makes its twin
     twin = twin_group(ctx.group)           # then one over all three: before the fix, a hang
-    t = torch.full((1,), float(ctx.rank))
+    t = torch.full((1,), float(ctx.rank), device=ctx.device)
     dist.all_reduce(t, group=twin)
     return t.item()
 
