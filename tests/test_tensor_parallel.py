@@ -213,8 +213,8 @@ def refusals(ctx):
     batch = data(GPT_CFG).global_batch(0).to(ctx.device)
     out["sequence"] = _error(lambda: model(batch.inputs[:, : n + 1]))
     # Explicit global positions are used as given (e.g. context parallelism gives its own).
-    out["positions"] = (Batch(batch.inputs, batch.targets, torch.arange(GPT_CFG.seq_len, device=ctx.device)).loss(model)
-                        - batch.loss(model)).abs().item()
+    positions = torch.arange(GPT_CFG.seq_len, device=ctx.device)
+    out["positions"] = (Batch(batch.inputs, batch.targets, positions).loss(model) - batch.loss(model)).abs().item()
     batch.loss(model).backward()
     out["bars"] = sorted({row["name"] for row in timeline.rows()})
     return out
