@@ -18,7 +18,8 @@
 #    picks (2 x 2 ways at 4 ranks, dp 2 x pp 2 x tp 2 at 8; with experts, ep 2 x pp 2 at 4 and
 #    dp 2 x ep 2 x pp 2 at 8) and compare the loss curve and the weights with one process;
 # 4. extend the memory calculator to all axes, including the pipeline's in-flight micro-batches,
-#    and check it against the memory each rank of the run really holds;
+#    and check it against the memory each rank of the run really holds, at toy size and, in a dry
+#    run under fake tensors, for one rank of Llama 3 405B at full size;
 # 5. read the book's comparison tables, generated from data and from the calculator, and answer
 #    a quiz about them.
 #
@@ -434,6 +435,123 @@ for name, (held, predicted) in nonempty(published_rows, "measured layouts").item
     for rank, got in enumerate(held):
         print(f"  rank {rank}: " + ", ".join(f"{c} {got[c]:,} ({predicted[c]:,.0f})" for c in CONSUMERS))
 print("every rank within 10% of the prediction")
+
+# %% [markdown]
+# ### The published layouts at full size: a dry run
+#
+# The toy runs check the composition; they say little about whether `breakdown` is right for a
+# 405B-parameter model, whose one rank holds more than this machine's memory. PyTorch can run that
+# rank anyway: under **fake tensors** (`FakeTensorMode`: a shape, a dtype and a device, no storage)
+# and its **fake process group** (collectives that return at once), one CPU process builds Llama 3
+# 405B, applies the course's own `apply_parallelisms` for rank r of the 16,384, runs one training
+# step and counts what it held (`ultrascale.dryrun`, the way torchtitan checks its large layouts).
+# `dryrun` returns the bytes of parameters, gradients and optimizer states after the step, the peak
+# of the activations autograd saved, FlopCounterMode's FLOPs and CommLogger's bytes per collective.
+# The tests check that a dry run of a small model measures exactly what a real 4-rank run does.
+#
+# Llama 3 405B's layout, run in bf16 with Adam: TP 8, PP 16 (1F1B), DP 128 with ZeRO-2, micro-batches
+# of one 8,192-token sequence. Two changes, each said where it matters: the dry run cannot follow
+# sequence parallelism (its hooks tell tensors apart by address, and a fake tensor has none), so TP
+# runs without SP and the formula is asked for the same; and QUICK runs one micro-batch on the first
+# stage, where the full run takes the published 16 on the first, a middle and the last stage.
+
+# %%
+from ultrascale.dryrun import dryrun  # noqa: E402
+from ultrascale.memory import activation_bytes  # noqa: E402
+from ultrascale.model import LLAMA3_405B, attention_flops_per_token, matmul_params  # noqa: E402
+from ultrascale.parallel.pipeline_parallel import split_layers  # noqa: E402
+
+FULL = ParallelConfig(tp=8, pp=16, dp=128, zero=2, optimizer="adam", microbatches=1 if QUICK else 16)
+FULL_STAGES = [0] if QUICK else [0, FULL.pp // 2, FULL.pp - 1]   # first, middle, last pipeline stage
+FULL_SEQ = 8192
+predicted = breakdown(LLAMA3_405B, seq=FULL_SEQ, micro_batch=1, zero_stage=FULL.zero, tp=FULL.tp, pp=FULL.pp,
+                      dp=FULL.dp, sequence_parallel=False, schedule=FULL.schedule, micro_batches=FULL.microbatches)
+in_flight = pp_in_flight(FULL.schedule, FULL.pp, FULL.microbatches)
+per_layer = activation_bytes(LLAMA3_405B, FULL_SEQ, 1, tp=FULL.tp) / LLAMA3_405B.layers   # bf16, no SP
+dry_rows = {}
+for stage in FULL_STAGES:
+    rank = FULL.layout().rank_of(dp=0, pp=stage, tp=0)
+    dry = dryrun(FULL, LLAMA3_405B, rank, dtype=torch.bfloat16)
+    layers = len(split_layers(LLAMA3_405B.layers, FULL.pp)[stage])
+    # the formula's activations for this stage: its layers, times the micro-batches it holds at once
+    formula = dict(predicted, activations=per_layer * layers * in_flight[stage])
+    # FLOPs: 6 per parameter of a matmul per token, plus attention's (eager: the whole s x s matrix),
+    # for this rank's share: its layers and, on the last stage, the head, all split by tp
+    h, v = LLAMA3_405B.hidden, LLAMA3_405B.vocab_size
+    block_matmuls = (matmul_params(LLAMA3_405B) - h * v) // LLAMA3_405B.layers
+    rank_matmuls = (layers * block_matmuls + (h * v if stage == FULL.pp - 1 else 0)) // FULL.tp
+    attention = attention_flops_per_token(LLAMA3_405B, FULL_SEQ) * layers // LLAMA3_405B.layers // FULL.tp
+    flops = dry.tokens * (6 * rank_matmuls + attention)
+    dry_rows[stage] = dry, formula, flops
+    # Model states: breakdown divides all 405B parameters by tp x pp; a stage holds its own layers
+    # (8 or 7 of 126), the first the embedding and the last the head too (0.5 GB each): within 10%.
+    for key in ("parameters", "gradients", "optimizer states"):
+        assert 0.9 < dry.memory()[key] / formula[key] < 1.1, (stage, key, dry.memory()[key], formula[key])
+    # Activations: Korthikanti's 5as/h counts the s x s scores 5 bytes per element (scores, softmax,
+    # dropout mask); the course's eager attention keeps the softmax (2 bytes) and a shared mask, and
+    # no dropout, while a SwiGLU MLP, RoPE and grouped K/V keep more than GPT's 34 bytes per token
+    # and hidden unit. Together: 0.7 to 0.85 of the formula here; we accept 0.6 to 1.0.
+    assert 0.6 < dry.activations / formula["activations"] < 1.0, (stage, dry.activations, formula["activations"])
+    # FLOPs: FlopCounterMode counts the matmuls the formula counts, and nothing else: within 0.1%
+    assert abs(dry.flops / flops - 1) < 1e-3, (stage, dry.flops, flops)
+print(f"Llama 3 405B, {FULL}, {FULL.microbatches} micro-batch(es) of {FULL_SEQ} tokens, bf16 + Adam: "
+      f"stages {FULL_STAGES} dry-run; model states within 10% of breakdown, activations 0.6-1.0 of it, "
+      f"FLOPs within 0.1% of 6N + attention")
+
+# %%
+def side_by_side(dry, formula, flops=None):
+    """One rank's dry run beside the formula's prediction, in GB (and TFLOPs)."""
+    print(f"{dry.layout}, rank {dry.rank} {dry.coordinate}: GB     measured   formula")
+    for key in ("parameters", "gradients", "optimizer states", "activations"):
+        print(f"  {key:<26}{dry.memory()[key] / 1e9:9.2f}  {formula[key] / 1e9:9.2f}")
+    if flops is not None:
+        print(f"  {'TFLOPs in the step':<26}{dry.flops / 1e12:9.1f}  {flops / 1e12:9.1f}")
+    print("  collectives: " + ", ".join(f"{op} {row['calls']}x {row['bytes_sent'] / 1e9:.2f} GB sent"
+                                         for op, row in sorted(dry.collectives.items())))
+
+
+for stage, (dry, formula, flops) in dry_rows.items():
+    side_by_side(dry, formula, flops)
+
+# %% [markdown]
+# What the numbers say: the model states are where `breakdown` puts them, to a few percent off the
+# even split it assumes (the first stage is 9% over it: the embedding's 128,256 x 16,384 / 8 rows).
+# ZeRO-2 has cut the gradients and Adam's states 128 ways, to tens of MB, while the bf16 weights
+# stay whole, 6-7 GB. The activations dominate: tens of GB per micro-batch in flight with the full
+# 8,192 x 8,192 score matrix, which is why the published run used 16 micro-batches of one sequence,
+# and why it never stored those scores (a fused attention kernel recomputes them; the
+# `recompute="selective"` of section 5).
+#
+# **DeepSeek-V3** does not dry-run: its MoE layers route every token by the router's values, so
+# how many rows each expert and each ep rank receives (and so every shape after the router) is
+# data that fake tensors do not have. `dryrun` refuses it by name rather than guess a routing:
+
+# %%
+from ultrascale.dryrun import DryRunError  # noqa: E402
+from ultrascale.plan.published import DEEPSEEK_V3  # noqa: E402
+
+try:
+    dryrun(ParallelConfig(pp=16, ep=64, dp=2, zero=1, optimizer="adam"), DEEPSEEK_V3, 0)
+    raise AssertionError("a dry run of an MoE model should be refused")
+except DryRunError as error:
+    print(error)
+
+# %% [markdown]
+# **Try it.** Pick a model (`LLAMA3_8B`, `LLAMA3_70B`, `LLAMA3_405B` or a `LlamaConfig` of your
+# own), a layout and a rank, and see that rank at full size beside `breakdown`'s prediction for the
+# same layout (`breakdown` gives the busiest stage: compare with the first). A few seconds for an
+# 8B model; a minute or more for the larger ones with many micro-batches. TP without SP, no CP and
+# no experts: those the dry run refuses, by name.
+
+# %%
+from ultrascale.model import LLAMA3_8B  # noqa: E402
+
+MY_MODEL, MY_LAYOUT = LLAMA3_8B, ParallelConfig(tp=4, pp=4, dp=8, zero=1, optimizer="adam", microbatches=1)
+MY_RANK, MY_SEQ = 0, 4096
+mine = dryrun(MY_LAYOUT, MY_MODEL, MY_RANK, seq=MY_SEQ, dtype=torch.bfloat16)
+side_by_side(mine, breakdown(MY_MODEL, seq=MY_SEQ, zero_stage=MY_LAYOUT.zero, tp=MY_LAYOUT.tp, pp=MY_LAYOUT.pp,
+                             dp=MY_LAYOUT.dp, sequence_parallel=False, schedule=MY_LAYOUT.schedule,
+                             micro_batches=MY_LAYOUT.microbatches))
 
 # %% [markdown]
 # ## 6. The book's tables, generated
