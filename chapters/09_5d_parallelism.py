@@ -510,7 +510,7 @@ def side_by_side(dry, formula, flops=None):
                                          for op, row in sorted(dry.collectives.items())))
 
 
-for stage, (dry, formula, flops) in dry_rows.items():
+for stage, (dry, formula, flops) in nonempty(dry_rows, "dry runs (the cell above)").items():
     side_by_side(dry, formula, flops)
 
 # %% [markdown]
