@@ -18,6 +18,9 @@ from ultrascale.parity import perturbed
 from ultrascale.parity.composition import assert_composition_matches, train_composed, train_one_process
 from ultrascale.runtime import RankError, shared_cluster
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 CONFIG = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=16)
 DATA = Batches(CONFIG, mbs=2, seed=0)
 STEPS = 2
@@ -40,7 +43,7 @@ def fresh_model():
 
 
 def composed(ctx, config):
-    return train_composed(ctx, fresh_model(), config, DATA, STEPS)
+    return train_composed(ctx, fresh_model().to(ctx.device), config, DATA, STEPS)   # its batches follow
 
 
 MOE = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=16, experts=4, top_k=2)
@@ -53,7 +56,7 @@ def moe_model():
 
 
 def composed_moe(ctx, config):
-    return train_composed(ctx, moe_model(), config, MOE_DATA, STEPS)
+    return train_composed(ctx, moe_model().to(ctx.device), config, MOE_DATA, STEPS)
 
 
 @pytest.mark.parametrize("config", [ParallelConfig(dp=2, ep=2), ParallelConfig(ep=2, pp=2, microbatches=2),
@@ -132,7 +135,7 @@ def test_ep_must_divide_the_experts():
 
 def held(ctx, config):
     from ultrascale.parallel.compose import apply_parallelisms
-    par = apply_parallelisms(GPT(CONFIG), build_mesh(ctx, config), config)
+    par = apply_parallelisms(GPT(CONFIG).to(ctx.device), build_mesh(ctx, config), config)
     return sum(p.numel() for p in dict.fromkeys(par.module.parameters()))
 
 

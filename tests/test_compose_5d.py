@@ -17,6 +17,9 @@ from ultrascale.runtime import shared_cluster
 
 from test_compose import DATA, MOE_DATA, STEPS, composed, composed_moe, fresh_model, moe_model
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 DENSE = [
     ParallelConfig(pp=2, tp=2, sp=True, microbatches=2),
     ParallelConfig(pp=2, dp=2, zero=1, microbatches=2),
