@@ -10,6 +10,9 @@ from ultrascale.parallel.mesh import AXES, Mesh, init_mesh
 from ultrascale.runtime import RankError, shared_cluster
 from ultrascale.viz.mesh import draw_mesh
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 SHAPES = [
     dict(tp=4),
     dict(dp=2, tp=3),                          # 6 = 2 x 3
@@ -134,7 +137,7 @@ def reduce_along(ctx, sizes, joint):
     mesh = init_mesh(ctx, joint=joint, **sizes)
     out = {}
     for axes in [(a,) for a in mesh.axes] + [tuple(j) for j in joint]:
-        x = torch.tensor([2.0 ** ctx.rank], dtype=torch.float64)
+        x = torch.tensor([2.0 ** ctx.rank], dtype=torch.float64, device=ctx.device)
         dist.all_reduce(x, group=mesh.group(axes))
         out[axes] = (int(x.item()), mesh.rank_in(axes), dist.get_process_group_ranks(mesh.group(axes)))
     return out
