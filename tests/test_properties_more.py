@@ -19,7 +19,7 @@ from ultrascale.grading import check
 COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", "10.memory_filter", "a1.timed_median",
            "a1.launched_by", "a0.ring_reduce_scatter", "a0.ring_all_gather", "a0.ring_all_reduce",
            "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes",
-           "05.sequence_gather_scatter"}
+           "05.sequence_gather_scatter", "04.column_parallel_linear", "04.row_parallel_linear"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -219,3 +219,17 @@ def test_a_gather_into_float32_buffers_fails_on_float64_and_bf16():
             return along(grad, ctx.dim, ctx.group, all_gather_into, lambda r: r * ctx.n), None, None
 
     _fails(check("05.sequence_gather_scatter", Gather, ReduceScatter), DRAWN, "torch.float64")
+
+
+def test_linear_layers_spelled_for_three_axes_fail_on_other_inputs():
+    from ultrascale.comm.functional import f, f_star
+
+    def column_parallel_forward(x, weight_shard, bias_shard, group):
+        return torch.einsum("bsi,oi->bso", f(x, group), weight_shard) + bias_shard   # (batch, seq, features)
+
+    def row_parallel_forward(x_shard, weight_shard, bias, group):
+        return f_star(torch.einsum("bsi,oi->bso", x_shard, weight_shard), group) + bias
+
+    _fails(check("04.column_parallel_linear", column_parallel_forward), DRAWN, "x of shape ()", "(1-D: no batch axes)",
+           "RuntimeError")
+    _fails(check("04.row_parallel_linear", row_parallel_forward), DRAWN, "x of shape ()", "RuntimeError")

@@ -8,6 +8,9 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   digits), token batches that are transposed views, sequences of length 1, one micro-batch;
 * ``02.assign_buckets``: parameters of mixed dtypes in one list (bf16 beside float64), 0-d ones,
   and views into a larger storage (its bytes are not the parameter's);
+* ``04.column_parallel_linear``, ``04.row_parallel_linear``: x with no batch axis (1-D), one, or
+  two, float64 and bf16, one feature per rank, forward and backward on 2 and 3 ranks (an einsum
+  spelled for the fixed cases' three axes, or a float32 buffer, is wrong there);
 * ``05.sequence_gather_scatter`` (its ``Gather``, whose backward is the reduce-scatter): any
   dim, negative ones included, float64 and bf16, size-1 axes, transposed inputs (a buffer that is
   contiguous only when the dim moved is not 0);
@@ -291,6 +294,93 @@ def _describe_memory(case):
     return (f"fitting({case['model']}, {len(configs)} layouts of {case['gpus']} GPUs, seq={case['seq']}, "
             f"memory_bytes={memory_bytes:.6g}, headroom={case['headroom']})"
             + (f", where {configs[0].short()} needs exactly the usable memory" if case["boundary"] else ""))
+
+
+# ---- 04.column_parallel_linear and 04.row_parallel_linear -----------------------------------------
+
+def _linear_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),  # x may be 1-D
+        inputs=st.integers(1, 4), outputs=st.integers(1, 3), dtype=st.sampled_from(FLOATS), seed=st.integers(0, 99)))
+
+
+def _full_layer(case, kind: str):
+    """The whole layer in float64: x, W, b and the upstream gradient of its output. Column-parallel
+    splits the ``outputs`` per rank, row-parallel the ``inputs`` per rank."""
+    n, seed = case["world_size"], case["seed"]
+    ins = case["inputs"] * (n if kind == "row" else 1)
+    outs = case["outputs"] * (n if kind == "column" else 1)
+    return (_values(seed, case["batch"] + [ins], torch.float64), _values(seed + 1, (outs, ins), torch.float64),
+            _values(seed + 2, (outs,), torch.float64), _values(seed + 3, case["batch"] + [outs], torch.float64))
+
+
+def _rank_share(case, kind: str, rank: int):
+    """(x, weight, bias, upstream) as rank ``rank`` gets them, in the drawn dtype."""
+    x, w, b, dy = _full_layer(case, kind)
+    if kind == "column":
+        rows = slice(rank * case["outputs"], (rank + 1) * case["outputs"])
+        share = x, w[rows], b[rows], dy[..., rows]
+    else:
+        cols = slice(rank * case["inputs"], (rank + 1) * case["inputs"])
+        share = x[..., cols], w[:, cols], b, dy
+    return [t.to(case["dtype"]) for t in share]
+
+
+def _linear_on_rank(ctx, fn, case, kind):
+    x, w, b, dy = (t.to(ctx.device) for t in _rank_share(case, kind, ctx.rank))
+    x.requires_grad_(True)
+    w, b = torch.nn.Parameter(w), torch.nn.Parameter(b)
+    y = fn(x, w, b, None)
+    y.backward(dy)
+    return [None if t is None else t.detach().cpu() for t in (y, x.grad, w.grad, b.grad)]
+
+
+def _linear_want(case, kind: str, rank: int) -> list:
+    """(y, x.grad, weight.grad, bias.grad) of this rank, from the whole layer in float64."""
+    x, w, b, dy = _full_layer(case, kind)
+    y, x_grad = x @ w.T + b, dy @ w
+    flat_x, flat_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    w_grad, b_grad = flat_dy.T @ flat_x, flat_dy.sum(0)
+    if kind == "column":
+        rows = slice(rank * case["outputs"], (rank + 1) * case["outputs"])
+        return [y[..., rows], x_grad, w_grad[rows], b_grad[rows]]
+    cols = slice(rank * case["inputs"], (rank + 1) * case["inputs"])
+    return [y, x_grad[..., cols], w_grad[:, cols], b_grad]
+
+
+def _linear_judge(kind: str):
+    def judge(fn, case):
+        from ultrascale.runtime import grading_cluster
+
+        n, dtype = case["world_size"], case["dtype"]
+        base = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 4e-2)   # bf16 keeps 8 bits
+        for rank, got in enumerate(grading_cluster(n).run(_linear_on_rank, fn, case, kind)):
+            for what, g, want in zip(("the output", "x.grad", "weight.grad", "bias.grad"), got,
+                                     _linear_want(case, kind, rank)):
+                if g is None or g.dtype != dtype or tuple(g.shape) != tuple(want.shape):
+                    return (f"rank {rank}: {what} is " + ("None" if g is None else f"a {tuple(g.shape)} tensor of "
+                            f"{g.dtype}") + f", expected {tuple(want.shape)} of {dtype}")
+                tol = base * max(1.0, float(want.abs().max()) if want.numel() else 0.0)
+                if not torch.allclose(g.double(), want, rtol=0, atol=tol):
+                    return f"rank {rank}: {what} differs from the whole layer's (computed in float64)"
+        return None
+    return judge
+
+
+def _describe_linear(kind: str):
+    def describe(case):
+        split = "output" if kind == "column" else "input"
+        other = "inputs" if kind == "column" else "outputs"
+        return (f"x of shape {tuple(case['batch'])} + (features,){' (1-D: no batch axes)' if not case['batch'] else ''}, "
+                f"{case[split + 's']} {split} feature(s) per rank, {case[other]} {other[:-1]} feature(s), "
+                f"{case['dtype']}, {case['world_size']} ranks, forward then backward")
+    return describe
+
+
+def _linear(kind: str) -> Property:
+    edge = dict(world_size=2, batch=[], inputs=3, outputs=2, dtype=torch.float64, seed=0)
+    return Property(_linear_cases, _linear_judge(kind), _describe_linear(kind), examples=(edge,))
 
 
 # ---- 05.sequence_gather_scatter (Gather: its backward is the reduce-scatter) --------------------
@@ -604,6 +694,8 @@ PROPERTIES: dict = {
         dict(warmup=1, repeats=2, launch_cost=1, durations=[100, 10, 13] + [0] * 9),)),
     "a1.launched_by": Property(_launch_cases, _judge_launches, _describe_launches, examples=(
         dict(processes=2, threads=2, other_launches=True, edges=True, ties=True, epoch=True, seed=0),)),
+    "04.column_parallel_linear": _linear("column"),
+    "04.row_parallel_linear": _linear("row"),
     "05.sequence_gather_scatter": Property(_gather_cases, _judge_gather, _describe_gather, examples=(
         dict(world_size=2, shape=[2, 3], dim=0, dtype=torch.float64, transposed=True, seed=0),
         dict(world_size=3, shape=[1, 2, 1], dim=-2, dtype=torch.bfloat16, transposed=False, seed=1))),
