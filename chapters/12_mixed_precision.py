@@ -50,6 +50,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ultrascale import records
+from ultrascale.checks import all_of, nonempty
 from ultrascale.data import Batch
 from ultrascale.memory import GB, model_state_bytes
 from ultrascale.model import GPT, GPTConfig, lm_loss
@@ -558,7 +559,7 @@ print("largest loss gap bf16 vs fp32 < 0.05; smaller than between two fp32 runs 
 # %%
 fig = Figure(figsize=(10, 3.2), layout="constrained")
 left, right = fig.subplots(1, 2)
-for name, colour in zip(curves, (COLOURS["fp32"], COLOURS["bf16"], "#8172b3")):
+for name, colour in zip(nonempty(curves, "loss curves (the cell above)"), (COLOURS["fp32"], COLOURS["bf16"], "#8172b3")):
     left.plot(curves[name], color=colour, label=name, ls=":" if "another" in name else "-")
 left.set(xlabel="step", ylabel="loss", title="the course GPT on arithmetic sequences")
 left.legend(fontsize=8)
@@ -615,7 +616,7 @@ for k in range(0, 7):
 print(f"{'outlier':>8} {'per-tensor error':>17} {'1x128 tiles error':>18} {'zeros (per-tensor)':>19}")
 for k, row in sweep.items():
     print(f"{'1e' + str(k):>8} {row['per_tensor']:>17.1%} {row['tiled']:>18.1%} {row['zeros']:>19.0%}")
-assert all(0.02 < row["tiled"] < 0.03 for row in sweep.values())     # e4m3's ordinary rounding, whatever the outlier
+assert all_of(sweep.values(), "outlier sizes", lambda row: 0.02 < row["tiled"] < 0.03)   # e4m3's ordinary rounding, whatever the outlier
 assert abs(sweep[1]["per_tensor"] - sweep[1]["tiled"]) < 0.005       # a small outlier costs nothing
 assert sweep[6]["per_tensor"] > 0.9 and sweep[6]["zeros"] > 0.9      # 10^6: nearly everything flushed to zero
 
@@ -768,7 +769,7 @@ for name, losses in fp8_curves.items():
     left.plot(losses, label=name)
 left.set(xlabel="step", ylabel="loss", title="lr 0.003: FP8 trains like bf16")
 left.legend(fontsize=8)
-for name, losses in high.items():
+for name, losses in nonempty(high, "high learning-rate runs").items():
     right.plot(losses, label=name)
 right.axhline(math.log(CFG.vocab_size), color="k", ls=":", lw=1)
 right.text(0, math.log(CFG.vocab_size) + 0.2, "uniform guess, ln 256", fontsize=8)
@@ -847,7 +848,9 @@ FP8_TABLE = "e4m3 torch._scaled_mm (one scale per tensor, bf16 out) against bf16
 FP8_REFUSAL = fp8_gpu_refusal()   # None on a GPU with FP8 tensor cores (compute capability 8.9+)
 if FP8_REFUSAL is None:
     print(f"MEASURED NOW on {torch.cuda.get_device_name(0)}, torch {torch.__version__}: {FP8_TABLE}")
-    print_fp8_rows([measure_fp8_gemm(n) for n in ((1024, 4096) if QUICK else (1024, 2048, 4096, 8192))])
+    gemm_runs = [(f"measured now on {torch.cuda.get_device_name(0)}",
+                 [measure_fp8_gemm(n) for n in ((1024, 4096) if QUICK else (1024, 2048, 4096, 8192))])]
+    print_fp8_rows(gemm_runs[0][1])
     layer = nn.Linear(4096, 4096, bias=False, device="cuda")
     x = torch.randn(8192, 4096, device="cuda", requires_grad=True)
     ours_layer = FP8Linear.from_linear(layer, "tensorwise")
@@ -864,6 +867,8 @@ if FP8_REFUSAL is None:
               f"{ours_rate / theirs_rate:.2f}")
 else:
     recorded = records.recorded("fp8")
+    gemm_runs = [(f"recorded on {record['device']}, {record['date'][:10]} ({path.name})", record["rows"])
+                for path, record in recorded]
     for path, record in recorded:
         print(records.label(record, path))
         print(f"{FP8_TABLE}, from benchmarks/bench_fp8.py:")
@@ -880,13 +885,24 @@ if torch.cuda.is_available():   # fp16 needs no FP8 tensor cores: any GPU
           f"{sum(optimizer.skipped)} skipped steps")
 
 # %% [markdown]
-# In the H100 run recorded on 2026-11-26, the FP8 GEMM's advantage grows with the size: 1.12x
-# bf16 at 1024, 1.43x at 2048, 1.69x at 4096 and 1.82x at 8192, near the book's "up to 2x". A
-# small GEMM cannot keep the tensor cores busy, whatever its format. Casting both inputs to FP8
-# before every product is memory-bound work of its own, and `quantize_per_tensor` does it in
-# separate PyTorch passes (a maximum, a division, a clamp, a cast): it took more time than the
-# GEMM saved, leaving 0.53x bf16's speed at 8192. That is why real FP8 training fuses the casts into the kernels
-# that produce the tensors, and keeps the weights' FP8 copies from one use to the next.
+# Read from that run (measured now, or each recorded file):
+
+# %%
+for source, rows in gemm_runs:
+    speedups = ", ".join(f"{r['fp8_over_bf16']:.2f}x at {r['n']}" for r in rows)
+    largest = max(rows, key=lambda r: r["n"])
+    print(f"{source}: FP8 GEMM over bf16 {speedups} (the book: up to 2x); with the casts in separate "
+          f"passes, {largest['fp8_with_casts_over_bf16']:.2f}x bf16's speed at {largest['n']}")
+if not gemm_runs:
+    print("no FP8 GEMM measured here or recorded in results/: nothing to read")
+
+# %% [markdown]
+# The FP8 GEMM's advantage grows with the size: a small GEMM cannot keep the tensor cores busy,
+# whatever its format. Casting both inputs to FP8 before every product is memory-bound work of
+# its own, and `quantize_per_tensor` does it in separate PyTorch passes (a maximum, a division, a
+# clamp, a cast), which cost more time than the GEMM saves. That is why real FP8 training fuses
+# the casts into the kernels that produce the tensors, and keeps the weights' FP8 copies from one
+# use to the next.
 
 # %% [markdown]
 # ## 8. Beyond the book: FP8 all-gather for ZeRO-3

@@ -43,6 +43,7 @@ from matplotlib.figure import Figure
 import ultrascale.comm.halving_doubling as halving_module
 import ultrascale.comm.recursive as recursive_module
 import ultrascale.comm.ring as ring_module
+from ultrascale.checks import nonempty
 from ultrascale.comm import (AlphaBeta, CommLogger, bus_bandwidth_sweep, bus_factor, chunk_sizes, fit_ring_all_reduce,
                              format_bytes, ring_all_gather, ring_all_reduce, ring_reduce_scatter, time_collective)
 from ultrascale.comm.halving_doubling import (halving_doubling_all_reduce, halving_doubling_bytes,
@@ -695,7 +696,7 @@ fig
 # found a positive latency and bandwidth, and the model's time grows with the size.
 
 # %%
-for name, fit in fits.items():
+for name, fit in nonempty(fits, "fits (the cell above makes them)").items():
     assert fit.alpha > 0 and fit.beta > 0, (name, fit)
     model_times = fit.ring_all_reduce_time(np.array(SWEEP_SIZES, dtype=float), N)
     assert np.all(np.diff(model_times) > 0), name
