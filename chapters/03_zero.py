@@ -36,12 +36,15 @@ import numpy as np
 from IPython.display import display
 from matplotlib.figure import Figure
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ultrascale.comm import AlphaBeta, CommLogger, wait_for_device
 from ultrascale.data import Batches
 from ultrascale.memory import GB, model_state_bytes, zero_bytes_per_rank
 from ultrascale.model import GPT, GPTConfig, count_params
 from ultrascale.parallel import NaiveDataParallel, Timeline, ZeRO, covered_seconds, overlap_seconds
+from ultrascale.parallel.fsdp import apply_fsdp, full_state_dict
+from ultrascale.parallel.sharded_muon import Muon
 from ultrascale.parity import assert_replicas_identical, assert_same, device_mesh_1d, fsdp2, max_difference, tolerance
 from ultrascale.train import OPTIMIZERS, make_optimizer, run_steps, train, weights
 from ultrascale.viz.gantt import plot_gantt
@@ -772,7 +775,188 @@ fig
 # the same data-parallel degree as forward. Past that point, adding data-parallel ranks makes each
 # step wait on the network, which is one reason the next chapters add other kinds of parallelism
 # instead of ever more data parallelism.
+
+# %% [markdown]
+# ## 5. Beyond the book: each parameter sharded by itself
+# ZeRO as the paper draws it, and as we built it, flattens a unit's parameters into one padded
+# buffer and hides the shards behind an optimizer of its own: `model.parameters()` still shows
+# full-size tensors with no gradient, so a plain `torch.optim.AdamW` has nothing to step. FSDP2
+# changed that design, and it is what most training code uses today. Each parameter is cut by
+# itself along its rows (the `torch.chunk` cut: $\lceil r / N_d \rceil$ rows per rank, the last
+# ranks short or empty), and *the shard is the parameter*: its `.grad` after backward is the
+# averaged gradient of those rows, of the same shape. Any optimizer then steps `model.parameters()`
+# unchanged. `ultrascale.parallel.fsdp.apply_fsdp` builds this in about 300 lines: a unit (each
+# block, and the rest of the model) still gathers its weights with one all-gather before its
+# forward and again before its backward, and reduce-scatters its gradients once; only the
+# bookkeeping around the collectives is per parameter.
 #
+# We train it with PyTorch's plain Adam and compare it with DP and with `fully_shard` from above,
+# and log the last step's collectives beside ZeRO-3's, both in fp32.
+
+# %%
+def train_per_parameter(ctx, opt_name="adam", mp_policy=None):
+    model = apply_fsdp(fresh_model().to(ctx.device), mp_policy=mp_policy)
+    optimizer = make_optimizer(model.parameters(), opt_name)   # torch's own, on the shards
+    losses = run_steps(model, local_batches(ctx), STEPS - 1, optimizer, device=ctx.device)
+    with CommLogger() as log:        # the last step's collectives
+        losses += run_steps(model, local_batches(ctx), 1, optimizer, device=ctx.device, first_step=STEPS - 1)
+    shards = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return {"weights": full_state_dict(model), "comm": log.totals(), "shards": shards, "losses": losses}
+
+
+def zero3_last_step(ctx):
+    model = fresh_model().to(ctx.device)
+    zero = ZeRO(model, stage=3, optimizer_cls=torch.optim.Adam, lr=1e-3)
+    run_steps(model, local_batches(ctx), STEPS - 1, zero, device=ctx.device)
+    with CommLogger() as log:
+        run_steps(model, local_batches(ctx), 1, zero, device=ctx.device, first_step=STEPS - 1)
+    return log.totals()
+
+
+per_parameter = cluster.run(train_per_parameter)
+flat = cluster.run(zero3_last_step)
+for rank, (mine, theirs) in enumerate(zip(per_parameter, fsdp)):
+    assert mine["shards"] == theirs[2], f"rank {rank}: the shards have FSDP2's shapes"
+    assert_same(mine["weights"], reference, "per-parameter sharding against DP", optimizer="adam")
+    assert_same(mine["weights"], theirs[0], "per-parameter sharding against FSDP2", optimizer="adam")
+print(f"torch.optim.Adam on the shards matches DP and FSDP2 after {STEPS} steps; the embedding is "
+      f"{per_parameter[0]['shards']['embed.weight']} on rank 0 and "
+      f"{per_parameter[-1]['shards']['embed.weight']} on rank {WORLD_SIZE - 1}")
+
+print(f"\n{'last step, rank 0':>26} {'all-gathers':>12} {'reduce-scatters':>16} {'bytes sent':>11}")
+for name, totals in (("ZeRO-3, flat units", flat[0]), ("per-parameter, apply_fsdp", per_parameter[0]["comm"])):
+    calls = [totals[op]["calls"] for op in (ALL_GATHER, REDUCE_SCATTER)]
+    print(f"{name:>26} {calls[0]:>12} {calls[1]:>16} {sum(t['bytes_sent'] for t in totals.values()):>11,}")
+assert per_parameter[0]["comm"][REDUCE_SCATTER]["calls"] == flat[0][REDUCE_SCATTER]["calls"] == L + 1
+assert per_parameter[0]["comm"][ALL_GATHER]["calls"] == fsdp_gathers   # FSDP2's count: 2L + 1
+
+# %% [markdown]
+# Both designs make one all-gather and one reduce-scatter per unit, so they pay the collectives'
+# latency alike; grouping a unit's parameters into one collective is what keeps FSDP2 from
+# sending hundreds of small ones. The bytes differ in two ways. Our ZeRO-3 keeps the last block
+# gathered for backward, where `apply_fsdp` (like FSDP2) gathers it again: one gather more. And
+# the padding: a flat unit pads once, to a multiple of $N_d$ elements, while each parameter pads
+# its rows to a multiple of $N_d$, whole rows at a time (run with `WORLD_SIZE = 3` to see it).
+# What flat units buy is fewer, larger and tighter collectives, with no copying of shards in and
+# out of a communication buffer. In return, per-parameter sharding gives:
+# - a plain optimizer: `torch.optim.AdamW`, Muon (below), anything that steps tensors;
+# - per-parameter choices: a parameter can be frozen, kept whole (`replicate=("*norm*",)`:
+#   its gradient is all-reduced instead), or stored in its own dtype;
+# - simpler checkpoints: each shard is a slice of one named tensor, which is what
+#   `torch.distributed.checkpoint` saves and reshards (a flat buffer must first be cut back into
+#   tensors).
+#
+# ### Gathering in bf16, masters in fp32
+# FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`: the
+# shards (the master weights the optimizer updates) stay fp32; a unit is cast to bf16 *before*
+# its all-gather, so half the bytes travel and the forward and backward compute in bf16; the
+# gradients are reduced in fp32 and stored in fp32 for the optimizer. `apply_fsdp` takes the same
+# policy object.
+
+# %%
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+bf16_run = cluster.run(train_per_parameter, "adam", policy)
+gathered = [run[0]["comm"][ALL_GATHER]["bytes_received"] for run in (per_parameter, bf16_run)]
+assert 2 * gathered[1] == gathered[0], "a bf16 gather moves exactly half the bytes of an fp32 one"
+assert all(w.dtype == torch.float32 for w in bf16_run[0]["weights"].values()), "the masters stay fp32"
+losses = np.array([per_parameter[0]["losses"], bf16_run[0]["losses"]])
+assert np.allclose(losses[1], losses[0], rtol=1e-2), "bf16 compute moves the loss by well under 1%"
+print(f"all-gather bytes received in the last step: {gathered[0]:,} in fp32, {gathered[1]:,} in bf16")
+
+# %% tags=["nbval-ignore-output"]
+print("loss per step (rank 0):", " ".join(f"{a:.4f}/{b:.4f}" for a, b in losses.T), "(fp32/bf16)")
+
+# %% [markdown]
+# ### Muon on sharded weights
+# Muon (`torch.optim.Muon`, used for Kimi K2 and in nanochat) updates a weight matrix with its
+# momentum *orthogonalised*: a few Newton-Schulz iterations turn it into a matrix whose singular
+# values are all near 1. The momentum is elementwise, so each rank keeps it for its own rows, but
+# Newton-Schulz multiplies whole matrices ($X X^\top$): a rank holding some rows cannot do it alone.
+# `ultrascale.parallel.sharded_muon.Muon` does it two ways:
+# - `mode="gather"`: every rank all-gathers every matrix's update and orthogonalises it, keeping its
+#   own rows: one all-gather per matrix, and every rank repeats all the work;
+# - `mode="owners"`: matrix $i$ is dealt to rank $i \bmod N_d$ (as nanochat and torchtitan deal
+#   them); its owner gathers the rows, orthogonalises, and scatters the rows back: the same bytes
+#   arrive only once in all, and the work is split $N_d$ ways.
+#
+# The blocks' matrices get Muon and the rest (embedding, norms) AdamW, as in practice; one process
+# training with whole matrices is the reference. Newton-Schulz runs in fp32 here (torch's runs
+# it in bf16), so that the runs differ only by summation order.
+
+# %%
+class MuonAndAdamW:
+    """Muon for the blocks' weight matrices, AdamW for the rest, stepped together."""
+
+    def __init__(self, model, **sharding):
+        matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+        rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+        self.optimizers = [Muon(matrices, lr=0.02, ns_dtype=torch.float32, **sharding),
+                           torch.optim.AdamW(rest, lr=1e-3)]
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+
+def train_muon(ctx, mode):
+    model = apply_fsdp(fresh_model().to(ctx.device))
+    optimizer = MuonAndAdamW(model, fsdp=model.fsdp, mode=mode)
+    run_steps(model, local_batches(ctx), STEPS - 1, optimizer, device=ctx.device)
+    with CommLogger() as log:
+        run_steps(model, local_batches(ctx), 1, optimizer, device=ctx.device, first_step=STEPS - 1)
+    return {"weights": full_state_dict(model), "comm": log.totals()}
+
+
+muon_single = fresh_model()
+run_steps(muon_single, DATA.global_stream(WORLD_SIZE), STEPS, MuonAndAdamW(muon_single))
+muon_runs = {mode: cluster.run(train_muon, mode) for mode in ("gather", "owners")}
+for mode, per_rank in muon_runs.items():
+    assert_same(per_rank[0]["weights"], weights(muon_single), f"sharded Muon ({mode}) against one process",
+                optimizer="adam")
+assert_same(muon_runs["gather"][0]["weights"], muon_runs["owners"][0]["weights"], "the two ways", tol=dict(rtol=0, atol=0))
+print("sharded Muon, both ways, matches Muon on whole matrices in one process")
+
+
+matrix_shapes = [p.shape for n, p in muon_single.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+padded_bytes = 4 * sum(-(-rows // WORLD_SIZE) * WORLD_SIZE * cols for rows, cols in matrix_shapes)
+muon_bytes = padded_bytes * (WORLD_SIZE - 1) // WORLD_SIZE   # what a ring all-gather brings to each rank
+gather_extra = [run["comm"][ALL_GATHER]["bytes_received"] - adam["comm"][ALL_GATHER]["bytes_received"]
+                for run, adam in zip(muon_runs["gather"], per_parameter)]
+owners_in = [run["comm"]["gather"]["bytes_received"] for run in muon_runs["owners"]]
+owners_out = [run["comm"]["scatter"]["bytes_sent"] for run in muon_runs["owners"]]
+assert gather_extra == [muon_bytes] * WORLD_SIZE, "gather: every matrix reaches every rank"
+assert sum(owners_in) == sum(owners_out) == muon_bytes, "owners: every matrix reaches one rank, and goes back"
+
+
+def sent(totals):
+    return sum(t["bytes_sent"] for t in totals.values())
+
+
+print(f"bytes sent in one step, per rank (ranks 0..{WORLD_SIZE - 1}); Muon's {len(matrix_shapes)} matrices hold "
+      f"{padded_bytes:,} bytes (padded)")
+table = {"ZeRO-3 + Adam (flat)": [sent(t) for t in flat],
+         "per-parameter + Adam": [sent(r["comm"]) for r in per_parameter],
+         "per-parameter + Muon, gather": [sent(r["comm"]) for r in muon_runs["gather"]],
+         "per-parameter + Muon, owners": [sent(r["comm"]) for r in muon_runs["owners"]]}
+for name, row in table.items():
+    print(f"{name:>30} " + " ".join(f"{b:>9,}" for b in row))
+
+# %% [markdown]
+# With Adam the optimizer step needs no communication at all under per-parameter sharding (each
+# rank steps its own rows), and under ZeRO-3 the flat shards are stepped in place too. Muon adds
+# traffic of its own: gathering every matrix to every rank costs each rank $(N_d - 1)/N_d$ of the
+# matrices' bytes per step, on top of the gathers of forward and backward; dealing whole matrices
+# to owners moves the same bytes only once in all, twice counting the way back, and splits the
+# Newton-Schulz work, but loads the owners unevenly when the matrices differ in size. Large runs
+# go further (the owners of nanochat's and torchtitan's versions receive their matrices' gradients
+# whole from the reduce-scatter itself), but the trade is the same: Muon needs whole matrices
+# somewhere, so someone must gather them.
+
+# %% [markdown]
 # ## Summary
 #
 # | | memory per GPU | communication per step | all-gathers per step ($L$ blocks) |
