@@ -10,7 +10,9 @@ is busy in every step and no rank is a bottleneck.
 * ``ring_step``: the one step of every ring in the course (start sending to the next rank of
   a group and receiving from the previous one, posted as NCCL needs them), and
   ``ring_blocks``: the walk of every rank's block round the ring, made of those steps. Ring
-  attention's K/V, asynchronous TP's pieces and the all-gather below all walk with it.
+  attention's K/V, asynchronous TP's pieces and the all-gather below all walk with it;
+  ``reduce_round_ring``: running sums walking round the ring, the reduce-scatter below and
+  asynchronous TP's.
 * ``send_recv``: one step between any two peers, waited for (recursive doubling's partners);
   ``keeping_exchanges``: how every collective holds its steps' Work objects until it returns.
 
@@ -176,6 +178,33 @@ def ring_blocks(block, group, receive_buffer, **step_options):
             current = incoming
 
 
+def reduce_round_ring(term, group, add, receive_buffer=None, **step_options):
+    """Reduce-scatter as running sums walking round the ring: return the sum over the ranks of
+    shard ``rank`` (each rank's term of a shard added once, on its way).
+
+    At step ``s`` rank ``r`` takes its own term of shard ``c = r - s - 1`` (``term(c)``, computed
+    while the previous step's sum travels), adds into it the running sum of shard ``c`` that
+    came from the previous rank (``add(term, incoming)``, in place), and passes it on, receiving
+    the running sum of shard ``c - 1`` into ``receive_buffer(step, c - 1)`` (by default a new
+    tensor like the term; shards may differ in size). After ``size - 1``
+    transfers the sum that arrives last is of shard ``r``, with every rank's term.
+    ``step_options`` go to ``ring_step`` (``name``: ``{step}`` is replaced as in ``ring_blocks``)."""
+    r, n, _, _ = ring_neighbours(group)
+    name = step_options.pop("name", "ring step")
+    works, incoming = [], None
+    for step in range(n):
+        shard = (r - step - 1) % n
+        running = term(shard)
+        wait_all(works)
+        if incoming is not None:
+            add(running, incoming)
+        if step < n - 1:
+            incoming = (torch.empty_like(running) if receive_buffer is None
+                        else receive_buffer(step, (shard - 1) % n))
+            works = ring_step([running], [incoming], group, name=name.format(step=step + 1), **step_options)
+    return running
+
+
 def _tensors(block) -> list:
     return list(block) if isinstance(block, (tuple, list)) else [block]
 
@@ -221,18 +250,18 @@ def reduce_into(target: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
 def _reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group) -> None:
     """In place: afterwards ``chunks[r]`` on rank ``r`` holds the reduction over all ranks.
 
-    In step ``s`` rank ``r`` passes on chunk ``r - s - 1`` (which it finished adding to
-    in the step before) and adds the incoming chunk ``r - s - 2`` into its own copy.
-    After ``N - 1`` steps the last chunk received, ``r - N = r``, has every rank's term.
+    The running sums walk round the ring (``reduce_round_ring``): in step ``s`` rank ``r``
+    passes on chunk ``r - s - 1`` (which it finished adding to in the step before) and adds
+    the incoming chunk ``r - s - 2`` into its own copy. After ``N - 1`` steps the last chunk
+    received, ``r - N = r``, has every rank's term.
     """
     r, n, _, _ = ring_neighbours(group)
-    # One receive buffer, reused in every step (and every call).
+    # One receive buffer, reused in every step (and every call): each step's sum is added
+    # before the next receive is posted.
     buffer = receive_buffer(max(c.numel() for c in chunks), chunks[0])
-    for step in range(n - 1):
-        send_index, recv_index = (r - step - 1) % n, (r - step - 2) % n
-        incoming = buffer[: chunks[recv_index].numel()]
-        wait_all(ring_step([chunks[send_index]], [incoming], group))
-        reduce_into(chunks[recv_index], incoming, op)
+    reduce_round_ring(lambda shard: chunks[shard], group,
+                      lambda target, incoming: reduce_into(target, incoming, op),
+                      lambda step, shard: buffer[: chunks[shard].numel()])
     if op == "avg":
         chunks[r].div_(n)
 

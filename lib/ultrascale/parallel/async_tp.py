@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.functional import piece_size, rank_and_size
-from ..comm.ring import ring_blocks, ring_neighbours, ring_step, wait_all
+from ..comm.ring import reduce_round_ring, ring_blocks
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .timeline import or_disabled
 
@@ -68,19 +68,11 @@ def overlapped_reduce_scatter(partial, group, timeline, name="reduce_scatter", p
     """``partial(c)``: this rank's contribution to shard ``c`` of a sum over ranks. Returns
     shard ``rank`` of the sum. Each rank adds its piece to the running sum it received and
     passes it on; the next piece is computed while the sum travels."""
-    r, n, _, _ = ring_neighbours(group, "asynchronous tensor parallelism")
-    works, incoming = [], None
-    for step in range(n):
-        c = (r - step - 1) % n   # the shard whose running sum arrives now; the last one is ours
+    def term(c):   # computed while the previous running sum travels
         with timeline.span(f"{phase} matmul piece {c}"):
-            piece = partial(c)
-        wait_all(works)
-        if incoming is not None:
-            piece = piece + incoming   # a new tensor: the one sent last step must stay unchanged
-        if step < n - 1:
-            incoming = torch.empty_like(piece)
-            works = ring_step([piece], [incoming], group, timeline=timeline, name=f"{name} step {step + 1}")
-    return piece
+            return partial(c)   # a new tensor each time: the one sent last step stays unchanged
+
+    return reduce_round_ring(term, group, torch.Tensor.add_, timeline=timeline, name=f"{name} step {{step}}")
 
 
 # --------------------------------------------------------------------------- autograd functions
