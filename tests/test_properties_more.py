@@ -19,7 +19,8 @@ from ultrascale.grading import check
 COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", "10.memory_filter", "a1.timed_median",
            "a1.launched_by", "a0.ring_reduce_scatter", "a0.ring_all_gather", "a0.ring_all_reduce",
            "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes",
-           "05.sequence_gather_scatter", "04.column_parallel_linear", "04.row_parallel_linear"}
+           "05.sequence_gather_scatter", "04.column_parallel_linear", "04.row_parallel_linear",
+           "10.step1"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -233,3 +234,20 @@ def test_linear_layers_spelled_for_three_axes_fail_on_other_inputs():
     _fails(check("04.column_parallel_linear", column_parallel_forward), DRAWN, "x of shape ()", "(1-D: no batch axes)",
            "RuntimeError")
     _fails(check("04.row_parallel_linear", row_parallel_forward), DRAWN, "x of shape ()", "RuntimeError")
+
+
+def test_step1_with_its_options_in_another_order_fails_when_they_are_passed_by_position():
+    def step1_techniques(n_params, gpus, long_sequence=False, moe=False, gpus_per_node=8):   # the flags first
+        small = n_params < 10e9
+        if gpus >= 1024:
+            options = [{"TP", "ZeRO-2"}] if small else [{"TP", "PP", "ZeRO-2"}]
+        elif gpus >= 512:
+            options = [{"TP", "ZeRO-3"}, {"TP", "DP"}] + ([] if small else [{"PP", "DP"}, {"PP", "ZeRO-1"}])
+        elif small:
+            options = [{"TP"}, {"ZeRO-3"}, {"DP"}] if gpus <= gpus_per_node else [{"ZeRO-3"}, {"DP"}, {"TP", "DP"}]
+        else:
+            options = [{"TP", "PP"}, {"TP", "ZeRO-3"}, {"ZeRO-3"}]
+        extra = ({"CP"} if long_sequence else set()) | ({"EP"} if moe else set())
+        return [o | extra for o in options]
+
+    _fails(check("10.step1", step1_techniques), DRAWN, "passed by position", "gpus_per_node=8, long_sequence=False")

@@ -18,6 +18,8 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   top-3 routing;
 * ``10.memory_filter``: a GPU whose usable memory is exactly what one layout needs (it fits:
   ``<=``), other models, cluster sizes and headrooms;
+* ``10.step1``: whole-number parameter counts at the 10B edge, nodes of 1 to 72 GPUs, and the
+  arguments passed by position in the order of the text's signature (every fixed case names them);
 * ``a0.ring_reduce_scatter``, ``a0.ring_all_gather``, ``a0.ring_all_reduce``,
   ``a0.recursive_doubling``, ``a0.halving_doubling``: float64 and bf16 tensors (whole numbers, so
   every dtype adds them exactly), strided and transposed views, 0-d tensors, lengths the ranks do
@@ -484,6 +486,44 @@ def _describe_split(case):
             f"{case['tokens']} token(s) per rank{' (none: an empty batch)' if not case['tokens'] else ''}, top-{k}")
 
 
+# ---- 10.step1 ---------------------------------------------------------------------------------
+
+def _step1_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        n_params=st.one_of(st.sampled_from((10 ** 10 - 1, 10 ** 10, 10 ** 10 + 1, 9.99e9)),   # ints at the 10B edge
+                           st.floats(1e8, 1e12)),
+        gpus=st.one_of(st.sampled_from((1, 511, 512, 1023, 1024)), st.integers(1, 20000)),
+        gpus_per_node=st.sampled_from((1, 2, 4, 6, 8, 16, 72)), long_sequence=st.booleans(), moe=st.booleans(),
+        positional=st.booleans()))
+
+
+def _judge_step1(fn, case):
+    from ultrascale.plan import rules
+
+    args = (case["n_params"], case["gpus"], case["gpus_per_node"], case["long_sequence"], case["moe"])
+    want = {frozenset(o) for o in rules.step1_techniques(args[0], args[1], gpus_per_node=args[2],
+                                                         long_sequence=args[3], moe=args[4])}
+    if case["positional"]:   # as the signature in the text allows: step1_techniques(n, gpus, per_node, long, moe)
+        got = fn(*args)
+    else:
+        got = fn(args[0], args[1], gpus_per_node=args[2], long_sequence=args[3], moe=args[4])
+    got = None if got is None else {frozenset(o) for o in got}
+    if got == want:
+        return None
+    return (f"expected {sorted(sorted(o) for o in want)}, got {None if got is None else sorted(sorted(o) for o in got)}"
+            + (" (the arguments passed by position, in the order of the text's signature: step1_techniques(n_params, "
+               "gpus, gpus_per_node=8, long_sequence=False, moe=False))" if case["positional"] else ""))
+
+
+def _describe_step1(case):
+    if case["positional"]:
+        return (f"step1_techniques({case['n_params']!r}, {case['gpus']}, {case['gpus_per_node']}, "
+                f"{case['long_sequence']}, {case['moe']})")
+    return (f"step1_techniques({case['n_params']!r}, {case['gpus']}, gpus_per_node={case['gpus_per_node']}, "
+            f"long_sequence={case['long_sequence']}, moe={case['moe']})")
+
+
 # ---- a1.timed_median -------------------------------------------------------------------------
 
 def _timing_cases():
@@ -690,6 +730,8 @@ PROPERTIES: dict = {
              view=False), dict(shape=[], dtype=torch.float32, view=True)], cap=20),)),
     "10.memory_filter": Property(_memory_cases, _judge_memory, _describe_memory, examples=(
         dict(model="LLAMA3_8B", gpus=8, seq=4096, count=6, boundary=True, gigabytes=80, headroom=0.5, seed=1),)),
+    "10.step1": Property(_step1_cases, _judge_step1, _describe_step1, examples=(
+        dict(n_params=10 ** 10 - 1, gpus=6, gpus_per_node=6, long_sequence=True, moe=False, positional=True),)),
     "a1.timed_median": Property(_timing_cases, _judge_timing, _describe_timing, examples=(
         dict(warmup=1, repeats=2, launch_cost=1, durations=[100, 10, 13] + [0] * 9),)),
     "a1.launched_by": Property(_launch_cases, _judge_launches, _describe_launches, examples=(
