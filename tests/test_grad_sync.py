@@ -94,3 +94,11 @@ def test_average_gradients_after_backward_over_a_group_that_is_not_the_world(clu
     assert rows[0][:2] == ([[1.0, 1.0]], [[1.0, 1.0]])
     assert rows[1][:2] == rows[2][:2] == ([[2.5, 2.5]], [[5.0, 5.0]])
     assert all(r[2] is None for r in rows)
+
+
+def test_the_module_runs_under_a_gpu_nodes_rules(cluster):
+    """pytestmark's strict_modes (conftest.py) starts before the module's cluster, so the cluster
+    is strict, as every technique test file's is (listed in tests/test_strict_device.py)."""
+    if torch.cuda.is_available():
+        pytest.skip("where torch sees a GPU the strict modes are left to the environment: NCCL judges")
+    assert cluster.strict_device and cluster.strict_p2p

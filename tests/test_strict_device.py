@@ -258,3 +258,43 @@ def test_every_timed_region_waits_for_the_device():
                           "time host work only, list them in HOST_ONLY with the reason: " + ", ".join(unsynced))
     stale = set(HOST_ONLY) - {name for name, _, _ in timed}
     assert not stale, f"HOST_ONLY names functions that no longer time anything: {sorted(stale)}"
+
+
+# ------------------------------------------------------------------ the technique tests
+# Issue 52 items 2 and 6: each technique's parity tests run under a GPU node's rules in make test
+# (conftest.py's ``strict_modes``: their shared clusters in both strict modes) and on the GPUs of
+# a node in make test-gpu (the ``multigpu`` marker: launch/test_gpu.py runs ``-m "gpu or multigpu"``).
+TECHNIQUE_TESTS = ["test_data_parallel.py", "test_zero.py", "test_zero_optimizer.py", "test_fp8_gather.py",
+                   "test_grad_sync.py", "test_tensor_parallel.py", "test_comm_functional.py",
+                   "test_expert_parallel.py", "test_pipeline_parallel.py", "test_compose.py",
+                   "test_compose_5d.py", "test_mesh.py"]
+TECHNIQUE_MARKS = {"pytest.mark.multigpu", "pytest.mark.usefixtures('strict_modes')"}
+
+
+def _module_marks(source: str) -> set:
+    """The marks a test file's ``pytestmark`` lists, as source text."""
+    import ast
+
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            items = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+            return {ast.unparse(item) for item in items}
+    return set()
+
+
+def test_every_technique_test_file_runs_strict_and_on_gpus():
+    from conftest import STRICT_MODES
+
+    from ultrascale.runtime import strict_device, strict_p2p
+
+    # the reader, on planted files: one mark alone, and none
+    assert _module_marks("pytestmark = pytest.mark.multigpu\n") == {"pytest.mark.multigpu"}
+    assert _module_marks("import pytest\n") == set()
+    tests = Path(__file__).resolve().parent
+    unmarked = {name: sorted(TECHNIQUE_MARKS - _module_marks((tests / name).read_text()))
+                for name in TECHNIQUE_TESTS}
+    unmarked = {name: missing for name, missing in unmarked.items() if missing}
+    wanted = ", ".join(sorted(TECHNIQUE_MARKS))
+    assert not unmarked, f"technique test files without pytestmark = [{wanted}]: {unmarked}"
+    # the fixture turns on what the runtime reads
+    assert set(STRICT_MODES) == {strict_device.ENV, strict_p2p.ENV}
