@@ -4,8 +4,10 @@
     .venv/bin/python launch/test_gpu.py --skip grader
 
 1. **tests**: the GPU tests (``pytest -m "gpu or multigpu"``): the runtime after CUDA is
-   initialised in the notebook, the Triton kernels compiled for this GPU, and whatever else is
-   marked so.
+   initialised in the notebook, the Triton kernels compiled for this GPU, and every technique's
+   parity tests (``multigpu``, the files tests/test_strict_device.py lists: DP, ZeRO, TP, PP, EP
+   and their compositions on 2 to 4 ranks, one GPU each and NCCL where the node has that many;
+   ``Cluster`` says what it chose otherwise).
 2. **chapters**: every chapter headless at QUICK with ``WORLD_SIZE`` = the GPUs of this node, so
    that each rank has a GPU of its own and the process group is NCCL. Each chapter asserts its
    techniques against one process and against PyTorch's own versions, so a pass is a parity
