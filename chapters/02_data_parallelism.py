@@ -370,11 +370,16 @@ fig
 # %% [markdown]
 # Measured here, per rank: how long each lane was busy, and how much communication ran while
 # compute was also running ("overlapped"). On a laptop the numbers depend on the machine and its
-# load, so they are printed but not checked.
+# load, so they are printed but not checked. Naive DP is timed a second time as the noise
+# baseline: the same step against itself, which shows how far two runs differ with nothing changed.
 
 # %% tags=["nbval-ignore-output"]
+def median_step_ms(results):
+    return 1e3 * statistics.median(s for res in results for s in res["step_seconds"][1:])
+
+
 def summarize(kind, results):
-    median_ms = 1e3 * statistics.median(s for res in results for s in res["step_seconds"][1:])
+    median_ms = median_step_ms(results)
     lanes = lane_summary([res["rows"] for res in results])
     compute = statistics.mean(v["compute"] for v in lanes.values())
     comm = statistics.mean(v["communication"] for v in lanes.values())
@@ -383,8 +388,16 @@ def summarize(kind, results):
           f"communication {comm:6.1f} ms, of which overlapped with compute {hidden:6.1f} ms")
 
 
+def noise_baseline(again):
+    ratio = median_step_ms(again) / median_step_ms(runs["naive"])
+    print(f"{'again':>10}: step {median_step_ms(again):7.1f} ms | naive DP timed once more: {ratio:.2f}x "
+          "its first run, how far noise alone moves these times")
+
+
 for kind, results in runs.items():
     summarize(kind, results)
+again = cluster.run(train_on_rank, "naive", steps=TIMED_STEPS, record=True)   # the noise baseline
+noise_baseline(again)
 
 # %% [markdown]
 # The one property that holds on any machine: overlapped DP launches its first all-reduce
@@ -516,7 +529,8 @@ def time_per_tensor_vs_flat(ctx, repeats):
         dist.all_reduce(torch.cat([g.flatten() for g in grads]))
 
     timings = {}
-    for name, fn in (("one call per tensor", per_tensor), ("one flat buffer", flat)):
+    for name, fn in (("one call per tensor", per_tensor), ("one flat buffer", flat),
+                     ("one flat buffer, again", flat)):   # the noise baseline: the same call timed twice
         seconds = []
         for _ in range(repeats):
             dist.barrier()
@@ -532,7 +546,8 @@ timings = cluster.run(time_per_tensor_vs_flat, 5 if QUICK else 20)[0]
 for name, seconds in timings.items():
     print(f"{name:>20}: {1e3 * seconds:8.2f} ms")
 print(f"{n_tensors} calls cost {timings['one call per tensor'] / timings['one flat buffer']:.0f}x "
-      "as much as one call with the same bytes")
+      f"as much as one call with the same bytes; the flat call against itself: "
+      f"{timings['one flat buffer, again'] / timings['one flat buffer']:.2f}x (the noise)")
 
 # %% [markdown]
 # And inside training: the bucketed version on the same timeline as before, and the step times of
@@ -546,6 +561,7 @@ plot_gantt([res["rows"] for res in runs["bucketed"]],
 # %% tags=["nbval-ignore-output"]
 for kind, results in runs.items():
     summarize(kind, results)
+noise_baseline(again)
 
 # %% [markdown]
 # Bucketing, like overlap, must not change the result:
@@ -633,11 +649,15 @@ assert bucket_counts == sorted(bucket_counts, reverse=True) and bucket_counts[-1
 sweep_ms = []
 for cap in ProgressBar("bucket size sweep").iterate(CAPS_MB):
     results = cluster.run(train_on_rank, "bucketed", steps=TIMED_STEPS, bucket_cap_mb=cap)
-    sweep_ms.append(1e3 * statistics.median(s for res in results for s in res["step_seconds"][1:]))
-per_tensor_ms = 1e3 * statistics.median(s for res in runs["overlapped"] for s in res["step_seconds"][1:])
+    sweep_ms.append(median_step_ms(results))
+# the noise baseline: the first cap timed once more, beside its first point
+again_ms = median_step_ms(cluster.run(train_on_rank, "bucketed", steps=TIMED_STEPS, bucket_cap_mb=CAPS_MB[0]))
+per_tensor_ms = median_step_ms(runs["overlapped"])
 fig, ax = plt.subplots(figsize=(6, 3.2))
 plt.close(fig)
 ax.plot(CAPS_MB, sweep_ms, marker="o", label="bucketed DP")
+ax.plot([CAPS_MB[0]], [again_ms], marker="o", mfc="none", ls="none", color="C0",
+        label=f"the first cap timed again ({again_ms / sweep_ms[0]:.2f}x): the noise")
 ax.axhline(per_tensor_ms, color="grey", ls="--", label=f"one all-reduce per tensor ({n_tensors} calls)")
 for cap, ms, count in zip(CAPS_MB, sweep_ms, bucket_counts):
     ax.annotate(f"{count}", (cap, ms), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)

@@ -1089,7 +1089,9 @@ for case, message in refused[0].items():
 # %% [markdown]
 # **A race.** Time one attention forward and backward, ring (zig-zag, its balanced layout) against
 # Ulysses (contiguous), on the ranks (float32, `2 * cp` heads of 32, two sequence lengths), five
-# times each after a warm-up; a time is the slowest rank's, and we print the median.
+# times each after a warm-up; a time is the slowest rank's, and we print the median. The ring
+# runs a second time as the noise baseline: the same attention against itself shows how far
+# two times differ with nothing changed, the yardstick for the ring against Ulysses.
 
 # %% tags=["nbval-ignore-output"]
 RACE = [2 * CP * c for c in ((16, 64) if QUICK else (16, 64, 256))]
@@ -1100,7 +1102,8 @@ def race(ctx):
     for seq in RACE:
         q, k, v, upstream = whole_problem((1, HEADS, seq, 32), torch.float32)
         for name, layout, attend in (("ring", "zigzag", context_parallel_attention),
-                                     ("Ulysses", "contiguous", ulysses_attention)):
+                                     ("Ulysses", "contiguous", ulysses_attention),
+                                     ("ring again", "zigzag", context_parallel_attention)):
             local = [mine(ctx, t, layout)[0] for t in (q, k, v, upstream)]   # each in its own layout
             samples = []
             for repeat in range(6):
@@ -1117,8 +1120,10 @@ def race(ctx):
 raced = cluster.run(race)
 for seq in RACE:
     medians = {name: float(np.median([max(r[name, seq][i] for r in raced) for i in range(5)]))
-               for name in ("ring", "Ulysses")}
-    print(f"{seq:>5} tokens: " + ", ".join(f"{name} {1e3 * t:6.1f} ms" for name, t in medians.items()))
+               for name in ("ring", "Ulysses", "ring again")}
+    print(f"{seq:>5} tokens: " + ", ".join(f"{name} {1e3 * t:6.1f} ms" for name, t in medians.items())
+          + f"; Ulysses / ring {medians['Ulysses'] / medians['ring']:.2f}, "
+          f"ring against itself {medians['ring again'] / medians['ring']:.2f} (the noise)")
 
 # %% [markdown]
 # On this machine the sizes are tiny and the "network" is gloo over loopback on two shared cores:
