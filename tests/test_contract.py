@@ -9,7 +9,6 @@ functions first.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 

@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 import nbformat
-import pytest
 import torch
 import torch.distributed as dist
 

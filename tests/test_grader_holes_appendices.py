@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 
-import pytest
-from test_grader_holes import _fails, _load
+from test_grader_holes import _fails
 
 from ultrascale.grading import PASS, check
 

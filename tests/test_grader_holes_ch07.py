@@ -3,10 +3,9 @@ says what to fix, and the solution notebook's own answers pass."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
-from test_grader_holes import _fails, _load
+from test_grader_holes import _fails
 
 from ultrascale.grading import PASS, check
 

@@ -4,7 +4,7 @@ says what to fix, calling the planner is refused, and the solution notebook's an
 from __future__ import annotations
 
 import pytest
-from test_grader_holes import _fails, _load
+from test_grader_holes import _fails
 
 from ultrascale.grading import PASS, check
 from ultrascale.memory import breakdown

@@ -10,10 +10,9 @@ must still pass. Also here: ``08.router``'s gradient (kind 4) and gradients left
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
-from test_grader_holes import _fails, _load
+from test_grader_holes import _fails
 
 from ultrascale.grading import PASS, check
 

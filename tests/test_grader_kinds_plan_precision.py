@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-from test_grader_holes import _fails, _load
+from test_grader_holes import _fails
 
 from ultrascale.grading import PASS, check
 from ultrascale.memory import breakdown

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from test_grader_holes import _fails, _load
+from test_grader_holes import _fails
 
 from ultrascale.grading import PASS, check
 

@@ -10,11 +10,10 @@ must fail with a message that names its mistake; the solution's answer still pas
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_grader_holes import _fails, _load
+from test_grader_holes import _fails
 
 from ultrascale.grading import PASS, check
 

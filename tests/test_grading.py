@@ -381,7 +381,6 @@ def test_grader_counts_checks_that_never_ran(tmp_path, monkeypatch):
 def test_grader_runs_each_deferred_test_once_in_its_own_process(tmp_path, monkeypatch):
     """Under the grader check() only saves what it was given; the grader's run gives every verdict."""
     import papermill
-    from ultrascale.exercise_tests import ch00
 
     src = REPO / "solutions" / "00_orientation_exercises.ipynb"
     in_kernel = []

@@ -326,7 +326,7 @@ def _alive(pid):
 
 
 def test_cell_magic_runs_on_all_ranks_and_subsets(cluster, capsys):
-    IPython = pytest.importorskip("IPython")
+    pytest.importorskip("IPython")
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
