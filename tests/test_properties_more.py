@@ -20,7 +20,7 @@ COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", 
            "a1.launched_by", "a0.ring_reduce_scatter", "a0.ring_all_gather", "a0.ring_all_reduce",
            "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes",
            "05.sequence_gather_scatter", "04.column_parallel_linear", "04.row_parallel_linear",
-           "10.step1"}
+           "10.step1", "08.expert_gradients"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -251,3 +251,14 @@ def test_step1_with_its_options_in_another_order_fails_when_they_are_passed_by_p
         return [o | extra for o in options]
 
     _fails(check("10.step1", step1_techniques), DRAWN, "passed by position", "gpus_per_node=8, long_sequence=False")
+
+
+def test_gradients_reduced_in_float32_fail_on_float64_and_bf16():
+    def reduce_gradient(grad, expert, data_group, expert_group):
+        grad = grad.float().clone()          # sum in float32, whatever the parameters hold
+        group = expert_group if expert else data_group
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        return grad / dist.get_world_size(data_group)
+
+    _fails(check("08.expert_gradients", reduce_gradient), DRAWN, "of torch.float32", "as it was given")

@@ -16,6 +16,8 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   contiguous only when the dim moved is not 0);
 * ``08.split_sizes``: 1 and 3 experts per rank (every fixed case has 2), a rank with no tokens,
   top-3 routing;
+* ``08.expert_gradients``: dense and expert gradients (with replicas or none) in float64 and bf16,
+  0-d and transposed, on 2 and 3 ranks;
 * ``10.memory_filter``: a GPU whose usable memory is exactly what one layout needs (it fits:
   ``<=``), other models, cluster sizes and headrooms;
 * ``10.step1``: whole-number parameter counts at the 10B edge, nodes of 1 to 72 GPUs, and the
@@ -223,6 +225,53 @@ def _describe_buckets(case):
     kinds = [f"{tuple(s['shape'])} {str(s['dtype']).replace('torch.', '')}{' view' if s['view'] else ''}"
              for s in case["params"]]
     return f"assign_buckets(<parameters {', '.join(kinds)}>, bucket_cap_bytes={case['cap']})"
+
+
+# ---- 08.expert_gradients -----------------------------------------------------------------------
+
+def _expert_grad_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), expert=st.booleans(), replicas=st.booleans(),
+        shape=st.lists(st.integers(1, 4), min_size=0, max_size=2), dtype=st.sampled_from(FLOATS),
+        transposed=st.booleans(), seed=st.integers(0, 99)))
+
+
+def _expert_grad_on_rank(ctx, fn, case):
+    import torch.distributed as dist
+
+    grad = _mean_input(case, ctx.rank).to(ctx.device)
+    # data_group: the world; an expert's replicas: the world too, or none (None)
+    out = fn(grad, case["expert"], dist.group.WORLD, dist.group.WORLD if case["replicas"] else None)
+    return out.detach().cpu() if torch.is_tensor(out) else out
+
+
+def _judge_expert_grad(fn, case):
+    from ultrascale.runtime import grading_cluster
+
+    n, dtype = case["world_size"], case["dtype"]
+    inputs = [_mean_input(case, r).double() for r in range(n)]
+    summed = torch.stack(inputs).sum(0) if not case["expert"] or case["replicas"] else None
+    for rank, got in enumerate(grading_cluster(n).run(_expert_grad_on_rank, fn, case)):
+        want = (inputs[rank] if summed is None else summed) / n
+        if not torch.is_tensor(got) or got.dtype != dtype or tuple(got.shape) != tuple(want.shape):
+            return (f"rank {rank} returned " + (f"a {tuple(got.shape)} tensor of {got.dtype}" if torch.is_tensor(got)
+                    else type(got).__name__) + f": the gradient a parameter keeps is a {tuple(want.shape)} tensor of "
+                    f"{dtype}, as it was given")
+        scale = max([float(x.abs().max()) for x in inputs if x.numel()] + [1.0])
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, n * 2.0 ** -7) * scale
+        if not torch.allclose(got.double(), want, rtol=0, atol=tol):
+            return f"rank {rank}'s gradient differs from the expected one (computed in float64)"
+    return None
+
+
+def _describe_expert_grad(case):
+    shape = tuple(case["shape"])
+    layout = " (a transposed, non-contiguous view)" if case["transposed"] and len(shape) == 2 else ""
+    kind = ("an expert's, summed over its replicas (the world)" if case["replicas"] else
+            "an expert's without replicas (expert_group=None)") if case["expert"] else "a dense parameter's"
+    return (f"reduce_gradient on {case['world_size']} ranks, data_group the world: {kind} gradient, a "
+            f"{case['dtype']} tensor of shape {shape}{' (0-d)' if not shape else ''}{layout}")
 
 
 # ---- 10.memory_filter ------------------------------------------------------------------------
@@ -728,6 +777,8 @@ PROPERTIES: dict = {
         # bf16 then float64 then a 0-d float32 view: each weighs its own bytes
         dict(params=[dict(shape=[8], dtype=torch.bfloat16, view=False), dict(shape=[2, 2], dtype=torch.float64,
              view=False), dict(shape=[], dtype=torch.float32, view=True)], cap=20),)),
+    "08.expert_gradients": Property(_expert_grad_cases, _judge_expert_grad, _describe_expert_grad, examples=(
+        dict(world_size=3, expert=True, replicas=False, shape=[2, 3], dtype=torch.bfloat16, transposed=True, seed=0),)),
     "10.memory_filter": Property(_memory_cases, _judge_memory, _describe_memory, examples=(
         dict(model="LLAMA3_8B", gpus=8, seq=4096, count=6, boundary=True, gigabytes=80, headroom=0.5, seed=1),)),
     "10.step1": Property(_step1_cases, _judge_step1, _describe_step1, examples=(
