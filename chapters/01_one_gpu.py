@@ -29,7 +29,6 @@ SEED = 0
 # %%
 from ultrascale.runtime import Cluster  # first: the ranks' fork server loads torch meanwhile
 import copy
-import json
 import math
 import os
 import time
@@ -41,7 +40,6 @@ from matplotlib.figure import Figure
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.autograd.profiler_util import EventList
 from torch.utils.checkpoint import checkpoint
 
