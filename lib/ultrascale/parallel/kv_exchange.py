@@ -4,9 +4,10 @@ Ring attention (``ring_attention.py``) needs every rank's keys and values at eac
 
 * **ring**: at each of the cp steps a rank starts sending the block it holds to the next
   rank and receiving the previous rank's, without waiting, hands its block to the caller to
-  attend to, then waits (:func:`ring_kv_blocks`, on ``comm.ring.ring_blocks``). Two receive buffers take turns. In backward
-  each block's dK/dV accumulator follows the block round the ring, every rank adding its
-  share, and one last step brings it home (:class:`TravellingGradients`);
+  attend to, then waits (:func:`ring_kv_blocks`, a walk of ``comm.ring.ring_blocks``). Two
+  receive buffers take turns. In backward each block's dK/dV accumulator follows the block
+  round the ring (``comm.ring.ring_step``), every rank adding its share, and one last step
+  brings it home (:class:`TravellingGradients`);
 * **all-gather**: one all-gather of every rank's K and V, the same blocks in the same order
   (:func:`gathered_kv_blocks`); in backward a reduce-scatter sums the ranks' dK/dV and leaves
   each rank its own block's (:class:`GatheredGradients`).
