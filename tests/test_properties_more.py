@@ -20,7 +20,7 @@ COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", 
            "a1.launched_by", "a0.ring_reduce_scatter", "a0.ring_all_gather", "a0.ring_all_reduce",
            "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes",
            "05.sequence_gather_scatter", "04.column_parallel_linear", "04.row_parallel_linear",
-           "10.step1", "08.expert_gradients"}
+           "10.step1", "08.expert_gradients", "08.dispatch_combine"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -262,3 +262,23 @@ def test_gradients_reduced_in_float32_fail_on_float64_and_bf16():
         return grad / dist.get_world_size(data_group)
 
     _fails(check("08.expert_gradients", reduce_gradient), DRAWN, "of torch.float32", "as it was given")
+
+
+def test_an_moe_layer_combined_token_by_token_fails_on_a_rank_without_tokens():
+    from ultrascale.comm.functional import all_to_all
+    from ultrascale.moe import apply_experts
+    from ultrascale.parallel.expert_parallel import dispatch_plan, exchange_counts
+
+    def ep_forward(tokens, chosen, weights, experts, group=None):
+        n = dist.get_world_size(group)
+        plan = dispatch_plan(chosen, weights, n, len(experts))
+        send = plan.send_counts
+        receive = exchange_counts(send, group, tokens.device)
+        ids = all_to_all(plan.local_ids, receive, send, group)
+        x = all_to_all(tokens[plan.rows], receive, send, group)
+        w = all_to_all(plan.weights, receive, send, group)
+        back = all_to_all(apply_experts(experts, x, ids, w), send, receive, group)
+        # each token's output: the sum of the rows that came back for it
+        return torch.stack([back[plan.rows == t].sum(0) for t in range(tokens.shape[0])])
+
+    _fails(check("08.dispatch_combine", ep_forward), DRAWN, "[3, 0, 2] tokens", "stack expects a non-empty")

@@ -16,6 +16,7 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   contiguous only when the dim moved is not 0);
 * ``08.split_sizes``: 1 and 3 experts per rank (every fixed case has 2), a rank with no tokens,
   top-3 routing;
+* ``08.dispatch_combine``: a rank with no tokens, one expert per rank, float64, on 2 and 3 ranks;
 * ``08.expert_gradients``: dense and expert gradients (with replicas or none) in float64 and bf16,
   0-d and transposed, on 2 and 3 ranks;
 * ``10.memory_filter``: a GPU whose usable memory is exactly what one layout needs (it fits:
@@ -225,6 +226,72 @@ def _describe_buckets(case):
     kinds = [f"{tuple(s['shape'])} {str(s['dtype']).replace('torch.', '')}{' view' if s['view'] else ''}"
              for s in case["params"]]
     return f"assign_buckets(<parameters {', '.join(kinds)}>, bucket_cap_bytes={case['cap']})"
+
+
+# ---- 08.dispatch_combine -------------------------------------------------------------------------
+
+def _moe_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), per_rank=st.integers(1, 2), tokens=st.lists(st.integers(0, 4), min_size=3,
+                                                                                       max_size=3),
+        hidden=st.integers(1, 4), k=st.integers(1, 2), dtype=st.sampled_from((torch.float32, torch.float64)),
+        seed=st.integers(0, 99)))
+
+
+def _moe_problem(case):
+    """Every expert (whole), and each rank's tokens, choices and weights: the same in every process."""
+    n, h, dtype = case["world_size"], case["hidden"], case["dtype"]
+    experts_total, k = case["per_rank"] * n, min(case["k"], case["per_rank"] * n)
+    g = torch.Generator().manual_seed(case["seed"])
+    experts = []
+    for _ in range(experts_total):
+        layer = torch.nn.Linear(h, h, dtype=dtype)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(h, h, generator=g, dtype=torch.float64))
+            layer.bias.copy_(torch.randn(h, generator=g, dtype=torch.float64))
+        experts.append(layer)
+    ranks = []
+    for r in range(n):
+        t = case["tokens"][r]                               # a rank may have no tokens at all
+        x = torch.randn(t, h, generator=g, dtype=torch.float64).to(dtype)
+        chosen = torch.stack([torch.randperm(experts_total, generator=g)[:k] for _ in range(t)]) if t else \
+            torch.zeros(0, k, dtype=torch.long)
+        w = torch.rand(t, k, generator=g, dtype=torch.float64).to(dtype)
+        ranks.append((x, chosen, w))
+    return experts, ranks
+
+
+def _moe_on_rank(ctx, fn, case):
+    experts, ranks = _moe_problem(case)
+    mine = [e.to(ctx.device) for e in experts[ctx.rank * case["per_rank"]:(ctx.rank + 1) * case["per_rank"]]]
+    x, chosen, w = (t.to(ctx.device) for t in ranks[ctx.rank])
+    with torch.no_grad():
+        y = fn(x, chosen, w, mine, None)
+    return y.detach().cpu() if torch.is_tensor(y) else y
+
+
+def _judge_moe(fn, case):
+    from ultrascale.moe import apply_experts
+    from ultrascale.runtime import grading_cluster
+
+    experts, ranks = _moe_problem(case)
+    tol = 1e-5 if case["dtype"] == torch.float32 else 1e-10
+    for rank, got in enumerate(grading_cluster(case["world_size"]).run(_moe_on_rank, fn, case)):
+        with torch.no_grad():
+            want = apply_experts(experts, *ranks[rank])
+        if not torch.is_tensor(got) or got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+            return (f"rank {rank} returned " + (f"a {tuple(got.shape)} tensor of {got.dtype}" if torch.is_tensor(got)
+                    else type(got).__name__) + f", expected its tokens' outputs, {tuple(want.shape)} of {want.dtype}")
+        if not torch.allclose(got, want, rtol=tol, atol=tol):
+            return f"rank {rank}'s outputs differ from the one-process MoE layer's"
+    return None
+
+
+def _describe_moe(case):
+    n = case["world_size"]
+    return (f"ep_forward on {n} ranks with {case['tokens'][:n]} tokens, {case['per_rank']} expert(s) per rank, "
+            f"hidden {case['hidden']}, top-{min(case['k'], case['per_rank'] * n)}, {case['dtype']}")
 
 
 # ---- 08.expert_gradients -----------------------------------------------------------------------
@@ -777,6 +844,8 @@ PROPERTIES: dict = {
         # bf16 then float64 then a 0-d float32 view: each weighs its own bytes
         dict(params=[dict(shape=[8], dtype=torch.bfloat16, view=False), dict(shape=[2, 2], dtype=torch.float64,
              view=False), dict(shape=[], dtype=torch.float32, view=True)], cap=20),)),
+    "08.dispatch_combine": Property(_moe_cases, _judge_moe, _describe_moe, examples=(
+        dict(world_size=3, per_rank=1, tokens=[3, 0, 2], hidden=2, k=2, dtype=torch.float64, seed=0),)),
     "08.expert_gradients": Property(_expert_grad_cases, _judge_expert_grad, _describe_expert_grad, examples=(
         dict(world_size=3, expert=True, replicas=False, shape=[2, 3], dtype=torch.bfloat16, transposed=True, seed=0),)),
     "10.memory_filter": Property(_memory_cases, _judge_memory, _describe_memory, examples=(
