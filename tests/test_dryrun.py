@@ -7,8 +7,9 @@ calls and bytes must be equal, not close: a fake tensor has the same shapes and 
 real one, so any difference is something the dry run does differently (a technique swapped,
 a tensor made twice, a collective lost), which is what this file exists to catch.
 The layouts cover TP (with its vocabulary-parallel loss, which the dry run calls without its
-Tensor subclass), gradient accumulation, a 1F1B pipeline's first and last stages, ZeRO-1 and
-ZeRO-3; the refusals name their technique.
+Tensor subclass), SP (whose regathering hooks the dry run points at storages), gradient
+accumulation, a 1F1B pipeline's first and last stages, plain DP, ZeRO-1 and ZeRO-3; the
+refusals name their technique.
 """
 import pytest
 import torch
@@ -27,6 +28,7 @@ CASES = [   # (layout, the rank compared): a dry run costs seconds, so one rank 
     (ParallelConfig(pp=2, tp=2, microbatches=3, optimizer="adam"), 3),   # TP's vocab loss on the last stage
     (ParallelConfig(dp=2, pp=2, microbatches=2, zero=1, optimizer="adam"), 0),   # the first stage, ZeRO-1
     (ParallelConfig(dp=2, tp=2, microbatches=2, zero=3, optimizer="sgd"), 1),    # ZeRO-3, TP, accumulation
+    (ParallelConfig(dp=2, tp=2, sp=True, optimizer="adam"), 2),   # SP's regathered inputs, plain DP
 ]
 
 
@@ -58,10 +60,12 @@ def test_a_dry_run_measures_what_a_real_run_does(layout, rank):
 def test_what_cannot_run_on_fake_tensors_is_refused_by_name():
     moe = LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, seq_len=16, experts=4)
     for layout, config, technique in [(ParallelConfig(dp=2), moe, "MoE routing"),
-                                      (ParallelConfig(cp=2), CONFIG, "context parallelism"),
-                                      (ParallelConfig(tp=2, sp=True), CONFIG, "sequence parallelism")]:
+                                      (ParallelConfig(cp=2), CONFIG, "context parallelism")]:
         with pytest.raises(DryRunError, match=technique):
             refuse(layout, config)
-    refuse(ParallelConfig(dp=2, tp=2, pp=2, zero=1), CONFIG)   # these run
+    refuse(ParallelConfig(dp=2, tp=2, sp=True, pp=2, zero=1), CONFIG)   # these run
     with pytest.raises(ValueError, match="ranks 0..3"):
         dryrun(ParallelConfig(dp=2, tp=2), CONFIG, rank=4)
+    # an error inside the dry run's process comes back with the technique that raised it
+    with pytest.raises(DryRunError, match=r"tensor parallelism \(TP\) failed in the dry run"):
+        dryrun(ParallelConfig(tp=3), CONFIG, rank=0)

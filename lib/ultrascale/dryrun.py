@@ -32,12 +32,15 @@ What is measured, and how:
 * collectives: ``comm.CommLogger``, the same bytes per call as on a real cluster.
 
 The run has no values. Where the library reads one to decide what to do, the dry run
-answers as if every rank agreed (``stand_ins`` lists each read): ZeRO asks whether any rank
-has a parameter's gradient (yes: every rank runs the same layers), context parallelism
-whether the ranks' slices have the same shapes (they do), Adam which step it takes (the first). What cannot be answered that way
-is refused with an error naming the technique: an MoE layer routes each token by the
-router's values (which expert, how many tokens each), so MoE and expert parallelism do not
-dry-run.
+answers as a real first step would (``stand_ins`` lists each read): ZeRO asks whether any rank
+has a parameter's gradient (yes: every rank runs the same layers), Adam which step it takes
+(the first). What depends on values is refused up front with an error naming the technique
+(``refuse``): MoE and expert parallelism (the router's values decide which expert gets which
+token) and context parallelism (ring attention skips blocks by the tokens' positions).
+Two techniques need a small change to run on fake tensors, made in the dry run's process
+only and checked against real runs by the tests: TP's vocabulary-parallel logits lose their
+Tensor subclass (a fake tensor cannot become another subclass), and SP's regathering hooks
+tell tensors apart by storage rather than by ``data_ptr()`` (0 for every fake tensor).
 
 Each call runs in a fresh process (the runtime's fork server, torch already imported):
 the fake process group and the caches of process groups the techniques keep stay there, so
@@ -46,7 +49,6 @@ a notebook may call ``dryrun`` again and again, and never holds a process group 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import traceback
 from dataclasses import dataclass, field, replace
@@ -121,10 +123,43 @@ def dryrun(layout: ParallelConfig, config, rank: int = 0, *, micro_batch: int = 
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank={rank}: the layout {layout} has ranks 0..{layout.world_size - 1}")
     refuse(layout, config)   # at once, not after a process has started
-    with no_main_reimport(), concurrent.futures.ProcessPoolExecutor(1, mp_context=mp_context()) as pool:
-        job = pool.submit(dryrun_here, layout, config, rank, micro_batch=micro_batch, seq=seq, dtype=dtype,
-                          recompute=recompute)
-        return job.result(timeout=timeout)
+    context = mp_context()
+    receive, send = context.Pipe(duplex=False)
+    options = dict(micro_batch=micro_batch, seq=seq, dtype=dtype, recompute=recompute)
+    process = context.Process(target=_child, args=(send, layout, config, rank, options), daemon=True)
+    with no_main_reimport():
+        process.start()
+    send.close()
+    try:
+        if not receive.poll(timeout):
+            raise TimeoutError(f"the dry run of rank {rank} of {layout} took more than {timeout} s: "
+                               "give dryrun(..., timeout=) more, or fewer micro-batches")
+        try:
+            ok, value = receive.recv()
+        except EOFError:
+            process.join()
+            raise RuntimeError(f"the dry run's process ended without a result (exit code {process.exitcode}): "
+                               "out of memory, or killed") from None
+    finally:
+        process.join(timeout=5)
+        if process.is_alive():   # a timeout: stop it, it holds nothing anyone needs
+            process.kill()
+            process.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _child(send, layout, config, rank, options) -> None:
+    """The dry run's process: one result, or the error, sent back (one that does not pickle as text)."""
+    try:
+        result = (True, dryrun_here(layout, config, rank, **options))
+    except DryRunError as error:
+        result = (False, DryRunError(str(error)))
+    except BaseException as error:   # noqa: BLE001 - every failure goes back to the caller, with its trace
+        result = (False, RuntimeError("".join(traceback.format_exception(error))))
+    send.send(result)
+    send.close()
 
 
 def dryrun_here(layout: ParallelConfig, config, rank: int = 0, **options) -> DryRun:
@@ -173,10 +208,6 @@ def refuse(layout: ParallelConfig, config) -> None:
     elif layout.cp > 1:
         why = ("context parallelism (CP) cannot run on fake tensors: ring attention decides which blocks of keys a "
                "block of queries sees from the tokens' positions (values), and a fake tensor has none")
-    elif layout.sp:
-        why = ("sequence parallelism (SP) cannot run on fake tensors: its saved-tensor hooks find the gathered input "
-               "by data_ptr(), which is 0 for every fake tensor, so they would take every saved tensor for it; "
-               "run sp=False (TP alone) and compare with memory.breakdown(..., sequence_parallel=False)")
     if why:
         raise DryRunError(why)
 
@@ -200,7 +231,7 @@ def _dry_step(layout, config, rank, *, micro_batch=1, seq=None, dtype=torch.floa
             batches = [Batch(*(None if t is None else mode.from_tensor(t) for t in (b.inputs, b.targets, b.positions)))
                        for b in real_batches]
             stand_ins = _StandIns()
-            with _vocab_logits_plain():
+            with _vocab_logits_plain(), _regather_by_storage():
                 measured = measure_step(par, batches, stand_ins)
     except DryRunError:
         raise
@@ -372,6 +403,35 @@ def _vocab_logits_plain():
         yield
 
 
+@contextlib.contextmanager
+def _regather_by_storage():
+    """SP's ``RegatherInBackward`` finding g's gathered input by storage, in this process only.
+
+    Its pack hook tells the gathered input from other saved tensors by ``data_ptr()``, which is
+    0 for every fake tensor: all of them would look gathered. Here the same test is made on
+    the storage's identity first, and only the gathered input goes on to the library's own
+    hook (whose ``data_ptr()`` test it then passes): what is saved, and regathered in
+    backward, is what a real run saves (the tests compare with one)."""
+    import warnings
+    from unittest import mock
+
+    from .parallel.sequence_parallel import RegatherInBackward
+
+    original_init, original_pack = RegatherInBackward.__init__, RegatherInBackward.pack
+
+    def init(self, shard, gathered, group):
+        original_init(self, shard, gathered, group)
+        self.storage_key = _storage_key(gathered)
+
+    def pack(self, t):
+        return original_pack(self, t) if _storage_key(t) == self.storage_key else self.outer_pack(t)
+
+    with mock.patch.object(RegatherInBackward, "__init__", init), mock.patch.object(RegatherInBackward, "pack", pack), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
+        yield
+
+
 # --------------------------------------------------------------------------- reading values
 class _StandInsMode(torch.utils._python_dispatch.TorchDispatchMode):
     # A dispatch mode (torch.utils._python_dispatch: private module, the public way to write one).
@@ -422,8 +482,6 @@ def _explain(error: Exception) -> str:
                   if "/ultrascale/" in f.filename), "torch")
     name = type(error).__name__
     if "DynamicOutputShape" in name or "DataDependent" in name:
-        why = ("it needs the values of a tensor (a shape that depends on the data, such as which tokens an "
-               "expert gets), and fake tensors have shapes only")
-    else:
-        why = f"{name}: {error}"
-    return f"{technique or 'the model'} cannot run on fake tensors at {where}: {why}"
+        return (f"{technique or 'the model'} cannot run on fake tensors at {where}: it needs the values of a "
+                "tensor (a shape or a decision that depends on the data), and fake tensors have shapes only")
+    return f"{technique or 'the model'} failed in the dry run at {where}: {name}: {error}"
