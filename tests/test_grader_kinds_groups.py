@@ -75,6 +75,59 @@ def test_bucket_manager_averages_over_the_group_given(ch02):
     assert check(exercise, ch02["BucketManager"]).status == PASS
 
 
+# ---- 03: a gradient's rows over a group (per-parameter sharding, issue 57) -----------------
+
+def test_shard_gradient_names_the_group_the_uneven_rows_the_dtype_and_the_mean(ch03):
+    """Issue 57's kinds: a group other than the world, an uneven shard, a gradient left in the
+    compute dtype (returned in it, or reduced in it), and a sum or the world's size for the mean."""
+    reduce_scatter_into = ch03["reduce_scatter_into"]
+
+    def rows_of(full_grad, group, dtype, reduce_group="given", keep_padding=False, reduce_dtype=None,
+                divide_by="group"):
+        n, member = dist.get_world_size(group), dist.get_rank(group)
+        rows = full_grad.shape[0]
+        per = -(-rows // n)
+        padded = full_grad.new_zeros((per * n, *full_grad.shape[1:]), dtype=reduce_dtype or dtype)
+        padded[:rows] = full_grad
+        mine = padded.new_empty((per, *full_grad.shape[1:]))
+        if reduce_group == "given":
+            reduce_scatter_into(mine, padded, group=group)
+        else:
+            reduce_scatter_into(mine, padded)   # the default group: the world
+        mine = mine / {"group": n, "world": dist.get_world_size(), "none": 1}[divide_by]
+        if keep_padding:
+            return mine
+        start = min(member * per, rows)
+        return mine[: max(0, min(per, rows - start))]
+
+    def no_group(full_grad, group, dtype):
+        return rows_of(full_grad, group, dtype, reduce_group="world")
+
+    def padded_rows(full_grad, group, dtype):   # every member returns ceil(rows / n) rows
+        return rows_of(full_grad, group, dtype, keep_padding=True)
+
+    def left_in_bf16(full_grad, group, dtype):
+        return rows_of(full_grad, group, dtype, reduce_dtype=full_grad.dtype)
+
+    def reduced_in_bf16(full_grad, group, dtype):
+        return rows_of(full_grad, group, dtype, reduce_dtype=full_grad.dtype).to(dtype)
+
+    def summed(full_grad, group, dtype):
+        return rows_of(full_grad, group, dtype, divide_by="none")
+
+    def world_size(full_grad, group, dtype):
+        return rows_of(full_grad, group, dtype, divide_by="world")
+
+    exercise = "03.shard_gradient"
+    _fails(check(exercise, no_group), "[1, 2]", "over the default group (no group=)", GROUPS)
+    _fails(check(exercise, padded_rows), "torch.chunk", "the last members short or empty", "drop the padding")
+    _fails(check(exercise, left_in_bf16), "return the gradient in torch.float32", "left in the compute dtype")
+    _fails(check(exercise, reduced_in_bf16), "reduced in torch.bfloat16", "cast to torch.float32 first")
+    _fails(check(exercise, summed), "these are the sums over the group's", "divide by the group's size")
+    _fails(check(exercise, world_size), "divided by the world's size (3), not the group's")
+    assert check(exercise, ch03["shard_gradient"]).status == PASS
+
+
 # ---- 06: a ring over a group ----------------------------------------------------------------
 
 def _ring_step(post):

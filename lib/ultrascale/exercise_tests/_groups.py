@@ -47,6 +47,8 @@ class Split:
 
     def __str__(self) -> str:
         names = [str(list(g)) for g in self.groups]
+        if len(names) == 1:
+            return f"the one group of all ranks of a {self.world_size}-rank cluster"
         return f"the groups of ranks {', '.join(names[:-1])} and {names[-1]} of a {self.world_size}-rank cluster"
 
     def order(self) -> list:
@@ -105,8 +107,10 @@ class GroupContext:
         return made[self.index]
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "all_to_all", "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier")
+# the *_single names are torch 2.13's (comm.functional's all_gather_into and reduce_scatter_into call them)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
+               "reduce", "gather", "scatter", "barrier")
 
 
 class WrongGroup(Exception):

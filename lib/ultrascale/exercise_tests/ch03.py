@@ -7,6 +7,11 @@
   all-gather the slices back into the parameters. Graded by parity with plain data
   parallelism (full optimizer on every rank) over several steps, with Adam and with SGD,
   and by the collectives it calls (no all-reduce; about 2Ψ of traffic per step).
+* ``03.shard_gradient``: ``shard_gradient(full_grad, group, dtype)`` is per-parameter
+  sharding's gradient step (FSDP2's, ``parallel/fsdp.py``): this rank's rows (``torch.chunk``'s
+  cut) of the gradient averaged over ``group`` with a reduce-scatter, cast to the master
+  weights' ``dtype`` before the reduction. Graded on groups that are not the world, on row
+  counts the group does not divide (an empty shard among them), with bf16 gradients.
 * ``03.zero3_gather_free``: ``install_zero3_hooks(ctx, module)`` registers a forward
   pre-hook that all-gathers a module's flat parameter shard into its full parameters and a
   forward hook that frees them again. Graded by the logits of a GPT whose blocks all hold
@@ -36,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.data import Batches
+from ultrascale.exercise_tests._groups import Split, only_group
 from ultrascale.grading import exercise
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parity import max_difference, tolerance
@@ -396,3 +402,86 @@ def test_zero3_gather_free(install_zero3_hooks, world_size: int = 3, quick: bool
                 calls = sum(t["calls"] for op, t in totals.items() if op.startswith("all_gather"))
                 assert calls == layers, (f"{where}, forward {call + 1}: {calls} all-gather calls for {layers} blocks; "
                                          "expected one per block per forward")
+
+
+# ---- 03.shard_gradient -----------------------------------------------------------------
+# 7 and 9 rows split unevenly over 2 and 3 ranks; 2 rows over 3 ranks leave the last one empty.
+SHARD_SHAPES = [(7, 3), (2, 5), (6,), (9, 4)]
+# (the dtype the gradient was computed in, the master weights' dtype it must come back in)
+SHARD_DTYPES = [(torch.float64, torch.float64), (torch.bfloat16, torch.float32)]
+
+
+def rank_gradient(shape, rank: int, seed: int) -> torch.Tensor:
+    """Rank ``rank``'s gradient of a whole parameter: other on every rank, reproducible anywhere."""
+    gen = torch.Generator().manual_seed(7919 * seed + rank)
+    return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def chunk_rows(rows: int, n: int, index: int) -> tuple[int, int]:
+    """``(start, length)`` of member ``index``'s rows under ``torch.chunk``'s cut."""
+    per = -(-rows // n)
+    start = min(index * per, rows)
+    return start, min(per, rows - start)
+
+
+def _shard_on_rank(ctx, shard_gradient, split, seed):
+    _, group, ranks = split.group_of(ctx)
+    results = []
+    for shape in SHARD_SHAPES:
+        for compute, master in SHARD_DTYPES:
+            full = rank_gradient(shape, ctx.rank, seed).to(compute).to(ctx.device)
+            with only_group(group, "shard_gradient"):
+                got = shard_gradient(full, group, master)
+            results.append(got.detach().cpu() if torch.is_tensor(got) else got)
+    return ranks, results
+
+
+@exercise("03.shard_gradient", points=2)
+def test_shard_gradient(shard_gradient, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60):
+    """Each rank returns its rows of the gradient averaged over its group, in the master's dtype:
+    on the whole world and on a group of ranks [1, 2] beside rank 0 alone."""
+    splits = [Split([0], [1, 2]), Split([0, 1, 2]), Split([0, 1])]   # the telling one first
+    for split in splits:
+        per_rank = split.run(_shard_on_rank, shard_gradient, split, seed, what="03.shard_gradient", timeout=timeout)
+        for rank, (ranks, results) in enumerate(per_rank):
+            cases = iter(results)
+            for shape in SHARD_SHAPES:
+                for compute, master in SHARD_DTYPES:
+                    where = (f"on {split}, rank {rank}: a {shape} gradient in {compute}, masters in {master}")
+                    _check_shard(next(cases), shape, compute, master, ranks, rank, seed, where, split.world_size)
+
+
+def _check_shard(got, shape, compute, master, ranks, rank, seed, where, world):
+    n, index = len(ranks), ranks.index(rank)
+    start, length = chunk_rows(shape[0], n, index)
+    inputs = [rank_gradient(shape, r, seed).to(compute).to(master) for r in ranks]
+    total = torch.stack(inputs).sum(dim=0)[start:start + length]
+    want = total / n
+    assert torch.is_tensor(got), f"{where}: return a tensor, got {type(got).__name__}"
+    per = -(-shape[0] // n)
+    assert tuple(got.shape) == tuple(want.shape), (
+        f"{where}: expected this rank's {length} rows (rows {start}..{start + length} of {shape[0]}), shape "
+        f"{tuple(want.shape)}, got {tuple(got.shape)}. The rows are cut as torch.chunk cuts them: "
+        f"ceil({shape[0]} / {n}) = {per} per member of the group, the last members short or empty; pad to "
+        f"{per * n} rows for the reduce-scatter, then drop the padding")
+    assert got.dtype == master, (
+        f"{where}: return the gradient in {master}, the master weights' dtype (the optimizer steps those), "
+        f"not {got.dtype}" + (": a gradient left in the compute dtype loses bits" if got.dtype == compute else ""))
+    tol = tolerance(None, master)
+    if torch.allclose(got, want, **tol):
+        return
+    if torch.allclose(got, total, **tol) and n > 1:
+        raise AssertionError(f"{where}: these are the sums over the group's {n} ranks; divide by the group's size "
+                             "to average them")
+    if world != n and torch.allclose(got, total / world, **tol):
+        raise AssertionError(f"{where}: divided by the world's size ({world}), not the group's ({n}): ask the "
+                             "group for its size, not the world")
+    reduced_low = torch.stack([rank_gradient(shape, r, seed).to(compute) for r in ranks]).sum(dim=0)
+    if compute != master and torch.allclose(got, reduced_low[start:start + length].to(master) / n, rtol=1e-2,
+                                            atol=1e-2):
+        raise AssertionError(f"{where}: close, but off by {max_difference(got, want):.3g}: the values look "
+                             f"reduced in {compute}; cast to {master} first, then reduce-scatter")
+    raise AssertionError(f"{where}: wrong values (off by up to {max_difference(got, want):.3g}); rank {rank} is "
+                         f"member {index} of the group {ranks} and keeps rows {start}..{start + length} of the "
+                         "average over the group")
+

@@ -72,6 +72,7 @@ CONTRACTS: dict[str, Contract] = {
     "03.flatten_padded": Contract(iterables=("tensors",)),
     # the step writes the new weights into the parameters and the master slice
     "03.zero1_step": Contract(updates=("params", "master"), collectives=("reduce_scatter", "all_gather")),
+    "03.shard_gradient": Contract(collectives=("reduce_scatter",)),
     "06.ulysses_attention": Contract(collectives=("all_to_all|all_to_all_single",)),
     # the first stage's input is the caller's tensor, returned as the stage input
     "07.stage_step": Contract(returns_inputs=True),
