@@ -317,6 +317,7 @@ assert cluster.run(lambda ctx: "still here") == ["still here"] * WORLD_SIZE
 # | [a1](a1_profiling.ipynb) | profiling: timing, traces, kernels | compute |
 # | [a2](a2_typical_scales.ipynb) | typical scales: parameters, states and FLOPs | memory / compute |
 # | [a3](a3_overlap_math.ipynb) | the arithmetic of overlapping communication with computation | communication |
+# | [a4](a4_checkpoints_and_failures.ipynb) | beyond the book: checkpoints, resharding, failures and restarts | time lost |
 #
 # The book's results rest on more than 4000 scaling experiments on up to 512 GPUs (more than 4100
 # distributed runs, over 16k counting test runs); reading it takes two to four days. Its two code

@@ -221,7 +221,7 @@ def test_chapters_end_with_your_turn(path):
     assert f"make grade NB=work/exercises/{path.name}" in turn
 
 
-READING_ORDER = ["00", "a0", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "a1", "a2", "a3"]
+READING_ORDER = ["00", "a0", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "a1", "a2", "a3", "a4"]
 
 
 def test_the_course_map_links_every_chapter_in_reading_order():

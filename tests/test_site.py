@@ -3,7 +3,7 @@
 * the build passes with warnings as errors (a broken internal link, a missing image, a page
   outside the table of contents);
 * every chapter and exercise notebook has its page; the sidebar lists the 17 chapters in the
-  course's reading order (00, a0, 01 ... 12, a1, a2, a3), titled by their first heading;
+  course's reading order (00, a0, 01 ... 12, a1, a2, a3, a4), titled by their first heading;
 * a chapter's figures are images whose files exist, one per saved PNG output;
 * a chapter page's exercise link and grading link land on an existing page and anchor, and the
   exercise pages' JupyterLab-style section links (`chapter.ipynb#3.-Bucketing:-...`) on a section;
@@ -49,7 +49,7 @@ def _load_build():
 site_build = _load_build()
 
 # The course's reading order, as the brief of the site and chapter 00's map give it.
-ORDER = ["00", "a0", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "a1", "a2", "a3"]
+ORDER = ["00", "a0", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "a1", "a2", "a3", "a4"]
 CHAPTER_07 = "07_pipeline_parallelism"
 SCREENSHOTS = ROOT / "out" / "browser"
 
