@@ -66,7 +66,7 @@ from ..comm.logger import labelled
 from ..matching import match_plan
 from .flat import FlatUnit, coarse_pieces, parameter_owners, resolve_param_groups, split_piece
 from .mesh import axis_group
-from .timeline import COMMUNICATION, Timeline
+from .timeline import COMMUNICATION, or_disabled
 from .zero3 import ParameterSharding
 from .zero_state import ShardedState
 
@@ -109,7 +109,7 @@ class ZeRO(ParameterSharding, ShardedState):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.divide_by = divide_by or self.world_size
         self.owned = None if params is None else set(params)
-        self.timeline = timeline or Timeline(dist.get_rank(), enabled=False)
+        self.timeline = or_disabled(timeline)
         self.in_flight = []             # reduce-scatters not yet waited for
         self._sent = 0                  # units of _send_order reduce-scattered in this backward
         self._callback_queued = False
