@@ -20,7 +20,8 @@ COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", 
            "a1.launched_by", "a0.ring_reduce_scatter", "a0.ring_all_gather", "a0.ring_all_reduce",
            "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes",
            "05.sequence_gather_scatter", "04.column_parallel_linear", "04.row_parallel_linear",
-           "10.step1", "08.expert_gradients", "08.dispatch_combine"}
+           "10.step1", "08.expert_gradients", "08.dispatch_combine",
+           "04.conjugate_pair"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -282,3 +283,31 @@ def test_an_moe_layer_combined_token_by_token_fails_on_a_rank_without_tokens():
         return torch.stack([back[plan.rows == t].sum(0) for t in range(tokens.shape[0])])
 
     _fails(check("08.dispatch_combine", ep_forward), DRAWN, "[3, 0, 2] tokens", "stack expects a non-empty")
+
+
+def test_an_f_star_summing_into_a_float32_buffer_fails_on_float64_and_bf16():
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            total = grad.clone()
+            dist.all_reduce(total, group=ctx.group)
+            return total, None
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            summed = torch.empty(x.shape, device=x.device)    # a fresh buffer... in float32
+            summed.copy_(x)
+            dist.all_reduce(summed, group=group)
+            return summed
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    _fails(check("04.conjugate_pair", Copy, Reduce), DRAWN, "Reduce.apply", "of torch.float32, expected")

@@ -8,6 +8,8 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   digits), token batches that are transposed views, sequences of length 1, one micro-batch;
 * ``02.assign_buckets``: parameters of mixed dtypes in one list (bf16 beside float64), 0-d ones,
   and views into a larger storage (its bytes are not the parameter's);
+* ``04.conjugate_pair`` (its ``Reduce``, f*): the tensors of ``00.mean_across_ranks``, forward and
+  backward;
 * ``04.column_parallel_linear``, ``04.row_parallel_linear``: x with no batch axis (1-D), one, or
   two, float64 and bf16, one feature per rank, forward and backward on 2 and 3 ranks (an einsum
   spelled for the fixed cases' three axes, or a float32 buffer, is wrong there);
@@ -412,6 +414,39 @@ def _describe_memory(case):
     return (f"fitting({case['model']}, {len(configs)} layouts of {case['gpus']} GPUs, seq={case['seq']}, "
             f"memory_bytes={memory_bytes:.6g}, headroom={case['headroom']})"
             + (f", where {configs[0].short()} needs exactly the usable memory" if case["boundary"] else ""))
+
+
+# ---- 04.conjugate_pair (its Reduce, f*: all-reduce forward, identity backward) -----------------------
+
+def _reduce_on_rank(ctx, Reduce, case):
+    x = _mean_input(case, ctx.rank).to(ctx.device).requires_grad_(True)
+    upstream = _mean_input(dict(case, seed=case["seed"] + 50), ctx.rank).to(ctx.device)
+    y = Reduce.apply(x, None)
+    y.backward(upstream.reshape(y.shape) if torch.is_tensor(y) else upstream)
+    return y.detach().cpu(), None if x.grad is None else x.grad.cpu(), upstream.cpu()
+
+
+def _judge_reduce(Reduce, case):
+    from ultrascale.runtime import grading_cluster
+
+    n, dtype = case["world_size"], case["dtype"]
+    inputs = [_mean_input(case, r).double() for r in range(n)]
+    want = torch.stack(inputs).sum(0)
+    scale = max([float(x.abs().max()) for x in inputs if x.numel()] + [1.0])
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, n * 2.0 ** -7) * scale * n
+    for rank, (y, grad, upstream) in enumerate(grading_cluster(n).run(_reduce_on_rank, Reduce, case)):
+        if y.dtype != dtype or tuple(y.shape) != tuple(want.shape):
+            return (f"rank {rank}: Reduce's output is a {tuple(y.shape)} tensor of {y.dtype}, expected "
+                    f"{tuple(want.shape)} of {dtype} (all-reduce a clone of x itself)")
+        if not torch.allclose(y.double(), want, rtol=0, atol=tol):
+            return f"rank {rank}: Reduce's output is not the sum over ranks of x"
+        if grad is None or grad.dtype != dtype or not torch.equal(grad, upstream):
+            return f"rank {rank}: x.grad is not the upstream gradient as it came (f*'s backward is the identity)"
+    return None
+
+
+def _describe_reduce(case):
+    return "Reduce.apply(x, group), then backward: " + _describe_mean(case)
 
 
 # ---- 04.column_parallel_linear and 04.row_parallel_linear -----------------------------------------
@@ -856,6 +891,8 @@ PROPERTIES: dict = {
         dict(warmup=1, repeats=2, launch_cost=1, durations=[100, 10, 13] + [0] * 9),)),
     "a1.launched_by": Property(_launch_cases, _judge_launches, _describe_launches, examples=(
         dict(processes=2, threads=2, other_launches=True, edges=True, ties=True, epoch=True, seed=0),)),
+    "04.conjugate_pair": Property(_mean_cases, _judge_reduce, _describe_reduce, argument=1, examples=(
+        dict(world_size=3, shape=[2, 3], dtype=torch.float64, transposed=True, seed=0),)),
     "04.column_parallel_linear": _linear("column"),
     "04.row_parallel_linear": _linear("row"),
     "05.sequence_gather_scatter": Property(_gather_cases, _judge_gather, _describe_gather, examples=(
