@@ -27,6 +27,7 @@ from ultrascale.checkpoint.failures import daly_interval, simulate_run, young_in
 from ultrascale.checkpoint.pieces import flat_boxes
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import NaiveDataParallel, ZeRO
+from ultrascale.parallel.pipeline_parallel import apply_pp
 from ultrascale.parallel.tensor_parallel import apply_tp
 from ultrascale.parity import device_mesh_1d, fsdp2
 from ultrascale.runtime import Cluster, RankError, shared_cluster
@@ -60,6 +61,9 @@ def build(ctx, layout: str, stage: int = 1):
     if layout == "tp":         # every rank one tp shard of one replica: all read the whole batch
         apply_tp(model)
         return model, adam(model.parameters()), None, None, SampleLoader(CFG, GLOBAL_BATCH, device=ctx.device)
+    if layout == "pp":         # 2 stages, 1F1B over 2 micro-batches of the whole batch
+        pipe = apply_pp(model, schedule="1f1b", microbatches=2)
+        return pipe, adam(pipe.parameters()), None, None, SampleLoader(CFG, GLOBAL_BATCH, device=ctx.device)
     dp = NaiveDataParallel(model)
     return (model, adam(model.parameters()), dp, dp.finish_gradient_synchronization,
             SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank, ctx.world_size, ctx.device))
@@ -88,7 +92,12 @@ def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every
             batch = loader.next_batch()
             batch.loss(model if module is None else module)   # a forward, then the process is gone
             die()
-        run_steps(model, loader, 1, opt, module=module, after_backward=after)
+        if layout == "pp":
+            model.step(loader.next_batch())
+            opt.step()
+            opt.zero_grad()
+        else:
+            run_steps(model, loader, 1, opt, module=module, after_backward=after)
         if pending is not None:       # the previous step's save, written while this step trained
             pending = pending.wait()
         if step == done + steps or (save_every and step % save_every == 0):
@@ -168,6 +177,16 @@ def test_tensor_parallel_resumes_as_plain_data_parallel_saving_in_the_background
     for step in (3, 4):
         assert_same_training_state(read_whole(tmp_path / "dp" / f"step-{step:08d}", tmp_path),
                                    reference_checkpoint(tmp_path, step), f"tp 2 -> dp 2, step {step} in the background")
+
+
+def test_pipeline_stages_resume_as_zero2(tmp_path):
+    """Each of 2 pipeline stages saves its blocks under the whole model's names (the tied head
+    weight as the embedding's); ZeRO-2 on the same 2 ranks reads the whole model back."""
+    want = reference_checkpoint(tmp_path, 4)
+    cluster = shared_cluster(2)
+    cluster.run(train_and_save, tmp_path / "pp", "pp", 0, 2)
+    cluster.run(train_and_save, tmp_path / "zero2", "zero", 2, 2, tmp_path / "pp")
+    assert_same_training_state(read_whole(latest_checkpoint(tmp_path / "zero2"), tmp_path), want, "pp 2 -> ZeRO-2 x2")
 
 
 @pytest.mark.parametrize("first, then", [("zero", "fsdp2"), ("fsdp2", "zero")])

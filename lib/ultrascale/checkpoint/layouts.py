@@ -12,7 +12,9 @@ flattens them, so a checkpoint of ours and one of FSDP2 are the same files.
   left out: it belongs to no parameter, and another world size pads differently).
 * :func:`module_state`: a model trained by a plain torch optimizer on its own parameters:
   replicated (plain DP) or tensor-parallel (a parameter carrying ``tp_shard_dim`` is that
-  rank's slice along that dimension; its global shape is tp times as large there).
+  rank's slice along that dimension; its global shape is tp times as large there), or a
+  pipeline's stages on this rank (each parameter under its name in the whole model, so the
+  stages' keys together make the whole model's).
 * FSDP2 (DTensor parameters) is torch's own: ``get_state_dict`` (in ``store.py``).
 
 Each function returns the dict *and* a ``finish`` to call after DCP loaded into it: a load
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from ..parallel.flat import split_piece
 from .pieces import Pieces
 
-__all__ = ["zero_state", "module_state", "init_optimizer_state"]
+__all__ = ["zero_state", "module_state", "global_names", "init_optimizer_state"]
 
 MODEL, STATE = "model.", "optim.state."
 
@@ -155,10 +157,21 @@ def _shard_of(p):
     return dim, dist.get_rank(group), dist.get_world_size(group)
 
 
+def global_names(model) -> dict:
+    """Each parameter's name in the whole model. A pipeline's stages (``parallel.pipeline_parallel``:
+    ``chunks``, and ``global_name``) number their blocks from 0 and call the tied head weight of
+    the last stage by its own name: ``global_name`` gives the whole model's."""
+    if hasattr(model, "chunks") and hasattr(model, "global_name"):
+        return {p: model.global_name(int(s), n) for s, chunk in model.chunks.items()
+                for n, p in chunk.named_parameters()}
+    return {p: n for n, p in model.named_parameters()}
+
+
 def module_state(model, optimizer, for_load: bool = False):
-    """A model and its torch optimizer, replicated or tensor-parallel, as global tensors."""
+    """A model (or a pipeline's stages) and its torch optimizer, replicated or tensor-parallel,
+    as global tensors."""
     state = {}
-    for name, p in model.named_parameters():
+    for p, name in global_names(model).items():
         how = _shard_of(p)
         state[MODEL + name] = Pieces.of_shard(p.data, *how)
         for key, value in optimizer.state.get(p, {}).items():
@@ -173,7 +186,7 @@ def load_module_state(model, optimizer, present) -> tuple:
     params = [p for p in model.parameters() if p.requires_grad]
     init_optimizer_state(optimizer, params)
     state, finish = module_state(model, optimizer)
-    names = {p: n for n, p in model.named_parameters()}
+    names = global_names(model)
     _drop_state_not_saved(optimizer, {p: [f"{STATE}{names[p]}."] for p in params}, present)
     missing = [k for k in state if k.startswith(MODEL) and k not in present]
     if missing:
