@@ -35,7 +35,6 @@ from ultrascale.runtime import Cluster, RankError  # first: the ranks' fork serv
 import platform
 import os
 
-import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 
