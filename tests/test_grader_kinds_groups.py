@@ -128,6 +128,38 @@ def test_shard_gradient_names_the_group_the_uneven_rows_the_dtype_and_the_mean(c
     assert check(exercise, ch03["shard_gradient"]).status == PASS
 
 
+def test_muon_rows_names_a_step_on_the_shard_the_group_and_the_dtype(ch03):
+    """Issue 57's kind: a Muon step on this rank's rows instead of the whole matrix; also no group=,
+    and Newton-Schulz left in its bf16 default."""
+    all_gather_into, newton_schulz = ch03["all_gather_into"], ch03["newton_schulz"]
+
+    def gathered_rows(update_rows, rows, group, reduce_group="given", dtype=None):
+        n, member = dist.get_world_size(group), dist.get_rank(group)
+        per = -(-rows // n)
+        piece = update_rows.new_zeros((per, *update_rows.shape[1:]))
+        piece[: update_rows.shape[0]] = update_rows
+        whole = piece.new_empty((per * n, *update_rows.shape[1:]))
+        all_gather_into(whole, piece, **({"group": group} if reduce_group == "given" else {}))
+        ortho = newton_schulz(whole[:rows], **({"dtype": dtype} if dtype else {}))
+        start = min(member * per, rows)
+        return ortho[start:start + update_rows.shape[0]].to(update_rows.dtype)
+
+    def on_the_shard(update_rows, rows, group):
+        return newton_schulz(update_rows, dtype=update_rows.dtype)
+
+    def no_group(update_rows, rows, group):
+        return gathered_rows(update_rows, rows, group, reduce_group="world", dtype=update_rows.dtype)
+
+    def in_bf16(update_rows, rows, group):
+        return gathered_rows(update_rows, rows, group)
+
+    exercise = "03.muon_rows"
+    _fails(check(exercise, on_the_shard), "[1, 2]", "you orthogonalised this rank's rows alone", "whole matrix")
+    _fails(check(exercise, no_group), "over the default group (no group=)", GROUPS)
+    _fails(check(exercise, in_bf16), "orthogonalised in bfloat16")
+    assert check(exercise, ch03["muon_rows"]).status == PASS
+
+
 # ---- 06: a ring over a group ----------------------------------------------------------------
 
 def _ring_step(post):

@@ -351,7 +351,8 @@ def test_the_points_read_from_the_tests_source_are_the_registrys():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     table, imported_torch = ast.literal_eval(done.stdout.strip())
-    assert table == {"03.flatten_padded": 1, "03.zero1_step": 2, "03.zero3_gather_free": 2, "03.shard_gradient": 2}
+    assert table == {"03.flatten_padded": 1, "03.zero1_step": 2, "03.zero3_gather_free": 2, "03.shard_gradient": 2,
+                     "03.muon_rows": 2}
     assert not imported_torch, "making the table imported torch"
 
 

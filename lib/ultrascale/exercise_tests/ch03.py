@@ -12,6 +12,11 @@
   cut) of the gradient averaged over ``group`` with a reduce-scatter, cast to the master
   weights' ``dtype`` before the reduction. Graded on groups that are not the world, on row
   counts the group does not divide (an empty shard among them), with bf16 gradients.
+* ``03.muon_rows``: ``muon_rows(update_rows, rows, group)``: Muon on a weight sharded by rows.
+  All-gather the matrix's rows from ``group``, orthogonalise the whole matrix
+  (``parallel.sharded_muon.newton_schulz``), keep this rank's rows. Graded against the whole
+  matrix's result on groups that are not the world, wide, tall and uneven matrices; the
+  mistake the issue names, orthogonalising the shard alone, is recognised and named.
 * ``03.zero3_gather_free``: ``install_zero3_hooks(ctx, module)`` registers a forward
   pre-hook that all-gathers a module's flat parameter shard into its full parameters and a
   forward hook that frees them again. Graded by the logits of a GPT whose blocks all hold
@@ -485,3 +490,63 @@ def _check_shard(got, shape, compute, master, ranks, rank, seed, where, world):
                          f"member {index} of the group {ranks} and keeps rows {start}..{start + length} of the "
                          "average over the group")
 
+
+
+# ---- 03.muon_rows ------------------------------------------------------------------------
+# (rows, cols): wide, tall (Newton-Schulz works on its transpose), rows the groups do not divide
+MUON_SHAPES = [(5, 8), (9, 4), (6, 6), (2, 3)]
+
+
+def _muon_on_rank(ctx, muon_rows, split, seed):
+    _, group, ranks = split.group_of(ctx)
+    n, member = len(ranks), ranks.index(ctx.rank)
+    results = []
+    for shape in MUON_SHAPES:
+        for dtype in (torch.float64, torch.float32):
+            whole = rank_gradient(shape, 0, seed + 1).to(dtype)   # the same matrix on every rank of every group
+            start, length = chunk_rows(shape[0], n, member)
+            mine = whole[start:start + length].clone().to(ctx.device)
+            with only_group(group, "muon_rows"):
+                got = muon_rows(mine, shape[0], group)
+            results.append(got.detach().cpu() if torch.is_tensor(got) else got)
+    return ranks, results
+
+
+@exercise("03.muon_rows", points=2)
+def test_muon_rows(muon_rows, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60):
+    """Each rank returns its rows of the whole matrix orthogonalised by Newton-Schulz, computed in
+    the rows' dtype: on a group of ranks [1, 2] beside rank 0 alone, and on the whole world."""
+    from ultrascale.parallel.sharded_muon import newton_schulz
+
+    for split in (Split([0], [1, 2]), Split([0, 1, 2]), Split([0, 1])):
+        per_rank = split.run(_muon_on_rank, muon_rows, split, seed, what="03.muon_rows", timeout=timeout)
+        for rank, (ranks, results) in enumerate(per_rank):
+            n, member = len(ranks), ranks.index(rank)
+            cases = iter(results)
+            for shape in MUON_SHAPES:
+                for dtype in (torch.float64, torch.float32):
+                    got, where = next(cases), f"on {split}, rank {rank}: a {shape} matrix in {dtype}"
+                    whole = rank_gradient(shape, 0, seed + 1).to(dtype)
+                    start, length = chunk_rows(shape[0], n, member)
+                    want = newton_schulz(whole, dtype=dtype)[start:start + length]
+                    assert torch.is_tensor(got), f"{where}: return a tensor, got {type(got).__name__}"
+                    assert tuple(got.shape) == tuple(want.shape), (
+                        f"{where}: expected this rank's {length} rows (rows {start}..{start + length} of {shape[0]}, "
+                        f"torch.chunk's cut over the group's {n} ranks), shape {tuple(want.shape)}, got "
+                        f"{tuple(got.shape)}; drop the padding rows after the gather")
+                    assert got.dtype == dtype, f"{where}: return the rows in {dtype}, got {got.dtype}"
+                    if torch.allclose(got, want, **tolerance(None, dtype)):
+                        continue
+                    alone = newton_schulz(whole[start:start + length], dtype=dtype) if length else want
+                    if n > 1 and alone.shape == got.shape and torch.allclose(got, alone, **tolerance(None, dtype)):
+                        raise AssertionError(
+                            f"{where}: you orthogonalised this rank's rows alone. Newton-Schulz multiplies the whole "
+                            "matrix by its transpose, so every row depends on every other: gather the whole matrix "
+                            "from the group first, orthogonalise it, then keep this rank's rows")
+                    low = newton_schulz(whole, dtype=torch.bfloat16)[start:start + length].to(dtype)
+                    if dtype != torch.bfloat16 and torch.allclose(got, low, rtol=1e-3, atol=1e-3):
+                        raise AssertionError(f"{where}: these rows were orthogonalised in bfloat16 (newton_schulz's "
+                                             "default); compute in the rows' own dtype (its dtype= argument)")
+                    raise AssertionError(f"{where}: wrong values (off by up to {max_difference(got, want):.3g}); "
+                                         f"rank {rank} is member {member} of {ranks} and keeps rows "
+                                         f"{start}..{start + length} of the whole orthogonalised matrix")
