@@ -44,10 +44,11 @@ html_last_updated_fmt = None
 # Offline: RequireJS, the widgets' HTML manager and MathJax from site_src/vendor/ (copied into
 # _static/), not from a CDN (site_src/vendor.py says where they come from). MathJax 3, whose
 # configuration MyST writes (mathjax3_config); its fonts sit beside it, where it looks for them.
-# static/widgets_public_path.js tells RequireJS where the widget manager's fonts are.
+# static/widgets_setup.js tells RequireJS where the widget manager's fonts are, and gives
+# the widget manager the MathJax 2 call it typesets labels with.
 html_static_path = ["vendor", "static"]
 mathjax_path = vendor.MATHJAX_JS
-nb_ipywidgets_js = {vendor.REQUIRE_JS: {}, "widgets_public_path.js": {}, vendor.WIDGETS_JS: {}}
+nb_ipywidgets_js = {vendor.REQUIRE_JS: {}, "widgets_setup.js": {}, vendor.WIDGETS_JS: {}}
 html_copy_source = True            # the notebooks themselves, downloadable from each page
 html_show_sourcelink = False
 

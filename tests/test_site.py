@@ -274,6 +274,9 @@ def test_chapter_07_in_chromium(browser, served):
         .filter(e => e.responseStatus >= 400 && !e.name.endsWith('/favicon.ico'))   // the browser's own
         .map(e => [e.name, e.responseStatus]);""")
     assert not missing, f"files the page asked for and the site does not have: {missing}"
+    # No script threw (the widget manager once did, calling MathJax 2's Hub on MathJax 3).
+    thrown = [entry["message"] for entry in browser.get_log("browser") if entry.get("source") == "javascript"]
+    assert not thrown, thrown
 
     entries = browser.execute_script("""
         const caption = [...document.querySelectorAll('nav.bd-links .caption-text')]
