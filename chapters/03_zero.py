@@ -971,8 +971,9 @@ for name, row in table.items():
 #
 # ## Your turn
 # Open [exercises/03_zero_exercises.ipynb](../exercises/03_zero_exercises.ipynb): flatten and pad parameters into equal shards, write a
-# ZeRO-1 step (reduce-scatter, update your slice of the fp32 master weights, all-gather), and the
-# gather-then-free forward hooks at the heart of ZeRO-3.
+# ZeRO-1 step (reduce-scatter, update your slice of the fp32 master weights, all-gather), the
+# gather-then-free forward hooks at the heart of ZeRO-3, and, beyond the book, a gradient's rows
+# under per-parameter sharding and Muon's step on a weight sharded by rows.
 # Each exercise's `check(...)` cell grades it on the spot; `make grade NB=work/exercises/03_zero_exercises.ipynb` grades
 # the whole notebook from a terminal.
 
