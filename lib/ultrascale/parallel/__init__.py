@@ -8,6 +8,9 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   ``apply_data_parallel``.
 * ``zero``: ``ZeRO`` stages 1, 2 and 3 on flat, padded parameter shards (NB03);
   ``apply_zero``.
+* ``fsdp``: per-parameter sharding as FSDP2 does it (NB03, beyond the book): each parameter's
+  rows sharded, so any torch optimizer steps the shards; mixed precision, HSDP; ``apply_fsdp``.
+  ``sharded_muon``: Muon on whole or row-sharded matrices (gathered, or dealt to owners).
 * ``tensor_parallel``: column/row-parallel linears, vocabulary-parallel embedding, head and
   cross-entropy, sequence parallelism (NB04, NB05); ``apply_tp``.
   ``async_tp``: SP's all-gather and reduce-scatter cut into ring steps that overlap the
