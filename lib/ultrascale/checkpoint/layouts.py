@@ -125,18 +125,18 @@ def load_zero_state(zero, model, present) -> tuple:
     """The dict to load into (only the keys the checkpoint has) and its ``finish``."""
     init_optimizer_state(zero.optimizer, [piece.tensor for piece in zero.pieces])
     state, finish = zero_state(zero, model, for_load=True)
+    _require_weights(state, present)
+    names = {p: n for n, p in model.named_parameters()}
+    _drop_state_not_saved(zero.optimizer, {piece.tensor: [f"{STATE}{names[piece.unit.params[i]]}." for i in piece.index]
+                                           for piece in zero.pieces}, present)
+    return {k: v for k, v in state.items() if k in present}, finish
+
+
+def _require_weights(state, present) -> None:
     missing = [k for k in state if k.startswith(MODEL) and k not in present]
     if missing:
         raise KeyError(f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more): "
                        "it was saved from another model")
-    _drop_state_not_saved(zero.optimizer, {p.tensor: [f"{STATE}{n}." for n in _names_of(piece=p, model=model)]
-                                           for p in zero.pieces}, present)
-    return {k: v for k, v in state.items() if k in present}, finish
-
-
-def _names_of(piece, model):
-    names = {p: n for n, p in model.named_parameters()}
-    return [names[piece.unit.params[i]] for i in piece.index]
 
 
 def _drop_state_not_saved(optimizer, prefixes: dict, present) -> None:
@@ -187,9 +187,6 @@ def load_module_state(model, optimizer, present) -> tuple:
     init_optimizer_state(optimizer, params)
     state, finish = module_state(model, optimizer)
     names = global_names(model)
+    _require_weights(state, present)
     _drop_state_not_saved(optimizer, {p: [f"{STATE}{names[p]}."] for p in params}, present)
-    missing = [k for k in state if k.startswith(MODEL) and k not in present]
-    if missing:
-        raise KeyError(f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more): "
-                       "it was saved from another model")
     return {k: v for k, v in state.items() if k in present}, finish
