@@ -112,12 +112,20 @@ def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every
 
 
 # --------------------------------------------------------------------------- the reference
-def reference_checkpoint(tmp_path, steps: int):
-    """One process, the whole global batch each step: its checkpoint after ``steps`` steps, read whole."""
-    model = fresh_model()
-    opt, loader = adam(model.parameters()), SampleLoader(CFG, GLOBAL_BATCH)
-    run_steps(model, loader, steps, opt)
-    return read_whole(save_checkpoint(tmp_path / f"reference{steps}", steps, model, opt, loader=loader), tmp_path)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """``reference(steps)``: one process, the whole global batch each step, its checkpoint after
+    ``steps`` steps read whole (made once per number of steps for the whole file)."""
+    folder, made = tmp_path_factory.mktemp("reference"), {}
+
+    def checkpoint(steps: int) -> dict:
+        if steps not in made:
+            model = fresh_model()
+            opt, loader = adam(model.parameters()), SampleLoader(CFG, GLOBAL_BATCH)
+            run_steps(model, loader, steps, opt)
+            made[steps] = read_whole(save_checkpoint(folder, steps, model, opt, loader=loader), folder)
+        return made[steps]
+    return checkpoint
 
 
 def read_whole(path, tmp_path) -> dict:
@@ -153,9 +161,9 @@ def test_a_flat_run_of_a_tensor_is_cut_into_boxes_that_hold_exactly_it():
                 assert len(boxes) <= 2 * len(shape) - 1   # a partial row, whole rows, a partial row, per level
 
 
-def test_zero1_on_4_ranks_resumes_as_zero3_on_3(tmp_path):
+def test_zero1_on_4_ranks_resumes_as_zero3_on_3(tmp_path, reference):
     """The issue's reshard: stage, world size and padding all change (Ψ is not a multiple of 3)."""
-    want = reference_checkpoint(tmp_path, 4)
+    want = reference(4)
     shared_cluster(4).run(train_and_save, tmp_path / "zero1", "zero", 1, 2)
     resumed = shared_cluster(3).run(train_and_save, tmp_path / "zero3", "zero", 3, 2, tmp_path / "zero1")
     # the loader resumes at the sample the 4 ranks would have read next: rank r's first row is
@@ -167,7 +175,7 @@ def test_zero1_on_4_ranks_resumes_as_zero3_on_3(tmp_path):
     assert_same_training_state(got, want, "ZeRO-1 x4 -> ZeRO-3 x3")
 
 
-def test_tensor_parallel_resumes_as_plain_data_parallel_saving_in_the_background(tmp_path):
+def test_tensor_parallel_resumes_as_plain_data_parallel_saving_in_the_background(tmp_path, reference):
     """tp 2 into dp 2; then every step's checkpoint is written while the next step trains (the
     step-3 one while step 4 changes the weights): each holds its own step's state."""
     cluster = shared_cluster(2)
@@ -176,13 +184,13 @@ def test_tensor_parallel_resumes_as_plain_data_parallel_saving_in_the_background
     assert checkpoint_steps(tmp_path / "dp") == [3, 4]
     for step in (3, 4):
         assert_same_training_state(read_whole(tmp_path / "dp" / f"step-{step:08d}", tmp_path),
-                                   reference_checkpoint(tmp_path, step), f"tp 2 -> dp 2, step {step} in the background")
+                                   reference(step), f"tp 2 -> dp 2, step {step} in the background")
 
 
-def test_pipeline_stages_resume_as_zero2(tmp_path):
+def test_pipeline_stages_resume_as_zero2(tmp_path, reference):
     """Each of 2 pipeline stages saves its blocks under the whole model's names (the tied head
     weight as the embedding's); ZeRO-2 on the same 2 ranks reads the whole model back."""
-    want = reference_checkpoint(tmp_path, 4)
+    want = reference(4)
     cluster = shared_cluster(2)
     cluster.run(train_and_save, tmp_path / "pp", "pp", 0, 2)
     cluster.run(train_and_save, tmp_path / "zero2", "zero", 2, 2, tmp_path / "pp")
@@ -190,10 +198,10 @@ def test_pipeline_stages_resume_as_zero2(tmp_path):
 
 
 @pytest.mark.parametrize("first, then", [("zero", "fsdp2"), ("fsdp2", "zero")])
-def test_zero3_and_fsdp2_load_each_others_checkpoints(tmp_path, first, then):
+def test_zero3_and_fsdp2_load_each_others_checkpoints(tmp_path, reference, first, then):
     """Our ZeRO-3's checkpoint trains on in torch's FSDP2 (fully_shard), and the other way round:
     the same keys and global shapes, so DCP reads one's flat-shard boxes into the other's DTensors."""
-    want = reference_checkpoint(tmp_path, 4)
+    want = reference(4)
     cluster = shared_cluster(3)
     cluster.run(train_and_save, tmp_path / first, first, 3, 2)
     cluster.run(train_and_save, tmp_path / then, then, 3, 2, tmp_path / first)
@@ -201,11 +209,11 @@ def test_zero3_and_fsdp2_load_each_others_checkpoints(tmp_path, first, then):
                                f"{first} x3 -> {then} x3")
 
 
-def test_a_rank_killed_mid_save_and_mid_step_loses_no_step(tmp_path):
+def test_a_rank_killed_mid_save_and_mid_step_loses_no_step(tmp_path, reference):
     """ZeRO-2 on 3 ranks, a checkpoint every 2 steps. Rank 2 dies inside the save of step 4
     (its files written, the checkpoint not yet renamed): step 2's is the last complete one.
     Resumed from it, rank 1 dies in the middle of step 5: step 4's is. The third run ends at 6."""
-    want = reference_checkpoint(tmp_path, 6)
+    want = reference(6)
     root = tmp_path / "run"
     with Cluster(3) as cluster:
         with pytest.raises(RankError) as info:
