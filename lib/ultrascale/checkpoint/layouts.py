@@ -74,6 +74,10 @@ def zero_state(zero, model, for_load: bool = False):
     optimizer state of the piece that holds it. ``for_load``: step counts as separate tensors
     per parameter (a piece's parameters may have been saved with different counts)."""
     names = {p: n for n, p in model.named_parameters()}
+    if any(hasattr(p, "tp_shard_dim") for p in names):
+        raise NotImplementedError("this ZeRO flattens tensor-parallel shards (a composition, parallel/compose.py): "
+                                  "their global shapes are not recorded yet, so their checkpoint would not "
+                                  "reshard; save ZeRO over whole parameters, or TP with a plain optimizer")
     state, where = {}, {}
     for name, p, unit, start, stop, at in _parameter_runs(zero, names):
         run = unit.master[at:at + stop - start]
