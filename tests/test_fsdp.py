@@ -15,7 +15,7 @@ from ultrascale.comm import CommLogger
 from ultrascale.comm.logger import base_op
 from ultrascale.data import Batches
 from ultrascale.model import GPT, GPTConfig
-from ultrascale.parallel.fsdp import apply_fsdp, full_state_dict, shard_rows
+from ultrascale.parallel.fsdp import apply_fsdp, fsdp_units, full_state_dict, shard_rows
 from ultrascale.parallel.sharded_muon import Muon
 from ultrascale.parity import assert_replicas_identical, assert_same, perturbed
 from ultrascale.runtime import shared_cluster
@@ -43,12 +43,17 @@ def train_ours(ctx, opt, dtype=torch.float64, mesh_shape=None, grad_acc=1, **opt
     model = apply_fsdp(fresh_model(ctx.world_size, dtype).to(ctx.device), mesh, **options)
     optimizer = make_optimizer(model.parameters(), opt)     # a plain torch optimizer on the shards
     batches = data(ctx.world_size).rank_stream(ctx.rank, ctx.world_size)
-    batches(0, 0).to(ctx.device).loss(model).backward()
+    loss = batches(0, 0).to(ctx.device).loss(model)
+    held = [[full.untyped_storage().nbytes() for e, full in zip(unit.entries, unit.fulls) if e.sharded]
+            for unit in fsdp_units(model)]   # between forward and backward: root first
+    loss.backward()
+    released = all(unit.fulls is None for unit in fsdp_units(model))
     grad_shapes = {n: (tuple(p.shape), tuple(p.grad.shape), p.grad.dtype) for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     with CommLogger() as log:
         losses = run_steps(model, batches, STEPS, optimizer, device=ctx.device, grad_acc=grad_acc)
     return {"weights": full_state_dict(model), "losses": losses, "comm": by_collective(log), "grad_shapes": grad_shapes,
+            "held": held, "released": released,
             "replicated": {n: p.detach().cpu() for n, p in model.named_parameters() if "norm" in n}}
 
 
@@ -102,6 +107,10 @@ def test_plain_optimizer_equals_one_process_and_fully_shard(world):
                 assert grad_shape == shape and grad_dtype == torch.float64, f"rank {rank} {name}: .grad {grad_shape}"
             assert_same(mine["weights"], reference, f"{world} ranks {opt} vs one process", optimizer=opt)
             assert_same(mine["weights"], torch_s["weights"], f"{world} ranks {opt} vs fully_shard", optimizer=opt)
+            # between forward and backward only the root unit stays gathered; after backward, none
+            assert all(held > 0 for held in mine["held"][0]), f"rank {rank}: the root unit was freed after forward"
+            assert not any(sum(held) for held in mine["held"][1:]), f"rank {rank}: a block kept its whole weights"
+            assert mine["released"], f"rank {rank}: gathered weights kept after backward"
         if world == 4:   # vocab 9 over 4 ranks: the last rank's embedding shard is empty
             assert ours[3]["grad_shapes"]["embed.weight"][0] == (0, 32)
 
