@@ -21,7 +21,7 @@ COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", 
            "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes",
            "05.sequence_gather_scatter", "04.column_parallel_linear", "04.row_parallel_linear",
            "10.step1", "08.expert_gradients", "08.dispatch_combine",
-           "04.conjugate_pair"}
+           "04.conjugate_pair", "06.ulysses_attention"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -311,3 +311,30 @@ def test_an_f_star_summing_into_a_float32_buffer_fails_on_float64_and_bf16():
             return grad, None
 
     _fails(check("04.conjugate_pair", Copy, Reduce), DRAWN, "Reduce.apply", "of torch.float32, expected")
+
+
+def test_ulysses_with_a_softmax_that_keeps_the_maximum_in_fails_on_large_scores():
+    import math
+
+    from ultrascale.comm.functional import all_to_all
+
+    def ulysses_attention(q, k, v, group):
+        n = dist.get_world_size(group)
+
+        def to_head_group(t):
+            b, h, s, d = t.shape
+            received = all_to_all(t.reshape(b, n, h // n, s, d).transpose(0, 1), group=group)
+            return received.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+
+        def to_my_tokens(t):
+            b, g, s, d = t.shape
+            received = all_to_all(t.reshape(b, g, n, s // n, d).permute(2, 0, 1, 3, 4), group=group)
+            return received.transpose(0, 1).reshape(b, n * g, s // n, d)
+
+        q, k, v = to_head_group(q), to_head_group(k), to_head_group(v)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        weights = scores.masked_fill(later, float("-inf")).exp()       # softmax, written out
+        return to_my_tokens(weights / weights.sum(-1, keepdim=True) @ v)
+
+    _fails(check("06.ulysses_attention", ulysses_attention), DRAWN, "size ~40", "Subtract each row's maximum")

@@ -16,6 +16,8 @@ they run). Each section names what its draws reach that the exercise's fixed cas
 * ``05.sequence_gather_scatter`` (its ``Gather``, whose backward is the reduce-scatter): any
   dim, negative ones included, float64 and bf16, size-1 axes, transposed inputs (a buffer that is
   contiguous only when the dim moved is not 0);
+* ``06.ulysses_attention``: q and k of size up to 40 (scores of thousands: exp overflows even
+  float64 unless each row's maximum is subtracted), one token or one head per rank, float32;
 * ``08.split_sizes``: 1 and 3 experts per rank (every fixed case has 2), a rank with no tokens,
   top-3 routing;
 * ``08.dispatch_combine``: a rank with no tokens, one expert per rank, float64, on 2 and 3 ranks;
@@ -594,6 +596,56 @@ def _describe_gather(case):
             f"shape {shape}{layout}, then backward")
 
 
+# ---- 06.ulysses_attention ------------------------------------------------------------------------
+
+def _ulysses_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), heads_per_rank=st.integers(1, 2), tokens=st.integers(1, 3),
+        dim=st.integers(1, 4), dtype=st.sampled_from((torch.float32, torch.float64)),
+        magnitude=st.sampled_from((1.0, 10.0, 40.0)), seed=st.integers(0, 99)))   # 40: scores of thousands
+
+
+def _ulysses_inputs(case):
+    """The whole sequence's q, k, v: (1, heads, n * tokens, dim), the same in every process."""
+    n = case["world_size"]
+    shape = (1, case["heads_per_rank"] * n, case["tokens"] * n, case["dim"])
+    return [_values(case["seed"] + i, shape, case["dtype"], case["magnitude"] if i < 2 else 1.0) for i in range(3)]
+
+
+def _ulysses_on_rank(ctx, fn, case):
+    rows = slice(ctx.rank * case["tokens"], (ctx.rank + 1) * case["tokens"])
+    q, k, v = (t[:, :, rows].contiguous().to(ctx.device) for t in _ulysses_inputs(case))
+    out = fn(q, k, v, None)
+    return out.detach().cpu() if torch.is_tensor(out) else out
+
+
+def _judge_ulysses(fn, case):
+    import torch.nn.functional as F
+
+    from ultrascale.runtime import grading_cluster
+
+    q, k, v = (t.double() for t in _ulysses_inputs(case))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    tol = 1e-4 if case["dtype"] == torch.float32 else 1e-8
+    for rank, got in enumerate(grading_cluster(case["world_size"]).run(_ulysses_on_rank, fn, case)):
+        mine = want[:, :, rank * case["tokens"]:(rank + 1) * case["tokens"]]
+        if not torch.is_tensor(got) or tuple(got.shape) != tuple(mine.shape) or got.dtype != case["dtype"]:
+            return f"rank {rank} returned {got!r:.80}, expected a {tuple(mine.shape)} tensor of {case['dtype']}"
+        if not torch.isfinite(got).all():
+            return (f"rank {rank}'s output has inf or NaN: with scores of this size exp overflows. Subtract each "
+                    "row's maximum score before exponentiating (F.scaled_dot_product_attention and torch.softmax do)")
+        if not torch.allclose(got.double(), mine, rtol=tol, atol=tol):
+            return f"rank {rank}'s output differs from causal attention over the whole sequence (in float64)"
+    return None
+
+
+def _describe_ulysses(case):
+    n = case["world_size"]
+    return (f"ulysses_attention on {n} ranks, q, k and v of shape (1, {case['heads_per_rank'] * n}, {case['tokens']}, "
+            f"{case['dim']}) per rank, {case['dtype']}, q and k of size ~{case['magnitude']:g}")
+
+
 # ---- 08.split_sizes ---------------------------------------------------------------------------
 
 def _split_cases():
@@ -898,6 +950,8 @@ PROPERTIES: dict = {
     "05.sequence_gather_scatter": Property(_gather_cases, _judge_gather, _describe_gather, examples=(
         dict(world_size=2, shape=[2, 3], dim=0, dtype=torch.float64, transposed=True, seed=0),
         dict(world_size=3, shape=[1, 2, 1], dim=-2, dtype=torch.bfloat16, transposed=False, seed=1))),
+    "06.ulysses_attention": Property(_ulysses_cases, _judge_ulysses, _describe_ulysses, examples=(
+        dict(world_size=2, heads_per_rank=1, tokens=2, dim=4, dtype=torch.float64, magnitude=40.0, seed=0),)),
     "08.split_sizes": Property(_split_cases, _judge_split, _describe_split, examples=(
         dict(world_size=2, per_rank=3, tokens=0, k=2, seed=0),)),
     "a0.ring_reduce_scatter": _collective("reduce_scatter", flat=True),
