@@ -21,7 +21,8 @@ COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", 
            "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes",
            "05.sequence_gather_scatter", "04.column_parallel_linear", "04.row_parallel_linear",
            "10.step1", "08.expert_gradients", "08.dispatch_combine",
-           "04.conjugate_pair", "06.ulysses_attention"}
+           "04.conjugate_pair", "06.ulysses_attention",
+           "02.bucket_manager"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -338,3 +339,39 @@ def test_ulysses_with_a_softmax_that_keeps_the_maximum_in_fails_on_large_scores(
         return to_my_tokens(weights / weights.sum(-1, keepdim=True) @ v)
 
     _fails(check("06.ulysses_attention", ulysses_attention), DRAWN, "size ~40", "Subtract each row's maximum")
+
+
+def test_a_bucket_manager_with_float32_buffers_fails_on_a_float64_model():
+    assign_buckets = _load("02_data_parallelism_exercises.ipynb")["assign_buckets"]
+
+    class BucketManager:
+        def __init__(self, params, bucket_cap_bytes, group=None):
+            self.group, self.world_size = group, dist.get_world_size(group)
+            self.buckets = assign_buckets(params, bucket_cap_bytes)
+            self.slots, self.bucket_of, self.buffers = {}, {}, []
+            for i, bucket in enumerate(self.buckets):
+                offset = 0
+                for p in bucket:
+                    self.slots[p], self.bucket_of[p] = (offset, offset + p.numel()), i
+                    offset += p.numel()
+                self.buffers.append(torch.zeros(offset, device=bucket[0].device))   # no dtype: float32
+            self.ready, self.handles = [set() for _ in self.buckets], [None] * len(self.buckets)
+
+        def grad_ready(self, param):
+            i, (start, end) = self.bucket_of[param], self.slots[param]
+            self.buffers[i][start:end].copy_(param.grad.reshape(-1))
+            self.ready[i].add(param)
+            if len(self.ready[i]) == len(self.buckets[i]):
+                self.handles[i] = dist.all_reduce(self.buffers[i], group=self.group, async_op=True)
+
+        def finish(self):
+            for i, bucket in enumerate(self.buckets):
+                self.handles[i].wait()
+                self.buffers[i].div_(self.world_size)
+                for p in bucket:
+                    start, end = self.slots[p]
+                    p.grad.copy_(self.buffers[i][start:end].view_as(p))
+                self.ready[i].clear()
+                self.handles[i] = None
+
+    _fails(check("02.bucket_manager", BucketManager), DRAWN, "float64", "in their own dtype")

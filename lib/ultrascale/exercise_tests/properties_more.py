@@ -8,6 +8,8 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   digits), token batches that are transposed views, sequences of length 1, one micro-batch;
 * ``02.assign_buckets``: parameters of mixed dtypes in one list (bf16 beside float64), 0-d ones,
   and views into a larger storage (its bytes are not the parameter's);
+* ``02.bucket_manager``: a float64 model (a bucket buffer made in float32 rounds its gradients),
+  caps that make one bucket per parameter, a few, or one, on 2 and 3 ranks;
 * ``04.conjugate_pair`` (its ``Reduce``, f*): the tensors of ``00.mean_across_ranks``, forward and
   backward;
 * ``04.column_parallel_linear``, ``04.row_parallel_linear``: x with no batch axis (1-D), one, or
@@ -416,6 +418,62 @@ def _describe_memory(case):
     return (f"fitting({case['model']}, {len(configs)} layouts of {case['gpus']} GPUs, seq={case['seq']}, "
             f"memory_bytes={memory_bytes:.6g}, headroom={case['headroom']})"
             + (f", where {configs[0].short()} needs exactly the usable memory" if case["boundary"] else ""))
+
+
+# ---- 02.bucket_manager ---------------------------------------------------------------------------
+
+def _manager_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), dtype=st.sampled_from((torch.float32, torch.float64)),
+        cap=st.sampled_from((1, 40, 100, 10 ** 9)), seed=st.integers(0, 99)))
+
+
+def _manager_model(case):
+    """A small model, the same on every rank (seeded), in the drawn dtype: 3 -> 4 -> 2."""
+    torch.manual_seed(case["seed"])
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).to(case["dtype"])
+
+
+def _manager_batch(case, rank: int) -> torch.Tensor:
+    return _values(1000 * case["seed"] + rank, (5, 3), case["dtype"])
+
+
+def _manager_on_rank(ctx, BucketManager, case):
+    model = _manager_model(case).to(ctx.device)
+    manager = BucketManager(list(model.parameters()), case["cap"])
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(manager.grad_ready)
+    model(_manager_batch(case, ctx.rank).to(ctx.device)).pow(2).sum().backward()
+    manager.finish()
+    return [p.grad.detach().cpu() for p in model.parameters()]
+
+
+def _judge_manager(BucketManager, case):
+    from ultrascale.runtime import grading_cluster
+
+    n = case["world_size"]
+    per_rank = []
+    for r in range(n):    # each rank's own gradients, in float64
+        model = _manager_model(case).double()
+        model(_manager_batch(case, r).double()).pow(2).sum().backward()
+        per_rank.append([p.grad for p in model.parameters()])
+    want = [torch.stack(grads).mean(0) for grads in zip(*per_rank)]
+    tol = 1e-5 if case["dtype"] == torch.float32 else 1e-12
+    names = [name for name, _ in _manager_model(case).named_parameters()]
+    for rank, grads in enumerate(grading_cluster(n).run(_manager_on_rank, BucketManager, case)):
+        for name, got, mean in zip(names, grads, want):
+            if got.dtype != case["dtype"]:
+                return f"rank {rank}: {name}.grad came back as {got.dtype}, the parameters are {case['dtype']}"
+            if not torch.allclose(got.double(), mean, rtol=tol, atol=tol):
+                return (f"rank {rank}: {name}.grad is not the mean over the ranks of their gradients (to {tol:g}): "
+                        "a bucket's buffer must hold its gradients in their own dtype (torch.zeros(..., dtype=...))")
+    return None
+
+
+def _describe_manager(case):
+    return (f"BucketManager(params, bucket_cap_bytes={case['cap']}) on {case['world_size']} ranks, a 3 -> 4 -> 2 model "
+            f"in {case['dtype']}, one step")
 
 
 # ---- 04.conjugate_pair (its Reduce, f*: all-reduce forward, identity backward) -----------------------
@@ -943,6 +1001,8 @@ PROPERTIES: dict = {
         dict(warmup=1, repeats=2, launch_cost=1, durations=[100, 10, 13] + [0] * 9),)),
     "a1.launched_by": Property(_launch_cases, _judge_launches, _describe_launches, examples=(
         dict(processes=2, threads=2, other_launches=True, edges=True, ties=True, epoch=True, seed=0),)),
+    "02.bucket_manager": Property(_manager_cases, _judge_manager, _describe_manager, examples=(
+        dict(world_size=2, dtype=torch.float64, cap=40, seed=0),)),
     "04.conjugate_pair": Property(_mean_cases, _judge_reduce, _describe_reduce, argument=1, examples=(
         dict(world_size=3, shape=[2, 3], dtype=torch.float64, transposed=True, seed=0),)),
     "04.column_parallel_linear": _linear("column"),
