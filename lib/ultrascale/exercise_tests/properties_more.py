@@ -1,6 +1,7 @@
-"""Properties of exercises whose inputs are lists of tensors, traces, clocks, layouts and models
-(one process), and of the first distributed exercise (see ``exercise_tests.properties`` for how
-they run). Each section names what its draws reach that the exercise's fixed cases do not:
+"""Properties of the exercises whose inputs are lists of tensors, traces, clocks, layouts and models
+(in one process) and of those that run on ranks (on ``grading_cluster(2)`` and ``(3)``, the inputs
+made on the host from a drawn seed, then moved to ``ctx.device``); see ``exercise_tests.properties``
+for how they run. Each names what its draws reach that the exercise's fixed cases do not:
 
 * ``00.mean_across_ranks``: float64 and bf16 tensors, 0-d, size-1 and transposed (non-contiguous)
   ones, on 2 and 3 ranks (a result made in float32, or through ``view``, is wrong there);
@@ -16,8 +17,8 @@ they run). Each section names what its draws reach that the exercise's fixed cas
   two, float64 and bf16, one feature per rank, forward and backward on 2 and 3 ranks (an einsum
   spelled for the fixed cases' three axes, or a float32 buffer, is wrong there);
 * ``05.sequence_gather_scatter`` (its ``Gather``, whose backward is the reduce-scatter): any
-  dim, negative ones included, float64 and bf16, size-1 axes, transposed inputs (a buffer that is
-  contiguous only when the dim moved is not 0);
+  dim, negative ones included, float64 and bf16, size-1 axes, transposed inputs (a buffer made
+  without the input's dtype is wrong there);
 * ``06.ulysses_attention``: q and k of size up to 40 (scores of thousands: exp overflows even
   float64 unless each row's maximum is subtracted), one token or one head per rank, float32;
 * ``08.split_sizes``: 1 and 3 experts per rank (every fixed case has 2), a rank with no tokens,
@@ -42,7 +43,8 @@ they run). Each section names what its draws reach that the exercise's fixed cas
 
 Values come from torch or ``random`` generators seeded by a drawn integer, as in
 ``exercise_tests.properties``. The model and cluster draws are the slowest (a forward and
-backward, or a call on 2 or 3 ranks): each still costs well under a tenth of a second.
+backward, or a call on 2 or 3 ranks): each costs about a tenth of a second or less once the
+clusters run (the exercise's fixed cases have started them).
 """
 
 from __future__ import annotations
