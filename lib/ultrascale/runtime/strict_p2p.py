@@ -165,23 +165,25 @@ class StrictPointToPoint:
     # -------------------------------------------------------------- running (stream threads)
     def _run(self, key: tuple) -> None:
         stream = self.streams[key]
-        while True:
-            item = stream.get()
-            if isinstance(item, _Group):
-                self._reach_group(item)
-                continue
-            try:
-                if key in self.broken:   # an earlier operation on this stream failed
-                    raise self.broken[key]
-                if item.kind == "recv":
-                    self._announce(item)
-                    self.irecv(item.tensor, src=item.peer, group=item.group, tag=item.tag).wait()
-                else:
-                    self._await_receiver(item)
-                    self.isend(item.tensor, dst=item.peer, group=item.group, tag=item.tag).wait()
-            except BaseException as err:  # noqa: BLE001 - handed to whoever waits
-                item.error = self.broken[key] = err
-            item.done.set()
+        while True:   # one call per item: no local of this loop holds a finished one's tensor alive
+            self._serve(key, stream.get())
+
+    def _serve(self, key: tuple, item) -> None:
+        if isinstance(item, _Group):
+            self._reach_group(item)
+            return
+        try:
+            if key in self.broken:   # an earlier operation on this stream failed
+                raise self.broken[key]
+            if item.kind == "recv":
+                self._announce(item)
+                self.irecv(item.tensor, src=item.peer, group=item.group, tag=item.tag).wait()
+            else:
+                self._await_receiver(item)
+                self.isend(item.tensor, dst=item.peer, group=item.group, tag=item.tag).wait()
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits
+            item.error = self.broken[key] = err
+        item.done.set()
 
     def _reach_group(self, group: _Group) -> None:
         with group.lock:
