@@ -26,6 +26,9 @@ from ultrascale.comm import (AlphaBeta, CommLogger, bus_bandwidth_sweep, bus_fac
 from ultrascale.model import LLAMA3_8B, LLAMA_TINY, count_params, training_flops
 from ultrascale.runtime import Cluster
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 WORLD_SIZES = (1, 2, 3, 4, 5)
 LENGTHS = (1, 7, 1000, 2**20 + 3)
 OPS = ("sum", "avg", "max")
@@ -37,12 +40,13 @@ REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 @pytest.fixture(scope="module")
 def clusters():
-    """``clusters(n)``: a Cluster of n ranks, started on first use, closed at the end."""
+    """``clusters(n)``: a Cluster of n ranks, started on first use, closed at the end; gloo on a
+    CPU, NCCL on a node with n GPUs (make test-gpu), as ``Cluster`` chooses."""
     started = {}
 
     def get(world_size):
         if world_size not in started:
-            started[world_size] = Cluster(world_size, backend="gloo")
+            started[world_size] = Cluster(world_size)
         return started[world_size]
 
     yield get
@@ -54,6 +58,11 @@ def clusters():
 def _rank_input(rank, length):
     """Rank ``rank``'s test tensor; any rank can rebuild any other rank's input."""
     return torch.randn(length, generator=torch.Generator().manual_seed(1000 * rank + length))
+
+
+def _rank_input_on(ctx, rank, length):
+    """``_rank_input`` on a rank: drawn on the host, then moved to its device."""
+    return _rank_input(rank, length).to(ctx.device)
 
 
 def _built_in(x, op):
@@ -84,7 +93,7 @@ def _parity_on_rank(ctx):
     n, r = ctx.world_size, ctx.rank
     failures = []
     for length in LENGTHS:
-        x = _rank_input(r, length)
+        x = _rank_input_on(ctx, r, length)
         abs_sum = x.abs()
         dist.all_reduce(abs_sum)
         for op in OPS:
@@ -103,18 +112,18 @@ def _parity_on_rank(ctx):
             _check(failures, f"{label} reduce_scatter", mine, part(ref),
                    None if tol is None else part(tol))
             if length % n == 0 and op != "avg":  # the built-in needs equal chunks
-                rs = torch.empty(length // n)
+                rs = torch.empty(length // n, device=ctx.device)
                 REDUCE_SCATTER_SINGLE(rs, x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
                 _check(failures, f"{label} vs reduce_scatter_single", mine, rs, None if tol is None else part(tol))
-        if not torch.equal(x, _rank_input(r, length)):
+        if not torch.equal(x, _rank_input_on(ctx, r, length)):
             failures.append(f"rank {r} len={length}: a ring collective modified its input")
         # all-gather: chunk r of every rank's input, concatenated; no arithmetic, so exact
         chunk = torch.tensor_split(x, n)[r]
         gathered = ring_all_gather(chunk, numel=length)
-        expected = torch.cat([torch.tensor_split(_rank_input(q, length), n)[q] for q in range(n)])
+        expected = torch.cat([torch.tensor_split(_rank_input_on(ctx, q, length), n)[q] for q in range(n)])
         _check(failures, f"rank {r} N={n} len={length} all_gather", gathered, expected, None)
         if length % n == 0:
-            built_in = torch.empty(length)
+            built_in = torch.empty(length, device=ctx.device)
             ALL_GATHER_SINGLE(built_in, chunk)
             _check(failures, f"rank {r} N={n} len={length} vs all_gather_single", gathered, built_in, None)
     return failures
@@ -124,22 +133,23 @@ def _shapes_on_rank(ctx):
     """Multi-dimensional, non-contiguous, integer and 0-d tensors keep their shape."""
     n, r = ctx.world_size, ctx.rank
     failures = []
-    x = torch.arange(30.0).reshape(3, 5, 2) + r
+    dev = ctx.device
+    x = torch.arange(30.0, device=dev).reshape(3, 5, 2) + r
     y = x.clone()
     ring_all_reduce(y)
     _check(failures, "3-d", y, _built_in(x, "sum"), None)  # integers in float32: exact
     t = x.clone().transpose(0, 2)  # not contiguous: reduced in a copy, copied back
     ring_all_reduce(t, "max")
     _check(failures, "transposed", t, _built_in(x, "max").transpose(0, 2), None)
-    i = torch.full((4, 3), r, dtype=torch.int64)
+    i = torch.full((4, 3), r, dtype=torch.int64, device=dev)
     ring_all_reduce(i)
-    _check(failures, "int64", i, torch.full((4, 3), n * (n - 1) // 2, dtype=torch.int64), None)
-    s = torch.tensor(float(r))
+    _check(failures, "int64", i, torch.full((4, 3), n * (n - 1) // 2, dtype=torch.int64, device=dev), None)
+    s = torch.tensor(float(r), device=dev)
     ring_all_reduce(s)
-    _check(failures, "0-d", s, torch.tensor(n * (n - 1) / 2), None)
-    rows = torch.full((2, 3), float(r))  # equal chunks: stacked along dim 0
+    _check(failures, "0-d", s, torch.tensor(n * (n - 1) / 2, device=dev), None)
+    rows = torch.full((2, 3), float(r), device=dev)  # equal chunks: stacked along dim 0
     _check(failures, "all_gather rows", ring_all_gather(rows),
-           torch.arange(n).repeat_interleave(2)[:, None].float().expand(2 * n, 3), None)
+           torch.arange(n, device=dev).repeat_interleave(2)[:, None].float().expand(2 * n, 3), None)
     return failures
 
 
@@ -159,7 +169,7 @@ def _logged_ring_bytes(ctx):
     """Bytes the logger records for each ring collective, for several lengths."""
     rows = []
     for length in (1, 7, 12, 60, 1000):
-        x = torch.ones(length)
+        x = torch.ones(length, device=ctx.device)
         with CommLogger() as log:
             ring_all_reduce(x)
             ring_reduce_scatter(x)
@@ -188,27 +198,27 @@ def test_logger_counts_the_ring_bytes_exactly(clusters, world_size):
 
 
 def _logged_built_ins(ctx):
-    n, r = ctx.world_size, ctx.rank
+    n, r, dev = ctx.world_size, ctx.rank, ctx.device
     originals = (dist.all_reduce, dist.isend, c10d.isend, dist.broadcast)
-    x = torch.ones(120)  # 480 bytes
+    x = torch.ones(120, device=dev)  # 480 bytes
     with CommLogger() as outer:
         with CommLogger() as log:
             dist.all_reduce(x)
-            getattr(dist, ALL_GATHER_SINGLE.__name__)(torch.empty(120 * n), x)
-            getattr(dist, REDUCE_SCATTER_SINGLE.__name__)(torch.empty(120 // n), x)
+            getattr(dist, ALL_GATHER_SINGLE.__name__)(torch.empty(120 * n, device=dev), x)
+            getattr(dist, REDUCE_SCATTER_SINGLE.__name__)(torch.empty(120 // n, device=dev), x)
             dist.broadcast(x, src=1)
             dist.reduce(x, dst=0)
-            small = torch.ones(6)  # 24 bytes
-            dist.gather(small, [torch.empty(6) for _ in range(n)] if r == 2 else None, dst=2)
-            dist.scatter(small, [torch.ones(6) for _ in range(n)] if r == 0 else None, src=0)
-            dist.all_to_all_single(torch.empty(6 * n), torch.ones(6 * n))
+            small = torch.ones(6, device=dev)  # 24 bytes
+            dist.gather(small, [torch.empty(6, device=dev) for _ in range(n)] if r == 2 else None, dst=2)
+            dist.scatter(small, [torch.ones(6, device=dev) for _ in range(n)] if r == 0 else None, src=0)
+            dist.all_to_all_single(torch.empty(6 * n, device=dev), torch.ones(6 * n, device=dev))
             dist.barrier()
             # Point-to-point round the ring; isend first so no rank blocks.
-            work = dist.isend(torch.ones(10), (r + 1) % n)
-            dist.recv(torch.empty(10), (r - 1) % n)
+            work = dist.isend(torch.ones(10, device=dev), (r + 1) % n)
+            dist.recv(torch.empty(10, device=dev), (r - 1) % n)
             work.wait()
-            ops = [dist.P2POp(dist.isend, torch.ones(3), (r + 1) % n),
-                   dist.P2POp(dist.irecv, torch.empty(3), (r - 1) % n)]
+            ops = [dist.P2POp(dist.isend, torch.ones(3, device=dev), (r + 1) % n),
+                   dist.P2POp(dist.irecv, torch.empty(3, device=dev), (r - 1) % n)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
         patched = dist.all_reduce is not originals[0]
@@ -243,8 +253,8 @@ def test_logger_wraps_built_ins_and_restores_them(clusters):
 def _logged_onto_a_timeline(ctx):
     from ultrascale.parallel.timeline import Timeline
 
-    timeline = Timeline(ctx.rank)
-    x = torch.ones(1000)
+    timeline = Timeline(ctx.rank, device=ctx.device)
+    x = torch.ones(1000, device=ctx.device)
     with CommLogger(timeline=timeline) as log:
         with timeline.span("compute"):
             y = x * 2
@@ -420,7 +430,7 @@ def _against_the_built_in(ctx, name, all_reduce, logs) -> list:
     n, r = ctx.world_size, ctx.rank
     failures = []
     for length in LENGTHS:
-        x = _rank_input(r, length)
+        x = _rank_input_on(ctx, r, length)
         abs_sum = x.abs()
         dist.all_reduce(abs_sum)
         for op in OPS:
@@ -534,10 +544,10 @@ def _chosen_all_reduce(ctx):
     from ultrascale.comm.recursive import all_reduce, fit_on_the_spot
 
     # sizes up to MiBs (the median of 3 tries each): under a loaded CI machine 512 KiB x 2 once fitted no slope
-    model = fit_on_the_spot(sizes=(4 << 10, 1 << 20, 4 << 20), iters=3)
+    model = fit_on_the_spot(sizes=(4 << 10, 1 << 20, 4 << 20), iters=3, device=ctx.device)
     results = []
     for length in (3, 1 << 18):
-        x = _rank_input(ctx.rank, length)
+        x = _rank_input_on(ctx, ctx.rank, length)
         with CommLogger() as log:
             all_reduce(x.clone(), model=model)
         results.append(log.events[0].op)
@@ -610,7 +620,7 @@ def _direct_crossover(ctx):
     from ultrascale.comm.recursive import direct_crossover_on_the_spot
 
     sizes = (1 << 12, 1 << 16, 1 << 20)
-    return direct_crossover_on_the_spot(sizes=sizes, rounds=2), sizes
+    return direct_crossover_on_the_spot(sizes=sizes, rounds=2, device=ctx.device), sizes
 
 
 def test_the_direct_crossover_is_one_of_the_sizes_raced_and_the_same_on_every_rank(clusters):
@@ -624,7 +634,7 @@ def _race(ctx):
     from ultrascale.comm.recursive import AlphaBeta, all_reduce_contenders, race_all_reduces
 
     contenders = all_reduce_contenders(model=AlphaBeta(1e-4, 1e9))
-    return race_all_reduces(contenders, sizes=(1 << 10, 1 << 14), rounds=2)
+    return race_all_reduces(contenders, sizes=(1 << 10, 1 << 14), rounds=2, device=ctx.device)
 
 
 def test_race_times_every_contender_and_agrees_across_ranks(clusters):
@@ -649,7 +659,7 @@ def _race_order(ctx):
 
     calls = []
     contenders = {name: (lambda t, name=name: calls.append(name)) for name in "abc"}
-    race_all_reduces(contenders, sizes=(1 << 10,), rounds=4)
+    race_all_reduces(contenders, sizes=(1 << 10,), rounds=4, device=ctx.device)
     return [name for i, name in enumerate(calls) if i == 0 or calls[i - 1] != name]
 
 
@@ -709,7 +719,7 @@ def _works_kept_then_released(ctx):
 
         setattr(module, step, spy)
         try:
-            x = torch.ones(1 << 12)
+            x = torch.ones(1 << 12, device=ctx.device)
             collective(x)
         finally:
             setattr(module, step, original)
