@@ -28,6 +28,9 @@ from ultrascale.parity import assert_same, tolerance
 from ultrascale.runtime import shared_cluster
 from ultrascale.train import gradients, train
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 DT = torch.float64
 # (batch, heads, K/V heads, seq, head_dim): grouped-query attention, and 24 tokens cut into
 # 2*cp equal chunks for every cp in {1, 2, 3, 4}.
@@ -44,7 +47,8 @@ def qkv_and_upstream(dtype=DT, shape=SHAPE):
 
 
 def local(t, ctx, layout):
-    return split_sequence(t, ctx.rank, ctx.world_size, layout, dim=2)[0]
+    """This rank's slice of a seeded host tensor, moved to its device."""
+    return split_sequence(t, ctx.rank, ctx.world_size, layout, dim=2)[0].to(ctx.device)
 
 
 def gather(per_rank, layout):
@@ -108,7 +112,7 @@ def test_attention_equals_chapter_11_naive_attention(causal):
 def logged(ctx, kind):
     q, k, v, grad_out = qkv_and_upstream()
     mine = [local(t, ctx, "zigzag").requires_grad_() for t in (q, k, v)]
-    timeline = Timeline(ctx.rank)
+    timeline = Timeline(ctx.rank, device=ctx.device)
     with CommLogger() as forward_log:
         out = context_parallel_attention(*mine, layout="zigzag", kind=kind, timeline=timeline)
     with CommLogger() as backward_log:
@@ -202,20 +206,22 @@ def data(name):
     return Batches(CONFIGS[name], mbs=2, seed=0)
 
 
-def first_step_then_train(model, batch, stream, steps=STEPS):
-    """The first step's logits and gradients, then the weights after ``steps`` SGD steps."""
+def first_step_then_train(model, batch, stream, steps=STEPS, device=None):
+    """The first step's logits and gradients, then the weights after ``steps`` SGD steps;
+    ``device``: where the batches go (a rank's ``ctx.device``; None: they stay on the host)."""
+    batch = batch.to(device)
     logits = model(batch.inputs, batch.positions)
     batch.loss(model).backward()
     out = {"logits": logits.detach(), "grads": gradients(model)}
     model.zero_grad(set_to_none=True)
-    return {**out, "weights": train(model, stream, steps, "sgd")}
+    return {**out, "weights": train(model, stream, steps, "sgd", device=device)}
 
 
 def under_cp(ctx, name, layout, kind, recompute):
     mesh = init_mesh(ctx, cp=ctx.world_size)
-    model = apply_cp(fresh_model(name, recompute), mesh, layout=layout, kind=kind)
+    model = apply_cp(fresh_model(name, recompute).to(ctx.device), mesh, layout=layout, kind=kind)
     stream = data(name).rank_stream(ctx.rank, ctx.world_size, by="sequence", layout=layout)
-    return first_step_then_train(model, stream(0), stream)
+    return first_step_then_train(model, stream(0), stream, device=ctx.device)
 
 
 def one_process(name):
@@ -241,8 +247,9 @@ def test_model_under_cp_trains_as_one_process(name, cp, layout, kind, recompute)
 
 
 def without_gradient_sync(ctx):
-    model = apply_cp(fresh_model("gpt"), None, sync_gradients=False)
-    data("gpt").rank_stream(ctx.rank, ctx.world_size, by="sequence", layout="zigzag")(0).loss(model).backward()
+    model = apply_cp(fresh_model("gpt").to(ctx.device), None, sync_gradients=False)
+    batch = data("gpt").rank_stream(ctx.rank, ctx.world_size, by="sequence", layout="zigzag")(0)
+    batch.to(ctx.device).loss(model).backward()
     return gradients(model)
 
 
@@ -269,8 +276,8 @@ def refusals(ctx):
     q, k, v, _ = qkv_and_upstream()
     mine = [local(t, ctx, "contiguous") for t in (q, k, v)]
     shorter = [t[:, :, :-2] if r == 0 else t for t in mine]   # rank 0 holds 4 tokens, the others 6
-    model = apply_cp(fresh_model("gpt"), None, layout="zigzag")
-    contiguous = split(data("gpt").global_batch(0), r, n, by="sequence")
+    model = apply_cp(fresh_model("gpt").to(ctx.device), None, layout="zigzag")
+    contiguous = split(data("gpt").global_batch(0), r, n, by="sequence").to(ctx.device)
     return {
         "lengths": _error(lambda: context_parallel_attention(*shorter)),
         "head_dim": _error(lambda: context_parallel_attention(mine[0], mine[1][..., :6], mine[2][..., :6])),
@@ -279,8 +286,8 @@ def refusals(ctx):
         "odd zigzag": _error(lambda: context_parallel_attention(*(t[:, :, :-1] for t in mine), layout="zigzag")),
         "kind": _error(lambda: context_parallel_attention(*mine, kind="all_to_all")),
         "positions": _error(lambda: contiguous.loss(model)),
-        "layout": _error(lambda: apply_cp(fresh_model("gpt"), None, layout="striped")),
-        "plan": _error(lambda: apply_cp(fresh_model("gpt"), None, plan={"blocks.*.mlp": "ring"})),
+        "layout": _error(lambda: apply_cp(fresh_model("gpt").to(ctx.device), None, layout="striped")),
+        "plan": _error(lambda: apply_cp(fresh_model("gpt").to(ctx.device), None, plan={"blocks.*.mlp": "ring"})),
         "works after": context_parallel_attention(*mine).shape,   # nobody is left stuck in the ring
     }
 

@@ -21,6 +21,9 @@ from ultrascale.runtime import shared_cluster
 
 from test_context_parallel import first_step_then_train
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 DT = torch.float64
 MHA, GQA = (2, 4, 4, 24, 8), (2, 4, 2, 24, 8)   # (batch, heads, K/V heads, seq, head_dim)
 
@@ -34,7 +37,8 @@ def qkv_and_upstream(shape, dtype=DT):
 
 
 def local(t, ctx):
-    return split_sequence(t, ctx.rank, ctx.world_size, "contiguous", dim=2)[0]
+    """This rank's slice of a seeded host tensor, moved to its device."""
+    return split_sequence(t, ctx.rank, ctx.world_size, "contiguous", dim=2)[0].to(ctx.device)
 
 
 # --------------------------------------------------------------------------- attention alone
@@ -81,10 +85,11 @@ def fresh_model(name):
 
 
 def under_ulysses(ctx, name):
-    model = apply_cp(fresh_model(name), init_mesh(ctx, cp=ctx.world_size), layout="contiguous", kind="ulysses")
+    model = apply_cp(fresh_model(name).to(ctx.device), init_mesh(ctx, cp=ctx.world_size), layout="contiguous",
+                     kind="ulysses")
     stream = Batches(CONFIGS[name], mbs=2, seed=0).rank_stream(ctx.rank, ctx.world_size, by="sequence",
                                                               layout="contiguous")
-    return first_step_then_train(model, stream(0), stream, STEPS)
+    return first_step_then_train(model, stream(0), stream, STEPS, device=ctx.device)
 
 
 @pytest.mark.parametrize("name,cp", [("gpt", 2), ("gpt", 4), ("llama", 2)])
@@ -157,8 +162,9 @@ def refusals(ctx, shape):
     return {
         "attention": _error(lambda: ulysses_attention(*mine)),
         "zigzag": _error(lambda: ulysses_attention(*mine, layout="zigzag")),
-        "model": _error(lambda: apply_cp(fresh_model("llama"), None, layout="contiguous", kind="ulysses")),
-        "model zigzag": _error(lambda: apply_cp(fresh_model("gpt"), None, kind="ulysses")),
+        "model": _error(lambda: apply_cp(fresh_model("llama").to(ctx.device), None, layout="contiguous",
+                                         kind="ulysses")),
+        "model zigzag": _error(lambda: apply_cp(fresh_model("gpt").to(ctx.device), None, kind="ulysses")),
         "ring works after": context_parallel_attention(*mine).shape,   # nobody left waiting
     }
 
