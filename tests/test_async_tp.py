@@ -30,12 +30,20 @@ from ultrascale.runtime import shared_cluster
 from test_tensor_parallel import (CONFIGS, GPT_CFG, STEPS, _error, assert_matches, data, fresh_model, ours,
                                   reference)
 
+# every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 DT = torch.float64
 B, PIECE, HIDDEN = 2, 3, 5   # each rank holds (2, 3, 5) of the sequence
 
 
 def _randn(*shape, seed):
     return torch.randn(*shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
+
+
+def _randn_on(device):
+    """``_randn`` for a rank: the same numbers, drawn on the host and moved to its device."""
+    return lambda *shape, seed: _randn(*shape, seed=seed).to(device)
 
 
 def _leaf(t):
@@ -51,20 +59,20 @@ def _functions_on_rank(ctx, members):
         return None
     r = ctx.rank if members is None else members.index(ctx.rank)
     n = ctx.world_size if members is None else len(members)
-    out = {}
+    out, randn = {}, _randn_on(ctx.device)
 
     # all-gather + matmul: two weights (q and k of one region), rows r of each; the gathered
     # input is used too, so its gradient joins the reduce-scatter.
-    x_full = _randn(B, n * PIECE, HIDDEN, seed=1)
+    x_full = randn(B, n * PIECE, HIDDEN, seed=1)
     x_r = x_full[:, r * PIECE:(r + 1) * PIECE]
-    w1, w2 = _randn(4, HIDDEN, seed=10 + r), _randn(2, HIDDEN, seed=20 + r)
-    weights = [_randn(B, n * PIECE, 4, seed=30 + r), _randn(B, n * PIECE, 2, seed=40 + r),
-               _randn(B, n * PIECE, HIDDEN, seed=50 + r)]
+    w1, w2 = randn(4, HIDDEN, seed=10 + r), randn(2, HIDDEN, seed=20 + r)
+    weights = [randn(B, n * PIECE, 4, seed=30 + r), randn(B, n * PIECE, 2, seed=40 + r),
+               randn(B, n * PIECE, HIDDEN, seed=50 + r)]
     results = []
     for decomposed in (True, False):
         x, a, b = _leaf(x_r), _leaf(w1), _leaf(w2)
         if decomposed:
-            timeline = Timeline(ctx.rank)
+            timeline = Timeline(ctx.rank, device=ctx.device)
             with CommLogger() as log:
                 gathered, (y1, y2) = all_gather_matmul(x, [a, b], group, timeline)
                 loss = (y1 * weights[0]).sum() + (y2 * weights[1]).sum() + (gathered * weights[2]).sum()
@@ -83,13 +91,13 @@ def _functions_on_rank(ctx, members):
     out["all_gather_matmul"] = tuple(results)
 
     # matmul + reduce-scatter: input features split (6 per rank), the sum kept by tokens.
-    h_r = _randn(B, n * PIECE, 6, seed=60 + r)
-    w = _randn(HIDDEN, 6, seed=70 + r)
-    weight_out = _randn(B, PIECE, HIDDEN, seed=80 + r)
+    h_r = randn(B, n * PIECE, 6, seed=60 + r)
+    w = randn(HIDDEN, 6, seed=70 + r)
+    weight_out = randn(B, PIECE, HIDDEN, seed=80 + r)
     results = []
     for decomposed in (True, False):
         h, v = _leaf(h_r), _leaf(w)
-        timeline = Timeline(ctx.rank)
+        timeline = Timeline(ctx.rank, device=ctx.device)
         with CommLogger() as log:
             y = matmul_reduce_scatter(h, v, group, timeline) if decomposed else g_star(F.linear(h, v), 1, group)
             (y * weight_out).sum().backward()
@@ -139,10 +147,11 @@ def test_decomposed_functions_equal_the_plain_collectives(world, members):
 
 # --------------------------------------------------------------------------- a whole model
 def async_tp(ctx, name, optimizer):
-    model = apply_tp(fresh_model(CONFIGS[name]), init_mesh(ctx, tp=ctx.world_size), sequence_parallel=True,
-                     async_tp=True)
+    model = apply_tp(fresh_model(CONFIGS[name]).to(ctx.device), init_mesh(ctx, tp=ctx.world_size),
+                     sequence_parallel=True, async_tp=True)
     return first_step_and_train(model, data(CONFIGS[name]), STEPS, optimizer, full_gradients=full_gradients,
-                                full_logits=VocabParallelLogits.full_tensor, full_weights=full_weights)
+                                full_logits=VocabParallelLogits.full_tensor, full_weights=full_weights,
+                                device=ctx.device)
 
 
 # Llama's MLP has two column-parallel layers (gate, up) in one region; GPT's attention three.
@@ -162,14 +171,14 @@ def test_async_tp_trains_as_plain_tp_sp_and_one_process(name, tp, optimizer):
 # --------------------------------------------------------------------------- refusals and bars
 def refusals_and_bars(ctx):
     n = ctx.world_size
-    untouched = fresh_model(GPT_CFG)
+    untouched = fresh_model(GPT_CFG).to(ctx.device)
     out = {"no sp": _error(lambda: apply_tp(untouched, async_tp=True))}
     out["untouched"] = type(untouched.blocks[0].attn.q).__name__   # a refusal swaps nothing
-    x = torch.zeros(2, 13, 4, dtype=DT)   # 13 tokens: tp=2 does not divide them
-    out["sequence"] = _error(lambda: matmul_reduce_scatter(x, torch.zeros(3, 4, dtype=DT)))
-    timeline = Timeline(ctx.rank)
-    model = apply_tp(fresh_model(GPT_CFG), sequence_parallel=True, async_tp=True, timeline=timeline)
-    batch = data(GPT_CFG).global_batch(0)
+    x = torch.zeros(2, 13, 4, dtype=DT, device=ctx.device)   # 13 tokens: tp=2 does not divide them
+    out["sequence"] = _error(lambda: matmul_reduce_scatter(x, torch.zeros(3, 4, dtype=DT, device=ctx.device)))
+    timeline = Timeline(ctx.rank, device=ctx.device)
+    model = apply_tp(fresh_model(GPT_CFG).to(ctx.device), sequence_parallel=True, async_tp=True, timeline=timeline)
+    batch = data(GPT_CFG).global_batch(0).to(ctx.device)
     out["model sequence"] = _error(lambda: model(batch.inputs[:, : n + 1]))
     batch.loss(model).backward()
     out["bars"] = sorted({(row["lane"], row["name"]) for row in timeline.rows()})
