@@ -5,8 +5,9 @@
 
 1. **tests**: the GPU tests (``pytest -m "gpu or multigpu"``): the runtime after CUDA is
    initialised in the notebook, the Triton kernels compiled for this GPU, and every technique's
-   parity tests (``multigpu``, the files tests/test_strict_device.py lists: DP, ZeRO, TP, PP, EP
-   and their compositions on 2 to 4 ranks, one GPU each and NCCL where the node has that many;
+   parity tests (``multigpu``, the files tests/test_strict_device.py lists: the collectives, DP,
+   ZeRO, TP, SP, CP, PP, EP and their compositions on 1 to 5 ranks, one GPU each and NCCL where
+   the node has that many;
    ``Cluster`` says what it chose otherwise).
 2. **chapters**: every chapter headless at QUICK with ``WORLD_SIZE`` = the GPUs of this node, so
    that each rank has a GPU of its own and the process group is NCCL. Each chapter asserts its
