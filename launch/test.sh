@@ -10,6 +10,9 @@ BIN=.venv/bin
 echo "== spelling (codespell over code, notebooks and docs)"
 $BIN/codespell README.md lib chapters solutions launch benchmarks tests
 
+echo "== lint (ruff check: pyflakes over the library, tests, benchmarks, launch scripts and chapter sources)"
+$BIN/ruff check lib tests benchmarks launch chapters/*.py
+
 echo "== exercises/ in sync with solutions/"
 $BIN/python -m ultrascale.grading.generate --check
 
