@@ -32,13 +32,9 @@ import torch
 
 from ultrascale.grading.guards import expect_value_error
 from ultrascale.grading.properties import Property
+from ultrascale.grading.properties import strategies as _st
 
 FLOAT_EXACT = 2 ** 53   # above this a float no longer holds every integer
-
-
-def _st():
-    import hypothesis.strategies as st
-    return st
 
 
 def _is_int(x) -> bool:

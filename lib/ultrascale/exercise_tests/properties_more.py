@@ -57,19 +57,11 @@ import statistics
 
 import torch
 
-from ultrascale.grading.properties import Property
+from ultrascale.grading.properties import Property, floats
+from ultrascale.grading.properties import seeded_values as _values
+from ultrascale.grading.properties import strategies as _st
 
-FLOATS = (torch.float32, torch.float64, torch.bfloat16)
-
-
-def _st():
-    import hypothesis.strategies as st
-    return st
-
-
-def _values(seed: int, shape, dtype, magnitude: float = 1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (magnitude * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+FLOATS = floats()
 
 
 # ---- 00.mean_across_ranks ------------------------------------------------------------------

@@ -27,6 +27,27 @@ QUICK_EXAMPLES = 25
 FULL_EXAMPLES = 150
 
 
+def strategies():
+    """hypothesis's strategies module (imported when a property first draws, not with the grader)."""
+    import hypothesis.strategies as st
+    return st
+
+
+def floats():
+    """The dtypes a property draws where the technique admits any float: bf16 catches arithmetic
+    that assumes float32, float64 a buffer or accumulator made in float32."""
+    import torch
+    return (torch.float32, torch.float64, torch.bfloat16)
+
+
+def seeded_values(seed: int, shape, dtype, magnitude: float = 1.0):
+    """A drawn case's tensor: normal values from a torch generator seeded by a drawn integer (so
+    hypothesis shrinks the seed and the shape, never a float's last bits), made in float64 then cast."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return (magnitude * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Property:
     strategy: Callable[[], Any]                  # () -> a hypothesis SearchStrategy of cases
