@@ -33,6 +33,9 @@ from ultrascale.parity import device_mesh_1d, fsdp2
 from ultrascale.runtime import Cluster, RankError, shared_cluster
 from ultrascale.train import run_steps
 
+# a technique test: run under a GPU node's rules in make test, on the node's GPUs in make test-gpu
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)   # a block: 12,704, not a multiple of 3
 GLOBAL_BATCH = 12          # samples per step: splits over 1, 2, 3 and 4 data-parallel ranks
 TOL = 1e-10

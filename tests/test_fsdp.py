@@ -21,6 +21,9 @@ from ultrascale.parity import assert_replicas_identical, assert_same, perturbed
 from ultrascale.runtime import shared_cluster
 from ultrascale.train import make_optimizer, run_steps, weights
 
+# a technique test: run under a GPU node's rules in make test, on the node's GPUs in make test-gpu
+pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
+
 STEPS = 3
 # vocab 64 over 3 ranks: 22, 22, 20 rows; vocab 9 over 4 ranks: 3, 3, 3 and an empty shard
 CONFIGS = {2: GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16),

@@ -268,7 +268,7 @@ TECHNIQUE_TESTS = ["test_data_parallel.py", "test_zero.py", "test_zero_optimizer
                    "test_grad_sync.py", "test_tensor_parallel.py", "test_comm_functional.py",
                    "test_expert_parallel.py", "test_pipeline_parallel.py", "test_compose.py",
                    "test_compose_5d.py", "test_mesh.py", "test_async_tp.py", "test_context_parallel.py",
-                   "test_ulysses.py", "test_comm.py"]
+                   "test_ulysses.py", "test_comm.py", "test_fsdp.py", "test_checkpoint.py"]
 TECHNIQUE_MARKS = {"pytest.mark.multigpu", "pytest.mark.usefixtures('strict_modes')"}
 
 
