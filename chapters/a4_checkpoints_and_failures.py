@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from ultrascale.checkpoint import (SampleLoader, checkpoint_steps, latest_checkpoint, load_checkpoint,
                                    save_checkpoint, save_checkpoint_async)
 from ultrascale.checkpoint.failures import checkpoint_seconds, daly_interval, simulate_run, young_interval
+from ultrascale.comm import wait_for_device
 from ultrascale.model import GPT, LLAMA3_405B, GPTConfig, count_params
 from ultrascale.parallel import ZeRO
 from ultrascale.parity import device_mesh_1d, fsdp2
@@ -227,6 +228,7 @@ def time_saves(ctx, root, steps):
     run_steps(model, data, 1, zero)                       # warm up
     seconds = {}
     for kind in ("no save", "blocking save", "background save"):
+        wait_for_device(ctx.device)   # on a GPU: time the steps' kernels, not their launches
         pending, start = None, time.perf_counter()
         for step in range(steps):
             run_steps(model, data, 1, zero)
@@ -238,6 +240,7 @@ def time_saves(ctx, root, steps):
                 pending = save_checkpoint_async(root / "background", step, model, zero, loader=data)
         if pending is not None:
             pending.wait()
+        wait_for_device(ctx.device)
         seconds[kind] = (time.perf_counter() - start) / steps
     return seconds
 
