@@ -79,6 +79,13 @@ class _Op:
         self.done, self.error, self.number = threading.Event(), None, None
         self.stream = (_group_name(group), peer)   # NCCL: one communicator per group and pair
 
+    def finish(self) -> None:
+        """Done: let go of the tensor first. The stream thread still holds this operation for
+        a moment after its waiter wakes, and a collective's caller may check that the tensor it
+        passed is freed once the call returns (as the real Works let it go)."""
+        self.tensor = None
+        self.done.set()
+
     def describe(self, me: int) -> str:
         arrow = f"rank {me} -> rank {self.peer}" if self.kind == "send" else f"rank {self.peer} -> rank {me}"
         return f"{self.kind} #{self.number} ({arrow}, {tuple(self.tensor.shape)} {self.tensor.dtype})"
@@ -183,7 +190,7 @@ class StrictPointToPoint:
                 self.isend(item.tensor, dst=item.peer, group=item.group, tag=item.tag).wait()
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits
             item.error = self.broken[key] = err
-        item.done.set()
+        item.finish()
 
     def _reach_group(self, group: _Group) -> None:
         with group.lock:
@@ -209,7 +216,7 @@ class StrictPointToPoint:
                 op.error = err
                 self.broken[op.stream] = err
         for op in group.ops:
-            op.done.set()
+            op.finish()
         group.done.set()
 
     def _key(self, op: _Op, src: int, dst: int) -> str:
