@@ -28,7 +28,10 @@ VENV=${VENV:-.venv}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
-has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
+# grep -c, not grep -q: -q exits at the first match, and under pipefail the nvidia-smi still writing
+# its next GPU's line then dies of SIGPIPE and fails the pipe (a node with GPUs read as one without,
+# now and then: seen in the suite under load)
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -c GPU >/dev/null; }
 warn() { echo "[setup] WARNING: $*" >&2; }
 
 # Where setup ran, against the torch it left: a GPU that torch cannot use, or no GPU where GPUs
@@ -54,7 +57,7 @@ gpu_warnings() {
     context="this is SLURM job $SLURM_JOB_ID"
   elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
     context="CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES is set"
-  elif command -v sinfo >/dev/null 2>&1 && timeout 15 sinfo -h -o %G 2>/dev/null | grep -q gpu; then
+  elif command -v sinfo >/dev/null 2>&1 && timeout 15 sinfo -h -o %G 2>/dev/null | grep -c gpu >/dev/null; then
     # on a login node: SLURM's partitions offer GPUs (their generic resources, gpu:N), this node has none
     context="SLURM's nodes have GPUs (sinfo) and this one has none: a login node, likely"
   fi

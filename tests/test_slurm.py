@@ -183,7 +183,10 @@ def test_slurm_batch_sbatch_runs_a_chapter_and_writes_the_table_where_the_log_sa
 # and GPU jobs then run as gloo ranks on the CPU without a word. `launch/setup.sh --check-gpu`
 # runs the check setup ends with; here against fake tools: nvidia-smi, sinfo and the venv's
 # python are scripts, and PATH holds nothing else, so the machine's own tools never answer.
-NVIDIA_SMI = {True: 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"; echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"',
+# the second GPU's line a moment after the first, as a real nvidia-smi may write it: a reader that
+# stops at the first line (grep -q) then kills it with SIGPIPE, which pipefail turns into "no GPU"
+NVIDIA_SMI = {True: 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"; sleep 0.2; '
+                    'echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"',
               False: 'echo "No devices were found"; exit 6'}   # as nvidia-smi says on a node without GPUs
 CPU_TORCH, CUDA_TORCH, CUDA_TORCH_OLD_DRIVER = "2.13.0+cpu cpu 0", "2.13.0+cu128 12.8 1", "2.13.0+cu128 12.8 0"
 
@@ -199,7 +202,7 @@ def setup_gpu_check(tmp_path: Path, gpus: bool, torch_says: str | None = None, s
     real .venv), SLURM's sinfo printing ``sinfo`` (None: no sinfo)."""
     tools = tmp_path / "bin"
     tools.mkdir()
-    for tool in ("dirname", "grep", "timeout"):
+    for tool in ("dirname", "grep", "timeout", "sleep"):
         (tools / tool).symlink_to(shutil.which(tool))
     _script(tools / "nvidia-smi", NVIDIA_SMI[gpus])
     if sinfo is not None:
