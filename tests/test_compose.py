@@ -34,6 +34,8 @@ FACTORISATIONS = [
     ParallelConfig(dp=2, cp=2, zero=1, optimizer="adam"),
     ParallelConfig(dp=4, zero=2, microbatches=2),
     ParallelConfig(pp=2, cp=2, microbatches=2, schedule="afab"),
+    # HSDP: each parameter sharded over 2 dp ranks, replicated over the 2 blocks (issue 57)
+    ParallelConfig(dp=4, dp_shard=2, microbatches=2, optimizer="adam"),
 ]
 
 
@@ -95,6 +97,11 @@ def test_rank_to_group_maps_and_data_indices():
     # the loss is read on the last stage, once per tp group
     assert mean_loss([[None], [None], [3.0], [3.0]], Mesh(pp=2, tp=2)) == [3.0]
     assert mean_loss([[1.0], [9.0], [3.0], [9.0]], Mesh(dp=2, tp=2)) == [2.0]
+    # HSDP's cut of the data ranks (with cp: they hold the same weights): blocks of consecutive
+    # dp coordinates shard, the same place in every block replicates
+    assert Mesh(dp=4, tp=2).split_ranks("dp", 2) == ([[0, 2], [4, 6], [1, 3], [5, 7]],
+                                                      [[0, 4], [2, 6], [1, 5], [3, 7]])
+    assert Mesh(dp=2, cp=2).split_ranks(("dp", "cp"), 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
 
 
 def test_config_errors():
@@ -103,6 +110,16 @@ def test_config_errors():
     with pytest.raises(ValueError, match="tp must be a positive integer"):
         ParallelConfig(tp=0)
     assert str(ParallelConfig(dp=2, pp=2, tp=2)) == "dp2 x pp2 x tp2"
+    assert str(ParallelConfig(dp=4, dp_shard=2)) == "dp4 +hsdp2x2" and ParallelConfig(dp=4, dp_shard=2).dp_replicate == 2
+    assert str(ParallelConfig(dp=4, dp_shard=4)) == "dp4 +fsdp"
+    with pytest.raises(ValueError, match="dp_shard=3 must divide dp=4"):
+        ParallelConfig(dp=4, dp_shard=3)
+    with pytest.raises(ValueError, match="both shard the data axis"):
+        ParallelConfig(dp=4, dp_shard=2, zero=1)
+    with pytest.raises(ValueError, match="pipeline or expert parallelism"):
+        ParallelConfig(dp=2, pp=2, dp_shard=2)
+    with pytest.raises(ValueError, match="equal blocks"):
+        Mesh(dp=4).split_ranks("dp", 3)
 
 
 def test_a_mesh_that_does_not_cover_the_world_is_refused():

@@ -13,7 +13,11 @@ FSDP to each stage; sharding before the split, as here, gives the same stages):
    coordinate, so the pipeline pairs ranks of equal tp coordinate);
 4. **DP/ZeRO** last: it must see the parameters the others have sharded, and it averages
    the gradients over every rank that saw *different data* for the same parameter (ZeRO's
-   composition, with experts, pipeline stages and ZeRO-3, is ``compose_zero``'s).
+   composition, with experts, pipeline stages and ZeRO-3, is ``compose_zero``'s). With
+   ``dp_shard`` the data ranks shard per parameter instead (``fsdp.apply_fsdp``, FSDP2's
+   design): over ``dp_shard`` of the dp ranks (times cp), the parameters' replicas on the
+   other ``dp / dp_shard`` blocks all-reducing their gradient shards: hybrid sharding (HSDP),
+   torchtitan's ``dp_replicate x dp_shard``.
 
 Which ranks see different data? The dp ranks (different rows), the cp ranks (different
 tokens of the same rows) and, for the dense layers of an MoE model, the ep ranks (different
@@ -48,6 +52,7 @@ from ..train import make_optimizer, run_pipeline_steps, run_steps
 from .compose_zero import apply_zero_composed
 from .context_parallel import apply_cp
 from .data_parallel import apply_data_parallel
+from .fsdp import apply_fsdp, full_state_dict
 from .grad_sync import DATA_AXES
 from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import apply_pp
@@ -69,7 +74,10 @@ class ParallelConfig:
     ``zero``: 0 for plain data parallelism (an all-reduce of the gradients), 1, 2 or 3 for
     ZeRO over the data ranks (``compose_zero``: dense and expert parameters over their own
     groups). ``microbatches``: the pipeline's m (gradient
-    accumulation without PP).
+    accumulation without PP). ``dp_shard``: 0 leaves the data axis to ``zero``; ``k`` > 0
+    shards each parameter over ``k`` of the dp ranks (and the cp ranks: they hold the same
+    weights) and replicates over the ``dp / k`` blocks of them: FSDP when ``k = dp``, HSDP
+    (``dp_replicate x dp_shard``) between 1 and dp.
     """
 
     dp: int = 1
@@ -83,6 +91,7 @@ class ParallelConfig:
     microbatches: int = 1
     cp_layout: str = "zigzag"
     optimizer: str = "sgd"
+    dp_shard: int = 0
 
     def __post_init__(self):
         for axis in AXES + ("microbatches",):
@@ -93,6 +102,8 @@ class ParallelConfig:
             raise ValueError("sequence parallelism splits the sequence over the tp ranks: it needs tp > 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r}: 0 (plain DP), or the ZeRO stage 1, 2 or 3")
+        if self.dp_shard:
+            self._check_dp_shard()
         if self.sp and self.pp > 1 and self.cp > 1:
             raise ValueError("this course's library does not compose sequence parallelism inside pipeline stages "
                              "with context parallelism yet: a later stage, given SP's slice of hidden states, "
@@ -103,6 +114,25 @@ class ParallelConfig:
                              "yet: it computes the weights' gradients apart (W) with autograd.grad, which "
                              "bypasses the hooks that move them into ZeRO's flat buffers; use a schedule "
                              "without a B/W split (afab, 1f1b, interleaved)")
+
+    def _check_dp_shard(self) -> None:
+        shard = self.dp_shard
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 0 or self.dp % shard:
+            raise ValueError(f"dp_shard={shard!r} must divide dp={self.dp} (the dp ranks are cut into dp / dp_shard "
+                             f"replicas of dp_shard shards): choose one of "
+                             f"{[d for d in range(1, self.dp + 1) if self.dp % d == 0]}, or 0 for no per-parameter "
+                             "sharding")
+        if self.zero:
+            raise ValueError(f"zero={self.zero} and dp_shard={shard} both shard the data axis: choose ZeRO's flat "
+                             "units (zero=) or per-parameter sharding (dp_shard=), not both")
+        if self.pp > 1 or self.ep > 1:
+            raise ValueError("this course's library does not compose per-parameter sharding (dp_shard) with "
+                             "pipeline or expert parallelism yet: use zero= there")
+
+    @property
+    def dp_replicate(self) -> int:
+        """How many replicas of the model the dp ranks keep: dp / dp_shard (dp without dp_shard)."""
+        return self.dp // self.dp_shard if self.dp_shard else self.dp
 
     @property
     def sizes(self) -> dict:
@@ -120,6 +150,8 @@ class ParallelConfig:
     def __str__(self) -> str:
         used = [f"{a}{s}" for a, s in self.sizes.items() if s > 1] or ["one rank"]
         extras = (["sp"] if self.sp else []) + ([f"zero{self.zero}"] if self.zero else [])
+        if self.dp_shard:
+            extras.append("fsdp" if self.dp_shard == self.dp else f"hsdp{self.dp_replicate}x{self.dp_shard}")
         return " x ".join(used) + "".join(f" +{e}" for e in extras)
 
 
@@ -199,10 +231,12 @@ class Parallelized:
     def _full_weights(self) -> dict:
         out = {}
         chunks = self.pipeline.chunks.items() if self.pipeline is not None else [(None, self.model)]
+        # per-parameter shards gathered over the data ranks first (TP's over tp below)
+        gathered = full_state_dict(self.model) if self.config.dp_shard else {}
         for stage, chunk in chunks:
             for name, p in chunk.named_parameters():
                 name = name if stage is None else self.pipeline.global_name(int(stage), name)
-                t = p.detach()
+                t = gathered[name].to(p.device) if name in gathered else p.detach()
                 if name in self.shard_dims:
                     with torch.no_grad():
                         t = gather_along_dim(t, self.shard_dims[name], self.mesh.group("tp"))
@@ -261,6 +295,11 @@ def _apply_data_parallel(par: Parallelized) -> None:
     config, mesh, module = par.config, par.mesh, par.module
     if config.zero:   # dense and expert parameters over their own groups, the tied weight summed
         apply_zero_composed(par)
+        return
+    if config.dp_shard:   # FSDP or HSDP: shard within a block of the data ranks, replicate across blocks
+        shard_group, replicate_group = mesh.split_groups(DENSE_AXES, config.dp_replicate)
+        apply_fsdp(module, (replicate_group if config.dp_replicate > 1 else None, shard_group))
+        par.optimizer = make_optimizer(module.parameters(), config.optimizer)   # a plain one, on the shards
         return
     par.optimizer = make_optimizer(module.parameters(), config.optimizer)
     if config.ep > 1:

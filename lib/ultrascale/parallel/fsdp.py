@@ -209,7 +209,8 @@ def apply_fsdp(model: nn.Module, mesh_or_group=None, *, plan=None, timeline=None
     """Shard ``model``'s parameters per parameter over ``mesh_or_group`` and return it.
 
     ``mesh_or_group``: a process group (None: all ranks), a course ``Mesh`` (its dp axis), a
-    1-D torch ``DeviceMesh``, or a 2-D one whose dims are (replicate, shard): hybrid sharding.
+    1-D torch ``DeviceMesh``, or a 2-D one whose dims are (replicate, shard): hybrid sharding;
+    the same two groups may come as a pair ``(replicate group or None, shard group)``.
     ``plan``: the units gathered together, {module-name pattern: "unit"} as ZeRO's (default
     each block; the model itself is the unit of the rest). ``timeline``: per-block compute bars.
     ``replicate``: name patterns (fnmatch) of parameters kept whole, e.g. ``("*norm*",)``.
@@ -285,7 +286,11 @@ def _shard(p: nn.Parameter, name: str, replicate, n: int, rank: int) -> Entry:
 
 
 def _groups(mesh_or_group):
-    """(shard group, replicate group or None) from a group, or a 1-D or 2-D DeviceMesh."""
+    """(shard group, replicate group or None) from a group, a 1-D or 2-D DeviceMesh, or the
+    two groups of a 2-D mesh as a pair (replicate group or None, shard group)."""
+    if isinstance(mesh_or_group, tuple):   # compose's HSDP: the groups of Mesh.split_groups
+        replicate_group, shard_group = mesh_or_group
+        return shard_group, replicate_group
     if mesh_or_group is None or isinstance(mesh_or_group, (dist.ProcessGroup, Mesh)):
         return axis_group(mesh_or_group, "dp"), None
     if mesh_or_group.ndim == 1:

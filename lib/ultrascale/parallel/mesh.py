@@ -63,6 +63,7 @@ class Mesh:
         self.rank: int | None = None  # set by init_mesh, on a rank
         self._ctx = None
         self._groups: dict[tuple[str, ...], object] = {}
+        self._split_groups: dict[tuple, tuple] = {}
         self._device_mesh = None
 
     @classmethod
@@ -120,6 +121,22 @@ class Mesh:
         # Move the group's axes last, then each row of the flattened grid is one group.
         return self.grid().permute(others + dims).reshape(-1, self.size(axis)).tolist()
 
+    def split_ranks(self, axis: Axes, outer: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Every group along ``axis`` cut into ``outer`` blocks of consecutive members, as hybrid
+        sharding cuts the data ranks (``outer`` replicas, each sharded over one block). Returns
+        (the blocks, the ranks at the same place of every block): (shard groups, replicate groups).
+        ``Mesh(dp=4).split_ranks("dp", 2)`` is ``([[0, 1], [2, 3]], [[0, 2], [1, 3]])``."""
+        size = self.size(axis)
+        if isinstance(outer, bool) or not isinstance(outer, int) or outer < 1 or size % outer:
+            raise ValueError(f"cannot cut groups of {size} ranks along {axis} into {outer!r} equal blocks: "
+                             f"choose one of {[d for d in range(1, size + 1) if size % d == 0]}")
+        blocks, across = [], []
+        for group in self.group_ranks(axis):
+            grid = torch.tensor(group).view(outer, size // outer)
+            blocks += grid.tolist()
+            across += grid.T.tolist()
+        return blocks, across
+
     def check_world_size(self, world_size: int) -> None:
         """Refuse a mesh that does not cover exactly ``world_size`` ranks."""
         if self.world_size != world_size:
@@ -175,6 +192,19 @@ class Mesh:
             raise ValueError(f"no group along {key}: init_mesh built {sorted(self._groups)}; "
                              "ask for groups over several axes with init_mesh(..., joint=[...])")
         return self._groups[key]
+
+    def split_groups(self, axis: Axes, outer: int) -> tuple:
+        """This rank's two process groups of :meth:`split_ranks`: (its block, its group across
+        the blocks). Collective on first use (call on every rank), then kept."""
+        self._require_rank()
+        key = (self._key(axis), outer)
+        if key not in self._split_groups:
+            mine = []
+            for groups in self.split_ranks(axis, outer):   # every rank creates every group, in order
+                created = [self._ctx.new_group(ranks) for ranks in groups]
+                mine.append(next(g for g, ranks in zip(created, groups) if self.rank in ranks))
+            self._split_groups[key] = tuple(mine)
+        return self._split_groups[key]
 
     def rank_in(self, axis: Axes) -> int:
         """This rank's index within its group along ``axis``: 0 for an absent axis."""
