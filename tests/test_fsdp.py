@@ -13,7 +13,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ultrascale.comm import CommLogger
 from ultrascale.comm.logger import base_op
+from ultrascale.comm.cost_model import AlphaBeta
 from ultrascale.data import Batches
+from ultrascale.memory import breakdown, state_bytes
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel.fsdp import apply_fsdp, fsdp_units, full_state_dict, shard_rows
 from ultrascale.parallel.sharded_muon import Muon
@@ -51,12 +53,20 @@ def train_ours(ctx, opt, dtype=torch.float64, mesh_shape=None, grad_acc=1, **opt
             for unit in fsdp_units(model)]   # between forward and backward: root first
     loss.backward()
     released = all(unit.fulls is None for unit in fsdp_units(model))
+    held_bytes = state_bytes(model)   # this rank's parameters and gradients: its shards
     grad_shapes = {n: (tuple(p.shape), tuple(p.grad.shape), p.grad.dtype) for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     with CommLogger() as log:
         losses = run_steps(model, batches, STEPS, optimizer, device=ctx.device, grad_acc=grad_acc)
+    # Adam's moments (its step counters, one scalar per parameter, left out as breakdown does)
+    held_bytes["optimizer states"] = sum(t.untyped_storage().nbytes() for s in optimizer.state.values()
+                                         for key, t in s.items() if key != "step")
+    per_group = {}   # bytes by (collective, size of the group it ran on): the mesh's axes
+    for e in log.events:
+        row = per_group.setdefault((base_op(e.op), e.world_size), {"calls": 0, "bytes_sent": 0})
+        row["calls"], row["bytes_sent"] = row["calls"] + 1, row["bytes_sent"] + e.bytes_sent
     return {"weights": full_state_dict(model), "losses": losses, "comm": by_collective(log), "grad_shapes": grad_shapes,
-            "held": held, "released": released,
+            "held": held, "released": released, "held_bytes": held_bytes, "per_group": per_group,
             "replicated": {n: p.detach().cpu() for n, p in model.named_parameters() if "norm" in n}}
 
 
@@ -153,8 +163,10 @@ def test_mixed_precision_matches_fully_shard(reduce_dtype):
 
 def test_hybrid_sharding_matches_fully_shard_on_2d_mesh():
     """HSDP on 4 ranks, (replicate 2) x (shard 2): weights of one process and of fully_shard's
-    HSDP; a rank holds half of each sharded parameter and all-reduces its gradient shard once
-    per unit and step over the replicate axis."""
+    HSDP; a rank holds its shard of every parameter, gradient and Adam moment, as
+    memory.breakdown(dp=4, dp_shard=2) says; the bytes on each axis are the cost model's ring
+    volumes of the padded buffers: all-gathers and reduce-scatters over the shard axis, one
+    all-reduce of the gradient shards per unit and step over the replicate axis."""
     cluster = shared_cluster(4)
     ours = cluster.run(train_ours, "adamw", mesh_shape=(2, 2))
     theirs = cluster.run(train_fully_shard, "adamw", mesh_shape=(2, 2))
@@ -166,10 +178,52 @@ def test_hybrid_sharding_matches_fully_shard_on_2d_mesh():
         assert mine["grad_shapes"]["blocks.0.mlp.fc.weight"][0] == (64, 32)   # 128 rows over 2 shards
         assert mine["comm"]["reduce_scatter"]["calls"] == units * STEPS
         assert mine["comm"]["all_reduce"]["calls"] == units * STEPS
-    # the replicate axis all-reduces the padded gradient shards: a ring over R = 2 ranks sends
-    # 2 (R-1) / R = 1 times the buffer per rank and step
-    shard_bytes = sum(-(-w.shape[0] // 2) * w[0].numel() for w in reference.values()) * 8
-    assert ours[0]["comm"]["all_reduce"]["bytes_sent"] == STEPS * shard_bytes
+    check_hsdp_memory(ours, reference, replicas=2, shards=2)
+    check_hsdp_bytes(ours, reference, replicas=2, shards=2)
+
+
+def check_hsdp_memory(results, reference, replicas, shards):
+    """Parameters, gradients and Adam's moments against breakdown's HSDP count (float64: twice
+    its fp32 bytes). The vocabulary (9 rows) does not split evenly, so a rank is within one row
+    of each parameter of the formula, and the shards of one replica add up to it exactly; but
+    for the gradients: their shards are views of the unit's reduce-scatter output, which keeps
+    the padding rows too (here one row of the embedding's)."""
+    config = CONFIGS[replicas * shards]
+    formula = breakdown(config, dp=replicas * shards, dp_shard=shards, zero_stage=3, mixed_precision=False,
+                        optimizer_bytes=8)
+    row = sum(w[0].numel() for w in reference.values()) * 8   # one row of every parameter
+    padding = sum((-(-w.shape[0] // shards) * shards - w.shape[0]) * w[0].numel() for w in reference.values()) * 8
+    one_row = {"parameters": row, "gradients": row, "optimizer states": 2 * row}   # Adam: two moments
+    for key, one_row_bytes in one_row.items():
+        expected = 2 * formula[key]   # float64
+        for rank, r in enumerate(results):
+            assert abs(r["held_bytes"][key] - expected) <= one_row_bytes, (rank, key, r["held_bytes"][key], expected)
+        for replica in range(replicas):   # ranks replica * shards + s: one replica's shards
+            block = results[replica * shards:(replica + 1) * shards]
+            extra = padding if key == "gradients" else 0
+            assert sum(r["held_bytes"][key] for r in block) == shards * expected + extra, (replica, key)
+
+
+def check_hsdp_bytes(results, reference, replicas, shards):
+    """Each axis' bytes per rank and step, as the cost model prices them (alpha 0, beta 1 byte
+    per second: a time in seconds is a volume in bytes): a unit's padded float64 buffer K, the
+    ring phase (S-1)/S K for each gather and reduce-scatter over the shard axis, the all-reduce
+    2 (R-1)/R K/S of the gradient shards over the replicate axis."""
+    ring = AlphaBeta(alpha=0.0, beta=1.0)
+    unit_bytes = {}   # padded rows x row size x 8 bytes, by unit (root: what no block holds)
+    for name, w in reference.items():
+        unit = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "root"
+        unit_bytes[unit] = unit_bytes.get(unit, 0) + -(-w.shape[0] // shards) * shards * w[0].numel() * 8
+    blocks = sum(k for u, k in unit_bytes.items() if u != "root")
+    gathered = sum(unit_bytes.values()) + blocks   # forward gathers every unit, backward all but the root
+    expected = {("all_gather", shards): ring.ring_phase_time(gathered, shards),
+                ("reduce_scatter", shards): ring.ring_phase_time(sum(unit_bytes.values()), shards),
+                ("all_reduce", replicas): sum(ring.ring_all_reduce_time(k / shards, replicas)
+                                              for k in unit_bytes.values())}
+    for rank, r in enumerate(results):
+        assert set(r["per_group"]) == set(expected), (rank, r["per_group"])
+        for key, per_step in expected.items():
+            assert r["per_group"][key]["bytes_sent"] == STEPS * per_step, (rank, key, r["per_group"][key])
 
 
 def test_recomputation_refused():

@@ -198,6 +198,13 @@ def test_breakdown_parallel_degrees():
     z3 = breakdown(LLAMA3_8B, seq=4096, dp=8, zero_stage=3)
     assert z3["parameters"] == pytest.approx(base["parameters"] / 8)
     assert breakdown(LLAMA3_8B, seq=4096, optimizer_bytes=4)["optimizer states"] == 4 * count_params(LLAMA3_8B)
+    # HSDP: 8 dp ranks as 2 replicas of 4 shards hold what 4 ZeRO-3 ranks hold, twice what 8 do
+    hsdp = breakdown(LLAMA3_8B, seq=4096, dp=8, dp_shard=4, zero_stage=3)
+    assert hsdp == breakdown(LLAMA3_8B, seq=4096, dp=4, zero_stage=3)
+    assert hsdp["optimizer states"] == 2 * z3["optimizer states"]
+    assert breakdown(LLAMA3_8B, seq=4096, dp=8, dp_shard=8, zero_stage=3) == z3
+    with pytest.raises(ValueError, match="dp_shard=3 must divide dp=8"):
+        breakdown(LLAMA3_8B, dp=8, dp_shard=3)
 
 
 # ------------------------------------------------------------------------ measured

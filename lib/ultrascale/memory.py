@@ -151,7 +151,7 @@ def expert_params(config) -> int:
 # --------------------------------------------------------------------------- one rank
 def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_grad_accum=False,
               recompute="none", zero_stage=0, tp=1, dp=1, pp=1, optimizer_bytes=None,
-              sequence_parallel=True, cp=1, schedule=None, micro_batches=None, ep=1) -> dict:
+              sequence_parallel=True, cp=1, schedule=None, micro_batches=None, ep=1, dp_shard=None) -> dict:
     """Bytes held by one GPU, by consumer: what the memory widget draws.
 
     A simple model of the parallel degrees:
@@ -173,11 +173,19 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
       different tokens, as dp ranks do, so activations do not shrink. ``dp`` is the number of
       replicas of an expert; the dense layers have dp * ep of them, over which ZeRO shards
       their states;
+    - hybrid sharding (HSDP, ``dp_shard``): ZeRO (per-parameter FSDP is ZeRO-3) shards over
+      ``dp_shard`` of the dp ranks only and keeps ``dp / dp_shard`` replicas of those shards,
+      so the states divide by dp_shard (times ep for the dense layers), not by dp. Default:
+      every dp rank shards;
     optimizer_bytes (k) defaults to 12 in mixed precision (fp32 master + Adam m, v), 8 in fp32.
     """
     for name, degree in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if degree < 1:
             raise ValueError(f"{name} must be >= 1, got {degree}")
+    shard = dp if dp_shard is None else dp_shard
+    if shard < 1 or dp % shard:
+        raise ValueError(f"dp_shard={dp_shard} must divide dp={dp}: HSDP cuts the dp ranks into dp / dp_shard "
+                         "replicas of dp_shard shards")
     seq = seq or config.seq_len
     if mixed_precision:
         p_bytes, g_bytes, k = 2, 2 + (4 if fp32_grad_accum else 0), 12
@@ -189,11 +197,11 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
         raise ValueError(f"ep={ep} does not divide the {experts} experts: choose an ep that divides them")
     # ZeRO shards a state over the ranks holding the same copy of it: an expert's over the dp
     # ranks; a dense layer's over dp x ep, since EP borrows its ranks from DP and every one of
-    # them holds the dense layers (parallel.grad_sync.DATA_AXES).
+    # them holds the dense layers (parallel.grad_sync.DATA_AXES). HSDP: dp_shard of the dp ranks.
     dense = (count_params(config) - expert_params(config)) / (tp * pp)
     local_experts = expert_params(config) / ep / (tp * pp)
-    dense_part = zero_bytes_per_rank(dense, zero_stage, dp * (ep if experts else 1), k, p_bytes, g_bytes)
-    expert_part = zero_bytes_per_rank(local_experts, zero_stage, dp, k, p_bytes, g_bytes)
+    dense_part = zero_bytes_per_rank(dense, zero_stage, shard * (ep if experts else 1), k, p_bytes, g_bytes)
+    expert_part = zero_bytes_per_rank(local_experts, zero_stage, shard, k, p_bytes, g_bytes)
     result = {consumer: dense_part[consumer] + expert_part[consumer] for consumer in dense_part}
     per_layer = activation_bytes(config, seq, micro_batch, recompute, tp=tp,
                                  sequence_parallel=sequence_parallel, cp=cp) / config.layers
