@@ -53,8 +53,17 @@ class Property:
     strategy: Callable[[], Any]                  # () -> a hypothesis SearchStrategy of cases
     judge: Callable[[Callable, Any], str | None]
     describe: Callable[[Any], str]
-    argument: int = 0                            # which of check()'s objects is the function tried
+    argument: int | tuple = 0                    # which of check()'s objects is the function tried (a tuple
+                                                 # of indices: the judge gets those objects, as a tuple)
     examples: tuple = ()                         # cases always tried first (the edges draws may miss)
+
+
+def tried(prop: Property, objects: tuple):
+    """What the property's judge is given of ``check``'s objects: one, or a tuple of several (an
+    exercise of two functions, B and W, is judged on the two together)."""
+    if isinstance(prop.argument, int):
+        return objects[prop.argument]
+    return tuple(objects[i] for i in prop.argument)
 
 
 def run(exercise_id: str, prop: Property, fn: Callable, quick: bool = True) -> None:

@@ -84,10 +84,10 @@ def _held_to_contract(test: Callable, exercise_id: str) -> Callable:
         # by name, as the chapters' test modules are: the tests import grading, not the other way
         PROPERTIES = importlib.import_module(f"{TESTS_PACKAGE}.properties").PROPERTIES
         if exercise_id in PROPERTIES:
-            from .properties import run
+            from .properties import run, tried
 
             prop = PROPERTIES[exercise_id]
-            run(exercise_id, prop, objects[prop.argument], quick=kwargs.get("quick", True))
+            run(exercise_id, prop, tried(prop, objects), quick=kwargs.get("quick", True))
         return result
 
     return test_under_contract
