@@ -256,3 +256,58 @@ def test_the_planner_imports_no_runtime():
             "print(any(m.startswith(('ultrascale.runtime', 'ultrascale.parallel')) for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# ---- hybrid sharding (HSDP) ---------------------------------------------------------------
+
+def test_hybrid_sharding_is_enumerated_only_when_asked_and_obeys_its_rules():
+    kwargs = dict(gpus=64, global_batch_tokens=BATCH, seq=SEQ, recompute=("selective",))
+    plain = set(enumerate_configs(LLAMA3_8B, **kwargs))
+    both = set(enumerate_configs(LLAMA3_8B, hsdp=True, **kwargs))
+    hybrid = both - plain
+    assert plain < both and all(c.dp_shard == 0 for c in plain)
+    assert hybrid and all(c.zero == 3 and 0 < c.dp_shard < c.dp and c.dp % c.dp_shard == 0 for c in hybrid)
+    # every cut of every ZeRO-3 layout's dp ranks, and no other
+    z3 = [c for c in plain if c.zero == 3]
+    assert len(hybrid) == sum(len([d for d in divisors(c.dp)[:-1] if d * c.cp * c.ep > 1]) for c in z3)
+    assert ParallelConfig(dp=64, zero=3, dp_shard=8).short().startswith("dp64 z3 hsdp8x8")
+    for bad, needle in ((ParallelConfig(dp=64, zero=1, dp_shard=8, gas=4), "zero=3"),
+                        (ParallelConfig(dp=64, zero=3, dp_shard=64, gas=4), "must divide dp=64 and be smaller"),
+                        (ParallelConfig(dp=64, zero=3, dp_shard=6, gas=4), "must divide dp=64")):
+        assert needle in " | ".join(violations(LLAMA3_8B, bad, gpus=64, global_batch_tokens=BATCH, seq=SEQ))
+
+
+def test_hybrid_sharding_memory_divides_by_the_shard_degree_only():
+    hsdp = memory_per_gpu(LLAMA3_8B, ParallelConfig(dp=64, zero=3, dp_shard=8, mbs=1, gas=4), SEQ)
+    eight = memory_per_gpu(LLAMA3_8B, ParallelConfig(dp=8, zero=3, mbs=1, gas=32), SEQ)
+    sixty_four = memory_per_gpu(LLAMA3_8B, ParallelConfig(dp=64, zero=3, mbs=1, gas=4), SEQ)
+    for key in ("parameters", "gradients", "optimizer states"):
+        assert hsdp[key] == eight[key] == 8 * sixty_four[key]
+    assert hsdp["activations"] == sixty_four["activations"]
+    # with cp the block holds the cp ranks too: 4 dp x 2 cp
+    cp = memory_per_gpu(LLAMA3_8B, ParallelConfig(dp=32, cp=2, zero=3, dp_shard=4, mbs=2, gas=4), SEQ)
+    assert cp["optimizer states"] == eight["optimizer states"]
+
+
+def test_hybrid_sharding_time_counts_each_axis_on_its_link():
+    from ultrascale.plan import calibrate as cal
+    counting = cal.counting_hardware(64)   # 1 B/s links, fp32, nothing hidden: each part is bytes
+    weights = 4 * count_params(LLAMA3_8B)
+    c = ParallelConfig(dp=64, zero=3, dp_shard=8, mbs=1, gas=4)
+    ring = AlphaBeta(0.0, 1.0)
+    # per micro-batch a gather in forward, a gather and a reduce-scatter in backward over the 8;
+    # once per step the gradient shards all-reduced over the 8 replicas
+    expected = 4 * 3 * ring.ring_phase_time(weights, 8) + ring.ring_all_reduce_time(weights / 8, 8)
+    assert step_time(LLAMA3_8B, c, SEQ, counting)["DP"] == pytest.approx(float(expected))
+    # on H100 nodes (8 GPUs each) the block of 8 stays on NVLink and only the replicas' all-reduce
+    # crosses InfiniBand; ZeRO-3 over all 64 runs every gather across nodes
+    no_overlap = Hardware(overlap=False)
+    hybrid = step_time(LLAMA3_8B, c, SEQ, no_overlap)["DP"]
+    gather = float(no_overlap.intra_node.ring_phase_time(2 * count_params(LLAMA3_8B), 8))
+    across = float(no_overlap.inter_node.ring_all_reduce_time(2 * count_params(LLAMA3_8B) / 8, 8))
+    assert hybrid == pytest.approx(4 * 3 * gather + across)
+    assert hybrid < step_time(LLAMA3_8B, ParallelConfig(dp=64, zero=3, mbs=1, gas=4), SEQ, no_overlap)["DP"]
+    # and the plain layouts' times are unchanged by the extra term
+    plain = ParallelConfig(dp=64, zero=3, mbs=1, gas=4)
+    assert step_time(LLAMA3_8B, plain, SEQ, counting)["DP"] == pytest.approx(
+        4 * 3 * float(ring.ring_phase_time(weights, 64)))

@@ -7,7 +7,11 @@ A configuration (:class:`ParallelConfig`) fixes the five parallel degrees and th
   data);
 * ``mbs * gas * dp * ep * seq = global batch tokens``: each data-parallel replica runs
   ``gas`` micro-batches of ``mbs`` sequences per step;
-* plus the ZeRO stage, the activation recomputation and the pipeline schedule.
+* plus the ZeRO stage, the activation recomputation and the pipeline schedule;
+* and, for ZeRO-3, hybrid sharding (HSDP, ``dp_shard``): the states sharded over
+  ``dp_shard`` of the dp ranks (with the ep and cp ranks, which hold the same weights) and
+  replicated over the other ``dp / dp_shard``, so the frequent gathers can stay inside a node
+  and only one all-reduce per step crosses the nodes.
 
 Not every product is a configuration one can run. :func:`violations` names the rules a
 configuration breaks, in words; :func:`enumerate_configs` yields only those that break none:
@@ -18,7 +22,8 @@ configuration breaks, in words; :func:`enumerate_configs` yields only those that
   layers on 16 stages do);
 * cp splits the sequence into ``2 cp`` equal chunks (the zig-zag layout of chapter 06);
 * ep divides the number of experts, and is 1 for a dense model;
-* the global batch is a whole number of sequences, shared evenly by the ``dp * ep`` replicas.
+* the global batch is a whole number of sequences, shared evenly by the ``dp * ep`` replicas;
+* ``dp_shard`` (0: ZeRO over all of them) is a divisor of dp below dp, with ZeRO-3 only.
 """
 from __future__ import annotations
 
@@ -50,6 +55,18 @@ class ParallelConfig:
     recompute: str = "none"
     schedule: str = "1f1b"
     chunks: int = 1        # model chunks per pipeline rank (v); > 1 only for "interleaved"
+    dp_shard: int = 0      # HSDP: ZeRO-3 over dp_shard of the dp ranks, dp / dp_shard replicas; 0: over all
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of the sharded states along dp: dp / dp_shard under HSDP, else 1."""
+        return self.dp // self.dp_shard if self.dp_shard else 1
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks over which ZeRO shards a dense weight: those holding it (dp * ep * cp), or
+        under HSDP one replica's block of them (dp_shard * ep * cp)."""
+        return (self.dp_shard or self.dp) * self.ep * self.cp
 
     @property
     def gpus(self) -> int:
@@ -67,7 +84,8 @@ class ParallelConfig:
     def short(self) -> str:
         """``dp64 tp8 pp16 z1 mbs1 gas16 sel`` with the axes of size 1 left out."""
         parts = [f"{axis}{getattr(self, axis)}" for axis in ("dp", "tp", "pp", "cp", "ep") if getattr(self, axis) > 1]
-        parts += [f"z{self.zero}", f"mbs{self.mbs}", f"gas{self.gas}", self.recompute[:4]]
+        parts += [f"z{self.zero}"] + ([f"hsdp{self.dp_replicate}x{self.dp_shard}"] if self.dp_shard else [])
+        parts += [f"mbs{self.mbs}", f"gas{self.gas}", self.recompute[:4]]
         if self.pp > 1 and self.schedule != "1f1b":
             parts.append(f"{self.schedule}x{self.chunks}")
         return " ".join(parts or ["1 GPU"])
@@ -127,6 +145,13 @@ def violations(model, c: ParallelConfig, *, gpus: int, global_batch_tokens: int,
                       f"{global_batch_tokens:,}")
     if c.zero not in ZERO_STAGES:
         broken.append(f"zero={c.zero!r}: choose one of {ZERO_STAGES}")
+    if c.dp_shard:
+        if not isinstance(c.dp_shard, int) or c.dp_shard < 0 or c.dp_shard >= c.dp or c.dp % c.dp_shard:
+            broken.append(f"dp_shard={c.dp_shard!r} must divide dp={c.dp} and be smaller (0: ZeRO over every dp rank)")
+        elif c.zero != 3:
+            broken.append(f"dp_shard={c.dp_shard} (hybrid sharding) shards weights and states as ZeRO-3 does: zero=3")
+        elif c.shard_ranks == 1:
+            broken.append("dp_shard=1 without ep or cp shards over one rank: that is plain data parallelism")
     if c.recompute not in RECOMPUTE_MODES:
         broken.append(f"recompute={c.recompute!r}: choose one of {RECOMPUTE_MODES}")
     if c.schedule not in SCHEDULES:
@@ -140,12 +165,13 @@ def violations(model, c: ParallelConfig, *, gpus: int, global_batch_tokens: int,
 
 def enumerate_configs(model, *, gpus: int, global_batch_tokens: int, seq: int, gpus_per_node: int = 8,
                       zero_stages=ZERO_STAGES, recompute=RECOMPUTE_MODES, max_cp: int = 64,
-                      schedules=(("1f1b", 1),)):
+                      schedules=(("1f1b", 1),), hsdp: bool = False):
     """Yield every valid :class:`ParallelConfig` (see the module docstring for the rules).
 
     ``schedules``: the (schedule, chunks) pairs to try when pp > 1, e.g.
     ``(("1f1b", 1), ("interleaved", 2))``. ZeRO stages above 0 are tried only where there is
-    something to shard over (more than one rank holds the same weights).
+    something to shard over (more than one rank holds the same weights). ``hsdp``: also
+    every hybrid sharding of ZeRO-3 (each ``dp_shard`` dividing dp, below it).
     Raises :class:`PlanError` when the batch is not a whole number of sequences.
     """
     if gpus < 1:
@@ -164,8 +190,10 @@ def enumerate_configs(model, *, gpus: int, global_batch_tokens: int, seq: int, g
             gas = sequences // (dp * ep * mbs)
             shared = dp * ep * cp > 1
             for zero, mode in itertools.product(zero_stages if shared else (0,), recompute):
-                for schedule, chunks in (schedules if pp > 1 else (("1f1b", 1),)):
-                    c = ParallelConfig(dp, tp, pp, cp, ep, zero, mbs, gas, mode, schedule, chunks)
+                shards = [0] + (divisors(dp)[:-1] if hsdp and zero == 3 else [])
+                for (schedule, chunks), dp_shard in itertools.product(schedules if pp > 1 else (("1f1b", 1),),
+                                                                      shards):
+                    c = ParallelConfig(dp, tp, pp, cp, ep, zero, mbs, gas, mode, schedule, chunks, dp_shard)
                     if not violations(model, c, gpus=gpus, global_batch_tokens=global_batch_tokens, seq=seq,
                                       gpus_per_node=gpus_per_node):
                         yield c

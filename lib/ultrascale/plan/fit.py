@@ -4,7 +4,8 @@ The bytes come from the course's one memory model, ``ultrascale.memory.breakdown
 (parameters, gradients, optimizer states, activations on the busiest GPU), so the planner
 and chapters 01-09 never disagree about memory. What each degree does there:
 TP and PP divide the weights, ZeRO shards them over the ranks that hold the same weights
-(``dp * cp`` here; the ep ranks too once the memory model knows experts), TP with sequence
+(``dp * cp`` here; the ep ranks too once the memory model knows experts; under HSDP only
+``dp_shard * cp`` of them), TP with sequence
 parallelism, CP and recomputation shrink the activations, and the first pipeline stage holds
 the activations of the micro-batches in flight. Training runs in bf16 mixed precision.
 
@@ -34,6 +35,8 @@ def memory_per_gpu(model, c: ParallelConfig, seq: int) -> dict:
     """Bytes held by the busiest GPU of configuration ``c``, by consumer (and ``"total"``)."""
     kwargs = dict(seq=seq, micro_batch=c.mbs, mixed_precision=True, recompute=c.recompute,
                   zero_stage=c.zero, tp=c.tp, dp=c.dp * c.cp, pp=c.pp, cp=c.cp, sequence_parallel=True)
+    if c.dp_shard:   # HSDP: the states shard over one replica's block of the dp (x cp) ranks
+        kwargs["dp_shard"] = c.dp_shard * c.cp
     if "ep" in _breakdown_accepts():
         kwargs["ep"] = c.ep
     elif c.ep > 1:

@@ -31,7 +31,11 @@ Then, per step:
   hidden behind the last micro-batch's backward where it is shorter (appendix A3's DP
   ratio). ZeRO-3 instead gathers the weights in forward and again in backward and
   reduce-scatters the gradients in every micro-batch, hidden behind that micro-batch's
-  forward and backward (appendix A3's ZeRO-3 ratio).
+  forward and backward (appendix A3's ZeRO-3 ratio). Hybrid sharding (``dp_shard``) runs
+  those over one replica's block of ``dp_shard * ep * cp`` ranks (inside a node when the
+  block fits in one), then all-reduces the gradient shards (1/block of the weights) over
+  the ``dp / dp_shard`` replicas once per step, on the link between them (between nodes as
+  soon as the cluster is more than one), in the last backward beside its reduce-scatter.
 
 Every collective is a ring on :class:`~ultrascale.comm.AlphaBeta` links (bus bandwidth,
 so with ``alpha = 0`` each time is exactly appendix A3's ``t_comm``; ``Hardware.overlap=False``
@@ -139,9 +143,18 @@ def _data_parallel_exposed(model, c: ParallelConfig, hw: Hardware, micro_batch_c
     weights = count_params(model) / (c.tp * c.pp * c.ep) * hw.bytes_per_element
     forward, backward = micro_batch_compute / 3, 2 * micro_batch_compute / 3
     if c.zero == 3:
-        gather = float(link.ring_phase_time(weights, ranks))
+        replicas = c.dp_replicate
+        if replicas > 1:   # HSDP: ZeRO-3 inside a block of gpus / replicas consecutive ranks
+            link = hw.link(1, c.gpus // replicas)
+        gather = float(link.ring_phase_time(weights, c.shard_ranks))
         per_micro_batch = _exposed(gather, forward, hw) + _exposed(2 * gather, backward, hw)   # AG; AG + RS
-        return c.gas * per_micro_batch
+        if replicas == 1:
+            return c.gas * per_micro_batch
+        # HSDP's replicas all-reduce their gradient shards once per step, after the last reduce-scatter
+        across = hw.link(c.gpus // replicas, replicas)
+        all_reduce = float(across.ring_all_reduce_time(weights / c.shard_ranks, replicas))
+        last = _exposed(gather, forward, hw) + _exposed(2 * gather + all_reduce, backward, hw)
+        return (c.gas - 1) * per_micro_batch + last
     return _exposed(float(link.ring_all_reduce_time(weights, ranks)), backward, hw)
 
 
