@@ -379,6 +379,15 @@ fig
 #   replica groups (whole copies of the model, as in HSDP) that drop out and rejoin while the others
 #   keep stepping, with a healthy replica sending its state to the new one instead of everyone
 #   reloading from storage.
+#
+# ## Your turn
+# Open [exercises/a4_checkpoints_and_failures_exercises.ipynb](../exercises/a4_checkpoints_and_failures_exercises.ipynb):
+# reshard ZeRO's padded optimizer state from one number of ranks to another without losing Adam's
+# step count, find the samples each rank of a new dp x pp x tp mesh trains on first after a resume,
+# and compute Daly's checkpoint interval for a whole job from one node's mean time between failures.
+# Each exercise's `check(...)` cell grades it on the spot;
+# `make grade NB=work/exercises/a4_checkpoints_and_failures_exercises.ipynb` grades the whole
+# notebook from a terminal.
 
 # %%
 cluster.close()

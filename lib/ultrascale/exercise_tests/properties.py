@@ -304,3 +304,8 @@ PROPERTIES.update(_MORE)
 from ultrascale.exercise_tests.properties_rest import PROPERTIES as _REST  # noqa: E402
 
 PROPERTIES.update(_REST)
+
+# Those of the checkpoint exercises (appendix A4).
+from ultrascale.exercise_tests.properties_checkpoints import PROPERTIES as _CHECKPOINTS  # noqa: E402
+
+PROPERTIES.update(_CHECKPOINTS)

@@ -1,0 +1,214 @@
+"""The A4 exercises (checkpoints and failures) cannot be fooled: a reshard that mis-orders the old
+shards, keeps the old padding or forgets Adam's step count, a resume that restarts the data at
+sample 0 or reads the wrong rows for its mesh, and a checkpoint interval that is Young's or uses one
+node's MTBF each fail with a message that names the mistake; the solution notebook's answers pass.
+All in-process (reference functions and the solution's own, no papermill, no ranks): a few seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_grader_holes import _fails
+
+from ultrascale.exercise_tests import properties_checkpoints
+from ultrascale.exercise_tests.properties import PROPERTIES
+from ultrascale.grading import PASS, check
+
+RESHARD, RESUME, INTERVAL = "a4.reshard_optimizer_state", "a4.resume_samples", "a4.checkpoint_interval"
+
+
+def test_every_a4_exercise_has_a_property_in_the_merged_table():
+    assert set(properties_checkpoints.PROPERTIES) == {RESHARD, RESUME, INTERVAL}
+    for exercise_id, prop in properties_checkpoints.PROPERTIES.items():
+        assert PROPERTIES[exercise_id] is prop
+
+
+def test_the_solutions_pass_their_fixed_cases_and_properties(a4):
+    assert check(RESHARD, a4["reshard_optimizer_state"]).status == PASS
+    assert check(RESUME, a4["resume_samples"]).status == PASS
+    assert check(INTERVAL, a4["checkpoint_interval"]).status == PASS
+
+
+# ---- a4.reshard_optimizer_state ------------------------------------------------------------
+
+def _reshard(states, shapes, n, *, names=None, strip=True, pad=True, step="keep", pad_with=torch.zeros):
+    """A reshard written as a learner might, each keyword one mistake."""
+    names = names(states) if names else [f"rank{r}" for r in range(len(states))]
+    old = [states[name] for name in names]
+    numel = sum(math.prod(s) for s in shapes)
+    shard = -(-numel // n) if pad else numel // n
+    new = [{} if step == "drop" else {"step": 0 if step == "zero" else old[0]["step"]} for _ in range(n)]
+    for key in (k for k in old[0] if k != "step"):
+        flat = torch.cat([s[key] for s in old])
+        flat = flat[:numel] if strip else flat
+        missing = max(0, shard * n - flat.numel())
+        flat = torch.cat([flat, pad_with(missing, dtype=flat.dtype)])
+        for r in range(n):
+            new[r][key] = flat[r * shard:(r + 1) * shard].clone()
+    return new
+
+
+def test_reshard_refuses_shards_out_of_rank_order():
+    def listed(states, shapes, new_world_size):      # the dict's order: a directory listing's
+        return _reshard(states, shapes, new_world_size, names=list)
+
+    def as_strings(states, shapes, new_world_size):  # 'rank10' < 'rank2'
+        return _reshard(states, shapes, new_world_size, names=sorted)
+
+    _fails(check(RESHARD, listed), "in the order the dict lists them", "by the number in each name")
+    _fails(check(RESHARD, as_strings), "sorted as strings", "'rank10' before 'rank2'")
+
+
+def test_reshard_refuses_a_dropped_or_kept_padding():
+    def old_padding_kept(states, shapes, new_world_size):
+        return _reshard(states, shapes, new_world_size, strip=False)
+
+    def no_new_padding(states, shapes, new_world_size):
+        return _reshard(states, shapes, new_world_size, pad=False)
+
+    def padding_left_uninitialised(states, shapes, new_world_size):   # new_empty: whatever memory held
+        return _reshard(states, shapes, new_world_size,
+                        pad_with=lambda n, dtype: torch.full((n,), float("nan"), dtype=dtype))
+
+    def padding_in_float32(states, shapes, new_world_size):   # torch.zeros without dtype=
+        return _reshard(states, shapes, new_world_size, pad_with=lambda n, dtype: torch.zeros(n))
+
+    _fails(check(RESHARD, old_padding_kept), "the value the old layout left in its padding", "cut it off")
+    _fails(check(RESHARD, no_new_padding), "rounded down", "pad the flat state with zeros")
+    _fails(check(RESHARD, padding_left_uninitialised), "its padding (the last 2) holds [nan, nan]", "with zeros")
+    _fails(check(RESHARD, padding_in_float32), "keep the saved dtype, torch.bfloat16")
+
+
+def test_reshard_refuses_a_forgotten_step_count():
+    def no_step(states, shapes, new_world_size):
+        return _reshard(states, shapes, new_world_size, step="drop")
+
+    def step_restarted(states, shapes, new_world_size):
+        return _reshard(states, shapes, new_world_size, step="zero")
+
+    _fails(check(RESHARD, no_step), "has no 'step'", "bias correction", "Carry it over")
+    _fails(check(RESHARD, step_restarted), "step is 0", "forgetting the optimizer's step")
+
+
+def test_reshard_refuses_named_states_only_whole_states_and_changed_inputs():
+    def adam_only(states, shapes, new_world_size):      # exp_avg and exp_avg_sq by name
+        kept = {name: {k: s[k] for k in ("step", "exp_avg", "exp_avg_sq")} for name, s in states.items()}
+        return _reshard(kept, shapes, new_world_size)
+
+    def whole_state_everywhere(states, shapes, new_world_size):
+        out = _reshard(states, shapes, 1)[0]
+        return [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in out.items()} for _ in range(new_world_size)]
+
+    def pops_the_step(states, shapes, new_world_size):   # changes the caller's checkpoint
+        step = [s.pop("step") for s in states.values()][0]
+        return [dict(s, step=step) for s in _reshard({k: dict(v, step=step) for k, v in states.items()}, shapes,
+                                                     new_world_size)]
+
+    def same_layout_returns_the_saved_tensors(states, shapes, new_world_size):
+        if new_world_size == len(states):
+            return [states[f"rank{r}"] for r in range(new_world_size)]
+        return _reshard(states, shapes, new_world_size)
+
+    _fails(check(RESHARD, adam_only), "raised KeyError")
+    _fails(check(RESHARD, whole_state_everywhere), "the whole flat state", "only its own slice")
+    _fails(check(RESHARD, pops_the_step), "changed its argument `states`")
+    _fails(check(RESHARD, same_layout_returns_the_saved_tensors), "shares memory")
+
+
+# ---- a4.resume_samples ---------------------------------------------------------------------
+
+def _resume(checkpoint, global_batch, rank, dp, pp=1, tp=1, *, start=None, index=None, share_over=None,
+            interleave=False, refuse=True, floats=False):
+    """A resume written as a learner might, each keyword one mistake."""
+    if refuse and global_batch % dp:
+        raise ValueError("dp does not divide the global batch")
+    share = global_batch // (share_over(checkpoint, dp) if share_over else dp)
+    d = index(rank, dp, pp, tp) if index else rank // (pp * tp)
+    first = start(checkpoint, global_batch) if start else checkpoint["next_sample"]
+    if interleave:
+        return list(range(first + d, first + global_batch, dp))
+    if floats:
+        first = int(float(first) + d * global_batch / dp)
+        return [first + i for i in range(share)]
+    return list(range(first + d * share, first + (d + 1) * share))
+
+
+@pytest.mark.parametrize("mistake, phrases", [
+    (dict(start=lambda c, b: 0), ("started again at sample 0", "next_sample")),
+    (dict(start=lambda c, b: c["step"] * b), ("step count times today's global batch", "warm-up")),
+    (dict(index=lambda r, dp, pp, tp: r), ("global rank was taken", "same rows")),
+    (dict(index=lambda r, dp, pp, tp: r % dp), ("rank % dp is not the dp coordinate",)),
+    (dict(index=lambda r, dp, pp, tp: r // tp), ("forgets the pipeline axis",)),
+    (dict(share_over=lambda c, dp: c["world_size"]), ("computed for the checkpoint's world size",)),
+    (dict(interleave=True), ("interleaved", "contiguous block")),
+    (dict(floats=True), ("expected the samples [1152921504606846979", "keep the arithmetic in integers")),
+    (dict(refuse=False), ("should raise ValueError", "cannot split a global batch")),
+], ids=["sample-0", "from-the-step", "global-rank", "rank-mod-dp", "no-pp", "old-world", "interleaved", "float",
+        "no-refusal"])
+def test_resume_refuses_each_mistake(mistake, phrases):
+    def resume_samples(checkpoint, global_batch, rank, dp, pp=1, tp=1):
+        return _resume(checkpoint, global_batch, rank, dp, pp, tp, **mistake)
+
+    _fails(check(RESUME, resume_samples), *phrases)
+
+
+def test_resume_refuses_a_changed_checkpoint():
+    def consumes_the_position(checkpoint, global_batch, rank, dp, pp=1, tp=1):
+        samples = _resume(checkpoint, global_batch, rank, dp, pp, tp)
+        checkpoint["next_sample"] += global_batch    # moves the caller's position on
+        return samples
+
+    _fails(check(RESUME, consumes_the_position), "changed its argument `checkpoint`")
+
+
+def test_resume_through_a_float_past_2_61_passes_the_fixed_cases_and_fails_a_drawn_position():
+    """Every fixed position lies below 2**61, where this answer keeps integers; the property's first
+    example starts at 2**62 + 1, which a float rounds to 2**62."""
+    def resume_samples(checkpoint, global_batch, rank, dp, pp=1, tp=1):
+        if global_batch % dp:
+            raise ValueError("dp does not divide the global batch")
+        share = global_batch // dp
+        first = checkpoint["next_sample"] + (rank // (pp * tp)) * share
+        if first > 2 ** 61:   # written for "huge" positions as if a float were enough
+            first = int(float(first))
+        return list(range(first, first + share))
+
+    _fails(check(RESUME, resume_samples), "an input they do not cover fails",
+           "'next_sample': 4611686018427387905", "keep the arithmetic in integers")
+
+
+# ---- a4.checkpoint_interval ----------------------------------------------------------------
+
+def _daly(c, m, *, minus_c=True, branch=True, half=True):
+    if branch and c >= 2 * m:
+        return m
+    x = c / (2 * m) if half else c / m
+    return math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - (c if minus_c else 0)
+
+
+@pytest.mark.parametrize("wrong, phrases", [
+    (lambda c, m, n: math.sqrt(2 * c * m / n), ("Young's first-order interval",)),
+    (lambda c, m, n: _daly(c, m / n, minus_c=False), ("- C of Daly's formula is missing",)),
+    (lambda c, m, n: _daly(c, m), ("one node's MTBF", "node_mtbf_s / nodes")),
+    (lambda c, m, n: _daly(c, m * n), ("multiplied by the number of nodes",)),
+    (lambda c, m, n: _daly(c, m / n, branch=False), ("For C >= 2M Daly's interval is M",)),
+    (lambda c, m, n: _daly(c, m / n, half=False), ("in C/(2M), not C/M",)),
+    (lambda c, m, n: _daly(c, m / n) if c != 2 * m / n else _daly(c, m / n, branch=False),
+     ("checkpoint_s=150", "expected 75 s")),   # the boundary C = 2M belongs to the M branch
+], ids=["young", "no-minus-c", "node-mtbf", "times-nodes", "no-branch", "c-over-m", "boundary"])
+def test_interval_refuses_each_mistake(wrong, phrases):
+    def checkpoint_interval(checkpoint_s, node_mtbf_s, nodes):
+        return wrong(checkpoint_s, node_mtbf_s, nodes)
+
+    _fails(check(INTERVAL, checkpoint_interval), *phrases)
+
+
+def test_interval_refuses_the_library():
+    def library(checkpoint_s, node_mtbf_s, nodes):
+        from ultrascale.checkpoint.failures import daly_interval
+        return daly_interval(checkpoint_s, node_mtbf_s / nodes)
+
+    _fails(check(INTERVAL, library), "your code called the course library's", "daly_interval")
