@@ -22,7 +22,7 @@ from ultrascale.exercise_tests.properties import PROPERTIES
 from ultrascale.grading import check
 
 COVERED = {"07.split_backward", "12.fp8_backward", "03.shard_gradient", "03.muon_rows",
-           "04.vocab_parallel_cross_entropy", "11.row_softmax"}
+           "04.vocab_parallel_cross_entropy", "05.sequence_parallel_norm_grads", "11.row_softmax"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -163,6 +163,21 @@ def test_a_target_logit_picked_through_view_fails_on_a_slice_of_the_full_logits(
 
     _fails(check("04.vocab_parallel_cross_entropy", vocab_parallel_cross_entropy), DRAWN,
            "passed as the view of the full logits", "RuntimeError")
+
+
+# ---- 05.sequence_parallel_norm_grads: a norm need not be a LayerNorm with a bias ----------------------
+
+def test_norm_hooks_on_a_weight_and_a_bias_by_name_fail_on_an_rmsnorm():
+    def sync_norm_gradients(module, group):
+        def summed_over_ranks(grad):
+            total = grad.clone()
+            dist.all_reduce(total, group=group)
+            return total
+
+        return [p.register_hook(summed_over_ranks) for p in (module.weight, module.bias)]   # a LayerNorm's two
+
+    _fails(check("05.sequence_parallel_norm_grads", sync_norm_gradients), DRAWN, "nn.RMSNorm", "a weight only",
+           "AttributeError")
 
 
 # ---- 11.row_softmax: a finite padding value wins the maximum of a very negative row -----------------

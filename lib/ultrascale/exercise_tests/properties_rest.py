@@ -397,6 +397,67 @@ def _describe_vocab(case):
                else ""))
 
 
+# ---- 05.sequence_parallel_norm_grads (on ranks) ------------------------------------------------
+
+NORMS = ("LayerNorm", "LayerNorm without bias", "RMSNorm")
+
+
+def _norm_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        world_size=st.sampled_from((2, 3)), norm=st.sampled_from(NORMS), hidden=st.integers(1, 5),
+        per_rank=st.integers(1, 3), dtype=st.sampled_from((torch.float32, torch.float64)), seed=st.integers(0, 99)))
+
+
+def _norm_module(case) -> torch.nn.Module:
+    """The same norm in every process, its parameters away from 1 and 0."""
+    h = case["hidden"]
+    norm = torch.nn.RMSNorm(h) if case["norm"] == "RMSNorm" else \
+        torch.nn.LayerNorm(h, bias=case["norm"] == "LayerNorm")
+    with torch.no_grad():
+        for i, p in enumerate(norm.parameters()):
+            p.copy_(1 + 0.5 * _values(case["seed"] + i, (h,), torch.float64))
+    return norm.to(case["dtype"])
+
+
+def _norm_tokens(case) -> tuple:
+    shape = (2, case["per_rank"] * case["world_size"], case["hidden"])   # the whole sequences
+    return _values(case["seed"] + 10, shape, case["dtype"]), _values(case["seed"] + 11, shape, case["dtype"])
+
+
+def _norm_on_rank(ctx, fn, case):
+    norm = _norm_module(case).to(ctx.device)
+    fn(norm, ctx.group)
+    x, dy = (t.to(ctx.device) for t in _norm_tokens(case))
+    mine = slice(ctx.rank * case["per_rank"], (ctx.rank + 1) * case["per_rank"])
+    norm(x[:, mine]).backward(dy[:, mine])
+    return {name: None if p.grad is None else p.grad.cpu() for name, p in norm.named_parameters()}
+
+
+def _judge_norm(fn, case):
+    from ultrascale.runtime import grading_cluster
+
+    whole = _norm_module(case).double()
+    x, dy = _norm_tokens(case)
+    whole(x.double()).backward(dy.double())
+    tol = 1e-10 if case["dtype"] == torch.float64 else 1e-4
+    for rank, grads in enumerate(grading_cluster(case["world_size"]).run(_norm_on_rank, fn, case)):
+        for name, p in whole.named_parameters():
+            got = grads.get(name)
+            if got is None or got.dtype != case["dtype"] or not torch.allclose(got.double(), p.grad, rtol=tol,
+                                                                                 atol=tol):
+                return (f"rank {rank}: {name}.grad is not the gradient of the whole sequence (summed over the ranks) "
+                        f"in {case['dtype']}")
+    return None
+
+
+def _describe_norm(case):
+    params = {"LayerNorm": "weight and bias", "LayerNorm without bias": "a weight and no bias",
+              "RMSNorm": "a weight only"}[case["norm"]]
+    return (f"sync_norm_gradients(an nn.{case['norm'].split()[0]}({case['hidden']}) with {params}, in "
+            f"{case['dtype']}) on {case['world_size']} ranks of {case['per_rank']} token(s) each")
+
+
 # ---- 11.row_softmax (under Triton's interpreter, or on a GPU) ------------------------------------
 
 def _softmax_cases():
@@ -464,6 +525,8 @@ PROPERTIES: dict = {
                                             layout="transposed", seed=0),)),
     "04.vocab_parallel_cross_entropy": Property(_vocab_cases, _judge_vocab, _describe_vocab, examples=(
         dict(world_size=2, tokens=3, local=4, magnitude=1e3, one_rank=False, view=True, seed=0),)),
+    "05.sequence_parallel_norm_grads": Property(_norm_cases, _judge_norm, _describe_norm, examples=(
+        dict(world_size=2, norm="RMSNorm", hidden=3, per_rank=2, dtype=torch.float64, seed=0),)),
     "11.row_softmax": Property(_softmax_cases, _judge_softmax, _describe_softmax, examples=(
         dict(rows=2, cols=5, logits="all below", magnitude=1e6, masked=False, seed=0),)),
 }
