@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ultrascale.dryrun import DryRunError, dryrun, measure_step, rank_batches, refuse
+from ultrascale.dryrun import DryRunError, dryrun, dryrun_extrapolated, measure_step, rank_batches, refuse
 from ultrascale.memory import state_bytes
 from ultrascale.model import LlamaConfig, build_model
 from ultrascale.parallel.compose import ParallelConfig, apply_parallelisms, build_mesh
@@ -69,3 +69,17 @@ def test_what_cannot_run_on_fake_tensors_is_refused_by_name():
     # an error inside the dry run's process comes back with the technique that raised it
     with pytest.raises(DryRunError, match=r"tensor parallelism \(TP\) failed in the dry run"):
         dryrun(ParallelConfig(tp=3), CONFIG, rank=0)
+
+
+def test_extrapolating_from_one_and_two_blocks_per_stage_is_exact():
+    """``dryrun_extrapolated`` (two dry runs of 1 and 2 blocks per stage, extended to the rank's
+    own count) equals the whole model's dry run in every count: the blocks are alike. Five
+    layers on two stages: rank 0's stage holds three, with TP, SP, two micro-batches in flight
+    and ZeRO-1 (on one data rank: its flat buffers and fp32 master shards)."""
+    config = LlamaConfig(vocab_size=64, hidden=32, layers=5, heads=4, kv_heads=2, ffn=48, seq_len=16)
+    layout = ParallelConfig(pp=2, tp=2, sp=True, zero=1, microbatches=2, optimizer="adam")
+    whole, extrapolated = dryrun(layout, config, 0), dryrun_extrapolated(layout, config, 0)
+    for key in ("parameters", "gradients", "optimizer_states", "activations", "flops", "collectives"):
+        assert getattr(extrapolated, key) == getattr(whole, key), (key, getattr(extrapolated, key), getattr(whole, key))
+    with pytest.raises(ValueError, match="one stage"):
+        dryrun_extrapolated(ParallelConfig(pp=2, schedule="interleaved", microbatches=2), config, 0)
