@@ -78,8 +78,9 @@ class _Stage(torch.nn.Module):
 
 
 def _split_stage(case) -> _Stage:
-    torch.manual_seed(case["seed"])
-    return _Stage(case["width"], case["unused"]).to(case["dtype"])
+    with torch.random.fork_rng(devices=[]):   # seeded, and the caller's random stream left as it was
+        torch.manual_seed(case["seed"])
+        return _Stage(case["width"], case["unused"]).to(case["dtype"])
 
 
 def _split_order(case) -> list:
