@@ -75,12 +75,13 @@ def test_enumerate_refuses_missing_layouts_and_bad_batches(ch10):
 
 # ---- 10.memory_filter ------------------------------------------------------------------
 
-def _fitting(dp_of, usable_of=lambda m, h: m * (1 - h), total_of=None):
+def _fitting(dp_of, usable_of=lambda m, h: m * (1 - h), total_of=None, pipeline=True):
     def fitting(model, configs, seq, memory_bytes, headroom):
         kept = []
         for c in configs:
+            schedule = dict(schedule=c.schedule, micro_batches=c.gas) if pipeline and c.pp > 1 else {}
             parts = breakdown(model, seq=seq, micro_batch=c.mbs, recompute=c.recompute, zero_stage=c.zero, tp=c.tp,
-                              dp=dp_of(c), pp=c.pp, cp=c.cp, sequence_parallel=True, ep=c.ep)
+                              dp=dp_of(c), pp=c.pp, cp=c.cp, sequence_parallel=True, ep=c.ep, **schedule)
             need = (total_of or (lambda p: sum(p[k] for k in ("parameters", "gradients", "optimizer states",
                                                                 "activations"))))(parts)
             if need <= usable_of(memory_bytes, headroom):
@@ -96,6 +97,9 @@ def test_memory_filter_refuses_wrong_sharding_headroom_and_totals():
     states_only = _fitting(lambda c: c.dp * c.cp, total_of=lambda p: p["parameters"] + p["gradients"]
                            + p["optimizer states"])
     _fails(check("10.memory_filter", states_only, quick=True), "GB")
+    # pp micro-batches in flight whatever gas is: a layout with gas < pp is charged too much
+    _fails(check("10.memory_filter", _fitting(lambda c: c.dp * c.cp, pipeline=False), quick=True),
+           "in flight, not pp", "micro_batches=c.gas")
 
 
 # ---- 10.step1 --------------------------------------------------------------------------

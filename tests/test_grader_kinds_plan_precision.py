@@ -100,8 +100,10 @@ def _fitting(ep_of, tp_of=lambda c: c.tp):
     def fitting(model, configs, seq, memory_bytes, headroom):
         kept = []
         for c in configs:
+            schedule = dict(schedule=c.schedule, micro_batches=c.gas) if c.pp > 1 else {}
             parts = breakdown(model, seq=seq, micro_batch=c.mbs, recompute=c.recompute, zero_stage=c.zero,
-                              tp=tp_of(c), dp=c.dp * c.cp, pp=c.pp, cp=c.cp, sequence_parallel=True, ep=ep_of(c))
+                              tp=tp_of(c), dp=c.dp * c.cp, pp=c.pp, cp=c.cp, sequence_parallel=True, ep=ep_of(c),
+                              **schedule)
             need = sum(parts[k] for k in ("parameters", "gradients", "optimizer states", "activations"))
             if need <= memory_bytes * (1 - headroom):
                 kept.append((c, need))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -171,6 +172,17 @@ def test_cached_schedule_factor_equals_the_memory_models_simulation(schedule, pp
                               micro_batches=m)["activations"]
     default = memory.breakdown(LLAMA3_8B, seq=SEQ, tp=2, pp=pp)["activations"]
     assert default * _schedule_factor(LLAMA3_8B.layers, pp, schedule, m, v) == pytest.approx(direct)
+
+
+def test_a_pipeline_with_fewer_micro_batches_than_stages_holds_only_those():
+    """1F1B's first stage holds min(pp, gas) micro-batches, not pp (the filter charged pp, 6.5x
+    the 11 GB a dry run measured for Llama 3 8B on pp 16 with gas 1: chapter 10)."""
+    for gas in (1, 3, 8, 12):
+        c = ParallelConfig(dp=4, pp=8, zero=1, mbs=2, gas=gas, recompute="full")
+        direct = memory.breakdown(LLAMA3_8B, seq=SEQ, micro_batch=2, recompute="full", zero_stage=1, dp=4, pp=8,
+                                  schedule="1f1b", micro_batches=gas)["activations"]
+        assert memory_per_gpu(LLAMA3_8B, c, SEQ)["activations"] == pytest.approx(direct)
+        assert direct == pytest.approx(min(gas, 8) / 8 * memory_per_gpu(LLAMA3_8B, replace(c, gas=8), SEQ)["activations"])
 
 
 def test_memory_filter_keeps_only_what_fits():

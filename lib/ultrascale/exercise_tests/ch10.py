@@ -9,7 +9,8 @@
 * ``10.memory_filter``: ``fitting(model, configs, seq, memory_bytes, headroom)``, the configs
   whose busiest GPU fits in ``memory_bytes * (1 - headroom)``, each with the bytes it needs,
   through ``memory.breakdown`` (allowed); compared with ``plan.fit.memory_filter`` on dense
-  Llama 3 models and on an MoE one (its experts split by ep).
+  Llama 3 models and on an MoE one (its experts split by ep); a pipeline's first stage holds
+  the micro-batches its schedule keeps in flight (gas of them when gas < pp under 1F1B).
 * ``10.step1``: ``step1_techniques(n_params, gpus, gpus_per_node=8, long_sequence=False,
   moe=False)``, the book's step-1 rule as a list of sets of technique names, compared (as a set
   of sets) with ``plan.rules.step1_techniques`` at the rule's boundaries (511/512 and 1023/1024
@@ -25,6 +26,7 @@ import dataclasses
 import math
 import random
 
+from ultrascale import memory
 from ultrascale import plan as _plan
 from ultrascale.grading import exercise
 from ultrascale.grading.guards import call_learner, expect_value_error, without_library
@@ -135,6 +137,22 @@ def _experts_hint(model, c, seq, usable, *, kept=None, nbytes=None) -> str:
     return ""
 
 
+def _pipeline_hint(model, c, seq, usable, *, kept=None, nbytes=None) -> str:
+    """Name the mistake when the learner's decision on ``c`` (``kept``) or its bytes (``nbytes``)
+    is the memory model's default pipeline, pp micro-batches in flight, where gas < pp holds fewer."""
+    if c.pp == 1 or (c.schedule == "1f1b" and c.gas >= c.pp):
+        return ""
+    default = memory.breakdown(model, seq=seq, micro_batch=c.mbs, recompute=c.recompute, zero_stage=c.zero,
+                               tp=c.tp, dp=c.dp * c.cp, pp=c.pp, cp=c.cp, ep=c.ep, sequence_parallel=True)
+    need = sum(default[k] for k in _fit.CONSUMERS)
+    if (kept is not None and kept == (need <= usable)) or (
+            nbytes is not None and math.isclose(nbytes, need, rel_tol=1e-9)):
+        return (f" With pp={c.pp} and gas={c.gas} micro-batches under {c.schedule}, the first stage holds "
+                f"{min(c.pp, c.gas) if c.schedule == '1f1b' else 'what the schedule keeps'} in flight, not pp: "
+                "pass breakdown schedule=c.schedule and micro_batches=c.gas")
+    return ""
+
+
 @exercise("10.memory_filter", points=1)
 def test_memory_filter(fitting, quick: bool = True):
     """The configs that fit and their bytes equal the planner's filter (within 1e-9 relative)."""
@@ -158,14 +176,17 @@ def test_memory_filter(fitting, quick: bool = True):
                 f"{call}: {wrong.short()} needs {need / 1e9:.2f} GB of the {usable / 1e9:.2f} GB usable, so it "
                 f"{'fits' if wrong in expected_set else 'does not fit'}, but you "
                 f"{'left it out' if wrong in expected_set else 'kept it'}. Pass ZeRO the ranks that hold the same "
-                "weights (dp * cp), the memory model tp, pp, cp, ep and the micro-batch, and compare with "
-                "memory_bytes * (1 - headroom)." + _experts_hint(model, wrong, seq, usable, kept=wrong in got_set))
+                "weights (dp * cp), the memory model tp, pp, cp, ep, the micro-batch and (pp > 1) the schedule and its "
+                "micro-batches, and compare with memory_bytes * (1 - headroom)."
+                + _experts_hint(model, wrong, seq, usable, kept=wrong in got_set)
+                + _pipeline_hint(model, wrong, seq, usable, kept=wrong in got_set))
         for c, nbytes in got:
             want = _fit.memory_per_gpu(model, c, seq)["total"]
             assert math.isclose(nbytes, want, rel_tol=1e-9), (
                 f"{call}: {c.short()} needs {want / 1e9:.4f} GB, you say {nbytes / 1e9:.4f}: call breakdown with "
                 "the layout's degrees (ZeRO shards over dp * cp ranks, ep splits the experts) and add parameters, "
-                "gradients, optimizer states and activations." + _experts_hint(model, c, seq, usable, nbytes=nbytes))
+                "gradients, optimizer states and activations." + _experts_hint(model, c, seq, usable, nbytes=nbytes)
+                + _pipeline_hint(model, c, seq, usable, nbytes=nbytes))
 
 
 STEP1_CASES = [(3e9, 8), (9.99e9, 8), (10e9, 8), (3e9, 12), (3e9, 16), (70e9, 64), (70e9, 511), (70e9, 512),
