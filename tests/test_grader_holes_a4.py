@@ -1,16 +1,23 @@
 """The A4 exercises (checkpoints and failures) cannot be fooled: a reshard that mis-orders the old
 shards, keeps the old padding or forgets Adam's step count, a resume that restarts the data at
-sample 0 or reads the wrong rows for its mesh, and a checkpoint interval that is Young's or uses one
-node's MTBF each fail with a message that names the mistake; the solution notebook's answers pass.
-All in-process (reference functions and the solution's own, no papermill, no ranks): a few seconds.
+sample 0 or reads the wrong rows for its mesh, a checkpoint interval that is Young's or uses one
+node's MTBF, and a save that is not atomic (written under the final name, renamed before every
+rank's file, by the wrong rank, over the world instead of its group) each fail with a message that
+names the mistake; the solution notebook's answers pass. In-process (no papermill): the formula
+exercises in a few seconds, the saves on one shared 3-rank grading cluster, under a second each once
+it has started.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_grader_holes import _fails
 
 from ultrascale.exercise_tests import properties_checkpoints
@@ -18,6 +25,7 @@ from ultrascale.exercise_tests.properties import PROPERTIES
 from ultrascale.grading import PASS, check
 
 RESHARD, RESUME, INTERVAL = "a4.reshard_optimizer_state", "a4.resume_samples", "a4.checkpoint_interval"
+ATOMIC = "a4.atomic_save"
 
 
 def test_every_a4_exercise_has_a_property_in_the_merged_table():
@@ -30,6 +38,7 @@ def test_the_solutions_pass_their_fixed_cases_and_properties(a4):
     assert check(RESHARD, a4["reshard_optimizer_state"]).status == PASS
     assert check(RESUME, a4["resume_samples"]).status == PASS
     assert check(INTERVAL, a4["checkpoint_interval"]).status == PASS
+    assert check(ATOMIC, a4["save_atomically"]).status == PASS
 
 
 # ---- a4.reshard_optimizer_state ------------------------------------------------------------
@@ -212,3 +221,85 @@ def test_interval_refuses_the_library():
         return daly_interval(checkpoint_s, node_mtbf_s / nodes)
 
     _fails(check(INTERVAL, library), "your code called the course library's", "daly_interval")
+
+
+# ---- a4.atomic_save ------------------------------------------------------------------------
+
+def _saver(*, into_final=False, barrier_between=True, group_of=lambda group: group, name_rank=None,
+           renamer=None, copy=False, every_rank_renames=False):
+    """A save written as a learner might, each keyword one mistake."""
+    def save_atomically(root, step, tensor, group):
+        rank = dist.get_rank(group)
+        final = Path(root) / f"step-{step:08d}"
+        temporary = final if into_final else final.with_name(final.name + ".partial")
+        temporary.mkdir(parents=True, exist_ok=True)
+        torch.save(tensor, temporary / f"rank{name_rank() if name_rank else rank}.pt")
+        if barrier_between:
+            dist.barrier(group=group_of(group))
+        commits = renamer() if renamer else rank == 0
+        if not into_final and (commits or every_rank_renames):
+            if copy:
+                shutil.copytree(temporary, final)
+                shutil.rmtree(temporary)
+            else:
+                os.replace(temporary, final)
+        dist.barrier(group=group_of(group))
+        return final
+    return save_atomically
+
+
+def test_a_save_under_the_final_name_or_renamed_too_early_is_refused():
+    """A rank that renames without waiting is caught every time: the watch holds the others' writes
+    back until the first rank has written and entered a collective, so the rename sees them missing."""
+    def barrier_before_the_writes_only(root, step, tensor, group):
+        rank = dist.get_rank(group)
+        final = Path(root) / f"step-{step:08d}"
+        temporary = final.with_name(final.name + ".partial")
+        temporary.mkdir(parents=True, exist_ok=True)
+        dist.barrier(group=group)
+        torch.save(tensor, temporary / f"rank{rank}.pt")
+        if rank == 0:
+            os.replace(temporary, final)
+        return final
+
+    _fails(check(ATOMIC, _saver(into_final=True)), "wrote rank0.pt straight into step-00000007",
+           "Write into a temporary directory")
+    _fails(check(ATOMIC, _saver(barrier_between=False)), "group of ranks [1, 2]", "while it held ['rank0.pt']",
+           "without the file(s) of rank(s) [1]", "a barrier over the group between the writes and the rename")
+    _fails(check(ATOMIC, barrier_before_the_writes_only), "without the file(s) of rank(s) [1]",
+           "the rename must wait until every rank has written")
+    _fails(check(ATOMIC, _saver(copy=True)), "appeared without a rename", "Only a rename")
+    _fails(check(ATOMIC, _saver(every_rank_renames=True)), "rank 1 of the group renamed", "made once")
+
+
+def test_a_save_that_takes_the_world_for_its_group_is_refused():
+    _fails(check(ATOMIC, _saver(group_of=lambda group: None)), "dist.barrier went over the default group",
+           "pass group=group")
+    _fails(check(ATOMIC, _saver(name_rank=dist.get_rank)), "held ['rank1.pt', 'rank2.pt']",
+           "named by the global rank", "dist.get_rank(group)")
+    _fails(check(ATOMIC, _saver(renamer=lambda: dist.get_rank() == 0)), "group of ranks [1, 2]",
+           "no step-00000007 in root", "global rank 1", "dist.get_rank(group) == 0")
+
+
+def test_a_save_that_leaves_files_behind_or_returns_another_path_is_refused():
+    def lock_left(root, step, tensor, group):
+        final = _saver()(root, step, tensor, group)
+        if dist.get_rank(group) == 0:
+            (Path(root) / "save.lock").touch()
+        return final
+
+    def returns_the_temporary(root, step, tensor, group):
+        final = _saver()(root, step, tensor, group)
+        return final.with_name(final.name + ".partial")
+
+    _fails(check(ATOMIC, lock_left), "['save.lock'] left in root")
+    _fails(check(ATOMIC, returns_the_temporary), "returned", "step-00000007.partial", "return the checkpoint's final")
+
+
+def test_a_save_through_the_library_is_refused():
+    def library(root, step, tensor, group):
+        from ultrascale.checkpoint.store import save_checkpoint
+        return save_checkpoint(root, step, torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)], lr=1.0),
+                               group=group)
+
+    _fails(check(ATOMIC, library), "your code called the course library's", "save_checkpoint")
