@@ -348,16 +348,21 @@ if MEMORY.pp > 1:
 # %% [markdown]
 # The same calculator at the scale that matters, a 70B-like model on 1024 GPUs (8 per node):
 # TP 8 inside a node, PP 8 across nodes, DP 16 with ZeRO-1, sequence 4096, micro-batch 1 and
-# 16 micro-batches under 1F1B. Each step of the list switches one more axis on. (The activation
-# terms use GPT's per-layer constants, 34 and 5as/h bytes per token and hidden unit, which are
-# an approximation for a Llama-style model with grouped-query attention and a SwiGLU MLP.)
+# 16 micro-batches under 1F1B. Each step of the list switches one more axis on; the last one
+# swaps ZeRO-1 for hybrid sharding (HSDP, chapter 03): ZeRO-3 over blocks of 4 of the 16 data
+# ranks, replicated over the 4 blocks, so weights, gradients and states divide by 4, not 16
+# (`breakdown(..., dp_shard=4)`; chapter 10's planner weighs what it saves in traffic).
+# (The activation terms use GPT's per-layer constants, 34 and 5as/h bytes per token and hidden
+# unit, which are an approximation for a Llama-style model with grouped-query attention and a
+# SwiGLU MLP.)
 
 # %%
 from ultrascale.model import LLAMA3_70B  # noqa: E402
 
 GB = 1e9
 steps = [("one GPU", {}), ("+ TP 8 (with SP)", dict(tp=8)), ("+ PP 8, 1F1B, m = 16", dict(pp=8, schedule="1f1b", micro_batches=16)),
-         ("+ DP 16 with ZeRO-1", dict(dp=16, zero_stage=1))]
+         ("+ DP 16 with ZeRO-1", dict(dp=16, zero_stage=1)),
+         ("HSDP: ZeRO-3 over 4 of 16", dict(zero_stage=3, dp_shard=4))]
 args = dict(seq=4096, micro_batch=1, recompute="selective")
 print(f"{'':<24}" + "".join(f"{k:>18}" for k in ("parameters", "gradients", "optimizer states", "activations")))
 for name, extra in steps:
@@ -365,6 +370,8 @@ for name, extra in steps:
     row = breakdown(LLAMA3_70B, **args)
     print(f"{name:<24}" + "".join(f"{row[k] / GB:>16.1f}GB" for k in row))
 assert breakdown(LLAMA3_70B, **args)["optimizer states"] < breakdown(LLAMA3_70B, **{**args, "zero_stage": 0})["optimizer states"]
+# HSDP's states: ZeRO-3's over all 16 data ranks, times the 16 / 4 replicas
+assert abs(row["optimizer states"] / breakdown(LLAMA3_70B, **{**args, "dp_shard": 16})["optimizer states"] - 4) < 1e-12
 
 # %% [markdown]
 # This is a layout the library now trains, not only a calculation: TP with SP inside pipeline
