@@ -65,14 +65,14 @@ def rank_names(world_size: int) -> list[str]:
 
 
 def reference_reshard(states: dict, shapes, new_world_size: int, *, order: str = "rank",
-                      strip: bool = True, pad: bool = True, step: bool = True) -> list[dict]:
-    """The new ranks' states. ``order`` ("rank", "listed", "string"), ``strip``, ``pad`` and ``step``
-    give classic mistakes, to recognise them."""
+                      strip: bool = True) -> list[dict]:
+    """The new ranks' states. ``order`` ("rank", "listed", "string") and ``strip`` give classic
+    mistakes, to recognise them (``RESHARD_MISTAKES``)."""
     numel = sum(math.prod(s) for s in shapes)
     names = {"rank": rank_names(len(states)), "listed": list(states), "string": sorted(states)}[order]
     old = [states[name] for name in names]
-    shard = -(-numel // new_world_size) if pad else numel // new_world_size
-    new = [{"step": old[0]["step"]} if step else {} for _ in range(new_world_size)]
+    shard = -(-numel // new_world_size)
+    new = [{"step": old[0]["step"]} for _ in range(new_world_size)]
     for key in (k for k in old[0] if k != "step"):
         flat = torch.cat([s[key] for s in old])
         if strip:
@@ -104,17 +104,15 @@ def saved_states(shapes, world_size: int, keys, dtype, seed: int) -> dict:
     return {name: states[name] for name in names}
 
 
-def _reshard_mistakes(states, shapes, n) -> list:
-    return [
-        (dict(order="listed"), "The old shards were joined in the order the dict lists them: a directory "
-                               "listing comes in no particular order. Put them in rank order, by the number "
-                               "in each name"),
-        (dict(order="string"), "The old shards were joined in the order of their names sorted as strings, "
-                               "which puts 'rank10' before 'rank2': sort by the rank number"),
-        (dict(strip=False), "The old layout's padding is still there: it belongs to no parameter. Keep "
-                            "the first sum-of-numels elements of the joined shards, then pad for the new "
-                            "world size"),
-    ]
+# (the reference's flags that give a classic mistake, what to say when the answer is that one)
+RESHARD_MISTAKES = [
+    (dict(order="listed"), "The old shards were joined in the order the dict lists them: a directory listing "
+                           "comes in no particular order. Put them in rank order, by the number in each name"),
+    (dict(order="string"), "The old shards were joined in the order of their names sorted as strings, which "
+                           "puts 'rank10' before 'rank2': sort by the rank number"),
+    (dict(strip=False), "The old layout's padding is still there: it belongs to no parameter. Keep the first "
+                        "sum-of-numels elements of the joined shards, then pad for the new world size"),
+]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -180,7 +178,7 @@ def _judge_reshard(got, states, shapes, n, call: str) -> None:
                     f"{where}: the parameters' elements are right, but its padding (the last {shard - data}) "
                     f"holds {value[data:].tolist()[:4]}: fill it with zeros. No parameter reads it, but the "
                     "optimizer and the gradient norm go over the whole flat shard")
-            named = [why for flags, why in _reshard_mistakes(states, shapes, n)
+            named = [why for flags, why in RESHARD_MISTAKES
                      if _all_same(reference_reshard(states, shapes, n, **flags), got, keys)]
             hint = (" " + " Or: ".join(why + "." for why in named)) if named else ""
             first = int((value != right_value).nonzero()[0, 0])
