@@ -33,21 +33,22 @@ def test_verdict_judges_the_digits_it_is_printed_with():
 
 
 # script -> (smallest arguments, patterns its output must contain); 2 ranks where a benchmark takes
-# --world-size (the ring all-reduce's smoke run: 16 core-s at 4 ranks, 8 at 2)
+# --world-size (the ring all-reduce's smoke run: 16 core-s at 4 ranks, 8 at 2; the pipeline's keeps
+# its 4 stages, whose bubble row it checks)
 SMOKE = {
-    "bench_runtime.py": (["--calls", "5", "--repeats", "1"], [r"no-op call is .* \(target >= 500x\): (OK|MISSED)"]),
+    "bench_runtime.py": (["--calls", "5", "--repeats", "1", "--world-size", "2"], [r"no-op call is .* \(target >= 500x\): (OK|MISSED)"]),
     "bench_send_recv.py": (["--exchanges", "5", "--rounds", "1", "--world-size", "2"], [r"ring\s+1024 KiB"]),
     "bench_ring_allreduce.py": (["--quick", "--world-size", "2"], [r"1\.00 MiB .* >= 0\.9x: (OK|MISSED)", r"fit of the ring's own times"]),
-    "bench_dp_zero.py": (["--steps", "1", "--warmup", "1", "--rounds", "1", "--dp-rounds", "1"],
+    "bench_dp_zero.py": (["--world-size", "2", "--steps", "1", "--warmup", "1", "--rounds", "1", "--dp-rounds", "1"],
                          [r"ours DP / DDP\s+= [\d.]+ .* (OK|MISSED)", r"90% of rounds redrawn: [\d.]+-[\d.]+: \w",
                           r"ours ZeRO-3 / FSDP2 = [\d.]+ .* (OK|MISSED)"]
                          + [rf"\n{stage}\s+[\d.]+\s+[\d.]+\s+-?[\d.]+%  OK" for stage in range(4)]),
-    "bench_tp.py": (["--steps", "1", "--warmup", "1", "--rounds", "1"],
+    "bench_tp.py": (["--world-size", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"],
                     [r"ours / PyTorch, TP\+SP\s*= [\d.]+ .* (OK|MISSED)", r"measured / predicted = [\d.]+ .* OK"]),
     "bench_pp.py": (["--steps", "1", "--warmup", "1", "--rounds", "1", "--bubble-m", "4", "--bubble-steps", "1"],
                     [r"ours / PyTorch = [\d.]+ .* (OK|MISSED)", r"\n\s+4\s+[\d.]+\s+0\.750 .* (OK|MISSED)"]),
-    "bench_cp.py": (["--quick"], [r"measured == model: True", r"zig-zag [\d.]+x \(target <= 1\.15\) (OK|MISSED)"]),
-    "bench_ep.py": (["--steps", "1", "--warmup", "1", "--rounds", "1"],
+    "bench_cp.py": (["--quick", "--world-size", "2"], [r"measured == model: True", r"zig-zag [\d.]+x \(target <= 1\.15\) (OK|MISSED)"]),
+    "bench_ep.py": (["--world-size", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"],
                     [r"all-to-all bytes equal the prediction on every rank: OK"]),
     "bench_kernels.py": ([], [r"flash_attention fwd\+bwd"]),
     "bench_mfu.py": (["--steps", "1", "--warmup", "0"], [r"needs a CUDA GPU; nothing measured"]),
