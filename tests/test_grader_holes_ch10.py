@@ -102,6 +102,55 @@ def test_memory_filter_refuses_wrong_sharding_headroom_and_totals():
            "in flight, not pp", "micro_batches=c.gas")
 
 
+# ---- 10.smallest_pp ----------------------------------------------------------------------
+# The check and these wrong answers share one process's dry runs (the check remembers them), so
+# the file pays for the scan of its quick case once: a few dry runs of a few seconds.
+
+def _scan(total_of, step=0):
+    """A learner's scan over the divisors, judging each by ``total_of(model, layout, seq, pp)``;
+    ``step`` more divisors past the first that fits."""
+    def smallest_pp(model, layout, seq, memory_bytes):
+        divisors = [d for d in range(1, model.layers + 1) if model.layers % d == 0]
+        for i, pp in enumerate(divisors):
+            if total_of(model, layout, seq, pp) <= memory_bytes:
+                return divisors[max(0, min(i + step, len(divisors) - 1))]
+        return None
+    return smallest_pp
+
+
+def _dry(model, layout, seq, pp):
+    import dataclasses
+
+    import torch
+
+    from ultrascale.dryrun import dryrun_extrapolated
+    return dryrun_extrapolated(dataclasses.replace(layout, pp=pp, microbatches=pp), model, 0, micro_batch=1,
+                               seq=seq, dtype=torch.bfloat16, recompute="selective")
+
+
+def _formula(model, layout, seq, pp):
+    parts = breakdown(model, seq=seq, micro_batch=1, recompute="selective", zero_stage=layout.zero, tp=layout.tp,
+                      dp=layout.dp, pp=pp, schedule="1f1b", micro_batches=pp)
+    return sum(parts[k] for k in ("parameters", "gradients", "optimizer states", "activations"))
+
+
+def test_smallest_pp_refuses_the_formula_a_missing_state_and_a_wrong_depth(ch10):
+    assert check("10.smallest_pp", ch10["smallest_pp"], quick=True).status == PASS
+    # the formula's activations are GPT's: it accepts a depth the dry run measures over the memory
+    _fails(check("10.smallest_pp", _scan(_formula), quick=True), "does not fit", "formula says it fits")
+    # Adam's states (ZeRO's shards) left out
+    no_states = _scan(lambda *a: (lambda d: d.total_bytes - d.optimizer_states)(_dry(*a)))
+    _fails(check("10.smallest_pp", no_states, quick=True), "does not fit", "Without its optimizer states")
+    # one divisor past the first that fits, and the last that does not
+    _fails(check("10.smallest_pp", _scan(lambda *a: _dry(*a).total_bytes, step=1), quick=True),
+           "a smaller pp", "one stage count too far")
+    last_too_small = _scan(lambda *a: _dry(*a).total_bytes, step=-1)
+    _fails(check("10.smallest_pp", last_too_small, quick=True), "does not fit")
+    # a depth that does not divide the layers, and giving up
+    _fails(check("10.smallest_pp", lambda *a: 3, quick=True), "must divide the 80 layers")
+    _fails(check("10.smallest_pp", lambda *a: None, quick=True), "returned None")
+
+
 # ---- 10.step1 --------------------------------------------------------------------------
 
 def test_step1_refuses_wrong_thresholds_and_extras(ch10):
