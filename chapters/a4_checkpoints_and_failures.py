@@ -383,10 +383,10 @@ fig
 # ## Your turn
 # Open [exercises/a4_checkpoints_and_failures_exercises.ipynb](../exercises/a4_checkpoints_and_failures_exercises.ipynb):
 # reshard ZeRO's padded optimizer state from one number of ranks to another without losing Adam's
-# step count, find the samples each rank of a new dp x pp x tp mesh trains on first after a resume,
-# compute Daly's checkpoint interval for a whole job from one node's mean time between failures,
-# and write an atomic save (temporary directory, barrier, one rename) for a process group that is
-# not the world.
+# step count, cut a flat run of a weight into the fewest boxes of the global tensor, find the
+# samples each rank of a new dp x pp x tp mesh trains on first after a resume, compute Daly's
+# checkpoint interval for a whole job from one node's mean time between failures, and write an
+# atomic save (temporary directory, barrier, one rename) for a process group that is not the world.
 # Each exercise's `check(...)` cell grades it on the spot;
 # `make grade NB=work/exercises/a4_checkpoints_and_failures_exercises.ipynb` grades the whole
 # notebook from a terminal.

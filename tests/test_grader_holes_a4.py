@@ -10,6 +10,7 @@ it has started.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
@@ -25,11 +26,11 @@ from ultrascale.exercise_tests.properties import PROPERTIES
 from ultrascale.grading import PASS, check
 
 RESHARD, RESUME, INTERVAL = "a4.reshard_optimizer_state", "a4.resume_samples", "a4.checkpoint_interval"
-ATOMIC = "a4.atomic_save"
+BOXES, ATOMIC = "a4.flat_boxes", "a4.atomic_save"
 
 
 def test_every_a4_exercise_has_a_property_in_the_merged_table():
-    assert set(properties_checkpoints.PROPERTIES) == {RESHARD, RESUME, INTERVAL}
+    assert set(properties_checkpoints.PROPERTIES) == {RESHARD, RESUME, INTERVAL, BOXES}
     for exercise_id, prop in properties_checkpoints.PROPERTIES.items():
         assert PROPERTIES[exercise_id] is prop
 
@@ -38,6 +39,7 @@ def test_the_solutions_pass_their_fixed_cases_and_properties(a4):
     assert check(RESHARD, a4["reshard_optimizer_state"]).status == PASS
     assert check(RESUME, a4["resume_samples"]).status == PASS
     assert check(INTERVAL, a4["checkpoint_interval"]).status == PASS
+    assert check(BOXES, a4["flat_boxes"]).status == PASS
     assert check(ATOMIC, a4["save_atomically"]).status == PASS
 
 
@@ -221,6 +223,86 @@ def test_interval_refuses_the_library():
         return daly_interval(checkpoint_s, node_mtbf_s / nodes)
 
     _fails(check(INTERVAL, library), "your code called the course library's", "daly_interval")
+
+
+# ---- a4.flat_boxes -------------------------------------------------------------------------
+
+def _runs_from(shape, start) -> list:
+    """The ends of every box that starts at flat element ``start`` and is one run of consecutive elements."""
+    coords, rest = [], start
+    for d in reversed(shape):
+        coords.insert(0, rest % d)
+        rest //= d
+    ends = [start + 1] if not shape else []
+    for k in range(len(shape)):
+        if any(coords[j] for j in range(k + 1, len(shape))):
+            continue       # not at the start of a whole sub-tensor of dimension k
+        inner = math.prod(shape[k + 1:])
+        ends += [start + n * inner for n in range(1, shape[k] - coords[k] + 1)]
+    return ends
+
+
+def _fewest(shape, start, stop) -> int:
+    """The fewest boxes of a run, by dynamic programming over its elements (small shapes only)."""
+    best = {stop: 0}
+    for p in range(stop - 1, start - 1, -1):
+        best[p] = min(best[q] + 1 for q in _runs_from(shape, p) if q in best)
+    return best[start]
+
+
+def test_the_library_count_the_check_holds_answers_to_is_the_fewest_possible():
+    """The check compares a learner's number of boxes with the library's flat_boxes: on every run of
+    every shape up to 4 x 4 x 4 (0-d to 3-D), that number is the true minimum."""
+    from ultrascale.checkpoint.pieces import flat_boxes
+    runs = 0
+    for dims in range(4):
+        for shape in itertools.product(range(1, 5), repeat=dims):
+            n = math.prod(shape)
+            for start in range(n):
+                for stop in range(start + 1, n + 1):
+                    assert len(flat_boxes(shape, start, stop)) == _fewest(shape, start, stop), (shape, start, stop)
+                    runs += 1
+    assert runs > 10_000
+
+
+def _coords(shape, i) -> tuple:
+    out = []
+    for d in reversed(shape):
+        out.insert(0, i % d)
+        i //= d
+    return tuple(out)
+
+
+def test_flat_boxes_refuses_boxes_too_many_too_flat_or_out_of_order(a4):
+    right = a4["flat_boxes"]
+
+    def per_element(shape, start, stop):
+        return [(_coords(shape, i), (1,) * len(shape)) for i in range(start, stop)]
+
+    def flat_view(shape, start, stop):     # a box of the flattened tensor, not of the global one
+        return [((start,), (stop - start,))] if stop > start else []
+
+    def whole_rows_around(shape, start, stop):   # rounds the run out to whole rows
+        if len(shape) < 2 or stop <= start:
+            return right(shape, start, stop)
+        row = math.prod(shape[1:])
+        return [((start // row,) + (0,) * (len(shape) - 1), (-(-stop // row) - start // row,) + tuple(shape[1:]))]
+
+    def reversed_order(shape, start, stop):
+        return right(shape, start, stop)[::-1]
+
+    def two_d_only(shape, start, stop):   # partial rows cut along the last dimension only
+        if len(shape) < 3:
+            return right(shape, start, stop)
+        return [((0,) * (len(shape) - 2) + box[0], (1,) * (len(shape) - 2) + box[1])
+                for box in right((math.prod(shape[:-1]), shape[-1]), start, stop)]
+
+    _fails(check(BOXES, per_element), "2 boxes where 1 cover the run", "Take as much as one box can hold")
+    _fails(check(BOXES, flat_view), "should hold 2 integer offsets and 2 integer sizes", "not of its flattened view")
+    _fails(check(BOXES, whole_rows_around), "starts at flat element 0, but the run starts at 2")
+    _fails(check(BOXES, reversed_order), "flat_boxes(shape=(4, 5), start=3, stop=17): box 0",
+           "boxes come in flat order")
+    _fails(check(BOXES, two_d_only), "shape=(2, 3, 4)")
 
 
 # ---- a4.atomic_save ------------------------------------------------------------------------

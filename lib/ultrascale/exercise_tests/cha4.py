@@ -21,6 +21,13 @@
   inputs; Young's first-order interval, Daly's without its ``- C``, a node's MTBF taken for the job's
   and a missing C >= 2M branch are named.
 
+* ``a4.flat_boxes``: ``flat_boxes(shape, start, stop)``, elements ``start:stop`` of a flattened
+  row-major tensor as the fewest boxes ``(offsets, sizes)`` in flat order (what ZeRO's flat run of a
+  parameter becomes in DCP). Each box is checked to lie in the tensor and to be one run of
+  consecutive elements, the boxes to tile the run in order, and their number against the fewest
+  possible (the library's count, which tests/test_grader_holes_a4.py proves minimal on every run of
+  every shape up to 4 x 4 x 4). 0-d, 1-D, 2-D and 3-D tensors, runs inside one row, across rows,
+  of whole rows, empty, and a shape of 4096 x 4096 x 8 (a loop over elements is too slow there).
 * ``a4.atomic_save``: ``save_atomically(root, step, tensor, group)``, called on every rank of a
   process group, writes each rank's tensor as ``rank<r>.pt`` (r: the rank within the group) into a
   temporary directory and has the group's first rank rename it to ``root/step-<step:08d>`` once
@@ -50,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from ultrascale.checkpoint import failures, store
+from ultrascale.checkpoint import failures, pieces, store
 from ultrascale.exercise_tests._groups import COLLECTIVES, Split
 from ultrascale.grading import exercise
 from ultrascale.grading.guards import call_learner, expect_value_error, swapped_dist_functions, without_library
@@ -389,6 +396,81 @@ def test_checkpoint_interval(checkpoint_interval, quick: bool = True):
                  if not math.isnan(value) and math.isclose(got, value, rel_tol=1e-9)]
         hint = (" " + " Or: ".join(why + "." for why in named)) if named else ""
         raise AssertionError(f"{call}: expected {want:.9g} s of compute between checkpoints, got {got:.9g}.{hint}")
+
+
+# ---- a4.flat_boxes -------------------------------------------------------------------------
+
+def box_problem(shape, box, dims: int) -> str | None:
+    """What makes ``box`` not a box of ``shape`` that is one run of consecutive elements (None: it is)."""
+    if not (isinstance(box, (tuple, list)) and len(box) == 2):
+        return f"{box!r} is not a pair (offsets, sizes)"
+    offsets, sizes = (tuple(box[0]), tuple(box[1])) if all(isinstance(b, (tuple, list)) for b in box) else ((), ())
+    if len(offsets) != dims or len(sizes) != dims or not all(isinstance(v, Integral) for v in offsets + sizes):
+        return (f"{box!r} should hold {dims} integer offsets and {dims} integer sizes, one per dimension of the "
+                f"{shape} tensor (DCP stores a box of the global tensor, not of its flattened view)")
+    if any(o < 0 or z < 1 or o + z > d for o, z, d in zip(offsets, sizes, shape)):
+        return f"{box!r} does not fit in the {shape} tensor (or has an empty side)"
+    spans = [k for k in range(dims) if sizes[k] != 1 or k == dims - 1]
+    k = spans[0] if spans else 0       # the dimension the run goes along; inside it, whole sub-tensors
+    if any(sizes[j] != shape[j] or offsets[j] != 0 for j in range(k + 1, dims)):
+        return (f"{box!r} is not one run of consecutive elements: after the first dimension it spans, it must take "
+                "every index of the dimensions that follow (a box that starts mid-row cannot go on into the next row)")
+    return None
+
+
+def _flat_start(shape, offsets) -> int:
+    start = 0
+    for o, d in zip(offsets, shape):
+        start = start * d + o
+    return start
+
+
+# (shape, start, stop): inside one row, across rows, whole rows, 0-d, empty, long, a 405B-like weight
+FLAT_BOX_CASES = [
+    ((4, 5), 2, 4), ((4, 5), 3, 17), ((4, 5), 5, 15), ((4, 5), 0, 20), ((7,), 2, 6), ((), 0, 1), ((4, 5), 6, 6),
+    ((2, 3, 4), 5, 19), ((2, 3, 4), 4, 20), ((2, 3, 4), 1, 23), ((3, 1, 4), 2, 11), ((1, 1, 5), 1, 4),
+    ((2, 2, 2, 3), 1, 22), ((4096, 4096, 8), 12_345_677, 98_765_433), ((16384, 53248), 3, 16384 * 53248 - 5),
+]
+
+
+def _check_flat_boxes(got, shape, start, stop, call) -> None:
+    dims = len(shape)
+    assert isinstance(got, (list, tuple)), f"{call} returned {type(got).__name__}; return a list of (offsets, sizes)"
+    at = start
+    for i, box in enumerate(got):
+        problem = box_problem(shape, box, dims)
+        assert problem is None, f"{call}: box {i}, {problem}"
+        first = _flat_start(shape, box[0])
+        assert first == at, (
+            f"{call}: box {i}, {tuple(box[0])} + {tuple(box[1])}, starts at flat element {first}, but the run "
+            + (f"goes on at element {at}" if i else f"starts at {start}")
+            + ": the boxes come in flat order, each starting where the last one ended")
+        at = first + math.prod(box[1])
+    assert at == stop, (f"{call}: the boxes cover elements {start} to {at}, the run is {start} to {stop}"
+                        + (": an empty run has no box" if start == stop else ""))
+    fewest = len(pieces.flat_boxes(shape, start, stop))
+    assert len(got) == fewest, (
+        f"{call}: {len(got)} boxes where {fewest} cover the run. Take as much as one box can hold: the whole rows "
+        "(or whole slabs, in more dimensions) between a partial first one and a partial last one in one box, "
+        "and a run inside one row as one box")
+
+
+@exercise("a4.flat_boxes", points=1)
+def test_flat_boxes(flat_boxes, quick: bool = True):
+    """Valid boxes, in flat order, tiling the run, as few as possible; 0-d to 4-D and a 4096 x 4096 x 8 tensor."""
+    learner = without_library(flat_boxes, [pieces.flat_boxes, pieces.Pieces], "a4.flat_boxes",
+                              "cut the run into boxes yourself")
+    cases = list(FLAT_BOX_CASES)
+    rng = random.Random(7)
+    for _ in range(20 if quick else 200):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3)))
+        n = math.prod(shape)
+        a = rng.randint(0, n)
+        cases.append((shape, a, rng.randint(a, n)))
+    for shape, start, stop in cases:
+        call = f"flat_boxes(shape={shape}, start={start}, stop={stop})"
+        got = call_learner(learner, shape, start, stop, call=call, expected="a list of (offsets, sizes)")
+        _check_flat_boxes(got, shape, start, stop, call)
 
 
 # ---- a4.atomic_save ------------------------------------------------------------------------

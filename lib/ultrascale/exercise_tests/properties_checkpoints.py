@@ -8,6 +8,8 @@ What the draws reach that the fixed cases do not:
   new ones up to 9, float32, float64 and bf16, one to three states of any names;
 * ``a4.resume_samples``: positions far past 2**53, meshes up to dp 64 with pp and tp, global batches
   the dp ranks do not divide (a ``ValueError``);
+* ``a4.flat_boxes``: shapes of up to 4 dimensions with size-1 sides, some of them huge (a loop over
+  the elements would not finish), runs anywhere in them, empty ones included;
 * ``a4.checkpoint_interval``: checkpoint times from milliseconds to days, node MTBFs up to centuries
   and a million nodes, both sides of C = 2M.
 
@@ -98,6 +100,27 @@ def _describe_resume(case):
             f"pp={case['pp']}, tp={case['tp']})")
 
 
+# ---- a4.flat_boxes -------------------------------------------------------------------------
+
+def _box_cases():
+    st = _st()
+    side = st.one_of(st.integers(1, 6), st.sampled_from((1, 1, 2 ** 20 + 3)))
+    return st.lists(side, min_size=0, max_size=4).flatmap(lambda shape: st.fixed_dictionaries(dict(
+        shape=st.just(shape), a=st.integers(0, math.prod(shape)), b=st.integers(0, math.prod(shape)))))
+
+
+def _judge_boxes(fn, case):
+    from ultrascale.exercise_tests.cha4 import _check_flat_boxes
+    shape, (start, stop) = tuple(case["shape"]), sorted((case["a"], case["b"]))
+    _check_flat_boxes(fn(shape, start, stop), shape, start, stop, "the call")   # raises what is wrong
+    return None
+
+
+def _describe_boxes(case):
+    start, stop = sorted((case["a"], case["b"]))
+    return f"flat_boxes(shape={tuple(case['shape'])}, start={start}, stop={stop})"
+
+
 # ---- a4.checkpoint_interval ----------------------------------------------------------------
 
 def _interval_cases():
@@ -134,6 +157,8 @@ PROPERTIES: dict = {
     "a4.resume_samples": Property(_resume_cases, _judge_resume, _describe_resume, examples=(
         dict(dp=64, pp=2, tp=4, per_rank=4, ragged=0, next_sample=2 ** 62 + 1, step=10 ** 6, old=4096,
              rank_seed=511),)),
+    "a4.flat_boxes": Property(_box_cases, _judge_boxes, _describe_boxes, examples=(
+        dict(shape=[3, 2 ** 20 + 3, 1, 2], a=2 ** 21 + 5, b=5 * 2 ** 20 + 1),)),
     "a4.checkpoint_interval": Property(_interval_cases, _judge_interval, _describe_interval, examples=(
         dict(checkpoint_exp=0, checkpoint_mantissa=20, mtbf_exp=0, mtbf_mantissa=40, nodes=4),)),   # C = 2M
 }
