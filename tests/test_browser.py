@@ -43,7 +43,7 @@ pytest.importorskip("selenium", reason="selenium is missing: pip install -r requ
 pytest.importorskip("jupyterlab")
 
 from browser.lab import ROOT, CourseCopy, Lab, Processes, Unavailable, browser_paths, start_browser  # noqa: E402
-from browser.page import CELLS, NOTEBOOK, Learner  # noqa: E402
+from browser.page import CELLS, NOTEBOOK, Learner, PageTimeout  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
 pytestmark = [
@@ -224,7 +224,7 @@ CLOSED_CHAPTERS = ("chapters/05_sequence_parallelism.ipynb", "chapters/06_contex
 MEMORY_SLACK_MIB = 150   # what the server may keep of three visits (issue 54: measured +29 MiB)
 
 
-def _open_from_file_browser(learner, path: str, cells: int) -> None:
+def _open_from_file_browser(learner, path: str, cells: int, listed_within: float = 30) -> None:
     """Double-click ``path`` in the file browser (its folder is the one shown: that of the
     notebook the page opened on); wait for its cells and an idle kernel."""
     from selenium.webdriver.common.action_chains import ActionChains
@@ -232,10 +232,19 @@ def _open_from_file_browser(learner, path: str, cells: int) -> None:
     name = Path(path).name
     item = learner.wait(lambda: [e for e in learner.driver.find_elements(By.CSS_SELECTOR, ".jp-DirListing-item")
                                  if e.find_element(By.CSS_SELECTOR, ".jp-DirListing-itemText").text.strip() == name],
-                        30, f"{name} in the file browser")
+                        listed_within, f"{name} in the file browser")
     ActionChains(learner.driver).double_click(item[0]).perform()
     _wait_document(learner, path, cells, "opened from the file browser")
     learner.wait_idle(180, f"{path}'s kernel to start")
+
+
+def _close_discarding(learner) -> None:
+    """File ▸ Close Tab on a notebook a run has modified: JupyterLab asks, and the learner discards
+    (the file stays as it was); its kernel goes with the tab (launch/lab_settings: kernelShutdown)."""
+    learner.menu("File", "application:close")
+    discard = learner.wait(lambda: [b for b in learner.driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog button")
+                                    if b.text.strip() == "Discard"], 10, "the save-or-discard dialog")
+    discard[0].click()
 
 
 def _lab_is_alone(session) -> bool:
@@ -275,11 +284,7 @@ def test_closing_a_chapters_tab_gives_its_memory_back(session, learner):
         learner.screenshot(f"chapter_{Path(chapter).stem}", code[FIRST_CELLS - 1])
         open_mib, running = session.processes.private_mib(root)
         assert any("forkserver" in command for command in running.values()), running
-        learner.menu("File", "application:close")
-        # the run left the notebook modified: JupyterLab asks; the learner discards (work/ stays as it was)
-        discard = learner.wait(lambda: [b for b in session.driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog button")
-                                        if b.text.strip() == "Discard"], 10, "the save-or-discard dialog")
-        discard[0].click()
+        _close_discarding(learner)
         learner.wait(lambda: _lab_is_alone(session), 60,
                      f"{chapter}'s kernel, fork server and ranks to go with its tab (kernelShutdown)")
         print(f"{chapter}: {open_mib:.0f} MiB private with it open")
@@ -607,10 +612,16 @@ FIRST_CELL_CHAPTERS = [c for c in CHAPTERS if c not in CLOSED_CHAPTERS]   # thos
 
 @pytest.mark.parametrize("chapter", FIRST_CELL_CHAPTERS, ids=[Path(c).stem for c in FIRST_CELL_CHAPTERS])
 def test_chapter_first_cells(session, learner, chapter):
+    """Each chapter in turn, as a learner goes through them: opened from the file browser of the
+    page the chapter before left (a fresh page, as the first one gets, costs seconds of loading),
+    and its tab closed at the end, so that its kernel and ranks go rather than pile up."""
     notebook = session.notebook(chapter)
     code = _code_cells(notebook)
     first = code[:FIRST_CELLS]
-    learner.open(chapter, len(notebook["cells"]))
+    try:   # the page lists chapters/ when the chapter before was opened and closed there
+        _open_from_file_browser(learner, chapter, len(notebook["cells"]), listed_within=2)
+    except PageTimeout:
+        learner.open(chapter, len(notebook["cells"]))
     learner.clear_outputs()
     if len(code) > len(first):   # Run ▸ Run All Above Selected Cell, from the next code cell
         learner.run_all(120 + 30 * len(first), command="notebook:run-all-above", selected=code[len(first)])
@@ -621,6 +632,7 @@ def test_chapter_first_cells(session, learner, chapter):
     assert not (errors := learner.errors()), f"{chapter}: {errors}"
     assert learner.log_entries() == 0
     learner.screenshot(f"chapter_{Path(chapter).stem}", first[-1])
+    _close_discarding(learner)
 
 
 # ---- nothing left behind -----------------------------------------------------------------------
