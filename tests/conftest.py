@@ -25,7 +25,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 GRADED_FOLDERS = ("solutions", "exercises")
-GRADER_TIMEOUT = 1800  # seconds for one folder of 17 notebooks
+GRADER_TIMEOUT = 1800  # seconds for one folder of notebooks (18 of them)
 GRADER_JOBS = 2        # notebooks graded at a time, per folder
 
 

@@ -2,7 +2,7 @@
 
 * the build passes with warnings as errors (a broken internal link, a missing image, a page
   outside the table of contents);
-* every chapter and exercise notebook has its page; the sidebar lists the 17 chapters in the
+* every chapter and exercise notebook has its page; the sidebar lists the 18 chapters in the
   course's reading order (00, a0, 01 ... 12, a1, a2, a3, a4), titled by their first heading;
 * a chapter's figures are images whose files exist, one per saved PNG output;
 * a chapter page's exercise link and grading link land on an existing page and anchor, and the
@@ -10,7 +10,7 @@
 * the results pages list every GPU record with its provenance;
 * in Debian's headless chromium (skipped without it or selenium), with every host but this
   machine's loopback unreachable (a dead proxy and a resolver that finds no name): chapter 07's
-  sidebar shows the 17 chapters in order, its Gantt charts are loaded images, its schedule
+  sidebar shows the 18 chapters in order, its Gantt charts are loaded images, its schedule
   widget is drawn with its controls, its formulas are typeset by MathJax, every file the page
   loaded came from the site itself, and its exercise link opens the exercise page. Screenshots
   go to out/browser/site_07.png (the top of the page) and site_07_gantt.png (its first chart);
