@@ -83,3 +83,30 @@ def test_extrapolating_from_one_and_two_blocks_per_stage_is_exact():
         assert getattr(extrapolated, key) == getattr(whole, key), (key, getattr(extrapolated, key), getattr(whole, key))
     with pytest.raises(ValueError, match="one stage"):
         dryrun_extrapolated(ParallelConfig(pp=2, schedule="interleaved", microbatches=2), config, 0)
+
+
+def test_a_full_size_ranks_bytes_per_collective_are_the_cost_models():
+    """Issue 59 item 2's last part, at real size: rank 0 of Llama 3 8B under plain DP 4 x PP 2
+    (1F1B over 3 micro-batches of 1,024 tokens, bf16) sends, per collective, exactly what the cost
+    model's formulas (``ultrascale.overlap``) charge: the ring all-reduce of its stage's gradients
+    (``dp_comm_time``'s volume, 2 (dp-1)/dp of them) and, on the first stage, one activation out
+    and one gradient back per micro-batch (``pp_comm_time``'s message each). The formula side is
+    counted from the model's shape, not from the dry run."""
+    from ultrascale import overlap
+    from ultrascale.model import LLAMA3_8B, count_params
+
+    m, seq, dp, elt = 3, 1024, 4, 2   # bf16: 2 bytes an element
+    dry = dryrun_extrapolated(ParallelConfig(dp=dp, pp=2, microbatches=m, optimizer="adam"), LLAMA3_8B, 0,
+                              seq=seq, dtype=torch.bfloat16)
+    h, v, layers = LLAMA3_8B.hidden, LLAMA3_8B.vocab_size, LLAMA3_8B.layers
+    block = (count_params(LLAMA3_8B) - 2 * v * h - h) // layers   # untied embedding and head, the final norm
+    stage0 = elt * (v * h + layers // 2 * block)                     # the embedding and the first 16 blocks
+    assert dry.gradients == stage0
+    ops = dry.collectives
+    assert set(ops) == {"all_reduce", "isend", "irecv"}, ops
+    assert ops["all_reduce"]["bytes_sent"] == overlap.dp_comm_time(stage0, dp, peak_bw=1)
+    message = overlap.pp_comm_time(seq, 1, h, peak_bw=1, bytes_per_element=elt)
+    assert ops["isend"] == {"calls": m, "bytes_sent": m * message, "bytes_received": 0}
+    assert ops["irecv"] == {"calls": m, "bytes_sent": 0, "bytes_received": m * message}
+    # an end stage has one neighbour: half of the per-step volume of a stage between two
+    assert m * message * 2 == elt * overlap.pp_bytes_per_step(seq, 1, h, grad_acc=m) / 2
