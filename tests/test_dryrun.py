@@ -49,6 +49,7 @@ def test_a_dry_run_measures_what_a_real_run_does(layout, rank):
     real, independent = shared_cluster(4).run(real_step, layout, CONFIG)[rank]
     dry = dryrun(layout, CONFIG, rank)
     assert dry.rank == rank and dry.layout == str(layout)
+    assert dryrun(layout, CONFIG, rank) is dry   # the same call again is remembered, not run
     for key in ("parameters", "gradients", "optimizer_states", "activations", "flops", "collectives"):
         assert getattr(dry, key) == real[key], f"{layout}, rank {rank}: {key} {getattr(dry, key)} != {real[key]}"
     assert real["activations"] > 0 and real["flops"] > 0 and real["collectives"]

@@ -103,8 +103,8 @@ def test_memory_filter_refuses_wrong_sharding_headroom_and_totals():
 
 
 # ---- 10.smallest_pp ----------------------------------------------------------------------
-# The check and these wrong answers share one process's dry runs (the check remembers them), so
-# the file pays for the scan of its quick case once: a few dry runs of a few seconds.
+# The check and these wrong answers share one process's dry runs (ultrascale.dryrun remembers
+# them by their arguments), so the file pays for the scan of its quick case once.
 
 def _scan(total_of, step=0):
     """A learner's scan over the divisors, judging each by ``total_of(model, layout, seq, pp)``;

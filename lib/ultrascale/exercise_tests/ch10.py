@@ -18,8 +18,8 @@
   inputs.
 * ``10.smallest_pp``: ``smallest_pp(model, layout, seq, memory_bytes)``, the smallest pp
   dividing the layers at which rank 0 (the first 1F1B stage, pp micro-batches of one sequence,
-  bf16, selective recomputation) fits, held against dry runs (``dryrun_extrapolated``; the
-  check remembers them, so the learner's scan and the check's measurements are run once).
+  bf16, selective recomputation) fits, held against dry runs (``dryrun_extrapolated``; a
+  process remembers its dry runs, so the learner's scan and the check's measurements run once).
 
 While the learner's code runs, the planner's own functions (``ultrascale.plan``) refuse to run
 (in the first three exercises; the fourth may use anything).
@@ -27,7 +27,6 @@ While the learner's code runs, the planner's own functions (``ultrascale.plan``)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import random
@@ -259,33 +258,10 @@ def test_step1(step1_techniques, quick: bool = True):
 # (70B's activations are 1.5x the formula's); on 36 GB for 8B at 8192 tokens the same (2 and 4).
 PP_CASES = [(LLAMA3_70B, dict(tp=8, sp=True, dp=4, zero=1, optimizer="adam"), 4096, 45e9),
             (LLAMA3_8B, dict(tp=2, sp=True, dp=8, zero=1, optimizer="adam"), 8192, 36e9)]
-_DRY_RUNS: dict = {}   # one process's dry runs, by their arguments: a learner's scan, then the check's
 
 
 def _pp_candidates(model) -> list:
     return [d for d in range(1, model.layers + 1) if model.layers % d == 0]
-
-
-@contextlib.contextmanager
-def _remembered_dry_runs():
-    """``ultrascale.dryrun.dryrun`` remembering its results by argument while a check runs: the
-    learner's scan, the contract's second call and the check's own measurements are the same dry
-    runs (a dry run reads no value, so the same arguments give the same bytes)."""
-    from ultrascale import dryrun as module
-
-    original = module.dryrun
-
-    def remembered(layout, config, rank=0, **options):
-        key = (layout, config, rank, tuple(sorted((k, str(v)) for k, v in options.items())))
-        if key not in _DRY_RUNS:
-            _DRY_RUNS[key] = original(layout, config, rank, **options)
-        return _DRY_RUNS[key]
-
-    module.dryrun = remembered
-    try:
-        yield
-    finally:
-        module.dryrun = original
 
 
 def _measured(model, layout, seq, pp):
@@ -311,42 +287,43 @@ def test_smallest_pp(smallest_pp, quick: bool = True):
     activations of 1F1B's first stage stay those of about all the layers)."""
     from ultrascale.parallel.compose import ParallelConfig as Layout
 
-    with _remembered_dry_runs():
-        for model, fields, seq, memory_bytes in PP_CASES[:1 if quick else None]:
-            layout = Layout(**fields)
-            call = f"smallest_pp(Llama 3 of hidden {model.hidden}, {layout}, seq={seq}, memory_bytes={memory_bytes:.3g})"
-            got = call_learner(smallest_pp, model, layout, seq, memory_bytes, call=call)
-            candidates = _pp_candidates(model)
-            assert got is None or got in candidates, (
-                f"{call} returned {got!r}: a stage count must divide the {model.layers} layers (even stages), "
-                f"one of {candidates}")
-            fits = {}
-            for pp in candidates:   # up to the first that fits, as a learner's scan does
-                fits[pp] = _measured(model, layout, seq, pp)
-                if fits[pp].total_bytes <= memory_bytes:
-                    break
-            answer = next((pp for pp, dry in fits.items() if dry.total_bytes <= memory_bytes), None)
-            if got == answer:
-                continue
-            assert got is not None, f"{call} returned None, but a pipeline of some depth fits: measure each pp"
-            dry = fits.get(got) or _measured(model, layout, seq, got)
-            gb = {k: f"{v / 1e9:.1f}" for k, v in dry.memory().items()}
-            if dry.total_bytes > memory_bytes:
-                hints = ""
-                if _formula_total(model, layout, seq, got) <= memory_bytes:
-                    hints += (" memory.breakdown's formula says it fits: its activations are GPT's (34 bytes per "
-                              "token and hidden unit, no loss), and a Llama block keeps more; measure with the dry "
-                              "run rather than the formula.")
-                if dry.total_bytes - dry.optimizer_states <= memory_bytes:
-                    hints += " Without its optimizer states it would fit: count them too (ZeRO's shards of Adam's)."
-                raise AssertionError(
-                    f"{call} returned {got}, but at pp={got} the first stage holds {dry.total_bytes / 1e9:.1f} GB "
-                    f"measured (parameters {gb['parameters']}, gradients {gb['gradients']}, optimizer states "
-                    f"{gb['optimizer states']}, activations {gb['activations']}): more than {memory_bytes / 1e9:.0f} "
-                    f"GB, it does not fit.{hints}")
-            smaller = [pp for pp in candidates if pp < got]
-            beyond = smaller and smaller[-1] == answer
+    # ultrascale.dryrun remembers each dry run by its arguments: the learner's scan, the contract's
+    # second call and the measurements below are one set of dry runs
+    for model, fields, seq, memory_bytes in PP_CASES[:1 if quick else None]:
+        layout = Layout(**fields)
+        call = f"smallest_pp(Llama 3 of hidden {model.hidden}, {layout}, seq={seq}, memory_bytes={memory_bytes:.3g})"
+        got = call_learner(smallest_pp, model, layout, seq, memory_bytes, call=call)
+        candidates = _pp_candidates(model)
+        assert got is None or got in candidates, (
+            f"{call} returned {got!r}: a stage count must divide the {model.layers} layers (even stages), "
+            f"one of {candidates}")
+        fits = {}
+        for pp in candidates:   # up to the first that fits, as a learner's scan does
+            fits[pp] = _measured(model, layout, seq, pp)
+            if fits[pp].total_bytes <= memory_bytes:
+                break
+        answer = next((pp for pp, dry in fits.items() if dry.total_bytes <= memory_bytes), None)
+        if got == answer:
+            continue
+        assert got is not None, f"{call} returned None, but a pipeline of some depth fits: measure each pp"
+        dry = fits.get(got) or _measured(model, layout, seq, got)
+        gb = {k: f"{v / 1e9:.1f}" for k, v in dry.memory().items()}
+        if dry.total_bytes > memory_bytes:
+            hints = ""
+            if _formula_total(model, layout, seq, got) <= memory_bytes:
+                hints += (" memory.breakdown's formula says it fits: its activations are GPT's (34 bytes per "
+                          "token and hidden unit, no loss), and a Llama block keeps more; measure with the dry "
+                          "run rather than the formula.")
+            if dry.total_bytes - dry.optimizer_states <= memory_bytes:
+                hints += " Without its optimizer states it would fit: count them too (ZeRO's shards of Adam's)."
             raise AssertionError(
-                f"{call} returned {got}, which fits ({dry.total_bytes / 1e9:.1f} GB measured), but a smaller pp "
-                f"that divides the layers fits too: return the smallest."
-                + (" You went one stage count too far: stop at the first pp that fits." if beyond else ""))
+                f"{call} returned {got}, but at pp={got} the first stage holds {dry.total_bytes / 1e9:.1f} GB "
+                f"measured (parameters {gb['parameters']}, gradients {gb['gradients']}, optimizer states "
+                f"{gb['optimizer states']}, activations {gb['activations']}): more than {memory_bytes / 1e9:.0f} "
+                f"GB, it does not fit.{hints}")
+        smaller = [pp for pp in candidates if pp < got]
+        beyond = smaller and smaller[-1] == answer
+        raise AssertionError(
+            f"{call} returned {got}, which fits ({dry.total_bytes / 1e9:.1f} GB measured), but a smaller pp "
+            f"that divides the layers fits too: return the smallest."
+            + (" You went one stage count too far: stop at the first pp that fits." if beyond else ""))
