@@ -145,7 +145,7 @@ def test_smallest_pp_refuses_the_formula_a_missing_state_and_a_wrong_depth(ch10)
     _fails(check("10.smallest_pp", _scan(lambda *a: _dry(*a).total_bytes, step=1), quick=True),
            "a smaller pp", "one stage count too far")
     last_too_small = _scan(lambda *a: _dry(*a).total_bytes, step=-1)
-    _fails(check("10.smallest_pp", last_too_small, quick=True), "does not fit")
+    _fails(check("10.smallest_pp", last_too_small, quick=True), "does not fit", "not the last that does not")
     # a depth that does not divide the layers, and giving up
     _fails(check("10.smallest_pp", lambda *a: 3, quick=True), "must divide the 80 layers")
     _fails(check("10.smallest_pp", lambda *a: None, quick=True), "returned None")

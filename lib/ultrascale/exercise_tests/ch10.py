@@ -320,7 +320,8 @@ def test_smallest_pp(smallest_pp, quick: bool = True):
                 f"{call} returned {got}, but at pp={got} the first stage holds {dry.total_bytes / 1e9:.1f} GB "
                 f"measured (parameters {gb['parameters']}, gradients {gb['gradients']}, optimizer states "
                 f"{gb['optimizer states']}, activations {gb['activations']}): more than {memory_bytes / 1e9:.0f} "
-                f"GB, it does not fit.{hints}")
+                f"GB, it does not fit.{hints} (A scan returns the first depth that fits, not the last that does "
+                "not.)")
         smaller = [pp for pp in candidates if pp < got]
         beyond = smaller and smaller[-1] == answer
         raise AssertionError(
