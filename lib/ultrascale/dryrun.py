@@ -254,7 +254,7 @@ def dryrun_here(layout: ParallelConfig, config, rank: int = 0, **options) -> Dry
         return _dry_step(layout, config, rank, **options)
     finally:
         dist.destroy_process_group()
-        pipeline_messages._TWINS.clear()   # the pipeline's twin groups died with this world
+        pipeline_messages.forget_twin_groups()   # they died with this world
 
 
 class _FakeRankContext:

@@ -138,6 +138,12 @@ def twin_group(group):
     return _TWINS[ranks]
 
 
+def forget_twin_groups() -> None:
+    """Drop this process's twin groups: for a process whose process group was destroyed and that
+    starts another (the dry run's, which runs several fake worlds in turn)."""
+    _TWINS.clear()
+
+
 def _same_group_count(group) -> None:
     """Bring this rank's count of process groups up to the highest among ``group``'s ranks.
 
