@@ -312,6 +312,7 @@ assert best_8b.mbs == max(fitting), "the planner keeps the largest micro-batch t
 # the usable memory, as the filter holds its formula.
 
 # %%
+from ultrascale.checks import nonempty  # noqa: E402
 from ultrascale.dryrun import dryrun_extrapolated  # noqa: E402
 from ultrascale.memory import pp_in_flight  # noqa: E402
 from ultrascale.parallel.compose import ParallelConfig as Layout  # noqa: E402
@@ -369,7 +370,7 @@ print(f"(GB per GPU of its first pipeline stage; usable {gb(H100.usable_memory)}
 
 # %% tags=["nbval-ignore-output"]
 # (seconds depend on the machine and its load: not compared)
-for case, verdict, c, _, _, seconds in dry_checks:
+for case, verdict, c, _, _, seconds in nonempty(dry_checks, "dry runs"):
     print(f"dry run of {case}, {c.short()}: {seconds:.1f} s")
 
 # %% [markdown]
@@ -398,7 +399,7 @@ for case, verdict, c, _, _, seconds in dry_checks:
 # %%
 # Model states within 10% of the filter's, the first stage's embedding included (ZeRO's fp32
 # masters and moments are the filter's 12 bytes per parameter; plain DP's counted in mixed precision)
-for case, verdict, c, formula, dry, _ in dry_checks:
+for case, verdict, c, formula, dry, _ in nonempty(dry_checks, "dry runs"):
     got = measured_in_mixed_precision(dry, c)
     for key in STATES:
         assert 0.9 <= got[key] / formula[key] <= 1.1, (case, c.short(), key, got[key], formula[key])
@@ -409,7 +410,7 @@ for case, verdict, c, formula, dry, _ in dry_checks:
     if verdict == "refused":   # a refusal holds: measured over the usable memory too
         assert sum(got.values()) > H100.usable_memory, (case, c.short(), got)
 firsts = {}   # each case's first accepted layout: the planner's first choice
-for case, verdict, c, _, dry, _ in dry_checks:
+for case, verdict, c, _, dry, _ in nonempty(dry_checks, "dry runs"):
     if verdict == "accepted":
         firsts.setdefault(case, sum(measured_in_mixed_precision(dry, c).values()))
 assert set(firsts) == set(DRY_CASES) and all(total > H100.memory_bytes for total in firsts.values()), firsts
