@@ -428,6 +428,32 @@ def test_deferred_submissions_of_the_right_answers_score_through_the_grader(tmp_
                       "00.memory_per_stage": PASS}
 
 
+def test_an_untouched_stub_is_told_without_starting_ranks(monkeypatch):
+    """A function that can only raise NotImplementedError (every generated stub) is "not implemented"
+    before its test runs: 00.mean_across_ranks's test would start ranks only to watch it raise. One
+    that does anything else first, or builds its message from an argument, is run as before."""
+    import ultrascale.runtime.cluster as cluster
+
+    def stub(t, group=None):
+        """The learner's docstring stays."""
+        raise NotImplementedError("exercise: which collective leaves the sum on every rank?")
+
+    def started(*args, **kwargs):
+        raise AssertionError("a stub's check started ranks")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cluster, "shared_cluster", started)
+        result = check("00.mean_across_ranks", stub, quick=True)
+    assert result.status == NOT_IMPLEMENTED and "Hint: which collective" in result.message, result
+
+    def begun(num_layers, pp_degree):
+        per_stage = [0] * pp_degree
+        raise NotImplementedError(f"exercise: {len(per_stage)} stages")
+
+    result = check("00.pipeline_stage_layers", begun, quick=True)   # run: the test's own call raised it
+    assert result.status == NOT_IMPLEMENTED and "stages" in result.message, result
+
+
 def test_untouched_triton_kernels_are_not_implemented_through_the_grader():
     """make grade's path, where check() only saves the kernel and the grader's own process tests it
     (the shared run below grades exercises/ with --feedback, in the kernel, and did not see this):

@@ -7,7 +7,9 @@ turns whatever happens into one of three verdicts a learner can act on:
 * **fail**, with the failing assertion's message (or the exception the learner's
   code raised, with its traceback);
 * **not implemented yet**, when a ``NotImplementedError`` reaches it: the stub of a
-  generated exercise notebook, raised locally or on a worker rank.
+  generated exercise notebook, raised locally or on a worker rank. A function that can do
+  nothing but raise it (an untouched stub, read from its bytecode) is told so without running
+  the test: a distributed test would start ranks only to watch it raise.
 
 It never raises (an interrupt from the stop button excepted), so the rest of the
 notebook still runs and the command-line grader sees every exercise.
@@ -27,6 +29,7 @@ the run in the notebook, for kept notebooks that show every verdict).
 
 from __future__ import annotations
 
+import dis
 import html
 import inspect
 import json
@@ -183,6 +186,9 @@ def _grade(ex, objects: tuple, kwargs: dict) -> CheckResult:
     wrong_arguments = _argument_error(ex, objects, kwargs)
     if wrong_arguments is not None:
         return wrong_arguments
+    stubs = [message for message in map(_stub_message, objects) if message is not None]
+    if stubs:
+        return verdict(NOT_IMPLEMENTED, _not_implemented_hint(NotImplementedError(stubs[0])))
 
     try:
         ex.test(*objects, **kwargs)
@@ -200,6 +206,22 @@ def _grade(ex, objects: tuple, kwargs: dict) -> CheckResult:
 
 
 # ---- recognising a stub that was not filled in --------------------------------
+
+# What an untouched stub's bytecode may hold: ``raise NotImplementedError("exercise: ...")``
+# and nothing else (no argument read, nothing returned). Bookkeeping opcodes differ by version.
+_STUB_OPS = {"RESUME", "NOP", "CACHE", "PUSH_NULL", "PRECALL", "CALL", "LOAD_GLOBAL", "LOAD_CONST", "RAISE_VARARGS"}
+
+
+def _stub_message(obj) -> str | None:
+    """The message of a function whose only possible outcome is ``raise NotImplementedError(message)``
+    (an exercise's stub, as generated), read from its bytecode; None for anything else."""
+    if not inspect.isfunction(obj) or obj.__code__.co_names != ("NotImplementedError",):
+        return None
+    ops = list(dis.get_instructions(obj))
+    if not ops or ops[-1].opname != "RAISE_VARARGS" or any(op.opname not in _STUB_OPS for op in ops):
+        return None
+    return "".join(op.argval for op in ops if op.opname == "LOAD_CONST" and isinstance(op.argval, str))
+
 
 def _is_not_implemented(err: BaseException) -> bool:
     """True if a NotImplementedError caused ``err``, here or on a worker rank."""
