@@ -212,7 +212,7 @@ print(inspect.getsource(RowParallelLinear.forward))
 # %% [markdown]
 # (`enter_region` is off when the module around the layer applied f once for all its layers: q, k
 # and v share one f, so backward all-reduces $\partial L/\partial X$ once, not three times. With
-# sequence parallelism, chapter 05, f becomes g and f* becomes g*.)
+# sequence parallelism, chapter 05, subclasses of both in `sequence_parallel.py` use g and g* instead.)
 #
 # We cut a single-process MLP into a TP MLP and compare, in float64 so that any difference beyond
 # rounding is a bug: the output, the input's gradient and every weight gradient, gathered back to

@@ -30,7 +30,8 @@
 #    matmuls beside them (asynchronous TP), check it and time it.
 #
 # The implementation is `lib/ultrascale/parallel/tensor_parallel.py` (`apply_tp(...,
-# sequence_parallel=True)`), with the collectives `g` and `g_star` of `lib/ultrascale/comm/functional.py`.
+# sequence_parallel=True)`), which chooses the layers of `lib/ultrascale/parallel/sequence_parallel.py`,
+# with the collectives `g` and `g_star` of `lib/ultrascale/comm/functional.py`.
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; tp is the largest degree that divides it and the model (2, 3 and 4 all work)

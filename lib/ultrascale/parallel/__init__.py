@@ -11,8 +11,9 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
 * ``fsdp``: per-parameter sharding as FSDP2 does it (NB03, beyond the book): each parameter's
   rows sharded, so any torch optimizer steps the shards; mixed precision, HSDP; ``apply_fsdp``.
   ``sharded_muon``: Muon on whole or row-sharded matrices (gathered, or dealt to owners).
-* ``tensor_parallel``: column/row-parallel linears, vocabulary-parallel embedding, head and
-  cross-entropy, sequence parallelism (NB04, NB05); ``apply_tp``.
+* ``tensor_parallel``: ``apply_tp`` (NB04, NB05), with the column/row-parallel linears of
+  ``parallel_linear`` (plain TP); ``vocab_parallel``: the embedding, head and cross-entropy
+  split over the vocabulary; ``sequence_parallel``: SP's subclasses of the linears (g, g*).
   ``async_tp``: SP's all-gather and reduce-scatter cut into ring steps that overlap the
   pieces of the matmuls beside them (NB05, ``apply_tp(..., async_tp=True)``).
 * ``context_parallel``: the sequence split across ranks, contiguous or zig-zag (NB06);

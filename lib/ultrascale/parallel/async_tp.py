@@ -41,11 +41,13 @@ import torch.nn.functional as F
 
 from ..comm.functional import piece_size, rank_and_size
 from ..comm.ring import reduce_round_ring, ring_blocks
-from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .parallel_linear import ColumnParallelLinear
+from .sequence_parallel import SequenceParallelRowLinear
 from .timeline import or_disabled
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "AllGatherMatmul", "MatmulReduceScatter",
-           "AsyncColumnParallelLinear", "AsyncRowParallelLinear", "enter_async_region"]
+           "AsyncColumnParallelLinear", "AsyncRowParallelLinear", "enter_async_region",
+           "enter_region_overlapped"]
 
 
 # --------------------------------------------------------------------------- the ring
@@ -166,10 +168,13 @@ def matmul_reduce_scatter(x, weight, group=None, timeline=None):
 
 # --------------------------------------------------------------------------- layers
 class AsyncColumnParallelLinear(ColumnParallelLinear):
-    """A column-parallel linear whose all-gather overlaps its matmul. Inside a TP region
-    the region's hook has already computed this layer's output (:func:`enter_async_region`)."""
+    """A column-parallel linear whose all-gather (SP's g) overlaps its matmul. Inside a TP
+    region the region's hook has already computed this layer's output (:func:`enter_async_region`).
+    ``timeline``: a bar for each matmul piece and ring step."""
 
-    timeline = None
+    def __init__(self, weight, bias=None, group=None, enter_region=True, timeline=None):
+        super().__init__(weight, bias, group, enter_region)
+        self.timeline = timeline
 
     def forward(self, x):
         ready = self.__dict__.pop("_ready", None)
@@ -182,10 +187,12 @@ class AsyncColumnParallelLinear(ColumnParallelLinear):
         return out if self.bias is None else out + self.bias
 
 
-class AsyncRowParallelLinear(RowParallelLinear):
-    """A row-parallel linear whose reduce-scatter overlaps its matmul. Sequence parallel only."""
+class AsyncRowParallelLinear(SequenceParallelRowLinear):
+    """SP's row-parallel linear, its reduce-scatter (g*) overlapping its matmul."""
 
-    timeline = None
+    def __init__(self, weight, bias=None, group=None, timeline=None):
+        super().__init__(weight, bias, group)
+        self.timeline = timeline
 
     def forward(self, x):
         y = matmul_reduce_scatter(x, self.weight, self.group, self.timeline)
@@ -200,3 +207,9 @@ def enter_async_region(module, x, group, timeline=None):
     for layer, out in zip(layers, outs):
         layer._ready = (gathered, out)
     return gathered
+
+
+def enter_region_overlapped(module, group=None, timeline=None):
+    """Make ``module`` a TP region under async TP: :func:`enter_async_region` at its entrance."""
+    module.register_forward_pre_hook(lambda mod, args: (
+        enter_async_region(mod, args[0], group, timeline), *args[1:]))

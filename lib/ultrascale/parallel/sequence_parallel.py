@@ -1,13 +1,19 @@
 """Sequence parallelism (SP): the work between the tensor-parallel regions split along the sequence.
 
+Files, in reading order: ``tensor_parallel.py`` (``apply_tp(..., sequence_parallel=True)``),
+``parallel_linear.py`` (the plain TP layers these subclass), this module,
+``comm/functional.py`` (``g``, ``g*``); the tp group comes from ``mesh.py``.
+
 Between the TP regions (norms, residual adds) the activations are identical on every tp
 rank, so that work and memory are split along the sequence instead. ``f``/``f*`` become
 ``g`` (all-gather the sequence before a column-parallel layer) and ``g*`` (reduce-scatter
 after a row-parallel one), which together move the bytes of the one all-reduce they
-replace. ``apply_tp(..., sequence_parallel=True)`` (``tensor_parallel.py``) puts the pieces
-of this module in place:
+replace. ``apply_tp`` chooses the pieces of this module when ``sequence_parallel`` is on:
 
-* :func:`enter_parallel_region`: f, or g with SP, applied once at the entrance of a region;
+* :class:`SequenceParallelColumnLinear` and :class:`SequenceParallelRowLinear`: the
+  column- and row-parallel linears with ``g`` and ``g*``; :class:`SequenceParallelEmbedding`
+  and :class:`SequenceParallelVocabHead`, the vocabulary-parallel embedding (``g*``) and head
+  (``g``); :func:`enter_region_with_g`: g applied once at the entrance of a TP region;
 * :class:`RegatherInBackward`: the layers after ``g`` save only this rank's slice of their
   gathered input and all-gather it again in backward (as Megatron-LM does);
 * a replicated parameter used on a slice of the sequence (norm weights, row-parallel biases)
@@ -24,11 +30,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from ..comm.functional import f, g, gather_along_dim
+from ..comm.functional import g, g_star, gather_along_dim
 from .grad_sync import sync_in_backward
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 
-__all__ = ["enter_parallel_region", "RegatherInBackward", "fill_global_positions", "sum_gradient_over_tp",
+__all__ = ["SequenceParallelColumnLinear", "SequenceParallelRowLinear", "SequenceParallelEmbedding",
+           "SequenceParallelVocabHead",
+           "enter_region_with_g", "RegatherInBackward", "fill_global_positions", "sum_gradient_over_tp",
            "enter_region_keeping_shard", "leave_region"]
 
 
@@ -38,11 +49,6 @@ def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
     ``.grad``, so gradient accumulation over micro-batches is unaffected."""
     sync_in_backward([param], group, divide_by=1, keep_as="_tp_grad_sync")   # a sum: no division
 
-
-
-def enter_parallel_region(x, group=None, sequence_parallel=False):
-    """f (identity forward, all-reduce backward), or g (all-gather the sequence, dim 1) with SP."""
-    return g(x, 1, group) if sequence_parallel else f(x, group)
 
 
 class _Regathered:
@@ -95,10 +101,11 @@ class RegatherInBackward:
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
 
-def enter_region_keeping_shard(module, x, group, sequence_parallel, regather):
-    """Apply f (g); with SP and ``regather``, push RegatherInBackward until the module's forward ends."""
-    gathered = enter_parallel_region(x, group, sequence_parallel)
-    if sequence_parallel and regather and torch.is_grad_enabled():
+def enter_region_keeping_shard(module, x, group, regather=True):
+    """Apply g (all-gather the sequence, dim 1); with ``regather``, push RegatherInBackward
+    until :func:`leave_region` (the module's forward ends)."""
+    gathered = g(x, 1, group)
+    if regather and torch.is_grad_enabled():
         module._regather = RegatherInBackward(x, gathered, group)
         module._regather.hooks.__enter__()
     return gathered
@@ -108,6 +115,72 @@ def leave_region(module, *_):
     regather = module.__dict__.pop("_regather", None)
     if regather is not None:
         regather.hooks.__exit__(None, None, None)
+
+
+def enter_region_with_g(module, group=None, regather=True):
+    """Make ``module`` a TP region under SP: g once at its entrance for all the column-parallel
+    layers inside (built with ``enter_region=False``); attention then sees the whole sequence,
+    whose length it reads from its input."""
+    module.register_forward_pre_hook(lambda mod, args: (
+        enter_region_keeping_shard(mod, args[0], group, regather), *args[1:]))
+    module.register_forward_hook(leave_region, always_call=True)
+
+
+# --------------------------------------------------------------------------- the layers
+class SequenceParallelColumnLinear(ColumnParallelLinear):
+    """y_r = g(x) W_r^T + b_r: the input is this rank's slice of the sequence (dim 1), and
+    ``g`` all-gathers it first. ``regather``: save only the slice and all-gather it again in
+    backward (:class:`RegatherInBackward`); False saves the whole gathered input."""
+
+    def __init__(self, weight, bias=None, group=None, enter_region=True, regather=True):
+        super().__init__(weight, bias, group, enter_region)
+        self.regather = regather
+
+    def forward(self, x):
+        if not self.enter_region:   # the region's entrance has gathered the input
+            return F.linear(x, self.weight, self.bias)
+        x = enter_region_keeping_shard(self, x, self.group, self.regather)
+        try:
+            return F.linear(x, self.weight, self.bias)
+        finally:   # even if the matmul fails, the saved-tensor hooks come off
+            leave_region(self)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, sequence_parallel=True, regather={self.regather}"
+
+
+class SequenceParallelRowLinear(RowParallelLinear):
+    """y = g*(x_r W_r^T) + b: ``g*`` reduce-scatters the sum along the sequence (dim 1).
+
+    The replicated bias is added to this rank's slice of the tokens only, so its gradient
+    is summed over the tp ranks (:func:`sum_gradient_over_tp`)."""
+
+    def __init__(self, weight, bias=None, group=None):
+        super().__init__(weight, bias, group)
+        if bias is not None:
+            sum_gradient_over_tp(bias, group)
+
+    def forward(self, x):
+        y = g_star(F.linear(x, self.weight), 1, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, sequence_parallel=True"
+
+
+class SequenceParallelEmbedding(VocabParallelEmbedding):
+    """The vocabulary-parallel embedding under SP: ``g*`` sums the ranks' lookups and leaves
+    this rank its slice of the sequence (dim 1), where the blocks start."""
+
+    sequence_parallel = True   # the pipeline reads it: the messages between stages are slices
+
+    def forward(self, idx):
+        return g_star(self.local_lookup(idx), 1, self.group)
+
+
+class SequenceParallelVocabHead(VocabParallelHead, SequenceParallelColumnLinear):
+    """The vocabulary-parallel LM head after ``g``: :class:`VocabParallelHead`'s logits from
+    :class:`SequenceParallelColumnLinear`'s gathered input (its ``forward`` is the next in line)."""
 
 
 def fill_global_positions(model, tp: int):

@@ -1,20 +1,25 @@
 """Tensor parallelism (Megatron-LM) and sequence parallelism, applied from outside.
 
+Files for the basic form, in reading order: this module (:func:`apply_tp`),
+``parallel_linear.py`` (the two layers), ``comm/functional.py`` (``f``, ``f*``) and
+``mesh.py`` (the tp group): four, since the layers have a module of their own.
+
 Tensor parallelism (TP) splits every large matrix multiply over the ``tp`` ranks with a
 **column-parallel** linear (a slice of the output features; its input enters through ``f``)
 followed by a **row-parallel** one (a slice of the input features; ``f*`` sums the ranks'
 partial results). Attention is column-parallel q, k, v then row-parallel ``out``: a rank
 holds whole heads and the course model reads the head count from the shapes, so it runs
 unchanged. The MLP is column-parallel fc (gate and up for SwiGLU), then row-parallel proj
-(down). This module applies them to a model: a plan names each module's style, everything
-is checked before anything is swapped, and :func:`apply_tp` swaps the layers.
+(down). This module applies them to a model: a plan names each module's style,
+:func:`checked_tp_plan` checks everything before anything is swapped, and :func:`apply_tp`
+swaps the layers.
 
-The ideas it puts together each have their own module:
+The refinements each have their own module, and ``apply_tp`` chooses their layers:
 
-* ``parallel_linear.py``: the column- and row-parallel linears and the slicing of a weight;
 * ``vocab_parallel.py``: the embedding, LM head and cross-entropy split over the vocabulary;
 * ``sequence_parallel.py``: ``sequence_parallel=True``, the activations between the TP
-  regions split along the sequence (``g``/``g*``, norm gradients, RoPE positions);
+  regions split along the sequence (``g``/``g*``, regathering in backward, norm gradients,
+  RoPE positions);
 * ``async_tp.py``: ``async_tp=True``, SP's all-gather and reduce-scatter cut into pieces
   that overlap the matmuls of the linears beside them.
 
@@ -24,21 +29,25 @@ Parameters sharded by TP carry ``tp_shard_dim`` and ``tp_group``; :func:`full_we
 """
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn as nn
 
 from ..comm.functional import gather_along_dim, rank_and_size
 from ..matching import match_plan
-from .async_tp import AsyncColumnParallelLinear, AsyncRowParallelLinear, enter_async_region
+from .async_tp import AsyncColumnParallelLinear, AsyncRowParallelLinear, enter_region_overlapped
 from .mesh import axis_group
-from .parallel_linear import ColumnParallelLinear, RowParallelLinear
-from .sequence_parallel import (enter_region_keeping_shard, fill_global_positions, leave_region,
-                                sum_gradient_over_tp)
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear, enter_region_with_f
+from .sequence_parallel import (SequenceParallelColumnLinear, SequenceParallelEmbedding,
+                                SequenceParallelRowLinear, SequenceParallelVocabHead, enter_region_with_g,
+                                fill_global_positions, sum_gradient_over_tp)
 # VocabParallelLogits: not used here, but chapters 04 and 05 import it from this module.
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, VocabParallelLogits  # noqa: F401
 
-__all__ = ["apply_tp", "full_weights", "full_gradients", "tp_degrees", "choose_tp", "GPT_PLAN", "LLAMA_PLAN",
-           "STYLES"]
+__all__ = ["apply_tp", "checked_tp_plan", "full_weights", "full_gradients", "tp_degrees", "choose_tp",
+           "GPT_PLAN", "LLAMA_PLAN", "STYLES"]
 
 
 # Styles: "colwise" / "rowwise" linears; "parallel_region": a module whose input enters a TP
@@ -59,6 +68,85 @@ LLAMA_PLAN = {**_VOCAB, **_NORMS, **_ATTENTION, "blocks.*.mlp": "parallel_region
 
 
 # --------------------------------------------------------------------------- apply_tp
+def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan: dict | None = None,
+             regather_in_backward: bool = True, async_tp: bool = False, timeline=None) -> nn.Module:
+    """Tensor-parallel ``model`` over the ``tp`` axis of a mesh (or a group; None: all ranks).
+
+    Swaps the layers ``plan`` names (``{module-name pattern: style}``, default ``GPT_PLAN`` or
+    ``LLAMA_PLAN``) for their parallel versions, sliced for this rank from the existing
+    weights, and returns the model (changed in place). Everything is checked before anything
+    is swapped. With ``sequence_parallel`` the activations outside the TP regions stay split
+    along the sequence; see the module docstring for positions and norm gradients.
+    ``regather_in_backward`` (SP only): the layers of a TP region save this rank's slice of
+    their gathered input and all-gather it again in backward (as Megatron-LM does; see
+    :class:`RegatherInBackward`); False saves the whole gathered input instead.
+    ``async_tp`` (SP only): the linears of the TP regions overlap their all-gather and
+    reduce-scatter with their matmuls, piece by piece (``async_tp.py``); their gathered input is
+    kept for backward, not regathered. The vocabulary-parallel embedding and head keep theirs whole.
+    ``timeline``: per-block compute bars (``Timeline.instrument(model.blocks)``); with
+    ``async_tp``, the pieces instead: each matmul piece and each ring step (block bars would
+    cover them).
+    """
+    group = axis_group(mesh_or_group, "tp")
+    _, n = rank_and_size(group, "tensor-parallel layers")
+    chosen = checked_tp_plan(model, plan, n, sequence_parallel=sequence_parallel, async_tp=async_tp)
+    layers = _layers(group, sequence_parallel, regather_in_backward, async_tp, timeline)
+    shared = {}   # original parameter -> its shard: keeps tied weights tied
+    for name, style in chosen.items():   # named_modules order: embed before head
+        module = model.get_submodule(name)
+        if style == "colwise":
+            entered = chosen.get(name.rpartition(".")[0]) == "parallel_region"   # the parent applied f / g
+            model.set_submodule(name, layers.column(module, group, not entered, shared))
+        elif style == "rowwise":
+            model.set_submodule(name, layers.row(module, group, shared))
+        elif style == "parallel_region":
+            layers.enter_region(module)
+        elif style == "vocab_embedding":
+            model.set_submodule(name, layers.embedding(module, group, shared))
+        elif style == "vocab_head":
+            model.set_submodule(name, layers.head(module, group, True, shared))
+        elif sequence_parallel:   # sequence_norm: runs on a slice of the tokens
+            for p in module.parameters():
+                sum_gradient_over_tp(p, group)
+    if sequence_parallel:
+        fill_global_positions(model, n)
+    if timeline is not None and hasattr(model, "blocks") and not async_tp:
+        timeline.instrument(model.blocks)
+    return model
+
+
+class TPLayers(NamedTuple):
+    """What :func:`apply_tp` builds for each style: the layers (``from_linear`` /
+    ``from_embedding``) and what makes a module a TP region."""
+    column: Callable
+    row: Callable
+    embedding: Callable
+    head: Callable
+    enter_region: Callable
+
+
+def _layers(group, sequence_parallel, regather, async_tp, timeline) -> TPLayers:
+    """Plain TP's layers and f at a region's entrance (``parallel_linear.py``,
+    ``vocab_parallel.py``), SP's with g and g* (``sequence_parallel.py``), or async TP's, SP's
+    collectives overlapped with the matmuls (``async_tp.py``)."""
+    if async_tp:
+        return TPLayers(partial(AsyncColumnParallelLinear.from_linear, timeline=timeline),
+                      partial(AsyncRowParallelLinear.from_linear, timeline=timeline),
+                      SequenceParallelEmbedding.from_embedding,
+                      partial(SequenceParallelVocabHead.from_linear, regather=regather),
+                      partial(enter_region_overlapped, group=group, timeline=timeline))
+    if sequence_parallel:
+        return TPLayers(partial(SequenceParallelColumnLinear.from_linear, regather=regather),
+                      SequenceParallelRowLinear.from_linear,
+                      SequenceParallelEmbedding.from_embedding,
+                      partial(SequenceParallelVocabHead.from_linear, regather=regather),
+                      partial(enter_region_with_g, group=group, regather=regather))
+    return TPLayers(ColumnParallelLinear.from_linear, RowParallelLinear.from_linear,
+                  VocabParallelEmbedding.from_embedding, VocabParallelHead.from_linear,
+                  partial(enter_region_with_f, group=group))
+
+
+# --------------------------------------------------------------------------- checking a plan
 def _default_plan(model) -> dict:
     from ..model import GPT, Llama   # the plans are written for the course models
 
@@ -124,7 +212,14 @@ def choose_tp(model, world_size: int, seq: int | None = None, plan: dict | None 
     return max(usable)
 
 
-def _check(model, chosen, n, sequence_parallel):
+def checked_tp_plan(model, plan: dict | None, n: int, *, sequence_parallel: bool = False,
+                    async_tp: bool = False) -> dict:
+    """``plan`` (None: the model's default) matched to ``model``: {module name: style}, once
+    everything :func:`apply_tp` needs of it with ``tp = n`` is checked. Errors say what to change."""
+    if async_tp and not sequence_parallel:
+        raise ValueError("async_tp=True overlaps sequence parallelism's all-gather and reduce-scatter with the "
+                         "matmuls beside them; plain TP has neither: pass sequence_parallel=True as well")
+    chosen = _match(model, _default_plan(model) if plan is None else plan)
     counts = _sharded_counts(model, chosen)
     for what, count in counts:
         if count % n:
@@ -152,68 +247,7 @@ def _check(model, chosen, n, sequence_parallel):
             if id(p) in sharded and not shards(name):
                 raise ValueError(f"{name}.{p_name} is shared with a layer the plan shards: shard both (as "
                                  "GPT's tied embed and head: 'vocab_embedding' and 'vocab_head') or neither")
-
-
-def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan: dict | None = None,
-             regather_in_backward: bool = True, async_tp: bool = False, timeline=None) -> nn.Module:
-    """Tensor-parallel ``model`` over the ``tp`` axis of a mesh (or a group; None: all ranks).
-
-    Swaps the layers ``plan`` names (``{module-name pattern: style}``, default ``GPT_PLAN`` or
-    ``LLAMA_PLAN``) for their parallel versions, sliced for this rank from the existing
-    weights, and returns the model (changed in place). Everything is checked before anything
-    is swapped. With ``sequence_parallel`` the activations outside the TP regions stay split
-    along the sequence; see the module docstring for positions and norm gradients.
-    ``regather_in_backward`` (SP only): the layers of a TP region save this rank's slice of
-    their gathered input and all-gather it again in backward (as Megatron-LM does; see
-    :class:`RegatherInBackward`); False saves the whole gathered input instead.
-    ``async_tp`` (SP only): the linears of the TP regions overlap their all-gather and
-    reduce-scatter with their matmuls, piece by piece (``async_tp.py``); their gathered input is
-    kept for backward, not regathered. The vocabulary-parallel embedding and head keep theirs whole.
-    ``timeline``: per-block compute bars (``Timeline.instrument(model.blocks)``); with
-    ``async_tp``, the pieces instead: each matmul piece and each ring step (block bars would
-    cover them).
-    """
-    if async_tp and not sequence_parallel:
-        raise ValueError("async_tp=True overlaps sequence parallelism's all-gather and reduce-scatter with the "
-                         "matmuls beside them; plain TP has neither: pass sequence_parallel=True as well")
-    group = axis_group(mesh_or_group, "tp")
-    _, n = rank_and_size(group, "tensor-parallel layers")
-    chosen = _match(model, _default_plan(model) if plan is None else plan)
-    _check(model, chosen, n, sequence_parallel)
-    shared = {}   # original parameter -> its shard: keeps tied weights tied
-    sp = sequence_parallel
-    column, row = (AsyncColumnParallelLinear, AsyncRowParallelLinear) if async_tp else \
-        (ColumnParallelLinear, RowParallelLinear)
-    for name, style in chosen.items():   # named_modules order: embed before head
-        module = model.get_submodule(name)
-        entered = chosen.get(name.rpartition(".")[0]) == "parallel_region"   # the parent applied f / g
-        if style in ("colwise", "rowwise"):
-            layer = (column.from_linear(module, group, sp, not entered, shared) if style == "colwise" else
-                     row.from_linear(module, group, sp, shared))
-            if async_tp:
-                layer.timeline = timeline
-            model.set_submodule(name, layer)
-        elif style == "vocab_embedding":
-            model.set_submodule(name, VocabParallelEmbedding.from_embedding(module, group, sp, shared))
-        elif style == "vocab_head":
-            head = VocabParallelHead.from_linear(module, group, sp, True, shared)
-            head.regather = regather_in_backward
-            model.set_submodule(name, head)
-        elif style == "parallel_region" and async_tp:
-            module.register_forward_pre_hook(lambda mod, args: (
-                enter_async_region(mod, args[0], group, timeline), *args[1:]))
-        elif style == "parallel_region":
-            module.register_forward_pre_hook(lambda mod, args: (
-                enter_region_keeping_shard(mod, args[0], group, sp, regather_in_backward), *args[1:]))
-            module.register_forward_hook(leave_region, always_call=True)
-        elif sp:   # sequence_norm: runs on a slice of the tokens
-            for p in module.parameters():
-                sum_gradient_over_tp(p, group)
-    if sequence_parallel:
-        fill_global_positions(model, n)
-    if timeline is not None and hasattr(model, "blocks") and not async_tp:
-        timeline.instrument(model.blocks)
-    return model
+    return chosen
 
 
 # --------------------------------------------------------------------------- reading the shards

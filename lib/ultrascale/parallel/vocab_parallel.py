@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm.functional import f_star, g_star, gather_along_dim, rank_and_size
+from ..comm.functional import f_star, gather_along_dim, rank_and_size
 from .parallel_linear import ColumnParallelLinear, shard_parameter
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelHead", "VocabParallelLogits", "vocab_parallel_cross_entropy"]
@@ -29,42 +29,46 @@ class VocabParallelEmbedding(nn.Module):
     """Rows ``vocab_start .. vocab_start + V/tp`` of the embedding table on this rank.
 
     A token outside the slice looks up zeros here and its row on its owner rank, so the sum
-    over ranks (``f*``, or ``g*`` with SP, which also leaves this rank its slice of the
-    sequence) is the ordinary lookup."""
+    over ranks (``f*``) is the ordinary lookup. (Under sequence parallelism:
+    ``sequence_parallel.SequenceParallelEmbedding``, whose ``g*`` also leaves this rank its
+    slice of the sequence.)"""
 
-    def __init__(self, weight, vocab_start, group=None, sequence_parallel=False):
+    def __init__(self, weight, vocab_start, group=None):
         super().__init__()
-        self.weight, self.vocab_start = weight, vocab_start
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight, self.vocab_start, self.group = weight, vocab_start, group
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group=None, sequence_parallel=False, shared=None):
+    def from_embedding(cls, embedding: nn.Embedding, group=None, shared=None):
         weight = shard_parameter(embedding.weight, 0, group, shared)
         start = rank_and_size(group, "tensor-parallel layers")[0] * weight.shape[0]
-        return cls(weight, start, group, sequence_parallel)
+        return cls(weight, start, group)
 
     def forward(self, idx):
+        return f_star(self.local_lookup(idx), self.group)
+
+    def local_lookup(self, idx):
+        """This rank's part of the lookup: its rows, zeros for the ids of other ranks."""
         outside = (idx < self.vocab_start) | (idx >= self.vocab_start + self.weight.shape[0])
         local = F.embedding((idx - self.vocab_start).masked_fill(outside, 0), self.weight)
-        local = local.masked_fill(outside.unsqueeze(-1), 0.0)   # row 0 was only a placeholder
-        return g_star(local, 1, self.group) if self.sequence_parallel else f_star(local, self.group)
+        return local.masked_fill(outside.unsqueeze(-1), 0.0)   # row 0 was only a placeholder
 
     def extra_repr(self):
         return f"local rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0] - 1}, " \
-               f"dim={self.weight.shape[1]}, sequence_parallel={self.sequence_parallel}"
+               f"dim={self.weight.shape[1]}"
 
 
 class VocabParallelHead(ColumnParallelLinear):
-    """The LM head, column-parallel over the vocabulary: returns :class:`VocabParallelLogits`."""
+    """The LM head, column-parallel over the vocabulary: returns :class:`VocabParallelLogits`.
+    (Under sequence parallelism: ``sequence_parallel.SequenceParallelVocabHead``.)"""
 
     @classmethod
-    def from_linear(cls, linear, group=None, sequence_parallel=False, enter_region=True, shared=None):
+    def from_linear(cls, linear, group=None, enter_region=True, shared=None, **options):
         if linear.bias is not None:
             raise ValueError("vocab_head expects a head without bias (as the course models have)")
-        return super().from_linear(linear, group, sequence_parallel, enter_region, shared)
+        return super().from_linear(linear, group, enter_region, shared, **options)
 
     def forward(self, x):
-        local = super().forward(x)   # (batch, seq, V/tp): with SP, g has gathered the sequence
+        local = super().forward(x)   # (batch, seq, V/tp); under SP, g has gathered the sequence
         start = rank_and_size(self.group, "tensor-parallel layers")[0] * self.weight.shape[0]
         return VocabParallelLogits.wrap(local, start, self.group)
 
