@@ -1,5 +1,11 @@
 """Context parallelism (CP): the sequence split across ranks, applied from outside.
 
+Files for the basic form (ring attention), in reading order: this module (``apply_cp``),
+``ring_attention.py`` (attention over the split sequence, forward and backward; it merges
+partial results with ``kernels/tiled_attention.py``'s online softmax), ``kv_exchange.py`` (the
+K/V blocks and their gradients round the ring), ``comm/ring.py`` (one ring step) and ``mesh.py``
+(the cp group). Ulysses (``ulysses.py``) is the other road, in a module of its own.
+
 Under CP every rank holds a slice of the sequence through the whole model: embeddings,
 norms, MLPs and the loss treat tokens one at a time and need nothing from the other ranks.
 Only attention mixes tokens; ``parallel.ring_attention`` gives every rank's queries the

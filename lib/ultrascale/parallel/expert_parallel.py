@@ -1,5 +1,9 @@
 """Expert parallelism (EP): the experts of every MoE layer split over ranks, tokens sent to them.
 
+Files for the basic form, in reading order: ``moe.py`` (the MoE layer whose experts are
+split), this module (``apply_ep``), ``comm/functional.py`` (``all_to_all``) and ``mesh.py`` (the
+ep group); ``grad_sync.py`` combines the gradients.
+
 An MoE layer (``ultrascale.moe``) holds E expert MLPs. Under EP over ``ep`` ranks, rank r
 keeps only experts ``r*E/ep .. (r+1)*E/ep - 1`` (``local_experts``): the expert weights,
 their gradients and optimizer states shrink ep times. Everything else (attention, norms,

@@ -1,5 +1,9 @@
 """Pipeline parallelism: the course model cut into stages, run by a schedule's action lists.
 
+Files for the basic form, in reading order: ``schedule/`` (the action lists, simulated and
+checked), this module (``apply_pp``, which runs them), ``pipeline_messages.py`` (the
+activations and gradients sent between stages) and ``mesh.py`` (the pp group).
+
 Pipeline parallelism (PP) gives each of the ``pp`` ranks a slice of the layers: the first
 stage also holds the embedding, the last the final norm, the head and the loss. A batch is
 cut into m micro-batches; activations go forward from stage to stage with ``send``/``recv``,

@@ -1,5 +1,10 @@
 """ZeRO-1, ZeRO-2 and ZeRO-3, from scratch, applied from outside to any ``nn.Module``.
 
+Files for the basic form (stages 1 and 2), in reading order: this module (``ZeRO``,
+``apply_zero``), ``flat.py`` (the flat, padded buffers and their pieces), ``comm/functional.py``
+(``all_gather_into``, ``reduce_scatter_into``) and ``mesh.py`` (the dp group). Stage 3 adds
+``zero3.py``; ``zero_state.py`` counts and saves the sharded state.
+
 Plain data parallelism keeps on every rank a full copy of everything: parameters,
 gradients and the optimizer states (fp32 master weights, Adam's two moments).
 ZeRO (Zero Redundancy Optimizer) removes that redundancy in three steps:
