@@ -77,3 +77,16 @@ def test_what_remains_refused_says_it_is_this_library():
     # found composing Llama 3 405B's shape at toy scale: the run failed deep in CP's position check
     with pytest.raises(ValueError, match="does not compose sequence parallelism inside pipeline stages with context"):
         ParallelConfig(tp=2, sp=True, pp=2, cp=2)
+
+
+def test_zero_refuses_a_pipeline_that_would_add_the_tied_weight_in_grad():
+    # compose builds the pipeline with add_tied_after_step=False under ZeRO; one built otherwise
+    # would add .grad's parts (zeros: ZeRO moved them to its buffers) and ZeRO's too. Refused
+    # before anything is built, so a stand-in pipeline and mesh are enough (no cluster).
+    from types import SimpleNamespace
+
+    from ultrascale.parallel.compose_zero import apply_zero_composed
+
+    pipeline = SimpleNamespace(tied_peer=1, add_tied_after_step=True)
+    with pytest.raises(ValueError, match=r"add_tied_after_step=False"):
+        apply_zero_composed(None, None, stage=1, pipeline=pipeline)

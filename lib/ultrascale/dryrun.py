@@ -370,13 +370,9 @@ def _train_step(par, batches, optimizer_reads) -> None:
     if par.pipeline is not None:
         par.pipeline.step(batches)
     else:
-        dp, module = par.data_parallel, par.data_parallel or par.model
-        for micro, batch in enumerate(batches):
-            local = dp is not None and micro < m - 1   # gradient accumulation: sync on the last only
-            with dp.no_sync() if local else contextlib.nullcontext():
-                (batch.loss(module) / m).backward()
-    if par.data_parallel is not None:
-        par.data_parallel.finish_gradient_synchronization()
+        for batch in batches:   # gradient accumulation: DP reduces the sum once, below
+            (batch.loss(par.model) / m).backward()
+    par.sync_gradients()
     with optimizer_reads:
         par.optimizer.step()
 

@@ -19,6 +19,12 @@ FSDP to each stage; sharding before the split, as here, gives the same stages):
    other ``dp / dp_shard`` blocks all-reducing their gradient shards: hybrid sharding (HSDP),
    torchtitan's ``dp_replicate x dp_shard``.
 
+Every step receives the mesh and returns what it builds; ``apply_parallelisms`` alone wires
+the pieces together, in this order, and nothing changes another technique's object after
+building it (under ZeRO the pipeline is told when it is built that the tied weight's two
+gradient parts are ZeRO's to add). DP's all-reduce runs at one point on every path: just
+before the optimizer's step (``Parallelized.sync_gradients``).
+
 Which ranks see different data? The dp ranks (different rows), the cp ranks (different
 tokens of the same rows) and, for the dense layers of an MoE model, the ep ranks (different
 rows too: ep "borrows" ranks from dp). So the dense gradients are averaged over the joint
@@ -186,7 +192,7 @@ class Parallelized:
     mesh: Mesh
     config: ParallelConfig
     pipeline: object = None            # the Pipeline, with pp > 1
-    data_parallel: object = None       # the DP wrapper (zero=0 and data ranks > 1)
+    data_parallel: object = None       # plain DP's wrapper (no zero, dp_shard or ep; data ranks > 1)
     optimizer: object = None           # a torch optimizer, or compose_zero's ComposedZeRO
     shard_dims: dict = field(default_factory=dict)   # TP-sharded parameter name -> its split dim
 
@@ -213,14 +219,24 @@ class Parallelized:
         """``steps`` optimizer steps, each over ``config.microbatches`` micro-batches of
         ``batches(step, micro)``. Returns this rank's loss curve (None without the loss:
         a pipeline rank before the last stage)."""
+        optimizer = _SyncThenStep(self)
         if self.pipeline is not None:
-            losses = run_pipeline_steps(self.pipeline, batches, steps, _SyncThenStep(self), first_step)
+            losses = run_pipeline_steps(self.pipeline, batches, steps, optimizer, first_step)
             return [None if loss is None else float(loss) for loss in losses]
-        dp = self.data_parallel
-        return run_steps(self.model, batches, steps, self.optimizer, grad_acc=self.config.microbatches,
-                         module=dp, no_sync=dp.no_sync if dp else None,
-                         after_backward=dp.finish_gradient_synchronization if dp else None,
+        return run_steps(self.model, batches, steps, optimizer, grad_acc=self.config.microbatches,
                          first_step=first_step)
+
+    def sync_gradients(self) -> None:
+        """DP's all-reduce of the gradients summed over the step's micro-batches (nothing
+        without the plain DP wrapper: ZeRO, FSDP and EP's hooks reduce in their own way).
+
+        Run once per step, just before the optimizer, on both paths. The wrapper is naive DP,
+        which reduces after the whole backward; the pipeline runs every micro-batch's backward
+        inside ``Pipeline.step``, so the one point the two training loops share is the step
+        itself. (Without a pipeline the same all-reduce could run after the last micro-batch's
+        backward, but nothing happens in between: the same numbers.)"""
+        if self.data_parallel is not None:
+            self.data_parallel.finish_gradient_synchronization()
 
     def full_weights(self) -> dict:
         """This rank's parameters at full size (TP shards all-gathered over the tp group), named
@@ -245,14 +261,13 @@ class Parallelized:
 
 
 class _SyncThenStep:
-    """The optimizer a pipeline run steps: DP's gradient all-reduce first, then the update."""
+    """The optimizer ``Parallelized.train`` steps: DP's gradient all-reduce first, then the update."""
 
     def __init__(self, par: Parallelized):
         self.par = par
 
     def step(self):
-        if self.par.data_parallel is not None:
-            self.par.data_parallel.finish_gradient_synchronization()
+        self.par.sync_gradients()
         self.par.optimizer.step()
 
     def zero_grad(self):
@@ -282,34 +297,38 @@ def apply_parallelisms(model, mesh: Mesh, config: ParallelConfig) -> Parallelize
     if config.ep > 1:   # its gradients are averaged below, with cp's and dp's
         from .expert_parallel import apply_ep
         apply_ep(model, mesh, sync_gradients=False)
-    par = Parallelized(model, mesh, config, shard_dims=shard_dims)
-    if config.pp > 1:
-        par.pipeline = apply_pp(model, mesh, schedule=config.schedule, microbatches=config.microbatches)
-    _apply_data_parallel(par)
-    return par
+    pipeline = None
+    if config.pp > 1:   # under ZeRO the tied weight's two parts are added by ZeRO, in its flat buffers
+        pipeline = apply_pp(model, mesh, schedule=config.schedule, microbatches=config.microbatches,
+                            add_tied_after_step=not config.zero)
+    data_parallel, optimizer = _apply_data_parallel(model, mesh, config, pipeline)
+    return Parallelized(model, mesh, config, pipeline=pipeline, data_parallel=data_parallel,
+                        optimizer=optimizer, shard_dims=shard_dims)
 
 
-def _apply_data_parallel(par: Parallelized) -> None:
+def _apply_data_parallel(model, mesh: Mesh, config: ParallelConfig, pipeline=None) -> tuple:
     """Average the gradients over the ranks with different data: one group for a dense model;
-    dense and expert parameters over their own groups for an MoE model."""
-    config, mesh, module = par.config, par.mesh, par.module
+    dense and expert parameters over their own groups for an MoE model. Returns the plain DP
+    wrapper (None where ZeRO, FSDP or EP's hooks reduce instead) and the optimizer."""
+    module = pipeline if pipeline is not None else model   # what holds this rank's parameters
     if config.zero:   # dense and expert parameters over their own groups, the tied weight summed
-        apply_zero_composed(par)
-        return
+        return None, apply_zero_composed(model, mesh, stage=config.zero, optimizer=config.optimizer,
+                                         pipeline=pipeline)
     if config.dp_shard:   # FSDP or HSDP: shard within a block of the data ranks, replicate across blocks
         shard_group, replicate_group = mesh.split_groups(DENSE_AXES, config.dp_replicate)
         apply_fsdp(module, (replicate_group if config.dp_replicate > 1 else None, shard_group))
-        par.optimizer = make_optimizer(module.parameters(), config.optimizer)   # a plain one, on the shards
-        return
-    par.optimizer = make_optimizer(module.parameters(), config.optimizer)
+        return None, make_optimizer(module.parameters(), config.optimizer)   # a plain one, on the shards
+    optimizer = make_optimizer(module.parameters(), config.optimizer)
     if config.ep > 1:
         # An expert's gradient already sums every ep rank's tokens (the all-to-all brought them):
         # sum it over its replicas (dp x cp) and divide by all the data ranks; dense ones average
         # over (dp, ep, cp). Hooks in backward, as expert parallelism's own sync does.
         from .expert_parallel import average_in_backward
-        average_in_backward(par.model, mesh.group(DENSE_AXES), mesh.group(EXPERT_AXES))
-    elif mesh.size(DENSE_AXES) > 1:
-        par.data_parallel = apply_data_parallel(module, mesh.group(DENSE_AXES), kind="naive")
+        average_in_backward(model, mesh.group(DENSE_AXES), mesh.group(EXPERT_AXES))
+        return None, optimizer
+    if mesh.size(DENSE_AXES) > 1:
+        return apply_data_parallel(module, mesh.group(DENSE_AXES), kind="naive"), optimizer
+    return None, optimizer
 
 
 # --------------------------------------------------------------------------- what a rank holds

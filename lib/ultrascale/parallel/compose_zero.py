@@ -15,7 +15,8 @@ plain all-reduce, and each has its answer here:
 * **The pipeline's tied embedding.** GPT's embedding and head share a weight that lives on
   the first and the last stage, each holding a part of its gradient. Without ZeRO the pipeline
   adds the two parts in ``.grad`` after its step; ZeRO has moved them into its flat buffers
-  by then (and ZeRO-2 has already reduce-scattered them). So the tied weight is made a ZeRO
+  by then (and ZeRO-2 has already reduce-scattered them), so the composition builds the
+  pipeline with ``add_tied_after_step=False``. Instead the tied weight is made a ZeRO
   unit *of its own* on both ends: the same size, the same padding, the same data group
   size, hence the same layout, and a rank's slice of it on the first stage is the slice of
   the same elements on the last (the two ranks have the same data coordinates). Reducing is
@@ -76,47 +77,50 @@ class ComposedZeRO:
             yield
 
 
-def _units(par) -> list:
+def _units(model, pipeline) -> list:
     """ZeRO's units (gathered and freed as one at ZeRO-3): every transformer block this rank
     holds; on a pipeline stage also its embedding, final norm and head, each a unit of its own.
     (Without a pipeline those form the root unit, gathered by the model's forward hooks; a
     stage never calls the model's forward, so it leaves no root.) The tied embedding or head
     comes first, where apply_zero_composed looks for it."""
-    if par.pipeline is None:
-        return list(par.model.blocks)
+    if pipeline is None:
+        return list(model.blocks)
     ends, blocks = [], []
-    for chunk in par.pipeline.chunks.values():
+    for chunk in pipeline.chunks.values():
         blocks += list(chunk.blocks)
         ends += [m for m in (chunk.embed, chunk.norm, chunk.head) if m is not None]
-    tied = [m for m in ends if par.pipeline.tied and m.weight is par.pipeline.tied_weight()]
+    tied = [m for m in ends if pipeline.tied and m.weight is pipeline.tied_weight()]
     if len(tied) > 1:   # both ends on one rank: two units would share the weight
         raise ValueError("this course's library does not compose ZeRO with a schedule that puts the first and "
                          "the last stage on one rank yet (the tied weight would be two units)")
     return tied + blocks + [m for m in ends if m not in tied]
 
 
-def apply_zero_composed(par) -> ComposedZeRO:
-    """ZeRO (``par.config.zero``) over the data groups of ``par.mesh``, on what ``par`` holds.
-    Returns the optimizer to step (also ``par.optimizer``)."""
-    config, mesh, module = par.config, par.mesh, par.module
-    cls, options = OPTIMIZERS[config.optimizer]   # the same optimizer as make_optimizer's
+def apply_zero_composed(model, mesh, *, stage: int, optimizer: str = "sgd", pipeline=None) -> ComposedZeRO:
+    """ZeRO stage ``stage`` over the data groups of ``mesh``, on ``model`` (after TP, CP and
+    EP), or on its stages when ``pipeline`` (built with ``add_tied_after_step=False``: the tied
+    weight's two parts are added here, between reduce and update). ``optimizer``: a course name
+    (``train.OPTIMIZERS``). Returns the optimizer to step."""
+    tied = pipeline is not None and pipeline.tied_peer is not None
+    if tied and pipeline.add_tied_after_step:
+        raise ValueError("under ZeRO the tied weight's gradient lives in ZeRO's flat buffers, not in .grad: "
+                         "build the pipeline with apply_pp(..., add_tied_after_step=False), and ZeRO adds "
+                         "the two parts")
+    cls, options = OPTIMIZERS[optimizer]   # the same optimizer as make_optimizer's
+    module = pipeline if pipeline is not None else model
     experts = set()
-    if config.ep > 1:
+    if mesh.size("ep") > 1:
         from .expert_parallel import expert_parameters
-        experts = set(expert_parameters(par.model))
-    units = _units(par)
-    tied = units[0] if par.pipeline is not None and par.pipeline.tied_peer is not None else None
+        experts = set(expert_parameters(model))
+    units = _units(model, pipeline)
     # Every rank built the model from one seed (as apply_pp assumes): nothing to broadcast. A
     # broadcast over the dense group would also overwrite the other ep ranks' experts.
-    common = dict(stage=config.zero, optimizer_cls=cls, units=units, broadcast=False, **options)
+    common = dict(stage=stage, optimizer_cls=cls, units=units, broadcast=False, **options)
     dense_group = mesh.group(DATA_AXES["dense"])
     zeros = [ZeRO(module, group=dense_group, params=[p for p in module.parameters() if p not in experts],
                   **common)]
     if experts:   # built after the dense one: the expert parameters are still the original tensors
         zeros.append(ZeRO(module, group=mesh.group(DATA_AXES["expert"]), params=list(experts),
                           divide_by=mesh.size(DATA_AXES["dense"]), **common))
-    if par.pipeline is not None:
-        par.pipeline.add_tied_after_step = tied is None
-    tied_unit = None if tied is None else next(u for u in zeros[0].units if u.module is tied)
-    par.optimizer = ComposedZeRO(zeros, par.pipeline, tied_unit)
-    return par.optimizer
+    tied_unit = next(u for u in zeros[0].units if u.module is units[0]) if tied else None
+    return ComposedZeRO(zeros, pipeline, tied_unit)

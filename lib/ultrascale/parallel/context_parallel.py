@@ -84,10 +84,10 @@ def causal_tile_counts(seq: int, cp: int, layout: str = "zigzag", tile: int | No
 
 
 # --------------------------------------------------------------------------- the model
-def _positions_hook(group, layout):
-    """Before the model runs: fill in, or check, the global positions of this rank's tokens."""
+def _positions_hook(r: int, n: int, layout):
+    """Before the model runs: fill in, or check, the global positions of the tokens of rank ``r``
+    of the ``n`` context-parallel ranks."""
     def hook(model, args, kwargs):
-        r, n = rank_and_size(group)
         x, given = args[0], (args[1] if len(args) > 1 else kwargs.pop("positions", None))
         expected = sequence_positions(x.shape[1] * n, r, n, layout).to(x.device)
         if given is not None and not torch.equal(given.to(expected.device), expected):
@@ -113,7 +113,7 @@ def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "
     Returns the model, changed in place.
     """
     group = axis_group(mesh_or_group, "cp")
-    _, n = rank_and_size(group, "context parallelism")
+    r, n = rank_and_size(group, "context parallelism")   # checked once: the positions hook reuses r, n
     plan = {"blocks.*.attn": kind} if plan is None else plan
     if layout not in LAYOUTS or not set(plan.values()) <= set(KINDS):
         raise ValueError(f"layout={layout!r}, plan kinds {sorted(set(plan.values()))}: choose a layout in "
@@ -135,7 +135,7 @@ def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "
         else:
             module.core = functools.partial(context_parallel_attention, group=group, causal=True, layout=layout,
                                             kind=attention_kind, timeline=timeline)
-    model.register_forward_pre_hook(_positions_hook(group, layout), with_kwargs=True)
+    model.register_forward_pre_hook(_positions_hook(r, n, layout), with_kwargs=True)
     if sync_gradients and n > 1:
         # Each rank's gradient is that of the mean loss over its own tokens; the model's is the
         # mean over the ranks: the average over the cp group, inside backward.

@@ -111,7 +111,7 @@ class ExpertParallelDispatch:
 
     def __init__(self, experts: nn.ModuleDict, num_experts: int, group=None, timeline=None):
         self.experts, self.group, self.timeline = experts, group, or_disabled(timeline)
-        self.ep = rank_and_size(group)[1]
+        self.ep = dist.get_world_size(group)   # apply_ep checked the group
         self.per_rank = num_experts // self.ep
 
     def __call__(self, tokens, chosen, weights):

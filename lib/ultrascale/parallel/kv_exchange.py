@@ -20,8 +20,9 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 
-from ..comm.functional import all_gather_into, rank_and_size, reduce_scatter_into
+from ..comm.functional import all_gather_into, reduce_scatter_into
 from ..comm.ring import ring_blocks, ring_step, wait_all
 
 __all__ = ["KV_EXCHANGES", "KVBufferMeter"]
@@ -77,7 +78,7 @@ def ring_kv_blocks(k, v, group, timeline):
 
 def gathered_kv_blocks(k, v, group, timeline):
     """The same blocks in the same order, from one all-gather of every rank's K and V."""
-    r, n = rank_and_size(group)
+    r, n = dist.get_rank(group), dist.get_world_size(group)
     gathered = []
     for t in (k, v):
         full = _buffer(t.new_empty((n, *t.shape)))
@@ -94,7 +95,7 @@ class TravellingGradients:
     each rank adding its share, and one last step brings it home to the block's owner."""
 
     def __init__(self, k, dtype, group, timeline):
-        self.group, self.timeline, self.n = group, timeline, rank_and_size(group)[1]
+        self.group, self.timeline, self.n = group, timeline, dist.get_world_size(group)
         self.acc = _buffer(k.new_zeros((2, *k.shape), dtype=dtype))
         self.incoming = _buffer(torch.empty_like(self.acc)) if self.n > 1 else None
         self.works, self.step = [], 0
@@ -123,7 +124,7 @@ class GatheredGradients:
 
     def __init__(self, k, dtype, group, timeline):
         self.group, self.timeline = group, timeline
-        self.full = _buffer(k.new_zeros((rank_and_size(group)[1], 2, *k.shape), dtype=dtype))
+        self.full = _buffer(k.new_zeros((dist.get_world_size(group), 2, *k.shape), dtype=dtype))
 
     def add(self, src, part):
         if part is not None:

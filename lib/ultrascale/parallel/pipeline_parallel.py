@@ -159,7 +159,7 @@ class Pipeline(StageMessages, nn.Module):
     """
 
     def __init__(self, model, schedule: Schedule, group=None, timeline=None, plan=None,
-                 measure_activations: bool = False):
+                 measure_activations: bool = False, add_tied_after_step: bool = True):
         super().__init__()
         self.group, self.schedule, self.timeline = group, schedule, or_disabled(timeline)
         self.rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -182,7 +182,7 @@ class Pipeline(StageMessages, nn.Module):
         self.tied_peer = (ends - {self.rank}).pop() if self.tied and len(ends) == 2 and self.rank in ends else None
         # False when the gradients live elsewhere than .grad (ZeRO's flat buffers): then whoever
         # keeps them adds the two parts with add_tied (parallel.compose_zero).
-        self.add_tied_after_step = True
+        self.add_tied_after_step = add_tied_after_step
 
     def forward(self, *args, **kwargs):
         raise TypeError("a pipeline runs forward and backward together, micro-batch by micro-batch: "
@@ -314,7 +314,8 @@ class Pipeline(StageMessages, nn.Module):
 
 # --------------------------------------------------------------------------- the technique
 def apply_pp(model, mesh_or_group=None, *, schedule="1f1b", microbatches: int | None = None,
-             chunks: int | None = None, plan=None, timeline=None, measure_activations: bool = False) -> Pipeline:
+             chunks: int | None = None, plan=None, timeline=None, measure_activations: bool = False,
+             add_tied_after_step: bool = True) -> Pipeline:
     """This rank's part of ``model`` under pipeline parallelism, as a :class:`Pipeline`.
 
     ``schedule``: a name from ``ultrascale.schedule.SCHEDULES`` ("afab", "1f1b", "interleaved",
@@ -323,6 +324,9 @@ def apply_pp(model, mesh_or_group=None, *, schedule="1f1b", microbatches: int | 
     ``plan``: the number of layers of each stage (default: as even as possible).
     ``timeline``: a ``Timeline`` that gets every action as a bar ("forward 3 stage 1", ...),
     which ``schedule.draw`` and ``schedule.bubble_fraction`` read.
+    ``add_tied_after_step``: whether ``step`` adds the two ends' parts of a tied weight's gradient
+    in ``.grad`` (False when another technique keeps the gradients, as ZeRO does in its flat
+    buffers, and adds them itself with ``Pipeline.add_tied``).
     """
     group = axis_group(mesh_or_group, "pp")
     if isinstance(schedule, str):
@@ -331,4 +335,4 @@ def apply_pp(model, mesh_or_group=None, *, schedule="1f1b", microbatches: int | 
         schedule = make_schedule(schedule, dist.get_world_size(group), microbatches, chunks)
     elif microbatches is not None and microbatches != schedule.microbatches:
         raise ValueError(f"microbatches={microbatches}, but the schedule is for m={schedule.microbatches}")
-    return Pipeline(model, schedule, group, timeline, plan, measure_activations)
+    return Pipeline(model, schedule, group, timeline, plan, measure_activations, add_tied_after_step)

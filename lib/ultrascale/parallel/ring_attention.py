@@ -109,7 +109,7 @@ class ContextParallelAttention(torch.autograd.Function):
         # contiguous), and each block is converted when it is used.
         q = q.to(torch.promote_types(q.dtype, torch.float32))
         k, v = k.contiguous(), v.contiguous()
-        r, n = rank_and_size(group)
+        r, n = dist.get_rank(group), dist.get_world_size(group)   # the group checked by the caller
         positions = [sequence_positions(q.shape[2] * n, src, n, layout).to(q.device) for src in range(n)]
         visible = {src: _visible(positions[r], positions[src], causal) for src in range(n)}
         out = torch.zeros_like(q)

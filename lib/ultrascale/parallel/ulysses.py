@@ -88,11 +88,10 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = True, layout: str =
     shaped like q. Differentiable. Every rank of ``group`` must call it, with inputs of the same
     shapes.
     """
-    rank_and_size(group, "Ulysses attention")      # a clear error outside a process group
+    _, cp = rank_and_size(group, "Ulysses attention")      # a clear error outside a process group
     if layout != "contiguous":
         raise ValueError(f"layout={layout!r}: {LAYOUT_REFUSAL}")
     check_attention_inputs(q, k, v, group)   # the same shapes on every rank, or all refuse together
-    _, cp = rank_and_size(group)
     problem = ulysses_problem(q.shape[1], k.shape[1], cp)
     if problem is not None:   # the shapes agree on every rank by now, so every rank refuses
         raise ValueError(problem)
