@@ -72,17 +72,18 @@ def _rows(report) -> dict:
     return {e["exercise"]: e for e in report.exercises}
 
 
-STUB = "def pipeline_stage_layers(num_layers, pp):\n    raise NotImplementedError('exercise: split the layers')\n"
+# wrong (every stage gets every layer), but no stub: check() tells a stub "not implemented" before any test runs
+WRONG_SPLIT = "def pipeline_stage_layers(num_layers, pp):\n    return [num_layers] * pp\n"
 
 
 @pytest.mark.parametrize("feedback", [True, False], ids=["tests-in-kernel-too", "deferred"])
 def test_forged_lines_unknown_ids_and_a_swapped_registry_score_nothing(monkeypatch, feedback):
     def cells(grade_file):
-        # A cell swaps the test for one that passes anything, then checks its stub...
+        # A cell swaps the test for one that passes anything, then checks a wrong answer...
         real = registry.get_exercise("00.pipeline_stage_layers")
         registry._REGISTRY[real.id] = registry.Exercise(real.id, real.points, lambda *a, **k: None)
         try:
-            status = check(real.id, _in_main(STUB, "pipeline_stage_layers")).status
+            status = check(real.id, _in_main(WRONG_SPLIT, "pipeline_stage_layers")).status
             assert status == (PASS if feedback else SUBMITTED)  # fooled here, when the kernel runs the test
         finally:
             registry._REGISTRY[real.id] = real
@@ -93,7 +94,7 @@ def test_forged_lines_unknown_ids_and_a_swapped_registry_score_nothing(monkeypat
     rows = _rows(report)
     assert list(rows) == list(CH00), "ids without a registered test must not appear"
     assert (report.points, report.max_points) == (0, 3)
-    assert rows["00.pipeline_stage_layers"]["status"] == NOT_IMPLEMENTED  # the real test, on the stub
+    assert rows["00.pipeline_stage_layers"]["status"] == FAIL  # the real test, on the wrong answer
     assert {rows[e]["status"] for e in ("00.mean_across_ranks", "00.memory_per_stage")} == {ERROR}
     assert "not when the grader ran the test itself" in rows["00.memory_per_stage"]["message"]
 
