@@ -61,6 +61,11 @@ class VocabParallelHead(ColumnParallelLinear):
     """The LM head, column-parallel over the vocabulary: returns :class:`VocabParallelLogits`.
     (Under sequence parallelism: ``sequence_parallel.SequenceParallelVocabHead``.)"""
 
+    def __init__(self, weight, bias=None, group=None, enter_region=True, **options):
+        super().__init__(weight, bias, group, enter_region, **options)
+        # the first vocabulary id of this rank's slice: the group is checked here, once, not per forward
+        self.vocab_start = rank_and_size(group, "tensor-parallel layers")[0] * weight.shape[0]
+
     @classmethod
     def from_linear(cls, linear, group=None, enter_region=True, shared=None, **options):
         if linear.bias is not None:
@@ -69,8 +74,7 @@ class VocabParallelHead(ColumnParallelLinear):
 
     def forward(self, x):
         local = super().forward(x)   # (batch, seq, V/tp); under SP, g has gathered the sequence
-        start = rank_and_size(self.group, "tensor-parallel layers")[0] * self.weight.shape[0]
-        return VocabParallelLogits.wrap(local, start, self.group)
+        return VocabParallelLogits.wrap(local, self.vocab_start, self.group)
 
 
 class VocabParallelLogits(torch.Tensor):
