@@ -760,8 +760,8 @@ for name, c in counts.items():
 # over rounds) against the predicted step in units of the predicted compute step.
 
 # %%
-bandwidth = cluster.run(cal.measure_bandwidth, repeats=3 if QUICK else 10)[0]
-rounds = 7 if QUICK else 15
+bandwidth = cluster.run(cal.measure_bandwidth, repeats=2 if QUICK else 10)[0]
+rounds = 5 if QUICK else 15
 bar = ProgressBar("calibration rounds", total=rounds + 1)
 pairs = cluster.run(cal.measure_steps, configs, rounds=rounds, progress=True,
                     on_log=lambda rank, m: rank == 0 and bar.update(m["round"], m["rounds"]))[0]
