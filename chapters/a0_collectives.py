@@ -611,7 +611,7 @@ for nbytes, t_ar, t_two, t_ring, t_again in timing_rows:
 # the live plot as soon as it has it.
 
 # %% tags=["nbval-ignore-output"]
-SWEEP_SIZES = [4**k for k in range(2, 13)] if QUICK else [4**k for k in range(2, 14)]  # 16 B to 16 MiB (64 MiB)
+SWEEP_SIZES = [4**k for k in range(2, 12)] if QUICK else [4**k for k in range(2, 14)]  # 16 B to 4 MiB (64 MiB)
 SWEEP_ITERS, SWEEP_REPEATS = (5, 3) if QUICK else (20, 5)
 
 
