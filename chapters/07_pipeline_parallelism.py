@@ -388,14 +388,14 @@ for name, v in TORCH_SCHEDULES:
 # ideal compute $m (t_f + t_b)$ that is a bubble of at least $(p-1)/m$. That bound is asserted,
 # along with the fall from the smallest `m` to the largest, which the formula puts at
 # $(p-1)(\frac{1}{p} - \frac{1}{4p}) \geq 0.375$. Latency at the smallest `m` only widens that gap;
-# to close it, every message of the best of three steps at the largest `m` would have to wait more
+# to close it, every message of the best of the `STEPS` steps at the largest `m` would have to wait more
 # than $\frac{9(p-1)}{2(5p-1)}\,t_f$, close to half a forward. That is why $t_f$ is as long as
 # 50 ms: the limit is printed below beside the waiting actually measured.
 
 # %%
 T_F = 0.05   # seconds: long enough that a busy machine's waiting per message stays far below it
 MS = [P, 2 * P, 4 * P] if QUICK else [P, 2 * P, 4 * P, 8 * P]
-STEPS = 3   # timed steps per m; the one with the least bubble counts
+STEPS = 2 if QUICK else 3   # timed steps per m; the one with the least bubble counts
 
 
 def measured_bubble(ctx, schedule, m):
