@@ -62,8 +62,9 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     units = defaultdict(lambda: [0.0, 0.0])
     for nodeid, (cpu, seconds) in ROWS.items():
-        units[_unit(nodeid)][0] += cpu
-        units[_unit(nodeid)][1] += seconds
+        unit = units[_unit(nodeid)]
+        unit[0] += cpu
+        unit[1] += seconds
     total = sum(cpu for cpu, _ in ROWS.values())
     write(f"cpu_report: {total:.0f} CPU-s over {len(ROWS)} tests, "
           f"{sum(s for _, s in ROWS.values()):.0f} s one at a time")
@@ -73,7 +74,8 @@ def pytest_terminal_summary(terminalreporter, config):
             write(f"{cpu:8.1f} {seconds:7.1f}  {name}")
     out = Path(os.environ.get("ULTRASCALE_CPU_REPORT", Path(config.rootpath) / "out" / "cpu_report.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"tests": {k: {"cpu_s": round(c, 2), "s": round(s, 2)} for k, (c, s) in ROWS.items()},
-                               "units": {k: {"cpu_s": round(c, 2), "s": round(s, 2)} for k, (c, s) in units.items()}},
-                              indent=1))
+    def rounded(rows):
+        return {name: {"cpu_s": round(cpu, 2), "s": round(seconds, 2)} for name, (cpu, seconds) in rows.items()}
+
+    out.write_text(json.dumps({"tests": rounded(ROWS), "units": rounded(units)}, indent=1))
     write(f"cpu_report: written to {out}")
