@@ -4,13 +4,14 @@ Measured side by side in one run, 4 ranks by default:
   * cold start  - the first Cluster(4) in a fresh Python script, fork server start included:
                   once with ``import torch`` before the runtime (nothing for the fork server's
                   import of torch to overlap: its floor), and once with the runtime imported
-                  first, as the chapters do (the fork server starts at that import and imports
-                  torch beside the script); each with the script's whole time to its first call;
+                  first, as the chapters do (the fork server is then a fork of the script made
+                  once the runtime has imported torch: it shares that import); each with the
+                  script's whole time to its first call;
   * notebook    - in a real Jupyter kernel (jupyter_client), what a learner waits for: a
                   chapter's import cell (the runtime imported first, as the chapters do),
                   then the cell with Cluster(4), each timed; once with the fork server
-                  started at `import ultrascale.runtime`, before torch (the default in a
-                  kernel), and once with ULTRASCALE_EAGER_FORKSERVER=0 (started by Cluster);
+                  started at `import ultrascale.runtime` (the default in a kernel: a fork of
+                  the kernel once the runtime has imported torch), and once with ULTRASCALE_EAGER_FORKSERVER=0 (started by Cluster);
   * warm start  - a second Cluster(4) in the same process;
   * call        - a no-op cluster.run(...), averaged over many calls;
   * restart     - the first call after a failed call whose ranks were stuck (kill + start

@@ -664,7 +664,7 @@ def test_every_process_stopped(session):
     commands = " ".join(command for _, command in noted.values())
     kinds = {"jupyter-lab", "chromium", "chromedriver"}
     kinds |= {"ipykernel_launcher"} if "kernels" in session.used else set()
-    kinds |= {"multiprocessing.forkserver"} if "ranks" in session.used else set()   # the ranks' parent
+    kinds |= {"forkserver"} if "ranks" in session.used else set()   # the ranks' parent (forked or executed)
     for kind in sorted(kinds):
         assert kind in commands, f"no {kind} process was noted: the watch missed it ({len(noted)} noted)"
     left = session.stop()

@@ -1,23 +1,45 @@
-"""The fork server starts at ``import ultrascale.runtime`` (before torch) in a notebook kernel and in a script.
+"""The fork server starts at ``import ultrascale.runtime`` in a notebook kernel and in a script.
 
-There the ranks' fork server begins importing torch as soon as the runtime is imported, so
-the cell or line that makes the cluster no longer waits for it (benchmarks/bench_runtime.py
-times both). What must hold: it starts in a kernel and in a script, not when switched off, not
-in a ``python -c`` probe and never in a rank (torchrun's or any multiprocessing child); ranks
-still see the notebook's import path and folder as they are when the cluster starts, even if
-they changed after the import.
+There the ranks' fork server makes its imports as soon as the runtime is imported, so the cell
+or line that makes the cluster no longer waits for them (benchmarks/bench_runtime.py times both).
+What must hold: it starts in a kernel and in a script, not when switched off, not in a ``python
+-c`` probe and never in a rank (torchrun's or any multiprocessing child); ranks still see the
+notebook's import path and folder as they are when the cluster starts, even if they changed after
+the import. Where the runtime imported torch itself the server is a plain fork of the caller
+(forkserver.py), and holds nothing of a kernel's: none of its sockets, no notebook shell for the
+ranks to find; where torch came first, it is a fresh interpreter started before the rest.
 """
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-PROBE = """
+# How the server started: "fork" (a copy of the caller: its command line is the caller's) or "exec"
+SERVER_KIND = """
+def server_kind():
+    import multiprocessing.forkserver as fs
+    pid = fs._forkserver._forkserver_pid
+    if pid is None:
+        return "none"
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return "exec" if b"multiprocessing.forkserver" in cmdline.read() else "fork"
+
+
+def server_sockets():
+    import multiprocessing.forkserver as fs, os
+    fds = f"/proc/{fs._forkserver._forkserver_pid}/fd"
+    return sum(os.readlink(os.path.join(fds, fd)).startswith("socket:") for fd in os.listdir(fds))
+"""
+
+PROBE = SERVER_KIND + """
 import os, sys, multiprocessing.forkserver as fs
 import ultrascale.runtime
-print("server", fs._forkserver._forkserver_pid is not None)
+print("server", fs._forkserver._forkserver_pid is not None, server_kind())
 sys.path.append(os.path.abspath("added-after-import"))
 from ultrascale.runtime import Cluster
 with Cluster(2) as c:
     print("ranks", all("added-after-import" in p[-1] for p in c.run(lambda ctx: __import__("sys").path)))
+    in_notebook = c.run(lambda ctx: __import__("ultrascale.runtime.forkserver", fromlist=["_"]).in_a_notebook())
+    print("in-a-notebook", any(in_notebook), "sockets", server_sockets() if server_kind() == "fork" else 1)
+    print("names", *c.run(lambda ctx: open("/proc/self/comm").read().strip()))   # as top shows them
 """
 
 
@@ -37,14 +59,20 @@ def _run_in_kernel(env_value, tmp_path):
     return "".join(lines).split()
 
 
-@pytest.mark.parametrize("env_value, started", [("1", "True"), ("0", "False")])
+@pytest.mark.parametrize("env_value, started", [("1", ["True", "fork"]), ("0", ["False", "none"])])
 def test_fork_server_starts_at_import_in_a_kernel_unless_switched_off(env_value, started, tmp_path):
-    assert _run_in_kernel(env_value, tmp_path) == ["server", started, "ranks", "True"]
+    # a forked server keeps only its listening socket of the kernel's sockets (which are 5 or more),
+    # and its ranks do not think they are in a notebook (the kernel's shell object came with the fork)
+    assert _run_in_kernel(env_value, tmp_path) == ["server", *started, "ranks", "True",
+                                                   "in-a-notebook", "False", "sockets", "1", "names", "rank0", "rank1"]
 
 
-SCRIPT_PROBE = """
-import os, multiprocessing.forkserver as fs, ultrascale.runtime
-print(fs._forkserver._forkserver_pid is not None, os.environ.get("ULTRASCALE_EAGER_FORKSERVER"))
+SCRIPT_PROBE = SERVER_KIND + """
+import os, multiprocessing.forkserver as fs
+if os.environ.get("PROBE_TORCH_FIRST"):
+    import torch
+import ultrascale.runtime
+print(fs._forkserver._forkserver_pid is not None, os.environ.get("ULTRASCALE_EAGER_FORKSERVER"), server_kind())
 """
 
 
@@ -65,8 +93,10 @@ def _started_in(tmp_path, as_script=True, **env_changes):
 
 
 def test_a_script_starts_it_at_import(tmp_path):
-    # and leaves the environment as it was, so the programs it starts (kernels too) decide for themselves
-    assert _started_in(tmp_path) == "True None"
+    # and leaves the environment as it was, so the programs it starts (kernels too) decide for themselves;
+    # a fork of the script when the runtime imported torch, a fresh interpreter when the script did
+    assert _started_in(tmp_path) == "True None fork"
+    assert _started_in(tmp_path, PROBE_TORCH_FIRST="1") == "True None exec"
 
 
 @pytest.mark.parametrize("where", ["switched off", "python -c", "torchrun rank", "elastic rank"])
@@ -97,21 +127,28 @@ def test_a_multiprocessing_child_does_not_start_it():
         child.join(30)
 
 
-def test_the_fork_server_can_start_before_torch_is_imported():
-    """runtime/__init__ starts the server before it imports torch, so the two imports overlap:
-    the module it uses must not import torch itself."""
+def test_when_the_server_starts_beside_torchs_import():
+    """Whoever imports torch first decides (runtime/__init__): the runtime itself, then the server
+    is forked once torch and the runtime are imported (nothing else has run torch); the caller,
+    then the server is a fresh interpreter started before the runtime imports anything more, and
+    the module that starts it imports no torch of its own."""
     import subprocess
     import sys
 
     code = """
-import sys, types, multiprocessing.forkserver as fs
+import sys, types, multiprocessing.forkserver as fs, multiprocessing.util as mu
+if sys.argv[1] == "torch first":
+    import torch
 shell = types.SimpleNamespace(kernel=object())                     # as if in a notebook kernel
 sys.modules["IPython"] = types.SimpleNamespace(get_ipython=lambda: shell)
-seen = []
-fs.ensure_running = lambda: seen.append("torch" in sys.modules)   # was torch loaded when it started?
+seen, spawn = [], mu.spawnv_passfds
+fs.ensure_running = lambda: seen.append(("torch" in sys.modules, "ultrascale.runtime.cluster" in sys.modules,
+                                         mu.spawnv_passfds is not spawn))   # what had run, and forked?
 import ultrascale.runtime
-print(seen, "torch" in sys.modules)
+print(seen, "torch" in sys.modules, mu.spawnv_passfds is spawn)
 """
     env = {k: v for k, v in __import__("os").environ.items() if k != "ULTRASCALE_EAGER_FORKSERVER"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.strip() == "[False] True"
+    runs = {first: subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, check=True,
+                                  env=env).stdout.strip() for first in ("runtime first", "torch first")}
+    assert runs == {"runtime first": "[(True, True, True)] True True",    # after torch, forked
+                    "torch first": "[(True, False, False)] True True"}    # before the rest, executed

@@ -281,7 +281,10 @@ class Processes:
                     continue
         for process, root in found:
             try:
-                started, command = process.create_time(), " ".join(process.cmdline())[:160]
+                started, argv, name = process.create_time(), process.cmdline(), process.name()
+                command = " ".join(argv)[:160]
+                if argv and not os.path.basename(argv[0]).startswith(name):   # a fork that named itself:
+                    command = f"{name}: {command}"     # "forkserver: python -m ipykernel_launcher ..."
             except psutil.Error:
                 continue
             with self._lock:   # the latest command line: lab.sh's bash becomes jupyter-lab (exec)

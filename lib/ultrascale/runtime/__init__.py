@@ -11,11 +11,17 @@ under torchrun or SLURM), ``errors``, ``forkserver`` and ``preload`` (where the 
 ``collector`` (torch imported without the garbage collector walking its objects).
 """
 
+import sys
+
 from .forkserver import start_fork_server, starts_at_import
 
-if starts_at_import():
-    # Before anything below imports torch: the ranks' fork server imports it on another core
-    # meanwhile (see forkserver.py), so the cell or line that makes the first Cluster need not wait.
+# The ranks' fork server starts now, so that the cell or line that makes the first Cluster need
+# not wait for its imports (forkserver.py). If torch is imported already, the caller may have run
+# it: the server is then a fresh interpreter, started before anything below, to import torch on
+# another core meanwhile. If not, it is a fork of this process once torch is imported, below.
+_EAGER = starts_at_import()
+_FORK_AFTER_IMPORTS = _EAGER and "torch" not in sys.modules
+if _EAGER and not _FORK_AFTER_IMPORTS:
     start_fork_server()
 
 from .collector import collector_paused  # noqa: E402
@@ -25,6 +31,9 @@ with collector_paused():
     from .cluster import Cluster, current_cluster, grading_cluster, resolve_backend, shared_cluster  # noqa: E402
     from .context import RankContext  # noqa: E402
     from .errors import CallTimeout, RankError, RankFailure  # noqa: E402
+
+if _FORK_AFTER_IMPORTS:   # torch is imported, and nothing but the runtime has run it
+    start_fork_server(forked=True)
 
 __all__ = [
     "Cluster", "shared_cluster", "grading_cluster", "current_cluster", "resolve_backend", "start_fork_server",

@@ -35,6 +35,7 @@ from torch.distributed import distributed_c10d as c10d
 from .strict_device import StrictDevice, install as install_strict_device
 from .strict_p2p import install as install_strict_p2p, posted as strict_p2p_posted
 from .context import RankContext, to_cpu
+from .forkserver import name_this_process
 
 
 def _set_parent_death_signal() -> None:
@@ -231,6 +232,7 @@ def worker_main(rank, world_size, backend, conn, store_port, generation, noteboo
                 sys_path=None, cwd=None, strict_device=False, strict_p2p=None):
     """Entry point of one rank (runs in a fresh process from the fork server)."""
     _set_parent_death_signal()
+    name_this_process(f"rank{rank}")   # in top and ps: rank0, rank1, ... rather than one more python
     # The fork server may have started before the notebook changed its import path or folder
     # (it starts at ``import ultrascale.runtime``): a rank sees the notebook's as they are now.
     if sys_path is not None:
