@@ -18,9 +18,10 @@ from .forkserver import start_fork_server, starts_at_import
 # The ranks' fork server starts now, so that the cell or line that makes the first Cluster need
 # not wait for its imports (forkserver.py). If torch is imported already, the caller may have run
 # it: the server is then a fresh interpreter, started before anything below, to import torch on
-# another core meanwhile. If not, it is a fork of this process once torch is imported, below.
+# another core meanwhile. If not, it is a fork of this process once torch is imported, below
+# (on Linux: macOS forbids much of what its system libraries do in a fork of a process with threads).
 _EAGER = starts_at_import()
-_FORK_AFTER_IMPORTS = _EAGER and "torch" not in sys.modules
+_FORK_AFTER_IMPORTS = _EAGER and "torch" not in sys.modules and sys.platform == "linux"
 if _EAGER and not _FORK_AFTER_IMPORTS:
     start_fork_server()
 
