@@ -12,8 +12,9 @@ Every ``check`` call appends its verdict to the file named by
 The notebook's word is not taken for a pass: its cells can write anything into that
 file, or swap the tests in the kernel's registry. So the score is the grader's own.
 For each exercise the notebook submitted (or says it passed), a fresh process of the
-grader's (one per notebook) looks the test up in the library's registry, loads the
-saved objects and runs the test on them; only a pass there scores, and it scores the
+grader's (one per notebook; on Linux a fork of a process that has made the imports once,
+zygote.py) looks the test up in the library's registry, loads the saved objects and runs the
+test on them; only a pass there scores, and it scores the
 exercise's registered points. Because only that run counts, ``check`` in the graded
 kernel does not run the test itself: it saves what it was given and records
 "submitted" (``ULTRASCALE_GRADE_DEFER``), so each test runs once, not twice. With
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import json
 import os
 import re
@@ -67,6 +69,7 @@ from .check import (DEFER_ENV, ERROR, FAIL, GRADE_FILE_ENV, NOT_IMPLEMENTED, NOT
 from . import progress
 from .generate import content_hash
 from .registry import chapter_of, declared_points, get_exercise
+from . import zygote
 from .sandbox import GiB, Limits, Outcome, Sandbox
 
 # The course's own notebook folders: graded without a sandbox unless --sandbox is given.
@@ -340,6 +343,8 @@ def regrade(cwd: Path, submissions: dict, timeout: float, sandbox: Sandbox | Non
         argv = [sys.executable, "-c", _REGRADE, str(spec)]
         if sandbox is not None:
             trouble = _trouble(sandbox.run(argv, cwd, env, limit), limit)
+        elif zygote.available():   # a fork of a process that has imported the tests once (zygote.py)
+            trouble = _run_forked(spec, cwd, env, limit)
         else:
             try:
                 proc = subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -352,6 +357,30 @@ def regrade(cwd: Path, submissions: dict, timeout: float, sandbox: Sandbox | Non
         verdicts.setdefault(exercise_id, {"status": FAIL, "message": f"the grader's run of the test gave no "
                                                                      f"verdict ({trouble or 'no reason given'})"})
     return verdicts
+
+
+_zygote: zygote.Zygote | None = None   # this process's, started by its first unsandboxed run
+
+
+def _run_forked(spec: Path, cwd: Path, env: dict, limit: float) -> str:
+    """``regrade_main(spec)`` in a fork of this process's zygote; what went wrong, in words ("" if nothing).
+    A zygote started with another environment than ``env`` is replaced (what a module reads from the
+    environment when it is imported must be what a new interpreter would read)."""
+    global _zygote
+    if _zygote is None or not _zygote.alive() or _zygote.env != env:
+        if _zygote is not None:
+            _zygote.close()
+        else:
+            atexit.register(lambda: _zygote and _zygote.close())
+        _zygote = zygote.Zygote.start(env)
+    try:
+        code, stderr = _zygote.run(spec, cwd, env, limit)
+    except (RuntimeError, OSError, ValueError) as err:   # the zygote died (a test killed its parent?)
+        _zygote.close()
+        return f"the grader's process for the tests stopped: {err}"
+    if code is None:
+        return f"it did not finish within {limit:g} s"
+    return f"it exited with code {code}: {stderr[-2000:]}" if code else ""
 
 
 def _trouble(outcome: Outcome, limit: float) -> str:
