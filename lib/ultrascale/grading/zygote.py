@@ -34,7 +34,15 @@ import sys
 import time
 from pathlib import Path
 
-_MAIN = "from ultrascale.grading.zygote import main; main()"
+# The zygote's program. It imports what a new interpreter running cli.regrade_main imports before it
+# reads the notebook's environment variables (cli._apply_context): the grader, torch and the runtime
+# (with the collector paused), nothing more. What is imported after them may depend on them: Triton's
+# library functions are interpreted or compiled as TRITON_INTERPRET says when triton.language is
+# imported (torch._dynamo imports it), and ultrascale.kernels asks torch whether there is a GPU,
+# which starts CUDA's driver: a fork of the zygote could then use no GPU. (The grader's function is
+# handed to ``main`` here, so that this module and cli.py, which uses it, do not import each other.)
+_MAIN = ("import ultrascale.runtime; from ultrascale.grading.cli import regrade_main; "
+         "from ultrascale.grading.zygote import main; main(regrade_main)")
 
 
 def available() -> bool:
@@ -98,23 +106,14 @@ class Zygote:
             self.proc.kill()
 
 
-def main() -> None:
-    """The zygote: import what a run imports first, then fork one run per request line."""
-    # What a new interpreter running cli.regrade_main imports before it reads the notebook's
-    # environment variables (cli._apply_context): the grader, torch and the runtime (with the
-    # collector paused), nothing more. What is imported after them may depend on them: Triton's
-    # library functions are interpreted or compiled as TRITON_INTERPRET says when triton.language
-    # is imported (torch._dynamo imports it), and ultrascale.kernels asks torch whether there is a
-    # GPU, which starts CUDA's driver: a fork of the zygote could then use no GPU.
-    import ultrascale.runtime  # noqa: F401
-    from ultrascale.grading import cli
-
+def main(run) -> None:
+    """The zygote, once its imports are made (``_MAIN``): fork one ``run(spec)`` per request line."""
     out = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(request, cli.regrade_main)
+            _child(request, run)
         out.write(json.dumps({"pid": pid}) + "\n")
         out.flush()
         _, status = os.waitpid(pid, 0)
@@ -122,7 +121,7 @@ def main() -> None:
         out.flush()
 
 
-def _child(request: dict, regrade_main) -> None:
+def _child(request: dict, run) -> None:
     """In the fork: become the run the request asks for, run it, leave without the zygote's exit."""
     code = 1
     try:
@@ -135,7 +134,7 @@ def _child(request: dict, regrade_main) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        code = regrade_main(request["spec"])
+        code = run(request["spec"])
     except BaseException:   # noqa: BLE001 - said on its stderr, as a new interpreter would
         import traceback
 
