@@ -65,7 +65,7 @@ class Beside:
 
     def __init__(self, chapter: str, out: pathlib.Path, world_size: int, env: dict):
         self.chapter, self.out, self.world_size, self.env = chapter, out, world_size, env
-        self.runs, self.failed = 0, 0
+        self.runs, self.failed = 0, []   # failed: the folders of the runs that failed, each kept
         self._done = threading.Event()
         self._proc = None
         self._lock = threading.Lock()
@@ -77,11 +77,12 @@ class Beside:
             with self._lock:
                 if self._done.is_set():
                     return
-                self._proc = batch(self.chapter, self.out, self.world_size, self.env)
+                folder = self.out / str(self.runs + 1)   # a folder per run: a failure's log is not overwritten
+                self._proc = batch(self.chapter, folder, self.world_size, self.env)
             code = self._proc.wait()
             if not self._done.is_set():   # a run cut short by close() counts for nothing
                 self.runs += 1
-                self.failed += code != 0
+                self.failed += [folder] if code != 0 else []
             self._done.wait(1)   # a run beside that fails at once does not make this loop spin
 
     def close(self):
@@ -138,7 +139,9 @@ def main(argv=None) -> int:
                       f"{rows[-1]['seconds']:6.1f} s  {rows[-1]['status']}", flush=True)
         finally:
             beside.close()
-        print(f"     ({beside_name} ran {beside.runs} time(s) to the end beside it, {beside.failed} failed)", flush=True)
+        failed = f": {', '.join(map(str, beside.failed))}" if beside.failed else ""
+        print(f"     ({beside_name} ran {beside.runs} time(s) to the end beside it, {len(beside.failed)} failed{failed})",
+              flush=True)
 
     print(f"\n{'chapter':<8} {'passed':>6} {'failed':>6}   first failure")
     failed_any = False

@@ -23,7 +23,7 @@ def test_runs_each_chapter_beside_another_and_tables_the_failures(tmp_path, monk
     fake = tmp_path / "fake_batch.py"
     fake.write_text(FAKE_BATCH)
     monkeypatch.setattr(busy_check, "BATCH", fake)
-    monkeypatch.setattr(busy_check, "SETTLE_S", 0)
+    monkeypatch.setattr(busy_check, "SETTLE_S", 1)   # the run beside (a stand-in: 0.1 s) ends at least once
     code = busy_check.main(["--repeats", "2", "--out", str(tmp_path / "out"), "07", "bad"])
     assert code == 1
     runs = json.loads((tmp_path / "out" / "busy_check.json").read_text())["runs"]
@@ -32,6 +32,11 @@ def test_runs_each_chapter_beside_another_and_tables_the_failures(tmp_path, monk
     assert [r["status"] == "ok" for r in runs] == [True, True, False, False]
     table = capsys.readouterr().out
     assert "bad           0      2   failed: AssertionError: too slow" in table and table.rstrip().splitlines()[-1].startswith("FAIL")
+    # the run beside that failed is named with its own folder, kept (a later run does not overwrite its log)
+    said = next(line for line in table.splitlines() if "(bad ran" in line)
+    failed = said.split(" failed: ")[1].rstrip(")").split(", ")
+    assert failed and all((pathlib.Path(f) / "batch.json").is_file() for f in failed), said
+    assert len(set(failed)) == len(failed) and said.startswith(f"     (bad ran {len(failed)} time(s)"), said
 
 
 def test_all_passing_exits_zero(tmp_path, monkeypatch):
