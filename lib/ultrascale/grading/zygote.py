@@ -80,7 +80,7 @@ class Zygote:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            answer = self._read(30.0) or {"code": -signal.SIGKILL}
+            self._read(30.0)   # the zygote's line for the killed run, so that the next run reads its own
         text = stderr.read_text(errors="replace") if stderr.is_file() else ""
         return (None if timed_out else answer["code"]), text
 
