@@ -309,3 +309,13 @@ PROPERTIES.update(_REST)
 from ultrascale.exercise_tests.properties_checkpoints import PROPERTIES as _CHECKPOINTS  # noqa: E402
 
 PROPERTIES.update(_CHECKPOINTS)
+
+# Those of the two Triton kernels, the ring step and the overlap of a trace.
+from ultrascale.exercise_tests.properties_last import PROPERTIES as _LAST  # noqa: E402
+
+PROPERTIES.update(_LAST)
+
+# Those of the exercises that are a whole training step on ranks (few draws: each is a run).
+from ultrascale.exercise_tests.properties_steps import PROPERTIES as _STEPS  # noqa: E402
+
+PROPERTIES.update(_STEPS)

@@ -9,7 +9,8 @@ checks each against the property's judge:
 
 * a property may name cases always tried first (``examples``: edges the draws could miss);
 * the draws are **derandomized** (the same inputs on every machine and run: a grade must not
-  depend on luck) and few in QUICK (``QUICK_EXAMPLES``), so the grader stays about as fast;
+  depend on luck) and few in QUICK (``QUICK_EXAMPLES``, or the property's own ``draws`` where a
+  case is a whole training run on ranks), so the grader stays about as fast;
 * a failing input is **shrunk** by hypothesis to the smallest one that still fails, and the
   learner sees that input and what was wrong with it;
 * an exception the learner's code raises on a drawn input is reported the same way.
@@ -56,6 +57,8 @@ class Property:
     argument: int | tuple = 0                    # which of check()'s objects is the function tried (a tuple
                                                  # of indices: the judge gets those objects, as a tuple)
     examples: tuple = ()                         # cases always tried first (the edges draws may miss)
+    draws: tuple = (QUICK_EXAMPLES, FULL_EXAMPLES)  # how many cases drawn (QUICK, full): fewer where each
+                                                 # case is a run on ranks of a second or more
 
 
 def tried(prop: Property, objects: tuple):
@@ -71,7 +74,7 @@ def run(exercise_id: str, prop: Property, fn: Callable, quick: bool = True) -> N
     failing case."""
     from hypothesis import HealthCheck, Phase, example, given, settings
 
-    @settings(max_examples=QUICK_EXAMPLES if quick else FULL_EXAMPLES, derandomize=True, database=None,
+    @settings(max_examples=prop.draws[0] if quick else prop.draws[1], derandomize=True, database=None,
               deadline=None, print_blob=False, suppress_health_check=list(HealthCheck),
               phases=(Phase.explicit, Phase.generate, Phase.shrink))
     @given(prop.strategy())
