@@ -72,7 +72,6 @@ from ultrascale.grading import exercise
 from ultrascale.parity import max_difference, tolerance
 
 DT = torch.float64
-TOL = tolerance(None, DT)
 
 
 def _randn(shape, seed: int, *salt: int, device=None) -> torch.Tensor:
@@ -81,14 +80,15 @@ def _randn(shape, seed: int, *salt: int, device=None) -> torch.Tensor:
 
 
 def _close(got, want) -> bool:
-    """Same shape, same -inf entries, and the finite ones within the float64 tolerance."""
+    """Same shape, same -inf entries, and the finite ones within the tolerance of ``want``'s dtype
+    (float64 in the fixed cases; a property draws float32 too)."""
     if not torch.is_tensor(got) or tuple(got.shape) != tuple(want.shape):
         return False
     got = got.detach().to(want.dtype)
     if not torch.equal(torch.isneginf(got), torch.isneginf(want)):
         return False
     finite = ~torch.isneginf(want)
-    return bool(torch.allclose(got[finite], want[finite], **TOL))
+    return bool(torch.allclose(got[finite], want[finite], **tolerance(None, want.dtype)))
 
 
 def _block_attention(q, k, v, pos_q=None, pos_k=None, causal=False):
@@ -497,7 +497,8 @@ def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r
         out = new_out if torch.is_tensor(new_out) and new_out.shape == out.shape else record["expected"][0]
         lse = new_lse if torch.is_tensor(new_lse) and new_lse.shape == lse.shape else record["expected"][1]
         if not last:
-            kv = new_kv if torch.is_tensor(new_kv) and new_kv.shape == kv.shape else record["next_block"].clone()
+            usable = torch.is_tensor(new_kv) and new_kv.shape == kv.shape and new_kv.dtype == kv.dtype
+            kv = new_kv if usable else record["next_block"].clone()
     reference = F.scaled_dot_product_attention(q_full, k_full, v_full, is_causal=causal)[:, :, positions[r]]
     return steps, out, reference
 
@@ -557,6 +558,10 @@ def _judge_step(s, n) -> str | None:
                 "arrived when the step returns. Call wait() on every work before returning")
     if not torch.is_tensor(next_kv) or tuple(next_kv.shape) != tuple(s["next_block"].shape):
         return f"{where}: next_kv must be the received block, shaped like kv {tuple(s['next_block'].shape)}"
+    if next_kv.dtype != s["next_block"].dtype:
+        return (f"{where}: next_kv is {next_kv.dtype} where the blocks are {s['next_block'].dtype}: make the receive "
+                "buffer like kv (torch.empty_like(kv)), not with a dtype written down, which is right for one dtype "
+                "only")
     if next_kv.untyped_storage().data_ptr() == s["kv_storage"]:
         return (f"{where}: next_kv is kv itself. kv is being sent while the next block arrives: receive into a new "
                 "buffer shaped like kv, never into kv, or the send may carry the incoming bytes")

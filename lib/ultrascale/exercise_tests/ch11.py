@@ -46,11 +46,11 @@ def _randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
 def _window(values: torch.Tensor, pad_rows: int, pad_cols: int, fill: float) -> tuple:
     """A buffer bigger than ``values`` (filled with ``fill``) and the view of it holding ``values``."""
     if values.dim() == 1:
-        buf = torch.full((values.shape[0] + pad_cols,), fill, device=values.device)
+        buf = torch.full((values.shape[0] + pad_cols,), fill, dtype=values.dtype, device=values.device)
         view = buf[: values.shape[0]]
     else:
         rows, cols = values.shape
-        buf = torch.full((rows + pad_rows, cols + pad_cols), fill, device=values.device)
+        buf = torch.full((rows + pad_rows, cols + pad_cols), fill, dtype=values.dtype, device=values.device)
         view = buf[:rows, :cols]
     view.copy_(values)
     return buf, view
@@ -167,37 +167,45 @@ ADD_CASES = [(1, 16), (7, 16), (100, 32), (128, 128), (1000, 128), (1025, 256), 
 @exercise("11.masked_add", points=1)
 def test_masked_add(masked_add_kernel, quick: bool = True, seed: int = 0):
     """out[i] = x[i] + y[i] for i < n, launched on ceil(n / BLOCK_SIZE) program instances."""
+    for case, (n, block) in enumerate(ADD_CASES):
+        check_add(masked_add_kernel, _randn(n, seed=seed + 2 * case), _randn(n, seed=seed + 2 * case + 1), block)
+
+
+def check_add(masked_add_kernel, x: torch.Tensor, y: torch.Tensor, block: int, lead: int = 0) -> None:
+    """Launch the kernel on ``x + y`` (``lead`` elements of NaN before each input); raise what is wrong."""
     import triton
 
-    for case, (n, block) in enumerate(ADD_CASES):
-        x, y = _randn(n, seed=seed + 2 * case), _randn(n, seed=seed + 2 * case + 1)
-        # Past the end of the inputs lies NaN, past the end of the output a sentinel.
-        _, x_view = _window(x, 0, block, float("nan"))
-        _, y_view = _window(y, 0, block, float("nan"))
-        out_buf, out = _window(torch.zeros(n, device=x.device), 0, block, SENTINEL)
-        grid = (triton.cdiv(n, block),)
-        with _loads_seen() as loads:
-            _launch(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block, loads_per_program=4)
-        where = f"n={n}, BLOCK_SIZE={block} ({grid[0]} program instance{'s' if grid[0] > 1 else ''})"
-        if _read_past(loads, (x_view, y_view)):
-            raise AssertionError(f"{where}: the kernel loaded past element n-1 of x or y. The masked store hides "
-                                 "it here, but on a GPU that load reads memory that is not the tensor's (garbage, "
-                                 "or an illegal-address crash). Mask the loads too: "
-                                 "tl.load(x_ptr + offsets, mask=offsets < n_elements)")
-        if not (_outside(out_buf, out) == SENTINEL).all():
-            raise AssertionError(f"{where}: the kernel wrote past element n-1. Mask the store: "
-                                 "tl.store(out_ptr + offsets, ..., mask=offsets < n_elements)")
-        expected = x + y
-        if not torch.equal(out, expected):
-            wrong = (out != expected).nonzero().flatten().tolist()
-            first = wrong[0]
-            hint = ""
-            if torch.equal(out[:block], expected[:block]) and first >= block:
-                hint = " Only the first program instance is right: offsets must start at pid * BLOCK_SIZE."
-            elif (out == 0).all():
-                hint = " Nothing was stored."
-            raise AssertionError(f"{where}: {len(wrong)} wrong elements, the first at index {first} "
-                                 f"(got {out[first].item():.4g}, expected {expected[first].item():.4g}).{hint}")
+    n = x.shape[0]
+    # Past the end of the inputs lies NaN, past the end of the output a sentinel.
+    x_view, y_view = (_window(torch.cat([t.new_full((lead,), float("nan")), t]), 0, block, float("nan"))[1][lead:]
+                      for t in (x, y))
+    out_buf, out = _window(torch.zeros_like(x), 0, block, SENTINEL)
+    grid = (triton.cdiv(n, block),)
+    with _loads_seen() as loads:
+        _launch(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block, loads_per_program=4)
+    where = f"n={n}, BLOCK_SIZE={block} ({grid[0]} program instance{'s' if grid[0] > 1 else ''}), {x.dtype}"
+    if _read_past(loads, (x_view, y_view)):
+        raise AssertionError(f"{where}: the kernel loaded past element n-1 of x or y. The masked store hides "
+                             "it here, but on a GPU that load reads memory that is not the tensor's (garbage, "
+                             "or an illegal-address crash). Mask the loads too: "
+                             "tl.load(x_ptr + offsets, mask=offsets < n_elements)")
+    if not (_outside(out_buf, out) == SENTINEL).all():
+        raise AssertionError(f"{where}: the kernel wrote past element n-1. Mask the store: "
+                             "tl.store(out_ptr + offsets, ..., mask=offsets < n_elements)")
+    expected = x + y
+    if not torch.equal(out, expected):
+        wrong = (out != expected).nonzero().flatten().tolist()
+        first = wrong[0]
+        hint = ""
+        if torch.equal(out[:block], expected[:block]) and first >= block:
+            hint = " Only the first program instance is right: offsets must start at pid * BLOCK_SIZE."
+        elif (out == 0).all():
+            hint = " Nothing was stored."
+        elif x.dtype == torch.float64 and torch.equal(out, (x.float() + y.float()).double()):
+            hint = (" The sum was rounded to float32: add in the inputs' own dtype (tl.load gives the pointer's "
+                    "element type; no .to(tl.float32)), so a float64 vector keeps its 53 bits.")
+        raise AssertionError(f"{where}: {len(wrong)} wrong elements, the first at index {first} "
+                             f"(got {out[first].item():.17g}, expected {expected[first].item():.17g}).{hint}")
 
 
 # ---- 11.row_softmax --------------------------------------------------------------------------
@@ -278,48 +286,88 @@ def _operand(values, pad_rows: int, pad_cols: int, column_major: bool, fill: flo
 @exercise("11.matmul_tile", points=1)
 def test_matmul_tile(matmul_tile_kernel, quick: bool = True, seed: int = 0):
     """C = A @ B with a 2-D grid: program (i, j) computes the (i, j) tile of C, looping over K."""
-    import triton
-
-    # The interpreter's tl.dot is an exact fp32 product; on a GPU tl.dot on fp32 uses TF32.
-    tol = dict(rtol=1e-5, atol=1e-4) if _device().type == "cpu" else dict(rtol=2e-2, atol=2e-2)
     for case, (M, N, K, bm, bn, bk, column_major) in enumerate(MATMUL_CASES):
         a, b = _randn(M, K, seed=seed + 20 + case), _randn(K, N, seed=seed + 40 + case)
-        # Operands are windows into NaN-filled buffers: a load that strays past M, N or K picks up
-        # NaN, and NaN * 0 is still NaN, so every mask has to be right. A column-major A has
-        # stride_am = 1 and stride_ak = M + 3; likewise B and C.
-        _, _, a_view = _operand(a, 2, 3, "A" in column_major, float("nan"))
-        _, _, b_view = _operand(b, 4, 1, "B" in column_major, float("nan"))
-        c_buf, c_stored, c = _operand(torch.zeros(M, N, device=a.device), 2, 2, "C" in column_major, SENTINEL)
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-        _launch(matmul_tile_kernel, grid, a_view, b_view, c, M, N, K,
-                a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.stride(0), c.stride(1),
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, loads_per_program=2 * triton.cdiv(K, bk) + 4)
-        where = (f"({M} x {K}) @ ({K} x {N}), tiles {bm} x {bn} x {bk}, grid {grid}"
-                 + (f", {' and '.join(column_major)} column-major (strides {a_view.stride()}, {b_view.stride()}, "
-                    f"{c.stride()})" if column_major else ""))
-        if not (_outside(c_buf, c_stored) == SENTINEL).all():
-            raise AssertionError(f"{where}: the kernel wrote outside C. Mask the store with (rows < M) & (cols < N)"
-                                 + (", and address C with both strides passed in: stride_cn is not 1 when C is "
-                                    "column-major" if "C" in column_major else "") + ".")
-        expected = a @ b
-        if torch.isnan(c).any():
-            raise AssertionError(f"{where}: C has NaN: some loads read past the edge of A or B, or kept masked "
-                                 "lanes without a value (a load with mask= but no other= leaves them undefined on a "
-                                 "GPU: here NaN, as garbage would be). Mask the A tile with rows < M and k < K, the "
-                                 "B tile with k < K and cols < N, with other=0."
-                                 + (" Use the strides passed in for every operand: with a column-major operand its "
-                                    "column stride is not 1" if column_major else ""))
-        if not torch.allclose(c, expected, **tol):
-            err = (c - expected).abs().max().item()
-            hint = ""
-            tile = (slice(0, min(bm, M)), slice(0, min(bn, N)))
-            if torch.allclose(c[tile], expected[tile], **tol):
-                hint = " Tile (0, 0) is right: use the program ids (axis 0 for rows, axis 1 for columns)."
-            elif K > bk and torch.allclose(c, a[:, :bk] @ b[:bk], **tol):
-                hint = " Only the first BLOCK_K of K was used: loop over K, advancing the pointers by BLOCK_K."
-            elif column_major or b_view.stride(0) != N:
-                hint = " Use the strides passed in, not the matrix sizes, to address rows and columns."
-            raise AssertionError(f"{where}: largest difference from A @ B {err:.3g}.{hint}")
+        check_matmul(matmul_tile_kernel, a, b, (bm, bn, bk), column_major)
+
+
+def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: tuple, column_major: str = "",
+                 c_dtype=torch.float32) -> None:
+    """Launch the kernel on ``a @ b`` into a ``c_dtype`` C, with tiles ``blocks`` (BLOCK_M, BLOCK_N,
+    BLOCK_K) and the operands named in ``column_major`` stored so; raise what is wrong."""
+    import triton
+
+    (M, K), N, (bm, bn, bk) = a.shape, b.shape[1], blocks
+    # Operands are windows into NaN-filled buffers: a load that strays past M, N or K picks up
+    # NaN, and NaN * 0 is still NaN, so every mask has to be right. A column-major A has
+    # stride_am = 1 and stride_ak = M + 3; likewise B and C.
+    _, _, a_view = _operand(a, 2, 3, "A" in column_major, float("nan"))
+    _, _, b_view = _operand(b, 4, 1, "B" in column_major, float("nan"))
+    c_buf, c_stored, c = _operand(torch.zeros(M, N, dtype=c_dtype, device=a.device), 2, 2, "C" in column_major,
+                                  SENTINEL)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    _launch(matmul_tile_kernel, grid, a_view, b_view, c, M, N, K,
+            a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.stride(0), c.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, loads_per_program=2 * triton.cdiv(K, bk) + 4)
+    where = (f"({M} x {K}) @ ({K} x {N}), tiles {bm} x {bn} x {bk}, grid {grid}"
+             + (f", {' and '.join(column_major)} column-major (strides {a_view.stride()}, {b_view.stride()}, "
+                f"{c.stride()})" if column_major else "")
+             + (f", A and B in {a.dtype}, C in {c_dtype}" if (a.dtype, c_dtype) != (torch.float32,) * 2 else ""))
+    if not (_outside(c_buf, c_stored) == SENTINEL).all():
+        raise AssertionError(f"{where}: the kernel wrote outside C. Mask the store with (rows < M) & (cols < N)"
+                             + (", and address C with both strides passed in: stride_cn is not 1 when C is "
+                                "column-major" if "C" in column_major else "") + ".")
+    rounded = a.dtype != torch.float32 and not torch.isfinite(_rounded_per_block(a, b, bk)).all()
+    if not torch.isfinite(c).all() and rounded:
+        raise AssertionError(f"{where}: C has inf or NaN, as it has when each BLOCK_K's product is rounded to "
+                             f"{a.dtype} before it is added: {a.dtype} ends at {torch.finfo(a.dtype).max:,.0f}. "
+                             f"{_KEEP_FLOAT32}")
+    if torch.isnan(c).any():
+        raise AssertionError(f"{where}: C has NaN: some loads read past the edge of A or B, or kept masked "
+                             "lanes without a value (a load with mask= but no other= leaves them undefined on a "
+                             "GPU: here NaN, as garbage would be). Mask the A tile with rows < M and k < K, the "
+                             "B tile with k < K and cols < N, with other=0."
+                             + (" Use the strides passed in for every operand: with a column-major operand its "
+                                "column stride is not 1" if column_major else ""))
+    close = _matmul_close(a, b, c, tiled_at=bk)
+    if not close(c, a.double() @ b.double()):
+        err = (c.double() - a.double() @ b.double()).abs().max().item()
+        hint = ""
+        tile = (slice(0, min(bm, M)), slice(0, min(bn, N)))
+        if close(c[tile], (a.double() @ b.double())[tile], tile):
+            hint = " Tile (0, 0) is right: use the program ids (axis 0 for rows, axis 1 for columns)."
+        elif K > bk and close(c, a[:, :bk].double() @ b[:bk].double()):
+            hint = " Only the first BLOCK_K of K was used: loop over K, advancing the pointers by BLOCK_K."
+        elif a.dtype != torch.float32 and close(c, _rounded_per_block(a, b, bk)):
+            hint = f" Each BLOCK_K's product was rounded to {a.dtype} before it was added. {_KEEP_FLOAT32}"
+        elif column_major or b_view.stride(0) != N:
+            hint = " Use the strides passed in, not the matrix sizes, to address rows and columns."
+        raise AssertionError(f"{where}: largest difference from A @ B {err:.3g}.{hint}")
+
+
+_KEEP_FLOAT32 = ("Keep tl.dot's result and the accumulator in float32 (acc = tl.zeros(..., dtype=tl.float32); "
+                 "acc += tl.dot(a, b)), whatever the operands' dtype.")
+
+
+def _matmul_close(a, b, c, tiled_at: int):
+    """``close(got, want[, tile])``: whether ``got`` is ``want`` up to the rounding a right kernel makes.
+    Under the interpreter tl.dot is an exact float32 product and C holds the float32 sums rounded to
+    its dtype: within K float32 ulps of the sum of magnitudes, plus one ulp of C's dtype. On a GPU,
+    tl.dot on float32 operands uses TF32 (10 bits), so the tolerance is TF32's there."""
+    gpu = _device().type != "cpu"
+    unit = 2.0 ** -11 if gpu else a.shape[1] * 2.0 ** -24
+    magnitudes = a.double().abs() @ b.double().abs()
+
+    def close(got, want, tile=(slice(None), slice(None))):
+        bound = magnitudes[tile] * (4 * unit) + want.abs() * torch.finfo(c.dtype).eps + 1e-300
+        return got.shape == want.shape and bool(((got.double() - want).abs() <= bound).all())
+    return close
+
+
+def _rounded_per_block(a, b, bk: int) -> torch.Tensor:
+    """What a kernel gives whose every BLOCK_K product is rounded to the operands' dtype before it is added."""
+    parts = [(a[:, k:k + bk].double() @ b[k:k + bk].double()).to(a.dtype).double() for k in range(0, a.shape[1], bk)]
+    return torch.stack(parts).sum(0)
 
 
 # ---- 11.online_softmax_update ----------------------------------------------------------------

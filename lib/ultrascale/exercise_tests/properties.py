@@ -287,7 +287,9 @@ PROPERTIES = {
         # a size-1 axis inside a joint group of three axes, named out of mesh order
         dict(sizes=dict(dp=2, pp=1, cp=2, tp=2), order=["tp", "dp", "pp", "cp"], joint=["tp", "pp", "dp"]),)),
     "11.online_softmax_update": Property(_online_cases, _judge_online, _describe_online),
-    "12.quantize_per_tensor": Property(_quantize_cases, _judge_quantize, _describe_quantize),
+    "12.quantize_per_tensor": Property(_quantize_cases, _judge_quantize, _describe_quantize, examples=(
+        # amax of 1e-9: below float32's eps, so an amax floor at eps instead of 1e-12 is always tried
+        dict(shape=[3, 2], fp8=torch.float8_e4m3fn, dtype=torch.float32, exponent=-9, zero=False, seed=0),)),
 }
 
 # The formula and schedule exercises' properties (no ranks: many draws are cheap) live beside these.
