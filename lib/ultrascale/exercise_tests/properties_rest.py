@@ -19,27 +19,9 @@ exercise's fixed cases do not:
 * ``11.row_softmax``: rows whose every logit is below -10^6 (a padding lane loaded as -10000 or
   -1e9 then wins the maximum), masked (-inf) logits, one column.
 
-Left without a property, and why:
-
-* ``11.masked_add`` and ``11.matmul_tile``: their fixed cases already are the property. They launch the
-  kernel under the interpreter as a GPU runs it (NaN in masked lanes without ``other=``, loads counted
-  per program, NaN past every edge, sentinels around every output, row- and column-major operands,
-  sizes no block divides); the one dimension left, the dtype, is the compiler's business
-  (``tl.load`` keeps the pointer's type; ``tl.dot``'s precision on a GPU is TF32 or the inputs' own,
-  which the interpreter does not model), so a draw over dtypes would test Triton, not the learner;
-* ``a1.communication_overlap``: its fixed cases draw 20 random traces (nested operators, two
-  transfer threads, transfers across the compute's edges) beside hand-made ones with epoch
-  timestamps and fractions; the contract adds generators (``iterables``) and unchanged inputs;
-* ``06.ring_step``: its fixed cases run whole rings in float64, in both layouts, causal or not, on
-  2 and 3 ranks and on a group that is not the world. The step's only buffer is a copy of ``kv``'s
-  shape and dtype, and a draw over head sizes or tokens per chunk changes nothing the step itself
-  computes (``attend`` and the merge are given or already drawn in ``06.merge_partial_attention``);
-* the exercises that are a whole training step on ranks (``02.overlapped_dp_hooks``,
-  ``03.zero1_step``, ``03.zero3_gather_free``, ``07.stage_step``): each fixed case trains a model on
-  2 to 4 ranks for a few steps, compared with one process (in float64 where the text fixes no dtype)
-  and watched for its traffic, memory and order of messages. A drawn case would be another such
-  run, a second or more each, where the grader's time is already spent: their inputs (a model or
-  a stage of it, an optimizer, a group, the messages between ranks) come from such a run.
+The last eight exercises' properties are in ``properties_last`` (the two Triton kernels, the ring
+step, the overlap of a trace) and ``properties_steps`` (the four that are a whole training step on
+ranks, each drawing a few small runs).
 """
 
 from __future__ import annotations
