@@ -20,7 +20,8 @@ from ultrascale.exercise_tests import properties_last
 from ultrascale.exercise_tests.properties import PROPERTIES
 from ultrascale.grading import check
 
-COVERED = {"11.masked_add", "11.matmul_tile", "06.ring_step", "a1.communication_overlap"}
+COVERED = {"11.masked_add", "11.matmul_tile", "06.ring_step", "a1.communication_overlap", "10.smallest_pp",
+           "a4.atomic_save"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -28,6 +29,15 @@ def test_every_exercise_here_has_a_property_in_the_merged_table():
     assert set(properties_last.PROPERTIES) == COVERED
     for exercise_id, prop in properties_last.PROPERTIES.items():
         assert PROPERTIES[exercise_id] is prop
+
+
+def test_every_exercise_but_the_quiz_has_a_property():
+    """09.quiz takes no input to draw (properties.py's docstring says so); every other exercise,
+    the ones added later too, has a property."""
+    from ultrascale.grading.registry import _REGISTRY, load_all
+
+    load_all()
+    assert set(_REGISTRY) - set(PROPERTIES) == {"09.quiz"}
 
 
 # ---- 11.masked_add: the sum in the inputs' dtype ------------------------------------------------
@@ -116,3 +126,65 @@ def test_an_overlap_that_keeps_only_the_gloo_all_reduces_fails_on_other_transfer
 
     _fails(check("a1.communication_overlap", communication_overlap), DRAWN, "left out by their name",
            "whatever it is called")
+
+
+# ---- 10.smallest_pp: every divisor is a depth, one included ---------------------------------------
+
+def _scan(depths):
+    def smallest_pp(model, layout, seq, memory_bytes):
+        import dataclasses
+
+        from ultrascale.dryrun import dryrun_extrapolated
+        for pp in depths(model.layers):
+            stage = dataclasses.replace(layout, pp=pp, microbatches=pp)
+            dry = dryrun_extrapolated(stage, model, 0, micro_batch=1, seq=seq, dtype=torch.bfloat16,
+                                      recompute="selective")
+            if dry.total_bytes <= memory_bytes:
+                return pp
+        return None
+    return smallest_pp
+
+
+def test_a_scan_over_powers_of_two_fails_where_five_stages_are_the_smallest_that_fit():
+    powers = _scan(lambda layers: [2 ** i for i in range(layers.bit_length()) if layers % 2 ** i == 0])
+    _fails(check("10.smallest_pp", powers), DRAWN, "pp = 5", "Only powers of two were tried")
+
+
+def test_a_scan_that_starts_at_two_stages_fails_where_no_pipeline_is_needed():
+    from_two = _scan(lambda layers: [d for d in range(2, layers + 1) if layers % d == 0])
+    _fails(check("10.smallest_pp", from_two), DRAWN, "pp = 1", "a smaller pp that divides the layers fits too")
+
+
+# ---- a4.atomic_save: a root that holds earlier checkpoints, or none yet ---------------------------
+
+def _atomic(clean_root=False, parents=True):
+    import os
+    import shutil
+    from pathlib import Path
+
+    def save_atomically(root, step, tensor, group):
+        rank = dist.get_rank(group)
+        final = Path(root) / f"step-{step:08d}"
+        partial = final.with_name(final.name + ".partial")
+        partial.mkdir(parents=parents, exist_ok=True)
+        torch.save(tensor, partial / f"rank{rank}.pt")
+        dist.barrier(group=group)
+        if rank == 0:
+            os.replace(partial, final)
+            if clean_root:   # "nothing else may be left in root", read as: empty it
+                for path in Path(root).iterdir():
+                    if path != final:
+                        shutil.rmtree(path)
+        dist.barrier(group=group)
+        return final
+    return save_atomically
+
+
+def test_an_atomic_save_that_empties_its_root_fails_where_earlier_checkpoints_are_there():
+    _fails(check("a4.atomic_save", _atomic(clean_root=True)), DRAWN, "already holding the checkpoints",
+           "is gone", "removes nothing but what it made itself")
+
+
+def test_an_atomic_save_that_assumes_its_root_exists_fails_on_a_first_save():
+    _fails(check("a4.atomic_save", _atomic(parents=False)), DRAWN, "a root that does not exist yet",
+           "FileNotFoundError")

@@ -287,44 +287,54 @@ def test_smallest_pp(smallest_pp, quick: bool = True):
     activations of 1F1B's first stage stay those of about all the layers)."""
     from ultrascale.parallel.compose import ParallelConfig as Layout
 
-    # ultrascale.dryrun remembers each dry run by its arguments: the learner's scan, the contract's
-    # second call and the measurements below are one set of dry runs
     for model, fields, seq, memory_bytes in PP_CASES[:1 if quick else None]:
-        layout = Layout(**fields)
-        call = f"smallest_pp(Llama 3 of hidden {model.hidden}, {layout}, seq={seq}, memory_bytes={memory_bytes:.3g})"
-        got = call_learner(smallest_pp, model, layout, seq, memory_bytes, call=call)
-        candidates = _pp_candidates(model)
-        assert got is None or got in candidates, (
-            f"{call} returned {got!r}: a stage count must divide the {model.layers} layers (even stages), "
-            f"one of {candidates}")
-        fits = {}
-        for pp in candidates:   # up to the first that fits, as a learner's scan does
-            fits[pp] = _measured(model, layout, seq, pp)
-            if fits[pp].total_bytes <= memory_bytes:
-                break
-        answer = next((pp for pp, dry in fits.items() if dry.total_bytes <= memory_bytes), None)
-        if got == answer:
-            continue
-        assert got is not None, f"{call} returned None, but a pipeline of some depth fits: measure each pp"
-        dry = fits.get(got) or _measured(model, layout, seq, got)
-        gb = {k: f"{v / 1e9:.1f}" for k, v in dry.memory().items()}
-        if dry.total_bytes > memory_bytes:
-            hints = ""
-            if _formula_total(model, layout, seq, got) <= memory_bytes:
-                hints += (" memory.breakdown's formula says it fits: its activations are GPT's (34 bytes per "
-                          "token and hidden unit, no loss), and a Llama block keeps more; measure with the dry "
-                          "run rather than the formula.")
-            if dry.total_bytes - dry.optimizer_states <= memory_bytes:
-                hints += " Without its optimizer states it would fit: count them too (ZeRO's shards of Adam's)."
-            raise AssertionError(
-                f"{call} returned {got}, but at pp={got} the first stage holds {dry.total_bytes / 1e9:.1f} GB "
-                f"measured (parameters {gb['parameters']}, gradients {gb['gradients']}, optimizer states "
-                f"{gb['optimizer states']}, activations {gb['activations']}): more than {memory_bytes / 1e9:.0f} "
-                f"GB, it does not fit.{hints} (A scan returns the first depth that fits, not the last that does "
-                "not.)")
-        smaller = [pp for pp in candidates if pp < got]
-        beyond = smaller and smaller[-1] == answer
+        check_smallest_pp(smallest_pp, model, Layout(**fields), seq, memory_bytes)
+
+
+def check_smallest_pp(smallest_pp, model, layout, seq, memory_bytes) -> None:
+    """The learner's answer for one problem against the dry runs; raise what is wrong.
+    ultrascale.dryrun remembers each dry run by its arguments: the learner's scan, the contract's
+    second call and the measurements here are one set of dry runs."""
+    call = f"smallest_pp(Llama 3 of hidden {model.hidden}, {layout}, seq={seq}, memory_bytes={memory_bytes:.4g})"
+    got = call_learner(smallest_pp, model, layout, seq, memory_bytes, call=call)
+    candidates = _pp_candidates(model)
+    assert got is None or got in candidates, (
+        f"{call} returned {got!r}: a stage count must divide the {model.layers} layers (even stages), "
+        f"one of {candidates}")
+    fits = {}
+    for pp in candidates:   # up to the first that fits, as a learner's scan does
+        fits[pp] = _measured(model, layout, seq, pp)
+        if fits[pp].total_bytes <= memory_bytes:
+            break
+    answer = next((pp for pp, dry in fits.items() if dry.total_bytes <= memory_bytes), None)
+    if got != answer:
+        _wrong_pp(call, got, answer, model, layout, seq, memory_bytes, candidates, fits)
+
+
+def _wrong_pp(call, got, answer, model, layout, seq, memory_bytes, candidates, fits) -> None:
+    assert got is not None, f"{call} returned None, but a pipeline of some depth fits: measure each pp"
+    dry = fits.get(got) or _measured(model, layout, seq, got)
+    gb = {k: f"{v / 1e9:.1f}" for k, v in dry.memory().items()}
+    if dry.total_bytes > memory_bytes:
+        hints = ""
+        if _formula_total(model, layout, seq, got) <= memory_bytes:
+            hints += (" memory.breakdown's formula says it fits: its activations are GPT's (34 bytes per "
+                      "token and hidden unit, no loss), and a Llama block keeps more; measure with the dry "
+                      "run rather than the formula.")
+        if dry.total_bytes - dry.optimizer_states <= memory_bytes:
+            hints += " Without its optimizer states it would fit: count them too (ZeRO's shards of Adam's)."
         raise AssertionError(
-            f"{call} returned {got}, which fits ({dry.total_bytes / 1e9:.1f} GB measured), but a smaller pp "
-            f"that divides the layers fits too: return the smallest."
-            + (" You went one stage count too far: stop at the first pp that fits." if beyond else ""))
+            f"{call} returned {got}, but at pp={got} the first stage holds {dry.total_bytes / 1e9:.1f} GB "
+            f"measured (parameters {gb['parameters']}, gradients {gb['gradients']}, optimizer states "
+            f"{gb['optimizer states']}, activations {gb['activations']}): more than {memory_bytes / 1e9:.0f} "
+            f"GB, it does not fit.{hints} (A scan returns the first depth that fits, not the last that does "
+            "not.)")
+    smaller = [pp for pp in candidates if pp < got]
+    beyond = smaller and smaller[-1] == answer
+    powers = answer & (answer - 1) and not got & (got - 1)   # the answer is no power of two, the one given is
+    raise AssertionError(
+        f"{call} returned {got}, which fits ({dry.total_bytes / 1e9:.1f} GB measured), but a smaller pp "
+        f"that divides the layers fits too: return the smallest."
+        + (" You went one stage count too far: stop at the first pp that fits." if beyond else "")
+        + (f" Only powers of two were tried: every divisor of the {model.layers} layers is a depth, {candidates}."
+           if powers else ""))

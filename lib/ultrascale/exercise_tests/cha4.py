@@ -480,10 +480,10 @@ GATE_S = 10.0            # the longest a held-back write waits (a protocol the w
 SPLITS = (Split([0], [1, 2]), Split([0, 1, 2]))   # the telling one first: its first rank is global rank 1
 
 
-def atomic_payload(group_index: int, rank_in_group: int, step: int) -> torch.Tensor:
+def atomic_payload(group_index: int, rank_in_group: int, step: int, shape=(2, 3), dtype=torch.float64) -> torch.Tensor:
     """What rank ``rank_in_group`` of group ``group_index`` saves: other values on every rank."""
     g = torch.Generator().manual_seed(1000 * step + 10 * group_index + rank_in_group)
-    return torch.randn(2, 3, generator=g, dtype=torch.float64)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 class _Watch:
@@ -574,13 +574,14 @@ class _Watch:
             return False
 
 
-def _atomic_on_rank(ctx, save_atomically, split, root, flags, step):
+def _atomic_on_rank(ctx, save_atomically, split, root, flags, step, payload=None):
     import torch.distributed as dist
     index, group, ranks = split.group_of(ctx)
     rank, size = ranks.index(ctx.rank), len(ranks)
     groot, gflags = Path(root) / f"group{index}", Path(flags) / f"group{index}"
     final = groot / FINAL.format(step)
-    payloads = [atomic_payload(index, r, step).to(ctx.device) for r in range(size)]   # drawn on the host, moved
+    payloads = [atomic_payload(index, r, step, **payload or {}).to(ctx.device)   # drawn on the host, moved
+                for r in range(size)]
     watch = _Watch(gflags, final, rank, size, group, payloads)
     tensor = payloads[rank]
     returned, error = None, None
@@ -603,7 +604,11 @@ def _atomic_on_rank(ctx, save_atomically, split, root, flags, step):
                 returned=None if returned is None else str(returned))
 
 
-def _check_directory(groot: Path, step: int, index: int, ranks: list, flags: Path) -> None:
+def _check_directory(groot: Path, step: int, index: int, ranks: list, flags: Path, payload=None,
+                     before: dict | None = None) -> None:
+    """The checkpoint the group left in ``groot``; ``before``: {name: (file name, bytes)} of what
+    ``groot`` held before the save, to be there unchanged (earlier checkpoints)."""
+    before = before or {}
     final = groot / FINAL.format(step)
     where = f"save_atomically(root, step={step}, tensor, group) on the group of ranks {ranks}"
     if not final.is_dir():
@@ -624,9 +629,16 @@ def _check_directory(groot: Path, step: int, index: int, ranks: list, flags: Pat
         raise AssertionError(f"{where}: {final.name} holds {names}; expected {want}.{hint}")
     for r in range(len(ranks)):
         got = torch.load(final / f"rank{r}.pt", map_location="cpu", weights_only=True)
-        assert torch.is_tensor(got) and torch.equal(got, atomic_payload(index, r, step)), (
+        want = atomic_payload(index, r, step, **payload or {})
+        assert torch.is_tensor(got) and got.dtype == want.dtype and torch.equal(got, want), (
             f"{where}: {final.name}/rank{r}.pt does not hold the tensor rank {r} of the group was given")
-    extra = sorted(p.name for p in groot.iterdir() if p.name != final.name)
+    for name, (inner, content) in before.items():
+        path = groot / name / inner
+        assert path.is_file() and path.read_bytes() == content, (
+            f"{where}: root held {name} before the save (an earlier checkpoint), and after it "
+            + (f"{name}/{inner} is changed" if path.is_file() else f"{name}/{inner} is gone")
+            + ": a save removes nothing but what it made itself (its temporary directory, by renaming it)")
+    extra = sorted(p.name for p in groot.iterdir() if p.name != final.name and p.name not in before)
     assert not extra, (f"{where}: {extra} left in root beside {final.name}: the temporary directory becomes the "
                        "checkpoint by its rename, nothing of the save stays behind")
 
@@ -652,7 +664,7 @@ def test_atomic_save(save_atomically, quick: bool = True, timeout: float = 60):
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _judge_atomic(per_rank, split, root, flags, step) -> None:
+def _judge_atomic(per_rank, split, root, flags, step, payload=None, before=None) -> None:
     for report in per_rank:   # what the watch saw first: it names the mistake
         if report["problems"]:
             raise AssertionError(f"save_atomically on the group of ranks {report['group']}: "
@@ -662,7 +674,8 @@ def _judge_atomic(per_rank, split, root, flags, step) -> None:
             raise AssertionError(f"save_atomically on the group of ranks {report['group']}, its rank "
                                  f"{report['rank']}, raised {report['error']}")
     for index, ranks in enumerate(split.groups):
-        _check_directory(root / f"group{index}", step, index, list(ranks), flags / f"group{index}")
+        _check_directory(root / f"group{index}", step, index, list(ranks), flags / f"group{index}", payload,
+                         before)
     for report in per_rank:
         final = root / f"group{split.groups.index(tuple(report['group']))}" / FINAL.format(step)
         assert report["returned"] is not None and Path(report["returned"]).resolve() == final.resolve(), (

@@ -16,8 +16,10 @@ the case's structure and seed, never a float's last bits.
   amax floor of 1e-12 the exercise names) to 10^30, all-zero tensors.
 
 The formula exercises' properties are in ``properties_formulas``, those of exercises on lists of
-tensors, traces, clocks, layouts, models and the a0 collectives in ``properties_more``; all are
-merged into ``PROPERTIES`` below. ``09.quiz`` has none, and needs none: a quiz takes no input to
+tensors, traces, clocks, layouts, models and the a0 collectives in ``properties_more``, then
+``properties_rest``, ``properties_checkpoints`` (A4), ``properties_last`` (the kernels, the ring step,
+a trace's overlap, the smallest pipeline, the atomic save) and ``properties_steps`` (whole training
+steps on ranks); all are merged into ``PROPERTIES`` below. ``09.quiz`` has none, and needs none: a quiz takes no input to
 draw (its answers are fixed values, checked one by one, and refused when read off the library's tables).
 """
 

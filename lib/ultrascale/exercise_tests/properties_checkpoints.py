@@ -15,10 +15,7 @@ What the draws reach that the fixed cases do not:
 
 Every draw is a few small tensors or a formula: 25 of them cost each exercise well under a second.
 
-``a4.atomic_save`` has none, and needs none: the tensor it is given goes into a file whole, whatever
-its dtype or shape, and what can go wrong is the order of the ranks' writes, barriers and rename,
-which its fixed cases force (the watch holds back the other ranks' writes, so a rename that does not
-wait always finds files missing) on a group that is not the world and on the whole world.
+``a4.atomic_save``'s property, a run on ranks, is in ``properties_last``.
 """
 
 from __future__ import annotations

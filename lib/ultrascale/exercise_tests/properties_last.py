@@ -1,5 +1,6 @@
-"""Properties of ``11.masked_add``, ``11.matmul_tile``, ``06.ring_step`` and
-``a1.communication_overlap``. Each names what its draws reach that the exercise's fixed cases do not:
+"""Properties of ``11.masked_add``, ``11.matmul_tile``, ``06.ring_step``, ``a1.communication_overlap``,
+``10.smallest_pp`` and ``a4.atomic_save``. Each names what its draws reach that the exercise's fixed
+cases do not:
 
 * ``11.masked_add``: float64 and float16 vectors as well as float32 (the sum is exact only in the
   inputs' own dtype: a kernel that adds in float32 loses a float64 vector's last 29 bits), inputs
@@ -14,7 +15,11 @@
 * ``a1.communication_overlap``: events named as any trace names them (NCCL kernels, other gloo
   collectives, point-to-point transfers: the lists are given, not to be filtered again by name),
   zero-length events, timestamps of a real trace (about 1.7e12 microseconds since the epoch) with
-  fractions of a microsecond, four transfer threads, empty lists.
+  fractions of a microsecond, four transfer threads, empty lists;
+* ``10.smallest_pp``: budgets at which the answer is 1 (no pipeline at all) or 5 (no power of two:
+  80 layers divide by 5), on the fixed case's model and layout, whose dry runs are remembered;
+* ``a4.atomic_save``: a root that does not exist yet, or that holds earlier checkpoints (to be left
+  as they were), steps of 0 and of nine digits, tensors 0-d, empty, bf16.
 
 The Triton kernels are not drawn over the operands' dtype beyond these: under the interpreter
 ``tl.dot`` computes in float32 whatever a kernel asks, and bfloat16 is not modelled, so such a
@@ -22,6 +27,8 @@ draw would test the interpreter, not the learner.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -185,3 +192,103 @@ def _describe_ring(case):
 PROPERTIES["06.ring_step"] = Property(_ring_cases, _judge_ring, _describe_ring, draws=(4, 20), examples=(
     dict(world_size=3, dtype=torch.float32, batch=1, heads=2, chunk=1, head_dim=3, causal=True, layout="contiguous",
          seed=0),))
+
+
+# ---- 10.smallest_pp (dry runs at full size) -------------------------------------------------------
+# Every draw is the fixed case's model and layout on another GPU: dry runs are remembered by their
+# arguments, so the draws cost only the depths the fixed case did not measure (pp = 5: 2 s).
+
+PP_DEPTHS = (1, 2, 4, 5)   # the first divisors of Llama 3 70B's 80 layers
+
+
+def _pp_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(answer=st.sampled_from(PP_DEPTHS), at=st.sampled_from((0.0, 0.5, 0.99))))
+
+
+def _pp_problem(case):
+    """(model, layout, seq, memory_bytes) at which the answer is ``case['answer']``: a budget ``at`` of
+    the way from the answer's measured total up to that of the depth before it (for pp = 1, up to
+    twice its total)."""
+    from ultrascale.exercise_tests.ch10 import PP_CASES, _measured
+    from ultrascale.parallel.compose import ParallelConfig as Layout
+
+    model, fields, seq, _ = PP_CASES[0]
+    layout = Layout(**fields)
+    i = PP_DEPTHS.index(case["answer"])
+    low = _measured(model, layout, seq, PP_DEPTHS[i]).total_bytes
+    high = 2 * low if i == 0 else _measured(model, layout, seq, PP_DEPTHS[i - 1]).total_bytes
+    return model, layout, seq, float(math.ceil(low + case["at"] * (high - low)))
+
+
+def _judge_pp(fn, case):
+    from ultrascale.exercise_tests.ch10 import check_smallest_pp
+
+    check_smallest_pp(fn, *_pp_problem(case))   # raises what is wrong
+    return None
+
+
+def _describe_pp(case):
+    *_, memory_bytes = _pp_problem(case)
+    return (f"Llama 3 70B, TP 8 with SP, DP 4 with ZeRO-1, 4096 tokens, on {memory_bytes / 1e9:.2f} GB: the smallest "
+            f"depth that fits is pp = {case['answer']}")
+
+
+PROPERTIES["10.smallest_pp"] = Property(_pp_cases, _judge_pp, _describe_pp, draws=(2, 8), examples=(
+    dict(answer=5, at=0.0), dict(answer=1, at=0.5)))
+
+
+# ---- a4.atomic_save (on ranks, in a scratch folder) ----------------------------------------------
+
+def _atomic_cases():
+    st = _st()
+    return st.fixed_dictionaries(dict(
+        split=st.sampled_from((0, 1)), step=st.sampled_from((0, 3, 99_999_999, 123_456_789)),
+        earlier=st.lists(st.integers(0, 50), max_size=2, unique=True), root_exists=st.booleans(),
+        shape=st.sampled_from(((), (0,), (5,), (2, 3, 1))),
+        dtype=st.sampled_from((torch.float32, torch.float64, torch.bfloat16))))
+
+
+def _judge_atomic(fn, case):
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from ultrascale.exercise_tests.cha4 import FINAL, SPLITS, _atomic_on_rank
+    from ultrascale.exercise_tests.cha4 import _judge_atomic as judge_directories
+
+    split, step = SPLITS[case["split"]], case["step"]
+    payload = dict(shape=case["shape"], dtype=case["dtype"])
+    scratch = Path(tempfile.mkdtemp(prefix="a4-atomic-drawn-"))
+    try:
+        root, flags = scratch / "root", scratch / "flags"
+        before = {}
+        for earlier in case["earlier"]:   # checkpoints an earlier run left: to be kept as they are
+            name = FINAL.format(earlier)
+            before[name] = ("rank0.pt", f"checkpoint of step {earlier}".encode())
+        for index in range(len(split.groups)):
+            (flags / f"group{index}").mkdir(parents=True)
+            if case["root_exists"] or before:
+                (root / f"group{index}").mkdir(parents=True)
+            for name, (inner, content) in before.items():
+                (root / f"group{index}" / name).mkdir()
+                (root / f"group{index}" / name / inner).write_bytes(content)
+        per_rank = split.run(_atomic_on_rank, fn, split, str(root), str(flags), step, payload, what="a4.atomic_save",
+                             timeout=60)
+        judge_directories(per_rank, split, root, flags, step, payload, before)   # raises what is wrong
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return None
+
+
+def _describe_atomic(case):
+    split = ("3 ranks cut into [0] and [1, 2]", "the 3 ranks together")[case["split"]]
+    root = (f"a root already holding the checkpoints of steps {case['earlier']}" if case["earlier"] else
+            "a root that exists, empty" if case["root_exists"] else "a root that does not exist yet")
+    return (f"step {case['step']} on {split}, {root}, each rank's tensor of shape {case['shape']} in "
+            f"{case['dtype']}")
+
+
+PROPERTIES["a4.atomic_save"] = Property(_atomic_cases, _judge_atomic, _describe_atomic, draws=(3, 12), examples=(
+    dict(split=0, step=12, earlier=[7], root_exists=True, shape=(), dtype=torch.bfloat16),
+    dict(split=1, step=0, earlier=[], root_exists=False, shape=(5,), dtype=torch.float32)))
