@@ -560,8 +560,8 @@ def _judge_step(s, n) -> str | None:
         return f"{where}: next_kv must be the received block, shaped like kv {tuple(s['next_block'].shape)}"
     if next_kv.dtype != s["next_block"].dtype:
         return (f"{where}: next_kv is {next_kv.dtype} where the blocks are {s['next_block'].dtype}: make the receive "
-                "buffer like kv (torch.empty_like(kv)), not with a dtype written down, which is right for one dtype "
-                "only")
+                "buffer in kv's own dtype, shape and device (as kv is), not with a dtype written down, which is right "
+                "for one dtype only")
     if next_kv.untyped_storage().data_ptr() == s["kv_storage"]:
         return (f"{where}: next_kv is kv itself. kv is being sent while the next block arrives: receive into a new "
                 "buffer shaped like kv, never into kv, or the send may carry the incoming bytes")
