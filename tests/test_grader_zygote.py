@@ -28,12 +28,15 @@ class _OnLoad:
         return self.call, self.args
 
 
-def _spec(tmp_path, name: str, objects, kwargs=None):
-    """A run's spec: one submission of 00.pipeline_stage_layers, with ``objects`` as what check() got."""
+def _spec(tmp_path, name: str, objects, kwargs=None, ranks=None):
+    """A run's spec: one submission of 00.pipeline_stage_layers, with ``objects`` as what check() got
+    (and, if ``ranks`` is given, the kernel's context saying whether it had ranks)."""
     folder = tmp_path / name
     folder.mkdir()
     submission = folder / "submission.pkl"
     submission.write_bytes(cloudpickle.dumps((objects, kwargs or {})))
+    if ranks is not None:
+        submission.with_suffix(".json").write_text(json.dumps({"environ": {}, "sys_path": [], "ranks": ranks}))
     spec, results = folder / "spec.json", folder / "verdicts.jsonl"
     spec.write_text(json.dumps({"results": str(results), "submissions": {"00.pipeline_stage_layers": str(submission)}}))
     return spec, results
@@ -94,3 +97,19 @@ def test_a_run_sees_its_folder_and_environment_and_one_that_kills_the_zygote_is_
     spec, _ = _spec(tmp_path, "after", (_OnLoad(exec, probe),))
     assert cli._run_forked(spec, spec.parent, env, limit=120) == "it exited with code 3: "   # a new zygote
     assert json.loads((tmp_path / "seen.json").read_text())["mark"] == "second"
+
+
+def test_a_run_for_a_kernel_that_had_ranks_gets_a_fork_server_forked_from_it(tmp_path):
+    """cli._fork_server_early: the ranks' fork server of a run whose notebook had ranks is a fork of
+    the run (the same command line: no second interpreter importing torch), started before the
+    first test; a run whose notebook had none starts no server."""
+    seen = tmp_path / "server.json"
+    probe = ("import json, os; from multiprocessing import forkserver; "
+             "pid = forkserver._forkserver._forkserver_pid; "
+             "line = lambda p: open(f'/proc/{p}/cmdline', 'rb').read(); "
+             f"json.dump(pid and line(pid) == line(os.getpid()), open({str(seen)!r}, 'w')); os._exit(3)")
+    env = {k: v for k, v in os.environ.items() if k not in ("ULTRASCALE_GRADE_FILE", "ULTRASCALE_GRADE_DEFER")}
+    for ranks, forked in ((True, True), (False, None)):
+        spec, _ = _spec(tmp_path, f"ranks-{ranks}", (_OnLoad(exec, probe),), ranks=ranks)
+        assert cli._run_forked(spec, spec.parent, env, limit=120) == "it exited with code 3: "
+        assert json.loads(seen.read_text()) is forked, ranks

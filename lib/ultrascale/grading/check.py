@@ -325,7 +325,7 @@ def _save_submission(exercise_id: str, objects: tuple, kwargs: dict) -> bool:
     if not path:
         return False
     target = submission_path(path, exercise_id)
-    context = {"environ": dict(os.environ), "sys_path": list(sys.path)}
+    context = {"environ": dict(os.environ), "sys_path": list(sys.path), "ranks": _has_ranks()}
     try:
         import cloudpickle
 
@@ -338,6 +338,16 @@ def _save_submission(exercise_id: str, objects: tuple, kwargs: dict) -> bool:
               f"({type(err).__name__}: {err}); the grader cannot test it again, so it will score 0")
         return False
     return True
+
+
+def _has_ranks() -> bool:
+    """Whether this kernel has a Cluster running: then the notebook's tests most likely start ranks
+    too, and the grader's run of them starts its fork server before they run (cli.regrade_main)."""
+    runtime = sys.modules.get("ultrascale.runtime")
+    try:
+        return runtime is not None and runtime.current_cluster() is not None
+    except RuntimeError:
+        return False
 
 
 def _write_whole(path: Path, data: bytes) -> None:
