@@ -151,6 +151,24 @@ def test_smallest_pp_refuses_the_formula_a_missing_state_and_a_wrong_depth(ch10)
     _fails(check("10.smallest_pp", lambda *a: None, quick=True), "returned None")
 
 
+def _scan_over(depths):
+    """A learner's scan over ``depths(layers)``, judging each depth by its dry run."""
+    def smallest_pp(model, layout, seq, memory_bytes):
+        return next((pp for pp in depths(model.layers) if _dry(model, layout, seq, pp).total_bytes <= memory_bytes),
+                    None)
+    return smallest_pp
+
+
+def test_smallest_pp_scans_that_pass_the_fixed_case_fail_on_a_drawn_budget():
+    """Issue 53: the property (exercise_tests.properties_last) draws budgets at which the answer is
+    5 (no power of two) or 1 (no pipeline), on this file's dry runs (remembered: pp = 8 is new)."""
+    drawn = "the fixed cases pass, but an input they do not cover fails"
+    powers = _scan_over(lambda layers: [2 ** i for i in range(layers.bit_length()) if layers % 2 ** i == 0])
+    _fails(check("10.smallest_pp", powers), drawn, "pp = 5", "Only powers of two were tried")
+    from_two = _scan_over(lambda layers: [d for d in range(2, layers + 1) if layers % d == 0])
+    _fails(check("10.smallest_pp", from_two), drawn, "pp = 1", "a smaller pp that divides the layers fits too")
+
+
 # ---- 10.step1 --------------------------------------------------------------------------
 
 def test_step1_refuses_wrong_thresholds_and_extras(ch10):

@@ -127,33 +127,6 @@ def test_an_overlap_that_keeps_only_the_gloo_all_reduces_fails_on_other_transfer
            "whatever it is called")
 
 
-# ---- 10.smallest_pp: every divisor is a depth, one included ---------------------------------------
-
-def _scan(depths):
-    def smallest_pp(model, layout, seq, memory_bytes):
-        import dataclasses
-
-        from ultrascale.dryrun import dryrun_extrapolated
-        for pp in depths(model.layers):
-            stage = dataclasses.replace(layout, pp=pp, microbatches=pp)
-            dry = dryrun_extrapolated(stage, model, 0, micro_batch=1, seq=seq, dtype=torch.bfloat16,
-                                      recompute="selective")
-            if dry.total_bytes <= memory_bytes:
-                return pp
-        return None
-    return smallest_pp
-
-
-def test_a_scan_over_powers_of_two_fails_where_five_stages_are_the_smallest_that_fit():
-    powers = _scan(lambda layers: [2 ** i for i in range(layers.bit_length()) if layers % 2 ** i == 0])
-    _fails(check("10.smallest_pp", powers), DRAWN, "pp = 5", "Only powers of two were tried")
-
-
-def test_a_scan_that_starts_at_two_stages_fails_where_no_pipeline_is_needed():
-    from_two = _scan(lambda layers: [d for d in range(2, layers + 1) if layers % d == 0])
-    _fails(check("10.smallest_pp", from_two), DRAWN, "pp = 1", "a smaller pp that divides the layers fits too")
-
-
 # ---- a4.atomic_save: a root that holds earlier checkpoints, or none yet ---------------------------
 
 def _atomic(clean_root=False, parents=True):

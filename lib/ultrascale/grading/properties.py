@@ -100,9 +100,10 @@ def run(exercise_id: str, prop: Property, fn: Callable, quick: bool = True) -> N
         holds()
     except _Failed as err:
         problem, case = err.args
-        raise AssertionError(
-            f"{exercise_id}: the fixed cases pass, but an input they do not cover fails (drawn by hypothesis, then "
-            f"shrunk to the smallest that still fails): {prop.describe(case)}. {problem}") from None
+        how = ("one of the edge cases always tried" if any(case == edge for edge in prop.examples) else
+               "drawn by hypothesis, then shrunk to the smallest that still fails")
+        raise AssertionError(f"{exercise_id}: the fixed cases pass, but an input they do not cover fails ({how}): "
+                             f"{prop.describe(case)}. {problem}") from None
 
 
 class _Failed(Exception):
