@@ -586,13 +586,21 @@ def _ring_on_rank(ctx, ring_step, seed, split):
         q, k, v = (_randn((2, 2, seq, 4), seed, 30 + i, n, device=ctx.device) for i in range(3))
         runs.append((causal, layout, *_run_ring(ring_step, group, ranks, q, k, v, causal, layout, r, n)))
     for causal, layout, steps, out, reference in runs:
-        what = f"{layout_text}, rank {ctx.rank}, {'causal' if causal else 'no mask'}, {layout} layout"
-        for s in steps:
-            problem = _judge_step(s, n)
-            if problem:
-                return f"{what}: {problem}"
-        if not _close(out, reference):
-            return f"{what}: after {n} steps out differs from attention over the whole sequence"
+        problem = ring_problem(steps, out, reference, n)
+        if problem:
+            return f"{layout_text}, rank {ctx.rank}, {'causal' if causal else 'no mask'}, {layout} layout: {problem}"
+    return None
+
+
+def ring_problem(steps, out, reference, n) -> str | None:
+    """What is wrong with a whole ring driven by the learner's step (``_run_ring``): its first wrong
+    step, else its result against attention over the whole sequence; None if nothing."""
+    for s in steps:
+        problem = _judge_step(s, n)
+        if problem:
+            return problem
+    if not _close(out, reference):
+        return f"after {n} steps out differs from attention over the whole sequence"
     return None
 
 

@@ -383,35 +383,42 @@ def _judge_transfers(op: str, r: int, p: int, tracker, got, group) -> str | None
 @exercise("07.stage_step", points=2)
 def test_stage_step(forward_step, backward_step, world_size: int = 4, quick: bool = True, seed: int = 0,
                     timeout: float = 60):
-    from ultrascale.parity import merge_ranks
-    from ultrascale.parity import assert_same
-    from ultrascale.runtime import CallTimeout, grading_cluster
-
     assert callable(forward_step) and callable(backward_step), "pass forward_step and backward_step"
     sizes = sorted({2, 3, world_size} if quick else {2, 3, 4, world_size})
     for p in sizes:
         for order, m in (("1F1B", p + 1), ("AFAB", 3)):
-            try:
-                results = grading_cluster(p).run(_stage_on_rank, forward_step, backward_step, order, m, seed,
-                                                timeout=timeout)
-            except CallTimeout as err:
-                raise AssertionError(f"{order}, p={p}, m={m}: the ranks waited for each other for {timeout:g} s and "
-                                     "were stopped. A receive nobody sends to (a missing send, or one to the wrong "
-                                     f"rank)? {str(err).splitlines()[0]}") from None
-            problems = [result["problem"] for result in results if "problem" in result]
-            if problems:
-                grading_cluster(p).restart()   # sends the others posted may have no receiver: a fresh group
-                first = next((text for text in problems if text), "a rank failed")
-                if first.startswith(NOT_IMPLEMENTED):
-                    raise NotImplementedError(first[len(NOT_IMPLEMENTED):])
-                raise AssertionError(first)
-            grads = merge_ranks([result["grads"] for result in results])
-            missing = sorted(name for name, g in grads.items() if g is None)
-            if missing:
-                raise AssertionError(f"{order}, p={p}, m={m}: no gradient for {missing[:3]}: did backward_step "
-                                     "run the stage's backward with the received gradient?")
-            assert_same(grads, _reference(p, m, seed), f"{order}, p={p}, m={m}: gradients against gradient "
-                        "accumulation in one process", optimizer=None, dtype=DT)
+            check_stages(forward_step, backward_step, p, order, m, seed, timeout)
+
+
+def check_stages(forward_step, backward_step, p: int, order: str, m: int, seed: int, timeout: float,
+                 hint: str = "") -> None:
+    """One pipeline of ``p`` stages run with the learner's steps on ranks, against gradient
+    accumulation in one process; raise what is wrong (``hint``: said after any message)."""
+    from ultrascale.parity import assert_same, merge_ranks
+    from ultrascale.runtime import CallTimeout, grading_cluster
+
+    where = f"{order}, p={p}, m={m}"
+    try:
+        results = grading_cluster(p).run(_stage_on_rank, forward_step, backward_step, order, m, seed,
+                                         timeout=timeout)
+    except CallTimeout as err:
+        raise AssertionError(f"{where}: the ranks waited for each other for {timeout:g} s and were stopped. A "
+                             "receive nobody sends to (a missing send, or one to the wrong rank, or to a rank that "
+                             f"does not exist)? {str(err).splitlines()[0]}.{hint}") from None
+    problems = [result["problem"] for result in results if "problem" in result]
+    if problems:
+        grading_cluster(p).restart()   # sends the others posted may have no receiver: a fresh group
+        first = next((text for text in problems if text), "a rank failed")
+        if first.startswith(NOT_IMPLEMENTED):
+            raise NotImplementedError(first[len(NOT_IMPLEMENTED):])
+        raise AssertionError(first + ("." if hint and not first.endswith(".") else "") + hint)
+    grads = merge_ranks([result["grads"] for result in results])
+    missing = sorted(name for name, g in grads.items() if g is None)
+    if missing:
+        raise AssertionError(f"{where}: no gradient for {missing[:3]}: did backward_step run the stage's backward "
+                             f"with the received gradient?{hint}")
+    assert_same(grads, _reference(p, m, seed), f"{where}: gradients against gradient accumulation in one process",
+                optimizer=None, dtype=DT)
 
 
 # ---- 07.split_backward ------------------------------------------------------------------

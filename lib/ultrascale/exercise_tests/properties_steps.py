@@ -444,35 +444,14 @@ def _stage_cases():
 
 
 def _judge_stage(functions, case):
-    from ultrascale.exercise_tests.ch07 import DT, NOT_IMPLEMENTED, _reference, _stage_on_rank
-    from ultrascale.parity import assert_same, merge_ranks
-    from ultrascale.runtime import CallTimeout, grading_cluster
+    from ultrascale.exercise_tests.ch07 import check_stages
 
-    forward_step, backward_step = functions
-    p, m, order = case["p"], case["m"], case["order"]
+    p = case["p"]
     one = (" With p=1 rank 0 is also the last rank: it receives nothing, sends nothing, and its stage returns the "
            "loss. Test each of the text's conditions by itself (rank > 0: receive; rank < p - 1: send the output; "
            "the last rank: output.backward(); rank > 0: send the input's gradient), not first / middle / last "
            "branches") if p == 1 else ""
-    try:
-        results = grading_cluster(p).run(_stage_on_rank, forward_step, backward_step, order, m, case["seed"],
-                                         timeout=TIMEOUT)
-    except CallTimeout as err:
-        return (f"the ranks waited for each other for {TIMEOUT:g} s and were stopped: a receive nobody sends to, or a "
-                f"send to a rank that does not exist? {str(err).splitlines()[0]}.{one}")
-    problems = [out["problem"] for out in results if "problem" in out]
-    if problems:
-        grading_cluster(p).restart()   # sends the others posted may have no receiver: a fresh group
-        first = next((text for text in problems if text), "a rank failed")
-        if first.startswith(NOT_IMPLEMENTED):
-            raise NotImplementedError(first[len(NOT_IMPLEMENTED):])
-        return first + ("." if one and not first.endswith(".") else "") + one
-    grads = merge_ranks([out["grads"] for out in results])
-    missing = sorted(name for name, g in grads.items() if g is None)
-    if missing:
-        return f"no gradient for {missing[:3]}: did backward_step run the stage's backward?{one}"
-    assert_same(grads, _reference(p, m, case["seed"]), "the gradients against gradient accumulation in one process",
-                optimizer=None, dtype=DT)
+    check_stages(*functions, p, case["order"], case["m"], case["seed"], TIMEOUT, hint=one)   # raises what is wrong
     return None
 
 
