@@ -310,15 +310,18 @@ class Learner:
             raise AssertionError(f"{what}: the widget's plot did not change ({error})") from None
 
     def settled_image(self, index: int, quiet: float = 1.0, timeout: float = 30) -> str:
-        """The digest of cell ``index``'s widget image once it has stayed the same for ``quiet``
-        seconds: a change can bring more than one redraw (``expect_redraw`` returns at the first),
-        and an image read between them is not the one the widget ends with."""
+        """The digest of cell ``index``'s widget image once the kernel is idle and the image has
+        stayed the same for ``quiet`` seconds since: a change can bring more than one redraw
+        (``expect_redraw`` returns at the first), and an image read between them is not the one the
+        widget ends with. Quiet alone is not enough on a loaded machine, where a callback still
+        running can take longer than ``quiet`` to send its next image; the kernel reports idle only
+        after its last message."""
         last, since = self.widget_image(index), time.monotonic()
 
         def settled():
             nonlocal last, since
             digest = self.widget_image(index)
-            if digest != last:
+            if digest != last or self.kernel_status() != "idle":
                 last, since = digest, time.monotonic()
             return digest if time.monotonic() - since >= quiet else None
 
