@@ -291,10 +291,9 @@ def test_matmul_tile(matmul_tile_kernel, quick: bool = True, seed: int = 0):
         check_matmul(matmul_tile_kernel, a, b, (bm, bn, bk), column_major)
 
 
-def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: tuple, column_major: str = "",
-                 c_dtype=torch.float32) -> None:
-    """Launch the kernel on ``a @ b`` into a ``c_dtype`` C, with tiles ``blocks`` (BLOCK_M, BLOCK_N,
-    BLOCK_K) and the operands named in ``column_major`` stored so; raise what is wrong."""
+def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: tuple, column_major: str = "") -> None:
+    """Launch the kernel on ``a @ b`` into a float32 C, with tiles ``blocks`` (BLOCK_M, BLOCK_N, BLOCK_K)
+    and the operands named in ``column_major`` stored so; raise what is wrong."""
     import triton
 
     (M, K), N, (bm, bn, bk) = a.shape, b.shape[1], blocks
@@ -303,8 +302,7 @@ def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: t
     # stride_am = 1 and stride_ak = M + 3; likewise B and C.
     _, _, a_view = _operand(a, 2, 3, "A" in column_major, float("nan"))
     _, _, b_view = _operand(b, 4, 1, "B" in column_major, float("nan"))
-    c_buf, c_stored, c = _operand(torch.zeros(M, N, dtype=c_dtype, device=a.device), 2, 2, "C" in column_major,
-                                  SENTINEL)
+    c_buf, c_stored, c = _operand(torch.zeros(M, N, device=a.device), 2, 2, "C" in column_major, SENTINEL)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     _launch(matmul_tile_kernel, grid, a_view, b_view, c, M, N, K,
             a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.stride(0), c.stride(1),
@@ -312,13 +310,14 @@ def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: t
     where = (f"({M} x {K}) @ ({K} x {N}), tiles {bm} x {bn} x {bk}, grid {grid}"
              + (f", {' and '.join(column_major)} column-major (strides {a_view.stride()}, {b_view.stride()}, "
                 f"{c.stride()})" if column_major else "")
-             + (f", A and B in {a.dtype}, C in {c_dtype}" if (a.dtype, c_dtype) != (torch.float32,) * 2 else ""))
+             + (f", A and B in {a.dtype}, C in float32" if a.dtype != torch.float32 else ""))
     if not (_outside(c_buf, c_stored) == SENTINEL).all():
         raise AssertionError(f"{where}: the kernel wrote outside C. Mask the store with (rows < M) & (cols < N)"
                              + (", and address C with both strides passed in: stride_cn is not 1 when C is "
                                 "column-major" if "C" in column_major else "") + ".")
-    rounded = a.dtype != torch.float32 and not torch.isfinite(_rounded_per_block(a, b, bk)).all()
-    if not torch.isfinite(c).all() and rounded:
+    # what a kernel gives that rounds each BLOCK_K's product to the operands' dtype (None: float32 operands)
+    rounded = _rounded_per_block(a, b, bk) if a.dtype != torch.float32 else None
+    if not torch.isfinite(c).all() and rounded is not None and not torch.isfinite(rounded).all():
         raise AssertionError(f"{where}: C has inf or NaN, as it has when each BLOCK_K's product is rounded to "
                              f"{a.dtype} before it is added: {a.dtype} ends at {torch.finfo(a.dtype).max:,.0f}. "
                              f"{_KEEP_FLOAT32}")
@@ -329,16 +328,16 @@ def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: t
                              "B tile with k < K and cols < N, with other=0."
                              + (" Use the strides passed in for every operand: with a column-major operand its "
                                 "column stride is not 1" if column_major else ""))
-    close = _matmul_close(a, b, c, tiled_at=bk)
-    if not close(c, a.double() @ b.double()):
-        err = (c.double() - a.double() @ b.double()).abs().max().item()
+    close, want = _matmul_close(a, b, c), a.double() @ b.double()
+    if not close(c, want):
+        err = (c.double() - want).abs().max().item()
         hint = ""
         tile = (slice(0, min(bm, M)), slice(0, min(bn, N)))
-        if close(c[tile], (a.double() @ b.double())[tile], tile):
+        if close(c[tile], want[tile], tile):
             hint = " Tile (0, 0) is right: use the program ids (axis 0 for rows, axis 1 for columns)."
         elif K > bk and close(c, a[:, :bk].double() @ b[:bk].double()):
             hint = " Only the first BLOCK_K of K was used: loop over K, advancing the pointers by BLOCK_K."
-        elif a.dtype != torch.float32 and close(c, _rounded_per_block(a, b, bk)):
+        elif rounded is not None and close(c, rounded):
             hint = f" Each BLOCK_K's product was rounded to {a.dtype} before it was added. {_KEEP_FLOAT32}"
         elif column_major or b_view.stride(0) != N:
             hint = " Use the strides passed in, not the matrix sizes, to address rows and columns."
@@ -349,7 +348,7 @@ _KEEP_FLOAT32 = ("Keep tl.dot's result and the accumulator in float32 (acc = tl.
                  "acc += tl.dot(a, b)), whatever the operands' dtype.")
 
 
-def _matmul_close(a, b, c, tiled_at: int):
+def _matmul_close(a, b, c):
     """``close(got, want[, tile])``: whether ``got`` is ``want`` up to the rounding a right kernel makes.
     Under the interpreter tl.dot is an exact float32 product and C holds the float32 sums rounded to
     its dtype: within K float32 ulps of the sum of magnitudes, plus one ulp of C's dtype. On a GPU,

@@ -314,7 +314,7 @@ from ultrascale.exercise_tests.properties_checkpoints import PROPERTIES as _CHEC
 
 PROPERTIES.update(_CHECKPOINTS)
 
-# Those of the two Triton kernels, the ring step and the overlap of a trace.
+# Those of the two Triton kernels, the ring step, a trace's overlap, the smallest pipeline and the atomic save.
 from ultrascale.exercise_tests.properties_last import PROPERTIES as _LAST  # noqa: E402
 
 PROPERTIES.update(_LAST)

@@ -341,13 +341,17 @@ def _save_submission(exercise_id: str, objects: tuple, kwargs: dict) -> bool:
 
 
 def _has_ranks() -> bool:
-    """Whether this kernel has a Cluster running: then the notebook's tests most likely start ranks
-    too, and the grader's run of them starts its fork server before they run (cli.regrade_main)."""
+    """Whether this kernel has made a Cluster (``current_cluster``, running or since closed): then the
+    notebook's tests most likely start ranks too, and the grader's run of them starts its fork server
+    before they run (cli.regrade_main)."""
     runtime = sys.modules.get("ultrascale.runtime")
+    if runtime is None:
+        return False
     try:
-        return runtime is not None and runtime.current_cluster() is not None
+        runtime.current_cluster()   # raises when none runs
     except RuntimeError:
         return False
+    return True
 
 
 def _write_whole(path: Path, data: bytes) -> None:
