@@ -195,6 +195,13 @@ print(f"ZeRO-1 on {WORLD_SIZE} ranks -> ZeRO-3 on {RESUME_SIZE}: every weight an
 # `optim.state.<name>.exp_avg`, ...), so the same files load into `fully_shard`. For FSDP2 the
 # course writes nothing of its own: `get_state_dict` hands out DTensors, DCP fills them,
 # `set_state_dict` puts them back.
+#
+# Every layout the course trains saves under these keys, each rank writing only its own boxes: a
+# TP shard is one box of its weight, a pipeline stage names its blocks as the whole model does, an
+# expert-parallel rank saves its experts under their global numbers, and ZeRO inside a composition
+# (chapter 09) cuts TP's shards into runs. `tests/test_checkpoint.py` resumes each of them on
+# another layout, among them dp 2 x tp 2 with the experts over the data ranks and ZeRO-1, as
+# ZeRO-3 on 3 ranks.
 
 # %%
 def train_fsdp2_and_save(ctx, root, steps, resume_from):

@@ -27,6 +27,7 @@ from ultrascale.checkpoint.failures import daly_interval, simulate_run, young_in
 from ultrascale.checkpoint.pieces import flat_boxes
 from ultrascale.model import GPT, GPTConfig
 from ultrascale.parallel import NaiveDataParallel, ZeRO
+from ultrascale.parallel.compose import ParallelConfig, apply_parallelisms, build_mesh, data_index
 from ultrascale.parallel.pipeline_parallel import apply_pp
 from ultrascale.parallel.tensor_parallel import apply_tp
 from ultrascale.parity import device_mesh_1d, fsdp2
@@ -37,13 +38,17 @@ from ultrascale.train import run_steps
 pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
 
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)   # a block: 12,704, not a multiple of 3
+MOE = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16, experts=4, top_k=2)   # 4 experts a block
+# compositions (parallel.compose) on 4 ranks: ZeRO-1 over TP's shards; experts and pipeline stages under ZeRO-1
+TP_ZERO1 = ParallelConfig(dp=2, tp=2, zero=1, optimizer="adam")
+EP_PP_ZERO1 = ParallelConfig(ep=2, pp=2, zero=1, optimizer="adam", microbatches=2)   # ep borrows the data ranks
 GLOBAL_BATCH = 12          # samples per step: splits over 1, 2, 3 and 4 data-parallel ranks
 TOL = 1e-10
 
 
-def fresh_model(device=None):
+def fresh_model(device=None, cfg=CFG):
     torch.manual_seed(0)
-    return GPT(CFG).double().to(device)
+    return GPT(cfg).double().to(device)
 
 
 def adam(params):
@@ -51,12 +56,17 @@ def adam(params):
 
 
 # --------------------------------------------------------------------------- on the ranks
-def build(ctx, layout: str, stage: int = 1):
+def build(ctx, layout: str, stage: int = 1, cfg=CFG):
     """(model, optimizer, its forward, its after-backward hook, the loader) for one layout."""
-    model = fresh_model(ctx.device)
+    model = fresh_model(ctx.device, cfg)
     if layout == "zero":
         opt = ZeRO(model, stage=stage, optimizer_cls=torch.optim.Adam, lr=1e-3)
-        return model, opt, None, None, SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank, ctx.world_size, ctx.device)
+        return model, opt, None, None, SampleLoader(cfg, GLOBAL_BATCH, 0, ctx.rank, ctx.world_size, ctx.device)
+    if isinstance(layout, ParallelConfig):   # parallel.compose: TP, EP, PP, then ZeRO over each one's data ranks
+        mesh = build_mesh(ctx, layout)
+        par = apply_parallelisms(model, mesh, layout)
+        return par.module, par.optimizer, None, None, SampleLoader(cfg, GLOBAL_BATCH, 0, *data_index(mesh, ctx.rank),
+                                                                   ctx.device)
     if layout == "fsdp2":      # PyTorch's own: fully_shard each block, then the root (ZeRO-3's units)
         model = fsdp2(model, device_mesh_1d(ctx))
         return model, adam(model.parameters()), None, None, SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank,
@@ -73,12 +83,12 @@ def build(ctx, layout: str, stage: int = 1):
 
 
 def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every=None, kill=None,
-                   in_background=False):
+                   in_background=False, cfg=CFG):
     """Resume from the newest checkpoint under ``resume_from`` (if any), train ``steps`` more,
     saving under ``root`` every ``save_every`` steps and at the end. ``kill``: (rank, step,
     "step" or "save"): that rank SIGKILLs itself in the middle of that step, or of its save.
     ``in_background``: each save is written while the next step trains (``save_checkpoint_async``)."""
-    model, opt, module, after, loader = build(ctx, layout, stage)
+    model, opt, module, after, loader = build(ctx, layout, stage, cfg)
     done, resumed = 0, None
     path = latest_checkpoint(resume_from) if resume_from else None
     if path is not None:
@@ -95,7 +105,7 @@ def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every
             batch = loader.next_batch()
             batch.loss(model if module is None else module)   # a forward, then the process is gone
             die()
-        if layout == "pp":
+        if layout == "pp" or getattr(layout, "pp", 1) > 1:   # the pipeline splits the batch into micro-batches
             model.step(loader.next_batch())
             opt.step()
             opt.zero_grad()
@@ -117,17 +127,18 @@ def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every
 # --------------------------------------------------------------------------- the reference
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """``reference(steps)``: one process, the whole global batch each step, its checkpoint after
-    ``steps`` steps read whole (made once per number of steps for the whole file)."""
+    """``reference(steps, cfg)``: one process, the whole global batch each step, its checkpoint
+    after ``steps`` steps read whole (made once per model and number of steps for the whole file)."""
     folder, made = tmp_path_factory.mktemp("reference"), {}
 
-    def checkpoint(steps: int) -> dict:
-        if steps not in made:
-            model = fresh_model()
-            opt, loader = adam(model.parameters()), SampleLoader(CFG, GLOBAL_BATCH)
+    def checkpoint(steps: int, cfg=CFG) -> dict:
+        if (steps, cfg) not in made:
+            model = fresh_model(cfg=cfg)
+            opt, loader = adam(model.parameters()), SampleLoader(cfg, GLOBAL_BATCH)
             run_steps(model, loader, steps, opt)
-            made[steps] = read_whole(save_checkpoint(folder, steps, model, opt, loader=loader), folder)
-        return made[steps]
+            made[steps, cfg] = read_whole(save_checkpoint(folder / f"{len(made)}", steps, model, opt, loader=loader),
+                                          folder)
+        return made[steps, cfg]
     return checkpoint
 
 
@@ -164,18 +175,23 @@ def test_a_flat_run_of_a_tensor_is_cut_into_boxes_that_hold_exactly_it():
                 assert len(boxes) <= 2 * len(shape) - 1   # a partial row, whole rows, a partial row, per level
 
 
-def test_zero1_on_4_ranks_resumes_as_zero3_on_3(tmp_path, reference):
-    """The issue's reshard: stage, world size and padding all change (Ψ is not a multiple of 3)."""
+def test_dp2_x_tp2_with_zero1_on_4_ranks_resumes_as_zero3_on_3(tmp_path, reference):
+    """The issue's reshard: a composition whose ZeRO-1 flattens TP's shards (each run of a
+    shard placed in its global weight) into ZeRO-3 on 3 ranks. Layout, stage, world size and
+    padding all change (Ψ is not a multiple of 3)."""
     want = reference(4)
-    shared_cluster(4).run(train_and_save, tmp_path / "zero1", "zero", 1, 2)
+    shared_cluster(4).run(train_and_save, tmp_path / "zero1", TP_ZERO1, 1, 2)
     resumed = shared_cluster(3).run(train_and_save, tmp_path / "zero3", "zero", 3, 2, tmp_path / "zero1")
     # the loader resumes at the sample the 4 ranks would have read next: rank r's first row is
     # sample 24 + 4 r (12 samples a step over 3 ranks), as an uninterrupted 3-rank loader's
     for rank, r in enumerate(resumed):
         assert (r["step"], r["next_sample"]) == (2, 2 * GLOBAL_BATCH)
         assert torch.equal(r["first_row"], SampleLoader(CFG, GLOBAL_BATCH).sample(24 + 4 * rank))
+    # each rank saved only its runs of its tp shards: the 4 ranks' boxes make the whole model
+    saved = read_whole(latest_checkpoint(tmp_path / "zero1"), tmp_path)
+    assert_same_training_state(saved, reference(2), "dp 2 x tp 2 + ZeRO-1")
     got = read_whole(latest_checkpoint(tmp_path / "zero3"), tmp_path)
-    assert_same_training_state(got, want, "ZeRO-1 x4 -> ZeRO-3 x3")
+    assert_same_training_state(got, want, "dp 2 x tp 2 + ZeRO-1 x4 -> ZeRO-3 x3")
 
 
 def test_tensor_parallel_resumes_as_plain_data_parallel_saving_in_the_background(tmp_path, reference):
@@ -198,6 +214,19 @@ def test_pipeline_stages_resume_as_zero2(tmp_path, reference):
     cluster.run(train_and_save, tmp_path / "pp", "pp", 0, 2)
     cluster.run(train_and_save, tmp_path / "zero2", "zero", 2, 2, tmp_path / "pp")
     assert_same_training_state(read_whole(latest_checkpoint(tmp_path / "zero2"), tmp_path), want, "pp 2 -> ZeRO-2 x2")
+
+
+def test_experts_and_pipeline_stages_under_zero1_resume_as_zero2_on_2(tmp_path, reference):
+    """A mixture-of-experts model (4 experts a block) as ep 2 x pp 2 with ZeRO-1 on 4 ranks: each
+    rank holds 2 experts of one stage's blocks under their global names, and ZeRO-1 shards the
+    dense and the expert parameters over their own groups (the tied embedding is one of the first
+    stage's units and one of the last's). ZeRO-2 on 2 ranks reads every expert back whole."""
+    shared_cluster(4).run(train_and_save, tmp_path / "ep_pp", EP_PP_ZERO1, 1, 2, cfg=MOE)
+    assert_same_training_state(read_whole(latest_checkpoint(tmp_path / "ep_pp"), tmp_path), reference(2, MOE),
+                               "ep 2 x pp 2 + ZeRO-1")
+    shared_cluster(2).run(train_and_save, tmp_path / "zero2", "zero", 2, 2, tmp_path / "ep_pp", cfg=MOE)
+    assert_same_training_state(read_whole(latest_checkpoint(tmp_path / "zero2"), tmp_path), reference(4, MOE),
+                               "ep 2 x pp 2 + ZeRO-1 x4 -> ZeRO-2 x2")
 
 
 @pytest.mark.parametrize("first, then", [("zero", "fsdp2"), ("fsdp2", "zero")])

@@ -9,7 +9,10 @@ flattens them, so a checkpoint of ours and one of FSDP2 are the same files.
 * :func:`zero_state`: ZeRO-1/2/3 (``parallel/zero.py``). The truth is the master shard of each
   flat unit and the optimizer state of its pieces; each parameter's part of them becomes
   :class:`~ultrascale.checkpoint.pieces.Pieces` (the padding after a unit's last parameter is
-  left out: it belongs to no parameter, and another world size pads differently).
+  left out: it belongs to no parameter, and another world size pads differently). Inside a
+  composition (``parallel/compose.py``) ZeRO may flatten a tensor-parallel shard, or a pipeline
+  stage's blocks: each run is then placed in the global tensor by its shard's position, under
+  the whole model's name. A composition's ZeROs (dense and experts) each give their own part.
 * :func:`module_state`: a model trained by a plain torch optimizer on its own parameters:
   replicated (plain DP) or tensor-parallel (a parameter carrying ``tp_shard_dim`` is that
   rank's slice along that dimension; its global shape is tp times as large there), or a
@@ -73,15 +76,12 @@ def zero_state(zero, model, for_load: bool = False):
     """ZeRO's state as global tensors: each parameter's part of the master shard, and of the
     optimizer state of the piece that holds it. ``for_load``: step counts as separate tensors
     per parameter (a piece's parameters may have been saved with different counts)."""
-    names = {p: n for n, p in model.named_parameters()}
-    if any(hasattr(p, "tp_shard_dim") for p in names):
-        raise NotImplementedError("this ZeRO flattens tensor-parallel shards (a composition, parallel/compose.py): "
-                                  "their global shapes are not recorded yet, so their checkpoint would not "
-                                  "reshard; save ZeRO over whole parameters, or TP with a plain optimizer")
+    names = global_names(model)
     state, where = {}, {}
     for name, p, unit, start, stop, at in _parameter_runs(zero, names):
         run = unit.master[at:at + stop - start]
-        state[MODEL + name] = Pieces.of_flat_run(p.shape, start, stop, run)
+        # a tensor-parallel shard's run, placed in the global tensor (compose: ZeRO after TP)
+        state[MODEL + name] = Pieces.of_flat_run(p.shape, start, stop, run, *_shard_of(p))
         where[name] = (unit, p, start, stop, at)
     steps = {}
     for piece in zero.pieces:
@@ -95,7 +95,7 @@ def zero_state(zero, model, for_load: bool = False):
             for key, value in saved.items():
                 if _is_elementwise(value, piece.tensor):
                     state[f"{STATE}{name}.{key}"] = Pieces.of_flat_run(p.shape, start, stop,
-                                                                        value[lo:lo + stop - start])
+                                                                        value[lo:lo + stop - start], *_shard_of(p))
                 elif torch.is_tensor(value):
                     state[f"{STATE}{name}.{key}"] = value.clone() if for_load else value
                     steps.setdefault(piece, []).append((name, key))
@@ -130,7 +130,7 @@ def load_zero_state(zero, model, present) -> tuple:
     init_optimizer_state(zero.optimizer, [piece.tensor for piece in zero.pieces])
     state, finish = zero_state(zero, model, for_load=True)
     _require_weights(state, present)
-    names = {p: n for n, p in model.named_parameters()}
+    names = global_names(model)
     _drop_state_not_saved(zero.optimizer, {piece.tensor: [f"{STATE}{names[piece.unit.params[i]]}." for i in piece.index]
                                            for piece in zero.pieces}, present)
     return {k: v for k, v in state.items() if k in present}, finish

@@ -60,6 +60,19 @@ def flat_boxes(shape, start: int, stop: int) -> list[tuple[tuple, tuple]]:
             + flat_boxes(shape, tail_start, stop))
 
 
+def _moved(offsets: tuple, dim: int | None, by: int) -> tuple:
+    """``offsets`` moved by ``by`` along ``dim`` (unchanged when dim is None)."""
+    return offsets if dim is None else offsets[:dim] + (offsets[dim] + by,) + offsets[dim + 1:]
+
+
+def _grown(shape, dim: int | None, count: int) -> torch.Size:
+    """The global shape of ``count`` shards of ``shape`` laid side by side along ``dim``."""
+    shape = list(shape)
+    if dim is not None:
+        shape[dim] *= count
+    return torch.Size(shape)
+
+
 class Pieces:
     """A global tensor of ``shape`` of which this rank holds ``boxes`` (possibly none).
 
@@ -70,22 +83,25 @@ class Pieces:
         self.shape, self.dtype, self.boxes = torch.Size(shape), dtype, boxes
 
     @classmethod
-    def of_flat_run(cls, shape, start: int, stop: int, run: torch.Tensor) -> "Pieces":
-        """Elements ``start:stop`` of the flattened global tensor, held in the 1-D ``run``."""
+    def of_flat_run(cls, shape, start: int, stop: int, run: torch.Tensor,
+                    dim: int | None = None, index: int = 0, count: int = 1) -> "Pieces":
+        """Elements ``start:stop`` of a flattened tensor of ``shape``, held in the 1-D ``run``.
+        That tensor is the global one, or (``dim`` not None) shard ``index`` of ``count`` equal
+        ones along ``dim``: ZeRO over tensor-parallel shards flattens the shard, so its boxes are
+        cut in the shard and then moved to where the shard sits in the global tensor."""
         boxes, at = [], 0
         for offsets, sizes in flat_boxes(shape, start, stop):
             n = math.prod(sizes)
-            boxes.append(Box(offsets, sizes, run[at:at + n].view(sizes)))
+            boxes.append(Box(_moved(offsets, dim, shape[dim] * index if dim is not None else 0), sizes,
+                             run[at:at + n].view(sizes)))
             at += n
-        return cls(shape, run.dtype, boxes)
+        return cls(_grown(shape, dim, count), run.dtype, boxes)
 
     @classmethod
     def of_shard(cls, local: torch.Tensor, dim: int | None, index: int, count: int) -> "Pieces":
         """A shard along ``dim`` (``index`` of ``count`` equal ones), or the whole tensor (dim None)."""
-        shape, offsets = list(local.shape), [0] * local.dim()
-        if dim is not None:
-            shape[dim], offsets[dim] = local.shape[dim] * count, local.shape[dim] * index
-        return cls(shape, local.dtype, [Box(tuple(offsets), tuple(local.shape), local.detach())])
+        offsets = _moved((0,) * local.dim(), dim, local.shape[dim] * index if dim is not None else 0)
+        return cls(_grown(local.shape, dim, count), local.dtype, [Box(offsets, tuple(local.shape), local.detach())])
 
     def size(self) -> torch.Size:   # DCP compares it with the saved global size on load
         return self.shape

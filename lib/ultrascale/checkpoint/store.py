@@ -5,8 +5,9 @@
 
 A checkpoint is one DCP directory holding each layout's global tensors (``layouts.py``),
 the step, the data loader's position (in samples, so another world size resumes at the same
-sample) and every rank's random-number state. ``optimizer`` is a ZeRO, or the torch optimizer
-of a replicated, tensor-parallel or FSDP2 model; the layout that loads need not be the one
+sample) and every rank's random-number state. ``optimizer`` is a ZeRO, a composition's ZeROs
+(``parallel.compose``: pass ``par.module`` and ``par.optimizer``), or the torch optimizer of a
+replicated, tensor-parallel, expert-parallel, pipelined or FSDP2 model; the layout that loads need not be the one
 that saved: DCP reads each rank's boxes of the global tensors from whichever chunks hold them.
 
 **Atomic.** DCP writes into ``step-NNNNNNNN.partial``; only when every rank's files and
@@ -32,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..parallel.compose_zero import ComposedZeRO
 from ..parallel.zero import ZeRO
 from .layouts import load_module_state, load_zero_state, module_state, zero_state
 from .pieces import Box, Pieces, PiecesLoadPlanner, PiecesSavePlanner
@@ -54,6 +56,8 @@ def _training_state(model, optimizer, for_load: bool = False):
     """(the layout's dict of global tensors, what to run after a load fills it)."""
     if isinstance(optimizer, ZeRO):
         return zero_state(optimizer, model, for_load)
+    if isinstance(optimizer, ComposedZeRO):
+        return _each_zero(zero_state, optimizer, model, for_load)
     if _is_fsdp2(model):
         return _fsdp2_flat(model, *get_state_dict(model, optimizer)), None
     return module_state(model, optimizer, for_load)
@@ -211,9 +215,26 @@ def load_checkpoint(path, model, optimizer, *, loader=None, group=None) -> dict:
 def _state_to_load(model, optimizer, present):
     if isinstance(optimizer, ZeRO):
         return load_zero_state(optimizer, model, present)
+    if isinstance(optimizer, ComposedZeRO):
+        return _each_zero(load_zero_state, optimizer, model, present)
     if _is_fsdp2(model):
         return _fsdp2_state_to_load(model, optimizer, present)
     return load_module_state(model, optimizer, present)
+
+
+def _each_zero(state_of, composed, model, *args) -> tuple:
+    """A composition's ZeROs (``parallel.compose_zero``: the dense parameters' and the experts',
+    over their own groups) hold different parameters: their dicts side by side, finished in turn."""
+    state, finishes = {}, []
+    for zero in composed.zeros:
+        part, finish = state_of(zero, model, *args)
+        state.update(part)
+        finishes.append(finish)
+
+    def finish(loaded: dict) -> None:
+        for each in finishes:
+            each(loaded)
+    return state, finish
 
 
 def _fsdp2_flat(model, model_state, optim_state) -> dict:
