@@ -157,10 +157,16 @@ for _notebook in sorted((REPO / "solutions").glob("*_exercises.ipynb")):
 # notebooks at a time fill both cores, nothing waits.
 # (A scheduler of our own rather than xdist's ``--dist loadgroup``: that one renames the tests'
 # node ids, which pytest 9.2 no longer lets a plugin do, so its groups are silently ignored.)
+# After those, the units that mostly wait (WAITING: one test at a time they keep the 2 cores
+# under 1.1 busy on average; tests/cpu_report.py measures it) are spread evenly among the busy
+# ones, so that the two workers rarely wait at once: run one after another on one worker beside
+# the browser tests, they left a sixth of the cores idle for two minutes.
 SHARED_SESSION = {"tests/test_grading.py": "graded_course", "tests/test_run_all.py": "graded_course"}
 EACH_TEST_ALONE = {"tests/test_benchmarks.py"}
 LONGEST_FIRST = ["tests/test_grader_sandbox.py", "graded_course", "tests/test_notebooks.py",
                  "tests/test_browser.py", "tests/test_runtime_stops.py"]
+WAITING = {"tests/test_batch.py", "tests/test_runtime.py", "tests/test_workspace.py", "tests/test_slurm.py",
+           "tests/test_grader_forgery.py", "tests/test_grader_zygote.py", "chapters/07_pipeline_parallelism.ipynb"}
 
 
 def unit_of(nodeid: str) -> str:
@@ -171,12 +177,27 @@ def unit_of(nodeid: str) -> str:
     return SHARED_SESSION.get(path, path)
 
 
+def _waits(unit: str) -> bool:
+    return unit in WAITING or unit.startswith("tests/test_benchmarks.py::")   # a benchmark times things
+
+
+def unit_order(units: list) -> list:
+    """LONGEST_FIRST's units first; then the others in the order given, the waiting ones spread
+    evenly among the busy ones (a busy one first)."""
+    first = [u for u in LONGEST_FIRST if u in units]
+    waiting = [u for u in units if u not in first and _waits(u)]
+    busy = [u for u in units if u not in first and not _waits(u)]
+    order = list(busy)
+    for i, unit in enumerate(waiting):   # after the busy unit (i + 1) / (len(waiting) + 1) of the way
+        order.insert(round((i + 1) * len(busy) / (len(waiting) + 1)) + i, unit)
+    return first + order
+
+
 def pytest_collection_modifyitems(config, items):
-    """Longest units first (a stable sort: within a rank, the collection order)."""
-    def rank(item):
-        unit = unit_of(item.nodeid)
-        return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
-    items.sort(key=rank)
+    """Units in ``unit_order`` (a stable sort: within a unit, the collection order)."""
+    units = list(dict.fromkeys(unit_of(item.nodeid) for item in items))
+    rank = {unit: i for i, unit in enumerate(unit_order(units))}
+    items.sort(key=lambda item: rank[unit_of(item.nodeid)])
 
 
 @pytest.hookimpl(optionalhook=True)   # only with pytest-xdist (-n)
