@@ -20,6 +20,7 @@ hidden/heads features) over a sequence of ``--seq`` tokens split across ``--worl
 
 ``--quick``: a 1024-token sequence and fewer steps (for CI).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -83,31 +84,43 @@ def compute_seconds(ctx, layout, shape, warmup, steps):
 
 def main():
     parser = model_arguments(__doc__, seq=4096, hidden=512, heads=8, mbs=1, warmup=1, steps=3, rounds=3)
-    parser.add_argument("--layout-steps", type=int, default=8,
-                        help="steps whose least CPU time is each rank's compute: one rank's CPU time for the same "
-                             "work moved between 0.56 and 0.86 s from step to step (4 ranks, 2 cores), and the "
-                             "least of 3 steps still left zig-zag's equal ranks anywhere in 1.04-1.27x")
+    parser.add_argument(
+        "--layout-steps",
+        type=int,
+        default=8,
+        help="steps whose least CPU time is each rank's compute: one rank's CPU time for the same "
+        "work moved between 0.56 and 0.86 s from step to step (4 ranks, 2 cores), and the "
+        "least of 3 steps still left zig-zag's equal ranks anywhere in 1.04-1.27x",
+    )
     parser.add_argument("--quick", action="store_true", help="a 1024-token sequence and fewer steps")
     args = parser.parse_args()
     if args.quick:
         args.seq, args.steps, args.rounds, args.layout_steps = 1024, 2, 2, 3
     n, head_dim = args.world_size, args.hidden // args.heads
     shape = (args.mbs, args.heads, args.seq, head_dim)
-    print(f"causal attention, batch {args.mbs}, {args.heads} heads of {head_dim}, sequence {args.seq} "
-          f"({args.seq // n} tokens per rank), float32, forward + backward; torch {torch.__version__}")
+    print(
+        f"causal attention, batch {args.mbs}, {args.heads} heads of {head_dim}, sequence {args.seq} "
+        f"({args.seq // n} tokens per rank), float32, forward + backward; torch {torch.__version__}"
+    )
 
     with Cluster(n) as cluster:
         print(f"cp={n} ranks, backend {cluster.backend}, {cluster.threads} thread(s) per rank\n")
         t = measure(cluster, list(KINDS), args.rounds, time_steps, shape, args.warmup, args.steps)
         peak = {kind: max(cluster.run(peak_buffers, kind, shape)) for kind in KINDS}
-        model = {kind: cp_kv_buffer_bytes(args.mbs, args.heads, args.seq, head_dim, n, kind, backward=True,
-                                          bytes_per_element=4) for kind in KINDS}
+        model = {
+            kind: cp_kv_buffer_bytes(
+                args.mbs, args.heads, args.seq, head_dim, n, kind, backward=True, bytes_per_element=4
+            )
+            for kind in KINDS
+        }
         print(f"{'K/V exchange':<40}{'fwd+bwd (ms)':>13}{'peak K/V buffers':>18}{'model':>12}")
         for kind, name in KINDS.items():
             print(f"{name:<40}{1e3 * t[kind]:>13.1f}{format_bytes(peak[kind]):>18}{format_bytes(model[kind]):>12}")
-        print(f"\nring / all-gather: time {t['ring'] / t['all_gather']:.2f}x, "
-              f"peak K/V buffers {peak['ring'] / peak['all_gather']:.2f}x "
-              f"(model {model['ring'] / model['all_gather']:.2f}x; measured == model: {peak == model})")
+        print(
+            f"\nring / all-gather: time {t['ring'] / t['all_gather']:.2f}x, "
+            f"peak K/V buffers {peak['ring'] / peak['all_gather']:.2f}x "
+            f"(model {model['ring'] / model['all_gather']:.2f}x; measured == model: {peak == model})"
+        )
 
         print(f"\n{'layout':<12}{'compute per rank (ms CPU)':>40}{'slowest / mean':>16}{'tiles per rank':>22}")
         ratio = {}
@@ -115,11 +128,15 @@ def main():
             per_rank = cluster.run(compute_seconds, layout, shape, args.warmup, args.layout_steps)
             ratio[layout] = max(per_rank) / statistics.mean(per_rank)
             tiles = causal_tile_counts(args.seq, n, layout)
-            print(f"{layout:<12}{' '.join(f'{1e3 * s:8.1f}' for s in per_rank):>40}{ratio[layout]:>15.2f}x"
-                  f"{str(tiles):>22}")
+            print(
+                f"{layout:<12}{' '.join(f'{1e3 * s:8.1f}' for s in per_rank):>40}{ratio[layout]:>15.2f}x"
+                f"{str(tiles):>22}"
+            )
         ok = verdict(ratio["zigzag"], high=1.15, digits=2)
-        print(f"\nslowest / mean rank: zig-zag {ratio['zigzag']:.2f}x (target <= 1.15) {ok}; contiguous "
-              f"{ratio['contiguous']:.2f}x (blocks of keys attended to: {2 * n / (n + 1):.2f}x)")
+        print(
+            f"\nslowest / mean rank: zig-zag {ratio['zigzag']:.2f}x (target <= 1.15) {ok}; contiguous "
+            f"{ratio['contiguous']:.2f}x (blocks of keys attended to: {2 * n / (n + 1):.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ are printed: their spread is what one run's ratio can be trusted to.
 A step's time is the slowest rank's: data parallelism waits for the last replica.
 Data, loss and PyTorch's wrappers come from ``ultrascale.parity``, as in the tests.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,11 +29,19 @@ from ultrascale.parallel import BucketedDataParallel, ZeRO
 from ultrascale.parity import ddp, device_mesh_1d, fsdp2
 from ultrascale.runtime import Cluster
 from ultrascale.train import OPTIMIZERS, make_optimizer
-from sidebyside import (config_of, measure_rounds, median_steps, model_arguments, ratio_interval, round_ratios,
-                        timed_steps, verdict)
+from sidebyside import (
+    config_of,
+    measure_rounds,
+    median_steps,
+    model_arguments,
+    ratio_interval,
+    round_ratios,
+    timed_steps,
+    verdict,
+)
 
 
-_ADAM = dict(optimizer_cls=OPTIMIZERS["adam"][0], **OPTIMIZERS["adam"][1])   # ZeRO's optimizer, as the others'
+_ADAM = dict(optimizer_cls=OPTIMIZERS["adam"][0], **OPTIMIZERS["adam"][1])  # ZeRO's optimizer, as the others'
 
 
 def build(ctx, impl, cfg, bucket_mb):
@@ -48,10 +57,10 @@ def build(ctx, impl, cfg, bucket_mb):
         opt = make_optimizer(model.parameters(), "adam")
         return wrapped, lambda: (wrapped.finish_gradient_synchronization(), opt.step(), opt.zero_grad())
     if impl == "fsdp2":
-        model = fsdp2(model, device_mesh_1d(ctx))   # the same units as our ZeRO-3: each block, then the root
+        model = fsdp2(model, device_mesh_1d(ctx))  # the same units as our ZeRO-3: each block, then the root
         opt = make_optimizer(model.parameters(), "adam")
         return model, lambda: (opt.step(), opt.zero_grad())
-    stage = int(impl[-1])   # "zero1", "zero2", "zero3"
+    stage = int(impl[-1])  # "zero1", "zero2", "zero3"
     zero = ZeRO(model, stage=stage, prefetch=True, **_ADAM)
     return model, lambda: (zero.step(), zero.zero_grad())
 
@@ -72,7 +81,7 @@ def state_bytes(ctx, stage, cfg, param_dtype):
     model = GPT(cfg).to(ctx.device)
     zero = ZeRO(model, stage=stage, param_dtype=param_dtype, **_ADAM)
     Batches(cfg, mbs=1).rank_batch(ctx.rank, ctx.world_size, step=0).to(ctx.device).loss(model).backward()
-    zero.step()   # Adam creates its moments at the first step
+    zero.step()  # Adam creates its moments at the first step
     return zero.state_bytes(), zero.formula_bytes(k=12)
 
 
@@ -83,8 +92,10 @@ def main():
     args = parser.parse_args()
     cfg = config_of(args)
     psi = count_params(cfg)
-    print(f"model: GPT h={cfg.hidden} L={cfg.layers} v={cfg.vocab_size} seq={cfg.seq_len} "
-          f"mbs={args.mbs}: {psi:,} parameters; torch {torch.__version__}")
+    print(
+        f"model: GPT h={cfg.hidden} L={cfg.layers} v={cfg.vocab_size} seq={cfg.seq_len} "
+        f"mbs={args.mbs}: {psi:,} parameters; torch {torch.__version__}"
+    )
 
     with Cluster(args.world_size) as cluster:
         print(f"{args.world_size} ranks, backend {cluster.backend}, {cluster.threads} thread(s) per rank\n")
@@ -95,28 +106,45 @@ def main():
         rounds.update(measure_rounds(cluster, ["fsdp2", "zero3", "zero1", "zero2"], args.rounds, *timing))
         t = median_steps(rounds)
         print(f"{'implementation':<34}{'step (ms)':>10}")
-        names = {"ddp": "PyTorch DDP", "ours_dp": "ours: overlapped + bucketed DP",
-                 "fsdp2": "PyTorch FSDP2 (fully_shard)", "zero3": "ours: ZeRO-3 + prefetch",
-                 "zero1": "ours: ZeRO-1", "zero2": "ours: ZeRO-2"}
+        names = {
+            "ddp": "PyTorch DDP",
+            "ours_dp": "ours: overlapped + bucketed DP",
+            "fsdp2": "PyTorch FSDP2 (fully_shard)",
+            "zero3": "ours: ZeRO-3 + prefetch",
+            "zero1": "ours: ZeRO-1",
+            "zero2": "ours: ZeRO-2",
+        }
         for impl, seconds in t.items():
             print(f"{names[impl]:<34}{1e3 * seconds:>10.1f}")
         # judged as printed (verdict): a run printing 1.000 once read MISSED (its ratio was 1.0003)
         dp_ratio, z3_ratio = t["ours_dp"] / t["ddp"], t["zero3"] / t["fsdp2"]
-        print(f"\nours DP / DDP      = {dp_ratio:.3f}  (target <= 1.00, no slower than DDP) "
-              f"{verdict(dp_ratio, high=1.00)}")
-        print(f"  round by round:    {', '.join(f'{r:.3f}' for r in round_ratios(rounds, 'ours_dp', 'ddp'))}"
-              f"  (the spread is this machine's noise on the ratio)")
+        print(
+            f"\nours DP / DDP      = {dp_ratio:.3f}  (target <= 1.00, no slower than DDP) "
+            f"{verdict(dp_ratio, high=1.00)}"
+        )
+        print(
+            f"  round by round:    {', '.join(f'{r:.3f}' for r in round_ratios(rounds, 'ours_dp', 'ddp'))}"
+            f"  (the spread is this machine's noise on the ratio)"
+        )
         low, high = ratio_interval(rounds, "ours_dp", "ddp")
         # Redrawing one run's rounds misses what drifts between runs (five runs of this bench
         # read 0.95-1.07 on the 2-core machine), so this range is a floor on the uncertainty.
-        print(f"  90% of rounds redrawn: {low:.3f}-{high:.3f}: "
-              + ("faster than DDP in this run" if high < 1 else "slower than DDP in this run" if low > 1
-                 else "this run cannot tell ours from DDP"))
-        print(f"ours ZeRO-3 / FSDP2 = {z3_ratio:.3f}  (target <= 1.30) "
-              f"{verdict(z3_ratio, high=1.30)}\n")
+        print(
+            f"  90% of rounds redrawn: {low:.3f}-{high:.3f}: "
+            + (
+                "faster than DDP in this run"
+                if high < 1
+                else "slower than DDP in this run"
+                if low > 1
+                else "this run cannot tell ours from DDP"
+            )
+        )
+        print(f"ours ZeRO-3 / FSDP2 = {z3_ratio:.3f}  (target <= 1.30) {verdict(z3_ratio, high=1.30)}\n")
 
-        for dtype, widths in ((torch.float32, "fp32 params/grads (4 B), k = 12"),
-                              (torch.bfloat16, "bf16 params/grads (2 B), k = 12: the book's widths")):
+        for dtype, widths in (
+            (torch.float32, "fp32 params/grads (4 B), k = 12"),
+            (torch.bfloat16, "bf16 params/grads (2 B), k = 12: the book's widths"),
+        ):
             print(f"per-rank state, {widths}")
             print(f"{'stage':<7}{'measured (MB)':>15}{'formula (MB)':>15}{'diff':>9}")
             for stage in (0, 1, 2, 3):

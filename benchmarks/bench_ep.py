@@ -15,6 +15,7 @@ One MoE layer of the course GPT (router + ``--experts`` GPT MLPs, top-``--top-k`
    logged all-to-all bytes must equal ``dispatch_volume``'s prediction from its split sizes
    (forward: "ep routing", "ep dispatch", "ep combine"; backward: the gradients' all-to-alls).
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,7 @@ def tokens(cfg, rows: int, seed: int):
 
 
 def time_steps(ctx, impl, cfg, mbs, warmup, steps):
-    if impl == "one" and ctx.rank:   # one process: rank 0 alone, the others wait
+    if impl == "one" and ctx.rank:  # one process: rank 0 alone, the others wait
         return [0.0] * steps
     moe = layer(cfg, impl == "ep").to(ctx.device)
     rows = mbs if impl == "ep" else mbs * ctx.world_size
@@ -55,7 +56,7 @@ def time_steps(ctx, impl, cfg, mbs, warmup, steps):
         opt.step()
         opt.zero_grad()
 
-    return timed_steps(ctx, step, warmup, steps, barrier=impl == "ep")   # one process alone: no barrier
+    return timed_steps(ctx, step, warmup, steps, barrier=impl == "ep")  # one process alone: no barrier
 
 
 def logged_bytes(ctx, cfg, mbs):
@@ -72,15 +73,19 @@ def main():
     args = parser.parse_args()
     cfg = GPTConfig(hidden=args.hidden, heads=args.heads, seq_len=args.seq, experts=args.experts, top_k=args.top_k)
     n = args.world_size
-    print(f"MoE layer: h={cfg.hidden}, {cfg.experts} GPT-MLP experts, top-{cfg.top_k}, {args.mbs} x {cfg.seq_len} "
-          f"tokens per rank; torch {torch.__version__}")
+    print(
+        f"MoE layer: h={cfg.hidden}, {cfg.experts} GPT-MLP experts, top-{cfg.top_k}, {args.mbs} x {cfg.seq_len} "
+        f"tokens per rank; torch {torch.__version__}"
+    )
     with Cluster(n) as cluster:
         print(f"ep={n} ranks, backend {cluster.backend}, {cluster.threads} thread(s) per rank\n")
         t = measure(cluster, list(IMPLS), args.rounds, time_steps, cfg, args.mbs, args.warmup, args.steps)
         print(f"{'implementation':<34}{'step (ms)':>10}   tokens")
         for impl, seconds in t.items():
-            print(f"{IMPLS[impl]:<34}{1e3 * seconds:>10.1f}   {args.mbs * cfg.seq_len * (1 if impl == 'ep' else n)}"
-                  + (" per rank" if impl == "ep" else ""))
+            print(
+                f"{IMPLS[impl]:<34}{1e3 * seconds:>10.1f}   {args.mbs * cfg.seq_len * (1 if impl == 'ep' else n)}"
+                + (" per rank" if impl == "ep" else "")
+            )
         print(f"\nEP step / one-process step (the same {n * args.mbs * cfg.seq_len} tokens) = {t['ep'] / t['one']:.3f}")
 
         print(f"\n{'rank':>4}  {'split sizes':<22}{'dispatch':>11}{'combine':>11}{'backward':>11}  logged = predicted")
@@ -89,9 +94,11 @@ def main():
             equal = logged == predicted
             all_equal &= equal
             f, b = logged
-            print(f"{rank:>4}  {str(send):<22}{format_bytes(f.get('ep dispatch', 0)):>11}"
-                  f"{format_bytes(f.get('ep combine', 0)):>11}{format_bytes(b.get('all_to_all_single', 0)):>11}  "
-                  f"{'yes' if equal else f'NO: {logged} vs {predicted}'}")
+            print(
+                f"{rank:>4}  {str(send):<22}{format_bytes(f.get('ep dispatch', 0)):>11}"
+                f"{format_bytes(f.get('ep combine', 0)):>11}{format_bytes(b.get('all_to_all_single', 0)):>11}  "
+                f"{'yes' if equal else f'NO: {logged} vs {predicted}'}"
+            )
         print(f"all-to-all bytes equal the prediction on every rank: {'OK' if all_equal else 'MISSED'}")
 
 

@@ -16,6 +16,7 @@ the script checks the same FP8 product on the CPU (``_scaled_mm`` runs there too
 nothing is timed, and writes nothing. The measurement itself lives in
 ``ultrascale.precision.gemm_speed``, which chapter 12 runs too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,13 @@ import torch
 
 from sidebyside import verdict
 from ultrascale import records
-from ultrascale.precision.gemm_speed import (FP8_PRODUCT_TOLERANCE, check_fp8_product, fp8_gpu_refusal,
-                                             measure_fp8_gemm, print_fp8_rows)
+from ultrascale.precision.gemm_speed import (
+    FP8_PRODUCT_TOLERANCE,
+    check_fp8_product,
+    fp8_gpu_refusal,
+    measure_fp8_gemm,
+    print_fp8_rows,
+)
 
 TARGET_AT_8192 = 1.6
 
@@ -41,8 +47,9 @@ def main(argv=None) -> int:
     if refusal:
         errors = [check_fp8_product(n, "cpu") for n in (64, 256)]
         print(f"bench_fp8: {refusal}: nothing is timed or recorded here.")
-        print(f"FP8 product checked on the CPU: relative error {max(errors):.3f} "
-              f"(tolerance {FP8_PRODUCT_TOLERANCE}): OK")
+        print(
+            f"FP8 product checked on the CPU: relative error {max(errors):.3f} (tolerance {FP8_PRODUCT_TOLERANCE}): OK"
+        )
         return 0
     device = torch.cuda.get_device_name(0)
     rows = [measure_fp8_gemm(n) for n in sizes]
@@ -50,10 +57,20 @@ def main(argv=None) -> int:
     print_fp8_rows(rows)
     if 8192 in sizes:
         ratio = rows[-1]["fp8_over_bf16"]
-        print(f"FP8/bf16 at 8192^3 = {ratio:.2f}x (target >= {TARGET_AT_8192}x): "
-              f"{verdict(ratio, low=TARGET_AT_8192, digits=2)}")
-    path = records.write("fp8", dict(records.provenance(device), sizes="quick" if args.quick else "full",
-                                     target_at_8192=TARGET_AT_8192, rows=rows), args.out)
+        print(
+            f"FP8/bf16 at 8192^3 = {ratio:.2f}x (target >= {TARGET_AT_8192}x): "
+            f"{verdict(ratio, low=TARGET_AT_8192, digits=2)}"
+        )
+    path = records.write(
+        "fp8",
+        dict(
+            records.provenance(device),
+            sizes="quick" if args.quick else "full",
+            target_at_8192=TARGET_AT_8192,
+            rows=rows,
+        ),
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -89,9 +89,17 @@ def timed(name, size, bench, ours, base, baseline, metric, amount, copy_gbs=None
     """Time both sides; ``amount`` is bytes moved (metric GB/s) or FLOPs (metric TFLOP/s)."""
     ours_ms, base_ms = bench(ours), bench(base)
     rate = gb_per_s if metric == "GB/s" else tflop_per_s
-    r = dict(kernel=name, size=size, ours_ms=ours_ms, baseline=baseline, baseline_ms=base_ms,
-             speedup_vs_baseline=base_ms / ours_ms, metric=metric, ours=rate(amount, ours_ms),
-             baseline_value=rate(amount, base_ms))
+    r = dict(
+        kernel=name,
+        size=size,
+        ours_ms=ours_ms,
+        baseline=baseline,
+        baseline_ms=base_ms,
+        speedup_vs_baseline=base_ms / ours_ms,
+        metric=metric,
+        ours=rate(amount, ours_ms),
+        baseline_value=rate(amount, base_ms),
+    )
     if copy_gbs is not None and metric == "GB/s":
         r["fraction_of_copy"] = r["ours"] / copy_gbs
     return r
@@ -103,10 +111,32 @@ def memory_bound_rows(sizes, device, dtype, bench, copy_gbs) -> list:
     x, y = (torch.randn(n, device=device) for _ in range(2))
     torch.testing.assert_close(K.vector_add(x, y), x + y)
     torch.testing.assert_close(K.elu(x), torch.nn.functional.elu(x), **tolerance(torch.float32))
-    rows.append(timed("vector_add fp32", n, bench, lambda: K.vector_add(x, y), lambda: x + y, "torch eager",
-                      "GB/s", 3 * 4 * n, copy_gbs))
-    rows.append(timed("elu fp32", n, bench, lambda: K.elu(x), lambda: torch.nn.functional.elu(x), "torch eager",
-                      "GB/s", 2 * 4 * n, copy_gbs))
+    rows.append(
+        timed(
+            "vector_add fp32",
+            n,
+            bench,
+            lambda: K.vector_add(x, y),
+            lambda: x + y,
+            "torch eager",
+            "GB/s",
+            3 * 4 * n,
+            copy_gbs,
+        )
+    )
+    rows.append(
+        timed(
+            "elu fp32",
+            n,
+            bench,
+            lambda: K.elu(x),
+            lambda: torch.nn.functional.elu(x),
+            "torch eager",
+            "GB/s",
+            2 * 4 * n,
+            copy_gbs,
+        )
+    )
     tag = short_name(dtype)
     for n_cols in sizes["cols"]:
         size = [sizes["rows"], n_cols]
@@ -116,14 +146,45 @@ def memory_bound_rows(sizes, device, dtype, bench, copy_gbs) -> list:
         torch.testing.assert_close(K.rms_norm(x, w), K.rms_norm_reference(x, w), **tolerance(dtype))
         torch.testing.assert_close(K.layer_norm(x, w, b), K.layer_norm_reference(x, w, b), **tolerance(dtype))
         moved = 2 * x.numel() * x.element_size()  # read x once, write the output once
-        rows.append(timed(f"softmax {tag}", size, bench, lambda: K.softmax(x), lambda: torch.softmax(x, -1),
-                          "torch.softmax", "GB/s", moved, copy_gbs))
-        rows.append(timed(f"rms_norm fwd {tag}", size, bench, lambda: K.rms_norm_forward(x, w),
-                          lambda: torch.nn.functional.rms_norm(x, (n_cols,), w), "F.rms_norm", "GB/s", moved,
-                          copy_gbs))
-        rows.append(timed(f"layer_norm fwd {tag}", size, bench, lambda: K.layer_norm(x, w, b),
-                          lambda: torch.nn.functional.layer_norm(x, (n_cols,), w, b), "F.layer_norm", "GB/s",
-                          moved, copy_gbs))
+        rows.append(
+            timed(
+                f"softmax {tag}",
+                size,
+                bench,
+                lambda: K.softmax(x),
+                lambda: torch.softmax(x, -1),
+                "torch.softmax",
+                "GB/s",
+                moved,
+                copy_gbs,
+            )
+        )
+        rows.append(
+            timed(
+                f"rms_norm fwd {tag}",
+                size,
+                bench,
+                lambda: K.rms_norm_forward(x, w),
+                lambda: torch.nn.functional.rms_norm(x, (n_cols,), w),
+                "F.rms_norm",
+                "GB/s",
+                moved,
+                copy_gbs,
+            )
+        )
+        rows.append(
+            timed(
+                f"layer_norm fwd {tag}",
+                size,
+                bench,
+                lambda: K.layer_norm(x, w, b),
+                lambda: torch.nn.functional.layer_norm(x, (n_cols,), w, b),
+                "F.layer_norm",
+                "GB/s",
+                moved,
+                copy_gbs,
+            )
+        )
     return rows
 
 
@@ -132,8 +193,18 @@ def matmul_rows(sizes, device, dtype, bench) -> list:
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     # bf16 output of sums of n products: compare relative to the O(sqrt(n)) magnitude.
     torch.testing.assert_close(K.matmul(a, b), a @ b, atol=0.1 if dtype == torch.bfloat16 else 1e-3, rtol=2e-2)
-    return [timed(f"matmul {short_name(dtype)}", [n, n, n], bench, lambda: K.matmul(a, b),
-                  lambda: torch.matmul(a, b), "torch.matmul", "TFLOP/s", 2 * n**3)]
+    return [
+        timed(
+            f"matmul {short_name(dtype)}",
+            [n, n, n],
+            bench,
+            lambda: K.matmul(a, b),
+            lambda: torch.matmul(a, b),
+            "torch.matmul",
+            "TFLOP/s",
+            2 * n**3,
+        )
+    ]
 
 
 def attention_rows(sizes, device, dtype, bench, on_gpu) -> list:
@@ -155,23 +226,46 @@ def attention_rows(sizes, device, dtype, bench, on_gpu) -> list:
     fwd_flops = 4 * batch * heads * seq * seq * d / 2  # two matmuls of 2*s*s*d; causal skips half
     tag = short_name(dtype)
     size = [batch, heads, seq, d]
-    rows = [timed(f"flash_attention fwd {tag} causal", size, bench, lambda: K.flash_attention_forward(q, k, v, True),
-                  sdpa, baseline, "TFLOP/s", fwd_flops)]
+    rows = [
+        timed(
+            f"flash_attention fwd {tag} causal",
+            size,
+            bench,
+            lambda: K.flash_attention_forward(q, k, v, True),
+            sdpa,
+            baseline,
+            "TFLOP/s",
+            fwd_flops,
+        )
+    ]
     # The backward does 5 matmuls to the forward's 2, so forward + backward is 3.5x the forward's work.
-    rows.append(timed(f"flash_attention fwd+bwd {tag} causal", size, bench,
-                      lambda: torch.autograd.grad(K.flash_attention(q, k, v, True), (q, k, v), do),
-                      lambda: torch.autograd.grad(sdpa(), (q, k, v), do), baseline, "TFLOP/s", 3.5 * fwd_flops))
+    rows.append(
+        timed(
+            f"flash_attention fwd+bwd {tag} causal",
+            size,
+            bench,
+            lambda: torch.autograd.grad(K.flash_attention(q, k, v, True), (q, k, v), do),
+            lambda: torch.autograd.grad(sdpa(), (q, k, v), do),
+            baseline,
+            "TFLOP/s",
+            3.5 * fwd_flops,
+        )
+    )
     return rows
 
 
 def print_rows(rows) -> None:
-    print(f"{'kernel':38s} {'size':>22s} {'ours ms':>10s} {'base ms':>9s} {'speedup':>8s} {'metric':>8s} "
-          f"{'ours':>9s} {'base':>9s}  baseline")
+    print(
+        f"{'kernel':38s} {'size':>22s} {'ours ms':>10s} {'base ms':>9s} {'speedup':>8s} {'metric':>8s} "
+        f"{'ours':>9s} {'base':>9s}  baseline"
+    )
     for r in rows:
         extra = f"  (ours = {100 * r['fraction_of_copy']:.0f}% of copy)" if "fraction_of_copy" in r else ""
-        print(f"{r['kernel']:38s} {str(r['size']):>22s} {r['ours_ms']:10.3f} {r['baseline_ms']:9.3f} "
-              f"{r['speedup_vs_baseline']:7.2f}x {r['metric']:>8s} {r['ours']:9.3g} {r['baseline_value']:9.3g}  "
-              f"{r['baseline']}{extra}")
+        print(
+            f"{r['kernel']:38s} {str(r['size']):>22s} {r['ours_ms']:10.3f} {r['baseline_ms']:9.3f} "
+            f"{r['speedup_vs_baseline']:7.2f}x {r['metric']:>8s} {r['ours']:9.3g} {r['baseline_value']:9.3g}  "
+            f"{r['baseline']}{extra}"
+        )
 
 
 def run(sizes_name: str) -> dict:
@@ -180,8 +274,11 @@ def run(sizes_name: str) -> dict:
     dtype = torch.bfloat16 if on_gpu else torch.float32  # the interpreter cannot tl.dot bf16
     sizes, bench = SIZES[sizes_name], timer(on_gpu)
     copy_gbs = copy_bandwidth(sizes["copy"], device, bench)
-    rows = (memory_bound_rows(sizes, device, dtype, bench, copy_gbs if on_gpu else None)
-            + matmul_rows(sizes, device, dtype, bench) + attention_rows(sizes, device, dtype, bench, on_gpu))
+    rows = (
+        memory_bound_rows(sizes, device, dtype, bench, copy_gbs if on_gpu else None)
+        + matmul_rows(sizes, device, dtype, bench)
+        + attention_rows(sizes, device, dtype, bench, on_gpu)
+    )
     return dict(sizes=sizes_name, copy_gb_per_s=copy_gbs, rows=rows)
 
 

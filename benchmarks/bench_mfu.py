@@ -31,9 +31,13 @@ SIZES = {  # hidden, layers, heads: GPT-2 medium-like and a ~1.3B
 }
 # (label, attention, torch.compile, recomputation): the three ways to run the same model, then
 # SDPA with recomputation, where HFU (which counts the recomputed FLOPs) exceeds MFU.
-VARIANTS = [("eager attention", "eager", False, "none"), ("SDPA", "sdpa", False, "none"),
-            ("SDPA + torch.compile", "sdpa", True, "none"), ("SDPA, selective recompute", "sdpa", False, "selective"),
-            ("SDPA, full recompute", "sdpa", False, "full")]
+VARIANTS = [
+    ("eager attention", "eager", False, "none"),
+    ("SDPA", "sdpa", False, "none"),
+    ("SDPA + torch.compile", "sdpa", True, "none"),
+    ("SDPA, selective recompute", "sdpa", False, "selective"),
+    ("SDPA, full recompute", "sdpa", False, "full"),
+]
 
 
 def time_steps(model, batch, steps: int, warmup: int) -> float:
@@ -67,10 +71,22 @@ def measure(label, attention, compiled, recompute, args, peak):
         del model, runnable
         torch.cuda.empty_cache()
     tokens_per_s = args.micro_batch * args.seq / step
-    util = dict(mfu=mfu(tokens_per_s, config, peak, seq_len=args.seq, causal=True),
-                hfu=hfu(tokens_per_s, config, peak, recompute, seq_len=args.seq, causal=True)) if peak else {}
-    return dict(variant=label, recompute=recompute, step_s=step, tokens_per_s=tokens_per_s,
-                peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30, **util)
+    util = (
+        dict(
+            mfu=mfu(tokens_per_s, config, peak, seq_len=args.seq, causal=True),
+            hfu=hfu(tokens_per_s, config, peak, recompute, seq_len=args.seq, causal=True),
+        )
+        if peak
+        else {}
+    )
+    return dict(
+        variant=label,
+        recompute=recompute,
+        step_s=step,
+        tokens_per_s=tokens_per_s,
+        peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
+        **util,
+    )
 
 
 def main() -> int:
@@ -86,7 +102,7 @@ def main() -> int:
         print("bench_mfu needs a CUDA GPU; nothing measured (a CPU number is not a GPU MFU).")
         return 0
     device = torch.cuda.get_device_name(0)
-    sheet = datasheet(device)   # MFU's denominator: the dense bf16 peak of the data sheet
+    sheet = datasheet(device)  # MFU's denominator: the dense bf16 peak of the data sheet
     peak = sheet.bf16_flops if sheet else None
     rows = []
     for variant in VARIANTS:
@@ -95,24 +111,41 @@ def main() -> int:
         if row is not None:
             rows.append(row)
     n = count_params(GPTConfig(vocab_size=50304, seq_len=args.seq, **SIZES[args.size]))
-    print(f"\n{device}: GPT {n / 1e6:.0f}M parameters, seq {args.seq}, micro-batch {args.micro_batch}, bf16, "
-          f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s")
-    print(f"{'variant':28s} {'step (ms)':>10s} {'tokens/s':>10s} {'MFU':>7s} {'HFU':>7s} {'memory':>8s} {'vs first':>9s}")
+    print(
+        f"\n{device}: GPT {n / 1e6:.0f}M parameters, seq {args.seq}, micro-batch {args.micro_batch}, bf16, "
+        f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s"
+    )
+    print(
+        f"{'variant':28s} {'step (ms)':>10s} {'tokens/s':>10s} {'MFU':>7s} {'HFU':>7s} {'memory':>8s} {'vs first':>9s}"
+    )
     for row in rows:
         ratio = rows[0]["step_s"] / row["step_s"]
-        util = (f"{row['mfu']:7.1%} {row['hfu']:7.1%}" if "mfu" in row else f"{'n/a':>7s} {'n/a':>7s}")
-        print(f"{row['variant']:28s} {row['step_s'] * 1e3:10.1f} {row['tokens_per_s']:10.0f} {util} "
-              f"{row['peak_memory_gib']:6.1f}Gi {ratio:8.2f}x")
+        util = f"{row['mfu']:7.1%} {row['hfu']:7.1%}" if "mfu" in row else f"{'n/a':>7s} {'n/a':>7s}"
+        print(
+            f"{row['variant']:28s} {row['step_s'] * 1e3:10.1f} {row['tokens_per_s']:10.0f} {util} "
+            f"{row['peak_memory_gib']:6.1f}Gi {ratio:8.2f}x"
+        )
     if peak is None:
         print(f"(no bf16 peak known for {device!r}: MFU not computed)")
     elif rows:
         best = max(rows, key=lambda r: r["mfu"])
-        print(f"best MFU {best['mfu']:.1%} ({best['variant']}; target >= 40%): "
-              f"{verdict(100 * best['mfu'], low=40, digits=1)}")
-    record = dict(records.provenance(device), params=n, size=args.size, seq=args.seq,
-                  micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup, peak_flops=peak,
-                  mfu_formula="training_flops(config, tokens/s, causal=True) / peak (6N + causal attention); "
-                              "HFU adds the recomputed forward FLOPs", rows=rows)
+        print(
+            f"best MFU {best['mfu']:.1%} ({best['variant']}; target >= 40%): "
+            f"{verdict(100 * best['mfu'], low=40, digits=1)}"
+        )
+    record = dict(
+        records.provenance(device),
+        params=n,
+        size=args.size,
+        seq=args.seq,
+        micro_batch=args.micro_batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        peak_flops=peak,
+        mfu_formula="training_flops(config, tokens/s, causal=True) / peak (6N + causal attention); "
+        "HFU adds the recomputed forward FLOPs",
+        rows=rows,
+    )
     print(f"recorded in {records.write(f'mfu_bench_{args.size}', record, args.out)}")
     return 0
 

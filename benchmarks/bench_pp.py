@@ -20,6 +20,7 @@ Implementations are timed in alternating rounds (A B, B A, ...), so a slow spell
 shared machine hits both alike; we report the median step over all rounds. A step's time
 is the slowest rank's: the optimizer step follows the pipeline's flush.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -51,7 +52,7 @@ def build(ctx, impl, cfg, m, timeline=None):
 def time_steps(ctx, impl, cfg, m, mbs, warmup, steps):
     pipe = build(ctx, impl, cfg, m)
     opt = make_optimizer(pipe.parameters(), "sgd")
-    batch = Batches(cfg, mbs * m).global_batch(0).to(ctx.device)   # cut into m micro-batches of mbs rows
+    batch = Batches(cfg, mbs * m).global_batch(0).to(ctx.device)  # cut into m micro-batches of mbs rows
 
     def step():
         pipe.step(batch)
@@ -68,7 +69,7 @@ def measured_bubble(ctx, cfg, m, mbs, t_f, steps):
     calibrate_compute(pipe, t_f)
     batch = Batches(cfg, mbs * m).global_batch(0).to(ctx.device)
     rows = []
-    for _ in range(1 + steps):   # the first step warms up (allocations, first messages): not kept
+    for _ in range(1 + steps):  # the first step warms up (allocations, first messages): not kept
         dist.barrier()
         timeline.clear()
         pipe.step(batch)
@@ -81,8 +82,10 @@ def main():
     parser = model_arguments(__doc__, microbatches=8, t_f_ms=100.0, bubble_m="4,8,16", bubble_steps=3)
     args = parser.parse_args()
     cfg, m, p = config_of(args), args.microbatches, args.world_size
-    print(f"model: GPT h={cfg.hidden} L={cfg.layers} heads={cfg.heads} v={cfg.vocab_size} seq={cfg.seq_len}: "
-          f"{count_params(cfg):,} parameters; m={m} micro-batches of {args.mbs} rows; torch {torch.__version__}")
+    print(
+        f"model: GPT h={cfg.hidden} L={cfg.layers} heads={cfg.heads} v={cfg.vocab_size} seq={cfg.seq_len}: "
+        f"{count_params(cfg):,} parameters; m={m} micro-batches of {args.mbs} rows; torch {torch.__version__}"
+    )
 
     with Cluster(p) as cluster:
         print(f"pp={p} ranks, backend {cluster.backend}, {cluster.threads} thread(s) per rank\n")
@@ -94,17 +97,22 @@ def main():
         print(f"\nours / PyTorch = {ratio:.3f}  (target <= 1.10) {verdict(ratio, high=1.10)}")
 
         t_f = args.t_f_ms / 1e3
-        print(f"\nbubble fraction, 1F1B with t_f = {args.t_f_ms:g} ms and t_b = 2 t_f of sleep "
-              f"(median of {args.bubble_steps} steps):")
+        print(
+            f"\nbubble fraction, 1F1B with t_f = {args.t_f_ms:g} ms and t_b = 2 t_f of sleep "
+            f"(median of {args.bubble_steps} steps):"
+        )
         print(f"{'m':>4}{'measured':>10}{'(p-1)/m':>10}{'ratio':>8}")
         for mb in [int(x) for x in args.bubble_m.split(",")]:
             per_rank = cluster.run(measured_bubble, cfg, mb, args.mbs, t_f, args.bubble_steps, timeout=600)
-            measured = statistics.median(bubble_fraction([rows[s] for rows in per_rank])
-                                         for s in range(args.bubble_steps))
+            measured = statistics.median(
+                bubble_fraction([rows[s] for rows in per_rank]) for s in range(args.bubble_steps)
+            )
             want = predicted_bubble_fraction(p, mb)
             of_model = measured / want
-            print(f"{mb:>4}{measured:>10.3f}{want:>10.3f}{of_model:>8.3f}  (target within 15%) "
-                  f"{verdict(of_model, 0.85, 1.15)}")
+            print(
+                f"{mb:>4}{measured:>10.3f}{want:>10.3f}{of_model:>8.3f}  (target within 15%) "
+                f"{verdict(of_model, 0.85, 1.15)}"
+            )
 
 
 if __name__ == "__main__":

@@ -28,19 +28,29 @@ import argparse
 from unittest import mock
 
 from ultrascale.comm import bus_factor, fit_ring_all_reduce, format_bytes, halving_doubling
-from ultrascale.comm.recursive import (DIRECT_RACE_SIZES, all_reduce_contenders, choose_algorithm, crossover_bytes,
-                                       direct_crossover_on_the_spot, fit_on_the_spot, race_all_reduces)
+from ultrascale.comm.recursive import (
+    DIRECT_RACE_SIZES,
+    all_reduce_contenders,
+    choose_algorithm,
+    crossover_bytes,
+    direct_crossover_on_the_spot,
+    fit_on_the_spot,
+    race_all_reduces,
+)
 from ultrascale.runtime import Cluster
 from sidebyside import verdict
 
-TARGET_FROM = 1 << 20   # the chosen all-reduce must reach 0.9x the backend's from this size up
+TARGET_FROM = 1 << 20  # the chosen all-reduce must reach 0.9x the backend's from this size up
+
 
 def halving_without_adds(group):
     """Halving-doubling with every addition skipped: the same messages, wrong sums. Timed only,
     to see how much of its time the additions between exchanges take."""
+
     def run(tensor):
         with mock.patch.object(halving_doubling, "reduce_into", lambda target, incoming, op: None):
             return halving_doubling.halving_doubling_all_reduce(tensor, group=group)
+
     return run
 
 
@@ -82,36 +92,53 @@ def main(argv=None) -> list:
     factor = bus_factor("all_reduce", n)
     busbw = lambda nbytes, seconds: nbytes / seconds * factor / 1e9  # noqa: E731
     print(f"all-reduce, {n} ranks, backend {backend}, float32, busbw = size/time * {factor:g} (GB/s)")
-    print(f"fitted on the spot: alpha = {1e6 * model.alpha:.0f} us, beta = {model.beta / 1e9:.2f} GB/s; "
-          f"ring beats doubling above {format_bytes(crossover_bytes(model, n))}")
-    print("direct exchange beat halving-doubling, raced on the spot, "
-          + (f"from {format_bytes(direct_from)} up" if direct_from else
-             f"at none of {', '.join(map(format_bytes, DIRECT_RACE_SIZES))}: never chosen"))
-    print(f"{'size':>10} {'builtin':>8} {'ring':>8} {'doubling':>9} {'halving':>8} {'direct':>8} {'chosen':>8}   "
-          f"{'ring/b':>6} {'doubl/b':>7} {'halv/b':>6} {'dir/b':>6} {'chosen/b':>8} {'again/b':>7} {'noadd/b':>7}"
-          f"  chosen algorithm, target")
+    print(
+        f"fitted on the spot: alpha = {1e6 * model.alpha:.0f} us, beta = {model.beta / 1e9:.2f} GB/s; "
+        f"ring beats doubling above {format_bytes(crossover_bytes(model, n))}"
+    )
+    print(
+        "direct exchange beat halving-doubling, raced on the spot, "
+        + (
+            f"from {format_bytes(direct_from)} up"
+            if direct_from
+            else f"at none of {', '.join(map(format_bytes, DIRECT_RACE_SIZES))}: never chosen"
+        )
+    )
+    print(
+        f"{'size':>10} {'builtin':>8} {'ring':>8} {'doubling':>9} {'halving':>8} {'direct':>8} {'chosen':>8}   "
+        f"{'ring/b':>6} {'doubl/b':>7} {'halv/b':>6} {'dir/b':>6} {'chosen/b':>8} {'again/b':>7} {'noadd/b':>7}"
+        f"  chosen algorithm, target"
+    )
     for nbytes, t in rows:
-        ratio = {name: t["builtin"] / t[name]
-                 for name in ("ring", "doubling", "halving", "direct", "chosen", "again", "no adds")}
+        ratio = {
+            name: t["builtin"] / t[name]
+            for name in ("ring", "doubling", "halving", "direct", "chosen", "again", "no adds")
+        }
         target = "" if nbytes < TARGET_FROM else f"  >= 0.9x: {verdict(ratio['chosen'], low=0.9, digits=2)}"
         if ratio["chosen"] < 0.95 * ratio["ring"]:
             target += " (slower than the ring)"
-        print(f"{format_bytes(nbytes):>10} {busbw(nbytes, t['builtin']):>8.3f} {busbw(nbytes, t['ring']):>8.3f} "
-              f"{busbw(nbytes, t['doubling']):>9.3f} {busbw(nbytes, t['halving']):>8.3f} "
-              f"{busbw(nbytes, t['direct']):>8.3f} {busbw(nbytes, t['chosen']):>8.3f}   {ratio['ring']:>6.2f} "
-              f"{ratio['doubling']:>7.2f} {ratio['halving']:>6.2f} {ratio['direct']:>6.2f} {ratio['chosen']:>8.2f} "
-              f"{ratio['again']:>7.2f} {ratio['no adds']:>7.2f}  {choose_algorithm(nbytes, n, model, direct_from)}{target}")
+        print(
+            f"{format_bytes(nbytes):>10} {busbw(nbytes, t['builtin']):>8.3f} {busbw(nbytes, t['ring']):>8.3f} "
+            f"{busbw(nbytes, t['doubling']):>9.3f} {busbw(nbytes, t['halving']):>8.3f} "
+            f"{busbw(nbytes, t['direct']):>8.3f} {busbw(nbytes, t['chosen']):>8.3f}   {ratio['ring']:>6.2f} "
+            f"{ratio['doubling']:>7.2f} {ratio['halving']:>6.2f} {ratio['direct']:>6.2f} {ratio['chosen']:>8.2f} "
+            f"{ratio['again']:>7.2f} {ratio['no adds']:>7.2f}  {choose_algorithm(nbytes, n, model, direct_from)}{target}"
+        )
     print("again/b: the backend against itself, raced as one more contender: how far noise alone moves a ratio")
-    print("noadd/b: halving-doubling with its additions skipped (wrong sums, timed only): halv/b below it is what "
-          "the additions between exchanges cost")
+    print(
+        "noadd/b: halving-doubling with its additions skipped (wrong sums, timed only): halv/b below it is what "
+        "the additions between exchanges cost"
+    )
     if n > 1 and len(rows) >= 2:
         try:
             ring = fit_ring_all_reduce([r[0] for r in rows], [r[1]["ring"] for r in rows], n)
-        except ValueError as err:   # --quick: below 1 MiB one slow call can outweigh the growth with size
+        except ValueError as err:  # --quick: below 1 MiB one slow call can outweigh the growth with size
             print(f"alpha-beta fit of the ring's own times: none ({err})")
         else:
-            print(f"alpha-beta fit of the ring's own times: alpha = {1e6 * ring.alpha:.1f} us per message, "
-                  f"beta = {ring.beta / 1e9:.2f} GB/s")
+            print(
+                f"alpha-beta fit of the ring's own times: alpha = {1e6 * ring.alpha:.1f} us per message, "
+                f"beta = {ring.beta / 1e9:.2f} GB/s"
+            )
     return rows
 
 

@@ -97,7 +97,7 @@ def cold_start(world_size, order):
     imports come in ``order`` (a key of IMPORTS). The third is what the fork server's preload of
     torch._dynamo saves (forkserver.PRELOAD): without it each rank imports it there."""
     code = COLD_START.format(n=world_size, imports=IMPORTS[order])
-    with tempfile.TemporaryDirectory() as folder:      # a file, as a learner's script is
+    with tempfile.TemporaryDirectory() as folder:  # a file, as a learner's script is
         script = os.path.join(folder, "cold_start.py")
         with open(script, "w") as f:
             f.write(code)
@@ -121,8 +121,11 @@ _t = time.perf_counter(); cluster = Cluster({n}); print(time.perf_counter() - _t
 
 def _cell_seconds(client, code):
     outputs = []
-    client.execute_interactive(code, timeout=300, output_hook=lambda m: outputs.append(
-        m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+    client.execute_interactive(
+        code,
+        timeout=300,
+        output_hook=lambda m: outputs.append(m["content"].get("text", "")) if m["msg_type"] == "stream" else None,
+    )
     return float("".join(outputs).split()[-1])
 
 
@@ -207,20 +210,26 @@ def main():
         tgt = f"<={target:g}" if target else ""
         ok = "" if target is None else f"  {verdict(value, high=target, digits=4)}"
         print(f"{name:34s} {value:10.4f} {tgt:>8s} {spawn / value:9.1f}x{ok}")
-    print(f"\nstarting the fork server at import: the Cluster cell {cell[False][1]:.2f} s -> {cell[True][1]:.2f} s "
-          f"({cell[False][1] / cell[True][1]:.1f}x), import + Cluster cells {sum(cell[False]):.2f} s -> "
-          f"{sum(cell[True]):.2f} s")
+    print(
+        f"\nstarting the fork server at import: the Cluster cell {cell[False][1]:.2f} s -> {cell[True][1]:.2f} s "
+        f"({cell[False][1] / cell[True][1]:.1f}x), import + Cluster cells {sum(cell[False]):.2f} s -> "
+        f"{sum(cell[True]):.2f} s"
+    )
     first, last = cold["runtime first"], cold["torch first"]
-    print(f"\ncold start in a script (issue 22 asked for <= 1.0 s): Cluster({n}) takes {first[0]:.2f} s when the "
-          f"runtime is imported first ({verdict(first[0], high=1.0, digits=2)}), {last[0]:.2f} s when torch is; "
-          f"the whole script, first line to first call, {first[1]:.2f} s against {last[1]:.2f} s. With torch first "
-          f"the fork server's import of torch ({floor:.2f} s) has nothing to overlap; in a notebook the Cluster "
-          f"cell takes {cell[True][1]:.2f} s. The fork server preloads torch._dynamo, which torch.optim imports "
-          f"with a process's first optimizer: it lengthens the Cluster line and spares every rank that import "
-          f"(the call in which each rank makes its first optimizer: {first[2]:.2f} s)")
+    print(
+        f"\ncold start in a script (issue 22 asked for <= 1.0 s): Cluster({n}) takes {first[0]:.2f} s when the "
+        f"runtime is imported first ({verdict(first[0], high=1.0, digits=2)}), {last[0]:.2f} s when torch is; "
+        f"the whole script, first line to first call, {first[1]:.2f} s against {last[1]:.2f} s. With torch first "
+        f"the fork server's import of torch ({floor:.2f} s) has nothing to overlap; in a notebook the Cluster "
+        f"cell takes {cell[True][1]:.2f} s. The fork server preloads torch._dynamo, which torch.optim imports "
+        f"with a process's first optimizer: it lengthens the Cluster line and spares every rank that import "
+        f"(the call in which each rank makes its first optimizer: {first[2]:.2f} s)"
+    )
     ratio = spawn / call
-    print(f"\na no-op call is {ratio:,.0f}x cheaper than a per-call spawn (target >= 500x):"
-          f" {verdict(ratio, low=500, digits=0)}")
+    print(
+        f"\na no-op call is {ratio:,.0f}x cheaper than a per-call spawn (target >= 500x):"
+        f" {verdict(ratio, low=500, digits=0)}"
+    )
 
 
 if __name__ == "__main__":

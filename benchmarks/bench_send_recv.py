@@ -23,6 +23,7 @@ Destroying a Work itself takes microseconds; the time is lost in the next exchan
 it comes and goes with microseconds of timing (a 50 us pause before letting go once removed it,
 200 us brought it back): thread wake-ups on an oversubscribed machine, most likely.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ def _before(send, recv, right, left, kept):
     """send_recv as it was: one batch, its Works dropped when the loop over them ends."""
     import torch.distributed as dist
 
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group_peer=right),
-                                    dist.P2POp(dist.irecv, recv, group_peer=left)])
+    works = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, send, group_peer=right), dist.P2POp(dist.irecv, recv, group_peer=left)]
+    )
     for work in works:
         work.wait()
     if kept is not None:
@@ -53,8 +55,11 @@ def exchanges(ctx, nbytes: int, pattern: str, count: int, rounds: int) -> dict:
 
     from ultrascale.comm.ring import keeping_exchanges, send_recv
 
-    right, left = ((ctx.rank ^ 1, ctx.rank ^ 1) if pattern == "pairs"
-                   else ((ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size))
+    right, left = (
+        (ctx.rank ^ 1, ctx.rank ^ 1)
+        if pattern == "pairs"
+        else ((ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size)
+    )
     send, recv = torch.zeros(nbytes // 4), torch.empty(nbytes // 4)
     times = {name: [] for name in VARIANTS}
     for _ in range(rounds):
@@ -88,8 +93,10 @@ def main(argv=None) -> dict:
 
     results = {}
     with Cluster(args.world_size, backend="gloo") as cluster:
-        print(f"one send_recv, {args.world_size} ranks, gloo: median of {args.exchanges} back-to-back exchanges, "
-              f"slowest rank, median of {args.rounds} rounds; microseconds (ratio to 'before')")
+        print(
+            f"one send_recv, {args.world_size} ranks, gloo: median of {args.exchanges} back-to-back exchanges, "
+            f"slowest rank, median of {args.rounds} rounds; microseconds (ratio to 'before')"
+        )
         print(f"{'pattern':>7} {'size':>9} " + " ".join(f"{name:>16}" for name in VARIANTS))
         for pattern in ("pairs", "ring"):
             for nbytes in (4 << 10, 1 << 20):

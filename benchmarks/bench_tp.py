@@ -16,6 +16,7 @@ shared machine hits all of them alike; we report the median step over all rounds
 A step's time is the slowest rank's: every layer waits for all the tp ranks.
 Data, loss and PyTorch's version come from ``ultrascale.parity``, as in the tests.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,12 @@ from ultrascale.runtime import Cluster
 from ultrascale.train import make_optimizer
 from sidebyside import config_of, measure, model_arguments, timed_steps, verdict
 
-IMPLS = {"ours_tp": "ours: apply_tp", "torch_tp": "PyTorch parallelize_module",
-         "ours_sp": "ours: apply_tp, SP", "torch_sp": "PyTorch parallelize_module, SP"}
+IMPLS = {
+    "ours_tp": "ours: apply_tp",
+    "torch_tp": "PyTorch parallelize_module",
+    "ours_sp": "ours: apply_tp, SP",
+    "torch_sp": "PyTorch parallelize_module, SP",
+}
 
 
 def build(ctx, impl, cfg):
@@ -50,7 +55,7 @@ def build(ctx, impl, cfg):
 def time_steps(ctx, impl, cfg, mbs, warmup, steps):
     model, context = build(ctx, impl, cfg)
     opt = make_optimizer(model.parameters(), "adam")
-    batch = Batches(cfg, mbs).global_batch(0).to(ctx.device)   # TP: every rank sees the whole batch
+    batch = Batches(cfg, mbs).global_batch(0).to(ctx.device)  # TP: every rank sees the whole batch
 
     def step():
         with context():
@@ -73,8 +78,10 @@ def saved_bytes(ctx, cfg, mbs, tp):
 def main():
     args = model_arguments(__doc__, hidden=256, heads=8, vocab=4096, seq=128, mbs=4).parse_args()
     cfg = config_of(args)
-    print(f"model: GPT h={cfg.hidden} L={cfg.layers} heads={cfg.heads} v={cfg.vocab_size} seq={cfg.seq_len} "
-          f"mbs={args.mbs}: {count_params(cfg):,} parameters; torch {torch.__version__}")
+    print(
+        f"model: GPT h={cfg.hidden} L={cfg.layers} heads={cfg.heads} v={cfg.vocab_size} seq={cfg.seq_len} "
+        f"mbs={args.mbs}: {count_params(cfg):,} parameters; torch {torch.__version__}"
+    )
 
     with Cluster(args.world_size) as cluster:
         print(f"tp={args.world_size} ranks, backend {cluster.backend}, {cluster.threads} thread(s) per rank\n")

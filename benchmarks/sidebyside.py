@@ -4,6 +4,7 @@ Implementations are timed in alternating rounds (A B, B A, ...), so that a slow 
 shared machine hits all of them alike, and a step's time is the slowest rank's (the
 others wait for it at the next collective). The result is the median step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,7 @@ from ultrascale.model import GPTConfig
 def model_arguments(doc: str, **defaults) -> argparse.ArgumentParser:
     """A parser with the course GPT's shape and the timing options; ``defaults`` override."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    options = dict(world_size=4, hidden=128, layers=4, heads=4, vocab=1024, seq=64, mbs=2,
-                   warmup=2, steps=5, rounds=3)
+    options = dict(world_size=4, hidden=128, layers=4, heads=4, vocab=1024, seq=64, mbs=2, warmup=2, steps=5, rounds=3)
     options.update(defaults)
     for name, value in options.items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
@@ -25,8 +25,7 @@ def model_arguments(doc: str, **defaults) -> argparse.ArgumentParser:
 
 
 def config_of(args) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                     seq_len=args.seq)
+    return GPTConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq_len=args.seq)
 
 
 def measure_rounds(cluster, impls, rounds, time_steps, *args) -> dict:
@@ -63,8 +62,9 @@ def round_ratios(samples: dict, impl: str, baseline: str) -> list:
     return [statistics.median(a) / statistics.median(b) for a, b in zip(samples[impl], samples[baseline])]
 
 
-def ratio_interval(samples: dict, impl: str, baseline: str, level: float = 0.9,
-                   resamples: int = 2000) -> tuple[float, float]:
+def ratio_interval(
+    samples: dict, impl: str, baseline: str, level: float = 0.9, resamples: int = 2000
+) -> tuple[float, float]:
     """The range the median ratio ``impl`` / ``baseline`` keeps when the rounds are redrawn:
     a bootstrap over ``measure_rounds``' rounds, each drawn with both implementations' steps
     in it (they ran seconds apart), ``level`` of the redrawn ratios falling inside. A target
@@ -76,8 +76,10 @@ def ratio_interval(samples: dict, impl: str, baseline: str, level: float = 0.9,
     ratios = []
     for _ in range(resamples):
         drawn = [rng.randrange(count) for _ in range(count)]
-        ratios.append(statistics.median(t for i in drawn for t in samples[impl][i]) /
-                      statistics.median(t for i in drawn for t in samples[baseline][i]))
+        ratios.append(
+            statistics.median(t for i in drawn for t in samples[impl][i])
+            / statistics.median(t for i in drawn for t in samples[baseline][i])
+        )
     ratios.sort()
     tail = (1 - level) / 2
     return ratios[int(tail * resamples)], ratios[int((1 - tail) * resamples) - 1]

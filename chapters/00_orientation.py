@@ -48,6 +48,7 @@ assert WORLD_SIZE >= 2, "this chapter shows collectives between ranks: use WORLD
 # The output of the next cell depends on your machine, so it is not checked when the
 # notebook is re-run in CI.
 
+
 # %% tags=["nbval-ignore-output"]
 def probe_environment():
     info = {
@@ -87,6 +88,7 @@ assert dist.is_gloo_available(), "this torch build has no gloo backend; reinstal
 cluster = Cluster(WORLD_SIZE)
 print(cluster)
 
+
 # %%
 def hello(ctx):
     print(f"I am rank {ctx.rank} of {ctx.world_size}, computing on {ctx.device}")
@@ -102,6 +104,7 @@ assert results == [10 * r for r in range(WORLD_SIZE)]
 #
 # Now the collective that the whole of data parallelism rests on: **all-reduce**. Every rank
 # holds a tensor; afterwards every rank holds the element-wise sum of all of them.
+
 
 # %%
 def first_all_reduce(ctx):
@@ -128,6 +131,7 @@ assert total.tolist() == [n * (n + 1) / 2, 10 * n * (n + 1) / 2]
 # `reduce_scatter_tensor`, which it keeps; 2.11 and 2.12 have only the old names. We use the new
 # ones where they exist.)
 
+
 # %%
 def try_collectives(ctx):
     r, n, dev = ctx.rank, ctx.world_size, ctx.device  # every tensor on the rank's device
@@ -141,17 +145,27 @@ def try_collectives(ctx):
         "reduce": lambda: (dist.reduce(t := x(), dst=0), r != 0 or t[0].item() == total)[1],
         "all_reduce": lambda: (dist.all_reduce(t := x()), t[0].item() == total)[1],
         "gather": lambda: _gather(r, n, x()),
-        "all_gather": lambda: (dist.all_gather(out := [zeros(2) for _ in range(n)], x()),
-                               [o[0].item() for o in out] == [i + 1.0 for i in range(n)])[1],
-        "all_gather_single": lambda: (all_gather_single(out := zeros(2 * n), x()),
-                                           out[::2].tolist() == [i + 1.0 for i in range(n)])[1],
+        "all_gather": lambda: (
+            dist.all_gather(out := [zeros(2) for _ in range(n)], x()),
+            [o[0].item() for o in out] == [i + 1.0 for i in range(n)],
+        )[1],
+        "all_gather_single": lambda: (
+            all_gather_single(out := zeros(2 * n), x()),
+            out[::2].tolist() == [i + 1.0 for i in range(n)],
+        )[1],
         "scatter": lambda: _scatter(r, n, dev),
-        "reduce_scatter": lambda: (dist.reduce_scatter(out := zeros(2), [x() for _ in range(n)]),
-                                   out[0].item() == total)[1],
-        "reduce_scatter_single": lambda: (reduce_scatter_single(out := zeros(2), torch.cat([x()] * n)),
-                                          out[0].item() == total)[1],
-        "all_to_all_single": lambda: (dist.all_to_all_single(out := zeros(n), torch.full((n,), float(r), device=dev)),
-                                      out.tolist() == [float(i) for i in range(n)])[1],
+        "reduce_scatter": lambda: (
+            dist.reduce_scatter(out := zeros(2), [x() for _ in range(n)]),
+            out[0].item() == total,
+        )[1],
+        "reduce_scatter_single": lambda: (
+            reduce_scatter_single(out := zeros(2), torch.cat([x()] * n)),
+            out[0].item() == total,
+        )[1],
+        "all_to_all_single": lambda: (
+            dist.all_to_all_single(out := zeros(n), torch.full((n,), float(r), device=dev)),
+            out.tolist() == [float(i) for i in range(n)],
+        )[1],
         "send/recv": lambda: _ring_pass(r, n, dev),
         "barrier": lambda: dist.barrier() is None,
     }
@@ -183,8 +197,9 @@ def _ring_pass(r, n, dev):
     ranks both neighbours are the same rank, so two sends posted first would wait forever."""
     got = torch.zeros(1, device=dev)
     mine = torch.tensor([float(r)], device=dev)
-    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (r + 1) % n),
-                                           dist.P2POp(dist.irecv, got, (r - 1) % n)]):
+    for request in dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, mine, (r + 1) % n), dist.P2POp(dist.irecv, got, (r - 1) % n)]
+    ):
         request.wait()
     return got.item() == (r - 1) % n
 
@@ -223,6 +238,7 @@ assert cluster.run(lambda ctx: ctx.state["__ranks_namespace__"]["local_sum"].ite
 # all-reduce before each step: that is data parallelism in ten lines, the subject of chapter 02.
 # The plot updates as the ranks train.
 
+
 # %% tags=["nbval-ignore-output"]
 # (a live plot redraws as often as timing allows, so its outputs are not compared in CI)
 def train_linear_regression(ctx, steps, seed):
@@ -247,8 +263,7 @@ def train_linear_regression(ctx, steps, seed):
 
 plot = LivePlot("loss", x="step", title="each rank's loss on its own shard", logy=True)
 weights = cluster.run(train_linear_regression, 30 if QUICK else 200, SEED, on_log=plot)
-plot.finish();
-
+plot.finish()
 # %% [markdown]
 # Because every rank applied the same averaged gradient to the same starting weights, the
 # replicas never drift apart, and they found the true weights:
@@ -265,6 +280,7 @@ assert torch.allclose(weights[0], torch.tensor([2.0, -3.0, 0.5]), atol=0.05)
 # cluster stays usable. A call that hangs (say, ranks calling different collectives) raises after
 # its `timeout=` with every rank's current stack, and the ranks are restarted. The stop button
 # interrupts the ranks too.
+
 
 # %%
 def fails_on_last_rank(ctx):

@@ -43,10 +43,19 @@ import torch.distributed as dist
 from torch.autograd.profiler_util import EventList
 from torch.utils.checkpoint import checkpoint
 
-from ultrascale.memory import (GB, GiB, activation_bytes, model_state_bytes, saved_activation_bytes,
-                               state_bytes)
-from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, GPTConfig, count_params, hfu,
-                              mfu, rope_tables, training_flops)
+from ultrascale.memory import GB, GiB, activation_bytes, model_state_bytes, saved_activation_bytes, state_bytes
+from ultrascale.model import (
+    GPT,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    LLAMA3_405B,
+    GPTConfig,
+    count_params,
+    hfu,
+    mfu,
+    rope_tables,
+    training_flops,
+)
 from ultrascale import records
 from ultrascale.plan import datasheet
 from ultrascale.viz.live import LivePlot, ProgressBar, fan_out
@@ -85,6 +94,7 @@ LOG_DIR.mkdir(exist_ok=True)
 # Let us build the model and count what PyTorch allocates (`model.parameters()` yields the tied
 # embedding matrix once).
 
+
 # %%
 def book_param_count(h, v, L):
     return h * v + L * (12 * h**2 + 13 * h) + 2 * h
@@ -122,8 +132,11 @@ assert 12 * 96 * 12288**2 / book_param_count(12288, 50257, 96) > 0.99
 # and gives the published sizes exactly:
 
 # %%
-published = {"Llama 3 8B": (LLAMA3_8B, 8_030_261_248), "Llama 3 70B": (LLAMA3_70B, 70_553_706_496),
-             "Llama 3 405B": (LLAMA3_405B, 405_853_388_800)}
+published = {
+    "Llama 3 8B": (LLAMA3_8B, 8_030_261_248),
+    "Llama 3 70B": (LLAMA3_70B, 70_553_706_496),
+    "Llama 3 405B": (LLAMA3_405B, 405_853_388_800),
+}
 print(f"{'model':<13} {'h':>6} {'L':>4} {'count_params':>16}  {'GPT formula with same h, v, L':>30}")
 for name, (config, size) in published.items():
     n = count_params(config)
@@ -159,7 +172,9 @@ for billions, (plain, with_fp32_grads) in book_table.items():
     print(f"{billions:>6}B  {fp32:>6.0f}GB  {mixed:>8.0f}GB  {accum:>15.0f}GB")
     assert fp32 == mixed == plain and accum == with_fp32_grads
     assert (fp32 > 80) == (billions >= 7)  # from 7B on, more than an 80 GB H100 holds
-print("bytes per parameter, BF16 with FP32 gradients:", model_state_bytes(1, mixed_precision=True, fp32_grad_accum=True))
+print(
+    "bytes per parameter, BF16 with FP32 gradients:", model_state_bytes(1, mixed_precision=True, fp32_grad_accum=True)
+)
 
 # %% [markdown]
 # From 7B parameters upwards, weights, gradients and Adam states alone exceed the 80 GB of an
@@ -222,9 +237,12 @@ for m in master:
     m.grad = None  # the FP32 copies of the gradients were only needed for the step
 bf16 = state_bytes(model_bf16)
 adam_moments = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
-mixed = {"parameters": bf16["parameters"], "gradients": bf16["gradients"],
-         # the FP32 master copy is the optimizer's: only it reads and writes it
-         "optimizer states": sum(m.nbytes for m in master) + sum(v.nbytes for v in adam_moments)}
+mixed = {
+    "parameters": bf16["parameters"],
+    "gradients": bf16["gradients"],
+    # the FP32 master copy is the optimizer's: only it reads and writes it
+    "optimizer states": sum(m.nbytes for m in master) + sum(v.nbytes for v in adam_moments),
+}
 print(mixed)
 assert mixed == model_state_bytes(n, mixed_precision=True)
 assert sum(mixed.values()) == 16 * n
@@ -265,6 +283,7 @@ assert round(m_act / 1e11, 2) == 1.04 and round(m_act / GiB) == 97
 # directly (the model runs without its embedding, final norm and output layer, as a pipeline
 # stage in the middle would): the formula leaves those out.
 
+
 # %%
 def blocks_only(model):
     """The model without embedding, final norm and head, as a middle pipeline stage would be:
@@ -286,7 +305,7 @@ def saved_by_node(output):
             if attr.startswith("_saved_"):
                 value = getattr(node, attr)
                 if torch.is_tensor(value) and value.dim() > 0:
-                    found.append((node.name(), attr[len("_saved_"):], value))
+                    found.append((node.name(), attr[len("_saved_") :], value))
         todo += [next_node for next_node, _ in node.next_functions]
     return found
 
@@ -320,8 +339,9 @@ for node, attr, t in sorted(saved_by_node(out), key=lambda r: r[0]):
     if ptr in weights:  # an FP32 parameter: it exists anyway, not an activation
         continue
     kind, nbytes = kind_of(tuple(t.shape)), t.untyped_storage().nbytes()
-    rows.append((node, attr, tuple(t.shape), str(t.dtype).replace("torch.", ""), kind,
-                 nbytes if ptr not in counted else 0))
+    rows.append(
+        (node, attr, tuple(t.shape), str(t.dtype).replace("torch.", ""), kind, nbytes if ptr not in counted else 0)
+    )
     counted.add(ptr)
 print(f"{'backward node':<26}{'saves':<9}{'shape':<18}{'dtype':<10}{'kind':<18}{'bytes / (s·b·h)':>8}")
 for node, attr, shape, dtype, kind, nbytes in rows:
@@ -369,8 +389,12 @@ sweep = GPTConfig(vocab_size=256, hidden=64, layers=2, heads=4)
 sweep_layers = blocks_only(GPT(sweep))
 seqs = [64, 128, 192, 256] if QUICK else [64, 128, 192, 256, 320, 384, 448, 512]
 batches = [1, 2, 3, 4] if QUICK else [1, 2, 3, 4, 5, 6, 7, 8]
-measured_act = np.array([[saved_activation_bytes(sweep_layers, torch.randn(bs, seq, sweep.hidden), torch.bfloat16)
-                          for bs in batches] for seq in seqs])
+measured_act = np.array(
+    [
+        [saved_activation_bytes(sweep_layers, torch.randn(bs, seq, sweep.hidden), torch.bfloat16) for bs in batches]
+        for seq in seqs
+    ]
+)
 predicted_act = np.array([[activation_bytes(sweep, seq, bs) for bs in batches] for seq in seqs])
 print(f"{'seq':>5} " + " ".join(f"{'bs=' + str(bs):>12}" for bs in batches) + "   (measured bytes)")
 for seq, row in zip(seqs, measured_act):
@@ -397,8 +421,9 @@ assert np.all(intercept == L * (2 * 12 * h * h + seqs_arr**2 + 4 * seqs_arr * h 
 # token per hidden unit (34 in the formula) and β / (L·a) bytes per attention score (5).
 
 # %%
-alpha, beta = np.linalg.lstsq(np.stack([seqs_arr, seqs_arr**2], axis=1).astype(float), per_sequence.astype(float),
-                              rcond=None)[0]
+alpha, beta = np.linalg.lstsq(
+    np.stack([seqs_arr, seqs_arr**2], axis=1).astype(float), per_sequence.astype(float), rcond=None
+)[0]
 linear_const, score_const = alpha / (L * h), beta / (L * a)
 print(f"fitted: {linear_const:.2f} bytes per token·h (formula: 34),  {score_const:.2f} bytes per score (formula: 5)")
 assert np.allclose(per_sequence, alpha * seqs_arr + beta * seqs_arr**2, rtol=0, atol=1e-3)  # exactly quadratic
@@ -425,7 +450,7 @@ assert np.all(np.diff(ratio[:, 0]) < 0)  # falls towards 2/5 as the quadratic te
 fig = Figure(figsize=(11, 3.6), layout="constrained")
 left, right = fig.subplots(1, 2)
 for j, bs in enumerate(batches):
-    line, = left.plot(seqs, measured_act[:, j] / 2**20, "o-", label=f"measured, bs={bs}")
+    (line,) = left.plot(seqs, measured_act[:, j] / 2**20, "o-", label=f"measured, bs={bs}")
     left.plot(seqs, predicted_act[:, j] / 2**20, "--", color=line.get_color())
 left.set(xlabel="sequence length", ylabel="MiB saved for backward", title="measured (solid) vs formula (dashed)")
 left.legend(fontsize=8)
@@ -447,16 +472,23 @@ fig = Figure(figsize=(7, 3.6), layout="constrained")
 ax = fig.subplots()
 for name, (config, _) in published.items():
     acts = np.array([activation_bytes(config, int(seq), 1) for seq in seq_range]) / GB
-    line, = ax.plot(seq_range, acts, "o-", label=f"{name}: activations")
+    (line,) = ax.plot(seq_range, acts, "o-", label=f"{name}: activations")
     ax.axhline(16 * count_params(config) / GB, color=line.get_color(), linestyle=":", linewidth=1)
-ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="GB",
-       title="activations at bs=1 (dotted: weights + grads + Adam, 16 bytes/param)")
+ax.set(
+    xscale="log",
+    yscale="log",
+    xlabel="sequence length",
+    ylabel="GB",
+    title="activations at bs=1 (dotted: weights + grads + Adam, 16 bytes/param)",
+)
 ax.set_xticks(seq_range, [str(v) for v in seq_range])
 ax.legend(fontsize=8)
 
 states_8b = 16 * count_params(LLAMA3_8B)
-share = {int(seq): activation_bytes(LLAMA3_8B, int(seq), 1) / (activation_bytes(LLAMA3_8B, int(seq), 1) + states_8b)
-         for seq in seq_range}
+share = {
+    int(seq): activation_bytes(LLAMA3_8B, int(seq), 1) / (activation_bytes(LLAMA3_8B, int(seq), 1) + states_8b)
+    for seq in seq_range
+}
 print("Llama 3 8B, share of activations in the total:", {k: f"{v:.0%}" for k, v in share.items()})
 assert share[1024] < 0.10 and share[4096] > 0.40  # negligible at 1k, a large share by 4k
 fig
@@ -516,7 +548,7 @@ widget
 rc_config = GPTConfig(vocab_size=256, hidden=64, layers=4, heads=4)
 torch.manual_seed(SEED)
 rc_model = GPT(rc_config)
-rc_layers = blocks_only(copy.deepcopy(rc_model))   # the same blocks; rc_model keeps its embedding
+rc_layers = blocks_only(copy.deepcopy(rc_model))  # the same blocks; rc_model keeps its embedding
 rc_seq, rc_bs = 256, 4
 x_rc = torch.randn(rc_bs, rc_seq, rc_config.hidden)
 saved = {}
@@ -526,8 +558,10 @@ for mode in ("none", "selective", "full"):
 formula = {mode: activation_bytes(rc_config, rc_seq, rc_bs, mode) for mode in saved}
 print(f"{'mode':<10} {'measured':>12} {'reduction':>10}   {'formula':>12} {'reduction':>10}")
 for mode in saved:
-    print(f"{mode:<10} {saved[mode]:>12,} {1 - saved[mode] / saved['none']:>10.0%}   "
-          f"{formula[mode]:>12,} {1 - formula[mode] / formula['none']:>10.0%}")
+    print(
+        f"{mode:<10} {saved[mode]:>12,} {1 - saved[mode] / saved['none']:>10.0%}   "
+        f"{formula[mode]:>12,} {1 - formula[mode] / formula['none']:>10.0%}"
+    )
 
 L, h, a, tokens, d = rc_config.layers, rc_config.hidden, rc_config.heads, rc_seq * rc_bs, rc_config.head_dim
 # full: each block's FP32 input (4 bytes, the residual stream) and the RoPE tables, nothing else
@@ -546,6 +580,7 @@ assert saved["full"] < 0.1 * saved["none"] and saved["selective"] < 0.6 * saved[
 # Recomputation must not change the result: backward sees exactly the tensors it would have
 # seen without it, recomputed by the same kernels. On a CPU the gradients are bit-for-bit equal
 # (on a GPU some kernels are not deterministic, so there they agree to rounding).
+
 
 # %%
 def gradients(model, idx, mode):
@@ -567,6 +602,7 @@ print("selective and full recomputation give exactly the gradients of no recompu
 # %% [markdown]
 # And the price, in time: forward + backward of the same model, best of several runs. (Timings
 # depend on the machine and its load, so this cell's output is not checked.)
+
 
 # %% tags=["nbval-ignore-output"]
 def fwd_bwd_seconds(model, idx, mode):
@@ -620,8 +656,10 @@ for mode, seconds in timing.items():
 h3, a3, seq3 = 12288, 96, 2048
 memory_saved = 1 - 34 / (34 + 5 * a3 * seq3 / h3)
 extra_forward = 4 * seq3 * h3 / (24 * h3**2 + 4 * seq3 * h3)
-print(f"GPT-3, selective recomputation: {memory_saved:.1%} less activation memory, "
-      f"{extra_forward:.1%} of a forward pass recomputed ({extra_forward / 3:.1%} of a training step)")
+print(
+    f"GPT-3, selective recomputation: {memory_saved:.1%} less activation memory, "
+    f"{extra_forward:.1%} of a forward pass recomputed ({extra_forward / 3:.1%} of a training step)"
+)
 assert round(memory_saved, 2) == 0.70 and round(extra_forward, 3) == 0.027
 assert 0.30 <= 2 / 6 <= 0.40  # full recomputation: one more forward (2N) on top of 6N per token
 
@@ -678,6 +716,7 @@ fig
 # hooks (the non-reentrant version keeps the recomputed tensors to itself, out of the hooks'
 # sight). FP32 here, no autocast, so that `x` is simply `4·seq·bs·h` bytes.
 
+
 # %%
 class SavedBytes:
     """Bytes of the tensors autograd holds for backward: `now`, and `peak`, the most at any moment.
@@ -685,7 +724,7 @@ class SavedBytes:
 
     def __init__(self, model):
         self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.holders, self.now, self.peak = {}, 0, 0   # storage address -> [bytes, saved how many times]
+        self.holders, self.now, self.peak = {}, 0, 0  # storage address -> [bytes, saved how many times]
 
     def pack(self, tensor):
         storage = tensor.untyped_storage()
@@ -729,10 +768,12 @@ for block in ck_blocks:
 
 def forward_in_segments(x, C):
     """The blocks in segments of C, each segment checkpointed; C=None: no checkpointing."""
+
     def segment(x, first, size):
-        for block in ck_blocks[first:first + size]:
+        for block in ck_blocks[first : first + size]:
             x = block(x, ck_cos, ck_sin)
         return x
+
     if C is None:
         return segment(x, 0, ck_N)
     for first in range(0, ck_N, C):
@@ -747,21 +788,23 @@ def measure_segments(C):
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         out = forward_in_segments(x, C)
         after_forward = saved.now
-        out.backward(torch.ones_like(out))   # the gradient of out.sum(), which saves nothing itself
-    assert saved.now == 0   # backward let go of everything
+        out.backward(torch.ones_like(out))  # the gradient of out.sum(), which saves nothing itself
+    assert saved.now == 0  # backward let go of everything
     ck_blocks.zero_grad(set_to_none=True)
     return after_forward, saved.peak, block_forwards[0], x.grad
 
 
 _, peak_none, forwards_none, grad_none = measure_segments(None)
-x_bytes = 4 * ck_seq * ck_bs * ck_h                      # one kept FP32 input
-rope_bytes = ck_cos.nbytes + ck_sin.nbytes                # the RoPE tables, saved once for all blocks
-A_bytes = (peak_none - rope_bytes) // ck_N                # what one block saves, its own input included
+x_bytes = 4 * ck_seq * ck_bs * ck_h  # one kept FP32 input
+rope_bytes = ck_cos.nbytes + ck_sin.nbytes  # the RoPE tables, saved once for all blocks
+A_bytes = (peak_none - rope_bytes) // ck_N  # what one block saves, its own input included
 assert A_bytes * ck_N + rope_bytes == peak_none and forwards_none == ck_N
 segment_sizes = [C for C in range(1, ck_N + 1) if ck_N % C == 0]
 measured_peak = {}
-print(f"N = {ck_N} blocks; one kept input x = {x_bytes:,} bytes; one block saves A = {A_bytes:,} bytes "
-      f"= {A_bytes / x_bytes:.2f} x; no checkpointing: {peak_none:,} bytes")
+print(
+    f"N = {ck_N} blocks; one kept input x = {x_bytes:,} bytes; one block saves A = {A_bytes:,} bytes "
+    f"= {A_bytes / x_bytes:.2f} x; no checkpointing: {peak_none:,} bytes"
+)
 print(f"{'C':>4} {'kept after forward':>19} {'peak, measured':>15} {'(N/C)x + CA + R - x':>20} {'block forwards':>15}")
 for C in segment_sizes:
     kept, peak, forwards, grad = measure_segments(C)
@@ -769,32 +812,49 @@ for C in segment_sizes:
     # R: the RoPE tables, saved by every block's attention, one storage
     predicted = (ck_N // C) * x_bytes + C * A_bytes + rope_bytes - x_bytes
     assert kept == (ck_N // C) * x_bytes and peak == predicted, (C, kept, peak, predicted)
-    assert forwards == 2 * ck_N        # one extra forward, whatever C
-    assert torch.equal(grad, grad_none)   # and the same gradient, bit for bit
+    assert forwards == 2 * ck_N  # one extra forward, whatever C
+    assert torch.equal(grad, grad_none)  # and the same gradient, bit for bit
     measured_peak[C] = peak
     print(f"{C:>4} {kept:>19,} {peak:>15,} {predicted:>20,} {forwards:>15}")
 best_C = min(measured_peak, key=measured_peak.get)
 C_star = math.sqrt(ck_N * x_bytes / A_bytes)
-print(f"smallest peak at C = {best_C}: {measured_peak[best_C] / peak_none:.1%} of no checkpointing, "
-      f"{measured_peak[best_C] / measured_peak[1]:.1%} of checkpointing every block (C = 1); "
-      f"√(N·x/A) = {C_star:.2f}, √N = {math.sqrt(ck_N):.0f}")
+print(
+    f"smallest peak at C = {best_C}: {measured_peak[best_C] / peak_none:.1%} of no checkpointing, "
+    f"{measured_peak[best_C] / measured_peak[1]:.1%} of checkpointing every block (C = 1); "
+    f"√(N·x/A) = {C_star:.2f}, √N = {math.sqrt(ck_N):.0f}"
+)
 assert best_C == 2 and 1 < C_star < 2
 
 fig = Figure(figsize=(6, 3.2), layout="constrained")
 ax = fig.add_subplot()
 Cs = np.geomspace(1, ck_N, 200)
-ax.plot(Cs, ((ck_N / Cs) * x_bytes + Cs * A_bytes + rope_bytes - x_bytes) / 2**20, "k-", lw=1,
-        label="(N/C)·x + C·A (+ RoPE tables − x)")
-ax.plot(segment_sizes, [measured_peak[C] / 2**20 for C in segment_sizes], "o", color="#C44E52",
-        label="measured peak of saved tensors")
+ax.plot(
+    Cs,
+    ((ck_N / Cs) * x_bytes + Cs * A_bytes + rope_bytes - x_bytes) / 2**20,
+    "k-",
+    lw=1,
+    label="(N/C)·x + C·A (+ RoPE tables − x)",
+)
+ax.plot(
+    segment_sizes,
+    [measured_peak[C] / 2**20 for C in segment_sizes],
+    "o",
+    color="#C44E52",
+    label="measured peak of saved tensors",
+)
 ax.axhline(peak_none / 2**20, color="grey", ls=":", label="no checkpointing")
 ax.axvline(C_star, color="#4C72B0", ls="--", lw=1, label="C = √(N·x/A)")
 ax.axvline(math.sqrt(ck_N), color="#4C72B0", ls=":", lw=1, label="C = √N (x = A)")
-ax.set(xscale="log", yscale="log", xlabel="C, blocks per checkpointed segment", ylabel="MiB",
-       title=f"{ck_N} blocks of the course GPT, FP32, seq {ck_seq}")
+ax.set(
+    xscale="log",
+    yscale="log",
+    xlabel="C, blocks per checkpointed segment",
+    ylabel="MiB",
+    title=f"{ck_N} blocks of the course GPT, FP32, seq {ck_seq}",
+)
 ax.set_xticks(segment_sizes, [str(C) for C in segment_sizes])
 for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-    axis(matplotlib.ticker.FormatStrFormatter("%.1f"))   # 0.3 rather than 3 x 10^-1
+    axis(matplotlib.ticker.FormatStrFormatter("%.1f"))  # 0.3 rather than 3 x 10^-1
 ax.legend(fontsize=7)
 fig
 
@@ -854,8 +914,10 @@ for g_acc, g_full, g_sum in zip(accumulated, full_batch, summed):
 worst = max(((a - f).abs().max() / f.abs().max()).item() for a, f in zip(accumulated, full_batch))
 assert worst < 1e-5
 # print what the assert guarantees, not the last bits (they differ from CPU to CPU)
-print(f"gbs = {mbs} x {grad_acc} = {gbs}: accumulated gradient equals the full-batch gradient "
-      "(largest difference below 1e-5 of the largest entry)")
+print(
+    f"gbs = {mbs} x {grad_acc} = {gbs}: accumulated gradient equals the full-batch gradient "
+    "(largest difference below 1e-5 of the largest entry)"
+)
 
 # %% [markdown]
 # With Adam, the missing division would not even show as a larger step (Adam normalises the
@@ -946,8 +1008,11 @@ print(cluster)
 
 # %% tags=["nbval-ignore-output"]
 # (a live plot redraws as often as timing allows, so its output is not compared in CI)
-plot = LivePlot("loss", x="step", title=f"{WORLD_SIZE} rank(s), grad_acc={TRAIN['grad_acc']}, "
-                                        f"gbs={TRAIN['mbs'] * TRAIN['grad_acc'] * WORLD_SIZE}")
+plot = LivePlot(
+    "loss",
+    x="step",
+    title=f"{WORLD_SIZE} rank(s), grad_acc={TRAIN['grad_acc']}, gbs={TRAIN['mbs'] * TRAIN['grad_acc'] * WORLD_SIZE}",
+)
 start = time.perf_counter()
 bar = ProgressBar("training", total=TRAIN["steps"])
 results = cluster.run(train_data_parallel, train_config, **TRAIN, on_log=fan_out(plot, bar))
@@ -978,8 +1043,10 @@ np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
 for k, v in ref_model.state_dict().items():
     torch.testing.assert_close(weights[k], v, rtol=0, atol=3e-4, msg=k)
 assert ref_losses[-1] < 0.75 * ref_losses[0], "the toy language should be learnable"
-print(f"gbs = {TRAIN['mbs']} x {TRAIN['grad_acc']} x {WORLD_SIZE} = {gbs}: same losses and weights as one "
-      f"process on the whole batch; loss {ref_losses[0]:.1f} -> {ref_losses[-1]:.1f}")
+print(
+    f"gbs = {TRAIN['mbs']} x {TRAIN['grad_acc']} x {WORLD_SIZE} = {gbs}: same losses and weights as one "
+    f"process on the whole batch; loss {ref_losses[0]:.1f} -> {ref_losses[-1]:.1f}"
+)
 
 # %% [markdown]
 # ### How large a batch?
@@ -997,8 +1064,10 @@ print(f"gbs = {TRAIN['mbs']} x {TRAIN['grad_acc']} x {WORLD_SIZE} = {gbs}: same 
 # %%
 deepseek_seq = 4096
 for label, tokens_per_batch, total in [("Llama 1", 4e6, 1.4e12), ("DeepSeek-V3", 15360 * deepseek_seq, 14e12)]:
-    print(f"{label:<12} {tokens_per_batch / 1e6:5.1f}M tokens per batch -> {total / tokens_per_batch:9,.0f} steps "
-          f"for {total / 1e12:.1f}T tokens")
+    print(
+        f"{label:<12} {tokens_per_batch / 1e6:5.1f}M tokens per batch -> {total / tokens_per_batch:9,.0f} steps "
+        f"for {total / 1e12:.1f}T tokens"
+    )
 assert 3072 * deepseek_seq / 1e6 == 12.582912 and abs(15360 * deepseek_seq - 60e6) < 0.05 * 60e6
 
 # %% [markdown]
@@ -1037,12 +1106,15 @@ for old in trace_dir.glob(f"{trace_name}.*.pt.trace.json"):
 
 # %% tags=["nbval-ignore-output"]
 # (timings differ from run to run; quiet_native_stderr hides the profiler library's start/stop lines)
-with quiet_native_stderr(), torch.profiler.profile(
-    activities=activities,
-    schedule=torch.profiler.schedule(wait=1, warmup=1, active=3),
-    on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=trace_name),
-    with_stack=True,
-) as prof:
+with (
+    quiet_native_stderr(),
+    torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=trace_name),
+        with_stack=True,
+    ) as prof,
+):
     for _ in range(5):
         train_step()
         prof.step()
@@ -1088,9 +1160,12 @@ from ultrascale.profiling import bytes_at, memory_timeline, peak_within, plot_me
 torch.manual_seed(SEED)
 mem_model = GPT(GPTConfig(vocab_size=256, hidden=64, layers=2, heads=4))
 mem_optimizer = torch.optim.Adam(mem_model.parameters(), lr=1e-3)
-with quiet_native_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                   profile_memory=True, record_shapes=True,
-                                                   with_stack=True) as mem_prof:
+with (
+    quiet_native_stderr(),
+    torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as mem_prof,
+):
     for i in range(3):
         with torch.profiler.record_function(f"step {i + 1}"):
             train_step(mem_model, mem_optimizer, prof_idx)
@@ -1111,8 +1186,10 @@ assert bytes_at(times, optimizer_series, spans[0][2]) == adam_bytes  # created i
 assert optimizer_series[-1] == adam_bytes  # ...and kept
 # step 2 reaches higher than step 1, by the size of the optimizer states (up to 1%)
 assert abs((peaks[1] - peaks[0]) - adam_bytes) <= 0.01 * peaks[0]
-print(f"peak bytes alive in each step: {[f'{p / 2**20:.2f} MiB' for p in peaks]}; "
-      f"Adam's states: {adam_bytes / 2**20:.2f} MiB")
+print(
+    f"peak bytes alive in each step: {[f'{p / 2**20:.2f} MiB' for p in peaks]}; "
+    f"Adam's states: {adam_bytes / 2**20:.2f} MiB"
+)
 ax = plot_memory_timeline(times, sizes, spans)
 ax.set_title("CPU memory by category over three training steps")
 ax.figure
@@ -1137,8 +1214,10 @@ ax.figure
 if torch.cuda.is_available():
     torch.ones((1, 1), device="cuda")  # creates the CUDA context
     free, total = torch.cuda.mem_get_info()
-    print(f"CUDA context and kernels: {(total - free - torch.cuda.memory_reserved()) / GiB:.2f} GiB "
-          f"(device memory in use by this process beyond PyTorch's own reservations)")
+    print(
+        f"CUDA context and kernels: {(total - free - torch.cuda.memory_reserved()) / GiB:.2f} GiB "
+        f"(device memory in use by this process beyond PyTorch's own reservations)"
+    )
     torch.cuda.memory._record_memory_history(max_entries=100_000)
     gpu_model = GPT(GPTConfig(vocab_size=32768, hidden=1024, layers=8, heads=16)).cuda()
     gpu_optimizer = torch.optim.Adam(gpu_model.parameters(), lr=1e-4)
@@ -1148,8 +1227,10 @@ if torch.cuda.is_available():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             train_step(gpu_model, gpu_optimizer, gpu_idx)
         torch.cuda.synchronize()
-        print(f"step {i + 1}: peak allocated {torch.cuda.max_memory_allocated() / GiB:.2f} GiB, "
-              f"reserved {torch.cuda.memory_reserved() / GiB:.2f} GiB")
+        print(
+            f"step {i + 1}: peak allocated {torch.cuda.max_memory_allocated() / GiB:.2f} GiB, "
+            f"reserved {torch.cuda.memory_reserved() / GiB:.2f} GiB"
+        )
     snapshot = LOG_DIR / "cuda_memory_snapshot.pickle"
     torch.cuda.memory._dump_snapshot(str(snapshot))
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -1185,12 +1266,16 @@ mfu_seq, mfu_bs = 128, 4
 tokens_per_step = mfu_seq * mfu_bs
 n_mfu = count_params(mfu_config)
 print(f"assumed peak: {cpu_peak / 1e9:.0f} GFLOP/s (FP32, one core)")
-print(f"model: N = {n_mfu:,}; one step of {tokens_per_step} tokens = "
-      f"{training_flops(mfu_config, tokens_per_step, mfu_seq) / 1e9:.1f} GFLOP")
+print(
+    f"model: N = {n_mfu:,}; one step of {tokens_per_step} tokens = "
+    f"{training_flops(mfu_config, tokens_per_step, mfu_seq) / 1e9:.1f} GFLOP"
+)
 # With the 6N rule (attention left out), full recomputation costs 8N: HFU / MFU = 8/6 exactly
 assert 8 * n_mfu * tokens_per_step / (6 * n_mfu * tokens_per_step) == 8 / 6
 # ...and it stays 8/6 with the attention term, since the extra forward is a third of the total
-assert math.isclose(hfu(1000, mfu_config, cpu_peak, "full", mfu_seq) / mfu(1000, mfu_config, cpu_peak, seq_len=mfu_seq), 8 / 6)
+assert math.isclose(
+    hfu(1000, mfu_config, cpu_peak, "full", mfu_seq) / mfu(1000, mfu_config, cpu_peak, seq_len=mfu_seq), 8 / 6
+)
 
 # %% [markdown]
 # The assumption: one thread on a core that issues two 8-wide FP32 fused multiply-adds per cycle
@@ -1207,8 +1292,10 @@ for _ in range(6):  # the first is a warm-up
     a_mat @ b_mat
     matmul_times.append(time.perf_counter() - start)
 matmul_best = min(matmul_times[1:])
-print(f"a 1024x1024 FP32 matrix product reaches {2 * 1024**3 / matmul_best / 1e9:.0f} GFLOP/s "
-      f"({2 * 1024**3 / matmul_best / cpu_peak:.0%} of the assumed peak)")
+print(
+    f"a 1024x1024 FP32 matrix product reaches {2 * 1024**3 / matmul_best / 1e9:.0f} GFLOP/s "
+    f"({2 * 1024**3 / matmul_best / cpu_peak:.0%} of the assumed peak)"
+)
 
 torch.manual_seed(SEED)
 mfu_model = GPT(mfu_config)
@@ -1226,10 +1313,11 @@ for round_ in ProgressBar("timing training steps").iterate(rounds):
 print(f"{'recompute':<10} {'step':>9} {'tokens/s':>9} {'MFU':>7} {'HFU':>7}")
 for mode, times_of_mode in step_times.items():
     tokens_per_s = tokens_per_step / min(times_of_mode)
-    print(f"{mode:<10} {min(times_of_mode) * 1000:7.0f}ms {tokens_per_s:9,.0f} "
-          f"{mfu(tokens_per_s, mfu_config, cpu_peak, mfu_seq):7.1%} {hfu(tokens_per_s, mfu_config, cpu_peak, mode, mfu_seq):7.1%}")
-mfu_model.set_recompute("none");
-
+    print(
+        f"{mode:<10} {min(times_of_mode) * 1000:7.0f}ms {tokens_per_s:9,.0f} "
+        f"{mfu(tokens_per_s, mfu_config, cpu_peak, mfu_seq):7.1%} {hfu(tokens_per_s, mfu_config, cpu_peak, mode, mfu_seq):7.1%}"
+    )
+mfu_model.set_recompute("none")
 # %% [markdown]
 # With full recomputation the step takes longer, so MFU drops, while HFU (which credits the
 # recomputed forward) should stay close to the MFU of the plain run: the hardware is as busy as before,
@@ -1254,8 +1342,14 @@ def measure_gpu_mfu():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     seq, bs, warmup, timed = 2048, 8, 3, 5
     idx = torch.randint(0, config.vocab_size, (bs, seq), device="cuda")
-    record = {**records.provenance(name), "model": str(config), "params": count_params(config), "seq": seq,
-              "micro_batch": bs, "peak_bf16_flops": peak}
+    record = {
+        **records.provenance(name),
+        "model": str(config),
+        "params": count_params(config),
+        "seq": seq,
+        "micro_batch": bs,
+        "peak_bf16_flops": peak,
+    }
     for mode in ("none", "selective", "full"):
         model.set_recompute(mode)
         for i in range(warmup + timed):
@@ -1277,8 +1371,11 @@ def show_mfu(record, label):
     print(label)
     for mode in ("none", "selective", "full"):
         r = record[mode]
-        utilisation = (f"MFU {r['mfu']:.1%}  HFU {r['hfu']:.1%}" if "mfu" in r
-                       else "(no data sheet known for this GPU: add it to ultrascale.plan.DATASHEETS)")
+        utilisation = (
+            f"MFU {r['mfu']:.1%}  HFU {r['hfu']:.1%}"
+            if "mfu" in r
+            else "(no data sheet known for this GPU: add it to ultrascale.plan.DATASHEETS)"
+        )
         print(f"  recompute={mode:<10} {r['tokens_per_s']:12,.0f} tokens/s  {utilisation}")
 
 
@@ -1291,8 +1388,10 @@ else:
     for path, record in recorded:
         show_mfu(record, records.label(record, path))
     if not recorded:
-        print("No GPU here, and no recorded result (results/one_gpu_mfu_<device>.json) yet: run this "
-              "notebook on a GPU machine to measure and record one.")
+        print(
+            "No GPU here, and no recorded result (results/one_gpu_mfu_<device>.json) yet: run this "
+            "notebook on a GPU machine to measure and record one."
+        )
 
 # %% [markdown]
 # `benchmarks/bench_mfu.py` asks the same question of a ~350M and a ~1.3B course GPT, each run five
@@ -1305,11 +1404,15 @@ else:
 bench_records = records.recorded("mfu_bench_350m", RESULTS) + records.recorded("mfu_bench_1b", RESULTS)
 for path, record in bench_records:
     print(records.label(record, path))
-    print(f"  GPT {record['params'] / 1e6:,.0f}M parameters, seq {record['seq']}, micro-batch "
-          f"{record['micro_batch']}, bf16, peak {record['peak_flops'] / 1e12:.0f} TFLOP/s")
+    print(
+        f"  GPT {record['params'] / 1e6:,.0f}M parameters, seq {record['seq']}, micro-batch "
+        f"{record['micro_batch']}, bf16, peak {record['peak_flops'] / 1e12:.0f} TFLOP/s"
+    )
     for row in record["rows"]:
-        print(f"  {row['variant']:<28} {row['tokens_per_s']:>9,.0f} tokens/s   MFU {row['mfu']:6.1%}   "
-              f"HFU {row['hfu']:6.1%}   {row['peak_memory_gib']:5.1f} GiB")
+        print(
+            f"  {row['variant']:<28} {row['tokens_per_s']:>9,.0f} tokens/s   MFU {row['mfu']:6.1%}   "
+            f"HFU {row['hfu']:6.1%}   {row['peak_memory_gib']:5.1f} GiB"
+        )
 if not bench_records:
     print("No bench_mfu record in results/ yet (run benchmarks/bench_mfu.py on a GPU).")
 

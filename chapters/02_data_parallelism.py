@@ -45,15 +45,13 @@ from ultrascale.comm import AlphaBeta, CommLogger, format_bytes, wait_for_device
 from ultrascale.data import Batches
 from ultrascale.memory import GB, GiB, breakdown
 from ultrascale.model import GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, GPTConfig, count_params
-from ultrascale.parallel import (BucketedDataParallel, NaiveDataParallel, OverlappedDataParallel,
-                                 Timeline, build_buckets)
+from ultrascale.parallel import BucketedDataParallel, NaiveDataParallel, OverlappedDataParallel, Timeline, build_buckets
 from ultrascale.parity import assert_replicas_identical, assert_same, ddp as torch_ddp, max_difference, tolerance
 from ultrascale.train import make_optimizer, train
 from ultrascale.viz.gantt import lane_summary, plot_gantt
 from ultrascale.viz.live import ProgressBar
 
-assert isinstance(WORLD_SIZE, int) and WORLD_SIZE >= 2, \
-    "data parallelism needs at least two ranks: set WORLD_SIZE >= 2"
+assert isinstance(WORLD_SIZE, int) and WORLD_SIZE >= 2, "data parallelism needs at least two ranks: set WORLD_SIZE >= 2"
 torch.manual_seed(SEED)
 torch.set_num_threads(1)  # tiny matrices: extra threads only fight the ranks for the 2 cores
 
@@ -68,8 +66,11 @@ torch.set_num_threads(1)  # tiny matrices: extra threads only fight the ranks fo
 # cross-entropy, and `train(...)` the one training loop that every run in the course shares.
 
 # %%
-CONFIG = (GPTConfig(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32) if QUICK
-          else GPTConfig(vocab_size=512, hidden=128, layers=8, heads=8, seq_len=64))
+CONFIG = (
+    GPTConfig(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32)
+    if QUICK
+    else GPTConfig(vocab_size=512, hidden=128, layers=8, heads=8, seq_len=64)
+)
 MBS = 2  # micro-batch size: samples per rank per forward/backward
 STEPS = 3  # optimizer steps in the correctness runs
 LR = 0.1
@@ -89,14 +90,20 @@ def fresh_model():
 def train_single_process(steps=STEPS, grad_acc=1, lr=LR):
     """The reference: one process, the whole global batch, gradient accumulation over micro-steps."""
     model = fresh_model()
-    return train(model, DATA.global_stream(WORLD_SIZE), steps, make_optimizer(model.parameters(), "sgd", lr=lr),
-                 grad_acc=grad_acc)
+    return train(
+        model,
+        DATA.global_stream(WORLD_SIZE),
+        steps,
+        make_optimizer(model.parameters(), "sgd", lr=lr),
+        grad_acc=grad_acc,
+    )
 
 
 n_params = count_params(CONFIG)
 n_tensors = len(list(GPT(CONFIG).parameters()))
-print(f"GPT: {n_params:,} parameters in {n_tensors} tensors, "
-      f"{format_bytes(4 * n_params)} of fp32 gradients per replica")
+print(
+    f"GPT: {n_params:,} parameters in {n_tensors} tensors, {format_bytes(4 * n_params)} of fp32 gradients per replica"
+)
 print(f"global batch: {MBS} samples x {WORLD_SIZE} ranks = {MBS * WORLD_SIZE} samples per step")
 
 # %% [markdown]
@@ -132,6 +139,7 @@ print(f"the mean of {WORLD_SIZE} micro-batch gradients equals the gradient of th
 # The picture of one data-parallel step: `N` identical replicas, each with its own slice of the
 # batch, joined by one all-reduce of the gradients before the (identical) optimizer steps.
 
+
 # %%
 def draw_dp_step(n):
     fig, ax = plt.subplots(figsize=(9, 3.2))
@@ -142,16 +150,31 @@ def draw_dp_step(n):
         ax.add_patch(Rectangle((x0, 2.2), width, 0.6, color="#c6dbef"))
         ax.text(x0 + width / 2, 2.5, f"batch slice {r}", ha="center", va="center", fontsize=8)
         ax.add_patch(Rectangle((x0, 1.0), width, 0.9, color="#4c72b0"))
-        ax.text(x0 + width / 2, 1.45, f"rank {r}\nfull model copy\nforward + backward",
-                ha="center", va="center", color="white", fontsize=8)
-        ax.add_patch(FancyArrowPatch((x0 + width / 2, 2.2), (x0 + width / 2, 1.9), arrowstyle="->",
-                                     mutation_scale=10))
-        ax.add_patch(FancyArrowPatch((x0 + width / 2, 1.0), (x0 + width / 2, 0.55), arrowstyle="<->",
-                                     mutation_scale=10, color="#dd8452"))
+        ax.text(
+            x0 + width / 2,
+            1.45,
+            f"rank {r}\nfull model copy\nforward + backward",
+            ha="center",
+            va="center",
+            color="white",
+            fontsize=8,
+        )
+        ax.add_patch(FancyArrowPatch((x0 + width / 2, 2.2), (x0 + width / 2, 1.9), arrowstyle="->", mutation_scale=10))
+        ax.add_patch(
+            FancyArrowPatch(
+                (x0 + width / 2, 1.0), (x0 + width / 2, 0.55), arrowstyle="<->", mutation_scale=10, color="#dd8452"
+            )
+        )
     span = n * (width + 0.4) - 0.4
     ax.add_patch(Rectangle((0, 0.05), span, 0.5, color="#dd8452"))
-    ax.text(span / 2, 0.3, "all-reduce: every rank gets the sum of all gradients, then divides by "
-            f"{n} (the mean)", ha="center", va="center", fontsize=9)
+    ax.text(
+        span / 2,
+        0.3,
+        f"all-reduce: every rank gets the sum of all gradients, then divides by {n} (the mean)",
+        ha="center",
+        va="center",
+        fontsize=9,
+    )
     ax.set_xlim(-0.2, span + 0.2)
     ax.set_ylim(0, 3)
     ax.axis("off")
@@ -174,6 +197,7 @@ draw_dp_step(WORLD_SIZE)
 # accumulation of section 4, `record` fills a timeline for the Gantt charts, `log_comm` counts the
 # all-reduce calls with the course's `CommLogger`.
 
+
 # %%
 def make_wrapper(kind, model, bucket_cap_mb, timeline):
     if kind == "naive":
@@ -187,8 +211,9 @@ def make_wrapper(kind, model, bucket_cap_mb, timeline):
     raise ValueError(f"unknown kind {kind!r}")
 
 
-def train_on_rank(ctx, kind, steps=STEPS, grad_acc=1, use_no_sync=True, bucket_cap_mb=BUCKET_MB,
-                  record=False, log_comm=False):
+def train_on_rank(
+    ctx, kind, steps=STEPS, grad_acc=1, use_no_sync=True, bucket_cap_mb=BUCKET_MB, record=False, log_comm=False
+):
     torch.manual_seed(SEED + ctx.rank)  # different replicas on purpose: the wrapper must fix this
     model = GPT(CONFIG).to(ctx.device)
     timeline = Timeline(ctx.rank, enabled=record, device=ctx.device)  # on a GPU, bars wait for the stream
@@ -260,8 +285,10 @@ assert_same(naive[0]["params"], reference, "naive DP vs single process")
 ddp = cluster.run(train_on_rank, "ddp")
 assert_replicas_identical(replicas(ddp), "DDP")
 assert_same(naive[0]["params"], ddp[0]["params"], "naive DP vs DDP")
-print(f"after {STEPS} steps on {WORLD_SIZE} ranks: naive DP == single process on the concatenated "
-      "batch == PyTorch DDP (within the tolerance), and all replicas are bit-identical")
+print(
+    f"after {STEPS} steps on {WORLD_SIZE} ranks: naive DP == single process on the concatenated "
+    "batch == PyTorch DDP (within the tolerance), and all replicas are bit-identical"
+)
 
 # %% [markdown]
 # The sizes behind that tolerance on this machine, and a negative control: a DP step that forgot
@@ -312,8 +339,9 @@ print(inspect.getsource(OverlappedDataParallel._note_ready))
 # %%
 overlapped = cluster.run(train_on_rank, "overlapped", steps=1)
 order = overlapped[0]["ready_order"]
-assert all(res["ready_order"] == order for res in overlapped), \
+assert all(res["ready_order"] == order for res in overlapped), (
     "every rank must see the same order, or their collectives would not match"
+)
 assert len(order) == n_tensors, "one hook per parameter tensor"
 
 
@@ -330,8 +358,9 @@ for layer in dict.fromkeys(layers_in_firing_order):
     names = [n.split(".", 2)[-1] if n.startswith("blocks.") else n for n in order if layer_of(n) == layer]
     label = {-1: "embedding", CONFIG.layers: "final norm"}.get(layer, f"block {layer}")
     print(f"  {label:>10}: {', '.join(names)}")
-assert layers_in_firing_order == sorted(layers_in_firing_order, reverse=True), \
+assert layers_in_firing_order == sorted(layers_in_firing_order, reverse=True), (
     "gradients should become ready last layer first"
+)
 assert order[-1] == "embed.weight"
 
 # %% [markdown]
@@ -358,8 +387,10 @@ print("overlapped DP == single process")
 # so in overlapped DP their bars lie on top of one another.)
 
 # %% tags=["nbval-ignore-output"]
-runs = {kind: cluster.run(train_on_rank, kind, steps=TIMED_STEPS, record=True)
-        for kind in ProgressBar("timing naive and overlapped DP").iterate(("naive", "overlapped"))}
+runs = {
+    kind: cluster.run(train_on_rank, kind, steps=TIMED_STEPS, record=True)
+    for kind in ProgressBar("timing naive and overlapped DP").iterate(("naive", "overlapped"))
+}
 fig, axes = plt.subplots(2, 1, figsize=(10, 0.9 * 2 * WORLD_SIZE + 2.4))
 plt.close(fig)
 for ax, (kind, results) in zip(axes, runs.items()):
@@ -373,6 +404,7 @@ fig
 # load, so they are printed but not checked. Naive DP is timed a second time as the noise
 # baseline: the same step against itself, which shows how far two runs differ with nothing changed.
 
+
 # %% tags=["nbval-ignore-output"]
 def median_step_ms(results):
     return 1e3 * statistics.median(s for res in results for s in res["step_seconds"][1:])
@@ -384,24 +416,29 @@ def summarize(kind, results):
     compute = statistics.mean(v["compute"] for v in lanes.values())
     comm = statistics.mean(v["communication"] for v in lanes.values())
     hidden = statistics.mean(v["overlapped"] for v in lanes.values())
-    print(f"{kind:>10}: step {median_ms:7.1f} ms | compute {compute:6.1f} ms, "
-          f"communication {comm:6.1f} ms, of which overlapped with compute {hidden:6.1f} ms")
+    print(
+        f"{kind:>10}: step {median_ms:7.1f} ms | compute {compute:6.1f} ms, "
+        f"communication {comm:6.1f} ms, of which overlapped with compute {hidden:6.1f} ms"
+    )
 
 
 def noise_baseline(again):
     ratio = median_step_ms(again) / median_step_ms(runs["naive"])
-    print(f"{'again':>10}: step {median_step_ms(again):7.1f} ms | naive DP timed once more: {ratio:.2f}x "
-          "its first run, how far noise alone moves these times")
+    print(
+        f"{'again':>10}: step {median_step_ms(again):7.1f} ms | naive DP timed once more: {ratio:.2f}x "
+        "its first run, how far noise alone moves these times"
+    )
 
 
 for kind, results in runs.items():
     summarize(kind, results)
-again = cluster.run(train_on_rank, "naive", steps=TIMED_STEPS, record=True)   # the noise baseline
+again = cluster.run(train_on_rank, "naive", steps=TIMED_STEPS, record=True)  # the noise baseline
 noise_baseline(again)
 
 # %% [markdown]
 # The one property that holds on any machine: overlapped DP launches its first all-reduce
 # while backward is still running, naive DP only after backward has returned.
+
 
 # %%
 def first_launch_inside_backward(rows):
@@ -466,6 +503,7 @@ for kind, results in runs.items():
 # How our model's tensors land in buckets of `BUCKET_MB` MiB (each coloured run is one bucket,
 # in launch order, from the output end of the model back to the embedding):
 
+
 # %%
 def bucket_layout(cap_mb):
     params = list(reversed(list(GPT(CONFIG).parameters())))
@@ -478,8 +516,8 @@ for i, bucket in enumerate(layout):
     nbytes = sum(4 * p.numel() for p in bucket)
     print(f"  bucket {i}: {len(bucket):2d} tensor(s), {format_bytes(nbytes)}")
 cap = BUCKET_MB * 2**20
-assert all(sum(4 * p.numel() for p in b) >= cap for b in layout[:-1])   # full when closed (the last: what is left)
-assert all(sum(4 * p.numel() for p in b[:-1]) < cap for b in layout)    # and closed by its last tensor
+assert all(sum(4 * p.numel() for p in b) >= cap for b in layout[:-1])  # full when closed (the last: what is left)
+assert all(sum(4 * p.numel() for p in b[:-1]) < cap for b in layout)  # and closed by its last tensor
 
 fig, ax = plt.subplots(figsize=(10, 1.6))
 plt.close(fig)
@@ -502,8 +540,9 @@ fig
 # by `CommLogger`, one way for every technique.)
 
 # %%
-calls = {kind: cluster.run(train_on_rank, kind, steps=1, log_comm=True)[0]
-         for kind in ("naive", "overlapped", "bucketed")}
+calls = {
+    kind: cluster.run(train_on_rank, kind, steps=1, log_comm=True)[0] for kind in ("naive", "overlapped", "bucketed")
+}
 for kind, res in calls.items():
     print(f"{kind:>10}: {res['all_reduce_calls'][0]:3d} all-reduce calls per step")
 assert calls["naive"]["all_reduce_calls"][0] == calls["overlapped"]["all_reduce_calls"][0] == n_tensors
@@ -515,6 +554,7 @@ assert calls["bucketed"]["bucket_sizes"] == [sum(4 * p.numel() for p in b) for b
 # A direct measurement on the cluster: all-reduce the model's gradient tensors one call per tensor,
 # then copy them into one flat buffer and all-reduce that once. Same bytes, different number of
 # calls.
+
 
 # %% tags=["nbval-ignore-output"]
 def time_per_tensor_vs_flat(ctx, repeats):
@@ -529,8 +569,11 @@ def time_per_tensor_vs_flat(ctx, repeats):
         dist.all_reduce(torch.cat([g.flatten() for g in grads]))
 
     timings = {}
-    for name, fn in (("one call per tensor", per_tensor), ("one flat buffer", flat),
-                     ("one flat buffer, again", flat)):   # the noise baseline: the same call timed twice
+    for name, fn in (
+        ("one call per tensor", per_tensor),
+        ("one flat buffer", flat),
+        ("one flat buffer, again", flat),
+    ):  # the noise baseline: the same call timed twice
         seconds = []
         for _ in range(repeats):
             dist.barrier()
@@ -545,9 +588,11 @@ def time_per_tensor_vs_flat(ctx, repeats):
 timings = cluster.run(time_per_tensor_vs_flat, 5 if QUICK else 20)[0]
 for name, seconds in timings.items():
     print(f"{name:>20}: {1e3 * seconds:8.2f} ms")
-print(f"{n_tensors} calls cost {timings['one call per tensor'] / timings['one flat buffer']:.0f}x "
-      f"as much as one call with the same bytes; the flat call against itself: "
-      f"{timings['one flat buffer, again'] / timings['one flat buffer']:.2f}x (the noise)")
+print(
+    f"{n_tensors} calls cost {timings['one call per tensor'] / timings['one flat buffer']:.0f}x "
+    f"as much as one call with the same bytes; the flat call against itself: "
+    f"{timings['one flat buffer, again'] / timings['one flat buffer']:.2f}x (the noise)"
+)
 
 # %% [markdown]
 # And inside training: the bucketed version on the same timeline as before, and the step times of
@@ -555,8 +600,10 @@ print(f"{n_tensors} calls cost {timings['one call per tensor'] / timings['one fl
 
 # %% tags=["nbval-ignore-output"]
 runs["bucketed"] = cluster.run(train_on_rank, "bucketed", steps=TIMED_STEPS, record=True)
-plot_gantt([res["rows"] for res in runs["bucketed"]],
-           title=f"bucketed DP ({len(layout)} buckets closed at {BUCKET_MB} MiB), one step")
+plot_gantt(
+    [res["rows"] for res in runs["bucketed"]],
+    title=f"bucketed DP ({len(layout)} buckets closed at {BUCKET_MB} MiB), one step",
+)
 
 # %% tags=["nbval-ignore-output"]
 for kind, results in runs.items():
@@ -581,14 +628,17 @@ print("bucketed DP == single process")
 # communication hook records the buffer of each bucket it is handed (`bucket.buffer()`), once
 # with DDP's default and once with `gradient_as_bucket_view=True`.
 
+
 # %%
 def averaging_hook(ctx, watch):
     """A DDP communication hook that does the default hook's job (average the bucket over the
     ranks) after handing the bucket to ``watch``: how we look inside DDP here and in section 5."""
+
     def hook(state, bucket):
         watch(bucket)
         work = dist.all_reduce(bucket.buffer().div_(ctx.world_size), async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
+
     return hook
 
 
@@ -618,8 +668,15 @@ def where_gradients_live(ctx, kind, steps=2):
         checks.append((outside == 0, (sum(buckets.values()) + outside) / param_bytes))
         buckets.clear()
 
-    train(model, DATA.rank_stream(ctx.rank, ctx.world_size), steps, make_optimizer(model.parameters(), "sgd", lr=LR),
-          module=dp, after_backward=check, device=ctx.device)
+    train(
+        model,
+        DATA.rank_stream(ctx.rank, ctx.world_size),
+        steps,
+        make_optimizer(model.parameters(), "sgd", lr=LR),
+        module=dp,
+        after_backward=check,
+        device=ctx.device,
+    )
     return checks
 
 
@@ -627,8 +684,7 @@ print("after the all-reduce, on every rank and every step:")
 for kind, copies in (("ours", 1), ("DDP, gradient_as_bucket_view=False", 2), ("DDP, gradient_as_bucket_view=True", 1)):
     checks = [c for rank_checks in cluster.run(where_gradients_live, kind) for c in rank_checks]
     views, ratio = all(v for v, _ in checks), max(r for _, r in checks)
-    print(f"  {kind:>34}: every .grad inside a bucket: {views!s:5}  "
-          f"gradient memory = {ratio:.2f}x the parameter bytes")
+    print(f"  {kind:>34}: every .grad inside a bucket: {views!s:5}  gradient memory = {ratio:.2f}x the parameter bytes")
     assert all(v == (copies == 1) and r == copies for v, r in checks)
 
 # %% [markdown]
@@ -656,8 +712,15 @@ per_tensor_ms = median_step_ms(runs["overlapped"])
 fig, ax = plt.subplots(figsize=(6, 3.2))
 plt.close(fig)
 ax.plot(CAPS_MB, sweep_ms, marker="o", label="bucketed DP")
-ax.plot([CAPS_MB[0]], [again_ms], marker="o", mfc="none", ls="none", color="C0",
-        label=f"the first cap timed again ({again_ms / sweep_ms[0]:.2f}x): the noise")
+ax.plot(
+    [CAPS_MB[0]],
+    [again_ms],
+    marker="o",
+    mfc="none",
+    ls="none",
+    color="C0",
+    label=f"the first cap timed again ({again_ms / sweep_ms[0]:.2f}x): the noise",
+)
 ax.axhline(per_tensor_ms, color="grey", ls="--", label=f"one all-reduce per tensor ({n_tensors} calls)")
 for cap, ms, count in zip(CAPS_MB, sweep_ms, bucket_counts):
     ax.annotate(f"{count}", (cap, ms), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
@@ -704,8 +767,10 @@ syncs_saved = (every_micro[0]["num_syncs"] - with_no_sync[0]["num_syncs"]) / STE
 calls_saved = (sum(every_micro[0]["all_reduce_calls"]) - sum(with_no_sync[0]["all_reduce_calls"])) / STEPS
 print(f"grad_acc = {GRAD_ACC}, {len(layout)} buckets, per optimizer step:")
 for name, res in (("sync every micro-batch", every_micro[0]), ("no_sync", with_no_sync[0])):
-    print(f"  {name:>22}: {res['num_syncs'] // STEPS} gradient synchronisation(s), "
-          f"{res['all_reduce_calls'][0]:2d} all-reduce calls")
+    print(
+        f"  {name:>22}: {res['num_syncs'] // STEPS} gradient synchronisation(s), "
+        f"{res['all_reduce_calls'][0]:2d} all-reduce calls"
+    )
 print(f"  no_sync saves {syncs_saved:.0f} synchronisations = {calls_saved:.0f} all-reduce calls per step")
 assert with_no_sync[0]["num_syncs"] == STEPS and every_micro[0]["num_syncs"] == STEPS * GRAD_ACC
 assert syncs_saved == GRAD_ACC - 1
@@ -736,6 +801,7 @@ assert calls_saved == (GRAD_ACC - 1) * len(layout)
 # at every forward, let ranks with uneven amounts of data finish together (`join()`), and run
 # other communication hooks, such as fp16 compression of the buckets.
 
+
 # %%
 def train_ddp_counting_buckets(ctx, steps, grad_acc, bucket_cap_mb):
     torch.manual_seed(SEED + ctx.rank)
@@ -746,8 +812,17 @@ def train_ddp_counting_buckets(ctx, steps, grad_acc, bucket_cap_mb):
     opt = make_optimizer(model.parameters(), "sgd", lr=LR)
     for step in range(steps):
         seen.clear()
-        params = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), 1, opt, grad_acc=grad_acc,
-                       module=ddp, no_sync=ddp.no_sync, device=ctx.device, first_step=step)
+        params = train(
+            model,
+            DATA.rank_stream(ctx.rank, ctx.world_size),
+            1,
+            opt,
+            grad_acc=grad_acc,
+            module=ddp,
+            no_sync=ddp.no_sync,
+            device=ctx.device,
+            first_step=step,
+        )
         buckets_per_step.append(len(seen))
     return {"params": params, "buckets_per_step": buckets_per_step}
 
@@ -757,9 +832,8 @@ assert_replicas_identical(replicas(ddp_acc), "DDP")
 assert_same(with_no_sync[0]["params"], ddp_acc[0]["params"], "our bucketed DP vs DDP")
 assert_same(ddp_acc[0]["params"], reference_acc, "DDP vs single process")
 print(f"bucket_cap_mb={BUCKET_MB}, grad_acc={GRAD_ACC} with no_sync: ours == DDP == single process")
-print(f"all-reduce calls per step: ours {with_no_sync[0]['all_reduce_calls']}, "
-      f"DDP {ddp_acc[0]['buckets_per_step']}")
-assert with_no_sync[0]["all_reduce_calls"][1:] == ddp_acc[0]["buckets_per_step"][1:]   # after DDP's rebuild
+print(f"all-reduce calls per step: ours {with_no_sync[0]['all_reduce_calls']}, DDP {ddp_acc[0]['buckets_per_step']}")
+assert with_no_sync[0]["all_reduce_calls"][1:] == ddp_acc[0]["buckets_per_step"][1:]  # after DDP's rebuild
 
 # %% [markdown]
 # The counts differ only in the first step, and DDP's source says why: in its first iteration
@@ -778,6 +852,7 @@ assert with_no_sync[0]["all_reduce_calls"][1:] == ddp_acc[0]["buckets_per_step"]
 # bound when the hook is registered, so that it looks nothing up by tensor. DDP's reducer does the
 # same work in C++. A subclass with a stopwatch around the hook shows what the Python costs here.
 # The all-reduce launches the hooks make are counted inside it.
+
 
 # %% tags=["nbval-ignore-output"]
 class TimedHooks(BucketedDataParallel):
@@ -800,7 +875,7 @@ def hook_cost(ctx, steps=6):
     torch.manual_seed(SEED)
     dp = TimedHooks(GPT(CONFIG).to(ctx.device), bucket_cap_mb=BUCKET_MB)
     opt = make_optimizer(dp.module.parameters(), "sgd", lr=LR)
-    per_step = []   # CPU seconds: (hooks without their launches, launches, the whole step), hook calls
+    per_step = []  # CPU seconds: (hooks without their launches, launches, the whole step), hook calls
     for step in range(steps):
         dp.hook_times, dp.launch_times = [], []
         start = time.thread_time()
@@ -810,16 +885,18 @@ def hook_cost(ctx, steps=6):
         opt.zero_grad()
         launches = sum(dp.launch_times)
         per_step.append((sum(dp.hook_times) - launches, launches, time.thread_time() - start, len(dp.hook_times)))
-    return per_step[1:]   # the first step also allocates the buckets' first gradients
+    return per_step[1:]  # the first step also allocates the buckets' first gradients
 
 
 costs = [row for rank_steps in cluster.run(hook_cost) for row in rank_steps]
 assert all(calls == n_tensors for *_, calls in costs), "one hook call per parameter tensor"
 own, launch, step = (statistics.median(row[i] for row in costs) for i in range(3))
 print(f"{n_tensors} hook calls per backward, median over ranks and steps, in CPU time of the rank's thread:")
-print(f"  the hooks' own work (the bookkeeping, and each gradient's scaled copy into its slot): "
-      f"{1e3 * own:.2f} ms ({1e6 * own / n_tensors:.0f} us a call), "
-      f"{100 * own / step:.1f}% of the step's {1e3 * step:.0f} ms")
+print(
+    f"  the hooks' own work (the bookkeeping, and each gradient's scaled copy into its slot): "
+    f"{1e3 * own:.2f} ms ({1e6 * own / n_tensors:.0f} us a call), "
+    f"{100 * own / step:.1f}% of the step's {1e3 * step:.0f} ms"
+)
 print(f"  launching {len(layout)} all-reduces from them: {1e3 * launch:.2f} ms (DDP launches the same)")
 
 # %% [markdown]
@@ -887,8 +964,9 @@ assert plan_batch(4e6, 4096, mbs=1, dp=1024).grad_acc == 1  # lowering mbs is on
 
 # %%
 weights_bytes = 2 * 70e9
-print(f"70B parameters x 2 bytes = {weights_bytes / GB:.0f} GB = {weights_bytes / GiB:.1f} GiB "
-      "(the book prints 133 GiB)")
+print(
+    f"70B parameters x 2 bytes = {weights_bytes / GB:.0f} GB = {weights_bytes / GiB:.1f} GiB (the book prints 133 GiB)"
+)
 
 # %% [markdown]
 # Data parallelism divides the *batch*, never the model: memory per GPU stays the same however
@@ -898,8 +976,7 @@ print(f"70B parameters x 2 bytes = {weights_bytes / GB:.0f} GB = {weights_bytes 
 
 # %%
 presets = {"Llama 3 8B": LLAMA3_8B, "Llama 3 70B": LLAMA3_70B, "Llama 3 405B": LLAMA3_405B}
-memory = {name: breakdown(cfg, seq=4096, micro_batch=1, recompute="full")
-          for name, cfg in presets.items()}
+memory = {name: breakdown(cfg, seq=4096, micro_batch=1, recompute="full") for name, cfg in presets.items()}
 for name, parts in memory.items():
     assert breakdown(presets[name], seq=4096, recompute="full", dp=512) == parts  # DP does not help
     print(f"{name:>13}: {sum(parts.values()) / GB:8.0f} GB per GPU with full recomputation, at any dp")
@@ -943,8 +1020,10 @@ exposed_s = np.maximum(comm_s - backward_s, 0)  # what the overlap cannot hide
 step_s = forward_s + backward_s + exposed_s
 relative_throughput = (forward_s + backward_s) / step_s  # per GPU, 1.0 = perfect scaling
 knee = dps[np.argmax(exposed_s > 0)]
-print(f"communication per step: {comm_s[0]:.2f} s at dp=2, {comm_s[-1]:.2f} s at dp={dps[-1]}; "
-      f"it no longer hides behind backward from dp={knee}")
+print(
+    f"communication per step: {comm_s[0]:.2f} s at dp=2, {comm_s[-1]:.2f} s at dp={dps[-1]}; "
+    f"it no longer hides behind backward from dp={knee}"
+)
 assert np.all(np.diff(comm_s) > 0) and relative_throughput[0] == 1 and relative_throughput[-1] < 0.5
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))

@@ -94,6 +94,7 @@ plt.switch_backend(plt.get_backend())
 # We write the four formulas out and check them against the library's memory model, which the
 # rest of the course uses.
 
+
 # %%
 def per_gpu_bytes(psi, k, nd):
     """The four per-GPU formulas, written exactly as in the table above."""
@@ -139,6 +140,7 @@ assert round(example["ZeRO-3"], 3) == 1.875
 # - ZeRO-2 keeps $2\Psi$: the saving tends to $16/2 = 8\times$, the book's "up to 8x";
 # - ZeRO-3 keeps nothing whole: the saving is exactly $N_d$, without limit.
 
+
 # %%
 def saving(stage, nd, k=12):
     formulas = per_gpu_bytes(1.0, k, nd)
@@ -148,11 +150,10 @@ def saving(stage, nd, k=12):
 nds = 2 ** np.arange(0, 21)
 zero2 = np.array([saving("ZeRO-2", nd) for nd in nds])
 assert np.all(np.diff(zero2) > 0) and np.all(zero2 < 8), "ZeRO-2's saving grows towards 8 but never reaches it"
-assert math.isclose(saving("ZeRO-2", 1e12), (2 + 2 + 12) / 2, rel_tol=1e-9)   # the limit: 16/2 = 8
-assert math.isclose(saving("ZeRO-1", 1e12), (2 + 2 + 12) / 4, rel_tol=1e-9)   # and 16/4 = 4
+assert math.isclose(saving("ZeRO-2", 1e12), (2 + 2 + 12) / 2, rel_tol=1e-9)  # the limit: 16/2 = 8
+assert math.isclose(saving("ZeRO-1", 1e12), (2 + 2 + 12) / 4, rel_tol=1e-9)  # and 16/4 = 4
 assert all(math.isclose(saving("ZeRO-3", nd), nd) for nd in (2, 64, 1024))
-print("ZeRO-2 saving at N_d = 1, 8, 64, 512:",
-      ", ".join(f"{saving('ZeRO-2', nd):.2f}x" for nd in (1, 8, 64, 512)))
+print("ZeRO-2 saving at N_d = 1, 8, 64, 512:", ", ".join(f"{saving('ZeRO-2', nd):.2f}x" for nd in (1, 8, 64, 512)))
 
 # %%
 STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
@@ -161,18 +162,34 @@ nd_axis = 2 ** np.arange(0, 11)
 fig = Figure(figsize=(11, 3.8), layout="constrained")
 left, right = fig.subplots(1, 2)
 for name in STAGES:
-    left.plot(nd_axis, [per_gpu_bytes(7.5e9, 12, nd)[name] / GB for nd in nd_axis], "o-", ms=3,
-              color=COLOURS[name], label=name)
+    left.plot(
+        nd_axis,
+        [per_gpu_bytes(7.5e9, 12, nd)[name] / GB for nd in nd_axis],
+        "o-",
+        ms=3,
+        color=COLOURS[name],
+        label=name,
+    )
     right.plot(nd_axis, [saving(name, nd) for nd in nd_axis], "o-", ms=3, color=COLOURS[name], label=name)
 left.axhline(80, color="k", ls=":", lw=1)
 left.text(1, 85, "80 GB (one H100)", fontsize=8)
-left.set(xscale="log", yscale="log", xlabel="data-parallel degree $N_d$", ylabel="GB per GPU",
-         title="model state of a 7.5B model, Adam (k = 12)")
+left.set(
+    xscale="log",
+    yscale="log",
+    xlabel="data-parallel degree $N_d$",
+    ylabel="GB per GPU",
+    title="model state of a 7.5B model, Adam (k = 12)",
+)
 for limit, label in ((4, "ZeRO-1 limit 4x"), (8, "ZeRO-2 limit 8x")):
     right.axhline(limit, color="k", ls=":", lw=1)
     right.text(1, limit * 1.08, label, fontsize=8)
-right.set(xscale="log", yscale="log", xlabel="data-parallel degree $N_d$", ylabel="saving over plain DP",
-          title="memory saved by each stage")
+right.set(
+    xscale="log",
+    yscale="log",
+    xlabel="data-parallel degree $N_d$",
+    ylabel="saving over plain DP",
+    title="memory saved by each stage",
+)
 for ax in (left, right):
     ax.set_xticks(nd_axis[::2], [str(n) for n in nd_axis[::2]])
 right.legend(fontsize=8)
@@ -201,10 +218,12 @@ if QUICK:
 else:
     CFG = GPTConfig(vocab_size=256, hidden=64, layers=6, heads=4, seq_len=32)
 PSI = count_params(CFG)
-MBS = 2                         # sequences per rank per step
+MBS = 2  # sequences per rank per step
 STEPS = 3 if QUICK else 10
-print(f"course GPT: {CFG.layers} blocks, hidden {CFG.hidden}, vocabulary {CFG.vocab_size}: "
-      f"Psi = {PSI:,} parameters; Psi mod {WORLD_SIZE} = {PSI % WORLD_SIZE}")
+print(
+    f"course GPT: {CFG.layers} blocks, hidden {CFG.hidden}, vocabulary {CFG.vocab_size}: "
+    f"Psi = {PSI:,} parameters; Psi mod {WORLD_SIZE} = {PSI % WORLD_SIZE}"
+)
 
 cluster = Cluster(WORLD_SIZE)
 print(cluster)
@@ -291,10 +310,17 @@ def train_single_process(opt_name, world_size):
 
 
 def train_dp(ctx, opt_name):
-    model = fresh_model().to(ctx.device)   # the same initial weights on every rank, then moved
-    dp = NaiveDataParallel(model)   # all-reduce and average the gradients after backward
-    return train(model, local_batches(ctx), STEPS, opt_name, module=dp,
-                 after_backward=dp.finish_gradient_synchronization, device=ctx.device)
+    model = fresh_model().to(ctx.device)  # the same initial weights on every rank, then moved
+    dp = NaiveDataParallel(model)  # all-reduce and average the gradients after backward
+    return train(
+        model,
+        local_batches(ctx),
+        STEPS,
+        opt_name,
+        module=dp,
+        after_backward=dp.finish_gradient_synchronization,
+        device=ctx.device,
+    )
 
 
 def train_zero(ctx, stage, opt_name, prefetch=True):
@@ -302,13 +328,18 @@ def train_zero(ctx, stage, opt_name, prefetch=True):
     cls, kwargs = OPTIMIZERS[opt_name]
     zero = ZeRO(model, stage=stage, optimizer_cls=cls, prefetch=prefetch, **kwargs)  # also the optimizer
     run_steps(model, local_batches(ctx), STEPS, zero, device=ctx.device)
-    return zero.full_state_dict()   # ZeRO-3 gathers its shards for this
+    return zero.full_state_dict()  # ZeRO-3 gathers its shards for this
 
 
 # %%
 single = train_single_process("adam", WORLD_SIZE)
-runs = {"DP": (train_dp, "adam"), "ZeRO-1": (train_zero, 1, "adam"), "ZeRO-2": (train_zero, 2, "adam"),
-        "ZeRO-3": (train_zero, 3, "adam"), "ZeRO-3, no prefetch": (train_zero, 3, "adam", False)}
+runs = {
+    "DP": (train_dp, "adam"),
+    "ZeRO-1": (train_zero, 1, "adam"),
+    "ZeRO-2": (train_zero, 2, "adam"),
+    "ZeRO-3": (train_zero, 3, "adam"),
+    "ZeRO-3, no prefetch": (train_zero, 3, "adam", False),
+}
 results = {name: cluster.run(*call) for name, call in ProgressBar("training each variant").iterate(runs.items())}
 
 # %% [markdown]
@@ -324,7 +355,7 @@ results = {name: cluster.run(*call) for name, call in ProgressBar("training each
 # copies the same values everywhere.
 
 # %%
-TOL, SGD_TOL = tolerance("adam"), tolerance("sgd")   # ultrascale.parity.TOLERANCES, with the reasons
+TOL, SGD_TOL = tolerance("adam"), tolerance("sgd")  # ultrascale.parity.TOLERANCES, with the reasons
 
 
 reference = results["DP"][0]
@@ -332,8 +363,10 @@ assert_same(reference, single, "DP against one process", optimizer="adam")
 for name, per_rank in results.items():
     assert_replicas_identical(per_rank, name)
     assert_same(per_rank[0], reference, f"{name} against DP", optimizer="adam")
-print(f"after {STEPS} Adam steps on {WORLD_SIZE} ranks, every run matches plain DP within "
-      f"atol={TOL['atol']}, rtol={TOL['rtol']}; all ranks hold identical weights")
+print(
+    f"after {STEPS} Adam steps on {WORLD_SIZE} ranks, every run matches plain DP within "
+    f"atol={TOL['atol']}, rtol={TOL['rtol']}; all ranks hold identical weights"
+)
 
 # %% tags=["nbval-ignore-output"]
 # The measured differences (machine-dependent last bits, so not compared in CI)
@@ -361,12 +394,13 @@ print("ZeRO-1, 2 and 3 also match plain DP with SGD: the gradients are averaged,
 # the rest), train with the same data and optimizer, and compare. FSDP2 runs on a CPU gloo mesh.
 # While it trains we also log its collectives, for section 3.
 
+
 # %%
 def train_fsdp2(ctx):
-    model = fsdp2(fresh_model().to(ctx.device), device_mesh_1d(ctx))   # fully_shard each block, then the whole model
+    model = fsdp2(fresh_model().to(ctx.device), device_mesh_1d(ctx))  # fully_shard each block, then the whole model
     optimizer = make_optimizer(model.parameters(), "adam")
     run_steps(model, local_batches(ctx), STEPS - 1, optimizer, device=ctx.device)
-    with CommLogger() as log:        # the last step's collectives
+    with CommLogger() as log:  # the last step's collectives
         run_steps(model, local_batches(ctx), 1, optimizer, device=ctx.device, first_step=STEPS - 1)
     shards = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     return weights(model), log.totals(), shards
@@ -391,6 +425,7 @@ print("ZeRO-1, 2 and 3 match FSDP2 fully_shard on the same model and data")
 # For ZeRO-3 we sample the parameter bytes at every block's forward and backward too: the
 # at-rest number is not the whole story, because gathered units exist for a while.
 
+
 # %%
 def measure_stage(ctx, stage, units=None):
     model = fresh_model().to(ctx.device)
@@ -401,18 +436,23 @@ def measure_stage(ctx, stage, units=None):
         peak["parameters"] = max(peak["parameters"], zero.state_bytes()["parameters"])
 
     def after_forward(module, args, output):
-        output.register_hook(lambda grad: sample())   # runs after ZeRO's own pre-backward gather
+        output.register_hook(lambda grad: sample())  # runs after ZeRO's own pre-backward gather
 
-    for block in model.blocks:   # registered after ZeRO's hooks, so they see what ZeRO gathered
+    for block in model.blocks:  # registered after ZeRO's hooks, so they see what ZeRO gathered
         block.register_forward_pre_hook(lambda module, args: sample())
         block.register_forward_hook(after_forward)
 
     for step in range(2):
-        with CommLogger() as log:    # the second step's collectives are kept
+        with CommLogger() as log:  # the second step's collectives are kept
             run_steps(model, local_batches(ctx), 1, zero, device=ctx.device, first_step=step)
-    return {"state": zero.state_bytes(), "formula": zero.formula_bytes(k=12), "peak": peak["parameters"],
-            "comm": log.totals(), "calls": log.collective_elements(),
-            "units": [(u.name, u.numel, u.padded) for u in zero.all_units]}
+    return {
+        "state": zero.state_bytes(),
+        "formula": zero.formula_bytes(k=12),
+        "peak": peak["parameters"],
+        "comm": log.totals(),
+        "calls": log.collective_elements(),
+        "units": [(u.name, u.numel, u.padded) for u in zero.all_units],
+    }
 
 
 measured = {stage: cluster.run(measure_stage, stage) for stage in (0, 1, 2, 3)}
@@ -424,14 +464,17 @@ measured = {stage: cluster.run(measure_stage, stage) for stage in (0, 1, 2, 3)}
 # parameter tensor, a 4-byte fp32 scalar, and our optimizer sees one fp32 master tensor per unit.
 # The measurement must equal that prediction exactly, and stay within 2% of the book's formula.
 
+
 # %%
 def exact_prediction(out, stage, n):
     padded = sum(p for _, _, p in out["units"])
-    shard = padded // n if stage > 0 else padded   # stage 0 keeps every element
+    shard = padded // n if stage > 0 else padded  # stage 0 keeps every element
     units = len(out["units"])
-    return {"parameters": 2 * (shard if stage >= 3 else padded),
-            "gradients": 2 * (shard if stage >= 2 else padded),
-            "optimizer states": 12 * shard + 4 * units}
+    return {
+        "parameters": 2 * (shard if stage >= 3 else padded),
+        "gradients": 2 * (shard if stage >= 2 else padded),
+        "optimizer states": 12 * shard + 4 * units,
+    }
 
 
 KINDS = ("parameters", "gradients", "optimizer states")
@@ -463,8 +506,10 @@ root, blocks = out3["units"][0][2], [p for _, _, p in out3["units"][1:]]
 at_rest = out3["state"]["parameters"]
 assert out3["peak"] == at_rest + 2 * (root + 2 * max(blocks)), "root + current block + prefetched block"
 full_model = measured[0][0]["state"]["parameters"]
-print(f"ZeRO-3 parameter bytes: {at_rest:,} at rest, {out3['peak']:,} at peak "
-      f"(root + 2 blocks gathered), against {full_model:,} for a full replica")
+print(
+    f"ZeRO-3 parameter bytes: {at_rest:,} at rest, {out3['peak']:,} at peak "
+    f"(root + 2 blocks gathered), against {full_model:,} for a full replica"
+)
 
 # %% [markdown]
 # ### Communication per step
@@ -484,6 +529,7 @@ print(f"ZeRO-3 parameter bytes: {at_rest:,} at rest, {out3['peak']:,} at peak "
 # None. DDP does the same with `find_unused_parameters=True`. It is a few bytes against
 # $\Psi$ elements, and it is left out of the volumes below.
 
+
 # %%
 def volume_in_psi(totals, op, n, width=2):
     """Elements of the buffers behind one rank's logged ring traffic, in units of Psi."""
@@ -494,10 +540,12 @@ def volume_in_psi(totals, op, n, width=2):
 n = WORLD_SIZE
 units = measured[0][0]["units"]
 padded_psi = sum(p for _, _, p in units)
-kept = units[0][2] + units[-1][2]          # the root and the last block: gathered once only
+kept = units[0][2] + units[-1][2]  # the root and the last block: gathered once only
 expected_elements = {0: 2 * padded_psi, 1: 2 * padded_psi, 2: 2 * padded_psi, 3: 3 * padded_psi - kept}
 # torch 2.13 added *_single beside reduce_scatter_tensor / all_gather_into_tensor; the log keeps the name called
-REDUCE_SCATTER = "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") else "reduce_scatter_tensor"
+REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
 ALL_GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
 OPS = ("all_reduce", REDUCE_SCATTER, ALL_GATHER)
 print(f"{'stage':>6} {'all-reduce':>11} {'reduce-scatter':>15} {'all-gather':>11} {'total':>7}   (in Psi)")
@@ -509,8 +557,9 @@ for stage, per_rank in measured.items():
         assert out["calls"]["elements"] == elements, "logged buffer sizes and ring traffic agree"
     row = {op: volume_in_psi(per_rank[0]["comm"], op, n) for op in OPS}
     volumes[stage] = sum(row.values())
-    print(f"{stage:>6} " + " ".join(f"{row[op]:>{w}.4f}" for op, w in zip(OPS, (11, 15, 11)))
-          + f" {volumes[stage]:>7.4f}")
+    print(
+        f"{stage:>6} " + " ".join(f"{row[op]:>{w}.4f}" for op, w in zip(OPS, (11, 15, 11))) + f" {volumes[stage]:>7.4f}"
+    )
 
 assert volumes[1] == volumes[2] == volumes[0], "ZeRO-1 and ZeRO-2 move what DP moves"
 assert abs(volumes[1] - 2) < 0.01 and 2.5 < volumes[3] < 3.0
@@ -538,19 +587,21 @@ assert measured[0][0]["comm"]["all_reduce"]["bytes_sent"] == 2 * measured[1][0][
 # as a single unit, the way the book draws it (one big all-gather after the optimizer step).
 
 # %%
-single_unit = cluster.run(measure_stage, 2, [])[0]   # units=[]: everything in the root unit
+single_unit = cluster.run(measure_stage, 2, [])[0]  # units=[]: everything in the root unit
 L = CFG.layers
-gathers = {"ZeRO-2 (one unit per block + root)": measured[2][0]["calls"]["all_gather"],
-           "ZeRO-2 (whole model as one unit)": single_unit["calls"]["all_gather"],
-           "ZeRO-3": measured[3][0]["calls"]["all_gather"]}
+gathers = {
+    "ZeRO-2 (one unit per block + root)": measured[2][0]["calls"]["all_gather"],
+    "ZeRO-2 (whole model as one unit)": single_unit["calls"]["all_gather"],
+    "ZeRO-3": measured[3][0]["calls"]["all_gather"],
+}
 for name, count in gathers.items():
     print(f"{name:>36}: {count:2d} all-gather calls per step")
 
-assert gathers["ZeRO-2 (one unit per block + root)"] == L + 1      # one per unit, after the step
+assert gathers["ZeRO-2 (one unit per block + root)"] == L + 1  # one per unit, after the step
 assert gathers["ZeRO-2 (whole model as one unit)"] == 1
-assert gathers["ZeRO-3"] == 1 + L + (L - 1)                       # root, L forward, L - 1 backward
+assert gathers["ZeRO-3"] == 1 + L + (L - 1)  # root, L forward, L - 1 backward
 assert gathers["ZeRO-3"] - gathers["ZeRO-2 (whole model as one unit)"] == 2 * L - 1
-blocks_only = gathers["ZeRO-3"] - 1                               # leave out the root unit
+blocks_only = gathers["ZeRO-3"] - 1  # leave out the root unit
 assert blocks_only == 2 * L - 1
 
 # %% [markdown]
@@ -572,13 +623,17 @@ assert blocks_only == 2 * L - 1
 fsdp_totals, fsdp_shards = fsdp[0][1], fsdp[0][2]
 fsdp_gathers = fsdp_totals[ALL_GATHER]["calls"]
 fsdp_scatters = fsdp_totals[REDUCE_SCATTER]["calls"]
-print(f"FSDP2: {fsdp_gathers} all-gathers and {fsdp_scatters} reduce-scatters per step "
-      f"(ours: {gathers['ZeRO-3']} and {measured[3][0]['calls']['reduce_scatter']})")
+print(
+    f"FSDP2: {fsdp_gathers} all-gathers and {fsdp_scatters} reduce-scatters per step "
+    f"(ours: {gathers['ZeRO-3']} and {measured[3][0]['calls']['reduce_scatter']})"
+)
 assert fsdp_scatters == L + 1, "one reduce-scatter per unit, like ours"
 assert fsdp_gathers == 1 + 2 * L, "FSDP2 (torch 2.13) gathers the last block again for backward"
 embedding_rows = CFG.vocab_size
-print(f"FSDP2 shards each parameter along dim 0: the {embedding_rows} x {CFG.hidden} embedding becomes "
-      f"{fsdp_shards['embed.weight']} on rank 0, ..., {fsdp[-1][2]['embed.weight']} on rank {WORLD_SIZE - 1}")
+print(
+    f"FSDP2 shards each parameter along dim 0: the {embedding_rows} x {CFG.hidden} embedding becomes "
+    f"{fsdp_shards['embed.weight']} on rank 0, ..., {fsdp[-1][2]['embed.weight']} on rank {WORLD_SIZE - 1}"
+)
 chunk = -(-embedding_rows // WORLD_SIZE)
 assert fsdp[0][2]["embed.weight"] == (chunk, CFG.hidden)
 
@@ -602,7 +657,7 @@ assert fsdp[0][2]["embed.weight"] == (chunk, CFG.hidden)
 # model makes the compute bars visible.
 
 # %%
-TIMELINE_CFG = GPTConfig(vocab_size=256, hidden=128, layers=L, heads=4, seq_len=64)   # wider, same depth
+TIMELINE_CFG = GPTConfig(vocab_size=256, hidden=128, layers=L, heads=4, seq_len=64)  # wider, same depth
 
 
 def record_step(ctx, stage, prefetch):
@@ -614,22 +669,28 @@ def record_step(ctx, stage, prefetch):
     # an all-gather happens before a bar starts, so it is not counted as compute.
     timeline.instrument(model.blocks)
     batch = Batches(TIMELINE_CFG, mbs=4, seed=SEED).rank_batch(ctx.rank, ctx.world_size, 0).to(ctx.device)
-    for step in range(2):            # the first step warms up; the second is recorded
+    for step in range(2):  # the first step warms up; the second is recorded
         timeline.clear()
         start = time.perf_counter()
         batch.loss(model).backward()
         with timeline.span("step (optimizer)"):
             zero.step()
         zero.zero_grad()
-        wait_for_device(ctx.device)   # on a GPU: the kernels done, not only queued
+        wait_for_device(ctx.device)  # on a GPU: the kernels done, not only queued
         seconds = time.perf_counter() - start
     return timeline.rows(), seconds
 
 
-variants = {"ZeRO-1": (1, True), "ZeRO-2": (2, True),
-            "ZeRO-3 without prefetch": (3, False), "ZeRO-3 with prefetch": (3, True)}
-timelines = {name: cluster.run(record_step, stage, prefetch)
-             for name, (stage, prefetch) in ProgressBar("recording one step of each").iterate(variants.items())}
+variants = {
+    "ZeRO-1": (1, True),
+    "ZeRO-2": (2, True),
+    "ZeRO-3 without prefetch": (3, False),
+    "ZeRO-3 with prefetch": (3, True),
+}
+timelines = {
+    name: cluster.run(record_step, stage, prefetch)
+    for name, (stage, prefetch) in ProgressBar("recording one step of each").iterate(variants.items())
+}
 
 
 # %% [markdown]
@@ -637,6 +698,7 @@ timelines = {name: cluster.run(record_step, stage, prefetch)
 # after backward, just before the optimizer; ZeRO-2 reduce-scatters each block's gradients as soon
 # as its backward is done, overlapping with the backward of the blocks before it, then drops them.
 # Both all-gather the updated parameters after the optimizer step.
+
 
 # %% tags=["nbval-ignore-output"]
 def gantt(names):
@@ -655,6 +717,7 @@ gantt(["ZeRO-1", "ZeRO-2"])
 # The order of events is not a matter of timing, so we can assert it from the recorded
 # timelines on every rank: in ZeRO-2 each block's reduce-scatter is launched before the backward
 # of the block before it begins; in ZeRO-1 every reduce-scatter is launched after the last backward.
+
 
 # %%
 def events(rows, lane=None, prefix=""):
@@ -684,13 +747,16 @@ display(gantt(["ZeRO-3 without prefetch", "ZeRO-3 with prefetch"]))
 for name, per_rank in timelines.items():
     # Overlap with the blocks' forward and backward only (the optimizer step bar is left out).
     rows = [e for rows, _ in per_rank for e in rows if not e["name"].startswith("step")]
-    communication = sum(covered_seconds([(e["start"], e["end"]) for e in rows
-                                         if e["rank"] == r and e["lane"] == "communication"])
-                        for r in range(WORLD_SIZE))
+    communication = sum(
+        covered_seconds([(e["start"], e["end"]) for e in rows if e["rank"] == r and e["lane"] == "communication"])
+        for r in range(WORLD_SIZE)
+    )
     hidden = overlap_seconds(rows) / communication
     step_ms = 1e3 * max(s for _, s in per_rank)
-    print(f"{name:>24}: step {step_ms:6.1f} ms, {100 * hidden:3.0f}% of communication time overlapped "
-          f"a block's forward or backward")
+    print(
+        f"{name:>24}: step {step_ms:6.1f} ms, {100 * hidden:3.0f}% of communication time overlapped "
+        f"a block's forward or backward"
+    )
 
 # %% [markdown]
 # On a laptop the ranks and gloo's communication threads share the same few CPU cores, so the
@@ -707,19 +773,19 @@ for name, per_rank in timelines.items():
 for name, prefetch in (("ZeRO-3 without prefetch", False), ("ZeRO-3 with prefetch", True)):
     for rows, _ in timelines[name]:
         for i in range(1, L):
-            gather = events(rows, "communication", f"all_gather unit {i}")[0]     # the forward one
+            gather = events(rows, "communication", f"all_gather unit {i}")[0]  # the forward one
             previous = first(rows, f"forward block {i - 1}")
             if prefetch:
                 assert gather["start"] <= previous["start"], (name, i)
             else:
                 assert gather["start"] >= previous["end"], (name, i)
-        if prefetch:   # backward's pipeline: gather block i - 1, compute block i, reduce block i + 1
+        if prefetch:  # backward's pipeline: gather block i - 1, compute block i, reduce block i + 1
             for i in range(1, L - 1):
                 backward = first(rows, f"backward block {i}")
-                regather = [e for e in rows if e["name"] == f"all_gather unit {i - 1}"][1]   # the backward one
+                regather = [e for e in rows if e["name"] == f"all_gather unit {i - 1}"][1]  # the backward one
                 assert regather["start"] <= backward["start"], (name, i)
                 assert first(rows, f"reduce_scatter unit {i + 1}")["start"] <= backward["start"], (name, i)
-        assert len(events(rows, "communication", "all_gather")) == 2 * L   # as counted in section 3
+        assert len(events(rows, "communication", "all_gather")) == 2 * L  # as counted in section 3
 print("launch order checked on every rank")
 
 # %% [markdown]
@@ -740,14 +806,16 @@ print("launch order checked on every rank")
 # compute. Change them and the crossing point moves, but it always exists.
 
 # %%
-layer_params, batch_tokens, flops = 218e6, 4e6, 400e12        # assumptions, see above
+layer_params, batch_tokens, flops = 218e6, 4e6, 400e12  # assumptions, see above
 link = AlphaBeta(alpha=10e-6, beta=50e9)
 nd_range = 2 ** np.arange(3, 13)
 gather_ms = np.array([1e3 * link.ring_phase_time(2 * layer_params, nd) for nd in nd_range])
-forward_ms = 1e3 * 2 * layer_params * (batch_tokens / nd_range) / flops   # 2 FLOPs per parameter per token
+forward_ms = 1e3 * 2 * layer_params * (batch_tokens / nd_range) / flops  # 2 FLOPs per parameter per token
 exposed = nd_range[gather_ms > forward_ms]
-print(f"a layer's all-gather outlasts its neighbour's forward from N_d = {exposed[0]} on "
-      f"(gather {gather_ms[nd_range == exposed[0]][0]:.1f} ms, forward {forward_ms[nd_range == exposed[0]][0]:.1f} ms)")
+print(
+    f"a layer's all-gather outlasts its neighbour's forward from N_d = {exposed[0]} on "
+    f"(gather {gather_ms[nd_range == exposed[0]][0]:.1f} ms, forward {forward_ms[nd_range == exposed[0]][0]:.1f} ms)"
+)
 assert np.all(np.diff(gather_ms) > 0) and np.all(np.diff(forward_ms) < 0)
 assert 64 < exposed[0] <= 1024, "with these assumptions the crossing lands in the hundreds, like the book's 512"
 # Backward: a block's backward computes about twice its forward, but it hides two transfers of the
@@ -761,8 +829,13 @@ ax.plot(nd_range, gather_ms, "o-", color="#da8bc3", label="all-gather of one lay
 ax.plot(nd_range, forward_ms, "o-", color="#4c72b0", label="forward of one layer (per rank)")
 ax.axvline(512, color="k", ls=":", lw=1)
 ax.text(530, ax.get_ylim()[1] * 0.5, "512", fontsize=8)
-ax.set(xscale="log", yscale="log", xlabel="data-parallel degree $N_d$", ylabel="ms",
-       title="prefetch hides the gather while the blue line is above the pink one")
+ax.set(
+    xscale="log",
+    yscale="log",
+    xlabel="data-parallel degree $N_d$",
+    ylabel="ms",
+    title="prefetch hides the gather while the blue line is above the pink one",
+)
 ax.set_xticks(nd_range, [str(n) for n in nd_range])
 ax.legend(fontsize=8)
 fig
@@ -793,12 +866,13 @@ fig
 # We train it with PyTorch's plain Adam and compare it with DP and with `fully_shard` from above,
 # and log the last step's collectives beside ZeRO-3's, both in fp32.
 
+
 # %%
 def train_per_parameter(ctx, opt_name="adam", mp_policy=None):
     model = apply_fsdp(fresh_model().to(ctx.device), mp_policy=mp_policy)
-    optimizer = make_optimizer(model.parameters(), opt_name)   # torch's own, on the shards
+    optimizer = make_optimizer(model.parameters(), opt_name)  # torch's own, on the shards
     losses = run_steps(model, local_batches(ctx), STEPS - 1, optimizer, device=ctx.device)
-    with CommLogger() as log:        # the last step's collectives
+    with CommLogger() as log:  # the last step's collectives
         losses += run_steps(model, local_batches(ctx), 1, optimizer, device=ctx.device, first_step=STEPS - 1)
     shards = {n: tuple(p.shape) for n, p in model.named_parameters()}
     return {"weights": full_state_dict(model), "comm": log.totals(), "shards": shards, "losses": losses}
@@ -819,16 +893,18 @@ for rank, (mine, theirs) in enumerate(zip(per_parameter, fsdp)):
     assert mine["shards"] == theirs[2], f"rank {rank}: the shards have FSDP2's shapes"
     assert_same(mine["weights"], reference, "per-parameter sharding against DP", optimizer="adam")
     assert_same(mine["weights"], theirs[0], "per-parameter sharding against FSDP2", optimizer="adam")
-print(f"torch.optim.Adam on the shards matches DP and FSDP2 after {STEPS} steps; the embedding is "
-      f"{per_parameter[0]['shards']['embed.weight']} on rank 0 and "
-      f"{per_parameter[-1]['shards']['embed.weight']} on rank {WORLD_SIZE - 1}")
+print(
+    f"torch.optim.Adam on the shards matches DP and FSDP2 after {STEPS} steps; the embedding is "
+    f"{per_parameter[0]['shards']['embed.weight']} on rank 0 and "
+    f"{per_parameter[-1]['shards']['embed.weight']} on rank {WORLD_SIZE - 1}"
+)
 
 print(f"\n{'last step, rank 0':>26} {'all-gathers':>12} {'reduce-scatters':>16} {'bytes sent':>11}")
 for name, totals in (("ZeRO-3, flat units", flat[0]), ("per-parameter, apply_fsdp", per_parameter[0]["comm"])):
     calls = [totals[op]["calls"] for op in (ALL_GATHER, REDUCE_SCATTER)]
     print(f"{name:>26} {calls[0]:>12} {calls[1]:>16} {sum(t['bytes_sent'] for t in totals.values()):>11,}")
 assert per_parameter[0]["comm"][REDUCE_SCATTER]["calls"] == flat[0][REDUCE_SCATTER]["calls"] == L + 1
-assert per_parameter[0]["comm"][ALL_GATHER]["calls"] == fsdp_gathers   # FSDP2's count: 2L + 1
+assert per_parameter[0]["comm"][ALL_GATHER]["calls"] == fsdp_gathers  # FSDP2's count: 2L + 1
 
 # %% [markdown]
 # Both designs make one all-gather and one reduce-scatter per unit, so they pay the collectives'
@@ -883,6 +959,7 @@ print("loss per step (rank 0):", " ".join(f"{a:.4f}/{b:.4f}" for a, b in losses.
 # training with whole matrices is the reference. Newton-Schulz runs in fp32 here (torch's runs
 # it in bf16), so that the runs differ only by summation order.
 
+
 # %%
 class MuonAndAdamW:
     """Muon for the blocks' weight matrices, AdamW for the rest, stepped together."""
@@ -890,8 +967,10 @@ class MuonAndAdamW:
     def __init__(self, model, **sharding):
         matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
         rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
-        self.optimizers = [Muon(matrices, lr=0.02, ns_dtype=torch.float32, **sharding),
-                           torch.optim.AdamW(rest, lr=1e-3)]
+        self.optimizers = [
+            Muon(matrices, lr=0.02, ns_dtype=torch.float32, **sharding),
+            torch.optim.AdamW(rest, lr=1e-3),
+        ]
 
     def step(self):
         for optimizer in self.optimizers:
@@ -915,17 +994,22 @@ muon_single = fresh_model()
 run_steps(muon_single, DATA.global_stream(WORLD_SIZE), STEPS, MuonAndAdamW(muon_single))
 muon_runs = {mode: cluster.run(train_muon, mode) for mode in ("gather", "owners")}
 for mode, per_rank in muon_runs.items():
-    assert_same(per_rank[0]["weights"], weights(muon_single), f"sharded Muon ({mode}) against one process",
-                optimizer="adam")
-assert_same(muon_runs["gather"][0]["weights"], muon_runs["owners"][0]["weights"], "the two ways", tol=dict(rtol=0, atol=0))
+    assert_same(
+        per_rank[0]["weights"], weights(muon_single), f"sharded Muon ({mode}) against one process", optimizer="adam"
+    )
+assert_same(
+    muon_runs["gather"][0]["weights"], muon_runs["owners"][0]["weights"], "the two ways", tol=dict(rtol=0, atol=0)
+)
 print("sharded Muon, both ways, matches Muon on whole matrices in one process")
 
 
 matrix_shapes = [p.shape for n, p in muon_single.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
 padded_bytes = 4 * sum(-(-rows // WORLD_SIZE) * WORLD_SIZE * cols for rows, cols in matrix_shapes)
-muon_bytes = padded_bytes * (WORLD_SIZE - 1) // WORLD_SIZE   # what a ring all-gather brings to each rank
-gather_extra = [run["comm"][ALL_GATHER]["bytes_received"] - adam["comm"][ALL_GATHER]["bytes_received"]
-                for run, adam in zip(muon_runs["gather"], per_parameter)]
+muon_bytes = padded_bytes * (WORLD_SIZE - 1) // WORLD_SIZE  # what a ring all-gather brings to each rank
+gather_extra = [
+    run["comm"][ALL_GATHER]["bytes_received"] - adam["comm"][ALL_GATHER]["bytes_received"]
+    for run, adam in zip(muon_runs["gather"], per_parameter)
+]
 owners_in = [run["comm"]["gather"]["bytes_received"] for run in muon_runs["owners"]]
 owners_out = [run["comm"]["scatter"]["bytes_sent"] for run in muon_runs["owners"]]
 assert gather_extra == [muon_bytes] * WORLD_SIZE, "gather: every matrix reaches every rank"
@@ -936,12 +1020,16 @@ def sent(totals):
     return sum(t["bytes_sent"] for t in totals.values())
 
 
-print(f"bytes sent in one step, per rank (ranks 0..{WORLD_SIZE - 1}); Muon's {len(matrix_shapes)} matrices hold "
-      f"{padded_bytes:,} bytes (padded)")
-table = {"ZeRO-3 + Adam (flat)": [sent(t) for t in flat],
-         "per-parameter + Adam": [sent(r["comm"]) for r in per_parameter],
-         "per-parameter + Muon, gather": [sent(r["comm"]) for r in muon_runs["gather"]],
-         "per-parameter + Muon, owners": [sent(r["comm"]) for r in muon_runs["owners"]]}
+print(
+    f"bytes sent in one step, per rank (ranks 0..{WORLD_SIZE - 1}); Muon's {len(matrix_shapes)} matrices hold "
+    f"{padded_bytes:,} bytes (padded)"
+)
+table = {
+    "ZeRO-3 + Adam (flat)": [sent(t) for t in flat],
+    "per-parameter + Adam": [sent(r["comm"]) for r in per_parameter],
+    "per-parameter + Muon, gather": [sent(r["comm"]) for r in muon_runs["gather"]],
+    "per-parameter + Muon, owners": [sent(r["comm"]) for r in muon_runs["owners"]],
+}
 for name, row in table.items():
     print(f"{name:>30} " + " ".join(f"{b:>9,}" for b in row))
 

@@ -48,11 +48,29 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ultrascale.comm import AlphaBeta, CommLogger, tensor_parallel_scaling
 from ultrascale.data import Batches
 from ultrascale.memory import GB, activation_bytes, breakdown, saved_activation_bytes, state_bytes
-from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, MLP, GPTConfig, Llama, LlamaConfig, count_params,
-                              rope_tables, training_flops)
+from ultrascale.model import (
+    GPT,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    MLP,
+    GPTConfig,
+    Llama,
+    LlamaConfig,
+    count_params,
+    rope_tables,
+    training_flops,
+)
 from ultrascale.parallel import Timeline, init_mesh
-from ultrascale.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelLogits,
-                                                 apply_tp, choose_tp, full_gradients, full_weights, tp_degrees)
+from ultrascale.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelLogits,
+    apply_tp,
+    choose_tp,
+    full_gradients,
+    full_weights,
+    tp_degrees,
+)
 from ultrascale.parity import assert_same, dtensor_tp, first_step_and_train, perturbed
 from ultrascale.refusal import refusal
 from ultrascale.train import gradients, make_optimizer, run_steps
@@ -61,7 +79,7 @@ from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)
-plt.switch_backend(plt.get_backend())   # figures drawn as images from the first one on
+plt.switch_backend(plt.get_backend())  # figures drawn as images from the first one on
 
 # %% [markdown]
 # ## 1. Two ways to cut a matrix product
@@ -85,13 +103,19 @@ plt.switch_backend(plt.get_backend())   # figures drawn as images from the first
 # exact, so the results must be *equal*, not merely close.
 
 # %%
-CFG = GPTConfig(vocab_size=96, hidden=48, heads=12, layers=2, seq_len=12)   # tp 2, 3, 4, 6, 12 all divide it
+CFG = GPTConfig(vocab_size=96, hidden=48, heads=12, layers=2, seq_len=12)  # tp 2, 3, 4, 6, 12 all divide it
 TP = choose_tp(GPT(CFG), WORLD_SIZE)
 REPLICAS = WORLD_SIZE // TP
-print(f"WORLD_SIZE = {WORLD_SIZE}: tp = {TP}" + (f", {REPLICAS} identical TP groups side by side (chapter 09 "
-      "puts data parallelism across them)" if REPLICAS > 1 else ""))
+print(
+    f"WORLD_SIZE = {WORLD_SIZE}: tp = {TP}"
+    + (
+        f", {REPLICAS} identical TP groups side by side (chapter 09 puts data parallelism across them)"
+        if REPLICAS > 1
+        else ""
+    )
+)
 
-X = torch.arange(1.0, 2 * 12 + 1).view(2, 12) % 7         # 2 tokens, 12 features
+X = torch.arange(1.0, 2 * 12 + 1).view(2, 12) % 7  # 2 tokens, 12 features
 W = (torch.arange(1.0, 12 * 12 + 1).view(12, 12) % 5) - 2  # 12 -> 12 features
 Y = X @ W
 cols, rows = W.chunk(TP, dim=1), W.chunk(TP, dim=0)
@@ -119,15 +143,26 @@ def sharding_figure(n):
     every, by_col, by_row = (lambda i, j: -1), (lambda i, j: j // step), (lambda i, j: i // step)
     fig = Figure(figsize=(9, 4.2), layout="constrained")
     axes = fig.subplots(2, 3)
-    panels = [[((2, 12), every, "X: on every rank"), ((12, 12), by_col, "W split by columns"),
-               ((2, 12), by_col, "Y = [X W_1, X W_2, ...]: all-gather")],
-              [((2, 12), by_col, "X split by columns (scatter)"), ((12, 12), by_row, "W split by rows"),
-               ((2, 12), every, "Y = X_1 W_1 + X_2 W_2 + ...: all-reduce")]]
+    panels = [
+        [
+            ((2, 12), every, "X: on every rank"),
+            ((12, 12), by_col, "W split by columns"),
+            ((2, 12), by_col, "Y = [X W_1, X W_2, ...]: all-gather"),
+        ],
+        [
+            ((2, 12), by_col, "X split by columns (scatter)"),
+            ((12, 12), by_row, "W split by rows"),
+            ((2, 12), every, "Y = X_1 W_1 + X_2 W_2 + ...: all-reduce"),
+        ],
+    ]
     for row, axes_row in zip(panels, axes):
         for (shape, owner, title), ax in zip(row, axes_row):
             draw_owners(ax, shape, owner, title, n)
-    fig.suptitle(f"top: column-linear, bottom: row-linear, tp = {n}; colours are ranks, grey is every rank "
-                 "(after the collective)", fontsize=9)
+    fig.suptitle(
+        f"top: column-linear, bottom: row-linear, tp = {n}; colours are ranks, grey is every rank "
+        "(after the collective)",
+        fontsize=9,
+    )
     return fig
 
 
@@ -151,15 +186,15 @@ def tp_group(ctx):
 def both_identities(ctx):
     group = tp_group(ctx)
     r, n, root = dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
-    x_all, w = X.to(ctx.device), W.to(ctx.device)                # the notebook's matrices, moved
+    x_all, w = X.to(ctx.device), W.to(ctx.device)  # the notebook's matrices, moved
     x = x_all.clone() if r == 0 else torch.zeros_like(x_all)
     with CommLogger() as log:
-        dist.broadcast(x, src=root, group=group)                   # column-linear: everyone needs X
+        dist.broadcast(x, src=root, group=group)  # column-linear: everyone needs X
         pieces = [torch.empty(2, 12 // n, device=ctx.device) for _ in range(n)]
         dist.all_gather(pieces, x @ w.chunk(n, dim=1)[r], group=group)
         by_columns = torch.cat(pieces, dim=1)
-        x_mine = torch.empty(2, 12 // n, device=ctx.device)        # row-linear: each rank its columns of X
-        slices = [c.contiguous() for c in x_all.chunk(n, dim=1)]   # column slices are strided views: copy
+        x_mine = torch.empty(2, 12 // n, device=ctx.device)  # row-linear: each rank its columns of X
+        slices = [c.contiguous() for c in x_all.chunk(n, dim=1)]  # column slices are strided views: copy
         dist.scatter(x_mine, slices if r == 0 else None, src=root, group=group)
         by_rows = x_mine @ w.chunk(n, dim=0)[r]
         dist.all_reduce(by_rows, group=group)
@@ -218,16 +253,17 @@ print(inspect.getsource(RowParallelLinear.forward))
 # rounding is a bug: the output, the input's gradient and every weight gradient, gathered back to
 # full shapes. The `CommLogger` counts the collectives of forward and backward separately.
 
+
 # %%
 def tp_mlp(ctx):
     group = tp_group(ctx)
     torch.manual_seed(SEED)
-    mlp = MLP(CFG.hidden).double().to(ctx.device)       # the single-process reference
+    mlp = MLP(CFG.hidden).double().to(ctx.device)  # the single-process reference
     x = torch.randn(2, CFG.seq_len, CFG.hidden, dtype=torch.float64).to(ctx.device).requires_grad_()
     mlp(x).square().sum().backward()
     expected = {"y": mlp(x).detach(), "x.grad": x.grad.clone(), **gradients(mlp)}
 
-    tp = nn.Module()   # the same weights, sliced for this rank
+    tp = nn.Module()  # the same weights, sliced for this rank
     tp.fc = ColumnParallelLinear.from_linear(mlp.fc, group)
     tp.proj = RowParallelLinear.from_linear(mlp.proj, group)
     x2 = x.detach().clone().requires_grad_()
@@ -242,8 +278,10 @@ def tp_mlp(ctx):
 for got, expected, fwd_ops, bwd_ops in cluster.run(tp_mlp):
     assert_same(got, expected, "TP MLP against one process", optimizer=None)
     assert fwd_ops == ["all_reduce"] and bwd_ops == ["all_reduce"], (fwd_ops, bwd_ops)
-print(f"TP MLP on {TP} ranks = one process (output, input gradient, 4 weight gradients; float64 "
-      "tolerance); forward: 1 all-reduce (f*), backward: 1 all-reduce (f)")
+print(
+    f"TP MLP on {TP} ranks = one process (output, input gradient, 4 weight gradients; float64 "
+    "tolerance); forward: 1 all-reduce (f*), backward: 1 all-reduce (f)"
+)
 
 # %% [markdown]
 # ### Attention: split the heads
@@ -264,9 +302,12 @@ GQA = LlamaConfig(vocab_size=96, hidden=48, heads=4, kv_heads=2, ffn=96, layers=
 print(f"a small GQA model (4 query heads, 2 K/V heads) allows tp in {tp_degrees(Llama(GQA))}")
 
 
-def refused(ctx):   # one K/V head: no tp > 1 can split it
-    return refusal(lambda: apply_tp(Llama(LlamaConfig(vocab_size=96, hidden=48, heads=12, kv_heads=1, ffn=96,
-                                                      layers=1)), tp_group(ctx)))
+def refused(ctx):  # one K/V head: no tp > 1 can split it
+    return refusal(
+        lambda: apply_tp(
+            Llama(LlamaConfig(vocab_size=96, hidden=48, heads=12, kv_heads=1, ffn=96, layers=1)), tp_group(ctx)
+        )
+    )
 
 
 message = cluster.run(refused)[0]
@@ -292,16 +333,24 @@ STEPS = 3 if QUICK else 10
 DATA = Batches(CFG, mbs=2, seed=SEED)
 
 
-def fresh_model(device=None):   # on a rank: its ctx.device; None: here, on the CPU
+def fresh_model(device=None):  # on a rank: its ctx.device; None: here, on the CPU
     torch.manual_seed(SEED)
     model = GPT(CFG).double().to(device)
-    return perturbed(model, seed=SEED)   # biases off 0, norm weights off 1: a misplaced one shows
+    return perturbed(model, seed=SEED)  # biases off 0, norm weights off 1: a misplaced one shows
 
 
 def ours(ctx):
     model = apply_tp(fresh_model(ctx.device), tp_group(ctx))
-    out = first_step_and_train(model, DATA, STEPS, "sgd", full_logits=VocabParallelLogits.full_tensor,
-                               full_gradients=full_gradients, full_weights=full_weights, device=ctx.device)
+    out = first_step_and_train(
+        model,
+        DATA,
+        STEPS,
+        "sgd",
+        full_logits=VocabParallelLogits.full_tensor,
+        full_gradients=full_gradients,
+        full_weights=full_weights,
+        device=ctx.device,
+    )
     return {**out, "local vocabulary": model.head.weight.shape[0]}
 
 
@@ -319,8 +368,10 @@ for name, per_rank in results.items():
         for key in ("logits", "loss", "grads"):
             assert_same(got[key], reference[key], f"{name}, rank {rank}: {key}", optimizer=None)
         assert_same(got["weights"], reference["weights"], f"{name}, rank {rank}: weights", optimizer="sgd")
-print(f"tp = {TP}: logits, loss, {len(reference['grads'])} gradients and the weights after {STEPS} SGD steps "
-      "equal one process (float64 tolerance), for ours and for parallelize_module")
+print(
+    f"tp = {TP}: logits, loss, {len(reference['grads'])} gradients and the weights after {STEPS} SGD steps "
+    "equal one process (float64 tolerance), for ours and for parallelize_module"
+)
 print(f"each rank held {results['ours'][0]['local vocabulary']} of the {CFG.vocab_size} vocabulary rows")
 
 # %% [markdown]
@@ -330,6 +381,7 @@ print(f"each rank held {results['ours'][0]['local vocabulary']} of the {CFG.voca
 # activations: they come out of an all-reduce. So a LayerNorm there sees identical inputs and
 # identical incoming gradients on every rank, and its weight gradients come out identical without
 # any synchronisation. We check it bit for bit: not close, *equal*.
+
 
 # %%
 def norm_gradients(ctx):
@@ -343,8 +395,10 @@ for rank, grads in enumerate(per_rank):
     for name, grad in grads.items():
         assert torch.equal(grad, per_rank[0][name]), f"rank {rank}: {name}"
         assert_same(grad, reference["grads"][name], name, optimizer=None)
-print(f"{len(per_rank[0])} LayerNorm gradients are bit-identical on all {WORLD_SIZE} ranks, with no all-reduce, "
-      "and equal to one process's")
+print(
+    f"{len(per_rank[0])} LayerNorm gradients are bit-identical on all {WORLD_SIZE} ranks, with no all-reduce, "
+    "and equal to one process's"
+)
 
 # %% [markdown]
 # Dropout is the one replicated operation that draws random numbers. The course models have none,
@@ -353,13 +407,14 @@ print(f"{len(per_rank[0])} LayerNorm gradients are bit-identical on all {WORLD_S
 # masks differ and the "replicated" activation is no longer the same on every rank: each rank
 # goes on with a different model. With one seed shared by the TP group the masks agree.
 
+
 # %%
 def dropout_after_all_reduce(ctx, shared_seed):
     group = tp_group(ctx)
     y = torch.ones(4, CFG.hidden, device=ctx.device)
-    dist.all_reduce(y, group=group)                 # identical on every rank
+    dist.all_reduce(y, group=group)  # identical on every rank
     generator = torch.Generator().manual_seed(SEED if shared_seed else SEED + ctx.rank)
-    mask = torch.rand(y.shape, generator=generator).to(ctx.device) > 0.1   # what dropout(p=0.1) keeps
+    mask = torch.rand(y.shape, generator=generator).to(ctx.device) > 0.1  # what dropout(p=0.1) keeps
     return y * mask / 0.9
 
 
@@ -367,8 +422,10 @@ for shared in (False, True):
     outs = cluster.run(dropout_after_all_reduce, shared)
     same = all(torch.equal(o, outs[0]) for o in outs)
     assert same == shared
-    print(f"{'one shared seed' if shared else 'a seed per rank'}: the activation after dropout is "
-          f"{'identical' if same else 'different'} across ranks")
+    print(
+        f"{'one shared seed' if shared else 'a seed per rank'}: the activation after dropout is "
+        f"{'identical' if same else 'different'} across ranks"
+    )
 
 # %% [markdown]
 # ## 4. What TP costs: collectives on the critical path
@@ -407,10 +464,14 @@ assert fwd["all_reduce"] == bwd["all_reduce"] == 2
 assert fwd["all_reduce elements"] == bwd["all_reduce elements"] == 2 * B * S * H
 assert fwd_bytes == bwd_bytes == round(2 * ring * B * S * H * 4)
 assert model_fwd["all_reduce"] == 2 * CFG.layers + 3 and model_bwd["all_reduce"] == 2 * CFG.layers + 1
-print(f"one block: forward {fwd['all_reduce']} all-reduces, backward {bwd['all_reduce']}, each of b*s*h = "
-      f"{B * S * H:,} elements; each rank sends 2 * 2(t-1)/t * b*s*h * 4 bytes = {fwd_bytes:,} bytes per pass")
-print(f"whole model ({CFG.layers} blocks): forward {model_fwd['all_reduce']} all-reduces, backward "
-      f"{model_bwd['all_reduce']}")
+print(
+    f"one block: forward {fwd['all_reduce']} all-reduces, backward {bwd['all_reduce']}, each of b*s*h = "
+    f"{B * S * H:,} elements; each rank sends 2 * 2(t-1)/t * b*s*h * 4 bytes = {fwd_bytes:,} bytes per pass"
+)
+print(
+    f"whole model ({CFG.layers} blocks): forward {model_fwd['all_reduce']} all-reduces, backward "
+    f"{model_bwd['all_reduce']}"
+)
 
 # %% [markdown]
 # ### Where they sit in time
@@ -424,18 +485,19 @@ print(f"whole model ({CFG.layers} blocks): forward {model_fwd['all_reduce']} all
 # Domino pushes further, but in the plain version every all-reduce stalls the block. (Two ranks
 # only, so that on a 2-core machine each has a core and the bars show work, not waiting for a core.)
 
+
 # %%
 def block_timeline(ctx):
-    pair = ctx.new_group([0, 1])   # a TP group of two ranks: one CPU core each, so the times mean something
+    pair = ctx.new_group([0, 1])  # a TP group of two ranks: one CPU core each, so the times mean something
     if ctx.rank > 1:
         return []
-    config = GPTConfig(vocab_size=96, hidden=192, heads=12, layers=1, seq_len=96)   # big enough to see
+    config = GPTConfig(vocab_size=96, hidden=192, heads=12, layers=1, seq_len=96)  # big enough to see
     block = apply_tp(GPT(config).to(ctx.device), pair).blocks[0]
     timeline = Timeline(ctx.rank)
     timeline.instrument({"norm1": block.norm1, "attention": block.attn, "norm2": block.norm2, "mlp": block.mlp})
     cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta, device=ctx.device)
     x = torch.randn(4, config.seq_len, config.hidden).to(ctx.device).requires_grad_()
-    for _ in range(2):   # the second pass is the one we keep (the first warms up the allocator)
+    for _ in range(2):  # the second pass is the one we keep (the first warms up the allocator)
         timeline.clear()
         with CommLogger(timeline=timeline):
             block(x, cos, sin).sum().backward()
@@ -447,8 +509,11 @@ for rank_rows in rows:
     attention_reduce = next(r for r in rank_rows if r["lane"] == "communication")
     norm2 = next(r for r in rank_rows if r["name"] == "forward norm2")
     assert attention_reduce["end"] <= norm2["start"], "LayerNorm cannot start before the all-reduce is done"
-plot_gantt([r for rank_rows in rows for r in rank_rows], label_bars=True,
-           title="one block at tp = 2: forward (norm1, attention, norm2, mlp), then backward")
+plot_gantt(
+    [r for rank_rows in rows for r in rank_rows],
+    label_bars=True,
+    title="one block at tp = 2: forward (norm1, attention, norm2, mlp), then backward",
+)
 
 # %% [markdown]
 # ## 5. What TP buys: memory
@@ -464,6 +529,7 @@ plot_gantt([r for rank_rows in rows for r in rank_rows], label_bars=True,
 # $s b h (10 + 24/t + 5 a s/(h t))$ under TP: the 10 is what TP does not split. Chapter 05's
 # sequence parallelism removes it.
 
+
 # %%
 def memory_at(ctx, tp):
     group = init_mesh(ctx, dp=WORLD_SIZE // tp, tp=tp).group("tp")
@@ -474,14 +540,20 @@ def memory_at(ctx, tp):
     inputs = DATA.global_batch(0).inputs.to(ctx.device)
     activations = saved_activation_bytes(model, inputs)
     optimizer, after_backward = make_optimizer(model.parameters(), "adam"), {}
-    run_steps(model, DATA.global_stream(1), 1, optimizer, device=ctx.device, after_backward=lambda:
-              after_backward.update(state_bytes(model)))   # the gradients exist between backward and the step
+    run_steps(
+        model,
+        DATA.global_stream(1),
+        1,
+        optimizer,
+        device=ctx.device,
+        after_backward=lambda: after_backward.update(state_bytes(model)),
+    )  # the gradients exist between backward and the step
     return {**state_bytes(model, optimizer), "gradients": after_backward["gradients"], "activations": activations}
 
 
 def predicted_parameters(tp):
     """Per-rank parameters: everything sharded by tp but the norms and row-parallel biases."""
-    replicated = CFG.layers * 6 * H + 2 * H    # 2 norms (weight, bias) + 2 row biases per block; final norm
+    replicated = CFG.layers * 6 * H + 2 * H  # 2 norms (weight, bias) + 2 row biases per block; final norm
     return (count_params(CFG) - replicated) / tp + replicated
 
 
@@ -490,16 +562,22 @@ measured = {tp: cluster.run(memory_at, tp)[0] for tp in ProgressBar("memory per 
 for tp, m in measured.items():
     assert m["parameters"] == m["gradients"] == 4 * predicted_parameters(tp)
     assert m["optimizer states"] == 2 * m["parameters"] + 4 * len(list(GPT(CFG).parameters())), tp  # + step counters
-def model_share(tp):   # the memory model's activations at tp over those at tp=1
+
+
+def model_share(tp):  # the memory model's activations at tp over those at tp=1
     return activation_bytes(CFG, S, B, tp=tp) / activation_bytes(CFG, S, B)
 
 
-print(f"{'tp':>3} {'parameters':>11} {'gradients':>10} {'Adam':>10} {'activations':>12}   "
-      "activations vs tp=1: measured, model, 1/tp")
+print(
+    f"{'tp':>3} {'parameters':>11} {'gradients':>10} {'Adam':>10} {'activations':>12}   "
+    "activations vs tp=1: measured, model, 1/tp"
+)
 for tp, m in measured.items():
     share = m["activations"] / measured[1]["activations"]
-    print(f"{tp:>3} {m['parameters']:>11,} {m['gradients']:>10,} {m['optimizer states']:>10,} "
-          f"{m['activations']:>12,}   {share:.2f}, {model_share(tp):.2f}, {1 / tp:.2f}")
+    print(
+        f"{tp:>3} {m['parameters']:>11,} {m['gradients']:>10,} {m['optimizer states']:>10,} "
+        f"{m['activations']:>12,}   {share:.2f}, {model_share(tp):.2f}, {1 / tp:.2f}"
+    )
     if tp > 1:
         assert 1 / tp < share < 1, "TP shrinks the activations, but less than 1/tp: the replicated part stays"
         assert abs(share - model_share(tp)) < 0.06, "the measured share follows the model's (10 + 24/t + ...)"
@@ -528,16 +606,18 @@ for key in keys:
     bottom += values
 ax.axhline(80, color="k", ls=":", lw=1)
 ax.set(xlabel="tp", ylabel="GB per GPU", ylim=(0, 700), title="Llama-3 70B per GPU against tp (memory model)")
-ax.text(0, 690, f"{sum(mem_70b[1].values()) / GB:,.0f} GB", ha="center", va="top", fontsize=8)   # off the scale
+ax.text(0, 690, f"{sum(mem_70b[1].values()) / GB:,.0f} GB", ha="center", va="top", fontsize=8)  # off the scale
 ax.text(5.3, 85, "80 GB", fontsize=8)
 ax.legend(fontsize=8)
 for t in tps_70b:
-    print(f"tp={t:>2}: {sum(mem_70b[t].values()) / GB:7.1f} GB per GPU "
-          f"(model state {sum(mem_70b[t][k] for k in keys[:3]) / GB:6.1f} GB)")
+    print(
+        f"tp={t:>2}: {sum(mem_70b[t].values()) / GB:7.1f} GB per GPU "
+        f"(model state {sum(mem_70b[t][k] for k in keys[:3]) / GB:6.1f} GB)"
+    )
 state_8 = sum(mem_70b[8][k] for k in keys[:3])
 assert math.isclose(state_8, 16 * count_params(LLAMA3_70B) / 8)
-node = 8 * 80 * GB                                            # one node: 8 GPUs of 80 GB
-state_all = sum(mem_70b[1][k] for k in keys[:3])              # the whole model state, tp=1
+node = 8 * 80 * GB  # one node: 8 GPUs of 80 GB
+state_all = sum(mem_70b[1][k] for k in keys[:3])  # the whole model state, tp=1
 weights_and_gradients_8 = mem_70b[8]["parameters"] + mem_70b[8]["gradients"]
 print(f"one node of 8 x 80 GB holds {node / GB:.0f} GB in all; the model state alone is {state_all / GB:,.0f} GB")
 print(f"at tp=8, the bf16 weights and gradients alone take {weights_and_gradients_8 / GB:.1f} GB per GPU")
@@ -563,11 +643,19 @@ fig
 # illustrative H100-like numbers (989 TFLOP/s dense bf16; NVLink 450 GB/s and 5 µs latency; 50 GB/s
 # and 10 µs between nodes), **not measurements**: change them and rerun.
 
+
 # %%
 def tp_scaling(peak_flops):
-    return tensor_parallel_scaling(LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1,
-                                   flops=training_flops(LLAMA3_8B, 4096, seq_len=4096), peak_flops=peak_flops,
-                                   intra_node=AlphaBeta(5e-6, 450e9), inter_node=AlphaBeta(1e-5, 50e9))
+    return tensor_parallel_scaling(
+        LLAMA3_8B,
+        [1, 2, 4, 8, 16, 32],
+        seq=4096,
+        micro_batch=1,
+        flops=training_flops(LLAMA3_8B, 4096, seq_len=4096),
+        peak_flops=peak_flops,
+        intra_node=AlphaBeta(5e-6, 450e9),
+        inter_node=AlphaBeta(1e-5, 50e9),
+    )
 
 
 scaling = tp_scaling(989e12)
@@ -576,13 +664,17 @@ drop = {t: per_gpu[t] / per_gpu[t // 2] for t in (2, 4, 8, 16, 32)}
 assert all(d < 1 for d in drop.values()), "every doubling of tp costs per-GPU throughput"
 assert drop[16] < drop[8] < drop[4], "the drop grows, and is largest where the group leaves the node"
 for r in scaling:
-    print(f"tp={r['tp']:>2}: {r['tokens_per_s_per_gpu']:8,.0f} tokens/s per GPU, communication "
-          f"{r['comm_s'] / r['step_s']:4.0%} of the step ({r['bandwidth']})")
+    print(
+        f"tp={r['tp']:>2}: {r['tokens_per_s_per_gpu']:8,.0f} tokens/s per GPU, communication "
+        f"{r['comm_s'] / r['step_s']:4.0%} of the step ({r['bandwidth']})"
+    )
 print("per-GPU throughput kept at each doubling: " + ", ".join(f"{t // 2}->{t} {d:.2f}" for t, d in drop.items()))
 print(f"tp=8 against tp=1: {per_gpu[8] / per_gpu[1]:.2f} with compute at the peak")
 slower = {r["tp"]: r["tokens_per_s_per_gpu"] for r in tp_scaling(0.4 * 989e12)}
-print(f"tp=8 against tp=1: {slower[8] / slower[1]:.2f} with compute at 40% of the peak "
-      "(about the MFU of chapter 01's recorded H100 runs)")
+print(
+    f"tp=8 against tp=1: {slower[8] / slower[1]:.2f} with compute at 40% of the peak "
+    "(about the MFU of chapter 01's recorded H100 runs)"
+)
 # The prose below reads these: about half kept at the peak, nearly three quarters at 40% of it.
 assert 0.45 < per_gpu[8] / per_gpu[1] < 0.6 and 0.65 < slower[8] / slower[1] < 0.8
 fig = Figure(figsize=(6, 3), layout="constrained")
@@ -614,11 +706,12 @@ fig
 # or even the opposite when the thinner operand fits in its cache: below is this machine's CPU
 # (a plot only, as timings differ from machine to machine), then the GPU when one is present.
 
+
 # %%
 def gemm_flops_per_second(rows, h, columns, device="cpu", repeats=3):
     a, b = torch.randn(rows, h, device=device), torch.randn(h, columns, device=device)
     best = math.inf
-    for _ in range(repeats + 1):   # the first call warms up
+    for _ in range(repeats + 1):  # the first call warms up
         if device != "cpu":
             torch.cuda.synchronize()
         t0 = Timeline.now()
@@ -634,8 +727,12 @@ gemm = {t: gemm_flops_per_second(512, h_gemm, 4 * h_gemm // t) for t in (1, 2, 4
 fig = Figure(figsize=(6, 3), layout="constrained")
 ax = fig.subplots()
 ax.plot(list(gemm), [v / gemm[1] for v in gemm.values()], "o-")
-ax.set(xlabel="tp", ylabel="FLOP/s relative to tp=1", xticks=list(gemm),
-       title=f"(512, {h_gemm}) x ({h_gemm}, 4h/tp) on this CPU")
+ax.set(
+    xlabel="tp",
+    ylabel="FLOP/s relative to tp=1",
+    xticks=list(gemm),
+    title=f"(512, {h_gemm}) x ({h_gemm}, 4h/tp) on this CPU",
+)
 fig
 
 # %%
@@ -644,8 +741,10 @@ if torch.cuda.is_available():
     for t, v in gpu.items():
         print(f"tp={t}: {v / 1e12:.0f} TFLOP/s ({v / gpu[1]:.0%} of tp=1)")
 else:
-    print("no GPU here: the GPU version of this measurement runs when CUDA is present "
-          "(no recorded GPU run is in results/ yet)")
+    print(
+        "no GPU here: the GPU version of this measurement runs when CUDA is present "
+        "(no recorded GPU run is in results/ yet)"
+    )
 
 # %%
 cluster.close()

@@ -59,8 +59,7 @@ from ultrascale.data import Batches
 from ultrascale.memory import GB, activation_bytes, breakdown, saved_activation_bytes
 from ultrascale.model import GPT, LLAMA3_70B, GPTConfig, count_params
 from ultrascale.parallel import Timeline, init_mesh
-from ultrascale.parallel.tensor_parallel import (VocabParallelLogits, apply_tp, choose_tp, full_gradients,
-                                                 full_weights)
+from ultrascale.parallel.tensor_parallel import VocabParallelLogits, apply_tp, choose_tp, full_gradients, full_weights
 from ultrascale.parity import assert_same, dtensor_tp, first_step_and_train, perturbed, tolerance
 from ultrascale.viz.gantt import lane_summary, plot_gantt
 from ultrascale.viz.live import ProgressBar
@@ -85,13 +84,15 @@ if QUICK:
 else:
     CFG = GPTConfig(vocab_size=96, hidden=96, heads=12, layers=4, seq_len=24)
     STEPS = 10
-MBS = 2                                   # b: sequences per batch (TP does not split the batch)
+MBS = 2  # b: sequences per batch (TP does not split the batch)
 B, S, H, L = MBS, CFG.seq_len, CFG.hidden, CFG.layers
 TP = choose_tp(GPT(CFG), WORLD_SIZE, seq=S)
 DATA = Batches(CFG, mbs=MBS, seed=SEED)
 print(f"GPT: {L} blocks, h = {H}, {CFG.heads} heads, vocabulary {CFG.vocab_size}, {count_params(CFG):,} parameters")
-print(f"batch b = {B}, sequence s = {S}; WORLD_SIZE = {WORLD_SIZE} -> tp = {TP} "
-      f"({WORLD_SIZE // TP} group{'s' if WORLD_SIZE // TP > 1 else ''} of {TP} ranks)")
+print(
+    f"batch b = {B}, sequence s = {S}; WORLD_SIZE = {WORLD_SIZE} -> tp = {TP} "
+    f"({WORLD_SIZE // TP} group{'s' if WORLD_SIZE // TP > 1 else ''} of {TP} ranks)"
+)
 
 cluster = Cluster(WORLD_SIZE)
 print(cluster)
@@ -143,13 +144,14 @@ print(f"LayerNorm of each of the {TP} slices of {S // TP} tokens = that slice of
 # Where `tp` does not divide `WORLD_SIZE` (tp = 2 on 3 ranks), the first `tp` ranks form the group
 # and the others sit that run out.
 
+
 # %%
 def tp_group(ctx, tp):
     """This rank's tensor-parallel group: the tp axis of init_mesh when tp divides the world
     size; otherwise the first tp ranks form the group and the others get None (they sit out)."""
     if ctx.world_size % tp == 0:
         return init_mesh(ctx, dp=ctx.world_size // tp, tp=tp).group("tp")
-    group = ctx.new_group(range(tp))   # every rank must take part in creating it
+    group = ctx.new_group(range(tp))  # every rank must take part in creating it
     return group if ctx.rank < tp else None
 
 
@@ -163,8 +165,15 @@ def record_modules(model, log):
 
     def after(name):
         def hook(module, args, out):
-            seen[name].update({"in": tuple(args[0].shape), "out": tuple(out.shape),
-                               "end event": len(log.events), "output": out.detach().clone()})
+            seen[name].update(
+                {
+                    "in": tuple(args[0].shape),
+                    "out": tuple(out.shape),
+                    "end event": len(log.events),
+                    "output": out.detach().clone(),
+                }
+            )
+
         return hook
 
     for name, module in model.named_modules():
@@ -177,7 +186,7 @@ def record_modules(model, log):
 def trace_forward(ctx=None, tp=1, sp=False):
     """One forward of the model (tensor-parallel over tp ranks when ctx is given), recorded."""
     torch.manual_seed(SEED)
-    device = None if ctx is None else ctx.device   # None: here, on the CPU
+    device = None if ctx is None else ctx.device  # None: here, on the CPU
     model = GPT(CFG).to(device)
     if ctx is not None:
         group = tp_group(ctx, tp)
@@ -208,25 +217,33 @@ def walkthrough(trace):
     gathered = ops_between(trace, ("blocks.0.norm2", "end event"), ("blocks.0.mlp.fc", "end event"))
     scattered = ops_between(trace, ("blocks.0.mlp.fc", "end event"), ("blocks.0.mlp.proj", "end event"))
     assert [op for op, _ in gathered] == ["all_gather"] and [op for op, _ in scattered] == ["reduce_scatter"]
-    return {"SP region: LayerNorm": m["blocks.0.norm2"]["out"],
-            "g: all-gather the sequence": m["blocks.0.mlp.fc"]["in"],
-            "column-linear fc (+ GeLU)": m["blocks.0.mlp.fc"]["out"],
-            "row-linear proj: partial sums": scattered[0][1],          # elements of g*'s input
-            "g*: reduce-scatter the sequence": m["blocks.0.mlp.proj"]["out"]}
+    return {
+        "SP region: LayerNorm": m["blocks.0.norm2"]["out"],
+        "g: all-gather the sequence": m["blocks.0.mlp.fc"]["in"],
+        "column-linear fc (+ GeLU)": m["blocks.0.mlp.fc"]["out"],
+        "row-linear proj: partial sums": scattered[0][1],  # elements of g*'s input
+        "g*: reduce-scatter the sequence": m["blocks.0.mlp.proj"]["out"],
+    }
 
 
 def formulas(tp):
     """The same five stages, from the book's formulas."""
-    return {"SP region: LayerNorm": (B, S // tp, H),
-            "g: all-gather the sequence": (B, S, H),
-            "column-linear fc (+ GeLU)": (B, S, 4 * H // tp),
-            "row-linear proj: partial sums": B * S * H,
-            "g*: reduce-scatter the sequence": (B, S // tp, H)}
+    return {
+        "SP region: LayerNorm": (B, S // tp, H),
+        "g: all-gather the sequence": (B, S, H),
+        "column-linear fc (+ GeLU)": (B, S, 4 * H // tp),
+        "row-linear proj: partial sums": B * S * H,
+        "g*: reduce-scatter the sequence": (B, S // tp, H),
+    }
 
 
-SYMBOLS = {"SP region: LayerNorm": "(b, s/tp, h)", "g: all-gather the sequence": "(b, s, h)",
-           "column-linear fc (+ GeLU)": "(b, s, 4h/tp)", "row-linear proj: partial sums": "b*s*h elements",
-           "g*: reduce-scatter the sequence": "(b, s/tp, h)"}
+SYMBOLS = {
+    "SP region: LayerNorm": "(b, s/tp, h)",
+    "g: all-gather the sequence": "(b, s, h)",
+    "column-linear fc (+ GeLU)": "(b, s, 4h/tp)",
+    "row-linear proj: partial sums": "b*s*h elements",
+    "g*: reduce-scatter the sequence": "(b, s/tp, h)",
+}
 measured = {}
 for tp, per_rank in sp_traces.items():
     tables = [walkthrough(t) for t in per_rank if t is not None]
@@ -234,7 +251,7 @@ for tp, per_rank in sp_traces.items():
     assert tables[0] == formulas(tp), (tp, tables[0], formulas(tp))
     measured[tp] = tables[0]
 
-show = lambda v: str(v) if isinstance(v, tuple) else f"{v} elements"   # noqa: E731
+show = lambda v: str(v) if isinstance(v, tuple) else f"{v} elements"  # noqa: E731
 header = f"{'stage':<34}{'formula':<16}" + "".join(f"{'measured, tp=' + str(tp):<22}" for tp in TPS)
 print(f"b = {B}, s = {S}, h = {H}\n{header}\n{'-' * len(header)}")
 for stage, symbol in SYMBOLS.items():
@@ -261,9 +278,21 @@ tp_traces = cluster.run(trace_forward, TP, False)
 REGIONS = {
     "embedding (vocab-parallel)": ("embed", ("embed", "first event"), ("embed", "end event")),
     "SP region (LayerNorm)": ("blocks.0.norm2", ("blocks.0.norm2", "first event"), ("blocks.0.norm2", "end event")),
-    "enter TP (column-linear fc)": ("blocks.0.mlp.fc", ("blocks.0.norm2", "end event"), ("blocks.0.mlp.fc", "end event")),
-    "TP region (attention heads q)": ("blocks.0.attn.q", ("blocks.0.attn.q", "first event"), ("blocks.0.attn.q", "end event")),
-    "exit TP (row-linear proj)": ("blocks.0.mlp.proj", ("blocks.0.mlp.fc", "end event"), ("blocks.0.mlp.proj", "end event")),
+    "enter TP (column-linear fc)": (
+        "blocks.0.mlp.fc",
+        ("blocks.0.norm2", "end event"),
+        ("blocks.0.mlp.fc", "end event"),
+    ),
+    "TP region (attention heads q)": (
+        "blocks.0.attn.q",
+        ("blocks.0.attn.q", "first event"),
+        ("blocks.0.attn.q", "end event"),
+    ),
+    "exit TP (row-linear proj)": (
+        "blocks.0.mlp.proj",
+        ("blocks.0.mlp.fc", "end event"),
+        ("blocks.0.mlp.proj", "end event"),
+    ),
 }
 
 
@@ -272,7 +301,7 @@ def layout(trace, tp):
     out = {}
     for region, (module, start, end) in REGIONS.items():
         local, full = trace["modules"][module]["out"], single_trace["modules"][module]["out"]
-        word = lambda n, f: "full" if n == f else ("sharded" if n * tp == f else "?")   # noqa: E731
+        word = lambda n, f: "full" if n == f else ("sharded" if n * tp == f else "?")  # noqa: E731
         ops = [op for op, _ in ops_between(trace, start, end)]
         out[region] = (word(local[1], full[1]), word(local[-1], full[-1]), "+".join(ops) or "none")
     return out
@@ -282,20 +311,24 @@ tp_only, tp_sp = layout(tp_traces[0], TP), layout(sp_traces[TP][0], TP)
 print(f"tp = {TP}: s = sequence, h = hidden (features); the collective that produced the tensor\n")
 print(f"{'region':<31}{'TP only':<36}TP + SP")
 for region in REGIONS:
-    cell = lambda s, h, op: f"s {s}, h {h} ({op})"   # noqa: E731
+    cell = lambda s, h, op: f"s {s}, h {h} ({op})"  # noqa: E731
     print(f"{region:<31}{cell(*tp_only[region]):<36}{cell(*tp_sp[region])}")
 
 # The book's table.
-assert tp_only == {"embedding (vocab-parallel)": ("full", "full", "all_reduce"),
-                   "SP region (LayerNorm)": ("full", "full", "none"),
-                   "enter TP (column-linear fc)": ("full", "sharded", "none"),
-                   "TP region (attention heads q)": ("full", "sharded", "none"),
-                   "exit TP (row-linear proj)": ("full", "full", "all_reduce")}
-assert tp_sp == {"embedding (vocab-parallel)": ("sharded", "full", "reduce_scatter"),
-                 "SP region (LayerNorm)": ("sharded", "full", "none"),
-                 "enter TP (column-linear fc)": ("full", "sharded", "all_gather"),
-                 "TP region (attention heads q)": ("full", "sharded", "none"),
-                 "exit TP (row-linear proj)": ("sharded", "full", "reduce_scatter")}
+assert tp_only == {
+    "embedding (vocab-parallel)": ("full", "full", "all_reduce"),
+    "SP region (LayerNorm)": ("full", "full", "none"),
+    "enter TP (column-linear fc)": ("full", "sharded", "none"),
+    "TP region (attention heads q)": ("full", "sharded", "none"),
+    "exit TP (row-linear proj)": ("full", "full", "all_reduce"),
+}
+assert tp_sp == {
+    "embedding (vocab-parallel)": ("sharded", "full", "reduce_scatter"),
+    "SP region (LayerNorm)": ("sharded", "full", "none"),
+    "enter TP (column-linear fc)": ("full", "sharded", "all_gather"),
+    "TP region (attention heads q)": ("full", "sharded", "none"),
+    "exit TP (row-linear proj)": ("sharded", "full", "reduce_scatter"),
+}
 
 # %% [markdown]
 # Read down the right column: the sequence is sharded everywhere except inside the TP region,
@@ -314,8 +347,10 @@ for group_start in range(0, WORLD_SIZE, TP):
     slices = [sp_traces[TP][r]["modules"]["blocks.0.norm2"]["output"] for r in group]
     assert all(torch.equal(w, whole[0]) for w in whole), "TP only: every rank computes the same LayerNorm"
     assert_same(torch.cat(slices, dim=1), whole[0], "SP slices side by side", optimizer=None)
-print(f"TP only: {TP} identical copies of a {tuple(whole[0].shape)} LayerNorm output per group; "
-      f"TP+SP: {TP} different {tuple(slices[0].shape)} slices that concatenate to it")
+print(
+    f"TP only: {TP} identical copies of a {tuple(whole[0].shape)} LayerNorm output per group; "
+    f"TP+SP: {TP} different {tuple(slices[0].shape)} slices that concatenate to it"
+)
 
 # %% [markdown]
 # ## 4. The same numbers as one process and as PyTorch
@@ -337,16 +372,24 @@ print(f"TP only: {TP} identical copies of a {tuple(whole[0].shape)} LayerNorm ou
 DT = torch.float64
 
 
-def fresh_model(dtype=torch.float32, device=None):   # device: a rank's ctx.device; None: here, on the CPU
+def fresh_model(dtype=torch.float32, device=None):  # device: a rank's ctx.device; None: here, on the CPU
     torch.manual_seed(SEED)
     model = GPT(CFG).to(device, dtype)
-    return perturbed(model, seed=SEED)   # biases away from 0, LayerNorm weights away from 1
+    return perturbed(model, seed=SEED)  # biases away from 0, LayerNorm weights away from 1
 
 
 def ours(ctx, optimizer):
     model = apply_tp(fresh_model(DT, ctx.device), tp_group(ctx, TP), sequence_parallel=True)
-    return first_step_and_train(model, DATA, STEPS, optimizer, full_logits=VocabParallelLogits.full_tensor,
-                                full_gradients=full_gradients, full_weights=full_weights, device=ctx.device)
+    return first_step_and_train(
+        model,
+        DATA,
+        STEPS,
+        optimizer,
+        full_logits=VocabParallelLogits.full_tensor,
+        full_gradients=full_gradients,
+        full_weights=full_weights,
+        device=ctx.device,
+    )
 
 
 def pytorch(ctx, optimizer):
@@ -374,12 +417,16 @@ reference = {opt: single_process(opt) for opt in ("sgd", "adam")}
 for (name, opt), per_rank in results.items():
     for rank, got in enumerate(per_rank):
         assert_all_same(got, reference[opt], f"{name} TP+SP rank {rank}, {opt}", opt)
-        if name == "ours":   # and ours against PyTorch's directly
+        if name == "ours":  # and ours against PyTorch's directly
             assert_all_same(got, results["PyTorch", opt][rank], f"ours vs PyTorch rank {rank}, {opt}", opt)
-print(f"tp = {TP}, float64: logits {tuple(reference['sgd']['logits'].shape)}, loss, "
-      f"{len(reference['sgd']['grads'])} gradients and the weights after {STEPS} SGD and {STEPS} Adam steps")
-print(f"ours = one process = parallelize_module, on all {WORLD_SIZE} ranks, within "
-      f"rtol {tolerance('sgd', DT)['rtol']:.0e} (SGD) and {tolerance('adam', DT)['rtol']:.0e} (Adam)")
+print(
+    f"tp = {TP}, float64: logits {tuple(reference['sgd']['logits'].shape)}, loss, "
+    f"{len(reference['sgd']['grads'])} gradients and the weights after {STEPS} SGD and {STEPS} Adam steps"
+)
+print(
+    f"ours = one process = parallelize_module, on all {WORLD_SIZE} ranks, within "
+    f"rtol {tolerance('sgd', DT)['rtol']:.0e} (SGD) and {tolerance('adam', DT)['rtol']:.0e} (Adam)"
+)
 
 # %% [markdown]
 # ## 5. LayerNorm gradients: now they must be summed
@@ -396,6 +443,7 @@ print(f"ours = one process = parallelize_module, on all {WORLD_SIZE} ranks, with
 # backward (kept as `p._tp_grad_sync`). We remove those hooks to look at what each rank has on
 # its own, do the all-reduce ourselves, and compare both with the one-process gradient.
 
+
 # %%
 def norm_gradients(ctx, keep_sync):
     model = apply_tp(fresh_model(DT, ctx.device), tp_group(ctx, TP), sequence_parallel=True)
@@ -406,7 +454,7 @@ def norm_gradients(ctx, keep_sync):
     DATA.global_batch(0).to(ctx.device).loss(model).backward()
     local = {name: model.get_parameter(name).grad.clone() for name in synced}
     summed = {}
-    for name, grad in local.items():   # the all-reduce the hooks would have done
+    for name, grad in local.items():  # the all-reduce the hooks would have done
         summed[name] = grad.clone()
         dist.all_reduce(summed[name], group=tp_group(ctx, TP))
     return synced, local, summed
@@ -416,11 +464,19 @@ unsynced = cluster.run(norm_gradients, False)
 synced = cluster.run(norm_gradients, True)
 names = unsynced[0][0]
 want = reference["sgd"]["grads"]
-print(f"{len(names)} parameters get an all-reduce hook under SP:", ", ".join(n for n in names if n.startswith("blocks.0")),
-      "... and norm.weight, norm.bias" if "norm.weight" in names else "")
-assert [n for n in names if n.startswith("blocks.0")] == ["blocks.0.norm1.weight", "blocks.0.norm1.bias",
-                                                         "blocks.0.attn.out.bias", "blocks.0.norm2.weight",
-                                                         "blocks.0.norm2.bias", "blocks.0.mlp.proj.bias"]
+print(
+    f"{len(names)} parameters get an all-reduce hook under SP:",
+    ", ".join(n for n in names if n.startswith("blocks.0")),
+    "... and norm.weight, norm.bias" if "norm.weight" in names else "",
+)
+assert [n for n in names if n.startswith("blocks.0")] == [
+    "blocks.0.norm1.weight",
+    "blocks.0.norm1.bias",
+    "blocks.0.attn.out.bias",
+    "blocks.0.norm2.weight",
+    "blocks.0.norm2.bias",
+    "blocks.0.mlp.proj.bias",
+]
 assert len(names) == 6 * L + 2
 
 example = "blocks.0.norm1.weight"
@@ -430,16 +486,18 @@ for rank in range(TP):
     print(f"  rank {rank}: {(g - want[example]).abs().max().item():.1e}")
 for name in names:
     per_rank = [unsynced[rank][1][name] for rank in range(TP)]
-    for rank in range(TP):                                # each rank has a partial sum ...
+    for rank in range(TP):  # each rank has a partial sum ...
         assert (per_rank[rank] - want[name]).abs().max() > 1e-3, (name, rank)
         assert not torch.allclose(per_rank[rank], per_rank[(rank + 1) % TP]), (name, rank)
-    assert_same(sum(per_rank), want[name], f"{name}: sum over ranks", optimizer=None)   # ... and they add up
+    assert_same(sum(per_rank), want[name], f"{name}: sum over ranks", optimizer=None)  # ... and they add up
     for rank in range(WORLD_SIZE):
         assert_same(unsynced[rank][2][name], want[name], f"{name}: explicit all-reduce", optimizer=None)
         assert torch.equal(synced[rank][1][name], synced[0][1][name]), "with the hooks: the same on every rank"
         assert_same(synced[rank][1][name], want[name], f"{name}: with the hooks", optimizer=None)
-print(f"  after an all-reduce over the {TP} ranks: equal to the one-process gradient (float64 tolerance), "
-      "and with the hooks equal on every rank")
+print(
+    f"  after an all-reduce over the {TP} ranks: equal to the one-process gradient (float64 tolerance), "
+    "and with the hooks equal on every rank"
+)
 
 # %% [markdown]
 # Each rank's gradient is far from the true one: it is the contribution of $s/tp$ tokens. The
@@ -465,6 +523,7 @@ print(f"  after an all-reduce over the {TP} ranks: equal to the one-process grad
 # run; every collective is assigned to the block it ran in, and the rest (embedding, head, loss,
 # final norm) is kept apart. The blocks should all show the same counts.
 
+
 # %%
 def one_step_log(ctx, sp, regather=True, config=CFG):
     """Every collective of one forward and backward, and the per-block compute bars."""
@@ -473,7 +532,7 @@ def one_step_log(ctx, sp, regather=True, config=CFG):
     timeline = Timeline(ctx.rank)
     apply_tp(model, tp_group(ctx, TP), sequence_parallel=sp, regather_in_backward=regather, timeline=timeline)
     batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0).to(ctx.device)
-    batch.loss(model).backward()   # a first step warms up; the second is logged
+    batch.loss(model).backward()  # a first step warms up; the second is logged
     model.zero_grad(set_to_none=True)
     timeline.clear()
     with CommLogger(timeline=timeline) as log:
@@ -497,13 +556,15 @@ def per_block(rows, forward_calls, bars):
 
 
 VARIANTS = {"TP only": (False, True), "TP+SP": (True, True), "TP+SP, no regather": (True, False)}
-logs = {name: cluster.run(one_step_log, sp, regather)
-        for name, (sp, regather) in ProgressBar("logging one step").iterate(VARIANTS.items())}
+logs = {
+    name: cluster.run(one_step_log, sp, regather)
+    for name, (sp, regather) in ProgressBar("logging one step").iterate(VARIANTS.items())
+}
 counted = {name: per_block(*per_rank[0]) for name, per_rank in logs.items()}
 
 # %%
 BSH = B * S * H
-EXPECTED = {   # per block: (collective, buffer elements) -> calls
+EXPECTED = {  # per block: (collective, buffer elements) -> calls
     ("TP only", "forward"): {("all_reduce", BSH): 2},
     ("TP only", "backward"): {("all_reduce", BSH): 2},
     ("TP+SP", "forward"): {("all_gather", BSH): 2, ("reduce_scatter", BSH): 2},
@@ -517,7 +578,13 @@ for name, per_rank in logs.items():
         counts, sent = per_block(*result)
         for phase in ("forward", "backward"):
             for i in range(L):
-                assert counts[phase, f"block {i}"] == EXPECTED[name, phase], (name, rank, phase, i, counts[phase, f"block {i}"])
+                assert counts[phase, f"block {i}"] == EXPECTED[name, phase], (
+                    name,
+                    rank,
+                    phase,
+                    i,
+                    counts[phase, f"block {i}"],
+                )
                 assert sent[phase, f"block {i}"] == sent[phase, "block 0"]
             block_bytes[name, phase] = sent[phase, "block 0"]
 
@@ -530,7 +597,9 @@ print(f"per block, per rank (tp = {TP}; elements of each collective's whole buff
 for name in VARIANTS:
     for phase in ("forward", "backward"):
         counts, _ = counted[name]
-        print(f"{name:<19} {phase:<9} {describe(counts[phase, 'block 0']):<58} {block_bytes[name, phase]:>7,} bytes sent")
+        print(
+            f"{name:<19} {phase:<9} {describe(counts[phase, 'block 0']):<58} {block_bytes[name, phase]:>7,} bytes sent"
+        )
 print("\noutside the blocks (embedding, head, loss, final norm):")
 for name in VARIANTS:
     for phase in ("forward", "backward"):
@@ -559,10 +628,12 @@ assert sum(EXPECTED["TP+SP", "forward"].values()) == 2 * sum(EXPECTED["TP only",
 # %%
 extra = block_bytes["TP+SP", "backward"] - block_bytes["TP+SP, no regather", "backward"]
 small = block_bytes["TP+SP, no regather", "backward"] - block_bytes["TP only", "backward"]
-print(f"backward bytes per block: TP only {block_bytes['TP only', 'backward']:,}, "
-      f"TP+SP without regather {block_bytes['TP+SP, no regather', 'backward']:,} (+{small:,} for the norm and bias gradients), "
-      f"with regather {block_bytes['TP+SP', 'backward']:,} (+{extra:,}: two all-gathers)")
-ring = lambda share, elements: int(share * (TP - 1) * elements * 4) // TP   # noqa: E731 (bytes a rank sends, fp32)
+print(
+    f"backward bytes per block: TP only {block_bytes['TP only', 'backward']:,}, "
+    f"TP+SP without regather {block_bytes['TP+SP, no regather', 'backward']:,} (+{small:,} for the norm and bias gradients), "
+    f"with regather {block_bytes['TP+SP', 'backward']:,} (+{extra:,}: two all-gathers)"
+)
+ring = lambda share, elements: int(share * (TP - 1) * elements * 4) // TP  # noqa: E731 (bytes a rank sends, fp32)
 assert extra == 2 * ring(1, BSH)
 assert small == 6 * ring(2, H)
 
@@ -615,7 +686,7 @@ def largest_saved(model, inputs):
 
 
 def activations(ctx=None, sp=False, regather=True):
-    device = None if ctx is None else ctx.device   # None: here, on the CPU
+    device = None if ctx is None else ctx.device  # None: here, on the CPU
     model = GPT(CFG).to(device)
     if ctx is not None:
         apply_tp(model, tp_group(ctx, TP), sequence_parallel=sp, regather_in_backward=regather)
@@ -623,10 +694,16 @@ def activations(ctx=None, sp=False, regather=True):
     return largest_saved(model, inputs), saved_activation_bytes(model, inputs)
 
 
-MEMORY_VARIANTS = {"one process": None, "TP only": (False, True),
-                   "TP+SP, no regather": (True, False), "TP+SP": (True, True)}
-memory = {name: [activations()] if v is None else cluster.run(activations, *v)
-          for name, v in ProgressBar("measuring saved tensors").iterate(MEMORY_VARIANTS.items())}
+MEMORY_VARIANTS = {
+    "one process": None,
+    "TP only": (False, True),
+    "TP+SP, no regather": (True, False),
+    "TP+SP": (True, True),
+}
+memory = {
+    name: [activations()] if v is None else cluster.run(activations, *v)
+    for name, v in ProgressBar("measuring saved tensors").iterate(MEMORY_VARIANTS.items())
+}
 
 # %%
 print(f"tp = {TP}, b*s*h = {BSH:,} elements; largest saved tensor per rank, and all saved activations per rank\n")
@@ -635,8 +712,10 @@ for name, per_rank in memory.items():
     largest, total = per_rank[0]
     hidden, inner = largest["hidden state"], largest["attention/MLP internals"]
     assert all(r == per_rank[0] for r in per_rank), "the same on every rank"
-    print(f"{name:<20}{f'{hidden[0]:,} {hidden[1]} {hidden[2]}':<34}"
-          f"{f'{inner[0]:,} {inner[1]} {inner[2]}':<38}{total:>10,} B")
+    print(
+        f"{name:<20}{f'{hidden[0]:,} {hidden[1]} {hidden[2]}':<34}"
+        f"{f'{inner[0]:,} {inner[1]} {inner[2]}':<38}{total:>10,} B"
+    )
 
 hidden = {name: per_rank[0][0]["hidden state"][0] for name, per_rank in memory.items()}
 inner = {name: per_rank[0][0]["attention/MLP internals"][0] for name, per_rank in memory.items()}
@@ -660,9 +739,10 @@ assert inner["TP only"] == inner["TP+SP"] == inner["one process"] // TP == B * S
 # constants differ, but the shape of the result should hold: SP divides by tp, TP alone does not.
 
 # %%
-predicted = {name: activation_bytes(CFG, S, B, tp=1 if name == "one process" else TP,
-                                    sequence_parallel=name.startswith("TP+SP"))
-             for name in ("one process", "TP only", "TP+SP")}
+predicted = {
+    name: activation_bytes(CFG, S, B, tp=1 if name == "one process" else TP, sequence_parallel=name.startswith("TP+SP"))
+    for name in ("one process", "TP only", "TP+SP")
+}
 print(f"{'':<20}{'measured':>12}{'/ one process':>15}{'model: / one process':>23}")
 for name in memory:
     model_ratio = f"{predicted[name] / predicted['one process']:.2f}" if name in predicted else "-"
@@ -694,8 +774,16 @@ SEQ_70B, LIMIT = 16384, 80
 
 
 def per_gpu_gb(tp, sp, recompute, zero_stage, dp):
-    parts = breakdown(LLAMA3_70B, seq=SEQ_70B, micro_batch=1, tp=tp, sequence_parallel=sp,
-                      recompute=recompute, zero_stage=zero_stage, dp=dp)
+    parts = breakdown(
+        LLAMA3_70B,
+        seq=SEQ_70B,
+        micro_batch=1,
+        tp=tp,
+        sequence_parallel=sp,
+        recompute=recompute,
+        zero_stage=zero_stage,
+        dp=dp,
+    )
     return {k: v / GB for k, v in parts.items()}
 
 
@@ -717,7 +805,7 @@ assert fits["selective", 1] == (False, True), "SP is what makes 16k fit with sel
 assert fits["none", 0] == (False, False), "storing the 16k x 16k attention scores never fits"
 assert fits["full", 0] == (False, True) and fits["selective", 0] == (False, False)
 assert fits["full", 1] == (True, True), "TP alone fits only with full recompute and ZeRO-1"
-book = per_gpu_gb(16, True, "selective", 1, 8)   # the numbers quoted below
+book = per_gpu_gb(16, True, "selective", 1, 8)  # the numbers quoted below
 assert round(book["activations"]) == 23 and sum(book.values()) < 50
 assert round(per_gpu_gb(16, False, "selective", 1, 8)["activations"]) > 100
 assert round(16 * count_params(LLAMA3_70B) / 16 / GB) == 71
@@ -750,8 +838,13 @@ for sp, style in ((False, "o--"), (True, "o-")):
         left.plot(tps, totals, style, ms=3, label=f"{'TP+SP' if sp else 'TP only'}, {recompute} recompute")
 left.axhline(LIMIT, color="k", ls=":", lw=1)
 left.text(1, LIMIT * 1.1, "80 GB", fontsize=8)
-left.set(xscale="log", yscale="log", xlabel="tensor-parallel degree tp", ylabel="GB per GPU",
-         title=f"Llama 3 70B, seq {SEQ_70B:,}, ZeRO-1 (dp = 8)")
+left.set(
+    xscale="log",
+    yscale="log",
+    xlabel="tensor-parallel degree tp",
+    ylabel="GB per GPU",
+    title=f"Llama 3 70B, seq {SEQ_70B:,}, ZeRO-1 (dp = 8)",
+)
 left.set_xticks(tps, [str(t) for t in tps])
 left.legend(fontsize=8)
 width = 0.38
@@ -759,13 +852,25 @@ for offset, sp in ((-width / 2, False), (width / 2, True)):
     bottom = np.zeros(len(tps))
     for part, colour in COLOURS.items():
         values = np.array([per_gpu_gb(t, sp, "selective", 1, 8)[part] for t in tps])
-        right.bar(np.arange(len(tps)) + offset, values, width, bottom=bottom, color=colour,
-                  hatch="" if sp else "//", edgecolor="white", label=part if sp else None)
+        right.bar(
+            np.arange(len(tps)) + offset,
+            values,
+            width,
+            bottom=bottom,
+            color=colour,
+            hatch="" if sp else "//",
+            edgecolor="white",
+            label=part if sp else None,
+        )
         bottom += values
 right.axhline(LIMIT, color="k", ls=":", lw=1)
 right.set_xticks(np.arange(len(tps)), [str(t) for t in tps])
-right.set(xlabel="tp (left bar of each pair: TP only, hatched; right: TP+SP)", ylabel="GB per GPU",
-          ylim=(0, 300), title="selective recompute: where the memory goes (cut at 300 GB)")
+right.set(
+    xlabel="tp (left bar of each pair: TP only, hatched; right: TP+SP)",
+    ylabel="GB per GPU",
+    ylim=(0, 300),
+    title="selective recompute: where the memory goes (cut at 300 GB)",
+)
 right.legend(fontsize=8)
 fig
 
@@ -803,10 +908,12 @@ fig
 # %%
 for rows, forward_calls, _ in wide:
     ops = [base_op(e["op"]) for e in rows[:forward_calls]]
-    blocks = ops[1:1 + 4 * WIDE.layers]                 # after the embedding's reduce-scatter
+    blocks = ops[1 : 1 + 4 * WIDE.layers]  # after the embedding's reduce-scatter
     assert ops[0] == "reduce_scatter" and blocks == ["all_gather", "reduce_scatter"] * 2 * WIDE.layers
-print("forward order on every rank: embedding reduce-scatter, then per block "
-      "all-gather, reduce-scatter (attention), all-gather, reduce-scatter (MLP)")
+print(
+    "forward order on every rank: embedding reduce-scatter, then per block "
+    "all-gather, reduce-scatter (attention), all-gather, reduce-scatter (MLP)"
+)
 
 # %% [markdown]
 # ## 10. On a GPU
@@ -814,6 +921,7 @@ print("forward order on every rank: embedding reduce-scatter, then per block "
 # One GPU is enough to see section 7's saving at a realistic size: the activation memory of one TP
 # rank's MLP half-block of a 3B-like model (h = 3072, MLP 8192 wide, bf16) at 4,096 tokens, without
 # SP and with SP. It runs only when CUDA is present and is skipped otherwise.
+
 
 # %%
 def rank_mlp_bytes(tp, sp, seq=4096, hidden=3072, ffn=8192, device="cuda", dtype=torch.bfloat16):
@@ -838,8 +946,10 @@ if torch.cuda.is_available():
     for tp in (1, 2, 4, 8):
         no_sp, _ = rank_mlp_bytes(tp, False)
         with_sp, _ = rank_mlp_bytes(tp, True) if tp > 1 else (no_sp, None)
-        print(f"tp = {tp}: {no_sp / 2**20:7.1f} MiB without SP, {with_sp / 2**20:7.1f} MiB with SP "
-              f"(gathered input kept whole, no regathering), on {torch.cuda.get_device_name()}")
+        print(
+            f"tp = {tp}: {no_sp / 2**20:7.1f} MiB without SP, {with_sp / 2**20:7.1f} MiB with SP "
+            f"(gathered input kept whole, no regathering), on {torch.cuda.get_device_name()}"
+        )
 else:
     print("no CUDA device: the single-GPU activation comparison is skipped (section 7 measured the same effect on CPU)")
 
@@ -883,14 +993,17 @@ else:
 # for the weight gradients instead of regathering it (section 7), a memory cost we accept for
 # simplicity. The idealised picture, with all the transfers together taking 0.75 of the matmul:
 
+
 # %%
 def idealised_overlap(tp, t_matmul=1.0, t_comm=0.75):
     """Bars of an all-gather then a matmul, plain and cut into tp pieces (times in units of t_matmul)."""
     step, piece = t_comm / (tp - 1), t_matmul / tp
-    lap = max(step, piece)   # a ring step ends when both its transfer and its piece are done
+    lap = max(step, piece)  # a ring step ends when both its transfer and its piece are done
     plain = {"communication": [(0, t_comm)], "compute": [(t_comm, t_matmul)]}
-    pieces = {"communication": [(k * lap, step) for k in range(tp - 1)],
-              "compute": [(k * lap, piece) for k in range(tp)]}
+    pieces = {
+        "communication": [(k * lap, step) for k in range(tp - 1)],
+        "compute": [(k * lap, piece) for k in range(tp)],
+    }
     return plain, pieces, (tp - 1) * lap + piece
 
 
@@ -904,8 +1017,12 @@ for y, (scheme, bars) in enumerate([("plain TP+SP", plain_bars), ("async TP+SP",
 ax.set_yticks([0, 1], ["plain: gather, then multiply", f"async: {TP} pieces"])
 ax.invert_yaxis()
 ax.set_xlabel("time (units of one whole matmul)")
-ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()],
-          labels=["matmul (piece)", "transfer (ring step)"], loc="lower right", fontsize=8)
+ax.legend(
+    handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()],
+    labels=["matmul (piece)", "transfer (ring step)"],
+    loc="lower right",
+    fontsize=8,
+)
 ax.set_title(f"One all-gather + matmul at tp = {TP}, transfers 0.75 of a matmul in all")
 print(f"idealised: plain {1 + 0.75:.2f}, in {TP} pieces {overlapped_time:.2f} units of one matmul")
 fig
@@ -915,19 +1032,30 @@ fig
 # partial sums (in its own order), so async TP+SP must train exactly like TP+SP and one process:
 # float64 and the same tolerances as section 4.
 
+
 # %%
 def ours_async(ctx, optimizer):
     model = apply_tp(fresh_model(DT, ctx.device), tp_group(ctx, TP), sequence_parallel=True, async_tp=True)
-    return first_step_and_train(model, DATA, STEPS, optimizer, full_logits=VocabParallelLogits.full_tensor,
-                                full_gradients=full_gradients, full_weights=full_weights, device=ctx.device)
+    return first_step_and_train(
+        model,
+        DATA,
+        STEPS,
+        optimizer,
+        full_logits=VocabParallelLogits.full_tensor,
+        full_gradients=full_gradients,
+        full_weights=full_weights,
+        device=ctx.device,
+    )
 
 
 for opt in ("sgd", "adam"):
     for rank, got in enumerate(cluster.run(ours_async, opt)):
         assert_all_same(got, reference[opt], f"async TP+SP rank {rank}, {opt}", opt)
         assert_all_same(got, results["ours", opt][rank], f"async TP+SP against TP+SP rank {rank}, {opt}", opt)
-print(f"async TP+SP = TP+SP = one process at tp = {TP}, float64: logits, loss, gradients and the weights "
-      f"after {STEPS} SGD and {STEPS} Adam steps, on all {WORLD_SIZE} ranks")
+print(
+    f"async TP+SP = TP+SP = one process at tp = {TP}, float64: logits, loss, gradients and the weights "
+    f"after {STEPS} SGD and {STEPS} Adam steps, on all {WORLD_SIZE} ranks"
+)
 
 # %% [markdown]
 # **The pieces on the ranks.** With `timeline=`, `apply_tp(..., async_tp=True)` records every
@@ -935,14 +1063,16 @@ print(f"async TP+SP = TP+SP = one process at tp = {TP}, float64: logits, loss, g
 # the transfer starts until the shard has arrived), for one forward and backward of the wider model
 # of section 9.
 
+
 # %%
 def async_step_bars(ctx, config):
     torch.manual_seed(SEED)
     timeline = Timeline(ctx.rank)
-    model = apply_tp(GPT(config).to(ctx.device), tp_group(ctx, TP), sequence_parallel=True, async_tp=True,
-                     timeline=timeline)
+    model = apply_tp(
+        GPT(config).to(ctx.device), tp_group(ctx, TP), sequence_parallel=True, async_tp=True, timeline=timeline
+    )
     batch = Batches(config, mbs=MBS, seed=SEED).global_batch(0).to(ctx.device)
-    batch.loss(model).backward()   # a first step warms up; the second is recorded
+    batch.loss(model).backward()  # a first step warms up; the second is recorded
     model.zero_grad(set_to_none=True)
     timeline.clear()
     batch.loss(model).backward()
@@ -954,8 +1084,10 @@ async_bars = cluster.run(async_step_bars, WIDE)
 for bars in async_bars:
     assert sum(b["lane"] == "compute" for b in bars) == 8 * WIDE.layers * TP
     assert sum(b["lane"] == "communication" for b in bars) == 8 * WIDE.layers * (TP - 1)
-print(f"on every rank: {8 * WIDE.layers * TP} matmul pieces and {8 * WIDE.layers * (TP - 1)} ring steps "
-      f"for {WIDE.layers} blocks at tp = {TP}")
+print(
+    f"on every rank: {8 * WIDE.layers * TP} matmul pieces and {8 * WIDE.layers * (TP - 1)} ring steps "
+    f"for {WIDE.layers} blocks at tp = {TP}"
+)
 
 # %% [markdown]
 # The upper chart is the whole step; the gap in its middle is the vocabulary-parallel head, the
@@ -965,6 +1097,7 @@ print(f"on every rank: {8 * WIDE.layers * TP} matmul pieces and {8 * WIDE.layers
 # reduce-scatter ring. A ring step's bar runs from the moment its send and receive start until the
 # shard has arrived, so it also counts the time spent waiting for a neighbour that is behind.
 
+
 # %% tags=["nbval-ignore-output"]
 def first_region(bars):
     """This rank's events up to the end of block 0's attention forward (2 rings of TP pieces)."""
@@ -972,14 +1105,19 @@ def first_region(bars):
     return [b for b in bars if b["start"] <= end]
 
 
-fig = Figure(figsize=(10, 9))   # plot_gantt lays the figure out itself (tight_layout)
+fig = Figure(figsize=(10, 9))  # plot_gantt lays the figure out itself (tight_layout)
 whole, zoom = fig.subplots(2, 1)
 plot_gantt(async_bars, title=f"async TP+SP (tp = {TP}), one forward and backward, h = {WIDE.hidden}", ax=whole)
-plot_gantt([first_region(bars) for bars in async_bars], ax=zoom,
-           title="enlarged: block 0's attention, forward (all-gather + q, k, v; out + reduce-scatter)")
+plot_gantt(
+    [first_region(bars) for bars in async_bars],
+    ax=zoom,
+    title="enlarged: block 0's attention, forward (all-gather + q, k, v; out + reduce-scatter)",
+)
 for rank, busy in lane_summary(async_bars).items():
-    print(f"rank {rank}: compute {busy['compute']:.1f} ms, ring steps {busy['communication']:.1f} ms, "
-          f"of which {busy['overlapped']:.1f} ms beside a matmul piece")
+    print(
+        f"rank {rank}: compute {busy['compute']:.1f} ms, ring steps {busy['communication']:.1f} ms, "
+        f"of which {busy['overlapped']:.1f} ms beside a matmul piece"
+    )
 fig
 
 # %% [markdown]
@@ -990,6 +1128,7 @@ fig
 # the same collectives in backward, and only the overlap differs. The plain model also runs a
 # second time in each round, as the noise baseline: the same step against itself.
 
+
 # %%
 def step_times(ctx, config, repeats):
     """Seconds of each forward and backward, per scheme, on this rank (the first is a warm-up)."""
@@ -997,16 +1136,21 @@ def step_times(ctx, config, repeats):
     models = {}
     for scheme, overlap in (("TP+SP", False), ("async TP+SP", True)):
         torch.manual_seed(SEED)
-        models[scheme] = apply_tp(GPT(config).to(ctx.device), tp_group(ctx, TP), sequence_parallel=True,
-                                  async_tp=overlap, regather_in_backward=False)
-    models["TP+SP, again"] = models["TP+SP"]   # the noise baseline: the same model timed twice
+        models[scheme] = apply_tp(
+            GPT(config).to(ctx.device),
+            tp_group(ctx, TP),
+            sequence_parallel=True,
+            async_tp=overlap,
+            regather_in_backward=False,
+        )
+    models["TP+SP, again"] = models["TP+SP"]  # the noise baseline: the same model timed twice
     seconds = {scheme: [] for scheme in models}
     for _ in range(repeats + 1):
         for scheme, model in models.items():
             dist.barrier()
             start = time.perf_counter()
             batch.loss(model).backward()
-            wait_for_device(ctx.device)   # on a GPU: the kernels done, not only queued
+            wait_for_device(ctx.device)  # on a GPU: the kernels done, not only queued
             dist.barrier()
             seconds[scheme].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
@@ -1020,8 +1164,10 @@ step_ms = {scheme: 1e3 * float(np.median(np.max([r[scheme] for r in per_rank], a
 # %% tags=["nbval-ignore-output"]
 for scheme, ms in step_ms.items():
     print(f"{scheme:<12} {ms:7.1f} ms per forward and backward (median of {REPEATS}, {WORLD_SIZE} ranks, tp = {TP})")
-print(f"async / plain = {step_ms['async TP+SP'] / step_ms['TP+SP']:.2f}; plain against itself "
-      f"= {step_ms['TP+SP, again'] / step_ms['TP+SP']:.2f} (how far noise alone moves the ratio)")
+print(
+    f"async / plain = {step_ms['async TP+SP'] / step_ms['TP+SP']:.2f}; plain against itself "
+    f"= {step_ms['TP+SP, again'] / step_ms['TP+SP']:.2f} (how far noise alone moves the ratio)"
+)
 
 # %% [markdown]
 # One ring step alone tells why. Each rank posts the send and the receive of one shard of the
@@ -1030,19 +1176,20 @@ print(f"async / plain = {step_ms['async TP+SP'] / step_ms['TP+SP']:.2f}; plain a
 # time is the noise baseline). If the transfer really ran beside the matmul, the third time would
 # be close to the larger of the first two, not to their sum.
 
+
 # %%
 def ring_step_times(ctx, config, repeats=100):
     """Median ms of one ring step: transfer only, matmul piece only, both overlapped."""
     group = tp_group(ctx, TP)
     shard = torch.randn(MBS, config.seq_len // TP, config.hidden).to(ctx.device)
-    weight = torch.randn(3 * config.hidden // TP, config.hidden).to(ctx.device)   # q, k and v of this rank
+    weight = torch.randn(3 * config.hidden // TP, config.hidden).to(ctx.device)  # q, k and v of this rank
     seconds = {"transfer": [], "matmul piece": [], "both": [], "matmul piece, again": []}
     for _ in range(repeats):
         for case, times in seconds.items():
             dist.barrier()
             start = time.perf_counter()
             transfer = case in ("transfer", "both")
-            if transfer:   # to the next rank, from the previous (posted as NCCL needs)
+            if transfer:  # to the next rank, from the previous (posted as NCCL needs)
                 works = ring_step([shard], [torch.empty_like(shard)], group)
             if case != "transfer":
                 F.linear(shard, weight)
@@ -1057,13 +1204,17 @@ one_step_ms = cluster.run(ring_step_times, WIDE)
 
 # %% tags=["nbval-ignore-output"]
 for rank, ms in enumerate(one_step_ms):
-    print(f"rank {rank}: transfer {ms['transfer']:.3f} ms, matmul piece {ms['matmul piece']:.3f} ms, "
-          f"both {ms['both']:.3f} ms (sum {ms['transfer'] + ms['matmul piece']:.3f}, "
-          f"larger {max(ms['transfer'], ms['matmul piece']):.3f})")
+    print(
+        f"rank {rank}: transfer {ms['transfer']:.3f} ms, matmul piece {ms['matmul piece']:.3f} ms, "
+        f"both {ms['both']:.3f} ms (sum {ms['transfer'] + ms['matmul piece']:.3f}, "
+        f"larger {max(ms['transfer'], ms['matmul piece']):.3f})"
+    )
 ratios = [ms["transfer"] / ms["matmul piece"] for ms in one_step_ms]
 noise = [ms["matmul piece, again"] / ms["matmul piece"] for ms in one_step_ms]
-print(f"the transfer takes {min(ratios):.1f} to {max(ratios):.1f} times the matmul piece it should hide; "
-      f"the matmul piece against itself: {min(noise):.2f} to {max(noise):.2f} (the noise)")
+print(
+    f"the transfer takes {min(ratios):.1f} to {max(ratios):.1f} times the matmul piece it should hide; "
+    f"the matmul piece against itself: {min(noise):.2f} to {max(noise):.2f} (the noise)"
+)
 
 # %% [markdown]
 # Do not read a speed-up into the async / plain ratio printed further up: on two shared cores it

@@ -57,8 +57,13 @@ from ultrascale.kernels.tiled_attention import merge_partial_attention, naive_at
 from ultrascale.memory import GB, activation_bytes, cp_kv_buffer_bytes, saved_activation_bytes
 from ultrascale.model import GPT, LLAMA3_8B, GPTConfig
 from ultrascale.parallel import Timeline, init_mesh
-from ultrascale.parallel.context_parallel import (KVBufferMeter, apply_cp, causal_tile_counts,
-                                                  context_parallel_attention, split_sequence)
+from ultrascale.parallel.context_parallel import (
+    KVBufferMeter,
+    apply_cp,
+    causal_tile_counts,
+    context_parallel_attention,
+    split_sequence,
+)
 from ultrascale.parallel.timeline import overlap_seconds
 from ultrascale.parallel.ulysses import ring_bytes, ulysses_attention, ulysses_bytes
 from ultrascale.parity import assert_same, first_step, perturbed, tolerance
@@ -69,7 +74,7 @@ from ultrascale.viz.gantt import plot_gantt
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)
-plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell shows by returning them
+plt.switch_backend(plt.get_backend())  # figures are Figure objects that a cell shows by returning them
 
 # %% [markdown]
 # ## 1. The sizes
@@ -80,9 +85,9 @@ plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell
 
 # %%
 CP = WORLD_SIZE
-CHUNK = 4 if QUICK else 8          # tokens per zig-zag chunk
-S = 2 * CP * CHUNK                 # the sequence length of the attention checks and of the model
-DT = torch.float64                 # parity checks in float64 (the reason is in section 3)
+CHUNK = 4 if QUICK else 8  # tokens per zig-zag chunk
+S = 2 * CP * CHUNK  # the sequence length of the attention checks and of the model
+DT = torch.float64  # parity checks in float64 (the reason is in section 3)
 print(f"cp = {CP} ranks; sequence of {S} tokens = {2 * CP} chunks of {CHUNK}; {S // CP} tokens per rank")
 
 cluster = Cluster(WORLD_SIZE)
@@ -125,6 +130,7 @@ cp_ring_figure(CP)
 # $\ell$ on those rows.
 #
 # Six tokens, keys 0-2 in block A and keys 3-5 in block B, causal: queries 0-2 see nothing in B.
+
 
 # %%
 def block_attention(q, k, v, q_pos, k_pos):
@@ -177,8 +183,8 @@ print("non-causal: merge(A, B) = merge(B, A) = attention over all keys (chapter 
 B1, B2 = slice(3, 5), slice(5, 6)
 out_b1, lse_b1 = block_attention(q6, k6[..., B1, :], v6[..., B1, :], pos, pos[B1])
 out_b2, lse_b2 = block_attention(q6, k6[..., B2, :], v6[..., B2, :], pos, pos[B2])
-blind = slice(0, 3)   # the queries that see no key of B1 or B2
-naive_weight = torch.exp(lse_b1 - torch.logaddexp(lse_b1, lse_b2))   # the formula as written
+blind = slice(0, 3)  # the queries that see no key of B1 or B2
+naive_weight = torch.exp(lse_b1 - torch.logaddexp(lse_b1, lse_b2))  # the formula as written
 out_bb, lse_bb = merge_partial_attention(out_b1, lse_b1, out_b2, lse_b2)
 assert torch.isnan(naive_weight[..., blind]).all(), "the formula alone gives NaN on the blind rows"
 assert torch.isneginf(lse_bb[..., blind]).all() and not out_bb.isnan().any()
@@ -188,10 +194,14 @@ merged_3, _ = merge_partial_attention(out_a, lse_a, out_bb, lse_bb)
 assert_same(merged_3, full, "merge(A, merge(B1, B2)) vs causal SDPA", optimizer=None)
 print("query  weight of B1 by the formula  merged lse  largest |merged output|")
 for i in range(6):
-    print(f"{i:>5}  {naive_weight[0, 0, i].item():>27.3f}  {lse_bb[0, 0, i].item():>10.3f}  "
-          f"{out_bb[0, 0, i].abs().max().item():>22.3f}")
-print("rows 0-2 see no key of B1 or B2: the formula gives NaN, the merge gives output 0 and lse -inf;\n"
-      "merging that with A gives causal attention over all six keys")
+    print(
+        f"{i:>5}  {naive_weight[0, 0, i].item():>27.3f}  {lse_bb[0, 0, i].item():>10.3f}  "
+        f"{out_bb[0, 0, i].abs().max().item():>22.3f}"
+    )
+print(
+    "rows 0-2 see no key of B1 or B2: the formula gives NaN, the merge gives output 0 and lse -inf;\n"
+    "merging that with A gives causal attention over all six keys"
+)
 
 
 # %% [markdown]
@@ -217,7 +227,7 @@ print("rows 0-2 see no key of B1 or B2: the formula gives NaN, the merge gives o
 # skipped block, a wrong mask or a missing rescale would be off by far more.
 
 # %%
-SHAPE = (2, 4, S, 8)   # batch, heads, whole sequence, head_dim
+SHAPE = (2, 4, S, 8)  # batch, heads, whole sequence, head_dim
 CASES = [(causal, layout, "ring") for causal in (False, True) for layout in ("contiguous", "zigzag")]
 CASES += [(False, "contiguous", "all_gather"), (True, "zigzag", "all_gather")]
 
@@ -267,10 +277,14 @@ print(f"{'mask':<8}{'layout':<12}{'kind':<12}output, dQ, dK, dV against SDPA")
 for causal, layout, kind in CASES:
     want = sdpa_reference(causal)
     for i, name in enumerate(("output", "dQ", "dK", "dV"), start=1):
-        assert_same(reassemble(per_rank, (causal, layout, kind), i), want[i - 1],
-                    f"{layout} {kind} causal={causal}: {name}", optimizer=None)
+        assert_same(
+            reassemble(per_rank, (causal, layout, kind), i),
+            want[i - 1],
+            f"{layout} {kind} causal={causal}: {name}",
+            optimizer=None,
+        )
     print(f"{'causal' if causal else 'none':<8}{layout:<12}{kind:<12}equal (rtol {tolerance(None, DT)['rtol']:.0e})")
-for result in per_rank:   # the same blocks merged in the same order: the very same bits
+for result in per_rank:  # the same blocks merged in the same order: the very same bits
     for causal, layout, kind in CASES:
         if kind == "all_gather":
             assert torch.equal(result[causal, layout, "ring"][1], result[causal, layout, "all_gather"][1])
@@ -292,20 +306,21 @@ print("ring and all-gather outputs: bit-identical on every rank")
 #
 # Everything below is read from the events of the run.
 
+
 # %%
 def tiny_ring(ctx):
     g = torch.Generator().manual_seed(SEED)
-    q, k, v = (torch.randn(1, 1, ctx.world_size, 2, generator=g, dtype=DT) for _ in range(3))   # one token per rank
+    q, k, v = (torch.randn(1, 1, ctx.world_size, 2, generator=g, dtype=DT) for _ in range(3))  # one token per rank
     local = [mine(ctx, t, "contiguous")[0] for t in (q, k, v)]
     timeline = Timeline(ctx.rank)
     with CommLogger() as log:
         out = context_parallel_attention(*local, layout="contiguous", timeline=timeline)
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, ctx.rank:ctx.rank + 1]
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, ctx.rank : ctx.rank + 1]
     return timeline.rows(), log.rows(), out, want
 
 
 ring_runs = cluster.run(tiny_ring)
-holds = []   # holds[r][step]: whose K/V rank r attends to at that step
+holds = []  # holds[r][step]: whose K/V rank r attends to at that step
 for rank, (rows, log_rows, out, want) in enumerate(ring_runs):
     assert_same(out, want, f"rank {rank}: its token's attention", optimizer=None)
     attends = [e for e in rows if e["name"].startswith("attend to")]
@@ -322,8 +337,10 @@ print(f"{'step':<6}" + "".join(f"{'rank ' + str(r) + ' (token ' + str(r) + ')':<
 for step in range(CP):
     cells = [f"K/V {holds[r][step]} " + ("attend" if holds[r][step] <= r else "skip: future") for r in range(CP)]
     print(f"{step:<6}" + "".join(f"{c:<22}" for c in cells))
-print(f"\n{CP - 1} point-to-point exchanges per rank (batch_isend_irecv of K and V, 32 bytes each way); "
-      "each rank's output = its row of causal attention")
+print(
+    f"\n{CP - 1} point-to-point exchanges per rank (batch_isend_irecv of K and V, 32 bytes each way); "
+    "each rank's output = its row of causal attention"
+)
 
 
 # %%
@@ -336,18 +353,36 @@ def ring_figure(holds):
         for step in range(n):
             src = holds[r][step]
             visible = src <= r
-            ax.add_patch(plt.Rectangle((step - 0.4, r - 0.35), 0.8, 0.7, color=colours(src),
-                                       alpha=0.85 if visible else 0.25, hatch=None if visible else "//"))
+            ax.add_patch(
+                plt.Rectangle(
+                    (step - 0.4, r - 0.35),
+                    0.8,
+                    0.7,
+                    color=colours(src),
+                    alpha=0.85 if visible else 0.25,
+                    hatch=None if visible else "//",
+                )
+            )
             ax.text(step, r, f"K/V {src}\n{'attend' if visible else 'masked'}", ha="center", va="center", fontsize=8)
-            if step < n - 1:   # during this step the block travels to the next rank (the last rank's to rank 0)
-                ax.add_patch(FancyArrowPatch((step + 0.4, r), (step + 0.6, r + 1 if r < n - 1 else r + 0.45),
-                                             arrowstyle="->", mutation_scale=8, color="0.4"))
+            if step < n - 1:  # during this step the block travels to the next rank (the last rank's to rank 0)
+                ax.add_patch(
+                    FancyArrowPatch(
+                        (step + 0.4, r),
+                        (step + 0.6, r + 1 if r < n - 1 else r + 0.45),
+                        arrowstyle="->",
+                        mutation_scale=8,
+                        color="0.4",
+                    )
+                )
                 if r == n - 1:
                     ax.text(step + 0.62, r + 0.45, "to rank 0", fontsize=7, va="center")
     ax.set(xlim=(-0.6, n - 0.4), ylim=(n - 0.5, -0.5), xlabel="step", ylabel="rank (holds the query of token = rank)")
     ax.set_xticks(range(n)), ax.set_yticks(range(n))
-    ax.set_title(f"ring attention, {n} ranks, {n} tokens, causal: the K/V each rank holds at each step "
-                 "(colour: its owner; arrows: sent on to the next rank)", fontsize=9)
+    ax.set_title(
+        f"ring attention, {n} ranks, {n} tokens, causal: the K/V each rank holds at each step "
+        "(colour: its owner; arrows: sent on to the next rank)",
+        fontsize=9,
+    )
     return fig
 
 
@@ -372,7 +407,7 @@ ring_figure(holds)
 # per rank (`causal_tile_counts` with tiles of one token).
 
 # %%
-SMALL = 4 * CP   # the book's figure has 16 tokens on 4 GPUs
+SMALL = 4 * CP  # the book's figure has 16 tokens on 4 GPUs
 
 
 def mask_figure():
@@ -390,8 +425,9 @@ def mask_figure():
         ax.set_title(f"{layout}: unmasked (q, k) pairs per rank {counts}", fontsize=9)
         ax.set(xlabel="key", ylabel="query")
         ax.set_xticks(range(0, SMALL, 2)), ax.set_yticks(range(0, SMALL, 2))
-    fig.suptitle(f"causal mask of {SMALL} tokens on {CP} ranks, rows coloured by the rank that holds the query",
-                 fontsize=10)
+    fig.suptitle(
+        f"causal mask of {SMALL} tokens on {CP} ranks, rows coloured by the rank that holds the query", fontsize=10
+    )
     return fig
 
 
@@ -400,8 +436,10 @@ mask_figure()
 # %%
 pairs = {layout: causal_tile_counts(SMALL, CP, layout, tile=1) for layout in ("contiguous", "zigzag")}
 chunks = {layout: causal_tile_counts(S, CP, layout) for layout in ("contiguous", "zigzag")}
-for name, counts, total in (("(q, k) pairs", pairs, SMALL * (SMALL + 1) // 2),
-                            (f"tiles of {S // (2 * CP)} x {S // (2 * CP)}", chunks, 2 * CP * (2 * CP + 1) // 2)):
+for name, counts, total in (
+    ("(q, k) pairs", pairs, SMALL * (SMALL + 1) // 2),
+    (f"tiles of {S // (2 * CP)} x {S // (2 * CP)}", chunks, 2 * CP * (2 * CP + 1) // 2),
+):
     for layout, per_rank_counts in counts.items():
         ratio = max(per_rank_counts) / (sum(per_rank_counts) / CP)
         print(f"{name:<16} {layout:<11} per rank {str(per_rank_counts):<22} slowest / mean {ratio:.2f}")
@@ -409,7 +447,7 @@ for name, counts, total in (("(q, k) pairs", pairs, SMALL * (SMALL + 1) // 2),
     assert counts["contiguous"] == sorted(set(counts["contiguous"])), "contiguous: more work on every later rank"
     assert len(set(counts["zigzag"])) == 1, "zig-zag: the same work on every rank"
 if CP == 4:
-    assert pairs == {"contiguous": [10, 26, 42, 58], "zigzag": [34, 34, 34, 34]}   # the book's 16 tokens
+    assert pairs == {"contiguous": [10, 26, 42, 58], "zigzag": [34, 34, 34, 34]}  # the book's 16 tokens
 
 
 def contiguous_imbalance(tiles_per_rank):
@@ -431,6 +469,7 @@ for counts, m in ((pairs, SMALL // CP), (chunks, 2)):
 # `FlopCounterMode` counts the same and more, but its first use loads the compiler stack, seconds
 # on every rank; for the products of ring attention a wrapper around `@` is enough.)
 
+
 # %%
 @contextlib.contextmanager
 def counted_matmuls():
@@ -446,7 +485,7 @@ def counted_matmuls():
     try:
         yield count
     finally:
-        del torch.Tensor.__matmul__   # back to the method torch.Tensor inherits
+        del torch.Tensor.__matmul__  # back to the method torch.Tensor inherits
 
 
 def attention_flops(ctx, layout):
@@ -459,15 +498,21 @@ def attention_flops(ctx, layout):
     return forward[0], backward[0]
 
 
-flops = dict(zip(("contiguous", "zigzag"), zip(*cluster.run(
-    lambda ctx: [attention_flops(ctx, layout) for layout in ("contiguous", "zigzag")]))))
+flops = dict(
+    zip(
+        ("contiguous", "zigzag"),
+        zip(*cluster.run(lambda ctx: [attention_flops(ctx, layout) for layout in ("contiguous", "zigzag")])),
+    )
+)
 print(f"matmul FLOPs of causal ring attention per rank, q/k/v {SHAPE}:")
 balance = {}
 for layout, per_rank_flops in flops.items():
     totals = [f + b for f, b in per_rank_flops]
     balance[layout] = max(totals) / (sum(totals) / CP)
-    print(f"  {layout:<11} forward {[f for f, _ in per_rank_flops]}, backward {[b for _, b in per_rank_flops]}; "
-          f"slowest / mean {balance[layout]:.2f}")
+    print(
+        f"  {layout:<11} forward {[f for f, _ in per_rank_flops]}, backward {[b for _, b in per_rank_flops]}; "
+        f"slowest / mean {balance[layout]:.2f}"
+    )
 contiguous_forward = [f for f, _ in flops["contiguous"]]
 assert contiguous_forward == [(r + 1) * contiguous_forward[0] for r in range(CP)], "rank r attends to r + 1 blocks"
 assert len({f + b for f, b in flops["zigzag"]}) == 1, "zig-zag: the same FLOPs on every rank"
@@ -502,14 +547,17 @@ BIG = (1, 4, 2 * CP * (64 if QUICK else 256), 32)
 def ring_timeline(ctx, layout="zigzag"):
     q, k, v, upstream = whole_problem(BIG, torch.float32)
     local = [mine(ctx, t, layout)[0].requires_grad_() for t in (q, k, v)]
-    context_parallel_attention(*local, layout=layout).backward(mine(ctx, upstream, layout)[0])   # warm-up
+    context_parallel_attention(*local, layout=layout).backward(mine(ctx, upstream, layout)[0])  # warm-up
     timeline = Timeline(ctx.rank)
     out = context_parallel_attention(*local, layout=layout, timeline=timeline)
     out.backward(mine(ctx, upstream, layout)[0])
     rows = timeline.rows()
-    for e in rows:   # forward / backward as the first word: the chart's colours and labels
-        e["name"] = (e["name"].replace("attend to K/V of rank", "forward K/V")
-                     .replace("backward for K/V of rank", "backward K/V"))
+    for e in rows:  # forward / backward as the first word: the chart's colours and labels
+        e["name"] = (
+            e["name"]
+            .replace("attend to K/V of rank", "forward K/V")
+            .replace("backward for K/V of rank", "backward K/V")
+        )
     return rows
 
 
@@ -523,16 +571,21 @@ for rank, rows in enumerate(timelines):
     attends = [e for e in rows if e["name"].startswith("forward")]
     receives = [e for e in rows if e["name"] == "receive K/V"][: CP - 1]
     assert all(rx["start"] <= at["start"] for rx, at in zip(receives, attends)), "posted before computing"
-print(f"every rank: {CP} forward steps; K/V transfers: {CP - 1} forward, {CP - 1} backward; dK/dV transfers: {CP}; "
-      "each transfer posted before the step's attention starts")
+print(
+    f"every rank: {CP} forward steps; K/V transfers: {CP - 1} forward, {CP - 1} backward; dK/dV transfers: {CP}; "
+    "each transfer posted before the step's attention starts"
+)
 
 # %% tags=["nbval-ignore-output"]
 hidden = sum(overlap_seconds(rows, rank=r) for r, rows in enumerate(timelines))
 busy = sum(e["end"] - e["start"] for rows in timelines for e in rows if e["lane"] == "communication")
-print(f"time with a transfer in flight while the same rank computed: {1e3 * hidden:.1f} ms "
-      f"(of {1e3 * busy:.1f} ms of transfers, summed over ranks)")
-plot_gantt(timelines, title=f"ring attention, cp = {CP}, zig-zag, q/k/v {BIG} float32: forward then backward",
-           label_bars=True)
+print(
+    f"time with a transfer in flight while the same rank computed: {1e3 * hidden:.1f} ms "
+    f"(of {1e3 * busy:.1f} ms of transfers, summed over ranks)"
+)
+plot_gantt(
+    timelines, title=f"ring attention, cp = {CP}, zig-zag, q/k/v {BIG} float32: forward then backward", label_bars=True
+)
 
 # %% [markdown]
 # In every step the transfer bar starts before the compute bar: the send and receive of the next
@@ -566,12 +619,12 @@ plot_gantt(timelines, title=f"ring attention, cp = {CP}, zig-zag, q/k/v {BIG} fl
 
 # %%
 CPS = list(range(2, CP + 1))
-S_MEM = 4 * math.lcm(*CPS)   # divisible by 2 * cp for every cp measured
-MEM = (2, 4, S_MEM, 8)       # batch, K/V heads, sequence, head_dim
+S_MEM = 4 * math.lcm(*CPS)  # divisible by 2 * cp for every cp measured
+MEM = (2, 4, S_MEM, 8)  # batch, K/V heads, sequence, head_dim
 
 
 def kv_buffers(ctx):
-    groups = {cp: ctx.new_group(range(cp)) for cp in CPS}   # every rank creates every group
+    groups = {cp: ctx.new_group(range(cp)) for cp in CPS}  # every rank creates every group
     q, k, v, upstream = (t.to(ctx.device) for t in whole_problem(MEM, torch.float32))
     result = {}
     for cp, group in groups.items():
@@ -585,8 +638,13 @@ def kv_buffers(ctx):
             with KVBufferMeter() as backward:
                 out.backward(pieces[3])
             moved = [e for e in log.events if e.op != "cp shape check"]
-            result[cp, kind] = (forward.peak, backward.peak, len(moved), sum(e.bytes_sent for e in moved),
-                                sorted({e.op for e in moved}))
+            result[cp, kind] = (
+                forward.peak,
+                backward.peak,
+                len(moved),
+                sum(e.bytes_sent for e in moved),
+                sorted({e.op for e in moved}),
+            )
     return result
 
 
@@ -600,12 +658,17 @@ for cp in CPS:
         fwd, bwd, calls, sent, ops = buffers[0][cp, kind]
         model = dict(batch=b, kv_heads=kv_heads, seq=S_MEM, head_dim=d, cp=cp, kind=kind, bytes_per_element=4)
         for rank in range(cp):
-            assert buffers[rank][cp, kind][:2] == (cp_kv_buffer_bytes(**model), cp_kv_buffer_bytes(**model, backward=True))
-        one = b * kv_heads * (S_MEM // cp) * d * 4   # one rank's K (or V) at this cp
+            assert buffers[rank][cp, kind][:2] == (
+                cp_kv_buffer_bytes(**model),
+                cp_kv_buffer_bytes(**model, backward=True),
+            )
+        one = b * kv_heads * (S_MEM // cp) * d * 4  # one rank's K (or V) at this cp
         assert sent == (cp - 1) * 2 * one, "both move (cp - 1) / cp of the whole K/V per rank"
         assert calls == (cp - 1 if kind == "ring" else 2), "cp - 1 ring steps, or one all-gather of K and one of V"
-        print(f"{cp:<4}{kind:<12}{format_bytes(fwd):>12}{format_bytes(bwd):>12}   "
-              f"{calls} x {'+'.join(ops)}, {format_bytes(sent)} sent")
+        print(
+            f"{cp:<4}{kind:<12}{format_bytes(fwd):>12}{format_bytes(bwd):>12}   "
+            f"{calls} x {'+'.join(ops)}, {format_bytes(sent)} sent"
+        )
     ring_fwd, gather_fwd = buffers[0][cp, "ring"][0], buffers[0][cp, "all_gather"][0]
     one = b * kv_heads * (S_MEM // cp) * d * 4
     assert ring_fwd == 2 * min(2, cp - 1) * one and gather_fwd == 2 * cp * one
@@ -669,7 +732,7 @@ def tokens(seq):
 
 
 def saved_per_rank(ctx):
-    alone = [ctx.new_group([r]) for r in range(ctx.world_size)][ctx.rank]   # every rank creates every group
+    alone = [ctx.new_group([r]) for r in range(ctx.world_size)][ctx.rank]  # every rank creates every group
     result = {}
     for seq in SEQS:
         ids = tokens(seq).to(ctx.device)
@@ -682,8 +745,10 @@ def saved_per_rank(ctx):
 
 
 saved = cluster.run(saved_per_rank)
-saved = {**saved[0], **{("one process, eager attention", seq): saved_activation_bytes(act_model(), tokens(seq))
-                        for seq in SEQS}}
+saved = {
+    **saved[0],
+    **{("one process, eager attention", seq): saved_activation_bytes(act_model(), tokens(seq)) for seq in SEQS},
+}
 VARIANTS = ["one process, eager attention", "ring attention, one rank", f"cp = {CP}, per rank"]
 print(f"GPT h = {ACT.hidden}, {ACT.layers} layers, batch {MBS}, float32: bytes saved for backward per rank\n")
 print(f"{'sequence':>9}" + "".join(f"{v:>32}" for v in VARIANTS) + f"{'model: cp / one':>18}")
@@ -693,7 +758,7 @@ for seq in SEQS:
     assert model_ratio == 1 / CP
     ratio = saved[VARIANTS[2], seq] / saved[VARIANTS[1], seq]
     assert abs(ratio * CP - 1) < 0.05, f"per rank within 5% of 1/cp of one process: {ratio:.3f}"
-for variant in VARIANTS[1:]:   # linear in the sequence: doubling s doubles the bytes (within 5%)
+for variant in VARIANTS[1:]:  # linear in the sequence: doubling s doubles the bytes (within 5%)
     for s1, s2 in zip(SEQS, SEQS[1:]):
         assert abs(saved[variant, s2] / saved[variant, s1] / (s2 / s1) - 1) < 0.05, (variant, s1, s2)
 eager_share = [saved[VARIANTS[0], seq] / saved[VARIANTS[1], seq] for seq in SEQS]
@@ -705,13 +770,20 @@ fig = Figure(figsize=(11, 3.8), layout="constrained")
 left, right = fig.subplots(1, 2)
 for variant, style in zip(VARIANTS, ("o-", "s-", "^-")):
     left.plot(SEQS, [saved[variant, s] for s in SEQS], style, ms=4, label=f"measured: {variant}")
-for label, recompute, cp, anchor in (("model, scores kept", "none", 1, VARIANTS[0]),
-                                     (f"model, no scores, cp = {CP}", "selective", CP, VARIANTS[2])):
+for label, recompute, cp, anchor in (
+    ("model, scores kept", "none", 1, VARIANTS[0]),
+    (f"model, no scores, cp = {CP}", "selective", CP, VARIANTS[2]),
+):
     model = [activation_bytes(ACT, s, MBS, recompute, cp=cp) for s in SEQS]
-    scale = saved[anchor, SEQS[0]] / model[0]   # float32 and no dropout here: compare shapes, not constants
+    scale = saved[anchor, SEQS[0]] / model[0]  # float32 and no dropout here: compare shapes, not constants
     left.plot(SEQS, [scale * m for m in model], "k--" if cp == 1 else "k:", lw=1, label=f"{label} (scaled)")
-left.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="bytes saved per rank",
-         title="small GPT: activation memory per rank")
+left.set(
+    xscale="log",
+    yscale="log",
+    xlabel="sequence length",
+    ylabel="bytes saved per rank",
+    title="small GPT: activation memory per rank",
+)
 left.minorticks_off()
 left.set_xticks(SEQS, [str(s) for s in SEQS])
 left.legend(fontsize=7)
@@ -721,8 +793,13 @@ for recompute, style in (("selective", "o-"), ("full", "s--")):
     right.plot(cps, left_gb, style, ms=4, label=f"{recompute} recomputation")
 right.axhline(80, color="k", ls=":", lw=1)
 right.text(1, 90, "80 GB", fontsize=8)
-right.set(xscale="log", yscale="log", xlabel="cp", ylabel="GB of activations per GPU",
-          title=f"Llama 3 8B at {SEQ_BIG:,} tokens (memory model)")
+right.set(
+    xscale="log",
+    yscale="log",
+    xlabel="cp",
+    ylabel="GB of activations per GPU",
+    title=f"Llama 3 8B at {SEQ_BIG:,} tokens (memory model)",
+)
 right.minorticks_off()
 right.set_xticks(cps, [str(c) for c in cps])
 right.legend(fontsize=8)
@@ -781,8 +858,11 @@ def cp_training(ctx):
         ctx.log(done=i)
         model = apply_cp(fresh_model().to(ctx.device), mesh, layout=layout)
         stream = DATA.rank_stream(ctx.rank, ctx.world_size, by="sequence", layout=layout)
-        results[layout, optimizer] = {**first_step(model, stream(0).to(ctx.device)), "positions": stream(0).positions,
-                                      "weights": train(model, stream, STEPS, optimizer, device=ctx.device)}
+        results[layout, optimizer] = {
+            **first_step(model, stream(0).to(ctx.device)),
+            "positions": stream(0).positions,
+            "weights": train(model, stream, STEPS, optimizer, device=ctx.device),
+        }
     unsynced = apply_cp(fresh_model().to(ctx.device), mesh, layout="zigzag", sync_gradients=False)
     batch = DATA.rank_batch(ctx.rank, ctx.world_size, 0, by="sequence", layout="zigzag").to(ctx.device)
     batch.loss(unsynced).backward()
@@ -808,17 +888,22 @@ for layout, optimizer in RUNS:
         assert_same(got["weights"], want["weights"], f"{what}: weights after {STEPS} steps", optimizer=optimizer)
         losses.append(got["loss"])
     assert_same(sum(losses) / CP, want["loss"], f"{layout}: mean of the ranks' losses", optimizer=None)
-    print(f"{layout:<11} {optimizer:<5} cp = {CP}: logits, loss (mean over ranks), {len(want['grads'])} gradients "
-          f"and the weights after {STEPS} steps = one process (float64)")
+    print(
+        f"{layout:<11} {optimizer:<5} cp = {CP}: logits, loss (mean over ranks), {len(want['grads'])} gradients "
+        f"and the weights after {STEPS} steps = one process (float64)"
+    )
 
 own = [result["own gradients"] for result in trained]
 example = "blocks.0.attn.q.weight"
-assert_same({n: sum(g[n] for g in own) / CP for n in own[0]}, reference["sgd"]["grads"], "mean of own gradients",
-            optimizer=None)
+assert_same(
+    {n: sum(g[n] for g in own) / CP for n in own[0]}, reference["sgd"]["grads"], "mean of own gradients", optimizer=None
+)
 for rank, grads in enumerate(own):
     assert (grads[example] - reference["sgd"]["grads"][example]).abs().max() > 1e-3, "one rank's gradient is partial"
-print(f"without the gradient hook: each rank's {example} gradient differs from the true one; "
-      f"their mean over the {CP} ranks equals it")
+print(
+    f"without the gradient hook: each rank's {example} gradient differs from the true one; "
+    f"their mean over the {CP} ranks equals it"
+)
 
 # %% [markdown]
 # The CP ranks hold the same weights (nothing is sharded) and compute gradients over different
@@ -851,6 +936,7 @@ for case, message in messages.items():
 # Attention refuses on *every* rank (one small all-reduce of the shapes), so no rank is left
 # waiting in the ring; the ring still works afterwards.
 
+
 # %%
 def refusals(ctx):
     q, k, v, _ = whole_problem()
@@ -860,8 +946,9 @@ def refusals(ctx):
     wrong_layout = DATA.rank_batch(ctx.rank, ctx.world_size, 0, by="sequence", layout="contiguous").to(ctx.device)
     errors = {
         "rank 0 holds 2 tokens fewer": refusal(lambda: context_parallel_attention(*shorter, layout="zigzag")),
-        "k and v with head_dim 6": refusal(lambda: context_parallel_attention(local[0], local[1][..., :6],
-                                                                                local[2][..., :6], layout="zigzag")),
+        "k and v with head_dim 6": refusal(
+            lambda: context_parallel_attention(local[0], local[1][..., :6], local[2][..., :6], layout="zigzag")
+        ),
         "a contiguous batch for a zig-zag model": refusal(lambda: wrong_layout.loss(model)),
     }
     out = context_parallel_attention(*local, layout="zigzag")
@@ -889,6 +976,7 @@ print(f"\nafterwards the ring works on every rank: output {refused[0][1]} per ra
 # and the buffers are split along the sequence (head-tail, which is our zig-zag, for causal
 # attention). We try it on the cluster.
 
+
 # %%
 def pytorch_context_parallel(ctx):
     from torch.distributed.tensor.experimental import context_parallel
@@ -911,8 +999,10 @@ if attempts[0][0] == "ran":
     assert all(diff < 1e-4 for _, diff in attempts), attempts
     print("PyTorch's context_parallel ran and its output equals ours on every rank (within 1e-4)")
 else:
-    print(f"PyTorch's context_parallel does not run on CPU with gloo in torch {torch.__version__.split('+')[0]}: "
-          "it only shards the CUDA SDPA kernels (flash, memory-efficient, cuDNN), so it is compared on GPUs only.")
+    print(
+        f"PyTorch's context_parallel does not run on CPU with gloo in torch {torch.__version__.split('+')[0]}: "
+        "it only shards the CUDA SDPA kernels (flash, memory-efficient, cuDNN), so it is compared on GPUs only."
+    )
 
 # %% tags=["nbval-ignore-output"]
 print("what it raised on rank 0:", *attempts[0])
@@ -940,8 +1030,10 @@ if torch.cuda.is_available():
         torch.cuda.synchronize()
         seconds = start.elapsed_time(end) / 10 / 1e3
         kv_bytes = 2 * block_tokens * 8 * 128 * 2
-        print(f"block of {block_tokens:>6} tokens: attention {1e3 * seconds:7.3f} ms, K/V {format_bytes(kv_bytes)}: "
-              f"hidden if the link moves more than {kv_bytes / seconds / 1e9:6.1f} GB/s ({torch.cuda.get_device_name()})")
+        print(
+            f"block of {block_tokens:>6} tokens: attention {1e3 * seconds:7.3f} ms, K/V {format_bytes(kv_bytes)}: "
+            f"hidden if the link moves more than {kv_bytes / seconds / 1e9:6.1f} GB/s ({torch.cuda.get_device_name()})"
+        )
 else:
     print("no CUDA device: the block-attention timing against the K/V transfer is skipped")
 
@@ -968,7 +1060,7 @@ else:
 
 # %%
 HEADS = 2 * CP
-U_SHAPE = (2, HEADS, S, 8)   # batch, heads, whole sequence, head_dim: full multi-head attention
+U_SHAPE = (2, HEADS, S, 8)  # batch, heads, whole sequence, head_dim: full multi-head attention
 UCFG = GPTConfig(vocab_size=64, hidden=8 * HEADS, heads=HEADS, layers=2, seq_len=S)
 UDATA = Batches(UCFG, mbs=2, seed=SEED)
 
@@ -985,13 +1077,19 @@ def ulysses_on_rank(ctx):
         out = ulysses_attention(*local)
     with CommLogger() as backward_log:
         out.backward(mine(ctx, upstream, "contiguous")[0])
-    model = apply_cp(ulysses_fresh_model().to(ctx.device), init_mesh(ctx, cp=ctx.world_size), layout="contiguous",
-                     kind="ulysses")
+    model = apply_cp(
+        ulysses_fresh_model().to(ctx.device), init_mesh(ctx, cp=ctx.world_size), layout="contiguous", kind="ulysses"
+    )
     stream = UDATA.rank_stream(ctx.rank, ctx.world_size, by="sequence", layout="contiguous")
-    return {"attention": [t.detach() for t in (out, *(x.grad for x in local))],
-            "logs": (forward_log.totals(), backward_log.totals()),
-            "model": {**first_step(model, stream(0).to(ctx.device)), "positions": stream(0).positions,
-                      "weights": train(model, stream, 2, "sgd", device=ctx.device)}}
+    return {
+        "attention": [t.detach() for t in (out, *(x.grad for x in local))],
+        "logs": (forward_log.totals(), backward_log.totals()),
+        "model": {
+            **first_step(model, stream(0).to(ctx.device)),
+            "positions": stream(0).positions,
+            "weights": train(model, stream, 2, "sgd", device=ctx.device),
+        },
+    }
 
 
 ulysses_runs = cluster.run(ulysses_on_rank)
@@ -999,8 +1097,9 @@ q, k, v, upstream = (t.requires_grad_() for t in whole_problem(U_SHAPE))
 want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
 want.backward(upstream)
 for i, (name, expected) in enumerate(zip(("output", "dQ", "dK", "dV"), (want.detach(), q.grad, k.grad, v.grad))):
-    assert_same(torch.cat([run["attention"][i] for run in ulysses_runs], dim=2), expected, f"Ulysses {name}",
-                optimizer=None)
+    assert_same(
+        torch.cat([run["attention"][i] for run in ulysses_runs], dim=2), expected, f"Ulysses {name}", optimizer=None
+    )
 model = ulysses_fresh_model()
 one = {**first_step(model, UDATA.global_batch(0)), "weights": train(model, UDATA.global_stream(), 2, "sgd")}
 for rank, run in enumerate(ulysses_runs):
@@ -1008,8 +1107,10 @@ for rank, run in enumerate(ulysses_runs):
     assert_same(got["logits"], one["logits"][:, got["positions"]], f"rank {rank}: logits", optimizer=None)
     assert_same(got["grads"], one["grads"], f"rank {rank}: gradients", optimizer=None)
     assert_same(got["weights"], one["weights"], f"rank {rank}: weights after 2 steps", optimizer="sgd")
-print(f"Ulysses, cp = {CP}, {HEADS} heads: output, dQ, dK, dV = SDPA on the whole sequence; the GPT's logits, "
-      "gradients and weights after 2 SGD steps = one process (float64)")
+print(
+    f"Ulysses, cp = {CP}, {HEADS} heads: output, dQ, dK, dV = SDPA on the whole sequence; the GPT's logits, "
+    "gradients and weights after 2 SGD steps = one process (float64)"
+)
 
 # %% [markdown]
 # **What moves.** Each of the four all-to-alls (q, k, v there, the output back; in backward the
@@ -1022,6 +1123,7 @@ print(f"Ulysses, cp = {CP}, {HEADS} heads: output, dQ, dK, dV = SDPA on the whol
 # $cp$ hops home: close to all the sequence's K/V whatever cp is, $O(s\,D_{kv})$.
 # `ulysses_bytes` and `ring_bytes` are the two formulas; the logger measured Ulysses
 # above, and measures the ring on the same q, k, v now.
+
 
 # %%
 def ring_logs(ctx):
@@ -1039,10 +1141,19 @@ b, h, s, d = U_SHAPE
 print(f"bytes one rank sends per attention layer, cp = {CP}, q/k/v {U_SHAPE} float64 (measured = formula):")
 print(f"{'':>9} {'forward':>12} {'backward':>12}")
 for name, logs, op, formula in (
-        ("ring", [run for run in ring_runs], "batch_isend_irecv",
-         lambda backward: ring_bytes(b, h, s, d, CP, 8, backward=backward)),
-        ("Ulysses", [run["logs"] for run in ulysses_runs], "all_to_all_single",
-         lambda backward: ulysses_bytes(b, h, h, s, d, CP, 8, backward=backward))):
+    (
+        "ring",
+        [run for run in ring_runs],
+        "batch_isend_irecv",
+        lambda backward: ring_bytes(b, h, s, d, CP, 8, backward=backward),
+    ),
+    (
+        "Ulysses",
+        [run["logs"] for run in ulysses_runs],
+        "all_to_all_single",
+        lambda backward: ulysses_bytes(b, h, h, s, d, CP, 8, backward=backward),
+    ),
+):
     assert all(log[op]["bytes_sent"] == formula(i == 1) for rank in logs for i, log in enumerate(rank)), name
     print(f"{name:>9} {format_bytes(formula(False)):>12} {format_bytes(formula(True)):>12}")
 print(f"Ulysses / ring, forward: {ulysses_bytes(b, h, h, s, d, CP, 8) / ring_bytes(b, h, s, d, CP, 8):.2f} = 2 / cp")
@@ -1054,13 +1165,15 @@ print(f"Ulysses / ring, forward: {ulysses_bytes(b, h, h, s, d, CP, 8) / ring_byt
 # ranks Ulysses needs each K/V head repeated (to cp K/V heads), and still sends less:
 
 # %%
-llama = dict(batch=1, seq=2 ** 17, head_dim=128, bytes_per_element=2)
+llama = dict(batch=1, seq=2**17, head_dim=128, bytes_per_element=2)
 print("Llama 3 8B attention, 128k tokens, bf16: bytes one rank sends per layer, forward")
 for cp in (4, 8, 16, 32):
-    kv = max(8, cp)   # K/V heads Ulysses sends: repeated up to cp beyond 8 ranks
-    print(f"  cp = {cp:>2}: ring {format_bytes(ring_bytes(kv_heads=8, cp=cp, **llama)):>10}, "
-          f"Ulysses {format_bytes(ulysses_bytes(heads=32, kv_heads=kv, cp=cp, **llama)):>10}"
-          + (f" (K/V heads repeated to {kv})" if kv > 8 else ""))
+    kv = max(8, cp)  # K/V heads Ulysses sends: repeated up to cp beyond 8 ranks
+    print(
+        f"  cp = {cp:>2}: ring {format_bytes(ring_bytes(kv_heads=8, cp=cp, **llama)):>10}, "
+        f"Ulysses {format_bytes(ulysses_bytes(heads=32, kv_heads=kv, cp=cp, **llama)):>10}"
+        + (f" (K/V heads repeated to {kv})" if kv > 8 else "")
+    )
 
 # %% [markdown]
 # **Its limit.** A head cannot be cut, so cp must divide the number of heads, and with grouped-query
@@ -1070,15 +1183,19 @@ for cp in (4, 8, 16, 32):
 # bytes Ulysses sends and holds by the same factor; the ring needs no copy at any cp. Both cases
 # are refused, on every rank, with what to do instead:
 
+
 # %%
 def ulysses_refusals(ctx):
     q, k, v, _ = whole_problem((2, HEADS + 1, S, 8))
     odd = [mine(ctx, t, "contiguous")[0] for t in (q, k, v)]
-    gqa = [odd[0][:, :HEADS], odd[1][:, :1], odd[2][:, :1]]   # 1 K/V head for 2*cp query heads
-    return {f"{HEADS + 1} heads": refusal(lambda: ulysses_attention(*odd)),
-            f"{HEADS} heads, 1 K/V head": refusal(lambda: ulysses_attention(*gqa)),
-            "zig-zag layout": refusal(lambda: apply_cp(ulysses_fresh_model(), init_mesh(ctx, cp=ctx.world_size),
-                                                      layout="zigzag", kind="ulysses"))}
+    gqa = [odd[0][:, :HEADS], odd[1][:, :1], odd[2][:, :1]]  # 1 K/V head for 2*cp query heads
+    return {
+        f"{HEADS + 1} heads": refusal(lambda: ulysses_attention(*odd)),
+        f"{HEADS} heads, 1 K/V head": refusal(lambda: ulysses_attention(*gqa)),
+        "zig-zag layout": refusal(
+            lambda: apply_cp(ulysses_fresh_model(), init_mesh(ctx, cp=ctx.world_size), layout="zigzag", kind="ulysses")
+        ),
+    }
 
 
 refused = cluster.run(ulysses_refusals)
@@ -1101,29 +1218,36 @@ def race(ctx):
     times = {}
     for seq in RACE:
         q, k, v, upstream = whole_problem((1, HEADS, seq, 32), torch.float32)
-        for name, layout, attend in (("ring", "zigzag", context_parallel_attention),
-                                     ("Ulysses", "contiguous", ulysses_attention),
-                                     ("ring again", "zigzag", context_parallel_attention)):
-            local = [mine(ctx, t, layout)[0] for t in (q, k, v, upstream)]   # each in its own layout
+        for name, layout, attend in (
+            ("ring", "zigzag", context_parallel_attention),
+            ("Ulysses", "contiguous", ulysses_attention),
+            ("ring again", "zigzag", context_parallel_attention),
+        ):
+            local = [mine(ctx, t, layout)[0] for t in (q, k, v, upstream)]  # each in its own layout
             samples = []
             for repeat in range(6):
                 inputs = [t.clone().requires_grad_() for t in local[:3]]
                 ctx.barrier()
                 start = time.perf_counter()
                 attend(*inputs, layout=layout).backward(local[3])
-                wait_for_device(ctx.device)   # on a GPU: the kernels done, not only queued
+                wait_for_device(ctx.device)  # on a GPU: the kernels done, not only queued
                 samples.append(time.perf_counter() - start)
-            times[name, seq] = samples[1:]   # the first is a warm-up
+            times[name, seq] = samples[1:]  # the first is a warm-up
     return times
 
 
 raced = cluster.run(race)
 for seq in RACE:
-    medians = {name: float(np.median([max(r[name, seq][i] for r in raced) for i in range(5)]))
-               for name in ("ring", "Ulysses", "ring again")}
-    print(f"{seq:>5} tokens: " + ", ".join(f"{name} {1e3 * t:6.1f} ms" for name, t in medians.items())
-          + f"; Ulysses / ring {medians['Ulysses'] / medians['ring']:.2f}, "
-          f"ring against itself {medians['ring again'] / medians['ring']:.2f} (the noise)")
+    medians = {
+        name: float(np.median([max(r[name, seq][i] for r in raced) for i in range(5)]))
+        for name in ("ring", "Ulysses", "ring again")
+    }
+    print(
+        f"{seq:>5} tokens: "
+        + ", ".join(f"{name} {1e3 * t:6.1f} ms" for name, t in medians.items())
+        + f"; Ulysses / ring {medians['Ulysses'] / medians['ring']:.2f}, "
+        f"ring against itself {medians['ring again'] / medians['ring']:.2f} (the noise)"
+    )
 
 # %% [markdown]
 # On this machine the sizes are tiny and the "network" is gloo over loopback on two shared cores:

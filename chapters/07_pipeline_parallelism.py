@@ -59,18 +59,36 @@ from ultrascale.model import GPT, LLAMA3_8B, GPTConfig, count_params
 from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.pipeline_parallel import apply_pp, build_stage, split_layers, stage_modules
 from ultrascale.parity import perturbed, tolerance
-from ultrascale.parity.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
-                                             one_process, pytorch_pipeline)
+from ultrascale.parity.pipeline_runs import (
+    assert_same_as_one_process,
+    calibrate_compute,
+    first_step_and_train,
+    one_process,
+    pytorch_pipeline,
+)
 from ultrascale.refusal import refusal
-from ultrascale.schedule import (Schedule, action_of, afab, bubble_fraction, dualpipe_v, interleaved_1f1b,
-                                 make_schedule, naive, one_f_one_b, parse, predicted_bubble_fraction, simulate, zb_h1)
+from ultrascale.schedule import (
+    Schedule,
+    action_of,
+    afab,
+    bubble_fraction,
+    dualpipe_v,
+    interleaved_1f1b,
+    make_schedule,
+    naive,
+    one_f_one_b,
+    parse,
+    predicted_bubble_fraction,
+    simulate,
+    zb_h1,
+)
 from ultrascale.viz.live import ProgressBar
 from ultrascale.viz.schedule import draw
 from ultrascale.viz.schedule_widget import schedule_widget
 
 torch.manual_seed(SEED)
-torch.set_num_threads(1)   # this process's models are tiny: a second thread would only fight the ranks for the cores
-plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell shows by returning them
+torch.set_num_threads(1)  # this process's models are tiny: a second thread would only fight the ranks for the cores
+plt.switch_backend(plt.get_backend())  # figures are Figure objects that a cell shows by returning them
 
 # %% [markdown]
 # ## 1. Cutting the model into stages
@@ -84,9 +102,9 @@ plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell
 # %%
 P = WORLD_SIZE
 CFG = GPTConfig(vocab_size=64, hidden=32, heads=2, layers=2 * P, seq_len=8)
-DT = torch.float64   # parity checks in float64 (the reason is in section 4)
+DT = torch.float64  # parity checks in float64 (the reason is in section 4)
 
-assert [list(r)[:1] + list(r)[-1:] for r in split_layers(32, 8)][:2] == [[0, 3], [4, 7]]   # the book's split
+assert [list(r)[:1] + list(r)[-1:] for r in split_layers(32, 8)][:2] == [[0, 3], [4, 7]]  # the book's split
 model = GPT(CFG)
 stages = stage_modules(model, one_f_one_b(P, 1), rank=0)
 print(f"course GPT, {CFG.layers} blocks, hidden {CFG.hidden}: {count_params(CFG):,} parameters, p = {P}\n")
@@ -100,8 +118,10 @@ for rank in range(P):
     print(f"{rank:<6}{str(list(stage.layers)):<10}{', '.join(extra) or '-':<28}{n:>12,}")
 tied = model.embed.weight.numel()
 assert sum(held) == count_params(CFG) + (tied if P > 1 else 0), "every weight once, the tied embedding on two ranks"
-print(f"\nsum over ranks = all parameters + the tied embedding/head weight ({tied:,}), "
-      "which the first and the last stage both hold")
+print(
+    f"\nsum over ranks = all parameters + the tied embedding/head weight ({tied:,}), "
+    "which the first and the last stage both hold"
+)
 
 # %% [markdown]
 # GPT ties the output head to the embedding, so that one weight lives on the first and on the
@@ -160,9 +180,11 @@ for p, m in [(2, 4), (3, 5), (4, 8), (4, 3), (8, 32), (P, P + 1)]:
     assert runs["AFAB"].peak_activations == [m] * p
     one_f = runs["1F1B"].peak_activations
     assert one_f == [min(p - r, m) for r in range(p)] and max(one_f) <= p
-    print(f"{p:>3}{m:>4}   {p - 1:>7}{runs['AFAB'].bubble_fraction:>8.3f}{runs['1F1B'].bubble_fraction:>8.3f}"
-          f"{(p - 1) / m:>9.3f}   {runs['AFAB'].peak_activations} / {runs['1F1B'].peak_activations}")
-assert simulate(one_f_one_b(4, 8)).bubble_fraction == 0.375   # the book's p = 4, m = 8
+    print(
+        f"{p:>3}{m:>4}   {p - 1:>7}{runs['AFAB'].bubble_fraction:>8.3f}{runs['1F1B'].bubble_fraction:>8.3f}"
+        f"{(p - 1) / m:>9.3f}   {runs['AFAB'].peak_activations} / {runs['1F1B'].peak_activations}"
+    )
+assert simulate(one_f_one_b(4, 8)).bubble_fraction == 0.375  # the book's p = 4, m = 8
 
 # %% [markdown]
 # So more micro-batches shrink the bubble, and 1F1B keeps the memory of `p` micro-batches
@@ -183,9 +205,11 @@ assert simulate(one_f_one_b(4, 8)).bubble_fraction == 0.375   # the book's p = 4
 for order in ("depth-first", "breadth-first"):
     sim = simulate(interleaved_1f1b(4, 8, v=2, order=order))
     assert abs(sim.bubble_fraction - predicted_bubble_fraction(4, 8, v=2)) < EXACT
-    print(f"interleaved {order:<14} p=4, m=8, v=2: bubble {sim.bubble_fraction:.4f} = 3/16, "
-          f"peak (micro-batch, chunk) pairs per rank {sim.peak_activations}")
-assert simulate(interleaved_1f1b(8, 32, v=2)).bubble_fraction == 7 / 64   # the book's p=8, m=32, v=2 (derived)
+    print(
+        f"interleaved {order:<14} p=4, m=8, v=2: bubble {sim.bubble_fraction:.4f} = 3/16, "
+        f"peak (micro-batch, chunk) pairs per rank {sim.peak_activations}"
+    )
+assert simulate(interleaved_1f1b(8, 32, v=2)).bubble_fraction == 7 / 64  # the book's p=8, m=32, v=2 (derived)
 print("interleaved p=8, m=32, v=2: bubble 7/64 =", 7 / 64)
 
 
@@ -193,8 +217,10 @@ def messages(schedule):
     return sum(a.op == "send_F" for r in range(schedule.ranks) for a in schedule.actions(r))
 
 
-print(f"activations sent per step, p=4, m=8: 1F1B {messages(one_f_one_b(4, 8))}, "
-      f"v=2 {messages(interleaved_1f1b(4, 8, 2))}, v=4 {messages(interleaved_1f1b(4, 8, 4))}")
+print(
+    f"activations sent per step, p=4, m=8: 1F1B {messages(one_f_one_b(4, 8))}, "
+    f"v=2 {messages(interleaved_1f1b(4, 8, 2))}, v=4 {messages(interleaved_1f1b(4, 8, 4))}"
+)
 assert messages(interleaved_1f1b(4, 8, 2)) == 8 * (2 * 4 - 1) and messages(one_f_one_b(4, 8)) == 8 * 3
 fig, axes = plt.subplots(2, 1, figsize=(13, 4.6))
 for ax, order in zip(axes, ("depth-first", "breadth-first")):
@@ -226,8 +252,10 @@ for p, m in [(4, 8), (P, P + 1)]:
     assert abs(zb.bubble_fraction - (p - 1) * (1 + 2 - 2 * 1) / (m * 3)) < EXACT
     assert zb.bubble_fraction < ref.bubble_fraction and max(zb.peak_activations) == max(ref.peak_activations)
     assert zb.peak_activations == [min(p, m)] * p and sum(zb.peak_activations) > sum(ref.peak_activations)
-    print(f"p={p}, m={m}: ZB-H1 bubble {zb.bubble_fraction:.4f} against 1F1B's {ref.bubble_fraction:.4f} "
-          f"(a third); peak micro-batches per rank {zb.peak_activations} against 1F1B's {ref.peak_activations}")
+    print(
+        f"p={p}, m={m}: ZB-H1 bubble {zb.bubble_fraction:.4f} against 1F1B's {ref.bubble_fraction:.4f} "
+        f"(a third); peak micro-batches per rank {zb.peak_activations} against 1F1B's {ref.peak_activations}"
+    )
 draw(simulate(zb_h1(4, 8)), number_from=1)
 
 # %% [markdown]
@@ -245,8 +273,10 @@ draw(simulate(zb_h1(4, 8)), number_from=1)
 dual = simulate(dualpipe_v(4, 8))
 assert dual.bubble_fraction < simulate(one_f_one_b(4, 8)).bubble_fraction
 assert dual.bubble_fraction < predicted_bubble_fraction(4, 8, v=2)
-print(f"DualPipeV p=4, m=8: bubble {dual.bubble_fraction:.4f} (1F1B 0.375, interleaved v=2 0.1875); "
-      f"peak (micro-batch, chunk) pairs {dual.peak_activations}")
+print(
+    f"DualPipeV p=4, m=8: bubble {dual.bubble_fraction:.4f} (1F1B 0.375, interleaved v=2 0.1875); "
+    f"peak (micro-batch, chunk) pairs {dual.peak_activations}"
+)
 draw(dual, number_from=1)
 
 # %% [markdown]
@@ -289,7 +319,7 @@ def stream(m, cfg=CFG):
 
 
 def ours(ctx):
-    torch.set_num_threads(1)   # a tiny model: a second thread per rank would only fight the others for the cores
+    torch.set_num_threads(1)  # a tiny model: a second thread per rank would only fight the others for the cores
     mesh = init_mesh(ctx, pp=ctx.world_size)
     results = {}
     for i, (name, v, m) in enumerate(RUNS):
@@ -312,9 +342,11 @@ for name, v, m in RUNS:
     assert_same_as_one_process(results, references[m], f"{name} p={P}")
     schedule = make_schedule(name, P, m, v)
     assert [r["peak"] for r in results] == simulate(schedule).peak_activations
-    print(f"{schedule.name:<28} p={P}, m={m}, v={v}: loss, {len(references[m]['grads'])} gradients, weights after "
-          f"{STEPS} SGD steps = one process (float64, rtol {tolerance('sgd', DT)['rtol']:.0e}); "
-          f"activations held at once {[r['peak'] for r in results]} = the simulator's")
+    print(
+        f"{schedule.name:<28} p={P}, m={m}, v={v}: loss, {len(references[m]['grads'])} gradients, weights after "
+        f"{STEPS} SGD steps = one process (float64, rtol {tolerance('sgd', DT)['rtol']:.0e}); "
+        f"activations held at once {[r['peak'] for r in results]} = the simulator's"
+    )
 
 # %% [markdown]
 # The number of micro-batches each rank really held at once is the simulator's count too.
@@ -333,7 +365,7 @@ for name, v, m in RUNS:
 # %%
 M_TORCH = 2 * P
 TORCH_SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("dualpipe-v", 2)]
-TORCH_RUNS = [("1f1b", 1), ("dualpipe-v", 2)] if QUICK else TORCH_SCHEDULES   # trained; all are compared as lists
+TORCH_RUNS = [("1f1b", 1), ("dualpipe-v", 2)] if QUICK else TORCH_SCHEDULES  # trained; all are compared as lists
 
 
 def pytorchs(ctx):
@@ -352,14 +384,16 @@ theirs = cluster.run(pytorchs, on_log=ProgressBar("torch.distributed.pipelining"
 want = reference(M_TORCH)
 for name, v in TORCH_SCHEDULES:
     ours_lists = [list(acts) for acts in make_schedule(name, P, M_TORCH, v).compute]
-    if name == "1f1b":   # its pipeline_order numbers the last rank's forwards from 1 (a description only)
+    if name == "1f1b":  # its pipeline_order numbers the last rank's forwards from 1 (a description only)
         ours_lists[-1] = [a._replace(microbatch=a.microbatch + 1) if a.op == "F" else a for a in ours_lists[-1]]
     assert theirs[0][name]["order"] == ours_lists, name
     trained = (name, v) in TORCH_RUNS
     if trained:
         assert_same_as_one_process([r[name] for r in theirs], want, f"PyTorch {name}")
-    print(f"PyTorch {name:<12} p={P}, m={M_TORCH}: its per-rank action lists = our generator's"
-          + ("; gradients and weights = one process" if trained else ""))
+    print(
+        f"PyTorch {name:<12} p={P}, m={M_TORCH}: its per-rank action lists = our generator's"
+        + ("; gradients and weights = one process" if trained else "")
+    )
 
 # %% [markdown]
 # One quirk: `Schedule1F1B.pipeline_order` numbers the last rank's forwards 1 to `m` (its `step`
@@ -393,9 +427,9 @@ for name, v in TORCH_SCHEDULES:
 # 50 ms: the limit is printed below beside the waiting actually measured.
 
 # %%
-T_F = 0.05   # seconds: long enough that a busy machine's waiting per message stays far below it
+T_F = 0.05  # seconds: long enough that a busy machine's waiting per message stays far below it
 MS = [P, 2 * P, 4 * P] if QUICK else [P, 2 * P, 4 * P, 8 * P]
-STEPS = 2 if QUICK else 3   # timed steps per m; the one with the least bubble counts
+STEPS = 2 if QUICK else 3  # timed steps per m; the one with the least bubble counts
 
 
 def measured_bubble(ctx, schedule, m):
@@ -403,7 +437,7 @@ def measured_bubble(ctx, schedule, m):
     torch.set_num_threads(1)
     pipe = apply_pp(fresh_model(dtype=torch.float32).to(ctx.device), schedule=schedule, microbatches=m)
     batches = [stream(m)(0, i).to(ctx.device) for i in range(m)]
-    pipe.step(batches)   # warm-up (threads, allocations), at the model's own speed
+    pipe.step(batches)  # warm-up (threads, allocations), at the model's own speed
     calibrate_compute(pipe, t_f=T_F)
     steps = []
     for _ in range(STEPS):
@@ -416,15 +450,16 @@ def measured_bubble(ctx, schedule, m):
 
 def step_bubble(rows, m):
     """The step's length over the ideal compute m (t_f + t_b), less one: the bubble as the clock sees it."""
-    compute = [e for per_rank in rows for e in per_rank
-               if e.get("lane", "compute") == "compute" and action_of(e["name"])]
+    compute = [
+        e for per_rank in rows for e in per_rank if e.get("lane", "compute") == "compute" and action_of(e["name"])
+    ]
     return (max(e["end"] for e in compute) - min(e["start"] for e in compute)) / (m * 3 * T_F) - 1
 
 
 bubbles, bars, drawn = {}, {}, None
 for m in MS:
     per_rank = cluster.run(measured_bubble, "1f1b", m)
-    steps = [list(step) for step in zip(*per_rank)]   # step s: the ranks' rows, side by side
+    steps = [list(step) for step in zip(*per_rank)]  # step s: the ranks' rows, side by side
     best = min(steps, key=lambda rows: step_bubble(rows, m))
     bubbles[m], bars[m] = step_bubble(best, m), bubble_fraction(best)
     drawn = best if m == 2 * P else drawn
@@ -436,17 +471,23 @@ for m in MS:
     # What is above the formula, spread over the 2 (m + p - 1) hops of the step: the messages' latency.
     latency[m] = (bubbles[m] - formula) * m * 3 * T_F / (2 * (m + P - 1))
 assert bubbles[MS[-1]] < bubbles[MS[0]], "four times the micro-batches, a smaller bubble"
-print(f"1F1B on {P} ranks, t_f = {1e3 * T_F:.0f} ms, t_b = 2 t_f, m = {MS}, best of {STEPS} steps: the step "
-      f"is never shorter than the critical path (bubble >= (p-1)/m), and its bubble is smaller at m = {MS[-1]} "
-      f"than at m = {MS[0]}")
+print(
+    f"1F1B on {P} ranks, t_f = {1e3 * T_F:.0f} ms, t_b = 2 t_f, m = {MS}, best of {STEPS} steps: the step "
+    f"is never shorter than the critical path (bubble >= (p-1)/m), and its bubble is smaller at m = {MS[-1]} "
+    f"than at m = {MS[0]}"
+)
 
 # %% tags=["nbval-ignore-output"]
 for m in MS:
-    print(f"m = {m:>2}: step's bubble {bubbles[m]:.3f}, bars' bubble {bars[m]:.3f}, (p-1)/m = {(P - 1) / m:.3f} "
-          f"({100 * (bubbles[m] / ((P - 1) / m) - 1):+.1f}%); {1e3 * latency[m]:.2f} ms of waiting per message")
-last = MS[-1]   # the waiting per message at m = last that would erase the fall from m = MS[0]
+    print(
+        f"m = {m:>2}: step's bubble {bubbles[m]:.3f}, bars' bubble {bars[m]:.3f}, (p-1)/m = {(P - 1) / m:.3f} "
+        f"({100 * (bubbles[m] / ((P - 1) / m) - 1):+.1f}%); {1e3 * latency[m]:.2f} ms of waiting per message"
+    )
+last = MS[-1]  # the waiting per message at m = last that would erase the fall from m = MS[0]
 limit = (P - 1) * (1 / MS[0] - 1 / last) * 3 * last * T_F / (2 * (last + P - 1))
-print(f"the fall from m = {MS[0]} to m = {last} survives any waiting below {1e3 * limit:.1f} ms per message at m = {last}")
+print(
+    f"the fall from m = {MS[0]} to m = {last} survives any waiting below {1e3 * limit:.1f} ms per message at m = {last}"
+)
 draw(drawn, title=f"1F1B measured on {P} ranks, m = {2 * P}, t_f = {1e3 * T_F:.0f} ms (sleep-calibrated)")
 
 # %% [markdown]
@@ -478,8 +519,9 @@ def peak_bytes(ctx):
     torch.set_num_threads(1)
     out = {}
     for name, m in (("afab", 1), ("afab", M_MEM), ("1f1b", M_MEM)):
-        pipe = apply_pp(fresh_model(dtype=torch.float32).to(ctx.device), schedule=name, microbatches=m,
-                        measure_activations=True)
+        pipe = apply_pp(
+            fresh_model(dtype=torch.float32).to(ctx.device), schedule=name, microbatches=m, measure_activations=True
+        )
         pipe.step([own_tensors(stream(m)(0, i)).to(ctx.device) for i in range(m)])
         out[name, m] = (pipe.peak_activations, pipe.peak_activation_bytes)
     return out
@@ -494,13 +536,17 @@ for rank, result in enumerate(peaks):
     for name in ("afab", "1f1b"):
         count, nbytes = result[name, M_MEM]
         assert count == model_counts[name][rank] and nbytes == count * one, (rank, name)
-    print(f"{rank:<6}{one:>14,} B{result['afab', M_MEM][1]:>10,} B{result['1f1b', M_MEM][1]:>10,} B   "
-          f"AFAB {model_counts['afab'][rank]}, 1F1B {model_counts['1f1b'][rank]}")
+    print(
+        f"{rank:<6}{one:>14,} B{result['afab', M_MEM][1]:>10,} B{result['1f1b', M_MEM][1]:>10,} B   "
+        f"AFAB {model_counts['afab'][rank]}, 1F1B {model_counts['1f1b'][rank]}"
+    )
 ratio = peaks[0]["afab", M_MEM][1] / peaks[0]["1f1b", M_MEM][1]
 modelled = {name: breakdown(CFG, pp=P, schedule=name, micro_batches=M_MEM)["activations"] for name in ("afab", "1f1b")}
 assert ratio == modelled["afab"] / modelled["1f1b"] == M_MEM / P
-print(f"\nrank 0 (the busiest): AFAB / 1F1B = {ratio:.1f} measured = {modelled['afab'] / modelled['1f1b']:.1f} "
-      "in breakdown(schedule=...) = m / p")
+print(
+    f"\nrank 0 (the busiest): AFAB / 1F1B = {ratio:.1f} measured = {modelled['afab'] / modelled['1f1b']:.1f} "
+    "in breakdown(schedule=...) = m / p"
+)
 
 # %% [markdown]
 # For a real model the same model says where the memory goes. Llama 3 8B at 4,096 tokens, one
@@ -552,7 +598,7 @@ def time_block(device, rows=4, repeats=15):
         y.backward(dy)
         sync()
         t2 = time.perf_counter()
-        if i >= 2:   # the first calls warm up allocators and kernels
+        if i >= 2:  # the first calls warm up allocators and kernels
             forward.append(t1 - t0)
             backward.append(t2 - t1)
     # the fastest of the repeats: other work on a busy machine only ever adds time to a sample
@@ -565,12 +611,15 @@ assert 1.0 < t_b / t_f < 5.0, f"t_b / t_f = {t_b / t_f:.2f}"
 print("CPU: the backward of one block takes between 1 and 5 times its forward (the rule of thumb: 2)")
 
 # %% tags=["nbval-ignore-output"]
-print(f"CPU, one block h={BLOCK.hidden}, 4 x {BLOCK.seq_len} tokens, float32, one thread: t_f {1e3 * t_f:.2f} ms, "
-      f"t_b {1e3 * t_b:.2f} ms, t_b / t_f = {t_b / t_f:.2f}")
+print(
+    f"CPU, one block h={BLOCK.hidden}, 4 x {BLOCK.seq_len} tokens, float32, one thread: t_f {1e3 * t_f:.2f} ms, "
+    f"t_b {1e3 * t_b:.2f} ms, t_b / t_f = {t_b / t_f:.2f}"
+)
 if torch.cuda.is_available():
     g_f, g_b = time_block("cuda", rows=32, repeats=20)
-    print(f"{torch.cuda.get_device_name()}: t_f {1e3 * g_f:.3f} ms, t_b {1e3 * g_b:.3f} ms, "
-          f"t_b / t_f = {g_b / g_f:.2f}")
+    print(
+        f"{torch.cuda.get_device_name()}: t_f {1e3 * g_f:.3f} ms, t_b {1e3 * g_b:.3f} ms, t_b / t_f = {g_b / g_f:.2f}"
+    )
 else:
     print("no CUDA device: the GPU timing of the block is skipped")
 
@@ -596,6 +645,7 @@ schedule_widget("interleaved", p=4, m=8, v=2)
 # sends micro-batch 1, while rank 1, whose list is `F0 F1 B0 B1`, waits for micro-batch 1 before
 # it runs `B0`. Each waits for the other; the simulator finds it before any rank runs.
 
+
 # %%
 def too_many_stages(ctx):
     return refusal(lambda: apply_pp(fresh_model(), schedule="interleaved", microbatches=M, chunks=CFG.layers))
@@ -605,7 +655,8 @@ errors = {
     f"p = {P} ranks with v = {CFG.layers} chunks each, {CFG.layers} blocks": cluster.run(too_many_stages)[0],
     "m = 0 micro-batches": refusal(lambda: one_f_one_b(P, 0)),
     "1F1B without warm-up on 2 ranks": refusal(
-        lambda: Schedule("no warm-up", [parse("F0 B0 F1 B1"), parse("F0 F1 B0 B1", stage=1)], 2)),
+        lambda: Schedule("no warm-up", [parse("F0 B0 F1 B1"), parse("F0 F1 B0 B1", stage=1)], 2)
+    ),
 }
 assert "every stage needs at least one block" in next(iter(errors.values()))
 assert "m=0" in errors["m = 0 micro-batches"] and ">= 1" in errors["m = 0 micro-batches"]

@@ -56,7 +56,7 @@ from ultrascale.viz.diagrams import moe_layer_figure
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)
-plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell shows by returning them
+plt.switch_backend(plt.get_backend())  # figures are Figure objects that a cell shows by returning them
 
 # %% [markdown]
 # ## 1. The sizes
@@ -102,14 +102,17 @@ mlp = 8 * HIDDEN**2 + 5 * HIDDEN
 assert count_params(config) == built == count_params(dense) + config.layers * (HIDDEN * E + (E - 1) * mlp)
 assert active_params(config) == count_params(dense) + config.layers * (HIDDEN * E + (config.top_k - 1) * mlp)
 print(f"dense GPT: {count_params(dense):,} parameters")
-print(f"MoE GPT, E = {E}: {count_params(config):,} parameters ({built:,} in the built model), "
-      f"{active_params(config):,} used per token")
+print(
+    f"MoE GPT, E = {E}: {count_params(config):,} parameters ({built:,} in the built model), "
+    f"{active_params(config):,} used per token"
+)
 
 moe = moe_gpt.blocks[0].mlp
 x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(SEED))
 weights, chosen, probs = moe.router(x)
-by_token = torch.stack([sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weights[t], chosen[t]))
-                        for t in range(len(x))])
+by_token = torch.stack(
+    [sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weights[t], chosen[t])) for t in range(len(x))]
+)
 torch.testing.assert_close(moe.experts_forward(x, chosen, weights), by_token)
 assert torch.allclose(weights.sum(-1), torch.ones(len(x)))
 print("tokens gathered per expert = a loop over tokens; top-2 weights sum to 1")
@@ -153,7 +156,7 @@ experts4 = [torch.nn.Linear(3, 3) for _ in range(4)]
 x4 = torch.randn(4, 3)
 combined = torch.zeros_like(x4)
 for r, rows in enumerate((slice(0, 3), slice(3, 5))):
-    local = apply_experts(experts4[2 * r: 2 * r + 2], x4[plan.rows[rows]], plan.local_ids[rows], plan.weights[rows])
+    local = apply_experts(experts4[2 * r : 2 * r + 2], x4[plan.rows[rows]], plan.local_ids[rows], plan.weights[rows])
     combined.index_add_(0, plan.rows[rows], local)
 torch.testing.assert_close(combined, apply_experts(experts4, x4, chosen4, weights4))
 print("combine (index_add over the rows) = the one-process layer")
@@ -194,8 +197,10 @@ for dp, ep, k in RUNS:
     bar.advance()
 for (dp, ep), experts_held in held.items():
     assert all(h == list(local_experts(E, ep, (r % ep))) for r, h in enumerate(experts_held))
-    print(f"dp={dp} x ep={ep}: logits, gradients and weights match one process ({', '.join(routings[dp, ep])}); "
-          f"experts per rank {experts_held}")
+    print(
+        f"dp={dp} x ep={ep}: logits, gradients and weights match one process ({', '.join(routings[dp, ep])}); "
+        f"experts per rank {experts_held}"
+    )
 
 # %% [markdown]
 # ## 5. Why EP comes with DP
@@ -205,6 +210,7 @@ for (dp, ep), experts_held in held.items():
 # makes the dense part data-parallel and keeps every expert busy with the tokens of *all* ranks.
 # So a rank holds a full copy of the dense parameters and 1/ep of the experts. For a large MoE
 # most parameters are experts, which is where the memory goes away.
+
 
 # %%
 def held_parameters(ctx, config):
@@ -220,8 +226,10 @@ dense_part, expert_part = per_rank_params[0]
 all_experts = config.layers * E * mlp
 assert all(p == (dense_part, all_experts // EP) for p in per_rank_params)
 assert dense_part + all_experts == count_params(config)
-print(f"every rank: {dense_part:,} dense parameters (replicated) + {expert_part:,} expert parameters "
-      f"= 1/{EP} of the {all_experts:,}")
+print(
+    f"every rank: {dense_part:,} dense parameters (replicated) + {expert_part:,} expert parameters "
+    f"= 1/{EP} of the {all_experts:,}"
+)
 
 # %% [markdown]
 # ## 6. Every byte of the all-to-alls
@@ -233,6 +241,7 @@ print(f"every rank: {dense_part:,} dense parameters (replicated) + {expert_part:
 # each all-to-all's gradient the other way); `CommLogger` records what the layer really passed to
 # `all_to_all_single`, under the labels "ep routing", "ep dispatch" and "ep combine"
 # (`expert_runs.layer_traffic` runs the layer under the logger and returns both).
+
 
 # %%
 def one_layer_logged(ctx, config, seed, selection_bias=None):
@@ -252,8 +261,10 @@ print("on every rank, the logged bytes of every all-to-all equal the prediction,
 print("rank  split sizes     routing  dispatch   combine  backward")
 for rank, run in enumerate(logged):
     f, b = run["logged"]
-    print(f"{rank:>4}  {str(run['send']):<13} {format_bytes(f['ep routing']):>9} {format_bytes(f['ep dispatch']):>9} "
-          f"{format_bytes(f['ep combine']):>9} {format_bytes(b['all_to_all_single']):>9}")
+    print(
+        f"{rank:>4}  {str(run['send']):<13} {format_bytes(f['ep routing']):>9} {format_bytes(f['ep dispatch']):>9} "
+        f"{format_bytes(f['ep combine']):>9} {format_bytes(b['all_to_all_single']):>9}"
+    )
 
 # %% [markdown]
 # ## 7. Load per rank, and a skewed router
@@ -273,9 +284,11 @@ for rank, run in enumerate(logged):
 
 # %%
 SKEW = [0.1] + [0.0] * (E - 1)
-loads = {"balanced": [r["load"] for r in logged],
-         "skewed": [r["load"] for r in cluster.run(one_layer_logged, config, SEED, SKEW)]}
-total = {name: torch.tensor(per).sum(0) for name, per in loads.items()}   # every rank's tokens, per rank
+loads = {
+    "balanced": [r["load"] for r in logged],
+    "skewed": [r["load"] for r in cluster.run(one_layer_logged, config, SEED, SKEW)],
+}
+total = {name: torch.tensor(per).sum(0) for name, per in loads.items()}  # every rank's tokens, per rank
 imbalance = {name: (t.max() / t.float().mean()).item() for name, t in total.items()}
 assert imbalance["skewed"] > imbalance["balanced"] and total["skewed"].argmax() == 0
 assert total["skewed"].sum() == total["balanced"].sum() == WORLD_SIZE * 4 * SEQ * config.top_k
@@ -285,8 +298,9 @@ fig = Figure(figsize=(9, 3.2), layout="constrained")
 for ax, name in zip(fig.subplots(1, 2, sharey=True), total):
     ax.bar(range(WORLD_SIZE), total[name].tolist(), color="tab:red" if name == "skewed" else "tab:blue")
     ax.axhline(total[name].float().mean().item(), color="k", ls="--", lw=1)
-    ax.set(title=f"{name} router: max/mean = {imbalance[name]:.2f}", xlabel="rank (its experts)",
-           xticks=range(WORLD_SIZE))
+    ax.set(
+        title=f"{name} router: max/mean = {imbalance[name]:.2f}", xlabel="rank (its experts)", xticks=range(WORLD_SIZE)
+    )
 fig.axes[0].set_ylabel("(token, expert) choices received")
 fig
 
@@ -310,8 +324,10 @@ for name in total:
 # %%
 nodes, per_node, k_v3, M = 8, 32, 8, 4
 expected_nodes = nodes * (1 - math.comb(256 - per_node, k_v3) / math.comb(256, k_v3))
-print(f"DeepSeek-V3-like: a token reaches {expected_nodes:.2f} of {nodes} nodes on average; with M = {M}, "
-      f"at most {M}: at most {M / expected_nodes:.0%} of the cross-node copies without a limit")
+print(
+    f"DeepSeek-V3-like: a token reaches {expected_nodes:.2f} of {nodes} nodes on average; with M = {M}, "
+    f"at most {M}: at most {M / expected_nodes:.0%} of the cross-node copies without a limit"
+)
 assert 5 < expected_nodes < 6
 
 # %% [markdown]
@@ -322,11 +338,13 @@ assert 5 < expected_nodes < 6
 # group that can supply its share of the k picks over one with a lone strong expert:
 
 # %%
-token = torch.tensor([[0.50, 0.00, 0.30, 0.30]])   # one token's scores, two groups of two experts
+token = torch.tensor([[0.50, 0.00, 0.30, 0.30]])  # one token's scores, two groups of two experts
 kept = limit_groups(token, groups=2, limit=1, top_k=2).isfinite().nonzero()[:, 1].tolist()
-print(f"top-2 from M = 1 group: group 0's best expert scores 0.50, group 1's two best add up to 0.60; "
-      f"experts kept: {kept}")
-assert kept == [2, 3]   # the best-expert rule would keep group 0, whose second pick scores 0.00
+print(
+    f"top-2 from M = 1 group: group 0's best expert scores 0.50, group 1's two best add up to 0.60; "
+    f"experts kept: {kept}"
+)
+assert kept == [2, 3]  # the best-expert rule would keep group 0, whose second pick scores 0.00
 
 # %% [markdown]
 # Whatever the scoring, the cap, and so the traffic it saves, is the same: at most M groups per
@@ -345,10 +363,13 @@ for name, c in (("no limit", free_config), ("M = 1", limited_config)):
     sent[name] = {"rows": sum(sum(r["send"]) for r in runs), "bytes": sum(r["logged"][0]["ep dispatch"] for r in runs)}
 assert sent["M = 1"]["rows"] == WORLD_SIZE * 4 * SEQ <= sent["no limit"]["rows"]
 assert sent["M = 1"]["bytes"] < sent["no limit"]["bytes"]
-assert_ep_matches(cluster.run(ep_rank_run, limited_config), one_process_run(limited_config, WORLD_SIZE),
-                  what="group-limited")
-print(f"M = 1: every token is one row ({sent['M = 1']['rows']} rows for {WORLD_SIZE * 4 * SEQ} tokens); "
-      "less dispatch traffic than without a limit; training under EP still matches one process")
+assert_ep_matches(
+    cluster.run(ep_rank_run, limited_config), one_process_run(limited_config, WORLD_SIZE), what="group-limited"
+)
+print(
+    f"M = 1: every token is one row ({sent['M = 1']['rows']} rows for {WORLD_SIZE * 4 * SEQ} tokens); "
+    "less dispatch traffic than without a limit; training under EP still matches one process"
+)
 
 # %% tags=["nbval-ignore-output"]
 for name, s in nonempty(sent, "dispatch measurements").items():
@@ -396,8 +417,10 @@ def best_time(fn, repeats=5 if QUICK else 20):
 # %% tags=["nbval-ignore-output"]
 t_loop = best_time(lambda: [e(part) for e, part in zip(grouped_experts, tokens.split(counts))])
 t_grouped = best_time(lambda: grouped_mlp(grouped_experts, tokens, counts))
-print(f"measured on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'CPU'}: per-expert loop "
-      f"{t_loop * 1e3:.2f} ms, grouped (padded bmm) {t_grouped * 1e3:.2f} ms, ratio {t_loop / t_grouped:.2f}")
+print(
+    f"measured on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'CPU'}: per-expert loop "
+    f"{t_loop * 1e3:.2f} ms, grouped (padded bmm) {t_grouped * 1e3:.2f} ms, ratio {t_loop / t_grouped:.2f}"
+)
 if device.type == "cpu":
     print("no GPU here: these are CPU timings; run this cell on a GPU for the launch-bound case")
 
@@ -408,13 +431,15 @@ if device.type == "cpu":
 # EP on a dense model each stop with a message that says what to change.
 
 # %%
-for bad in (lambda: local_experts(E + 1, EP, 0),   # 2 * EP + 1 experts never split over EP > 1 ranks
-            lambda: GPTConfig(experts=4, top_k=5),
-            lambda: cluster.run(lambda ctx: apply_ep(GPT(GPTConfig()), None))):
+for bad in (
+    lambda: local_experts(E + 1, EP, 0),  # 2 * EP + 1 experts never split over EP > 1 ranks
+    lambda: GPTConfig(experts=4, top_k=5),
+    lambda: cluster.run(lambda ctx: apply_ep(GPT(GPTConfig()), None)),
+):
     try:
         bad()
         raise AssertionError("accepted")
-    except Exception as error:   # a ValueError, on the ranks wrapped in the cluster's error
+    except Exception as error:  # a ValueError, on the ranks wrapped in the cluster's error
         assert "ValueError" in repr(error) or isinstance(error, ValueError), error
         print(str(error).strip().splitlines()[-1][:220])
 
@@ -451,34 +476,34 @@ cluster.close()
 # Transformer's value), (c) the bias with γ = 0.01.
 
 # %%
-E_TOY, H_TOY, STEPS_TOY, TOKENS_TOY, GAMMA, AUX_COEF = 8, 16, 100, 128, 0.01, 0.01   # 8 experts at any WORLD_SIZE
+E_TOY, H_TOY, STEPS_TOY, TOKENS_TOY, GAMMA, AUX_COEF = 8, 16, 100, 128, 0.01, 0.01  # 8 experts at any WORLD_SIZE
 
 
 def balancing_run(balance: str, seed: int = SEED) -> dict:
     """Max/mean load and fitting loss per step; ``balance``: "none", "loss" or "bias"."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    teacher_a = torch.randn(H_TOY, 4 * H_TOY, generator=g) / H_TOY**0.5     # the function to fit
-    teacher_b = torch.randn(4 * H_TOY, H_TOY, generator=g) / (4 * H_TOY)**0.5
-    mu = torch.randn(H_TOY, generator=g)                                     # shared by every input
+    teacher_a = torch.randn(H_TOY, 4 * H_TOY, generator=g) / H_TOY**0.5  # the function to fit
+    teacher_b = torch.randn(4 * H_TOY, H_TOY, generator=g) / (4 * H_TOY) ** 0.5
+    mu = torch.randn(H_TOY, generator=g)  # shared by every input
     toy = GPTConfig(hidden=H_TOY, experts=E_TOY, top_k=2, aux_loss_coef=AUX_COEF if balance == "loss" else 0.0)
     layer = MoE(H_TOY, toy, lambda: MLP(H_TOY))
     with torch.no_grad():
-        layer.router.gate.weight[0] += 0.5 * mu / mu.norm()                  # the skew: expert 0 first
+        layer.router.gate.weight[0] += 0.5 * mu / mu.norm()  # the skew: expert 0 first
     opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
     run = {"imbalance": [], "loss": []}
     for _ in range(STEPS_TOY):
         x = mu + torch.randn(4, TOKENS_TOY // 4, H_TOY, generator=g)
         fit = F.mse_loss(layer(x), torch.tanh(x @ teacher_a) @ teacher_b)
         opt.zero_grad()
-        (fit + auxiliary_loss(layer)).backward()   # auxiliary_loss: 0 unless aux_loss_coef > 0
+        (fit + auxiliary_loss(layer)).backward()  # auxiliary_loss: 0 unless aux_loss_coef > 0
         opt.step()
-        load = layer.router.load.float()           # (token, choice) pairs per expert this step
+        load = layer.router.load.float()  # (token, choice) pairs per expert this step
         run["imbalance"].append((load.max() / load.mean()).item())
         run["loss"].append(fit.item())
         if balance == "bias":
-            update_selection_bias(layer, GAMMA)    # reads the step's load and clears it
-        layer.router.load = None                   # the other runs: start the next step's count
+            update_selection_bias(layer, GAMMA)  # reads the step's load and clears it
+        layer.router.load = None  # the other runs: start the next step's count
     run["bias"] = layer.router.selection_bias.clone()
     return run
 
@@ -492,15 +517,19 @@ chance = (chance_load.amax(-1) / chance_load.mean(-1)).mean().item()
 
 # Measured at seeds 0-11 (mean of the last 20 of 100 steps): (a) 3.05-4.00, (b) 1.29-1.59,
 # (c) 1.32-1.39, against 1.24 by chance; (c)'s fitting loss was 0.94-1.05 times (b)'s.
-assert all(r["imbalance"][0] > 3 for r in runs.values())           # all three start piled up
-assert tail["none"]["imbalance"] > 2.5                               # (a) stays there
+assert all(r["imbalance"][0] > 3 for r in runs.values())  # all three start piled up
+assert tail["none"]["imbalance"] > 2.5  # (a) stays there
 assert tail["loss"]["imbalance"] < 2.0 and tail["bias"]["imbalance"] < 1.5 < tail["none"]["imbalance"]
 assert 1.15 < chance < 1.35
-assert tail["bias"]["loss"] < 1.1 * tail["loss"]["loss"]             # balance without paying in loss
-print("max/mean load, mean of the last 20 steps: (a) no balancing > 2.5, (b) balance loss < 2.0, "
-      "(c) loss-free bias < 1.5 (a random router: about 1.2 by chance)")
-print("(c)'s fitting loss is within 10% of (b)'s, and no gradient ever reached the bias:",
-      not runs["bias"]["bias"].requires_grad)
+assert tail["bias"]["loss"] < 1.1 * tail["loss"]["loss"]  # balance without paying in loss
+print(
+    "max/mean load, mean of the last 20 steps: (a) no balancing > 2.5, (b) balance loss < 2.0, "
+    "(c) loss-free bias < 1.5 (a random router: about 1.2 by chance)"
+)
+print(
+    "(c)'s fitting loss is within 10% of (b)'s, and no gradient ever reached the bias:",
+    not runs["bias"]["bias"].requires_grad,
+)
 
 fig = Figure(figsize=(10, 3.4), layout="constrained")
 ax_load, ax_loss = fig.subplots(1, 2)

@@ -29,7 +29,7 @@
 
 # %% tags=["parameters"]
 WORLD_SIZE = 4  # ranks; 4 gives four 2 x 2 factorisations, 8 gives dp 2 x pp 2 x tp 2
-QUICK = True  # True: fewer factorisations and 4 steps, about 15 s on 2 CPU cores; False: more of them and 10 steps (longer)
+QUICK = True  # True: fewer factorisations and 4 steps, about 15 s on 2 CPU cores; False: more, 10 steps
 SEED = 0
 
 # %%
@@ -45,8 +45,14 @@ from ultrascale.data import Batches
 from ultrascale.memory import breakdown, pp_in_flight, state_bytes
 from ultrascale.methods import TP_CP_EP, ZERO3_VS_PP, comparison, example_config, markdown, quiz, summary_rows
 from ultrascale.model import GPT, GPTConfig, count_params
-from ultrascale.parallel.compose import (DENSE_AXES, ParallelConfig, apply_parallelisms, build_mesh, data_index,
-                                         rank_parameters)
+from ultrascale.parallel.compose import (
+    DENSE_AXES,
+    ParallelConfig,
+    apply_parallelisms,
+    build_mesh,
+    data_index,
+    rank_parameters,
+)
 from ultrascale.parity import perturbed
 from ultrascale.parity.composition import assert_composition_matches, train_composed, train_one_process
 from ultrascale.refusal import refusal
@@ -54,7 +60,7 @@ from ultrascale.viz.live import ProgressBar
 from ultrascale.viz.mesh import draw_mesh_groups
 
 torch.manual_seed(SEED)
-plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell shows by returning them
+plt.switch_backend(plt.get_backend())  # figures are Figure objects that a cell shows by returning them
 
 # %% [markdown]
 # ## 1. Which factorisations
@@ -66,6 +72,7 @@ plt.switch_backend(plt.get_backend())   # figures are Figure objects that a cell
 # sizes get what divides them (the model has 4 heads, so tp is 1, 2 or 4). The model is tiny
 # (4 layers, hidden 32) and the checks run in float64 (the reason is in section 4).
 
+
 # %%
 def factorisations(world: int, quick: bool) -> list[ParallelConfig]:
     if world % 8 == 0:
@@ -76,21 +83,27 @@ def factorisations(world: int, quick: bool) -> list[ParallelConfig]:
         return configs
     if world % 4 == 0:
         d = world // 4
-        return [ParallelConfig(dp=2 * d, tp=2), ParallelConfig(dp=d, pp=2, tp=2, microbatches=2),
-                ParallelConfig(dp=2 * d, pp=2, microbatches=2), ParallelConfig(dp=d, cp=2, tp=2)]
+        return [
+            ParallelConfig(dp=2 * d, tp=2),
+            ParallelConfig(dp=d, pp=2, tp=2, microbatches=2),
+            ParallelConfig(dp=2 * d, pp=2, microbatches=2),
+            ParallelConfig(dp=d, cp=2, tp=2),
+        ]
     if world % 2 == 0:
         return [ParallelConfig(dp=world // 2, tp=2), ParallelConfig(dp=world // 2, pp=2, microbatches=2)]
     return [ParallelConfig(dp=world)] + ([ParallelConfig(pp=world, microbatches=world)] if world <= 4 else [])
 
 
 CONFIGS = factorisations(WORLD_SIZE, QUICK)
-CAPSTONE = max(CONFIGS, key=lambda c: (sum(s > 1 for s in c.sizes.values()), c.pp))   # the most axes, PP first
+CAPSTONE = max(CONFIGS, key=lambda c: (sum(s > 1 for s in c.sizes.values()), c.pp))  # the most axes, PP first
 MODEL = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=24)
 DATA = Batches(MODEL, mbs=2, seed=SEED)
 STEPS = 4 if QUICK else 10
 print(f"WORLD_SIZE = {WORLD_SIZE}: factorisations " + ", ".join(str(c) for c in CONFIGS))
-print(f"capstone: {CAPSTONE}; model {count_params(MODEL):,} parameters, {STEPS} steps of {DATA.mbs} rows "
-      f"of {MODEL.seq_len} tokens per data rank")
+print(
+    f"capstone: {CAPSTONE}; model {count_params(MODEL):,} parameters, {STEPS} steps of {DATA.mbs} rows "
+    f"of {MODEL.seq_len} tokens per data rank"
+)
 
 cluster = Cluster(WORLD_SIZE)
 
@@ -117,11 +130,11 @@ draw_mesh_groups(layout)
 # pipeline runs once per tp coordinate. Every rank checks the groups it got from `init_mesh`
 # against this map:
 
+
 # %%
 def my_groups(ctx, config):
     mesh = build_mesh(ctx, config)
-    return {axis: torch.distributed.get_process_group_ranks(mesh.group(axis))
-            for axis in layout.axes}
+    return {axis: torch.distributed.get_process_group_ranks(mesh.group(axis)) for axis in layout.axes}
 
 
 got = cluster.run(my_groups, CAPSTONE)
@@ -164,8 +177,10 @@ for config in CONFIGS:
     data_axes = [a for a in DENSE_AXES if a in mesh.axes]
     groups = mesh.group_map([tuple(data_axes)])["x".join(data_axes)] if data_axes else [[r] for r in range(WORLD_SIZE)]
     rows = [data_index(mesh, r)[0] for r in range(mesh.world_size)]
-    print(f"{str(config):<16} gradient all-reduce over {'x'.join(data_axes) or 'nobody'}: "
-          f"{' '.join('[' + ' '.join(map(str, g)) + ']' for g in groups)};  rows block of each rank: {rows}")
+    print(
+        f"{str(config):<16} gradient all-reduce over {'x'.join(data_axes) or 'nobody'}: "
+        f"{' '.join('[' + ' '.join(map(str, g)) + ']' for g in groups)};  rows block of each rank: {rows}"
+    )
 
 # %% [markdown]
 # ## 4. The capstone: every factorisation trains as one process
@@ -181,10 +196,11 @@ for config in CONFIGS:
 # which only the right composition can meet: a gradient averaged over the wrong group, a stage
 # left out or a wrong slice of the batch is off by many orders of magnitude more.
 
+
 # %%
 def fresh_model(device="cpu"):
     torch.manual_seed(SEED)
-    return perturbed(GPT(MODEL).double().to(device))   # biases and norms moved away from 0 and 1
+    return perturbed(GPT(MODEL).double().to(device))  # biases and norms moved away from 0 and 1
 
 
 def capstone(ctx, configs):
@@ -201,14 +217,16 @@ for i, config in enumerate(CONFIGS):
     reference = train_one_process(fresh_model(), config, DATA, STEPS)
     merged = assert_composition_matches([per_rank[i] for per_rank in runs], reference, config)
     curves[str(config)] = merged["losses"], reference["losses"]
-    print(f"{str(config):<16} loss curve {' '.join(f'{x:.3f}' for x in merged['losses'])} and "
-          f"{len(merged['weights'])} weights = one process (float64)")
+    print(
+        f"{str(config):<16} loss curve {' '.join(f'{x:.3f}' for x in merged['losses'])} and "
+        f"{len(merged['weights'])} weights = one process (float64)"
+    )
 
 # %%
 fig = Figure(figsize=(6.5, 3.2), layout="constrained")
 ax = fig.add_subplot()
 for name, (ours, one) in nonempty(curves, "loss curves (the cell above)").items():
-    line, = ax.plot(range(1, STEPS + 1), ours, marker="o", label=f"{name} (ranks)")
+    (line,) = ax.plot(range(1, STEPS + 1), ours, marker="o", label=f"{name} (ranks)")
     ax.plot(range(1, STEPS + 1), one, color=line.get_color(), linestyle=":", linewidth=3, alpha=0.5)
 ax.set_xlabel("step")
 ax.set_ylabel("loss")
@@ -231,7 +249,7 @@ if WORLD_SIZE % 4 == 0:
 elif WORLD_SIZE % 2 == 0:
     MOE_CONFIG = ParallelConfig(dp=WORLD_SIZE // 2, ep=2)
 else:
-    MOE_CONFIG = ParallelConfig(ep=WORLD_SIZE) if 4 % WORLD_SIZE == 0 else None   # ep must divide the 4 experts
+    MOE_CONFIG = ParallelConfig(ep=WORLD_SIZE) if 4 % WORLD_SIZE == 0 else None  # ep must divide the 4 experts
 
 
 def fresh_moe(device="cpu"):
@@ -241,10 +259,13 @@ def fresh_moe(device="cpu"):
 
 if MOE_CONFIG is not None:
     moe_runs = cluster.run(lambda ctx: train_composed(ctx, fresh_moe(ctx.device), MOE_CONFIG, MOE_DATA, STEPS))
-    merged = assert_composition_matches(moe_runs, train_one_process(fresh_moe(), MOE_CONFIG, MOE_DATA, STEPS),
-                                        MOE_CONFIG)
-    print(f"{str(MOE_CONFIG):<16} (MoE, 4 experts, top-2) loss curve {' '.join(f'{x:.3f}' for x in merged['losses'])} "
-          f"and {len(merged['weights'])} weights = one process (float64)")
+    merged = assert_composition_matches(
+        moe_runs, train_one_process(fresh_moe(), MOE_CONFIG, MOE_DATA, STEPS), MOE_CONFIG
+    )
+    print(
+        f"{str(MOE_CONFIG):<16} (MoE, 4 experts, top-2) loss curve {' '.join(f'{x:.3f}' for x in merged['losses'])} "
+        f"and {len(merged['weights'])} weights = one process (float64)"
+    )
 else:
     print(f"WORLD_SIZE = {WORLD_SIZE}: no ep divides both the ranks and the 4 experts; no MoE run")
 
@@ -302,12 +323,24 @@ for rank, (held, tensors, _) in enumerate(measured):
     stage = mesh.coordinate(rank).get("pp", 0)
     params = rank_parameters(MODEL, tp=MEMORY.tp, pp=MEMORY.pp, stage=stage)
     # fp32: 4 bytes per parameter and gradient; Adam: two fp32 moments, and a step counter per tensor
-    assert held == {"parameters": 4 * params, "gradients": 4 * params,
-                    "optimizer states": 8 * params + 4 * tensors}, (rank, held)
+    assert held == {"parameters": 4 * params, "gradients": 4 * params, "optimizer states": 8 * params + 4 * tensors}, (
+        rank,
+        held,
+    )
 print(f"{MEMORY}: every rank holds exactly rank_parameters(...) parameters and gradients, and Adam's states")
-bd = breakdown(MODEL, seq=MODEL.seq_len, micro_batch=DATA.mbs, mixed_precision=False, optimizer_bytes=8,
-               tp=MEMORY.tp, pp=MEMORY.pp, dp=MEMORY.dp, cp=MEMORY.cp, sequence_parallel=False,
-               **({"schedule": MEMORY.schedule, "micro_batches": MEMORY.microbatches} if MEMORY.pp > 1 else {}))
+bd = breakdown(
+    MODEL,
+    seq=MODEL.seq_len,
+    micro_batch=DATA.mbs,
+    mixed_precision=False,
+    optimizer_bytes=8,
+    tp=MEMORY.tp,
+    pp=MEMORY.pp,
+    dp=MEMORY.dp,
+    cp=MEMORY.cp,
+    sequence_parallel=False,
+    **({"schedule": MEMORY.schedule, "micro_batches": MEMORY.microbatches} if MEMORY.pp > 1 else {}),
+)
 print(f"{'rank':>4} {'stage':>5} {'parameters':>11} {'breakdown':>10}")
 for rank, (held, _, _) in enumerate(measured):
     print(f"{rank:>4} {mesh.coordinate(rank).get('pp', 0):>5} {held['parameters']:>11,} {bd['parameters']:>10,.0f}")
@@ -327,7 +360,7 @@ if MEMORY.pp > 1:
     for rank, (_, _, (peak_bytes, peak_pairs)) in enumerate(measured):
         assert peak_pairs == in_flight[mesh.coordinate(rank)["pp"]], (rank, peak_pairs, in_flight)
     first = max(peak for _, _, (peak, _) in measured)
-    without = bd["activations"] / max(in_flight)   # the same stage with one micro-batch in flight
+    without = bd["activations"] / max(in_flight)  # the same stage with one micro-batch in flight
     # The formula counts Korthikanti et al.'s bytes per token (dropout masks included, embedding
     # and logits left out); our fp32 course model has no dropout but saves its logits. Measured at
     # 0.8 of the formula here; we accept 25% either way, which forgetting the in-flight micro-batches
@@ -335,15 +368,19 @@ if MEMORY.pp > 1:
     assert abs(first / bd["activations"] - 1) < 0.25, (first, bd["activations"])
     assert abs(first / without - 1) > 0.25
     print(f"in flight per stage (simulator = executor): {in_flight}")
-    print(f"first stage: measured / breakdown(schedule='{MEMORY.schedule}', m={MEMORY.microbatches}) "
-          f"is within 25%; without the in-flight term it would be {max(in_flight)} times too small")
+    print(
+        f"first stage: measured / breakdown(schedule='{MEMORY.schedule}', m={MEMORY.microbatches}) "
+        f"is within 25%; without the in-flight term it would be {max(in_flight)} times too small"
+    )
 else:
     print(f"{MEMORY} has no pipeline: no micro-batches in flight")
 
 # %% tags=["nbval-ignore-output"]
 if MEMORY.pp > 1:
-    print(f"measured first-stage activations {first:,} bytes, breakdown {bd['activations']:,.0f} "
-          f"(ratio {first / bd['activations']:.2f})")
+    print(
+        f"measured first-stage activations {first:,} bytes, breakdown {bd['activations']:,.0f} "
+        f"(ratio {first / bd['activations']:.2f})"
+    )
 
 # %% [markdown]
 # The same calculator at the scale that matters, a 70B-like model on 1024 GPUs (8 per node):
@@ -360,16 +397,23 @@ if MEMORY.pp > 1:
 from ultrascale.model import LLAMA3_70B  # noqa: E402
 
 GB = 1e9
-steps = [("one GPU", {}), ("+ TP 8 (with SP)", dict(tp=8)), ("+ PP 8, 1F1B, m = 16", dict(pp=8, schedule="1f1b", micro_batches=16)),
-         ("+ DP 16 with ZeRO-1", dict(dp=16, zero_stage=1)),
-         ("HSDP: ZeRO-3 over 4 of 16", dict(zero_stage=3, dp_shard=4))]
+steps = [
+    ("one GPU", {}),
+    ("+ TP 8 (with SP)", dict(tp=8)),
+    ("+ PP 8, 1F1B, m = 16", dict(pp=8, schedule="1f1b", micro_batches=16)),
+    ("+ DP 16 with ZeRO-1", dict(dp=16, zero_stage=1)),
+    ("HSDP: ZeRO-3 over 4 of 16", dict(zero_stage=3, dp_shard=4)),
+]
 args = dict(seq=4096, micro_batch=1, recompute="selective")
 print(f"{'':<24}" + "".join(f"{k:>18}" for k in ("parameters", "gradients", "optimizer states", "activations")))
 for name, extra in steps:
     args.update(extra)
     row = breakdown(LLAMA3_70B, **args)
     print(f"{name:<24}" + "".join(f"{row[k] / GB:>16.1f}GB" for k in row))
-assert breakdown(LLAMA3_70B, **args)["optimizer states"] < breakdown(LLAMA3_70B, **{**args, "zero_stage": 0})["optimizer states"]
+assert (
+    breakdown(LLAMA3_70B, **args)["optimizer states"]
+    < breakdown(LLAMA3_70B, **{**args, "zero_stage": 0})["optimizer states"]
+)
 # HSDP's states: ZeRO-3's over all 16 data ranks, times the 16 / 4 replicas
 assert abs(row["optimizer states"] / breakdown(LLAMA3_70B, **{**args, "dp_shard": 16})["optimizer states"] - 4) < 1e-12
 
@@ -396,11 +440,16 @@ assert abs(row["optimizer states"] / breakdown(LLAMA3_70B, **{**args, "dp_shard"
 
 # %%
 print(facts.LLAMA3_405B)
-llama_zero = facts.LLAMA3_405B_LAYOUT["zero"]   # the toy layout shards what Llama 3 405B sharded
-PUBLISHED = {"Llama 3 405B's shape": (MODEL, DATA, fresh_model,
-                                      ParallelConfig(dp=2, tp=2, sp=True, pp=2, zero=llama_zero, microbatches=2)),
-             "DeepSeek-V3's shape": (MOE_MODEL, MOE_DATA, fresh_moe,
-                                     ParallelConfig(dp=2, pp=2, ep=2, zero=1, microbatches=2))}
+llama_zero = facts.LLAMA3_405B_LAYOUT["zero"]  # the toy layout shards what Llama 3 405B sharded
+PUBLISHED = {
+    "Llama 3 405B's shape": (
+        MODEL,
+        DATA,
+        fresh_model,
+        ParallelConfig(dp=2, tp=2, sp=True, pp=2, zero=llama_zero, microbatches=2),
+    ),
+    "DeepSeek-V3's shape": (MOE_MODEL, MOE_DATA, fresh_moe, ParallelConfig(dp=2, pp=2, ep=2, zero=1, microbatches=2)),
+}
 CONSUMERS = ("parameters", "gradients", "optimizer states")
 
 
@@ -410,13 +459,13 @@ def held_after_one_step(ctx, model_config, data, config):
     par = apply_parallelisms(GPT(model_config).to(ctx.device), build_mesh(ctx, config), config)
     par.train(par.batches(data), 1)
     totals = dict.fromkeys(CONSUMERS, 0)
-    for zero in getattr(par.optimizer, "zeros", [par.optimizer]):   # dense and expert ZeRO, each over its group
+    for zero in getattr(par.optimizer, "zeros", [par.optimizer]):  # dense and expert ZeRO, each over its group
         for consumer, nbytes in zero.state_bytes().items():
             totals[consumer] += nbytes
     return totals
 
 
-eight = cluster if WORLD_SIZE == 8 else Cluster(8)   # these layouts need 8 ranks, whatever WORLD_SIZE is
+eight = cluster if WORLD_SIZE == 8 else Cluster(8)  # these layouts need 8 ranks, whatever WORLD_SIZE is
 published_rows = {}
 for name, (model_config, data, fresh, config) in PUBLISHED.items():
     runs = eight.run(lambda ctx: train_composed(ctx, fresh(ctx.device), config, data, STEPS))
@@ -424,9 +473,19 @@ for name, (model_config, data, fresh, config) in PUBLISHED.items():
     print(f"{name:<22} {str(config):<26} loss {' '.join(f'{x:.3f}' for x in merged['losses'])} = one process")
     adam = ParallelConfig(**{**config.__dict__, "optimizer": "adam"})
     held = eight.run(held_after_one_step, model_config, data, adam)
-    predicted = breakdown(model_config, seq=model_config.seq_len, micro_batch=data.mbs, mixed_precision=False,
-                          optimizer_bytes=12, zero_stage=config.zero, tp=config.tp, pp=config.pp,
-                          dp=config.dp * config.cp, cp=config.cp, ep=config.ep)
+    predicted = breakdown(
+        model_config,
+        seq=model_config.seq_len,
+        micro_batch=data.mbs,
+        mixed_precision=False,
+        optimizer_bytes=12,
+        zero_stage=config.zero,
+        tp=config.tp,
+        pp=config.pp,
+        dp=config.dp * config.cp,
+        cp=config.cp,
+        ep=config.ep,
+    )
     published_rows[name] = held, predicted
     # breakdown divides the weights evenly by tp x pp; the ranks also hold the tied embedding on
     # both pipeline ends, TP's whole norms and ZeRO's padding to a multiple of dp: within 10%.
@@ -467,10 +526,20 @@ from ultrascale.model import LLAMA3_405B, attention_flops_per_token, matmul_para
 from ultrascale.parallel.pipeline_parallel import split_layers  # noqa: E402
 
 FULL = ParallelConfig(tp=8, sp=True, pp=16, dp=128, zero=2, optimizer="adam", microbatches=1 if QUICK else 16)
-FULL_STAGES = [0] if QUICK else [0, FULL.pp // 2, FULL.pp - 1]   # first, middle, last pipeline stage
+FULL_STAGES = [0] if QUICK else [0, FULL.pp // 2, FULL.pp - 1]  # first, middle, last pipeline stage
 FULL_SEQ = 8192
-predicted = breakdown(LLAMA3_405B, seq=FULL_SEQ, micro_batch=1, zero_stage=FULL.zero, tp=FULL.tp, pp=FULL.pp,
-                      dp=FULL.dp, sequence_parallel=True, schedule=FULL.schedule, micro_batches=FULL.microbatches)
+predicted = breakdown(
+    LLAMA3_405B,
+    seq=FULL_SEQ,
+    micro_batch=1,
+    zero_stage=FULL.zero,
+    tp=FULL.tp,
+    pp=FULL.pp,
+    dp=FULL.dp,
+    sequence_parallel=True,
+    schedule=FULL.schedule,
+    micro_batches=FULL.microbatches,
+)
 in_flight = pp_in_flight(FULL.schedule, FULL.pp, FULL.microbatches)
 per_layer = activation_bytes(LLAMA3_405B, FULL_SEQ, 1, tp=FULL.tp, sequence_parallel=True) / LLAMA3_405B.layers
 dry_rows = {}
@@ -500,9 +569,12 @@ for stage in FULL_STAGES:
     assert 0.45 < dry.activations / formula["activations"] < 1.0, (stage, dry.activations, formula["activations"])
     # FLOPs: FlopCounterMode counts the matmuls the formula counts, and nothing else: within 0.1%
     assert abs(dry.flops / flops - 1) < 1e-3, (stage, dry.flops, flops)
-print(f"Llama 3 405B, {FULL}, {FULL.microbatches} micro-batch(es) of {FULL_SEQ} tokens, bf16 + Adam: "
-      f"stages {FULL_STAGES} dry-run; model states within 10% of breakdown, activations 0.45-1.0 of it, "
-      f"FLOPs within 0.1% of 6N + attention")
+print(
+    f"Llama 3 405B, {FULL}, {FULL.microbatches} micro-batch(es) of {FULL_SEQ} tokens, bf16 + Adam: "
+    f"stages {FULL_STAGES} dry-run; model states within 10% of breakdown, activations 0.45-1.0 of it, "
+    f"FLOPs within 0.1% of 6N + attention"
+)
+
 
 # %%
 def side_by_side(dry, formula, flops=None):
@@ -512,8 +584,12 @@ def side_by_side(dry, formula, flops=None):
         print(f"  {key:<26}{dry.memory()[key] / 1e9:9.2f}  {formula[key] / 1e9:9.2f}")
     if flops is not None:
         print(f"  {'TFLOPs in the step':<26}{dry.flops / 1e12:9.1f}  {flops / 1e12:9.1f}")
-    print("  collectives: " + ", ".join(f"{op} {row['calls']}x {row['bytes_sent'] / 1e9:.2f} GB sent"
-                                         for op, row in sorted(dry.collectives.items())))
+    print(
+        "  collectives: "
+        + ", ".join(
+            f"{op} {row['calls']}x {row['bytes_sent'] / 1e9:.2f} GB sent" for op, row in sorted(dry.collectives.items())
+        )
+    )
 
 
 for stage, (dry, formula, flops) in nonempty(dry_rows, "dry runs (the cell above)").items():
@@ -555,9 +631,20 @@ from ultrascale.model import LLAMA3_8B  # noqa: E402
 MY_MODEL, MY_LAYOUT = LLAMA3_8B, ParallelConfig(tp=4, sp=True, pp=4, dp=8, zero=1, optimizer="adam", microbatches=1)
 MY_RANK, MY_SEQ = 0, 4096
 mine = dryrun(MY_LAYOUT, MY_MODEL, MY_RANK, seq=MY_SEQ, dtype=torch.bfloat16)
-side_by_side(mine, breakdown(MY_MODEL, seq=MY_SEQ, zero_stage=MY_LAYOUT.zero, tp=MY_LAYOUT.tp, pp=MY_LAYOUT.pp,
-                             dp=MY_LAYOUT.dp, sequence_parallel=MY_LAYOUT.sp, schedule=MY_LAYOUT.schedule,
-                             micro_batches=MY_LAYOUT.microbatches))
+side_by_side(
+    mine,
+    breakdown(
+        MY_MODEL,
+        seq=MY_SEQ,
+        zero_stage=MY_LAYOUT.zero,
+        tp=MY_LAYOUT.tp,
+        pp=MY_LAYOUT.pp,
+        dp=MY_LAYOUT.dp,
+        sequence_parallel=MY_LAYOUT.sp,
+        schedule=MY_LAYOUT.schedule,
+        micro_batches=MY_LAYOUT.microbatches,
+    ),
+)
 
 # %% [markdown]
 # ## 6. The book's tables, generated
@@ -599,17 +686,26 @@ display(Markdown(markdown(comparison(TP_CP_EP))))
 # %%
 from ultrascale.model import LLAMA3_8B  # noqa: E402
 
-STRATEGIES = {"1 GPU": {}, "ZeRO-3, dp 8": dict(dp=8, zero_stage=3), "TP 8 + SP": dict(tp=8),
-              "PP 8 (1F1B, m 8)": dict(pp=8, schedule="1f1b", micro_batches=8), "CP 8": dict(cp=8)}
+STRATEGIES = {
+    "1 GPU": {},
+    "ZeRO-3, dp 8": dict(dp=8, zero_stage=3),
+    "TP 8 + SP": dict(tp=8),
+    "PP 8 (1F1B, m 8)": dict(pp=8, schedule="1f1b", micro_batches=8),
+    "CP 8": dict(cp=8),
+}
 SEQ_LENGTHS = (1024, 4096, 16384, 65536)
-overview = {(rec, seq, name): breakdown(LLAMA3_8B, seq=seq, recompute=rec, **extra)
-            for rec in ("selective", "full") for seq in SEQ_LENGTHS for name, extra in STRATEGIES.items()}
-states = lambda parts: parts["parameters"] + parts["gradients"] + parts["optimizer states"]   # noqa: E731
+overview = {
+    (rec, seq, name): breakdown(LLAMA3_8B, seq=seq, recompute=rec, **extra)
+    for rec in ("selective", "full")
+    for seq in SEQ_LENGTHS
+    for name, extra in STRATEGIES.items()
+}
+states = lambda parts: parts["parameters"] + parts["gradients"] + parts["optimizer states"]  # noqa: E731
 for (rec, seq, name), parts in overview.items():
     alone = overview[rec, seq, "1 GPU"]
     # what the calculator says each technique divides by 8, and what it leaves whole
     shrinks_states = name in ("ZeRO-3, dp 8", "TP 8 + SP", "PP 8 (1F1B, m 8)")
-    shrinks_activations = name in ("TP 8 + SP", "CP 8")   # 1F1B keeps p micro-batches of L/p layers
+    shrinks_activations = name in ("TP 8 + SP", "CP 8")  # 1F1B keeps p micro-batches of L/p layers
     assert abs(states(parts) * (8 if shrinks_states else 1) / states(alone) - 1) < 1e-12, (rec, seq, name)
     assert abs(parts["activations"] * (8 if shrinks_activations else 1) / alone["activations"] - 1) < 1e-12
 
@@ -644,15 +740,18 @@ for question, answer in quiz().items():
 # what to change. Two combinations are limits of this course's library, not of the techniques
 # (real runs compose both), and their errors say so.
 
+
 # %%
 def wrong_mesh(ctx):
     return refusal(lambda: build_mesh(ctx, ParallelConfig(dp=2, tp=2 * WORLD_SIZE)))
 
 
-messages = {"a mesh of the wrong size": cluster.run(wrong_mesh)[0],
-            "sp in pp stages with cp": refusal(lambda: ParallelConfig(pp=2, tp=2, sp=True, cp=2)),
-            "ZeRO with a split backward": refusal(lambda: ParallelConfig(pp=2, dp=2, zero=1, schedule="zb-h1")),
-            "ep=3, 8 experts": refusal(lambda: breakdown(example_config(moe=True), ep=3))}
+messages = {
+    "a mesh of the wrong size": cluster.run(wrong_mesh)[0],
+    "sp in pp stages with cp": refusal(lambda: ParallelConfig(pp=2, tp=2, sp=True, cp=2)),
+    "ZeRO with a split backward": refusal(lambda: ParallelConfig(pp=2, dp=2, zero=1, schedule="zb-h1")),
+    "ep=3, 8 experts": refusal(lambda: breakdown(example_config(moe=True), ep=3)),
+}
 assert f"but the cluster has {WORLD_SIZE}" in messages["a mesh of the wrong size"]
 assert "ep=3 does not divide the 8 experts" in messages["ep=3, 8 experts"]
 for case, message in messages.items():

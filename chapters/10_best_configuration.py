@@ -62,6 +62,7 @@ SEQ, BATCH = 4096, 2**20  # the book's sweep: 4096-token sequences, 1M-token (2^
 def gb(x):
     return f"{x / 1e9:.1f} GB"
 
+
 # %% [markdown]
 # ## 1. The book's three steps, as rules
 #
@@ -89,11 +90,13 @@ for n_params, gpus in ((3e9, 8), (70e9, 64), (70e9, 512), (8e9, 1024), (405e9, 1
     options = [" + ".join(sorted(o)) for o in rules.step1_techniques(n_params, gpus)]
     print(f"{n_params / 1e9:>4.0f}B on {gpus:>5} GPUs: {' | '.join(options)}")
 print("GPU-poor:", rules.gpu_poor(gas=4))
-print("step 2, 16 sequences of 4096 per step with mbs 2 on 8 replicas: gas =",
-      rules.step2_gradient_accumulation(16 * 4096, 4096, mbs=2, replicas=8))
+print(
+    "step 2, 16 sequences of 4096 per step with mbs 2 on 8 replicas: gas =",
+    rules.step2_gradient_accumulation(16 * 4096, 4096, mbs=2, replicas=8),
+)
 print("step 2, 512K tokens for a 1M target:", rules.step2_adjust(BATCH, BATCH // 2))
 assert rules.step1_techniques(405e9, 16384) == [frozenset({"TP", "PP", "ZeRO-2"})]
-assert rules.step1_techniques(8e9, 1024) == [frozenset({"TP", "ZeRO-2"})]   # under 10B: no PP, even on 1024 GPUs
+assert rules.step1_techniques(8e9, 1024) == [frozenset({"TP", "ZeRO-2"})]  # under 10B: no PP, even on 1024 GPUs
 assert not any({"PP", "ZeRO-3"} <= o for o in rules.step1_techniques(70e9, 512))
 assert rules.step2_gradient_accumulation(BATCH, SEQ, mbs=1, replicas=64) == 4
 
@@ -114,15 +117,17 @@ for nodes in (1, 8, 64):
 bad = ParallelConfig(dp=2, tp=16, pp=1, mbs=64, gas=1)
 for line in violations(LLAMA3_8B, bad, gpus=32, global_batch_tokens=BATCH, seq=SEQ):
     print(" -", line)
-assert len(violations(LLAMA3_8B, bad, gpus=32, global_batch_tokens=BATCH, seq=SEQ)) == 3   # tp twice, the batch once
+assert len(violations(LLAMA3_8B, bad, gpus=32, global_batch_tokens=BATCH, seq=SEQ)) == 3  # tp twice, the batch once
 
 # %% [markdown]
 # Requests that no layout can meet get a reason and a way out, not a traceback from deep inside:
 
 # %%
-requests = {"Llama 3 8B, a batch of 256.02 sequences": dict(model=LLAMA3_8B, gpus=8, global_batch_tokens=BATCH + 100, seq=SEQ),
-            "Llama 3 70B on one node": dict(model=LLAMA3_70B, gpus=8, global_batch_tokens=BATCH, seq=SEQ),
-            "a 2-layer model, 2 sequences, 9 GPUs": dict(model=LLAMA_TINY, gpus=9, global_batch_tokens=128, seq=64)}
+requests = {
+    "Llama 3 8B, a batch of 256.02 sequences": dict(model=LLAMA3_8B, gpus=8, global_batch_tokens=BATCH + 100, seq=SEQ),
+    "Llama 3 70B on one node": dict(model=LLAMA3_70B, gpus=8, global_batch_tokens=BATCH, seq=SEQ),
+    "a 2-layer model, 2 sequences, 9 GPUs": dict(model=LLAMA_TINY, gpus=9, global_batch_tokens=128, seq=64),
+}
 for label, request in requests.items():
     try:
         plan(**request)
@@ -149,12 +154,18 @@ for label, request in requests.items():
 
 # %%
 print(facts.OVERLAP_ON_GPUS)
+
+
 def show(rows):
     keys = ["rank", "config", "GB/GPU", "step s", "MFU", "compute", "recompute", "TP", "PP", "bubble", "DP"]
     print("  ".join(f"{k:>9}" if k != "config" else f"{k:<32}" for k in keys))
     for row in rows:
-        print("  ".join(f"{row[k]:<32}" if k == "config" else f"{row[k]:>9}" if isinstance(row[k], int)
-                        else f"{row[k]:>9.3f}" for k in keys))
+        print(
+            "  ".join(
+                f"{row[k]:<32}" if k == "config" else f"{row[k]:>9}" if isinstance(row[k], int) else f"{row[k]:>9.3f}"
+                for k in keys
+            )
+        )
 
 
 eight_nodes = plan(LLAMA3_8B, gpus=64, global_batch_tokens=BATCH, seq=SEQ)
@@ -177,7 +188,7 @@ from dataclasses import replace  # noqa: E402
 
 sharded = plan(LLAMA3_8B, gpus=64, global_batch_tokens=BATCH, seq=SEQ, zero_stages=(3,), hsdp=True)
 hybrid = next(s for s in sharded.ranked if s.config.dp_shard)
-flat = sharded.score(replace(hybrid.config, dp_shard=0))   # the same layout, ZeRO-3 over all 64
+flat = sharded.score(replace(hybrid.config, dp_shard=0))  # the same layout, ZeRO-3 over all 64
 
 
 def model_states(s):
@@ -186,8 +197,10 @@ def model_states(s):
 
 print(f"{'':<20}{'layout':<34}{'states':>9}{'total':>9}{'DP shown':>10}{'step':>8}")
 for label, s in (("HSDP", hybrid), ("ZeRO-3 over all", flat), ("best without HSDP", best)):
-    print(f"{label:<20}{s.config.short():<34}{gb(model_states(s)):>9}{gb(s.memory['total']):>9}"
-          f"{s.time['DP']:>9.3f}s{s.step:>7.3f}s")
+    print(
+        f"{label:<20}{s.config.short():<34}{gb(model_states(s)):>9}{gb(s.memory['total']):>9}"
+        f"{s.time['DP']:>9.3f}s{s.step:>7.3f}s"
+    )
 # the states divide by the block, not by all the data ranks: dp / dp_shard times ZeRO-3's over all
 assert abs(model_states(hybrid) / model_states(flat) - hybrid.config.dp / hybrid.config.dp_shard) < 1e-9
 assert hybrid.time["DP"] < flat.time["DP"] and hybrid.step < best.step
@@ -221,13 +234,28 @@ def heatmap_figure():
     for i, m in enumerate(names):
         for j, n in enumerate(nodes):
             cell = cells[m, n]
-            text = "does not fit" if cell is None else (cell.config.short().replace(" z", "\nz", 1)
-                                                       + f"\nMFU {cell.mfu:.0%}")
-            ax.text(j, i, text, ha="center", va="center", fontsize=6.5,
-                    color="black" if cell is not None and cell.mfu > 0.45 else "white")
-    ax.set(xticks=range(len(nodes)), xticklabels=[f"{n} node{'s' * (n > 1)}" for n in nodes],
-           yticks=range(len(names)), yticklabels=names, xlabel="8 H100 per node",
-           title="the planner's best layout per model and cluster (seq 4096, 1M-token batches), colour = MFU")
+            text = (
+                "does not fit"
+                if cell is None
+                else (cell.config.short().replace(" z", "\nz", 1) + f"\nMFU {cell.mfu:.0%}")
+            )
+            ax.text(
+                j,
+                i,
+                text,
+                ha="center",
+                va="center",
+                fontsize=6.5,
+                color="black" if cell is not None and cell.mfu > 0.45 else "white",
+            )
+    ax.set(
+        xticks=range(len(nodes)),
+        xticklabels=[f"{n} node{'s' * (n > 1)}" for n in nodes],
+        yticks=range(len(names)),
+        yticklabels=names,
+        xlabel="8 H100 per node",
+        title="the planner's best layout per model and cluster (seq 4096, 1M-token batches), colour = MFU",
+    )
     fig.colorbar(image, ax=ax, label="predicted MFU")
     return fig
 
@@ -246,7 +274,7 @@ heatmap_figure()
 print("best MFU by nodes:", " ".join(str(n).rjust(5) for n in nodes))
 for m in names:
     print(f"{m:>17}:", " ".join(f"{cells[m, n].mfu:5.2f}" if cells[m, n] else "    -" for n in nodes))
-for m in ("1B", "3B", "8B"):   # small models fit everywhere: only efficiency changes
+for m in ("1B", "3B", "8B"):  # small models fit everywhere: only efficiency changes
     row = [cells[m, n].mfu for n in nodes]
     assert all(b <= a + 1e-9 for a, b in zip(row, row[1:])), f"{m}: MFU should not rise with nodes"
 drop = {m: cells[m, 64].mfu / max(c.mfu for n in nodes if (c := cells[m, n]) is not None) for m in names}
@@ -255,8 +283,10 @@ assert drop["1B"] < drop["70B"] and drop["1B"] == min(drop.values())
 assert cells["405B", 1] is None and cells["405B", 8] is None and cells["405B", 16] is not None
 assert cells["70B", 1] is None
 near = cells["70B", 4].memory["total"] / H100.usable_memory
-print(f"70B on 4 nodes: {cells['70B', 4].config.short()}, {gb(cells['70B', 4].memory['total'])} "
-      f"= {near:.0%} of the usable memory")
+print(
+    f"70B on 4 nodes: {cells['70B', 4].config.short()}, {gb(cells['70B', 4].memory['total'])} "
+    f"= {near:.0%} of the usable memory"
+)
 assert near > 0.8
 
 # %% [markdown]
@@ -275,8 +305,13 @@ sweep = {}
 print(f"Llama 3 8B on 8 nodes, {best_8b.short()}: micro-batch against accumulation, same batch")
 for mbs in (m for m in (1, 2, 4, 8, 16) if per_replica % m == 0):
     c = replace(best_8b, mbs=mbs, gas=per_replica // mbs)
-    sweep[mbs] = fits(published.SWEEP_MODELS["8B"], c, SEQ, H100), step_time(published.SWEEP_MODELS["8B"], c, SEQ, H100)["mfu"]
-    print(f"  mbs {mbs:>2}, gas {c.gas:>2}: {'fits' if sweep[mbs][0] else 'does not fit'}, predicted MFU {sweep[mbs][1]:.2f}")
+    sweep[mbs] = (
+        fits(published.SWEEP_MODELS["8B"], c, SEQ, H100),
+        step_time(published.SWEEP_MODELS["8B"], c, SEQ, H100)["mfu"],
+    )
+    print(
+        f"  mbs {mbs:>2}, gas {c.gas:>2}: {'fits' if sweep[mbs][0] else 'does not fit'}, predicted MFU {sweep[mbs][1]:.2f}"
+    )
 fitting = [m for m in sweep if sweep[m][0]]
 assert [sweep[m][1] for m in fitting] == sorted(sweep[m][1] for m in fitting), "MFU grows with the micro-batch"
 assert best_8b.mbs == max(fitting), "the planner keeps the largest micro-batch that fits"
@@ -326,8 +361,9 @@ def dry_layout(c):
     """The planner's layout as compose's, running the micro-batches its first stage holds at once."""
     held = min(c.gas, c.pp) if c.pp > 1 else 1
     assert c.pp == 1 or pp_in_flight(c.schedule, c.pp, held)[0] == pp_in_flight(c.schedule, c.pp, c.gas)[0]
-    return Layout(dp=c.dp, tp=c.tp, sp=c.tp > 1, pp=c.pp, zero=c.zero, schedule=c.schedule, microbatches=held,
-                  optimizer="adam")
+    return Layout(
+        dp=c.dp, tp=c.tp, sp=c.tp > 1, pp=c.pp, zero=c.zero, schedule=c.schedule, microbatches=held, optimizer="adam"
+    )
 
 
 def dry_runnable(c):
@@ -346,26 +382,30 @@ def measured_in_mixed_precision(dry, c):
     return got
 
 
-dry_checks = []   # (case, "accepted" or "refused", the planner's layout, the filter's bytes, DryRun, seconds)
+dry_checks = []  # (case, "accepted" or "refused", the planner's layout, the filter's bytes, DryRun, seconds)
 for case, (model, gpus) in DRY_CASES.items():
-    configs = [c for c in enumerate_configs(model, gpus=gpus, global_batch_tokens=BATCH, seq=SEQ, max_cp=1)
-               if dry_runnable(c)]
+    configs = [
+        c for c in enumerate_configs(model, gpus=gpus, global_batch_tokens=BATCH, seq=SEQ, max_cp=1) if dry_runnable(c)
+    ]
     _, refused = memory_filter(model, configs, SEQ, H100)
-    top = [s for s in plan(model, gpus=gpus, global_batch_tokens=BATCH, seq=SEQ, max_cp=1).ranked
-           if dry_runnable(s.config)][:1 if QUICK else 3]
-    nearest = min(refused, key=lambda pair: pair[1])   # the refusal closest to the limit
+    top = [
+        s for s in plan(model, gpus=gpus, global_batch_tokens=BATCH, seq=SEQ, max_cp=1).ranked if dry_runnable(s.config)
+    ][: 1 if QUICK else 3]
+    nearest = min(refused, key=lambda pair: pair[1])  # the refusal closest to the limit
     for verdict, c in [("accepted", s.config) for s in top] + [("refused", nearest[0])]:
         started = time.perf_counter()
-        dry = dryrun_extrapolated(dry_layout(c), model, 0, micro_batch=c.mbs, seq=SEQ, dtype=torch.bfloat16,
-                                  recompute=c.recompute)
+        dry = dryrun_extrapolated(
+            dry_layout(c), model, 0, micro_batch=c.mbs, seq=SEQ, dtype=torch.bfloat16, recompute=c.recompute
+        )
         dry_checks.append((case, verdict, c, memory_per_gpu(model, c, SEQ), dry, time.perf_counter() - started))
 
 print(f"{'':<25}{'layout':<34}{'filter':>7}{'measured':>9}   measured / filter")
 for case, verdict, c, formula, dry, _ in dry_checks:
     got = measured_in_mixed_precision(dry, c)
     ratios = ", ".join(f"{k} {got[k] / formula[k]:.2f}" for k in (*STATES, "activations"))
-    print(f"{case:<16}{verdict:<9}{c.short():<34}{formula['total'] / 1e9:>7.1f}{sum(got.values()) / 1e9:>9.1f}"
-          f"   {ratios}")
+    print(
+        f"{case:<16}{verdict:<9}{c.short():<34}{formula['total'] / 1e9:>7.1f}{sum(got.values()) / 1e9:>9.1f}   {ratios}"
+    )
 print(f"(GB per GPU of its first pipeline stage; usable {gb(H100.usable_memory)} of {gb(H100.memory_bytes)})")
 
 # %% tags=["nbval-ignore-output"]
@@ -407,9 +447,9 @@ for case, verdict, c, formula, dry, _ in nonempty(dry_checks, "dry runs"):
     # 1.55x for 70B at TP 4, 1.8x for 8B at TP 2), about exact under full recomputation
     band = {"selective": (1.4, 2.0), "full": (0.95, 1.1)}[c.recompute]
     assert band[0] <= got["activations"] / formula["activations"] <= band[1], (case, c.short(), got, formula)
-    if verdict == "refused":   # a refusal holds: measured over the usable memory too
+    if verdict == "refused":  # a refusal holds: measured over the usable memory too
         assert sum(got.values()) > H100.usable_memory, (case, c.short(), got)
-firsts = {}   # each case's first accepted layout: the planner's first choice
+firsts = {}  # each case's first accepted layout: the planner's first choice
 for case, verdict, c, _, dry, _ in nonempty(dry_checks, "dry runs"):
     if verdict == "accepted":
         firsts.setdefault(case, sum(measured_in_mixed_precision(dry, c).values()))
@@ -435,11 +475,15 @@ for setup in published.PUBLISHED:
     comparisons[setup.name] = r = published.compare(setup, max_cp=max_cp)
     p, b = r["published"], r["best"]
     print(f"{setup.name} ({setup.source})")
-    print(f"  published {p.config.short():<44} MFU {p.mfu:.0%}, {gb(p.memory['total'])}: rank {r['rank']} "
-          f"of {r['of']}, {r['slowdown']:.2f} x the best step")
+    print(
+        f"  published {p.config.short():<44} MFU {p.mfu:.0%}, {gb(p.memory['total'])}: rank {r['rank']} "
+        f"of {r['of']}, {r['slowdown']:.2f} x the best step"
+    )
     print(f"  planner   {b.config.short():<44} MFU {b.mfu:.0%}, {gb(b.memory['total'])}")
-    print("  published step by part:", ", ".join(f"{k} {v:.2f} s" for k, v in p.time.items()
-                                                if k not in ("step", "mfu", "tokens/s/gpu") and v > 0))
+    print(
+        "  published step by part:",
+        ", ".join(f"{k} {v:.2f} s" for k, v in p.time.items() if k not in ("step", "mfu", "tokens/s/gpu") and v > 0),
+    )
 
 # %% [markdown]
 # Where the planner and the teams agree, and where not, and why:
@@ -459,12 +503,14 @@ for setup in published.PUBLISHED:
 
 # %%
 llama, long, deepseek = (comparisons[s.name] for s in published.PUBLISHED)
-assert llama["slowdown"] <= 1.10 and llama["rank"] <= 0.05 * llama["of"]     # among the best
-assert long["published"] is not None and long["slowdown"] <= 1.35                 # the CP disagreement
+assert llama["slowdown"] <= 1.10 and llama["rank"] <= 0.05 * llama["of"]  # among the best
+assert long["published"] is not None and long["slowdown"] <= 1.35  # the CP disagreement
 ep_share = deepseek["published"].time["EP"] / deepseek["published"].step
 without_ep = (deepseek["published"].step - deepseek["published"].time["EP"]) / deepseek["best"].step
-print(f"DeepSeek-V3: EP all-to-all is {ep_share:.0%} of the published step; without it the step would be "
-      f"{without_ep:.2f} x the planner's best")
+print(
+    f"DeepSeek-V3: EP all-to-all is {ep_share:.0%} of the published step; without it the step would be "
+    f"{without_ep:.2f} x the planner's best"
+)
 assert ep_share > 0.4 and without_ep < 1.5
 
 # %% [markdown]
@@ -484,8 +530,12 @@ def explorer_figure(result, top=8):
     rows = result.ranked[:top]
     labels = [s.config.short() for s in rows]
     left = np.zeros(len(rows))
-    for key, colour in (("parameters", "#4c72b0"), ("gradients", "#dd8452"), ("optimizer states", "#55a868"),
-                        ("activations", "#c44e52")):
+    for key, colour in (
+        ("parameters", "#4c72b0"),
+        ("gradients", "#dd8452"),
+        ("optimizer states", "#55a868"),
+        ("activations", "#c44e52"),
+    ):
         values = np.array([s.memory[key] / 1e9 for s in rows])
         mem_ax.barh(labels, values, left=left, color=colour, label=key)
         left += values
@@ -508,8 +558,14 @@ def explorer_figure(result, top=8):
 def explore(model="8B", gpus=64, batch_tokens=BATCH, seq=SEQ, memory_gb=80, top=8):
     """The planner's top layouts for one request, as a figure; a refused request as its reason."""
     try:
-        result = plan(EXPLORER_MODELS[model], gpus=gpus, global_batch_tokens=batch_tokens, seq=seq,
-                      hardware=H100.with_memory(memory_gb * 1e9), max_cp=8)
+        result = plan(
+            EXPLORER_MODELS[model],
+            gpus=gpus,
+            global_batch_tokens=batch_tokens,
+            seq=seq,
+            hardware=H100.with_memory(memory_gb * 1e9),
+            max_cp=8,
+        )
     except PlanError as err:
         return None, str(err)
     return result, explorer_figure(result, top)
@@ -518,11 +574,13 @@ def explore(model="8B", gpus=64, batch_tokens=BATCH, seq=SEQ, memory_gb=80, top=
 def explorer_widget():
     import ipywidgets as w
 
-    controls = dict(model=w.Dropdown(options=list(EXPLORER_MODELS), value="8B", description="model"),
-                    gpus=w.Dropdown(options=[8 * 2**k for k in range(0, 10)], value=64, description="GPUs"),
-                    batch_tokens=w.Dropdown(options=[2**k for k in range(18, 25)], value=BATCH, description="batch"),
-                    seq=w.Dropdown(options=[2**k for k in range(11, 18)], value=SEQ, description="seq"),
-                    memory_gb=w.Dropdown(options=[24, 40, 80, 141], value=80, description="GB/GPU"))
+    controls = dict(
+        model=w.Dropdown(options=list(EXPLORER_MODELS), value="8B", description="model"),
+        gpus=w.Dropdown(options=[8 * 2**k for k in range(0, 10)], value=64, description="GPUs"),
+        batch_tokens=w.Dropdown(options=[2**k for k in range(18, 25)], value=BATCH, description="batch"),
+        seq=w.Dropdown(options=[2**k for k in range(11, 18)], value=SEQ, description="seq"),
+        memory_gb=w.Dropdown(options=[24, 40, 80, 141], value=80, description="GB/GPU"),
+    )
     image, text = w.Image(format="png"), w.HTML()
 
     def redraw(_=None):
@@ -533,14 +591,17 @@ def explorer_widget():
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png", dpi=80)
         image.value = buffer.getvalue()
-        text.value = "<br>".join(f"{i}. {s.config.short()}: {s.step:.2f} s, MFU {s.mfu:.0%}, "
-                                 f"{s.memory['total'] / 1e9:.1f} GB" for i, s in enumerate(result.ranked[:5], 1))
+        text.value = "<br>".join(
+            f"{i}. {s.config.short()}: {s.step:.2f} s, MFU {s.mfu:.0%}, {s.memory['total'] / 1e9:.1f} GB"
+            for i, s in enumerate(result.ranked[:5], 1)
+        )
 
     for control in controls.values():
         control.observe(redraw, names="value")
     redraw()
     return with_text_repr(w.VBox, "[configuration explorer: run this cell in JupyterLab to use it]")(
-        [w.HBox(list(controls.values())), text, image])
+        [w.HBox(list(controls.values())), text, image]
+    )
 
 
 # %% tags=["nbval-ignore-output"]
@@ -587,7 +648,8 @@ RESULTS = Path("..") / "results"
 RECORDED_SHAPES = {
     "one_gpu_mfu": GPTConfig(vocab_size=32768, hidden=2048, layers=16, heads=16, attention="sdpa"),
     "mfu_bench_350m": GPTConfig(vocab_size=50304, hidden=1024, layers=24, heads=16, attention="sdpa"),
-    "mfu_bench_1b": GPTConfig(vocab_size=50304, hidden=2048, layers=24, heads=16, attention="sdpa")}
+    "mfu_bench_1b": GPTConfig(vocab_size=50304, hidden=2048, layers=24, heads=16, attention="sdpa"),
+}
 
 
 def recorded_points():
@@ -600,10 +662,15 @@ def recorded_points():
             if kind == "one_gpu_mfu":
                 rows = [(mode, record[mode]["mfu"]) for mode in ("none", "selective", "full")]
             else:
-                rows = [(r["recompute"], r["mfu"]) for r in record["rows"]
-                        if r["variant"].startswith("SDPA") and "compile" not in r["variant"]]
-            points += [(f"{record['params'] / 1e9:.2f}B", shape, record["micro_batch"], record["seq"], mode, m)
-                       for mode, m in rows]
+                rows = [
+                    (r["recompute"], r["mfu"])
+                    for r in record["rows"]
+                    if r["variant"].startswith("SDPA") and "compile" not in r["variant"]
+                ]
+            points += [
+                (f"{record['params'] / 1e9:.2f}B", shape, record["micro_batch"], record["seq"], mode, m)
+                for mode, m in rows
+            ]
     return points
 
 
@@ -615,18 +682,23 @@ points = recorded_points()
 assumed = H100.matmul_efficiency
 # On one GPU the predicted MFU is proportional to the efficiency: the fit is the geometric mean
 # of the efficiencies that would have predicted each record (least squares on the log error).
-fitted = assumed * math.exp(sum(math.log(m / one_gpu_mfu(s, b, q, r)) for _, s, b, q, r, m in points)
-                            / max(len(points), 1))
+fitted = assumed * math.exp(
+    sum(math.log(m / one_gpu_mfu(s, b, q, r)) for _, s, b, q, r, m in points) / max(len(points), 1)
+)
 course_h100 = dataclasses.replace(H100, matmul_efficiency=fitted)
-print(f"\n{'model':>6} {'mbs':>3} {'seq':>5} {'recompute':<10} {'measured':>8} "
-      f"{'planner (' + format(assumed, '.2f') + ')':>16} {'error':>6}   {'fitted (' + format(fitted, '.2f') + ')':>13} {'error':>6}")
+print(
+    f"\n{'model':>6} {'mbs':>3} {'seq':>5} {'recompute':<10} {'measured':>8} "
+    f"{'planner (' + format(assumed, '.2f') + ')':>16} {'error':>6}   {'fitted (' + format(fitted, '.2f') + ')':>13} {'error':>6}"
+)
 errors = {"assumed": [], "fitted": []}
 for label, shape, mbs, seq, mode, measured in points:
     p, f = one_gpu_mfu(shape, mbs, seq, mode), one_gpu_mfu(shape, mbs, seq, mode, course_h100)
     errors["assumed"].append(p / measured - 1)
     errors["fitted"].append(f / measured - 1)
-    print(f"{label:>6} {mbs:>3} {seq:>5} {mode:<10} {measured:>8.1%} {p:>16.1%} {p / measured - 1:>+6.0%}   "
-          f"{f:>13.1%} {f / measured - 1:>+6.0%}")
+    print(
+        f"{label:>6} {mbs:>3} {seq:>5} {mode:<10} {measured:>8.1%} {p:>16.1%} {p / measured - 1:>+6.0%}   "
+        f"{f:>13.1%} {f / measured - 1:>+6.0%}"
+    )
 
 # %% [markdown]
 # Then Llama 3 405B's three published points, each predicted for its own layout (the free
@@ -636,26 +708,35 @@ for label, shape, mbs, seq, mode, measured in points:
 # (read with the GPU records above: not compared)
 LLAMA3_MFU = {"Llama 3 405B, 8,192 GPUs": 0.43, "Llama 3 405B": 0.41, "Llama 3 405B, long context": 0.38}
 pretrain = comparisons["Llama 3 405B"]["published"].config
-on_8192 = replace(pretrain, dp=64, gas=32)   # same 16M-token batch: 64 replicas of 32 sequences
+on_8192 = replace(pretrain, dp=64, gas=32)  # same 16M-token batch: 64 replicas of 32 sequences
 setup = published.LLAMA3_405B_PRETRAIN
 assert on_8192.gpus == 8192 and on_8192.batch_tokens(setup.seq) == setup.global_batch_tokens
 assert fits(setup.model, on_8192, setup.seq, H100)
-at_scale = {"Llama 3 405B, 8,192 GPUs": step_time(setup.model, on_8192, setup.seq, H100)["mfu"],
-            **{name: comparisons[name]["published"].mfu for name in ("Llama 3 405B", "Llama 3 405B, long context")}}
+at_scale = {
+    "Llama 3 405B, 8,192 GPUs": step_time(setup.model, on_8192, setup.seq, H100)["mfu"],
+    **{name: comparisons[name]["published"].mfu for name in ("Llama 3 405B", "Llama 3 405B, long context")},
+}
 for name, reported in LLAMA3_MFU.items():
     errors.setdefault("Llama 3", []).append(at_scale[name] / reported - 1)
     print(f"{name:<27} reported {reported:.0%}, planner {at_scale[name]:.1%} ({at_scale[name] / reported - 1:+.0%})")
 
 print(f"\nefficiency assumed {assumed:.2f}; fitted to the course's {len(points)} H100 records {fitted:.2f}")
-print("mean |error|: course records "
-      f"{np.mean(np.abs(errors['assumed'])):.0%} with the assumed efficiency, "
-      f"{np.mean(np.abs(errors['fitted'])):.0%} with the fitted one; Llama 3 {np.mean(np.abs(errors['Llama 3'])):.0%}")
+print(
+    "mean |error|: course records "
+    f"{np.mean(np.abs(errors['assumed'])):.0%} with the assumed efficiency, "
+    f"{np.mean(np.abs(errors['fitted'])):.0%} with the fitted one; Llama 3 {np.mean(np.abs(errors['Llama 3'])):.0%}"
+)
 print("the heatmap's best layouts at the course's efficiency (same layouts, MFU assumed -> fitted):")
 for m in names:
-    print(f"  {m:>4}: " + ", ".join(
-        f"{n} node{'s' * (n > 1)} {cells[m, n].mfu:.0%} -> "
-        f"{step_time(published.SWEEP_MODELS[m], cells[m, n].config, SEQ, course_h100)['mfu']:.0%}"
-        for n in (1, 8, 64) if cells[m, n] is not None))
+    print(
+        f"  {m:>4}: "
+        + ", ".join(
+            f"{n} node{'s' * (n > 1)} {cells[m, n].mfu:.0%} -> "
+            f"{step_time(published.SWEEP_MODELS[m], cells[m, n].config, SEQ, course_h100)['mfu']:.0%}"
+            for n in (1, 8, 64)
+            if cells[m, n] is not None
+        )
+    )
 
 # %%
 # The records are files, so these hold on any machine. One factor should describe the course's
@@ -717,10 +798,15 @@ model = cal.CALIBRATION_MODEL
 counts = cal.compare_counts(cluster.run(cal.count_steps, configs), configs)
 print(f"{'layout':>6} {'':<24} {'MFLOP':>7} {'model':>7} {'ratio':>5}   {'kB sent':>7} {'model':>7} {'ratio':>5}")
 for name, c in counts.items():
-    nbytes = (f"{c['bytes'] / 1e3:>7.0f} {c['predicted_bytes'] / 1e3:>7.0f} {c['bytes_ratio']:>5.2f}"
-              if c["bytes_ratio"] else "")
-    print(f"{name:>6} {configs[name].short():<24} {c['flops'] / 1e6:>7.0f} {c['predicted_flops'] / 1e6:>7.0f} "
-          f"{c['flops_ratio']:>5.2f}   {nbytes}")
+    nbytes = (
+        f"{c['bytes'] / 1e3:>7.0f} {c['predicted_bytes'] / 1e3:>7.0f} {c['bytes_ratio']:>5.2f}"
+        if c["bytes_ratio"]
+        else ""
+    )
+    print(
+        f"{name:>6} {configs[name].short():<24} {c['flops'] / 1e6:>7.0f} {c['predicted_flops'] / 1e6:>7.0f} "
+        f"{c['flops_ratio']:>5.2f}   {nbytes}"
+    )
 
 # %% [markdown]
 # Where the counts differ, the difference is a fixed amount with a reason:
@@ -763,23 +849,32 @@ for name, c in counts.items():
 bandwidth = cluster.run(cal.measure_bandwidth, repeats=2 if QUICK else 10)[0]
 rounds = 5 if QUICK else 15
 bar = ProgressBar("calibration rounds", total=rounds + 1)
-pairs = cluster.run(cal.measure_steps, configs, rounds=rounds, progress=True,
-                    on_log=lambda rank, m: rank == 0 and bar.update(m["round"], m["rounds"]))[0]
+pairs = cluster.run(
+    cal.measure_steps,
+    configs,
+    rounds=rounds,
+    progress=True,
+    on_log=lambda rank, m: rank == 0 and bar.update(m["round"], m["rounds"]),
+)[0]
 machine = cal.machine_hardware([a for rows in pairs.values() for a, _ in rows], bandwidth, WORLD_SIZE)
 comparison = cal.compare(pairs, configs, machine)
 ratios = {name: r["ratio"] for name, r in comparison.items()}
 print(f"layouts measured: {', '.join(f'{k} ({c.short()})' for k, c in configs.items())}")
 
 # %% tags=["nbval-ignore-output"]
-print(f"calibrated: {machine.peak_flops / 1e9:.2f} GFLOP/s per rank (course GPT, h {model.hidden}, "
-      f"{model.layers} layers, seq {model.seq_len}), gloo alpha {machine.intra_node.alpha * 1e6:.0f} us, "
-      f"beta {machine.intra_node.beta / 1e9:.2f} GB/s")
+print(
+    f"calibrated: {machine.peak_flops / 1e9:.2f} GFLOP/s per rank (course GPT, h {model.hidden}, "
+    f"{model.layers} layers, seq {model.seq_len}), gloo alpha {machine.intra_node.alpha * 1e6:.0f} us, "
+    f"beta {machine.intra_node.beta / 1e9:.2f} GB/s"
+)
 for name, r in comparison.items():
     p = r["predicted"]
     parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in p.items() if k not in ("step", "mfu", "tokens/s/gpu") and v)
-    print(f"{name:>6} {configs[name].short():<24} predicted {1e3 * p['step']:6.1f} ms ({parts}) = "
-          f"{r['predicted_units']:.2f} compute steps; measured {r['measured_units']:.2f} compute steps "
-          f"(rounds: {', '.join(f'{b / a:.2f}' for a, b in pairs[name])}); measured / predicted {r['ratio']:.2f}")
+    print(
+        f"{name:>6} {configs[name].short():<24} predicted {1e3 * p['step']:6.1f} ms ({parts}) = "
+        f"{r['predicted_units']:.2f} compute steps; measured {r['measured_units']:.2f} compute steps "
+        f"(rounds: {', '.join(f'{b / a:.2f}' for a, b in pairs[name])}); measured / predicted {r['ratio']:.2f}"
+    )
 
 # %% [markdown]
 # What to expect. The model should come within 30% where it knows everything that happens:
@@ -804,12 +899,15 @@ for name, r in comparison.items():
 
 # %% tags=["nbval-ignore-output"]
 within = [name for name, r in ratios.items() if 1 / 1.3 <= r <= 1.3]
-print("within 30%:", ", ".join(within) or "none", "| outside:",
-      ", ".join(n for n in ratios if n not in within) or "none")
+print(
+    "within 30%:", ", ".join(within) or "none", "| outside:", ", ".join(n for n in ratios if n not in within) or "none"
+)
 for name, rows in pairs.items():
     rounds_units = [b / a for a, b in rows]
-    print(f"{name:>6}: measured / predicted {ratios[name]:.2f}; its rounds spread over a factor of "
-          f"{max(rounds_units) / min(rounds_units):.1f} (slowest / fastest round)")
+    print(
+        f"{name:>6}: measured / predicted {ratios[name]:.2f}; its rounds spread over a factor of "
+        f"{max(rounds_units) / min(rounds_units):.1f} (slowest / fastest round)"
+    )
 
 # %%
 # Every layout was predicted and measured (its time is shown above, not asserted: see the counts)
@@ -824,10 +922,11 @@ assert set(ratios) == set(configs), ratios
 # timeout turns that into a `CallTimeout` that shows where each rank was, then restarts the ranks,
 # which destroys the stuck process group; closing the cluster leaves no process behind.
 
+
 # %%
 def mismatched_collective(ctx):
     if ctx.rank == 0:
-        dist.all_reduce(torch.ones(1, device=ctx.device))   # nobody else joins: rank 0 hangs here
+        dist.all_reduce(torch.ones(1, device=ctx.device))  # nobody else joins: rank 0 hangs here
     return ctx.rank
 
 
@@ -839,9 +938,9 @@ try:
 except CallTimeout as err:
     waited = time.perf_counter() - started
     print(type(err).__name__ + ":", str(err).splitlines()[0])
-    assert "all_reduce" in str(err)   # the message shows rank 0 stuck in the all-reduce
+    assert "all_reduce" in str(err)  # the message shows rank 0 stuck in the all-reduce
 assert waited < 30
-assert cluster.run(lambda ctx: ctx.rank) == list(range(WORLD_SIZE))   # usable again, new ranks
+assert cluster.run(lambda ctx: ctx.rank) == list(range(WORLD_SIZE))  # usable again, new ranks
 new_pids = cluster.pids
 assert not set(new_pids) & set(hung_pids)
 cluster.close()
@@ -852,7 +951,7 @@ def alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:          # a reaped process is gone; a zombie counts as gone
+    with open(f"/proc/{pid}/stat") as f:  # a reaped process is gone; a zombie counts as gone
         return f.read().split(")")[-1].split()[0] != "Z"
 
 

@@ -117,8 +117,7 @@ if torch.cuda.is_available():
 H100 = dict(sms=132, fp32_cores_per_sm=128, warp_size=32, hbm_gb=80)
 cores = H100["sms"] * H100["fp32_cores_per_sm"]
 assert cores == 16_896
-print(f"H100: {H100['sms']} SMs x {H100['fp32_cores_per_sm']} FP32 cores = {cores:,} cores, "
-      f"{H100['hbm_gb']} GB of HBM")
+print(f"H100: {H100['sms']} SMs x {H100['fp32_cores_per_sm']} FP32 cores = {cores:,} cores, {H100['hbm_gb']} GB of HBM")
 
 threads_per_block = 256  # what the book's vector-add host code launches
 warps_per_block = threads_per_block // H100["warp_size"]
@@ -141,19 +140,26 @@ print(f"a block of {threads_per_block} threads is {warps_per_block} warps of {H1
 # boost clock of 1.83 GHz and the FP32 cores' at 1.98 GHz; the product, in code:
 
 # %%
-H100_TENSOR = dict(tensor_cores_per_sm=4, bf16_fma_per_tensor_core_per_clock=512, tensor_clock_hz=1.83e9,
-                   fp32_clock_hz=1.98e9)
+H100_TENSOR = dict(
+    tensor_cores_per_sm=4, bf16_fma_per_tensor_core_per_clock=512, tensor_clock_hz=1.83e9, fp32_clock_hz=1.98e9
+)
 tensor_cores = H100["sms"] * H100_TENSOR["tensor_cores_per_sm"]
-flops_per_clock = tensor_cores * 2 * H100_TENSOR["bf16_fma_per_tensor_core_per_clock"]   # an FMA is 2 FLOPs
+flops_per_clock = tensor_cores * 2 * H100_TENSOR["bf16_fma_per_tensor_core_per_clock"]  # an FMA is 2 FLOPs
 tensor_peak = flops_per_clock * H100_TENSOR["tensor_clock_hz"]
 fp32_peak = cores * 2 * H100_TENSOR["fp32_clock_hz"]
-print(f"tensor cores: {H100['sms']} SMs x {H100_TENSOR['tensor_cores_per_sm']} = {tensor_cores} tensor cores, "
-      f"x {2 * H100_TENSOR['bf16_fma_per_tensor_core_per_clock']} FLOPs per clock each = {flops_per_clock:,} FLOPs "
-      f"per clock\n  x {H100_TENSOR['tensor_clock_hz'] / 1e9} GHz = {tensor_peak / 1e12:.1f} TFLOP/s dense BF16")
-print(f"FP32 cores:   {cores:,} cores x 2 FLOPs (one FMA) x {H100_TENSOR['fp32_clock_hz'] / 1e9} GHz "
-      f"= {fp32_peak / 1e12:.1f} TFLOP/s")
-print(f"the tensor cores do {tensor_peak / fp32_peak:.1f}x the FP32 cores' work per second; the course's peak "
-      f"(ultrascale.plan.datasheet('H100')) is {datasheet('H100').bf16_flops / 1e12:.0f} TFLOP/s")
+print(
+    f"tensor cores: {H100['sms']} SMs x {H100_TENSOR['tensor_cores_per_sm']} = {tensor_cores} tensor cores, "
+    f"x {2 * H100_TENSOR['bf16_fma_per_tensor_core_per_clock']} FLOPs per clock each = {flops_per_clock:,} FLOPs "
+    f"per clock\n  x {H100_TENSOR['tensor_clock_hz'] / 1e9} GHz = {tensor_peak / 1e12:.1f} TFLOP/s dense BF16"
+)
+print(
+    f"FP32 cores:   {cores:,} cores x 2 FLOPs (one FMA) x {H100_TENSOR['fp32_clock_hz'] / 1e9} GHz "
+    f"= {fp32_peak / 1e12:.1f} TFLOP/s"
+)
+print(
+    f"the tensor cores do {tensor_peak / fp32_peak:.1f}x the FP32 cores' work per second; the course's peak "
+    f"(ultrascale.plan.datasheet('H100')) is {datasheet('H100').bf16_flops / 1e12:.0f} TFLOP/s"
+)
 assert round(tensor_peak / 1e12, 1) == 989.4 and round(fp32_peak / 1e12, 1) == 66.9
 assert round(tensor_peak / 1e12) == datasheet("H100").bf16_flops / 1e12
 
@@ -166,7 +172,7 @@ assert round(tensor_peak / 1e12) == datasheet("H100").bf16_flops / 1e12
 ones = torch.ones(4096, dtype=torch.bfloat16)
 acc16, acc32 = torch.zeros((), dtype=torch.bfloat16), torch.zeros((), dtype=torch.float32)
 for a_i, b_i in zip(ones, ones):
-    acc16 = acc16 + a_i * b_i                  # multiply and add in 16 bits
+    acc16 = acc16 + a_i * b_i  # multiply and add in 16 bits
     acc32 = acc32 + a_i.float() * b_i.float()  # 16-bit inputs, exact product, 32-bit accumulator
 print(f"sum of 4096 products 1 x 1: accumulated in BF16 = {acc16.item():.0f}, in FP32 = {acc32.item():.0f}")
 assert acc16.item() == 256 and acc32.item() == 4096
@@ -191,6 +197,7 @@ assert acc16.item() == 256 and acc32.item() == 4096
 # is not a multiple of the block size, the last block has idle threads, and the bounds check keeps
 # them from touching memory that is not theirs.
 
+
 # %%
 def global_thread_index(block_idx, block_dim, thread_idx):
     return block_dim * block_idx + thread_idx
@@ -209,8 +216,11 @@ for n in (1, 255, 256, 257, 1000, 100_003, 100_000_000):
 
 # Launch the whole grid for n = 1000 "by hand": every element is owned by exactly one thread.
 n = 1000
-owners = [global_thread_index(b, threads_per_block, t)
-          for b in range(blocks_per_grid(n, threads_per_block)) for t in range(threads_per_block)]
+owners = [
+    global_thread_index(b, threads_per_block, t)
+    for b in range(blocks_per_grid(n, threads_per_block))
+    for t in range(threads_per_block)
+]
 active = [i for i in owners if i < n]  # the bounds check
 assert sorted(active) == list(range(n)) and len(owners) - len(active) == 24
 
@@ -230,8 +240,10 @@ print(inspect.getsource(vector_add_kernel.fn))
 x, y = randn(1000, seed=1), randn(1000, seed=2)
 out = K.vector_add(x, y, block_size=128)  # a grid of ceil(1000 / 128) = 8 program instances
 assert torch.equal(out, x + y)  # one fp32 addition per element on both sides: bit-identical
-print(f"{triton.cdiv(1000, 128)} program instances; the last one has {1000 - 7 * 128} of its 128 lanes "
-      "unmasked; result equals x + y exactly")
+print(
+    f"{triton.cdiv(1000, 128)} program instances; the last one has {1000 - 7 * 128} of its 128 lanes "
+    "unmasked; result equals x + y exactly"
+)
 
 # %% [markdown]
 # ## 2. The tool ladder: eager, `torch.compile`, Triton
@@ -241,6 +253,7 @@ print(f"{triton.cdiv(1000, 128)} program instances; the last one has {1000 - 7 *
 # **Eager PyTorch** runs it as separate operators, each one a kernel that reads its inputs from
 # memory and writes its output back. A dispatch hook lists what runs and how many bytes each
 # operator moves.
+
 
 # %%
 def elu_eager(x, alpha=1.0):
@@ -270,8 +283,10 @@ for name, read, written in traffic.ops:
     print(f"{name:>14}: reads {read / n:4.0f} bytes per element, writes {written / n:2.0f}")
 eager_bytes = sum(r + w for _, r, w in traffic.ops)
 fused_bytes = 2 * 4 * n  # one fp32 read and one fp32 write per element
-print(f"eager: {len(traffic.ops)} kernels moving {eager_bytes / n:.0f} bytes per element; "
-      f"a fused kernel moves {fused_bytes / n:.0f} ({eager_bytes / fused_bytes:.2f}x less)")
+print(
+    f"eager: {len(traffic.ops)} kernels moving {eager_bytes / n:.0f} bytes per element; "
+    f"a fused kernel moves {fused_bytes / n:.0f} ({eager_bytes / fused_bytes:.2f}x less)"
+)
 assert len(traffic.ops) == 5 and eager_bytes == 42 * n
 
 # %% [markdown]
@@ -312,8 +327,10 @@ if compile_error is None:
     assert str(n) in kernel_source, "expected the element count to be baked into the generated kernel"
     print(f"compiled ELU matches eager; its kernel has the size {n:,} written into it as a constant")
 else:
-    print(f"torch.compile could not build the kernel here: {type(compile_error).__name__}: {compile_error}\n"
-          "On a CPU inductor needs a C++ compiler (install g++ or clang); the rest of the chapter does not.")
+    print(
+        f"torch.compile could not build the kernel here: {type(compile_error).__name__}: {compile_error}\n"
+        "On a CPU inductor needs a C++ compiler (install g++ or clang); the rest of the chapter does not."
+    )
 
 # %% tags=["nbval-ignore-output"]
 # (generated code depends on the machine: the vector width on a CPU, the GPU's architecture)
@@ -334,6 +351,7 @@ if compile_error is None:
 #
 # Timings on *this* machine (CPU timings if there is no GPU; they say nothing about a GPU):
 
+
 # %% tags=["nbval-ignore-output"]
 def wall_ms(fn, repeats=7):
     fn()  # warm-up
@@ -350,8 +368,11 @@ if K.on_gpu():
 
     big = torch.randn(2**26, device="cuda")
     bench = lambda fn: triton.testing.do_bench(fn, return_mode="median")  # noqa: E731
-    rows = [("eager (5 kernels)", lambda: elu_eager(big)), ("torch.compile", lambda: elu_compiled(big)),
-            ("Triton elu_kernel", lambda: K.elu(big))]
+    rows = [
+        ("eager (5 kernels)", lambda: elu_eager(big)),
+        ("torch.compile", lambda: elu_compiled(big)),
+        ("Triton elu_kernel", lambda: K.elu(big)),
+    ]
     for name, fn in rows:
         ms = bench(fn)
         print(f"GPU {name:>20}: {ms:.3f} ms, {2 * big.numel() * 4 / ms / 1e6:.0f} GB/s of useful traffic")
@@ -444,8 +465,7 @@ for col, (name, addr) in enumerate((("naive", naive), ("coalesced", coalesced)))
         ax = axes[2 * col + j]
         ax.imshow(grid, cmap="Blues", vmin=0, vmax=1.3)
         segments = gpu_ideas.count_segments(addr[matrix])
-        ax.set_title(f"{name}: {matrix} elements read\n({segments} segment{'s' if segments > 1 else ''})",
-                     fontsize=10)
+        ax.set_title(f"{name}: {matrix} elements read\n({segments} segment{'s' if segments > 1 else ''})", fontsize=10)
         ax.set_xticks([]), ax.set_yticks([])
 fig.suptitle("one warp, one step of the inner loop (top-left 32 x 32 corner of each matrix, row-major)")
 fig.tight_layout()
@@ -461,8 +481,10 @@ fig
 size = 64 if QUICK else 128
 transactions = {m: gpu_ideas.matmul_load_transactions(m, size, size, size) for m in ("naive", "coalesced")}
 ratio = transactions["naive"] / transactions["coalesced"]
-print(f"{size}^3 matmul, 32-byte segments: naive {transactions['naive']:,}, coalesced "
-      f"{transactions['coalesced']:,} -> {ratio:.1f}x fewer memory transactions")
+print(
+    f"{size}^3 matmul, 32-byte segments: naive {transactions['naive']:,}, coalesced "
+    f"{transactions['coalesced']:,} -> {ratio:.1f}x fewer memory transactions"
+)
 assert transactions["naive"] == 33 * (size // 32) ** 2 * 32 * size  # 33 segments per warp and step
 assert ratio == 33 / 5
 
@@ -476,13 +498,14 @@ assert ratio == 33 / 5
 # float. The next cell copies the same number of floats at different strides (a timing on this
 # CPU, so its output is not checked):
 
+
 # %% tags=["nbval-ignore-output"]
 def strided_read_ms(buffer, stride, count, repeats=5):
     """Median time to copy `count` floats spaced `stride` apart, each repeat from a fresh region."""
     times = []
     for rep in range(repeats + 1):
         start = (rep * count * stride) % (buffer.numel() - count * stride + 1)
-        view = buffer[start:start + count * stride:stride]
+        view = buffer[start : start + count * stride : stride]
         begin = time.perf_counter()
         view.clone()
         if rep:  # the first round is a warm-up
@@ -520,12 +543,17 @@ for side in ProgressBar("counting loads").iterate((4, 8, 16, 32)):
     c_np, loads = gpu_ideas.tiled_matmul_counting(a_np, b_np, side, side, 16)
     np.testing.assert_allclose(c_np, a_np @ b_np, atol=1e-10)
     assert loads == gpu_ideas.tiled_matmul_loads(m_t, n_t, k_t, side, side)
-    print(f"  tiles of {side:>2} x {side:<2}: {loads:>9,} loads ({naive_loads / loads:4.1f}x fewer), "
-          "result equals a @ b")
+    print(
+        f"  tiles of {side:>2} x {side:<2}: {loads:>9,} loads ({naive_loads / loads:4.1f}x fewer), result equals a @ b"
+    )
 
 fig, ax = plt.subplots(figsize=(5.5, 3.4))
-ax.loglog(tile_sides, [gpu_ideas.tiled_matmul_loads(m_t, n_t, k_t, s, s) for s in tile_sides], "o-",
-          label="tiled (counted = closed form)")
+ax.loglog(
+    tile_sides,
+    [gpu_ideas.tiled_matmul_loads(m_t, n_t, k_t, s, s) for s in tile_sides],
+    "o-",
+    label="tiled (counted = closed form)",
+)
 ax.loglog(tile_sides, [naive_loads / s for s in tile_sides], "k:", label="naive / T")
 ax.set_xlabel("tile side T"), ax.set_ylabel("global-memory loads"), ax.legend()
 ax.set_title("tiling divides global loads by the tile side", fontsize=10)
@@ -562,7 +590,8 @@ for p in (1, 2, 4, 8):
     loads = gpu_ideas.coarsened_matmul_loads(side, side, side, p, p)
     print(f"{f'{p} x {p}':>17} {(side // p) ** 2:>11,} {loads:>16,} {loads / macs:>24.2f}")
 assert gpu_ideas.coarsened_matmul_loads(side, side, side, 4, 4) * 4 == gpu_ideas.coarsened_matmul_loads(
-    side, side, side, 1, 1)
+    side, side, side, 1, 1
+)
 
 # %% [markdown]
 # One output per thread costs two loads per multiply-add; a 4 x 4 patch costs half a load.
@@ -575,6 +604,7 @@ assert gpu_ideas.coarsened_matmul_loads(side, side, side, 4, 4) * 4 == gpu_ideas
 # sides. `run_divergent` runs a branch like a warp and records each pass's active lanes;
 # `run_predicated` computes both sides for every lane and selects, which is what `tl.where` (and
 # the `selp` instruction below) does.
+
 
 # %%
 def elu_negative_side(v):
@@ -614,24 +644,45 @@ assert [gpu_ideas.divergent_passes(p) for p in list(patterns.values())[:3]] == [
 
 # %% tags=["nbval-ignore-output"]
 # (needs Triton's NVIDIA backend; the output depends on the Triton version)
-env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
-           PYTHONPATH=str(ROOT / "lib") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-done = subprocess.run([sys.executable, "-m", "ultrascale.kernels.compile_check", "--arch", "90",
-                       "--only", "elu fp32", "--show-ptx", "elu"], env=env, capture_output=True, text=True,
-                      timeout=300)
+env = dict(
+    os.environ,
+    TRITON_INTERPRET="0",
+    TRITON_DEFAULT_FP_FUSION="1",
+    PYTHONPATH=str(ROOT / "lib") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+)
+done = subprocess.run(
+    [
+        sys.executable,
+        "-m",
+        "ultrascale.kernels.compile_check",
+        "--arch",
+        "90",
+        "--only",
+        "elu fp32",
+        "--show-ptx",
+        "elu",
+    ],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+)
 if done.returncode != 0:
     print("could not compile for an H100 here (this Triton has no NVIDIA backend?):\n", done.stderr[-2000:])
 else:
     ptx = done.stdout
-    instructions = [line.strip() for line in ptx.splitlines()
-                    if line.strip() and not line.strip().startswith(("//", "."))]  # no comments, no directives
+    instructions = [
+        line.strip() for line in ptx.splitlines() if line.strip() and not line.strip().startswith(("//", "."))
+    ]  # no comments, no directives
     loads = [i for i in instructions if "ld.global" in i]
     selects = [i for i in instructions if i.startswith("selp")]
     branches = [i for i in instructions if i.split()[0].startswith("bra")]
     threads_per_program = int(re.search(r"\.reqntid (\d+)", ptx).group(1))
     print(f"{threads_per_program} threads per program instance ({threads_per_program // 32} warps)")
-    print(f"{len(loads)} predicated loads per thread: each thread handles {1024 // threads_per_program} "
-          "of the block's 1024 elements (coarsening)")
+    print(
+        f"{len(loads)} predicated loads per thread: each thread handles {1024 // threads_per_program} "
+        "of the block's 1024 elements (coarsening)"
+    )
     print(f"{len(selects)} selects and {len(branches)} branches: the ELU's if/else is predicated, no divergence\n")
     for i in loads[:2] + [i for i in instructions if "ex2" in i][:1] + selects[:1]:
         print("   ", i)
@@ -672,14 +723,24 @@ for n_el, block in ((1, 128), (1000, 128), (4097, 1024)):
     check_kernel("vector_add", (n_el,), K.vector_add(x, y, block_size=block), x + y, dict(atol=0, rtol=0))
 for alpha in (1.0, 0.3):
     x = randn(3, 333, seed=6, scale=3)
-    check_kernel(f"elu alpha={alpha}", tuple(x.shape), K.elu(x, alpha, block_size=256),
-                 torch.nn.functional.elu(x, alpha), ELEMENTWISE_TOL)
+    check_kernel(
+        f"elu alpha={alpha}",
+        tuple(x.shape),
+        K.elu(x, alpha, block_size=256),
+        torch.nn.functional.elu(x, alpha),
+        ELEMENTWISE_TOL,
+    )
 
 # Softmax: one row per program instance; 1e4-sized logits overflow exp unless the max is subtracted.
 for shape, scale in (((37, 300), 4), ((2, 5, 17), 4), ((4, 1), 1), ((3, 50), 1e4)):
     x = randn(*shape, seed=7, scale=scale)
-    check_kernel("softmax" + (" (huge logits)" if scale > 100 else ""), shape, K.softmax(x),
-                 torch.softmax(x, dim=-1), ELEMENTWISE_TOL)
+    check_kernel(
+        "softmax" + (" (huge logits)" if scale > 100 else ""),
+        shape,
+        K.softmax(x),
+        torch.softmax(x, dim=-1),
+        ELEMENTWISE_TOL,
+    )
 
 # RMSNorm forward and backward against autograd through the PyTorch reference.
 x = randn(2, 19, 300, seed=8).requires_grad_()
@@ -696,19 +757,36 @@ check_kernel("rms_norm backward dw", (300,), dw, dw_ref, dict(atol=1e-4, rtol=1e
 
 # LayerNorm forward.
 x, w, b = randn(37, 300, seed=11, scale=2) + 1, randn(300, seed=12), randn(300, seed=13)
-check_kernel("layer_norm", (37, 300), K.layer_norm(x, w, b),
-             torch.nn.functional.layer_norm(x, (300,), w, b, eps=1e-5), ELEMENTWISE_TOL)
+check_kernel(
+    "layer_norm",
+    (37, 300),
+    K.layer_norm(x, w, b),
+    torch.nn.functional.layer_norm(x, (300,), w, b, eps=1e-5),
+    ELEMENTWISE_TOL,
+)
 
 # Tiled matmul: plain order (group_m=1), grouped order with a short last group, one oversized tile.
 a, b = randn(67, 53, seed=14), randn(53, 45, seed=15)
-for tiles in (dict(block_m=16, block_n=16, block_k=16, group_m=1),
-              dict(block_m=32, block_n=16, block_k=32, group_m=3),
-              dict(block_m=64, block_n=64, block_k=64, group_m=8)):
-    check_kernel(f"matmul tiles {tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']} group {tiles['group_m']}",
-                 (67, 53, 45), K.matmul(a, b, **tiles), a @ b, DOT_TOL)
+for tiles in (
+    dict(block_m=16, block_n=16, block_k=16, group_m=1),
+    dict(block_m=32, block_n=16, block_k=32, group_m=3),
+    dict(block_m=64, block_n=64, block_k=64, group_m=8),
+):
+    check_kernel(
+        f"matmul tiles {tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']} group {tiles['group_m']}",
+        (67, 53, 45),
+        K.matmul(a, b, **tiles),
+        a @ b,
+        DOT_TOL,
+    )
 a_t, b_t = randn(53, 67, seed=16).t(), randn(45, 53, seed=17).t()  # transposed views: strides (1, rows)
-check_kernel("matmul, transposed (strided) inputs", (67, 53, 45),
-             K.matmul(a_t, b_t, block_m=32, block_n=32, block_k=16), a_t @ b_t, DOT_TOL)
+check_kernel(
+    "matmul, transposed (strided) inputs",
+    (67, 53, 45),
+    K.matmul(a_t, b_t, block_m=32, block_n=32, block_k=16),
+    a_t @ b_t,
+    DOT_TOL,
+)
 
 print(f"{len(results)} checks passed so far")
 
@@ -723,8 +801,10 @@ print(f"{len(results)} checks passed so far")
 
 # %%
 num_m, num_n, group, in_flight = 7, 6, 3, 6
-orders = {"row-major (GROUP_M = 1)": K.kernel_tile_order(num_m, num_n, 1),
-          f"grouped (GROUP_M = {group})": K.kernel_tile_order(num_m, num_n, group)}
+orders = {
+    "row-major (GROUP_M = 1)": K.kernel_tile_order(num_m, num_n, 1),
+    f"grouped (GROUP_M = {group})": K.kernel_tile_order(num_m, num_n, group),
+}
 for gm, order in zip((1, group), orders.values()):
     assert order == K.grouped_tile_order(num_m, num_n, gm)  # kernel == Python mirror
     assert sorted(order) == [(i, j) for i in range(num_m) for j in range(num_n)]  # every tile once
@@ -736,8 +816,16 @@ for ax, (title, order) in zip(axes, orders.items()):
         launch[i, j] = pid
     ax.imshow(launch, cmap="YlGnBu")
     for (i, j), pid in np.ndenumerate(launch):
-        ax.text(j, i, pid, ha="center", va="center", fontsize=9, color="black" if pid < launch.size / 2 else "white",
-                fontweight="bold" if pid < in_flight else None)
+        ax.text(
+            j,
+            i,
+            pid,
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="black" if pid < launch.size / 2 else "white",
+            fontweight="bold" if pid < in_flight else None,
+        )
         if pid < in_flight:
             ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2.5, ec="red"))
     touched = K.blocks_touched(order, in_flight)
@@ -765,8 +853,9 @@ for causal in (False, True):
         q, k, v = (randn(1, 2, 70, head_dim, seed=s) for s in (20, 21, 22))
         out, lse = K.flash_attention_forward(q, k, v, causal)
         out_ref, lse_ref = K.attention_reference(q, k, v, causal)
-        check_kernel(f"flash fwd {'causal' if causal else 'full'} d={head_dim}", (1, 2, 70, head_dim), out, out_ref,
-                     DOT_TOL)
+        check_kernel(
+            f"flash fwd {'causal' if causal else 'full'} d={head_dim}", (1, 2, 70, head_dim), out, out_ref, DOT_TOL
+        )
         check_kernel(f"flash fwd logsumexp {'causal' if causal else 'full'}", (1, 2, 70), lse, lse_ref, DOT_TOL)
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
         check_kernel(f"flash fwd vs SDPA {'causal' if causal else 'full'}", (1, 2, 70, head_dim), out, sdpa, DOT_TOL)
@@ -820,8 +909,10 @@ for start, stop in ((0, 4), (4, 8), (8, 10)):
     l = l * rescale + p.sum()
     acc = acc * rescale + p @ values[start:stop]
     m = m_new
-    print(f"keys {start}-{stop - 1}: max m = {m.item():.2f}, old sums scaled by {rescale.item():.4f}, "
-          f"l = {l.item():.4f}, acc / l = {(acc / l).item():.4f}")
+    print(
+        f"keys {start}-{stop - 1}: max m = {m.item():.2f}, old sums scaled by {rescale.item():.4f}, "
+        f"l = {l.item():.4f}, acc / l = {(acc / l).item():.4f}"
+    )
 
 exact = torch.softmax(scores, dim=0) @ values
 print(f"softmax over all ten at once: {exact.item():.4f}")
@@ -852,6 +943,7 @@ for causal in (False, True):
 # operator dispatcher) and reports the most bytes alive at once, and a second hook below reports
 # the single largest tensor. This is a measurement, on CPU, of the tensors the code builds.
 
+
 # %%
 class LargestTensor(TorchDispatchMode):
     """Remembers the largest number of elements of any tensor an operator returns."""
@@ -871,19 +963,25 @@ class LargestTensor(TorchDispatchMode):
 seq_lens = (128, 256, 512, 1024) if QUICK else (128, 256, 512, 1024, 2048, 4096)
 head_dim, block = 32, 64
 report = K.attention_memory_report(seq_lens, head_dim=head_dim, block=block)
-print(f"{'seq':>6} {'naive peak':>12} {'tiled peak':>12} {'one s x s fp32':>15} "
-      f"{'largest tensor: naive':>22} {'tiled':>7}")
+print(
+    f"{'seq':>6} {'naive peak':>12} {'tiled peak':>12} {'one s x s fp32':>15} "
+    f"{'largest tensor: naive':>22} {'tiled':>7}"
+)
 for row in report:
     s = row["seq"]
     q, k, v = (torch.randn(1, s, head_dim) for _ in range(3))
     largest = {}
-    for name, fn in (("naive", lambda: K.naive_attention(q, k, v)),
-                     ("tiled", lambda: K.tiled_attention_reference(q, k, v, False, None, block, block))):
+    for name, fn in (
+        ("naive", lambda: K.naive_attention(q, k, v)),
+        ("tiled", lambda: K.tiled_attention_reference(q, k, v, False, None, block, block)),
+    ):
         with torch.no_grad(), LargestTensor() as probe:
             fn()
         largest[name] = probe.largest
-    print(f"{s:>6} {row['naive_bytes'] / 2**20:>10.2f} MiB {row['tiled_bytes'] / 2**20:>8.2f} MiB "
-          f"{row['score_matrix_bytes'] / 2**20:>11.2f} MiB {largest['naive']:>22,} {largest['tiled']:>7,}")
+    print(
+        f"{s:>6} {row['naive_bytes'] / 2**20:>10.2f} MiB {row['tiled_bytes'] / 2**20:>8.2f} MiB "
+        f"{row['score_matrix_bytes'] / 2**20:>11.2f} MiB {largest['naive']:>22,} {largest['tiled']:>7,}"
+    )
     assert largest["naive"] >= s * s  # plain attention builds the whole score matrix...
     assert largest["tiled"] <= max(s * head_dim, block * block)  # ...the tiled loop never does
     assert row["naive_bytes"] >= row["score_matrix_bytes"]
@@ -913,6 +1011,7 @@ fig
 # saves the `s x s` probabilities; the FlashAttention autograd function saves only Q, K, V, the
 # output and one log-sum-exp per row, and rebuilds P block by block in the backward kernels.
 
+
 # %%
 def saved_for_backward_bytes(fn, *inputs):
     """Bytes autograd saves for the backward pass while running fn (each storage counted once)."""
@@ -931,8 +1030,10 @@ s_bwd = 256
 q, k, v = (randn(1, 1, s_bwd, 32, seed=s).requires_grad_() for s in (33, 34, 35))
 saved_naive = saved_for_backward_bytes(lambda *t: K.attention_reference(*t, True)[0], q, k, v)
 saved_flash = saved_for_backward_bytes(lambda *t: K.flash_attention(*t, True), q, k, v)
-print(f"s = {s_bwd}, d = 32: autograd saves {saved_naive / 2**10:.0f} KiB for plain attention, "
-      f"{saved_flash / 2**10:.0f} KiB for FlashAttention (one s x s fp32 matrix: {s_bwd**2 * 4 / 2**10:.0f} KiB)")
+print(
+    f"s = {s_bwd}, d = 32: autograd saves {saved_naive / 2**10:.0f} KiB for plain attention, "
+    f"{saved_flash / 2**10:.0f} KiB for FlashAttention (one s x s fp32 matrix: {s_bwd**2 * 4 / 2**10:.0f} KiB)"
+)
 assert saved_naive >= s_bwd * s_bwd * 4 > saved_flash
 assert saved_flash == 4 * s_bwd * 32 * 4 + s_bwd * 4  # q, k, v, out and the log-sum-exp
 
@@ -954,8 +1055,10 @@ print(f"{'':>7} {'d = 128':^34} {'d = 64':^15}")
 print(f"{'seq':>7} {'naive':>11} {'flash':>11} {'naive/flash':>11} {'naive/flash':>15}")
 for i, s in enumerate(hbm_seqs):
     t128, t64 = hbm[128][i], hbm[64][i]
-    print(f"{s:>7,} {t128['naive'] / 2**20:>7.0f} MiB {t128['flash'] / 2**20:>7.0f} MiB "
-          f"{t128['naive'] / t128['flash']:>10.2f}x {t64['naive'] / t64['flash']:>14.2f}x")
+    print(
+        f"{s:>7,} {t128['naive'] / 2**20:>7.0f} MiB {t128['flash'] / 2**20:>7.0f} MiB "
+        f"{t128['naive'] / t128['flash']:>10.2f}x {t64['naive'] / t64['flash']:>14.2f}x"
+    )
 # By hand for s = 1024, d = 128, blocks of 128, bf16: (4*1024*128 + 4*1024^2) * 2 and 2*1024*128 * (1 + 8) * 2.
 assert hbm[128][0] == dict(naive=(4 * 1024 * 128 + 4 * 1024**2) * 2, flash=2 * 1024 * 128 * 9 * 2)
 for d, rows in hbm.items():
@@ -1000,6 +1103,7 @@ fig
 # HBM traffic). Below the ridge point the ceiling is bandwidth x intensity; above it, the peak
 # FLOP/s.
 
+
 # %%
 def load_bench_module():
     spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "bench_kernels.py")
@@ -1033,15 +1137,20 @@ def show_kernel_results(record, label):
     print(label)
     print(f"measured device-to-device copy: {record['copy_gb_per_s']:.0f} GB/s\n")
     bench.print_rows(record["rows"])
-    sheet = datasheet(record["device"])   # the roofline's ceilings: dense bf16 FLOP/s and HBM bytes/s
+    sheet = datasheet(record["device"])  # the roofline's ceilings: dense bf16 FLOP/s and HBM bytes/s
     fig, ax = plt.subplots(figsize=(8, 5))
     intensities = np.logspace(-2, 4, 200)
     copy_bw = record["copy_gb_per_s"] * 1e9
     ax.loglog(intensities, intensities * copy_bw, "k:", label=f"measured copy bandwidth ({copy_bw / 1e12:.2f} TB/s)")
     if sheet:
         bw, flops_peak = sheet.memory_bandwidth, sheet.bf16_flops
-        ax.loglog(intensities, np.minimum(intensities * bw, flops_peak), "k-", lw=1,
-                  label=f"{sheet.label} datasheet: {bw / 1e12:.2f} TB/s, {flops_peak / 1e12:.0f} bf16 TFLOP/s")
+        ax.loglog(
+            intensities,
+            np.minimum(intensities * bw, flops_peak),
+            "k-",
+            lw=1,
+            label=f"{sheet.label} datasheet: {bw / 1e12:.2f} TB/s, {flops_peak / 1e12:.0f} bf16 TFLOP/s",
+        )
     for i, row in enumerate(record["rows"]):
         colour = f"C{i % 10}"
         xi, ours = roofline_point(row, row["ours"])
@@ -1068,12 +1177,14 @@ else:
     shown = [(records.label(record, path), record) for path, record in recorded]
     figure = None
     if not recorded:
-        print("No GPU here, and no GPU run has been recorded yet (no results/kernels_*.json).\n"
-              "To record one, on a machine with a CUDA GPU run:\n"
-              "    python benchmarks/bench_kernels.py\n"
-              "It checks every kernel against PyTorch, times both with triton.testing.do_bench, and writes\n"
-              "results/kernels_<device>.json with the device, torch/triton versions, commit and date.\n"
-              "This notebook then shows it here, labelled as recorded.")
+        print(
+            "No GPU here, and no GPU run has been recorded yet (no results/kernels_*.json).\n"
+            "To record one, on a machine with a CUDA GPU run:\n"
+            "    python benchmarks/bench_kernels.py\n"
+            "It checks every kernel against PyTorch, times both with triton.testing.do_bench, and writes\n"
+            "results/kernels_<device>.json with the device, torch/triton versions, commit and date.\n"
+            "This notebook then shows it here, labelled as recorded."
+        )
     for label, record in shown:
         figure = show_kernel_results(record, label)
 figure
@@ -1081,6 +1192,7 @@ figure
 # %% [markdown]
 # What those numbers say against the targets the course set itself, read from the run above
 # (measured now on a GPU, else each recorded file, with its provenance):
+
 
 # %%
 def percent_range(values):
@@ -1099,20 +1211,26 @@ def kernel_findings(record):
     print(f"  copy bandwidth {record['copy_gb_per_s'] / 1e3:.1f} TB/s (read plus write)")
     by_columns = {}
     for row in rows:
-        if row["metric"] == "GB/s" and isinstance(row["size"], list):   # softmax, RMSNorm, LayerNorm
+        if row["metric"] == "GB/s" and isinstance(row["size"], list):  # softmax, RMSNorm, LayerNorm
             by_columns.setdefault(row["size"][-1], []).append(row)
     for columns, group in sorted(by_columns.items()):
-        print(f"  {', '.join(r['kernel'].split()[0] for r in group)} with {columns} columns: "
-              f"{percent_range([r['fraction_of_copy'] for r in group])} of a copy, "
-              f"{times_range([r['speedup_vs_baseline'] for r in group])} PyTorch's eager kernels, "
-              f"{max(r['ours_ms'] for r in group) * 1e3:.0f} us at most per call")
+        print(
+            f"  {', '.join(r['kernel'].split()[0] for r in group)} with {columns} columns: "
+            f"{percent_range([r['fraction_of_copy'] for r in group])} of a copy, "
+            f"{times_range([r['speedup_vs_baseline'] for r in group])} PyTorch's eager kernels, "
+            f"{max(r['ours_ms'] for r in group) * 1e3:.0f} us at most per call"
+        )
     for row in rows:
-        if row["metric"] == "GB/s" and not isinstance(row["size"], list):   # vector add, ELU
-            print(f"  {row['kernel']}: {row['fraction_of_copy']:.0%} of a copy, "
-                  f"{row['speedup_vs_baseline']:.2f}x {row['baseline']}")
+        if row["metric"] == "GB/s" and not isinstance(row["size"], list):  # vector add, ELU
+            print(
+                f"  {row['kernel']}: {row['fraction_of_copy']:.0%} of a copy, "
+                f"{row['speedup_vs_baseline']:.2f}x {row['baseline']}"
+            )
         elif row["metric"] == "TFLOP/s":
-            print(f"  {row['kernel']} {'x'.join(map(str, row['size']))}: {row['ours']:.0f} TFLOP/s, "
-                  f"{row['speedup_vs_baseline']:.0%} of {row['baseline']}'s speed")
+            print(
+                f"  {row['kernel']} {'x'.join(map(str, row['size']))}: {row['ours']:.0f} TFLOP/s, "
+                f"{row['speedup_vs_baseline']:.0%} of {row['baseline']}'s speed"
+            )
 
 
 for label, record in shown:

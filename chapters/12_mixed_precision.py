@@ -54,17 +54,38 @@ from ultrascale.checks import all_of, nonempty
 from ultrascale.data import Batch
 from ultrascale.memory import GB, model_state_bytes
 from ultrascale.model import GPT, GPTConfig, lm_loss
-from ultrascale.precision import (BOOK_TABLE, DTYPES, E4M3, FP8_RECIPES, RECIPES, DynamicLossScaler, FP8Linear,
-                                  FP8Recipe, Quantised, ScaledOptimizer, apply_fp8, decode, distinct_inside, fp8_gemm,
-                                  layout, layouts, memory_row, quantize, quantize_tiles, relative_error, round_to,
-                                  state_bytes, train_losses)
+from ultrascale.precision import (
+    BOOK_TABLE,
+    DTYPES,
+    E4M3,
+    FP8_RECIPES,
+    RECIPES,
+    DynamicLossScaler,
+    FP8Linear,
+    FP8Recipe,
+    Quantised,
+    ScaledOptimizer,
+    apply_fp8,
+    decode,
+    distinct_inside,
+    fp8_gemm,
+    layout,
+    layouts,
+    memory_row,
+    quantize,
+    quantize_tiles,
+    relative_error,
+    round_to,
+    state_bytes,
+    train_losses,
+)
 from ultrascale.precision.gemm_speed import fp8_gpu_refusal, gpu_milliseconds, measure_fp8_gemm, print_fp8_rows
 from ultrascale.train import gradients, make_optimizer, weights
 from ultrascale.viz.live import ProgressBar
 
 torch.manual_seed(SEED)
-torch.set_num_threads(1)   # tiny matrices: a second thread costs more than it brings
-plt.switch_backend(plt.get_backend())   # figures drawn as images from the first one on
+torch.set_num_threads(1)  # tiny matrices: a second thread costs more than it brings
+plt.switch_backend(plt.get_backend())  # figures drawn as images from the first one on
 SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8 (e4m3)": "e4m3", "float8 (e5m2)": "e5m2"}
 DTYPE_OF = {SHORT[name]: dtype for name, dtype in DTYPES.items()}
 COLOURS = {"fp32": "#555555", "fp16": "#4c72b0", "bf16": "#dd8452", "e4m3": "#55a868", "e5m2": "#c44e52"}
@@ -89,14 +110,18 @@ COLOURS = {"fp32": "#555555", "fp16": "#4c72b0", "bf16": "#dd8452", "e4m3": "#55
 # from `torch.finfo` (total bits, and $\epsilon = 2^{-M}$), and we compare.
 
 # %%
-print(f"{'format':>14} {'bits':>4} {'sign':>4} {'exp':>4} {'mant':>4} {'epsilon':>14} {'smallest normal':>16} "
-      f"{'largest':>12}")
+print(
+    f"{'format':>14} {'bits':>4} {'sign':>4} {'exp':>4} {'mant':>4} {'epsilon':>14} {'smallest normal':>16} "
+    f"{'largest':>12}"
+)
 for lay in layouts():
     info = torch.finfo(lay.dtype)
-    print(f"{lay.name:>14} {lay.bits:>4} {lay.sign:>4} {lay.exponent:>4} {lay.mantissa:>4} {info.eps:>14.8g} "
-          f"{info.smallest_normal:>16.6g} {info.max:>12.6g}")
+    print(
+        f"{lay.name:>14} {lay.bits:>4} {lay.sign:>4} {lay.exponent:>4} {lay.mantissa:>4} {info.eps:>14.8g} "
+        f"{info.smallest_normal:>16.6g} {info.max:>12.6g}"
+    )
     assert (lay.bits, lay.sign, lay.exponent, lay.mantissa) == BOOK_TABLE[lay.name], lay.name
-    assert info.eps == 2.0 ** -lay.mantissa
+    assert info.eps == 2.0**-lay.mantissa
 
 EPS = {SHORT[lay.name]: lay.eps for lay in layouts()}
 assert EPS["fp32"] == 1.1920928955078125e-07 and EPS["fp16"] == 9.765625e-04 and EPS["bf16"] == 7.8125e-03
@@ -115,10 +140,10 @@ assert EPS["fp32"] == 1.1920928955078125e-07 and EPS["fp16"] == 9.765625e-04 and
 # mantissa to 7 bits and keeping its 8 exponent bits.)
 
 # %%
-assert EPS["bf16"] / EPS["fp16"] == 8                  # not 10
-assert f"{EPS['fp32']:.2e}" == "1.19e-07" and 1.19 ** -7 > 0.29
+assert EPS["bf16"] / EPS["fp16"] == 8  # not 10
+assert f"{EPS['fp32']:.2e}" == "1.19e-07" and 1.19**-7 > 0.29
 print(f"bf16 epsilon / fp16 epsilon = {EPS['bf16'] / EPS['fp16']:g}   (2^-7 / 2^-10)")
-print(f"fp32 epsilon = {EPS['fp32']:.2e} = 1.19 x 10^-7, while 1.19^-7 = {1.19 ** -7:.2f}")
+print(f"fp32 epsilon = {EPS['fp32']:.2e} = 1.19 x 10^-7, while 1.19^-7 = {1.19**-7:.2f}")
 
 # %% [markdown]
 # ### The bits of one number
@@ -137,8 +162,8 @@ for name, dtype in DTYPES.items():
     print(f"{SHORT[name]:>5}: {fields.bit_string():<36} {fields.kind:>7}  {fields.value:.10g}")
 
 assert stored["fp32"].value == -57340000.0 and stored["bf16"].value == -57409536.0
-assert stored["fp16"].kind == "inf" and stored["e5m2"].kind == "inf"   # past 65,504 and 57,344
-assert stored["e4m3"].value == -448.0   # e4m3 has no infinity: the course's cast saturates at its largest value
+assert stored["fp16"].kind == "inf" and stored["e5m2"].kind == "inf"  # past 65,504 and 57,344
+assert stored["e4m3"].value == -448.0  # e4m3 has no infinity: the course's cast saturates at its largest value
 
 
 # %%
@@ -158,8 +183,13 @@ def draw_bits(fields_by_name):
         ax.text(33, y + 0.4, f"{f.value:.7g}", va="center", fontsize=9)
     for kind, colour in field_colour.items():
         ax.plot([], [], "s", color=colour, label=kind)
-    ax.set(xlim=(-5, 42), ylim=(-len(fields_by_name) + 0.6, 1.2), xticks=[], yticks=[],
-           title=f"{X:.4g} stored in each format (right: the value its bits mean)")
+    ax.set(
+        xlim=(-5, 42),
+        ylim=(-len(fields_by_name) + 0.6, 1.2),
+        xticks=[],
+        yticks=[],
+        title=f"{X:.4g} stored in each format (right: the value its bits mean)",
+    )
     ax.legend(loc="upper right", ncol=3, fontsize=8, frameon=False)
     for side in ax.spines.values():
         side.set_visible(False)
@@ -190,7 +220,7 @@ draw_bits(stored)
 # %% tags=["nbval-ignore-output"]
 beyond = torch.tensor([X, -1000.0, 460.0, 1000.0])
 raw = beyond.to(torch.float8_e4m3fn).float()
-assert raw[2] == 448                                  # within half a step: rounds to 448 on every version
+assert raw[2] == 448  # within half a step: rounds to 448 on every version
 assert raw[[0, 1, 3]].isnan().all() or raw[[0, 1, 3]].abs().eq(448).all()
 verdict = "NaN" if raw[0].isnan() else "saturates at +/-448"
 print(f"torch {torch.__version__}: float32 {beyond.tolist()} -> e4m3 {raw.tolist()}  ({verdict})")
@@ -206,15 +236,19 @@ print(f"the course's cast: {clamped}  (always)")
 # with full resolution, start at $2^{1-b}$.
 
 # %%
-print(f"{'format':>5} {'smallest subnormal':>19} {'smallest normal':>16} {'largest':>12} {'decades (normal)':>17} "
-      f"{'(with subnormals)':>18}")
+print(
+    f"{'format':>5} {'smallest subnormal':>19} {'smallest normal':>16} {'largest':>12} {'decades (normal)':>17} "
+    f"{'(with subnormals)':>18}"
+)
 for lay in layouts():
-    print(f"{SHORT[lay.name]:>5} {lay.smallest_subnormal:>19.3g} {lay.smallest_normal:>16.3g} {lay.max:>12.5g} "
-          f"{lay.decades():>17.1f} {lay.decades(subnormals=True):>18.1f}")
+    print(
+        f"{SHORT[lay.name]:>5} {lay.smallest_subnormal:>19.3g} {lay.smallest_normal:>16.3g} {lay.max:>12.5g} "
+        f"{lay.decades():>17.1f} {lay.decades(subnormals=True):>18.1f}"
+    )
 f32, f16, bf16, e4m3, e5m2 = layouts()
-assert bf16.smallest_normal == f32.smallest_normal and abs(bf16.max / f32.max - 1) < 0.01   # bf16: fp32's range
-assert e5m2.smallest_normal == f16.smallest_normal and e5m2.max < f16.max                   # e5m2: fp16's range
-assert e4m3.decades() < e5m2.decades() / 2                                                   # e4m3: far less
+assert bf16.smallest_normal == f32.smallest_normal and abs(bf16.max / f32.max - 1) < 0.01  # bf16: fp32's range
+assert e5m2.smallest_normal == f16.smallest_normal and e5m2.max < f16.max  # e5m2: fp16's range
+assert e4m3.decades() < e5m2.decades() / 2  # e4m3: far less
 assert 76 < f32.decades() < 77 < 83 < f32.decades(subnormals=True) < 84
 
 # %%
@@ -226,8 +260,13 @@ for row, lay in enumerate(layouts()):
     ax.barh(row, high - normal, left=normal, color=COLOURS[name], alpha=0.9)
     ax.barh(row, normal - low, left=low, color=COLOURS[name], alpha=0.3)
     ax.text(high + 1, row, f"{lay.decades():.1f} decades", va="center", fontsize=8)
-ax.set(yticks=range(5), yticklabels=[SHORT[lay.name] for lay in layouts()], xlim=(-47, 50),
-       xlabel="log10 of the magnitude (pale: subnormals)", title="the range of each format")
+ax.set(
+    yticks=range(5),
+    yticklabels=[SHORT[lay.name] for lay in layouts()],
+    xlim=(-47, 50),
+    xlabel="log10 of the magnitude (pale: subnormals)",
+    title="the range of each format",
+)
 ax.invert_yaxis()
 fig
 
@@ -252,8 +291,8 @@ for name, values in inside.items():
 assert len(inside["e4m3"]) == 7 and len(inside["e5m2"]) == 3
 assert inside["e4m3"].tolist() == [1.125, 1.25, 1.375, 1.5, 1.625, 1.75, 1.875]
 assert inside["e5m2"].tolist() == [1.25, 1.5, 1.75]
-for lay in layouts()[1:]:   # 2^M - 1, as long as the points are finer than the format
-    assert len(inside[SHORT[lay.name]]) == 2 ** lay.mantissa - 1
+for lay in layouts()[1:]:  # 2^M - 1, as long as the points are finer than the format
+    assert len(inside[SHORT[lay.name]]) == 2**lay.mantissa - 1
 assert len(inside["fp32"]) == 10_000 - 2
 
 # %%
@@ -261,8 +300,12 @@ points = torch.linspace(1, 2, 10_000)
 fig = Figure(figsize=(10, 3.4), layout="constrained")
 ax = fig.subplots()
 for name in ("bf16", "e4m3", "e5m2"):
-    ax.plot(points, round_to(points, DTYPE_OF[name]), color=COLOURS[name],
-            label=f"{name}: {len(inside[name])} values inside")
+    ax.plot(
+        points,
+        round_to(points, DTYPE_OF[name]),
+        color=COLOURS[name],
+        label=f"{name}: {len(inside[name])} values inside",
+    )
 ax.plot(points, points, color=COLOURS["fp32"], lw=0.8, ls=":", label="fp32: every point (9,998)")
 ax.set(xlabel="10,000 points in [1, 2]", ylabel="rounded value", title="resolution between 1 and 2")
 ax.legend(fontsize=8)
@@ -283,11 +326,13 @@ one_bf16, one_fp16 = torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(1.0, 
 assert one_bf16 + 1e-3 == one_bf16 and one_fp16 + 1e-4 == one_fp16 and one_fp16 + 1e-3 != one_fp16
 
 weight_bf16, master = one_bf16.clone(), torch.tensor(1.0)
-for _ in range(1000):   # 1,000 updates of +0.001
+for _ in range(1000):  # 1,000 updates of +0.001
     weight_bf16 += 1e-3
     master += 1e-3
-print(f"1,000 updates of 0.001 to a weight of 1: bf16 weight {weight_bf16.item():g}, "
-      f"fp32 master {master.item():.4f}, its bf16 copy {master.bfloat16().item():g}")
+print(
+    f"1,000 updates of 0.001 to a weight of 1: bf16 weight {weight_bf16.item():g}, "
+    f"fp32 master {master.item():.4f}, its bf16 copy {master.bfloat16().item():g}"
+)
 assert weight_bf16 == 1.0 and abs(master.item() - 2.0) < 1e-3 and master.bfloat16() == 2.0
 # Tiny weights do not survive the cast either: below half of fp16's smallest subnormal they become 0.
 assert torch.tensor(1e-8).half() == 0 and torch.tensor(1e-8).bfloat16() != 0
@@ -328,8 +373,8 @@ ratios, lost, total = [], 0, 0
 for p in model.parameters():
     update = -0.1 * p.grad
     w16 = p.detach().bfloat16()
-    moved = (p.detach() + update) != p.detach()          # the update is visible in fp32
-    kept = (w16 + update.bfloat16()) != w16              # and in bf16?
+    moved = (p.detach() + update) != p.detach()  # the update is visible in fp32
+    kept = (w16 + update.bfloat16()) != w16  # and in bf16?
     lost += (moved & ~kept).sum().item()
     total += moved.sum().item()
     nonzero = (p.detach() != 0) & moved
@@ -340,11 +385,19 @@ assert 0.1 < lost_fraction < 0.9, lost_fraction
 fig = Figure(figsize=(8, 3), layout="constrained")
 ax = fig.subplots()
 ax.hist(torch.cat(ratios).log10().numpy(), bins=80, color=COLOURS["bf16"])
-ax.axvspan(math.log10(2.0 ** -9), math.log10(2.0 ** -8), color="k", alpha=0.15)   # half a step: 2^-9..2^-8 of it
-ax.text(math.log10(2.0 ** -9) - 0.1, ax.get_ylim()[1] * 0.85, "half a bf16 step\n(2^-9 to 2^-8 relative)",
-        ha="right", fontsize=8)
-ax.set(xlabel="log10 |update / weight|, one SGD step of the course GPT", ylabel="parameters",
-       title=f"{lost_fraction:.0%} of the updates are lost on bf16 weights")
+ax.axvspan(math.log10(2.0**-9), math.log10(2.0**-8), color="k", alpha=0.15)  # half a step: 2^-9..2^-8 of it
+ax.text(
+    math.log10(2.0**-9) - 0.1,
+    ax.get_ylim()[1] * 0.85,
+    "half a bf16 step\n(2^-9 to 2^-8 relative)",
+    ha="right",
+    fontsize=8,
+)
+ax.set(
+    xlabel="log10 |update / weight|, one SGD step of the course GPT",
+    ylabel="parameters",
+    title=f"{lost_fraction:.0%} of the updates are lost on bf16 weights",
+)
 fig
 
 # %% [markdown]
@@ -372,9 +425,9 @@ fig
 
 # %%
 model = fresh_model()
-train_losses(model, sequences, 20, "adam", lr=3e-3)   # a little training: peaked predictions
+train_losses(model, sequences, 20, "adam", lr=3e-3)  # a little training: peaked predictions
 batch = sequences(1000)
-LARGE_BATCH = 2.0 ** -12   # the loss of a batch 4,096 times larger, per token
+LARGE_BATCH = 2.0**-12  # the loss of a batch 4,096 times larger, per token
 
 
 def fp16_gradients(scale):
@@ -385,7 +438,7 @@ def fp16_gradients(scale):
     with torch.autocast("cpu", dtype=torch.float16):
         logits = model(batch.inputs)
 
-    def count_zeros(grad):   # the gradient arriving at the fp16 logits
+    def count_zeros(grad):  # the gradient arriving at the fp16 logits
         seen["zero"] = (grad == 0).float().mean().item()
 
     logits.register_hook(count_zeros)
@@ -402,7 +455,7 @@ model.zero_grad(set_to_none=True)
 SHOWN = ["embed.weight", "blocks.0.attn.q.weight", "blocks.1.mlp.fc.weight"]
 errors, zeros = {}, {}
 for log2_scale in (0, 4, 8, 12, 16):
-    grads, zeros[log2_scale] = fp16_gradients(2.0 ** log2_scale)
+    grads, zeros[log2_scale] = fp16_gradients(2.0**log2_scale)
     errors[log2_scale] = {name: relative_error(grads[name], reference[name]) for name in SHOWN}
 
 assert zeros[0] > 0.9, "without scaling, almost all logit gradients flush to zero in fp16"
@@ -440,13 +493,15 @@ fig
 # %%
 scaled_runs = {}
 for name in ProgressBar("fp16 training: our scaler, then GradScaler").iterate(["ours", "GradScaler"]):
-    scaler = (DynamicLossScaler(2.0 ** 24, growth_interval=5) if name == "ours"
-              else torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=5))
+    scaler = (
+        DynamicLossScaler(2.0**24, growth_interval=5)
+        if name == "ours"
+        else torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=5)
+    )
     model = fresh_model()
     optimizer = ScaledOptimizer(make_optimizer(model.parameters(), "adam", lr=3e-3), scaler)
     losses = train_losses(model, sequences, STEPS, optimizer, autocast=torch.float16)
-    scaled_runs[name] = dict(weights=weights(model), losses=losses, scales=optimizer.scales,
-                             skipped=optimizer.skipped)
+    scaled_runs[name] = dict(weights=weights(model), losses=losses, scales=optimizer.scales, skipped=optimizer.skipped)
 
 ours, theirs = scaled_runs["ours"], scaled_runs["GradScaler"]
 assert ours["scales"] == theirs["scales"] and ours["skipped"] == theirs["skipped"]
@@ -454,8 +509,7 @@ assert ours["losses"] == theirs["losses"]
 assert all(torch.equal(ours["weights"][n], theirs["weights"][n]) for n in ours["weights"])
 assert ours["skipped"][0], "2^24 overflows at the start"
 assert ours["losses"][-1] < ours["losses"][0] - 0.5, "and training still learns"
-print("our DynamicLossScaler and torch.amp.GradScaler: the same scales, the same skipped steps, "
-      "bit-identical weights")
+print("our DynamicLossScaler and torch.amp.GradScaler: the same scales, the same skipped steps, bit-identical weights")
 
 # %%
 fig = Figure(figsize=(10, 3), layout="constrained")
@@ -481,14 +535,16 @@ fig
 
 # %%
 values = np.full(100_000, 0.01, dtype=np.float16)
-running16 = np.cumsum(values, dtype=np.float16)          # a float16 accumulator
-running32 = np.cumsum(values, dtype=np.float32)          # a float32 accumulator
-exact = 100_000 * float(values[0])                       # 0.01 in fp16 is 0.01000213623046875
-print(f"sum of 100,000 x 0.01: exact {exact:.4f}; fp16 accumulator {running16[-1]}; fp32 accumulator "
-      f"{running32[-1]:.1f}, cast to fp16 at the end {np.float16(running32[-1])}")
+running16 = np.cumsum(values, dtype=np.float16)  # a float16 accumulator
+running32 = np.cumsum(values, dtype=np.float32)  # a float32 accumulator
+exact = 100_000 * float(values[0])  # 0.01 in fp16 is 0.01000213623046875
+print(
+    f"sum of 100,000 x 0.01: exact {exact:.4f}; fp16 accumulator {running16[-1]}; fp32 accumulator "
+    f"{running32[-1]:.1f}, cast to fp16 at the end {np.float16(running32[-1])}"
+)
 assert running16[-1] == 32.0
-assert 2.0 ** (4 - 10) / 2 < 0.01 < 2.0 ** (5 - 10) / 2    # the stall is at 32: half-step 1/64 > 0.01 > 1/128
-assert abs(running32[-1] / exact - 1) < 1e-3                # fp32 rounds too, 10,000 times less
+assert 2.0 ** (4 - 10) / 2 < 0.01 < 2.0 ** (5 - 10) / 2  # the stall is at 32: half-step 1/64 > 0.01 > 1/128
+assert abs(running32[-1] / exact - 1) < 1e-3  # fp32 rounds too, 10,000 times less
 # PyTorch's own reductions already accumulate fp16 in fp32: only hand-written loops and kernels must care.
 assert abs(torch.from_numpy(values).sum().item() - 1000.0) <= 0.5
 
@@ -515,6 +571,7 @@ fig
 # the course loop for both runs; a third run in fp32 with another initialisation gives a
 # yardstick: how far two equally good runs drift apart anyway.
 
+
 # %%
 def softmax_under_autocast(device_type):
     """The dtypes of attention-like scores (a matmul) and of their softmax under bf16 autocast."""
@@ -525,13 +582,13 @@ def softmax_under_autocast(device_type):
 
 
 cpu_scores, cpu_softmax = softmax_under_autocast("cpu")
-assert cpu_scores == cpu_softmax == torch.bfloat16   # CPU autocast keeps softmax in bf16
+assert cpu_scores == cpu_softmax == torch.bfloat16  # CPU autocast keeps softmax in bf16
 print(f"CPU bf16 autocast: scores {cpu_scores}, softmax {cpu_softmax}")
 
 # %% tags=["nbval-ignore-output"]
 if torch.cuda.is_available():
     cuda_scores, cuda_softmax = softmax_under_autocast("cuda")
-    assert cuda_scores == torch.bfloat16 and cuda_softmax == torch.float32   # CUDA autocast's fp32 list
+    assert cuda_scores == torch.bfloat16 and cuda_softmax == torch.float32  # CUDA autocast's fp32 list
     print(f"CUDA bf16 autocast: scores {cuda_scores}, softmax {cuda_softmax}")
 else:
     print("no GPU here: CUDA autocast would return the softmax in torch.float32")
@@ -550,8 +607,8 @@ def gap(a, b):
 
 
 first_step_gap = abs(curves["fp32"][0] - curves["bf16 autocast"][0])
-assert first_step_gap < 1e-2                                   # one forward: bf16 rounding only
-assert curves["fp32"][-1] < curves["fp32"][0] - 1              # it learns
+assert first_step_gap < 1e-2  # one forward: bf16 rounding only
+assert curves["fp32"][-1] < curves["fp32"][0] - 1  # it learns
 assert gap("fp32", "bf16 autocast") < 0.05
 assert gap("fp32", "bf16 autocast") < gap("fp32", "fp32, another seed")
 print("largest loss gap bf16 vs fp32 < 0.05; smaller than between two fp32 runs of different seeds")
@@ -559,14 +616,19 @@ print("largest loss gap bf16 vs fp32 < 0.05; smaller than between two fp32 runs 
 # %%
 fig = Figure(figsize=(10, 3.2), layout="constrained")
 left, right = fig.subplots(1, 2)
-for name, colour in zip(nonempty(curves, "loss curves (the cell above)"), (COLOURS["fp32"], COLOURS["bf16"], "#8172b3")):
+for name, colour in zip(
+    nonempty(curves, "loss curves (the cell above)"), (COLOURS["fp32"], COLOURS["bf16"], "#8172b3")
+):
     left.plot(curves[name], color=colour, label=name, ls=":" if "another" in name else "-")
 left.set(xlabel="step", ylabel="loss", title="the course GPT on arithmetic sequences")
 left.legend(fontsize=8)
-right.plot([b - a for a, b in zip(curves["fp32"], curves["bf16 autocast"])], color=COLOURS["bf16"],
-           label="bf16 - fp32")
-right.plot([b - a for a, b in zip(curves["fp32"], curves["fp32, another seed"])], color="#8172b3", ls=":",
-           label="fp32 other seed - fp32")
+right.plot([b - a for a, b in zip(curves["fp32"], curves["bf16 autocast"])], color=COLOURS["bf16"], label="bf16 - fp32")
+right.plot(
+    [b - a for a, b in zip(curves["fp32"], curves["fp32, another seed"])],
+    color="#8172b3",
+    ls=":",
+    label="fp32 other seed - fp32",
+)
 right.axhline(0, color="k", lw=0.5)
 right.set(xlabel="step", ylabel="loss difference", title="the gap")
 right.legend(fontsize=8)
@@ -599,26 +661,30 @@ fig
 
 # %%
 g = torch.Generator().manual_seed(SEED)
-activations = torch.randn(256, 512, generator=g, dtype=torch.float64).float()   # float64 draw: the same on any CPU
+activations = torch.randn(256, 512, generator=g, dtype=torch.float64).float()  # float64 draw: the same on any CPU
 OUTLIER = (7, 300)
 others = torch.ones_like(activations, dtype=torch.bool)
-others[OUTLIER[0], 256:384] = False   # the outlier's own 1 x 128 tile
+others[OUTLIER[0], 256:384] = False  # the outlier's own 1 x 128 tile
 sweep = {}
 for k in range(0, 7):
     x = activations.clone()
-    x[OUTLIER] = 10.0 ** k
+    x[OUTLIER] = 10.0**k
     per_tensor = quantize(x)[2]
     tiled = quantize(x, tile=(1, 128))[2]
-    sweep[k] = dict(per_tensor=relative_error(per_tensor[others], x[others]),
-                    tiled=relative_error(tiled[others], x[others]),
-                    zeros=(per_tensor[others] == 0).double().mean().item())
+    sweep[k] = dict(
+        per_tensor=relative_error(per_tensor[others], x[others]),
+        tiled=relative_error(tiled[others], x[others]),
+        zeros=(per_tensor[others] == 0).double().mean().item(),
+    )
 
 print(f"{'outlier':>8} {'per-tensor error':>17} {'1x128 tiles error':>18} {'zeros (per-tensor)':>19}")
 for k, row in sweep.items():
     print(f"{'1e' + str(k):>8} {row['per_tensor']:>17.1%} {row['tiled']:>18.1%} {row['zeros']:>19.0%}")
-assert all_of(sweep.values(), "outlier sizes", lambda row: 0.02 < row["tiled"] < 0.03)   # e4m3's ordinary rounding, whatever the outlier
-assert abs(sweep[1]["per_tensor"] - sweep[1]["tiled"]) < 0.005       # a small outlier costs nothing
-assert sweep[6]["per_tensor"] > 0.9 and sweep[6]["zeros"] > 0.9      # 10^6: nearly everything flushed to zero
+assert all_of(
+    sweep.values(), "outlier sizes", lambda row: 0.02 < row["tiled"] < 0.03
+)  # e4m3's ordinary rounding, whatever the outlier
+assert abs(sweep[1]["per_tensor"] - sweep[1]["tiled"]) < 0.005  # a small outlier costs nothing
+assert sweep[6]["per_tensor"] > 0.9 and sweep[6]["zeros"] > 0.9  # 10^6: nearly everything flushed to zero
 
 # %% [markdown]
 # Up to an outlier of about $10^4$ one scale is enough: the other values still land on e4m3's
@@ -634,18 +700,28 @@ _, activation_scales = quantize_tiles(x, (1, 128))
 weight = torch.randn(512, 512, generator=g, dtype=torch.float64).float() * 0.02
 _, weight_scales = quantize_tiles(weight, (128, 128))
 assert activation_scales.shape == (256, 4) and weight_scales.shape == (4, 4)
-assert (activation_scales > 1).sum() == 1 and math.isclose(activation_scales[OUTLIER[0], 2].item(), 1e6 / 448,
-                                                           rel_tol=1e-6)
+assert (activation_scales > 1).sum() == 1 and math.isclose(
+    activation_scales[OUTLIER[0], 2].item(), 1e6 / 448, rel_tol=1e-6
+)
 
 fig = Figure(figsize=(10, 3.6), layout="constrained")
 left, right = fig.subplots(1, 2, width_ratios=(1.6, 1))
-shown = dict(cmap="viridis", vmin=-14, vmax=12)   # one colour scale for both: log2 of the scale
+shown = dict(cmap="viridis", vmin=-14, vmax=12)  # one colour scale for both: log2 of the scale
 image = left.imshow(activation_scales[:48].log2().T.numpy(), aspect="auto", **shown)
-left.set(xlabel="token (the first 48)", ylabel="channel tile (128 each)", yticks=range(4),
-         title="activation: one scale per 1 x 128 tile")
+left.set(
+    xlabel="token (the first 48)",
+    ylabel="channel tile (128 each)",
+    yticks=range(4),
+    title="activation: one scale per 1 x 128 tile",
+)
 right.imshow(weight_scales.log2().numpy(), **shown)
-right.set(xlabel="in-feature block", ylabel="out-feature block", xticks=range(4), yticks=range(4),
-          title="weight: one per 128 x 128 block")
+right.set(
+    xlabel="in-feature block",
+    ylabel="out-feature block",
+    xticks=range(4),
+    yticks=range(4),
+    title="weight: one per 128 x 128 block",
+)
 fig.colorbar(image, ax=right, label="log2 scale")
 fig
 
@@ -707,8 +783,9 @@ for name in RECIPES:
 
 # the tensorwise Fprop is the FP8 GEMM torch._scaled_mm computes, up to the order of the float32 sums
 xq, wq = Quantised.of(inputs.reshape(-1, 256), None, E4M3), Quantised.of(linear.weight.detach(), None, E4M3)
-fp8_product = torch._scaled_mm(xq.q, wq.q.T, scale_a=xq.scale.reshape(()), scale_b=wq.scale.reshape(()),
-                               out_dtype=torch.float32)   # wq.q.T: column-major, as _scaled_mm wants it
+fp8_product = torch._scaled_mm(
+    xq.q, wq.q.T, scale_a=xq.scale.reshape(()), scale_b=wq.scale.reshape(()), out_dtype=torch.float32
+)  # wq.q.T: column-major, as _scaled_mm wants it
 torch.testing.assert_close(fp8_gemm(xq, wq.T), fp8_product, rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(fp8_gemm(xq, wq.T), xq.dequantize() @ wq.dequantize().T, rtol=1e-5, atol=1e-5)
 
@@ -727,9 +804,12 @@ torch.testing.assert_close(fp8_gemm(xq, wq.T), xq.dequantize() @ wq.dequantize()
 
 # %%
 TILES = FP8Recipe("tilewise (16)", tiles=True, block=16)
-fp8_runs = {"bf16 autocast": dict(autocast=torch.bfloat16), "FP8 tensorwise": dict(recipe="tensorwise"),
-            "FP8 tilewise": dict(recipe=TILES)}
-fp8_curves = {"bf16 autocast": curves["bf16 autocast"]}   # already trained in section 4
+fp8_runs = {
+    "bf16 autocast": dict(autocast=torch.bfloat16),
+    "FP8 tensorwise": dict(recipe="tensorwise"),
+    "FP8 tilewise": dict(recipe=TILES),
+}
+fp8_curves = {"bf16 autocast": curves["bf16 autocast"]}  # already trained in section 4
 for name in ProgressBar("FP8 runs").iterate(list(fp8_runs)[1:]):
     model = apply_fp8(fresh_model(), recipe=fp8_runs[name]["recipe"])
     assert sum(isinstance(m, FP8Linear) for m in model.modules()) == 6 * CFG.layers
@@ -753,8 +833,9 @@ for name in ProgressBar("high learning rate").iterate(["FP8 tensorwise", "bf16 a
     model = fresh_model()
     if name.startswith("FP8"):
         apply_fp8(model, recipe="tensorwise")
-    high[name] = train_losses(model, sequences, STEPS, "adam", lr=HIGH_LR,
-                              autocast=torch.bfloat16 if name.startswith("bf16") else None)
+    high[name] = train_losses(
+        model, sequences, STEPS, "adam", lr=HIGH_LR, autocast=torch.bfloat16 if name.startswith("bf16") else None
+    )
 
 start = high["FP8 tensorwise"][0]
 for name, losses in high.items():
@@ -795,17 +876,27 @@ fig
 
 # %%
 rows = [memory_row(recipe) for recipe in FP8_RECIPES]
-columns = {"GEMM": "GEMM", "master weights": "master", "accumulated grads": "grad acc", "model weights": "weights",
-           "gradients": "grads", "optimizer states": "Adam"}
-print(f"{'recipe':<42}" + "".join(f"{short:>10}" for short in columns.values()) + f"{'bytes per parameter':>21} "
-      f"{'saving':>7}")
+columns = {
+    "GEMM": "GEMM",
+    "master weights": "master",
+    "accumulated grads": "grad acc",
+    "model weights": "weights",
+    "gradients": "grads",
+    "optimizer states": "Adam",
+}
+print(
+    f"{'recipe':<42}" + "".join(f"{short:>10}" for short in columns.values()) + f"{'bytes per parameter':>21} "
+    f"{'saving':>7}"
+)
 for row in rows:
-    print(f"{row['recipe']:<42}" + "".join(f"{row[c]:>10}" for c in columns) + f"{row['sum']:>21} "
-          f"{row['reduction']:>7.0%}")
+    print(
+        f"{row['recipe']:<42}" + "".join(f"{row[c]:>10}" for c in columns) + f"{row['sum']:>21} "
+        f"{row['reduction']:>7.0%}"
+    )
 
 BOOK = {  # the book's sums and savings
     "bf16 with fp32 mixed precision (baseline)": ("4+4+2+2+4+4 = 20", 0),
-    "the same without fp32 grad accumulation": ("4+2+2+4+4 = 16", 20),   # the book gives no % for this row
+    "the same without fp32 grad accumulation": ("4+2+2+4+4 = 16", 20),  # the book gives no % for this row
     "Transformer Engine": ("4+4+4+4 = 16", 20),
     "FP8-LM O3": ("2+2+1+1+1+2 = 9", 55),
     "DeepSeek-V3": ("4+4+1+2+2+2 = 15", 25),
@@ -839,22 +930,27 @@ assert FP8_RECIPES[0].bytes_per_param() * 70e9 / GB == 1400
 # an H100), our `FP8Linear` step against torchao's float8 training on the same layer when
 # torchao is installed, and the fp16 `GradScaler` run of section 3 on the GPU.
 
+
 # %% tags=["nbval-ignore-output"]
 def gpu_tflops(fn, flops):
     return flops / (gpu_milliseconds(fn) * 1e-3) / 1e12
 
 
 FP8_TABLE = "e4m3 torch._scaled_mm (one scale per tensor, bf16 out) against bf16 torch.matmul"
-FP8_REFUSAL = fp8_gpu_refusal()   # None on a GPU with FP8 tensor cores (compute capability 8.9+)
+FP8_REFUSAL = fp8_gpu_refusal()  # None on a GPU with FP8 tensor cores (compute capability 8.9+)
 if FP8_REFUSAL is None:
     print(f"MEASURED NOW on {torch.cuda.get_device_name(0)}, torch {torch.__version__}: {FP8_TABLE}")
-    gemm_runs = [(f"measured now on {torch.cuda.get_device_name(0)}",
-                 [measure_fp8_gemm(n) for n in ((1024, 4096) if QUICK else (1024, 2048, 4096, 8192))])]
+    gemm_runs = [
+        (
+            f"measured now on {torch.cuda.get_device_name(0)}",
+            [measure_fp8_gemm(n) for n in ((1024, 4096) if QUICK else (1024, 2048, 4096, 8192))],
+        )
+    ]
     print_fp8_rows(gemm_runs[0][1])
     layer = nn.Linear(4096, 4096, bias=False, device="cuda")
     x = torch.randn(8192, 4096, device="cuda", requires_grad=True)
     ours_layer = FP8Linear.from_linear(layer, "tensorwise")
-    ours_rate = gpu_tflops(lambda: ours_layer(x).sum().backward(), 3 * 2 * 8192 * 4096 ** 2)
+    ours_rate = gpu_tflops(lambda: ours_layer(x).sum().backward(), 3 * 2 * 8192 * 4096**2)
     print(f"  our FP8Linear (tensorwise), forward + backward, 8192 x 4096 x 4096: {ours_rate:.0f} TFLOP/s")
     try:
         from torchao.float8 import convert_to_float8_training
@@ -862,27 +958,36 @@ if FP8_REFUSAL is None:
         print("  torchao is not installed: pip install torchao to compare with its float8 training")
     else:
         theirs = convert_to_float8_training(nn.Sequential(nn.Linear(4096, 4096, bias=False, device="cuda")))
-        theirs_rate = gpu_tflops(lambda: theirs(x).sum().backward(), 3 * 2 * 8192 * 4096 ** 2)
-        print(f"  torchao float8 (tensorwise), the same layer: {theirs_rate:.0f} TFLOP/s, ours / torchao "
-              f"{ours_rate / theirs_rate:.2f}")
+        theirs_rate = gpu_tflops(lambda: theirs(x).sum().backward(), 3 * 2 * 8192 * 4096**2)
+        print(
+            f"  torchao float8 (tensorwise), the same layer: {theirs_rate:.0f} TFLOP/s, ours / torchao "
+            f"{ours_rate / theirs_rate:.2f}"
+        )
 else:
     recorded = records.recorded("fp8")
-    gemm_runs = [(f"recorded on {record['device']}, {record['date'][:10]} ({path.name})", record["rows"])
-                for path, record in recorded]
+    gemm_runs = [
+        (f"recorded on {record['device']}, {record['date'][:10]} ({path.name})", record["rows"])
+        for path, record in recorded
+    ]
     for path, record in recorded:
         print(records.label(record, path))
         print(f"{FP8_TABLE}, from benchmarks/bench_fp8.py:")
         print_fp8_rows(record["rows"])
-    print(f"not measured here: {FP8_REFUSAL}; the rows above are recorded" if recorded else
-          f"not measured here: {FP8_REFUSAL}; no FP8 run recorded in results/ yet: run benchmarks/bench_fp8.py "
-          "on a GPU with FP8 tensor cores")
-if torch.cuda.is_available():   # fp16 needs no FP8 tensor cores: any GPU
+    print(
+        f"not measured here: {FP8_REFUSAL}; the rows above are recorded"
+        if recorded
+        else f"not measured here: {FP8_REFUSAL}; no FP8 run recorded in results/ yet: run benchmarks/bench_fp8.py "
+        "on a GPU with FP8 tensor cores"
+    )
+if torch.cuda.is_available():  # fp16 needs no FP8 tensor cores: any GPU
     model = fresh_model().cuda()
     optimizer = ScaledOptimizer(make_optimizer(model.parameters(), "adam", lr=3e-3), torch.amp.GradScaler("cuda"))
-    cuda_batches = lambda step, micro=0: sequences(step, micro).to("cuda")   # noqa: E731
+    cuda_batches = lambda step, micro=0: sequences(step, micro).to("cuda")  # noqa: E731
     losses = train_losses(model, cuda_batches, STEPS, optimizer, autocast=torch.float16)
-    print(f"  fp16 + GradScaler on the GPU: loss {losses[0]:.2f} -> {losses[-1]:.2f}, "
-          f"{sum(optimizer.skipped)} skipped steps")
+    print(
+        f"  fp16 + GradScaler on the GPU: loss {losses[0]:.2f} -> {losses[-1]:.2f}, "
+        f"{sum(optimizer.skipped)} skipped steps"
+    )
 
 # %% [markdown]
 # Read from that run (measured now, or each recorded file):
@@ -891,8 +996,10 @@ if torch.cuda.is_available():   # fp16 needs no FP8 tensor cores: any GPU
 for source, rows in gemm_runs:
     speedups = ", ".join(f"{r['fp8_over_bf16']:.2f}x at {r['n']}" for r in rows)
     largest = max(rows, key=lambda r: r["n"])
-    print(f"{source}: FP8 GEMM over bf16 {speedups} (the book: up to 2x); with the casts in separate "
-          f"passes, {largest['fp8_with_casts_over_bf16']:.2f}x bf16's speed at {largest['n']}")
+    print(
+        f"{source}: FP8 GEMM over bf16 {speedups} (the book: up to 2x); with the casts in separate "
+        f"passes, {largest['fp8_with_casts_over_bf16']:.2f}x bf16's speed at {largest['n']}"
+    )
 if not gemm_runs:
     print("no FP8 GEMM measured here or recorded in results/: nothing to read")
 
@@ -935,7 +1042,7 @@ from ultrascale.precision.fp8_gather import AMAX_ALL_REDUCE
 from ultrascale.runtime import Cluster
 from ultrascale.train import run_steps
 
-GATHER_RANKS = 2   # whatever WORLD_SIZE says: BATCH rows split evenly over 2 ranks
+GATHER_RANKS = 2  # whatever WORLD_SIZE says: BATCH rows split evenly over 2 ranks
 
 
 def zero3_run(ctx, gather_dtype):
@@ -948,41 +1055,53 @@ def zero3_run(ctx, gather_dtype):
     losses += run_steps(model, batches, STEPS - 1, zero, device=ctx.device, first_step=1)
     bytes_of = lambda op: sum(e.bytes_sent for e in log.events if base_op(e.op) == op)  # noqa: E731
     amax = log.totals().get(AMAX_ALL_REDUCE, {"calls": 0, "bytes_sent": 0})
-    return {"losses": losses, "gathers": sum(base_op(e.op) == "all_gather" for e in log.events),
-            "all_gather": bytes_of("all_gather"), "reduce_scatter": bytes_of("reduce_scatter"),
-            "amax calls": amax["calls"], "amax": amax["bytes_sent"]}
+    return {
+        "losses": losses,
+        "gathers": sum(base_op(e.op) == "all_gather" for e in log.events),
+        "all_gather": bytes_of("all_gather"),
+        "reduce_scatter": bytes_of("reduce_scatter"),
+        "amax calls": amax["calls"],
+        "amax": amax["bytes_sent"],
+    }
 
 
 GATHER_DTYPES = {"bf16 gather": None, "FP8 gather": E4M3}
 gather_cluster = Cluster(GATHER_RANKS)
-gather_runs = {name: gather_cluster.run(zero3_run, GATHER_DTYPES[name])
-               for name in ProgressBar("ZeRO-3 runs").iterate(list(GATHER_DTYPES))}
+gather_runs = {
+    name: gather_cluster.run(zero3_run, GATHER_DTYPES[name])
+    for name in ProgressBar("ZeRO-3 runs").iterate(list(GATHER_DTYPES))
+}
 gather_cluster.close()
 
 print(f"bytes sent by rank 0 in one step on {GATHER_RANKS} ranks (CommLogger, ring volumes)")
 print(f"{'':<14}{'all-gathers':>12}{'bytes':>10}{'amax all-reduces':>18}{'bytes':>7}{'reduce-scatters':>17}")
 for name, out in gather_runs.items():
     r0 = out[0]
-    print(f"{name:<14}{r0['gathers']:>12}{r0['all_gather']:>10,}{r0['amax calls']:>18}{r0['amax']:>7}"
-          f"{r0['reduce_scatter']:>17,}")
+    print(
+        f"{name:<14}{r0['gathers']:>12}{r0['all_gather']:>10,}{r0['amax calls']:>18}{r0['amax']:>7}"
+        f"{r0['reduce_scatter']:>17,}"
+    )
 
 bf16_step, fp8_step = gather_runs["bf16 gather"], gather_runs["FP8 gather"]
-for b, f in zip(bf16_step, fp8_step):    # every rank
-    assert f["gathers"] == b["gathers"] and 2 * f["all_gather"] == b["all_gather"]   # exactly half
-    assert f["amax calls"] == f["gathers"] and b["amax calls"] == 0     # one small all-reduce per gather
+for b, f in zip(bf16_step, fp8_step):  # every rank
+    assert f["gathers"] == b["gathers"] and 2 * f["all_gather"] == b["all_gather"]  # exactly half
+    assert f["amax calls"] == f["gathers"] and b["amax calls"] == 0  # one small all-reduce per gather
     assert f["amax"] < f["all_gather"] / 100
-    assert f["reduce_scatter"] == b["reduce_scatter"]                   # gradients: unchanged
-print("FP8 all-gathers move exactly half the bytes of bf16 ones, plus one amax all-reduce per gather "
-      "(under 1% of them); the gradients' reduce-scatters do not change")
+    assert f["reduce_scatter"] == b["reduce_scatter"]  # gradients: unchanged
+print(
+    "FP8 all-gathers move exactly half the bytes of bf16 ones, plus one amax all-reduce per gather "
+    "(under 1% of them); the gradients' reduce-scatters do not change"
+)
 
-gather_curves = {name: [np.mean([o["losses"][step] for o in out]) for step in range(STEPS)]
-                 for name, out in gather_runs.items()}
+gather_curves = {
+    name: [np.mean([o["losses"][step] for o in out]) for step in range(STEPS)] for name, out in gather_runs.items()
+}
 gather_gaps = [f - b for b, f in zip(gather_curves["bf16 gather"], gather_curves["FP8 gather"])]
-GATHER_TOLERANCE = 0.05   # section 4's allowance for bf16 against fp32 (see below)
-assert gather_curves["FP8 gather"] != gather_curves["bf16 gather"]   # the rounding is really applied
+GATHER_TOLERANCE = 0.05  # section 4's allowance for bf16 against fp32 (see below)
+assert gather_curves["FP8 gather"] != gather_curves["bf16 gather"]  # the rounding is really applied
 assert max(abs(g) for g in gather_gaps) < GATHER_TOLERANCE
 for curve in gather_curves.values():
-    assert curve[-1] < curve[0] - 1                                   # both learn
+    assert curve[-1] < curve[0] - 1  # both learn
 print(f"the two loss curves (mean over the ranks) differ, by less than {GATHER_TOLERANCE} at every step")
 
 # %%

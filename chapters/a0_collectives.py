@@ -44,12 +44,35 @@ import ultrascale.comm.halving_doubling as halving_module
 import ultrascale.comm.recursive as recursive_module
 import ultrascale.comm.ring as ring_module
 from ultrascale.checks import nonempty
-from ultrascale.comm import (AlphaBeta, CommLogger, bus_bandwidth_sweep, bus_factor, chunk_sizes, fit_ring_all_reduce,
-                             format_bytes, ring_all_gather, ring_all_reduce, ring_reduce_scatter, time_collective)
-from ultrascale.comm.halving_doubling import (halving_doubling_all_reduce, halving_doubling_bytes,
-                                              halving_doubling_steps, halving_doubling_time)
-from ultrascale.comm.recursive import (all_reduce_contenders, choose_algorithm, crossover_bytes, doubling_steps,
-                                       doubling_time, fit_on_the_spot, race_all_reduces, recursive_doubling_all_reduce)
+from ultrascale.comm import (
+    AlphaBeta,
+    CommLogger,
+    bus_bandwidth_sweep,
+    bus_factor,
+    chunk_sizes,
+    fit_ring_all_reduce,
+    format_bytes,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    time_collective,
+)
+from ultrascale.comm.halving_doubling import (
+    halving_doubling_all_reduce,
+    halving_doubling_bytes,
+    halving_doubling_steps,
+    halving_doubling_time,
+)
+from ultrascale.comm.recursive import (
+    all_reduce_contenders,
+    choose_algorithm,
+    crossover_bytes,
+    doubling_steps,
+    doubling_time,
+    fit_on_the_spot,
+    race_all_reduces,
+    recursive_doubling_all_reduce,
+)
 from ultrascale.viz.collectives import collective_figure, contributors, ring_steps_figure
 from ultrascale.viz.live import LivePlot
 
@@ -93,6 +116,7 @@ assert [info[2] for info in cluster.run(whoami)] == list(range(N))
 # `ultrascale.viz.collectives.collective_figure`, which draws the **real tensors** the ranks
 # returned: one row per buffer, one column per element.
 
+
 # %%
 def to_cpu(x):
     """Tensors (also inside lists and dicts) moved to the CPU, for the notebook."""
@@ -130,6 +154,7 @@ def show(results):
 # how the same initial weights reach every data-parallel replica. Every rank must pass a tensor
 # of the right shape and dtype: on the other ranks it is the buffer the data lands in.
 
+
 # %%
 def example_broadcast(ctx):
     if ctx.rank == 0:
@@ -156,6 +181,7 @@ collective_figure(before, after, "broadcast from rank 0")
 # `1 + 2 + ... + N = N(N+1)/2` in every element. (The book's version prints a variable `rank` it
 # never defined; ours takes it from `ctx`.)
 
+
 # %%
 def example_reduce(ctx):
     rank = ctx.rank
@@ -169,8 +195,9 @@ before, after = show(cluster.run(example_reduce))
 total = N * (N + 1) / 2
 assert after[0].tolist() == [total] * 5
 assert [b.tolist() for b in before] == [[r + 1.0] * 5 for r in range(N)]
-collective_figure(before, [{"tensor": after[0]}] + [{"tensor (not defined)": a} for a in after[1:]],
-                  "reduce (sum) to rank 0")
+collective_figure(
+    before, [{"tensor": after[0]}] + [{"tensor (not defined)": a} for a in after[1:]], "reduce (sum) to rank 0"
+)
 
 # %% [markdown]
 # Look at the other ranks. In the book's NCCL run, ranks 1 and 2 still hold `[2.]*5` and
@@ -182,6 +209,7 @@ collective_figure(before, [{"tensor": after[0]}] + [{"tensor (not defined)": a} 
 # ### All-reduce
 # The same reduction, but every rank receives the result. It is the workhorse of data
 # parallelism (gradients are all-reduced in every step) and of tensor parallelism.
+
 
 # %%
 def example_all_reduce(ctx):
@@ -202,6 +230,7 @@ collective_figure(before, after, "all-reduce (sum)")
 # destination of `gather` passes a `gather_list` (the others pass `None`), whereas `all_gather`
 # needs an output list on every rank.
 
+
 # %%
 def example_gather(ctx):
     tensor = torch.full((5,), float(ctx.rank + 1), device=ctx.device)
@@ -215,6 +244,7 @@ expected_list = [[r + 1.0] * 5 for r in range(N)]
 assert [t.tolist() for t in after[0]["gather_list"]] == expected_list
 assert all(a["gather_list"] is None for a in after[1:])
 collective_figure(before, after, "gather to rank 0")
+
 
 # %%
 def example_all_gather(ctx):
@@ -240,6 +270,7 @@ collective_figure(before, after, "all-gather")
 # and rank `j` receives that sum. No rank ever holds the whole reduced result, which is exactly
 # what ZeRO wants for its gradient shards.
 
+
 # %%
 def example_scatter(ctx):
     if ctx.rank == 0:
@@ -261,11 +292,13 @@ collective_figure(before, after, "scatter from rank 0")
 # `[(r+1)·1, (r+1)·2] ** (j+1)`: first powers for rank 0's share, squares for rank 1's, cubes for
 # rank 2's. So rank `j` receives `sum_r ((r+1)·[1, 2]) ** (j+1)`.
 
+
 # %%
 def example_reduce_scatter(ctx):
     rank = ctx.rank
-    input_list = [torch.tensor([(rank + 1) * 1.0, (rank + 1) * 2.0], device=ctx.device) ** (j + 1)
-                  for j in range(ctx.world_size)]
+    input_list = [
+        torch.tensor([(rank + 1) * 1.0, (rank + 1) * 2.0], device=ctx.device) ** (j + 1) for j in range(ctx.world_size)
+    ]
     output = torch.zeros(2, device=ctx.device)
     dist.reduce_scatter(output, input_list, op=dist.ReduceOp.SUM)
     return to_cpu({"input_list": input_list}), to_cpu({"output": output})
@@ -273,11 +306,11 @@ def example_reduce_scatter(ctx):
 
 before, after = show(cluster.run(example_reduce_scatter))
 formula = [sum(((r + 1) * torch.tensor([1.0, 2.0])) ** (j + 1) for r in range(N)) for j in range(N)]
-exact = max(f.max().item() for f in formula) < 2 ** 24    # whole numbers float32 holds exactly
+exact = max(f.max().item() for f in formula) < 2**24  # whole numbers float32 holds exactly
 for j in range(N):
     if exact:
         assert torch.equal(after[j]["output"], formula[j]), (j, after[j], formula[j])
-    else:    # two sums of N positive float32 terms, in different orders: each within (N-1) eps
+    else:  # two sums of N positive float32 terms, in different orders: each within (N-1) eps
         bound = 2 * (N - 1) * torch.finfo(torch.float32).eps * formula[j]
         assert ((after[j]["output"] - formula[j]).abs() <= bound).all(), (j, after[j], formula[j])
 if N == 3:  # the book's table
@@ -332,8 +365,14 @@ fig = Figure(figsize=(6, 0.5 + 0.35 * N), layout="constrained")
 ax = fig.subplots()
 for rank in range(N):
     ax.barh(rank, arrived[rank], color="tab:blue", label="working (sleep)" if rank == 0 else None)
-    ax.barh(rank, left[rank] - arrived[rank], left=arrived[rank], color="tab:red", alpha=0.5,
-            label="waiting in the barrier" if rank == 0 else None)
+    ax.barh(
+        rank,
+        left[rank] - arrived[rank],
+        left=arrived[rank],
+        color="tab:red",
+        alpha=0.5,
+        label="waiting in the barrier" if rank == 0 else None,
+    )
 ax.axvline(slowest, color="black", linestyle="--", linewidth=1, label="last rank arrives")
 ax.set_yticks(range(N), [f"rank {r}" for r in range(N)])
 ax.invert_yaxis()
@@ -375,7 +414,7 @@ RING_RANKS = 5
 
 def traced_ring_all_reduce(ctx, length):
     """The library's ring all-reduce on 2**rank inputs, with a snapshot before every step."""
-    tensor = torch.full((length,), 2.0 ** ctx.rank, device=ctx.device)
+    tensor = torch.full((length,), 2.0**ctx.rank, device=ctx.device)
     chunks = tensor.tensor_split(ctx.world_size)  # the library's chunking rule: views of `tensor`
     frames, sends = [], []
     original = ring_module.ring_step
@@ -391,7 +430,7 @@ def traced_ring_all_reduce(ctx, length):
     finally:
         ring_module.ring_step = original
     frames.append(tensor.clone())
-    reference = torch.full((length,), 2.0 ** ctx.rank, device=ctx.device)
+    reference = torch.full((length,), 2.0**ctx.rank, device=ctx.device)
     dist.all_reduce(reference)
     return frames, sends, torch.equal(tensor, reference)
 
@@ -415,11 +454,15 @@ assert all(held == everyone for row in frames[-1] for held in row)  # everyone h
 # The first chunk each rank sends: chunk r-1 in the reduce-scatter, its own chunk r in the all-gather.
 assert sends[0] == [(r - 1) % n for r in range(n)] and sends[n - 1] == list(range(n))
 
-titles = (["start"] + [f"reduce-scatter step {s}" for s in range(1, n)]
-          + [f"all-gather step {s}" for s in range(1, n)])
-ring_steps_figure(frames, titles, sends=sends, ncols=n,
-                  title="ring all-reduce on 5 ranks: which ranks' inputs each chunk holds "
-                        "(red: the chunk sent to the right neighbour next)")
+titles = ["start"] + [f"reduce-scatter step {s}" for s in range(1, n)] + [f"all-gather step {s}" for s in range(1, n)]
+ring_steps_figure(
+    frames,
+    titles,
+    sends=sends,
+    ncols=n,
+    title="ring all-reduce on 5 ranks: which ranks' inputs each chunk holds "
+    "(red: the chunk sent to the right neighbour next)",
+)
 
 # %% [markdown]
 # Read the top row from left to right. In each step, every rank's outlined chunk goes to its right
@@ -483,8 +526,10 @@ def ring_parity(ctx, lengths):
 
 
 failures = [f for rank in cluster.run(ring_parity, LENGTHS) for f in rank]
-print(f"ring all-reduce (sum, avg, max), reduce-scatter and all-gather on {N} ranks, "
-      f"lengths {LENGTHS}: {len(failures)} mismatches")
+print(
+    f"ring all-reduce (sum, avg, max), reduce-scatter and all-gather on {N} ranks, "
+    f"lengths {LENGTHS}: {len(failures)} mismatches"
+)
 assert failures == [], failures
 
 # %% [markdown]
@@ -498,6 +543,7 @@ assert failures == [], failures
 # scale. The `CommLogger` records the bytes our ring actually hands to `isend`, on every rank. For
 # `dist.all_reduce`, whose messages stay inside gloo, it can only log the ring algorithm's volume,
 # and says so (`algorithmic`).
+
 
 # %%
 def logged_bytes(ctx, length):
@@ -558,7 +604,10 @@ def time_all_reduce_variants(ctx, sizes, iters):
     n = ctx.world_size
     for nbytes in sizes:
         numel = nbytes // 4 // n * n
-        full, shard = torch.zeros(numel, device=ctx.device), torch.empty(numel // n, device=ctx.device)  # zeros: repeated sums stay finite
+        full, shard = (
+            torch.zeros(numel, device=ctx.device),
+            torch.empty(numel // n, device=ctx.device),
+        )  # zeros: repeated sums stay finite
         t_all_reduce = time_collective(lambda: dist.all_reduce(full), iters)
 
         def two_phases():
@@ -567,17 +616,21 @@ def time_all_reduce_variants(ctx, sizes, iters):
 
         t_two = time_collective(two_phases, iters)
         t_ring = time_collective(lambda: ring_all_reduce(full), iters)
-        t_again = time_collective(lambda: dist.all_reduce(full), iters)   # the noise baseline
+        t_again = time_collective(lambda: dist.all_reduce(full), iters)  # the noise baseline
         rows.append((numel * 4, t_all_reduce, t_two, t_ring, t_again))
     return rows
 
 
 timing_rows = cluster.run(time_all_reduce_variants, TIMING_SIZES, 5 if QUICK else 20)[0]
-print(f"{'size':>10} {'all_reduce':>12} {'RS + AG':>12} {'ring (ours)':>12} {'again':>12}"
-      f" {'RS+AG / AR':>11} {'again / AR':>11}   (gloo, {N} ranks, ms per call)")
+print(
+    f"{'size':>10} {'all_reduce':>12} {'RS + AG':>12} {'ring (ours)':>12} {'again':>12}"
+    f" {'RS+AG / AR':>11} {'again / AR':>11}   (gloo, {N} ranks, ms per call)"
+)
 for nbytes, t_ar, t_two, t_ring, t_again in timing_rows:
-    print(f"{format_bytes(nbytes):>10} {1e3 * t_ar:>12.3f} {1e3 * t_two:>12.3f} {1e3 * t_ring:>12.3f} "
-          f"{1e3 * t_again:>12.3f} {t_two / t_ar:>10.1f}x {t_again / t_ar:>10.2f}x")
+    print(
+        f"{format_bytes(nbytes):>10} {1e3 * t_ar:>12.3f} {1e3 * t_two:>12.3f} {1e3 * t_ring:>12.3f} "
+        f"{1e3 * t_again:>12.3f} {t_two / t_ar:>10.1f}x {t_again / t_ar:>10.2f}x"
+    )
 
 # %% [markdown]
 # On paper the pair moves the same bytes as the single all-reduce, in two calls instead of one.
@@ -625,17 +678,24 @@ def sweep(ctx, sizes, iters, repeats):
         for name in results:  # times are the slowest rank's, the same on every rank
             results[name].append(min(runs[name], key=lambda p: p["time_s"]))
         if ctx.rank == 0:
-            ctx.log(**{"log2(bytes)": math.log2(results["gloo"][-1]["size"]),
-                       **{f"{name} busbw (MB/s)": results[name][-1]["busbw"] / 1e6 for name in ("gloo", "ring")}})
+            ctx.log(
+                **{
+                    "log2(bytes)": math.log2(results["gloo"][-1]["size"]),
+                    **{f"{name} busbw (MB/s)": results[name][-1]["busbw"] / 1e6 for name in ("gloo", "ring")},
+                }
+            )
     return results
 
 
-plot = LivePlot("gloo busbw (MB/s)", "ring busbw (MB/s)", x="log2(bytes)",
-                title=f"all-reduce bus bandwidth on {N} ranks, as measured")
+plot = LivePlot(
+    "gloo busbw (MB/s)",
+    "ring busbw (MB/s)",
+    x="log2(bytes)",
+    title=f"all-reduce bus bandwidth on {N} ranks, as measured",
+)
 measured = cluster.run(sweep, SWEEP_SIZES, SWEEP_ITERS, SWEEP_REPEATS, on_log=plot)[0]
-baseline = measured.pop("again")   # gloo against itself: shown beside the race, not fitted
-plot.finish();
-
+baseline = measured.pop("again")  # gloo against itself: shown beside the race, not fitted
+plot.finish()
 # %% [markdown]
 # Both curves climb with the message size towards a plateau. The **alpha-beta model** explains the
 # shape: a message of `n` bytes costs `α + n/β`, a fixed latency `α` plus the bytes over the
@@ -661,34 +721,52 @@ for (name, points), colour in zip(measured.items(), ("tab:blue", "tab:orange")):
     model = fit.ring_all_reduce_time(grid, N)
     crossover = N * fit.crossover_bytes
     ax_time.loglog(sizes, times * 1e6, "o", color=colour, label=f"{name}: measured")
-    ax_time.loglog(grid, model * 1e6, "-", color=colour, alpha=0.7,
-                   label=f"{name}: α={fit.alpha * 1e6:.0f} µs, β={fit.beta / 1e9:.2f} GB/s")
+    ax_time.loglog(
+        grid,
+        model * 1e6,
+        "-",
+        color=colour,
+        alpha=0.7,
+        label=f"{name}: α={fit.alpha * 1e6:.0f} µs, β={fit.beta / 1e9:.2f} GB/s",
+    )
     ax_time.axvline(crossover, color=colour, linestyle="--", linewidth=1)
     ax_bw.semilogx(sizes, [p["busbw"] / 1e9 for p in points], "o-", color=colour, label=name)
-    ax_bw.axvline(crossover, color=colour, linestyle="--", linewidth=1,
-                  label=f"{name}: K* = N·α·β = {format_bytes(crossover)}")
-ax_time.set(xlabel="buffer size K (bytes)", ylabel="time per all-reduce (µs)",
-            title="measured (dots) and alpha-beta model (lines)")
+    ax_bw.axvline(
+        crossover, color=colour, linestyle="--", linewidth=1, label=f"{name}: K* = N·α·β = {format_bytes(crossover)}"
+    )
+ax_time.set(
+    xlabel="buffer size K (bytes)",
+    ylabel="time per all-reduce (µs)",
+    title="measured (dots) and alpha-beta model (lines)",
+)
 ax_bw.set(xlabel="buffer size K (bytes)", ylabel="bus bandwidth (GB/s)", title="bus bandwidth")
 ax_time.legend(fontsize="small")
 ax_bw.legend(fontsize="small")
-print(f"{'size':>10} {'gloo (µs)':>10} {'ring (µs)':>10} {'ring/gloo':>10} {'again/gloo':>11} {'gloo busbw':>12}"
-      f" {'ring busbw':>12}")
+print(
+    f"{'size':>10} {'gloo (µs)':>10} {'ring (µs)':>10} {'ring/gloo':>10} {'again/gloo':>11} {'gloo busbw':>12}"
+    f" {'ring busbw':>12}"
+)
 for g, r, a in zip(measured["gloo"], measured["ring"], baseline):
-    print(f"{format_bytes(g['size']):>10} {g['time_s'] * 1e6:>10.0f} {r['time_s'] * 1e6:>10.0f} "
-          f"{r['time_s'] / g['time_s']:>10.2f} {a['time_s'] / g['time_s']:>11.2f} "
-          f"{g['busbw'] / 1e9:>8.3f} GB/s {r['busbw'] / 1e9:>7.3f} GB/s")
+    print(
+        f"{format_bytes(g['size']):>10} {g['time_s'] * 1e6:>10.0f} {r['time_s'] * 1e6:>10.0f} "
+        f"{r['time_s'] / g['time_s']:>10.2f} {a['time_s'] / g['time_s']:>11.2f} "
+        f"{g['busbw'] / 1e9:>8.3f} GB/s {r['busbw'] / 1e9:>7.3f} GB/s"
+    )
 ratios = [r["time_s"] / g["time_s"] for g, r in zip(measured["gloo"], measured["ring"])]
 noise = [a["time_s"] / g["time_s"] for g, a in zip(measured["gloo"], baseline)]
-MIB = [i for i, g in enumerate(measured["gloo"]) if g["size"] >= 0.99 * 2**20]   # from 1 MiB up (rounded to N)
-print(f"ring / gloo time: {min(ratios[:MIB[0]]):.2f}x to {max(ratios[:MIB[0]]):.2f}x below 1 MiB, "
-      f"{min(ratios[i] for i in MIB):.2f}x to {max(ratios[i] for i in MIB):.2f}x from 1 MiB up; "
-      f"gloo against itself: {min(noise):.2f}x to {max(noise):.2f}x (the noise); "
-      f"ring alpha / gloo alpha = {fits['ring'].alpha / fits['gloo'].alpha:.1f}")
+MIB = [i for i, g in enumerate(measured["gloo"]) if g["size"] >= 0.99 * 2**20]  # from 1 MiB up (rounded to N)
+print(
+    f"ring / gloo time: {min(ratios[: MIB[0]]):.2f}x to {max(ratios[: MIB[0]]):.2f}x below 1 MiB, "
+    f"{min(ratios[i] for i in MIB):.2f}x to {max(ratios[i] for i in MIB):.2f}x from 1 MiB up; "
+    f"gloo against itself: {min(noise):.2f}x to {max(noise):.2f}x (the noise); "
+    f"ring alpha / gloo alpha = {fits['ring'].alpha / fits['gloo'].alpha:.1f}"
+)
 for name, fit in fits.items():
-    print(f"{name}: alpha = {fit.alpha * 1e6:.1f} µs per message, beta = {fit.beta / 1e9:.2f} GB/s, "
-          f"crossover alpha*beta = {format_bytes(fit.crossover_bytes)} per message "
-          f"(all-reduce buffer K* = {format_bytes(N * fit.crossover_bytes)})")
+    print(
+        f"{name}: alpha = {fit.alpha * 1e6:.1f} µs per message, beta = {fit.beta / 1e9:.2f} GB/s, "
+        f"crossover alpha*beta = {format_bytes(fit.crossover_bytes)} per message "
+        f"(all-reduce buffer K* = {format_bytes(N * fit.crossover_bytes)})"
+    )
 fig
 
 # %% [markdown]
@@ -737,6 +815,7 @@ print("alpha > 0, beta > 0 and a monotone model for:", ", ".join(fits))
 # itself, with a spy on its one-exchange helper `send_recv`, on a length that no world size
 # divides:
 
+
 # %%
 def traced_doubling(ctx, length, module=recursive_module, all_reduce=recursive_doubling_all_reduce):
     """An all-reduce built on ``module.send_recv`` (recursive doubling unless told otherwise) on random
@@ -760,10 +839,14 @@ def traced_doubling(ctx, length, module=recursive_module, all_reduce=recursive_d
         module.send_recv = original
     everyone = [torch.empty_like(x) for _ in range(ctx.world_size)]
     dist.all_gather(everyone, x)
-    bound = 2 * (ctx.world_size - 1) * torch.finfo(torch.float32).eps * abs_sum   # as for the ring
-    return {"messages": messages, "sent": log.events[0].bytes_sent, "received": log.events[0].bytes_received,
-            "close": bool(((x - reference).abs() <= bound).all()),
-            "identical": all(torch.equal(everyone[0], other) for other in everyone)}
+    bound = 2 * (ctx.world_size - 1) * torch.finfo(torch.float32).eps * abs_sum  # as for the ring
+    return {
+        "messages": messages,
+        "sent": log.events[0].bytes_sent,
+        "received": log.events[0].bytes_received,
+        "close": bool(((x - reference).abs() <= bound).all()),
+        "identical": all(torch.equal(everyone[0], other) for other in everyone),
+    }
 
 
 length = 1000 * N + 1
@@ -774,13 +857,16 @@ traced = cluster.run(traced_doubling, length)
 print(f"N = {N}, P = {P}, S = {S} steps; K = {K} bytes")
 for rank, t in enumerate(traced):
     arrows = {"swap": "<->", "send": "->", "recv": "<-"}
-    print(f"rank {rank}: " + ", ".join(f"{arrows[kind]} {peer}" for kind, peer, _ in t["messages"])
-          + f"; sent {t['sent'] // K} K, received {t['received'] // K} K")
+    print(
+        f"rank {rank}: "
+        + ", ".join(f"{arrows[kind]} {peer}" for kind, peer, _ in t["messages"])
+        + f"; sent {t['sent'] // K} K, received {t['received'] // K} K"
+    )
     swaps = [peer for kind, peer, _ in t["messages"] if kind == "swap"]
-    if rank < P:   # the doubling ranks swap with r XOR 1, r XOR 2, r XOR 4, ...
+    if rank < P:  # the doubling ranks swap with r XOR 1, r XOR 2, r XOR 4, ...
         assert swaps == [rank ^ (1 << k) for k in range(P.bit_length() - 1)], (rank, swaps)
     assert len(t["messages"]) <= S
-    assert t["sent"] == K * sum(kind != "recv" for kind, _, _ in t["messages"])   # every message is all K bytes
+    assert t["sent"] == K * sum(kind != "recv" for kind, _, _ in t["messages"])  # every message is all K bytes
     assert t["close"] and t["identical"]
 assert max(len(t["messages"]) for t in traced) == S
 print(f"equal to dist.all_reduce within the rounding bound, and bit-identical on all {N} ranks")
@@ -815,15 +901,20 @@ H = halving_doubling_steps(N)
 traced = cluster.run(traced_doubling, length, halving_module, halving_doubling_all_reduce)
 print(f"N = {N}, P = {P}: halving-doubling takes {H} messages on the busiest rank; K = {K} bytes")
 for rank, t in enumerate(traced):
-    print(f"rank {rank}: " + ", ".join(f"{arrows[kind]} {peer} ({nbytes / K:.3g} K)" if nbytes else
-                                       f"{arrows[kind]} {peer}" for kind, peer, nbytes in t["messages"]))
+    print(
+        f"rank {rank}: "
+        + ", ".join(
+            f"{arrows[kind]} {peer} ({nbytes / K:.3g} K)" if nbytes else f"{arrows[kind]} {peer}"
+            for kind, peer, nbytes in t["messages"]
+        )
+    )
     swaps = [(peer, nbytes) for kind, peer, nbytes in t["messages"] if kind == "swap"]
-    if rank < P:   # partners r XOR 1, 2, 4, ... while halving, then back, the farthest only once
+    if rank < P:  # partners r XOR 1, 2, 4, ... while halving, then back, the farthest only once
         distances = [1 << k for k in range(P.bit_length() - 1)]
         assert [peer for peer, _ in swaps] == [rank ^ d for d in distances + distances[-2::-1]], (rank, swaps)
         # each halving step sends half of what the one before sent (up to one element of rounding),
         # and the merged innermost swap sends all that is left: as much as the last halving step
-        halving = [nbytes for _, nbytes in swaps[:len(distances)]]
+        halving = [nbytes for _, nbytes in swaps[: len(distances)]]
         want = [K / 2 ** min(k + 1, len(distances) - 1) for k in range(len(distances))]
         assert all(abs(nbytes - w) <= 4 for nbytes, w in zip(halving, want)), (halving, want)
     assert len(t["messages"]) <= H
@@ -831,9 +922,11 @@ for rank, t in enumerate(traced):
 busiest = max(t["sent"] for t in traced)
 assert abs(busiest - halving_doubling_bytes(K, N)) <= 4 * 2 * H
 assert max(len(t["messages"]) for t in traced) == H
-print(f"the busiest rank sent {busiest / K:.3f} K (the formula: 2(P-1)/P K{' + K' if N != P else ''} = "
-      f"{halving_doubling_bytes(K, N) / K:.3f} K); equal to dist.all_reduce within the rounding bound, "
-      f"bit-identical on all {N} ranks")
+print(
+    f"the busiest rank sent {busiest / K:.3f} K (the formula: 2(P-1)/P K{' + K' if N != P else ''} = "
+    f"{halving_doubling_bytes(K, N) / K:.3f} K); equal to dist.all_reduce within the rounding bound, "
+    f"bit-identical on all {N} ranks"
+)
 
 # %% [markdown]
 # And the formulas side by side for larger worlds. The crossover is in units of `α·β`, the size at
@@ -844,15 +937,19 @@ print(f"the busiest rank sent {busiest / K:.3f} K (the formula: 2(P-1)/P K{' + K
 # halving-doubling's later steps pair ranks far apart across the network:
 
 # %%
-unit = AlphaBeta(alpha=1.0, beta=1.0)   # crossover_bytes(unit, N) is K* / (alpha beta)
-print(f"{'N':>6} {'ring steps':>11} {'doubling steps':>15} {'halving steps':>14} {'ring bytes/K':>13} "
-      f"{'doubling bytes/K':>17} {'halving bytes/K':>16} {'K* / (alpha beta)':>18}")
+unit = AlphaBeta(alpha=1.0, beta=1.0)  # crossover_bytes(unit, N) is K* / (alpha beta)
+print(
+    f"{'N':>6} {'ring steps':>11} {'doubling steps':>15} {'halving steps':>14} {'ring bytes/K':>13} "
+    f"{'doubling bytes/K':>17} {'halving bytes/K':>16} {'K* / (alpha beta)':>18}"
+)
 for ranks in (2, 3, 4, 5, 8, 16, 64, 1024):
     power = 1 << (ranks.bit_length() - 1)
     busiest = power.bit_length() - 1 + (ranks != power)
-    print(f"{ranks:>6} {2 * (ranks - 1):>11} {doubling_steps(ranks):>15} {halving_doubling_steps(ranks):>14} "
-          f"{2 * (ranks - 1) / ranks:>13.3f} {busiest:>17} {halving_doubling_bytes(1, ranks):>16.3f} "
-          f"{crossover_bytes(unit, ranks):>18.1f}")
+    print(
+        f"{ranks:>6} {2 * (ranks - 1):>11} {doubling_steps(ranks):>15} {halving_doubling_steps(ranks):>14} "
+        f"{2 * (ranks - 1) / ranks:>13.3f} {busiest:>17} {halving_doubling_bytes(1, ranks):>16.3f} "
+        f"{crossover_bytes(unit, ranks):>18.1f}"
+    )
 assert crossover_bytes(unit, 2) == math.inf and crossover_bytes(unit, 4) == 8.0
 
 # %% [markdown]
@@ -875,35 +972,47 @@ bus = bus_factor("all_reduce", N)
 
 def race(ctx, sizes, rounds):
     model = fit_on_the_spot(ctx.group, device=ctx.device)
-    contenders = all_reduce_contenders(ctx.group, model, again=True)   # again: gloo once more, the noise floor
+    contenders = all_reduce_contenders(ctx.group, model, again=True)  # again: gloo once more, the noise floor
 
-    def stream(row):   # rank 0: one point per plotted contender on the live plot
+    def stream(row):  # rank 0: one point per plotted contender on the live plot
         nbytes, times = row
-        ctx.log(**{"log2(bytes)": math.log2(nbytes),
-                   **{f"{name} busbw (MB/s)": nbytes / times[name] * bus / 1e6 for name in names}})
+        ctx.log(
+            **{
+                "log2(bytes)": math.log2(nbytes),
+                **{f"{name} busbw (MB/s)": nbytes / times[name] * bus / 1e6 for name in names},
+            }
+        )
 
     return model, race_all_reduces(contenders, sizes, rounds, ctx.group, ctx.device, callback=stream)
 
 
 names = ("builtin", "ring", "doubling", "halving", "chosen")
-plot = LivePlot(*(f"{name} busbw (MB/s)" for name in names), x="log2(bytes)",
-                title=f"all-reduce bus bandwidth on {N} ranks")
+plot = LivePlot(
+    *(f"{name} busbw (MB/s)" for name in names), x="log2(bytes)", title=f"all-reduce bus bandwidth on {N} ranks"
+)
 fitted, rows = cluster.run(race, RACE_SIZES, RACE_ROUNDS, on_log=plot)[0]
-plot.finish();
+plot.finish()
 model_crossover = crossover_bytes(fitted, N)
 # the measured crossover: the smallest size from which the ring is faster at every larger size
 measured_crossover = next((s for s, _ in rows if all(t["ring"] < t["doubling"] for size, t in rows if size >= s)), None)
 print(f"fitted on the spot: alpha = {fitted.alpha * 1e6:.0f} µs, beta = {fitted.beta / 1e9:.2f} GB/s")
 print(f"{'size':>10} " + " ".join(f"{name + ' (µs)':>14}" for name in names) + "   chosen   chosen/gloo busbw")
 for nbytes, t in rows:
-    print(f"{format_bytes(nbytes):>10} " + " ".join(f"{t[name] * 1e6:>14.0f}" for name in names)
-          + f"   {choose_algorithm(nbytes, N, fitted):<18} {t['builtin'] / t['chosen']:>6.2f}x")
+    print(
+        f"{format_bytes(nbytes):>10} "
+        + " ".join(f"{t[name] * 1e6:>14.0f}" for name in names)
+        + f"   {choose_algorithm(nbytes, N, fitted):<18} {t['builtin'] / t['chosen']:>6.2f}x"
+    )
 again = [t["builtin"] / t["again"] for _, t in rows]
-print(f"gloo against itself ('again'): {min(again):.2f}x to {max(again):.2f}x over the sizes, "
-      f"how far noise alone moves a ratio in this run")
-print(f"model crossover of ring and doubling K* = {format_bytes(model_crossover) if model_crossover < math.inf else 'never'}; "
-      f"measured: the ring is faster from "
-      f"{format_bytes(measured_crossover) if measured_crossover else 'no size measured here'} on")
+print(
+    f"gloo against itself ('again'): {min(again):.2f}x to {max(again):.2f}x over the sizes, "
+    f"how far noise alone moves a ratio in this run"
+)
+print(
+    f"model crossover of ring and doubling K* = {format_bytes(model_crossover) if model_crossover < math.inf else 'never'}; "
+    f"measured: the ring is faster from "
+    f"{format_bytes(measured_crossover) if measured_crossover else 'no size measured here'} on"
+)
 
 fig = Figure(figsize=(11, 3.8), layout="constrained")
 ax_time, ax_bw = fig.subplots(1, 2)
@@ -946,11 +1055,12 @@ fig
 # check failed that way beside another chapter's run). So the race is printed beside its noise
 # baseline, doubling raced against itself: read the ring's ratio against that spread.
 
+
 # %%
 def latency_race(ctx, nbytes, rounds):
     contenders = all_reduce_contenders(ctx.group)
     three = {name: contenders[name] for name in ("ring", "doubling")}
-    three["doubling again"] = contenders["doubling"]   # the noise baseline: doubling against itself
+    three["doubling again"] = contenders["doubling"]  # the noise baseline: doubling against itself
     return race_all_reduces(three, [nbytes], rounds, ctx.group, ctx.device, keep=min)[0][1]
 
 
@@ -959,9 +1069,11 @@ print(f"alpha > 0 and beta > 0; N = {N}: doubling sends {S} messages in a row ag
 
 # %% tags=["nbval-ignore-output"]
 smallest = cluster.run(latency_race, rows[0][0], 15)[0]
-print(f"at {format_bytes(rows[0][0])}, fastest of 15 rounds: ring {smallest['ring'] * 1e6:.0f} µs, doubling "
-      f"{smallest['doubling'] * 1e6:.0f} µs, ring / doubling {smallest['ring'] / smallest['doubling']:.2f}x; "
-      f"doubling against itself {smallest['doubling again'] / smallest['doubling']:.2f}x (the noise)")
+print(
+    f"at {format_bytes(rows[0][0])}, fastest of 15 rounds: ring {smallest['ring'] * 1e6:.0f} µs, doubling "
+    f"{smallest['doubling'] * 1e6:.0f} µs, ring / doubling {smallest['ring'] / smallest['doubling']:.2f}x; "
+    f"doubling against itself {smallest['doubling again'] / smallest['doubling']:.2f}x (the noise)"
+)
 
 # %% [markdown]
 # ## 6. How does our ring compare with gloo's, and which backend to use?
@@ -1021,10 +1133,12 @@ if gpus >= 2 and dist.is_nccl_available():
         for j, out in enumerate(gpu_after):
             assert torch.equal(out, sum(((r + 1) * torch.tensor([1.0, 2.0])) ** (j + 1) for r in range(m)))
         print(f"NCCL on {m} GPUs: broadcast, all-reduce and reduce-scatter agree with the CPU run")
-        print("reduce on NCCL, non-destination ranks keep:",
-              [describe(a) for _, a in gpu_cluster.run(example_reduce)][1:])
-        nccl_points = gpu_cluster.run(lambda ctx: bus_bandwidth_sweep(
-            ctx, [2**k for k in range(10, 29, 3)], op="all_reduce", iters=20))[0]
+        print(
+            "reduce on NCCL, non-destination ranks keep:", [describe(a) for _, a in gpu_cluster.run(example_reduce)][1:]
+        )
+        nccl_points = gpu_cluster.run(
+            lambda ctx: bus_bandwidth_sweep(ctx, [2**k for k in range(10, 29, 3)], op="all_reduce", iters=20)
+        )[0]
         for p in nccl_points:
             print(f"{format_bytes(p['size']):>10}: busbw {p['busbw'] / 1e9:8.2f} GB/s")
 else:
@@ -1034,7 +1148,7 @@ else:
         print(f"skipped the NCCL run of {WORLD_SIZE} ranks. The runtime refuses it with:\n  {err}")
     if gpus == 1 and dist.is_nccl_available():  # one GPU: a single NCCL rank, nothing to exchange
         with Cluster(1, backend="nccl") as gpu_cluster:
-            (_, alone), = gpu_cluster.run(example_broadcast)
+            ((_, alone),) = gpu_cluster.run(example_broadcast)
         print(f"NCCL with one rank on one GPU works, but moves no data: broadcast leaves {alone.tolist()}")
 
 # %% [markdown]

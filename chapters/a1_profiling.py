@@ -77,6 +77,7 @@ WORK_DIR = Path(tempfile.mkdtemp(prefix="ultrascale_a1_"))  # traces and scripts
 # events with `record`, `synchronize` and `elapsed_time`). Then we time ten 768 × 768 matmuls
 # the wrong way and the right way.
 
+
 # %%
 class StreamEvent:
     """A mark in a stream, stamped with the time when the stream reaches it (like torch.cuda.Event)."""
@@ -140,7 +141,7 @@ start = time.perf_counter()
 for _ in range(KERNELS):
     stream.launch(torch.mm, a, a)
 launch_only = time.perf_counter() - start
-still_running = stream.busy            # was the work done when the naive clock stopped?
+still_running = stream.busy  # was the work done when the naive clock stopped?
 stream.synchronize()
 with_sync = time.perf_counter() - start
 
@@ -195,6 +196,7 @@ for rank, (launched, finished, _) in enumerate(async_times):
 # and reads the elapsed milliseconds. The cell below runs it, next to the naive clock, when a GPU
 # is present.
 
+
 # %% tags=["nbval-ignore-output"]
 def profile_pytorch(func, input):
     """The book's timer: 10 warm-up calls, then one call between two CUDA events (ms)."""
@@ -217,8 +219,10 @@ if CUDA:
     square(big)
     naive_ms = 1e3 * (time.time() - naive_start)
     torch.cuda.synchronize()
-    print(f"time.time() around an 8192² matmul: {naive_ms:.3f} ms (the launch); "
-          f"CUDA events: {profile_pytorch(square, big):.3f} ms (the work)")
+    print(
+        f"time.time() around an 8192² matmul: {naive_ms:.3f} ms (the launch); "
+        f"CUDA events: {profile_pytorch(square, big):.3f} ms (the work)"
+    )
 else:
     print("no GPU here: the CPU stream above stands in for a CUDA stream")
 
@@ -234,6 +238,7 @@ else:
 #
 # `benchmark` below does that with CUDA events on a GPU and with our stream's events on a CPU.
 # We also keep the warm-up calls' times, to look at them.
+
 
 # %%
 def benchmark(fn, *args, warmup=10, repeats=REPEATS):
@@ -268,8 +273,10 @@ assert len(samples) == 10 + REPEATS and min(samples) <= median_ms <= max(samples
 
 # %% tags=["nbval-ignore-output"]
 after = samples[10:]
-print(f"layer_norm of 2000 x 2000: median {median_ms:.3f} ms, mean {statistics.mean(after):.3f} ms, "
-      f"min {min(after):.3f} ms, max {max(after):.3f} ms over {len(after)} timed calls")
+print(
+    f"layer_norm of 2000 x 2000: median {median_ms:.3f} ms, mean {statistics.mean(after):.3f} ms, "
+    f"min {min(after):.3f} ms, max {max(after):.3f} ms over {len(after)} timed calls"
+)
 fig = Figure(figsize=(8, 2.8), layout="constrained")
 ax = fig.subplots()
 ax.plot(range(1, 11), samples[:10], "o", color="#8c8c8c", label="warm-up calls")
@@ -300,15 +307,18 @@ fig
 # %%
 activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if CUDA else [])
 trace_dir = WORK_DIR / "layer_norm"
-N_LN = 2048   # every allocation a multiple of the CUDA allocator's rounding (see above)
+N_LN = 2048  # every allocation a multiple of the CUDA allocator's rounding (see above)
 input = torch.randn(N_LN, N_LN, device=DEVICE)
-with quiet_native_stderr(), torch.profiler.profile(
-    activities=activities,
-    schedule=torch.profiler.schedule(wait=1, warmup=3, active=2, repeat=1),
-    on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name="layer_norm"),
-    profile_memory=True,
-    record_shapes=True,
-) as p:
+with (
+    quiet_native_stderr(),
+    torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=3, active=2, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name="layer_norm"),
+        profile_memory=True,
+        record_shapes=True,
+    ) as p,
+):
     for _ in range(10):
         F.layer_norm(input, input.size()[1:])
         p.step()
@@ -330,20 +340,23 @@ print(p.key_averages().table(sort_by="device_time_total" if CUDA else "cpu_time_
 # it with code instead: which steps it holds, the allocations, and the chain of calls.
 
 # %%
-trace_file, = trace_dir.glob("layer_norm.*.pt.trace.json")
+(trace_file,) = trace_dir.glob("layer_norm.*.pt.trace.json")
 events = chrome_trace_events(trace_file)
 steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
-assert steps == ["ProfilerStep#4", "ProfilerStep#5"], steps   # wait 1 + warmup 3 skipped steps 0-3
+assert steps == ["ProfilerStep#4", "ProfilerStep#5"], steps  # wait 1 + warmup 3 skipped steps 0-3
 calls = [e for e in events if e.get("ph") == "X" and e.get("name") == "aten::layer_norm"]
 assert len(calls) == 2
 print(f"kept steps: {steps}; aten::layer_norm calls in them: {len(calls)}")
 
-allocated = collections.Counter(e["args"]["Bytes"] for e in events
-                                if e.get("name") == "[memory]" and e["args"]["Bytes"] > 0)
-assert allocated[4 * N_LN * N_LN] == 2   # one output of N x N floats per call
-assert allocated[4 * N_LN] >= 4          # and its per-row mean and reciprocal standard deviation
-print(f"allocations per call: the output, {4 * N_LN * N_LN:,} bytes, and two vectors of {4 * N_LN:,} bytes "
-      "(mean and 1/std of each row, saved for backward)")
+allocated = collections.Counter(
+    e["args"]["Bytes"] for e in events if e.get("name") == "[memory]" and e["args"]["Bytes"] > 0
+)
+assert allocated[4 * N_LN * N_LN] == 2  # one output of N x N floats per call
+assert allocated[4 * N_LN] >= 4  # and its per-row mean and reciprocal standard deviation
+print(
+    f"allocations per call: the output, {4 * N_LN * N_LN:,} bytes, and two vectors of {4 * N_LN:,} bytes "
+    "(mean and 1/std of each row, saved for backward)"
+)
 
 # %% [markdown]
 # ### From `aten::layer_norm` to the work
@@ -366,8 +379,13 @@ EPS = 1e-3  # trace times are µs with three decimals: allow for rounding when c
 
 
 def inside(inner, outer):
-    return (inner["pid"] == outer["pid"] and inner["tid"] == outer["tid"] and inner is not outer
-            and outer["ts"] - EPS <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + EPS)
+    return (
+        inner["pid"] == outer["pid"]
+        and inner["tid"] == outer["tid"]
+        and inner is not outer
+        and outer["ts"] - EPS <= inner["ts"]
+        and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + EPS
+    )
 
 
 def children(events, parent):
@@ -378,8 +396,9 @@ def children(events, parent):
 
 def op_chain(events, name):
     """Names from the first event called ``name`` down to the work (and the kernel it launched)."""
-    kernels = {e["args"]["correlation"]: e for e in events
-               if e.get("cat") == "kernel" and "correlation" in e.get("args", {})}
+    kernels = {
+        e["args"]["correlation"]: e for e in events if e.get("cat") == "kernel" and "correlation" in e.get("args", {})
+    }
     node = next(e for e in events if e.get("ph") == "X" and e.get("name") == name)
     chain = [node]
     while True:
@@ -420,7 +439,7 @@ print("\n  -> ".join(chain))
 # backward goes on. On GPUs with NCCL the second kind is a kernel on its own CUDA stream.
 
 # %%
-DP_CONFIG = GPTConfig(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32)   # chapter 02's model (QUICK)
+DP_CONFIG = GPTConfig(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32)  # chapter 02's model (QUICK)
 
 
 def profile_dp_step(ctx, trace_path):
@@ -436,7 +455,7 @@ def profile_dp_step(ctx, trace_path):
         optimizer.step()
         optimizer.zero_grad()
 
-    step(0)                                     # warm-up
+    step(0)  # warm-up
     if ctx.rank != 0:
         step(1)
         return None
@@ -445,8 +464,11 @@ def profile_dp_step(ctx, trace_path):
             step(1)
     prof.export_chrome_trace(trace_path)
     wanted = ("DP step", "c10d::allreduce_", "gloo:all_reduce")
-    keep = [e for e in chrome_trace_events(trace_path)
-            if e.get("ph") == "X" and (e["name"] in wanted or e["name"].startswith("autograd::engine"))]
+    keep = [
+        e
+        for e in chrome_trace_events(trace_path)
+        if e.get("ph") == "X" and (e["name"] in wanted or e["name"].startswith("autograd::engine"))
+    ]
     return keep, len(dp_model.buckets)
 
 
@@ -457,11 +479,13 @@ transfers = [e for e in dp_events if e["name"] == "gloo:all_reduce"]
 backward = [e for e in dp_events if e["name"].startswith("autograd::engine")]
 backward_end = max(e["ts"] + e["dur"] for e in backward)
 assert len(launches) == len(transfers) == n_buckets
-assert all(e["tid"] == step_event["tid"] for e in launches)             # launched by the training thread
-assert all(e["tid"] != step_event["tid"] for e in transfers)            # moved by gloo's threads
-assert sum(e["ts"] < backward_end for e in launches) >= n_buckets - 1   # all but the last bucket: during backward
-print(f"rank 0: {n_buckets} buckets -> {len(launches)} c10d::allreduce_ launches on the training thread, "
-      f"{len(transfers)} gloo:all_reduce transfers on gloo's threads; {n_buckets - 1} or more launched during backward")
+assert all(e["tid"] == step_event["tid"] for e in launches)  # launched by the training thread
+assert all(e["tid"] != step_event["tid"] for e in transfers)  # moved by gloo's threads
+assert sum(e["ts"] < backward_end for e in launches) >= n_buckets - 1  # all but the last bucket: during backward
+print(
+    f"rank 0: {n_buckets} buckets -> {len(launches)} c10d::allreduce_ launches on the training thread, "
+    f"{len(transfers)} gloo:all_reduce transfers on gloo's threads; {n_buckets - 1} or more launched during backward"
+)
 
 # %% [markdown]
 # Drawn from the trace, the way Perfetto shows it, with one row per thread:
@@ -470,12 +494,25 @@ print(f"rank 0: {n_buckets} buckets -> {len(launches)} c10d::allreduce_ launches
 t0 = step_event["ts"]
 fig = Figure(figsize=(10, 2.2), layout="constrained")
 ax = fig.subplots()
-ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3) for e in backward if inside(e, step_event)
-                and not any(inside(e, o) for o in backward)], (1.6, 0.8), color="#55a868", label="backward (autograd)")
-ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 20) / 1e3) for e in launches], (1.6, 0.8), color="black",
-               label="c10d::allreduce_ (launch)")
-ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3) for e in transfers], (0.6, 0.8), color="#dd8452",
-               label="gloo:all_reduce")
+ax.broken_barh(
+    [
+        ((e["ts"] - t0) / 1e3, e["dur"] / 1e3)
+        for e in backward
+        if inside(e, step_event) and not any(inside(e, o) for o in backward)
+    ],
+    (1.6, 0.8),
+    color="#55a868",
+    label="backward (autograd)",
+)
+ax.broken_barh(
+    [((e["ts"] - t0) / 1e3, max(e["dur"], 20) / 1e3) for e in launches],
+    (1.6, 0.8),
+    color="black",
+    label="c10d::allreduce_ (launch)",
+)
+ax.broken_barh(
+    [((e["ts"] - t0) / 1e3, e["dur"] / 1e3) for e in transfers], (0.6, 0.8), color="#dd8452", label="gloo:all_reduce"
+)
 ax.set_yticks([1, 2], ["gloo thread", "training thread"])
 ax.set(xlabel="ms since the step began", title="rank 0, one bucketed DP step, from its profiler trace")
 ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -537,8 +574,13 @@ def build_cpu_extension():
     except RuntimeError:
         return None, "ninja is not installed (pip install ninja)"
     try:
-        module = load_inline(name="ultrascale_a1_vector_add", cpp_sources=[CPP_SOURCE], no_implicit_headers=True,
-                             extra_cflags=["-O2"], verbose=False)
+        module = load_inline(
+            name="ultrascale_a1_vector_add",
+            cpp_sources=[CPP_SOURCE],
+            no_implicit_headers=True,
+            extra_cflags=["-O2"],
+            verbose=False,
+        )
     except Exception as err:  # a failed build: show why, keep the notebook going
         return None, f"the build failed: {type(err).__name__}: {str(err).strip().splitlines()[-1]}"
     return module, "built"
@@ -595,14 +637,17 @@ else:
 # launcher picks 1024 threads per block and rounds the number of blocks **up**, so that every
 # element gets a thread:
 
+
 # %%
 def blocks_for(n, threads=1024):
-    return (n + threads - 1) // threads   # the C++ integer division (n + threads - 1) / threads
+    return (n + threads - 1) // threads  # the C++ integer division (n + threads - 1) / threads
 
 
 assert [blocks_for(n) for n in (1, 1024, 1025, 10000)] == [1, 1, 2, 10]
-print(f"10000 elements: {blocks_for(10000)} blocks of 1024 threads = {blocks_for(10000) * 1024} threads, "
-      f"{blocks_for(10000) * 1024 - 10000} of them idle at the bound check")
+print(
+    f"10000 elements: {blocks_for(10000)} blocks of 1024 threads = {blocks_for(10000) * 1024} threads, "
+    f"{blocks_for(10000) * 1024 - 10000} of them idle at the bound check"
+)
 
 # %%
 CUDA_SOURCE = r"""
@@ -630,8 +675,12 @@ from torch.utils.cpp_extension import CUDA_HOME  # noqa: E402
 
 if CUDA and CUDA_HOME is not None:
     cuda_ext = torch.utils.cpp_extension.load_inline(
-        name="ultrascale_a1_vector_add_cuda", cpp_sources=["torch::Tensor add_cuda(torch::Tensor x, torch::Tensor y);"],
-        cuda_sources=[CUDA_SOURCE], functions=["add_cuda"], verbose=False)
+        name="ultrascale_a1_vector_add_cuda",
+        cpp_sources=["torch::Tensor add_cuda(torch::Tensor x, torch::Tensor y);"],
+        cuda_sources=[CUDA_SOURCE],
+        functions=["add_cuda"],
+        verbose=False,
+    )
     gx, gy = torch.rand(10000, device="cuda"), torch.rand(10000, device="cuda")
     assert torch.equal(cuda_ext.add_cuda(gx, gy), gx + gy)
     print("add_cuda (1024 threads per block, 10 blocks) == x + y on 10000 elements")
@@ -657,8 +706,12 @@ if CUDA and ncu:
     script = WORK_DIR / "layer_norm.py"
     script.write_text(NCU_SCRIPT)
     report = WORK_DIR / "output"
-    result = subprocess.run([ncu, "--set", "full", "-k", "regex:layer_norm", "-o", str(report), sys.executable,
-                             str(script)], capture_output=True, text=True, timeout=540)
+    result = subprocess.run(
+        [ncu, "--set", "full", "-k", "regex:layer_norm", "-o", str(report), sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     print("\n".join((result.stdout + result.stderr).strip().splitlines()[-8:]))
     print(f"report written: {report.with_suffix('.ncu-rep').exists()}")
 else:

@@ -36,12 +36,36 @@ from matplotlib.figure import Figure
 from torch.utils.flop_counter import FlopCounterMode
 
 from ultrascale.memory import BYTES_PER_ELEMENT, GB, model_state_bytes
-from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Attention, Block, GPTConfig, Llama,
-                              LlamaConfig, SwiGLU, attention_flops_per_token, count_params, matmul_params,
-                              training_flops)
-from ultrascale.scales import (BOOK_OPTIMIZER_TOTAL_AS_PRINTED, backward_flops, block_matrices, block_params,
-                               embedding_params, forward_flops, hidden_state_elements, model_params,
-                               optimizer_state_elements, scale_row, tokens, weight_elements)
+from ultrascale.model import (
+    GPT,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    LLAMA3_405B,
+    Attention,
+    Block,
+    GPTConfig,
+    Llama,
+    LlamaConfig,
+    SwiGLU,
+    attention_flops_per_token,
+    count_params,
+    matmul_params,
+    training_flops,
+)
+from ultrascale.scales import (
+    BOOK_OPTIMIZER_TOTAL_AS_PRINTED,
+    backward_flops,
+    block_matrices,
+    block_params,
+    embedding_params,
+    forward_flops,
+    hidden_state_elements,
+    model_params,
+    optimizer_state_elements,
+    scale_row,
+    tokens,
+    weight_elements,
+)
 
 torch.manual_seed(SEED)
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and FLOP counts do not depend on it
@@ -59,8 +83,10 @@ PRESETS = {"Llama 3 8B": LLAMA3_8B, "Llama 3 70B": LLAMA3_70B, "Llama 3 405B": L
 for seq, mbs, h in [(4096, 1, 4096), (8192, 1, 8192), (8192, 4, 16384)]:
     n = hidden_state_elements(seq, mbs, h)
     assert n == tokens(seq, mbs) * h
-    print(f"seq {seq:>5}, mbs {mbs}, h {h:>5}: {tokens(seq, mbs):>6,} tokens, hidden state {n:>13,} elements "
-          f"= {BYTES_PER_ELEMENT['bf16'] * n / 2**20:,.0f} MiB in bf16")
+    print(
+        f"seq {seq:>5}, mbs {mbs}, h {h:>5}: {tokens(seq, mbs):>6,} tokens, hidden state {n:>13,} elements "
+        f"= {BYTES_PER_ELEMENT['bf16'] * n / 2**20:,.0f} MiB in bf16"
+    )
 
 # %% [markdown]
 # ## 2. One transformer block: $16h^2$ or $12h^2$
@@ -80,6 +106,7 @@ for seq, mbs, h in [(4096, 1, 4096), (8192, 1, 8192), (8192, 4, 16384)]:
 # $12h^2$ without. We build both from the course model's own pieces, with `bias=False` and norms
 # without learned weights, and count what PyTorch allocated.
 
+
 # %%
 class PlainMLP(nn.Module):
     """The non-gated MLP without biases: h -> 4h -> h."""
@@ -96,8 +123,12 @@ class PlainMLP(nn.Module):
 def bias_free_block(h, heads, glu):
     """A pre-norm block of the course model with no biases and weightless norms."""
     mlp = SwiGLU(h, 4 * h) if glu else PlainMLP(h)
-    return Block(nn.RMSNorm(h, elementwise_affine=False), Attention(h, heads, heads, bias=False, kind="eager"),
-                 nn.RMSNorm(h, elementwise_affine=False), mlp)
+    return Block(
+        nn.RMSNorm(h, elementwise_affine=False),
+        Attention(h, heads, heads, bias=False, kind="eager"),
+        nn.RMSNorm(h, elementwise_affine=False),
+        mlp,
+    )
 
 
 def numel(module):
@@ -108,8 +139,10 @@ for h, heads in [(64, 4), (128, 8), (256, 8)]:
     for glu in (True, False):
         block = bias_free_block(h, heads, glu)
         assert numel(block) == block_params(h, glu) == (16 if glu else 12) * h * h
-        print(f"h = {h:>3}, {'GLU  ' if glu else 'plain'} MLP: {numel(block):>9,} parameters "
-              f"= {numel(block) // (h * h)} h²")
+        print(
+            f"h = {h:>3}, {'GLU  ' if glu else 'plain'} MLP: {numel(block):>9,} parameters "
+            f"= {numel(block) // (h * h)} h²"
+        )
 
 # %% [markdown]
 # Where they sit, matrix by matrix, for `h = 64` (the names are the course model's modules):
@@ -120,10 +153,16 @@ for glu in (True, False):
     block = bias_free_block(h, 4, glu)
     built = {name: p.numel() for name, p in block.named_parameters()}
     print(f"{'GLU' if glu else 'plain'}: " + ", ".join(f"{name} {n // (h * h)}h²" for name, n in built.items()))
-    grouped = {"attention q, k, v": sum(built[f"attn.{x}.weight"] for x in "qkv"), "attention out": built["attn.out.weight"],
-               **({"mlp gate + up": built["mlp.gate.weight"] + built["mlp.up.weight"]} if glu
-                  else {"mlp up": built["mlp.up.weight"]}),
-               "mlp down": built["mlp.down.weight"]}
+    grouped = {
+        "attention q, k, v": sum(built[f"attn.{x}.weight"] for x in "qkv"),
+        "attention out": built["attn.out.weight"],
+        **(
+            {"mlp gate + up": built["mlp.gate.weight"] + built["mlp.up.weight"]}
+            if glu
+            else {"mlp up": built["mlp.up.weight"]}
+        ),
+        "mlp down": built["mlp.down.weight"],
+    }
     assert grouped == block_matrices(h, glu)
 
 # %% [markdown]
@@ -142,8 +181,10 @@ for name, config in PRESETS.items():
     exact = (matmul_params(config) - config.vocab_size * h) // config.layers
     kv = config.kv_heads * config.head_dim
     assert exact == 2 * h * h + 2 * h * kv + 3 * h * config.ffn
-    print(f"{name:>12}: h = {h:>5}, ffn = {config.ffn:>5} = {config.ffn / h:.3g} h, {config.kv_heads} KV heads: "
-          f"block = {exact / h**2:.4g} h² (A2's estimate: 16 h²)")
+    print(
+        f"{name:>12}: h = {h:>5}, ffn = {config.ffn:>5} = {config.ffn / h:.3g} h, {config.kv_heads} KV heads: "
+        f"block = {exact / h**2:.4g} h² (A2's estimate: 16 h²)"
+    )
 
 # %% [markdown]
 # ## 3. Embeddings, the head, and the whole model
@@ -164,8 +205,10 @@ for h, v, layers in [(64, 256, 2), (768, 50257, 12), (12288, 50257, 96)]:
     config = GPTConfig(vocab_size=v, hidden=h, layers=layers, heads=4)
     estimate = model_params(h, layers, v, glu=False, tied=True)
     assert count_params(config) - estimate == 13 * h * layers + 2 * h
-    print(f"GPT h={h:>5}, L={layers:>2}: estimate {estimate:>15,}, exact {count_params(config):>15,} "
-          f"(+{count_params(config) - estimate:,} of biases and norms)")
+    print(
+        f"GPT h={h:>5}, L={layers:>2}: estimate {estimate:>15,}, exact {count_params(config):>15,} "
+        f"(+{count_params(config) - estimate:,} of biases and norms)"
+    )
 assert count_params(gpt_small) == numel(GPT(gpt_small))
 assert embedding_params(50257, 768, tied=False, max_seq_len=1024) == 2 * 50257 * 768 + 1024 * 768  # GPT-2 style, untied
 
@@ -199,8 +242,10 @@ print(", ".join(f"{k}: {v // h**2} h²" for k, v in states.items()))
 total = sum(states.values())
 assert total == 3 * h * h and BYTES_PER_ELEMENT["fp32"] * total == 12 * h * h
 assert BYTES_PER_ELEMENT["fp32"] * sum(optimizer_state_elements(1).values()) == model_state_bytes(1)["optimizer states"]
-print(f"total: {total // h**2} h² fp32 elements = {BYTES_PER_ELEMENT['fp32'] * total // h**2} h² bytes "
-      f"(the book prints {BOOK_OPTIMIZER_TOTAL_AS_PRINTED} h²)")
+print(
+    f"total: {total // h**2} h² fp32 elements = {BYTES_PER_ELEMENT['fp32'] * total // h**2} h² bytes "
+    f"(the book prints {BOOK_OPTIMIZER_TOTAL_AS_PRINTED} h²)"
+)
 
 # %% [markdown]
 # ## 5. FLOPs: 2TN forward, 4TN backward, measured
@@ -216,6 +261,7 @@ print(f"total: {total // h**2} h² fp32 elements = {BYTES_PER_ELEMENT['fp32'] * 
 # softmax is not counted: it is cheap next to the matmuls). We count the forward and the backward
 # separately, on the tiny GPT and a tiny Llama with eager attention.
 
+
 # %%
 def measured_flops(model, idx):
     """Matmul FLOPs of one forward (with the loss) and of its backward, counted by PyTorch."""
@@ -227,8 +273,10 @@ def measured_flops(model, idx):
 
 
 BATCH = 2
-MODELS = {"tiny GPT": GPTConfig(vocab_size=256, hidden=64, layers=2, heads=4, seq_len=64),
-          "tiny Llama": LlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, seq_len=64)}
+MODELS = {
+    "tiny GPT": GPTConfig(vocab_size=256, hidden=64, layers=2, heads=4, seq_len=64),
+    "tiny Llama": LlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, seq_len=64),
+}
 measured = {}
 for name, config in MODELS.items():
     torch.manual_seed(SEED)
@@ -241,8 +289,10 @@ for name, config in MODELS.items():
     T = BATCH * config.seq_len
     fwd, bwd = measured[name]
     n_mm = matmul_params(config)
-    print(f"{name:>10} {T:>4} {fwd:>11,} {forward_flops(T, n_mm):>11,} {fwd - forward_flops(T, n_mm):>11,} "
-          f"{bwd:>11,} {backward_flops(T, n_mm):>11,}")
+    print(
+        f"{name:>10} {T:>4} {fwd:>11,} {forward_flops(T, n_mm):>11,} {fwd - forward_flops(T, n_mm):>11,} "
+        f"{bwd:>11,} {backward_flops(T, n_mm):>11,}"
+    )
     assert bwd == 2 * fwd  # the backward is exactly twice the forward, attention included
 
 # %% [markdown]
@@ -263,10 +313,14 @@ for name, config in MODELS.items():
     assert attention_forward == T * 4 * config.layers * config.hidden * config.seq_len
     assert fwd == forward_flops(T, matmul_params(config)) + attention_forward
     assert bwd == backward_flops(T, matmul_params(config)) + 2 * attention_forward
-    assert fwd + bwd == training_flops(config, T, config.seq_len) - 6 * T * (count_params(config) - matmul_params(config))
-    print(f"{name}: forward = 2·T·N_mm + attention ({attention_forward:,}), backward = twice that; "
-          f"6·T·count_params over-counts by {6 * T * (count_params(config) - matmul_params(config)):,} "
-          "(norms, biases, the lookup table)")
+    assert fwd + bwd == training_flops(config, T, config.seq_len) - 6 * T * (
+        count_params(config) - matmul_params(config)
+    )
+    print(
+        f"{name}: forward = 2·T·N_mm + attention ({attention_forward:,}), backward = twice that; "
+        f"6·T·count_params over-counts by {6 * T * (count_params(config) - matmul_params(config)):,} "
+        "(norms, biases, the lookup table)"
+    )
 
 # %% [markdown]
 # How much does attention add at real sizes? Per token it is $12\,L\,h\,seq$ against $6N$, so its share
@@ -282,8 +336,13 @@ for name, config in PRESETS.items():
     share = [attention_flops_per_token(config, s) / (6 * count_params(config)) for s in SEQS]
     ax.plot(SEQS, share, "o-", label=name)
 ax.axhline(1, color="black", lw=0.8, ls=":")
-ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="attention FLOPs / 6N",
-       title="attention's share of the training FLOPs per token")
+ax.set(
+    xscale="log",
+    yscale="log",
+    xlabel="sequence length",
+    ylabel="attention FLOPs / 6N",
+    title="attention's share of the training FLOPs per token",
+)
 ax.set_xticks(SEQS, [f"{s // 1024}K" for s in SEQS])
 ax.legend(fontsize=8)
 share_8k = attention_flops_per_token(LLAMA3_8B, 8192) / (6 * count_params(LLAMA3_8B))
@@ -303,19 +362,27 @@ fig
 # %%
 SEQ, MBS = 8192, 1
 rows = {name: scale_row(config, seq=SEQ, mbs=MBS) for name, config in PRESETS.items()}
-print(f"{'':>12} {'h':>6} {'L':>4} {'hidden state':>14} {'block (A2)':>14} {'block':>14} "
-      f"{'params (A2)':>17} {'params':>17}")
+print(
+    f"{'':>12} {'h':>6} {'L':>4} {'hidden state':>14} {'block (A2)':>14} {'block':>14} "
+    f"{'params (A2)':>17} {'params':>17}"
+)
 for name, config in PRESETS.items():
     r = rows[name]
-    print(f"{name:>12} {config.hidden:>6} {config.layers:>4} {r['hidden state']:>14,} {r['block (A2)']:>14,} "
-          f"{r['block (exact)']:>14,} {r['parameters (A2)']:>17,} {r['parameters']:>17,}")
+    print(
+        f"{name:>12} {config.hidden:>6} {config.layers:>4} {r['hidden state']:>14,} {r['block (A2)']:>14,} "
+        f"{r['block (exact)']:>14,} {r['parameters (A2)']:>17,} {r['parameters']:>17,}"
+    )
 print()
-print(f"{'':>12} {'hidden state':>13} {'weights':>10} {'gradients':>10} {'optimizer':>10} {'fwd FLOPs':>11} "
-      f"{'bwd FLOPs':>11}   (bytes in GB = 1e9; FLOPs per micro-batch)")
+print(
+    f"{'':>12} {'hidden state':>13} {'weights':>10} {'gradients':>10} {'optimizer':>10} {'fwd FLOPs':>11} "
+    f"{'bwd FLOPs':>11}   (bytes in GB = 1e9; FLOPs per micro-batch)"
+)
 for name in PRESETS:
     r, b = rows[name], rows[name]["bytes"]
-    print(f"{name:>12} {b['hidden state'] / GB:>10.3f} GB {b['parameters'] / GB:>7.0f} GB {b['gradients'] / GB:>7.0f} GB "
-          f"{b['optimizer states'] / GB:>7.0f} GB {r['forward FLOPs']:>11.2e} {r['backward FLOPs']:>11.2e}")
+    print(
+        f"{name:>12} {b['hidden state'] / GB:>10.3f} GB {b['parameters'] / GB:>7.0f} GB {b['gradients'] / GB:>7.0f} GB "
+        f"{b['optimizer states'] / GB:>7.0f} GB {r['forward FLOPs']:>11.2e} {r['backward FLOPs']:>11.2e}"
+    )
 
 r8 = rows["Llama 3 8B"]
 assert r8["parameters"] == count_params(LLAMA3_8B) == 8_030_261_248
@@ -344,7 +411,13 @@ colours = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer states": 
 bottom = [0.0] * len(rows)
 for kind in kinds:
     heights = [rows[name]["bytes"][kind] / GB for name in rows]
-    ax.bar(list(rows), heights, bottom=bottom, color=colours[kind], label=f"{kind} ({'fp32' if kind == 'optimizer states' else 'bf16'})")
+    ax.bar(
+        list(rows),
+        heights,
+        bottom=bottom,
+        color=colours[kind],
+        label=f"{kind} ({'fp32' if kind == 'optimizer states' else 'bf16'})",
+    )
     bottom = [b + x for b, x in zip(bottom, heights)]
 ax.axhline(80, color="black", ls="--", lw=1)
 ax.text(-0.4, 80, "80 GB (one H100)", va="bottom", fontsize=8)

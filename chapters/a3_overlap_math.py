@@ -85,13 +85,13 @@ assert block == 16 * h**2
 def derive(name, t_comm, t_compute):
     """Print both times and their simplified ratio; return the ratio."""
     ratio = sp.simplify(t_comm / t_compute)
-    print(f"{name}\n  t_comm    = {sp.simplify(t_comm)}\n  t_compute = {sp.simplify(t_compute)}\n"
-          f"  ratio     = {ratio}")
+    print(f"{name}\n  t_comm    = {sp.simplify(t_comm)}\n  t_compute = {sp.simplify(t_compute)}\n  ratio     = {ratio}")
     return ratio
 
 
 def same(a, b):
     return sp.simplify(a - b) == 0
+
 
 # %% [markdown]
 # ### ZeRO-3
@@ -101,8 +101,11 @@ def same(a, b):
 # one block on a micro-batch is $2 \cdot seq \cdot mbs \cdot 16h^2 = 32\,seq\,mbs\,h^2$ FLOPs.
 
 # %%
-zero3 = derive("ZeRO-3 (prefetch one block during the previous block's forward)",
-               overlap.zero3_comm_time(block, DP, peak_bw), overlap.zero3_compute_time(block, seq, mbs, peak_flops))
+zero3 = derive(
+    "ZeRO-3 (prefetch one block during the previous block's forward)",
+    overlap.zero3_comm_time(block, DP, peak_bw),
+    overlap.zero3_compute_time(block, seq, mbs, peak_flops),
+)
 book_zero3 = 1 / (2 * seq * mbs) * (DP - 1) / DP * peak_flops / peak_bw
 assert same(zero3, book_zero3)
 assert h not in zero3.free_symbols  # the block's size cancels
@@ -127,8 +130,11 @@ print("ZeRO-3 bytes per rank and step:", sp.simplify(overlap.zero3_bytes_per_ste
 # collective is an $h \times h$ matmul of the micro-batch, split $TP$ ways.
 
 # %%
-tp = derive("TP (one all-gather or reduce-scatter against one h x h matmul shard)",
-            overlap.tp_comm_time(seq, mbs, h, TP, peak_bw), overlap.tp_compute_time(seq, mbs, h, TP, peak_flops))
+tp = derive(
+    "TP (one all-gather or reduce-scatter against one h x h matmul shard)",
+    overlap.tp_comm_time(seq, mbs, h, TP, peak_bw),
+    overlap.tp_compute_time(seq, mbs, h, TP, peak_flops),
+)
 assert same(tp, (TP - 1) / (2 * h) * peak_flops / peak_bw)
 assert tp.free_symbols.isdisjoint({seq, mbs})
 assert same(overlap.tp_bytes_per_block(seq, mbs, h, TP) * L, 8 * L * seq * mbs * h / TP)
@@ -142,8 +148,11 @@ print("= the book's ((TP-1)/(2h))·(peak_flops/peak_bw): no seq, no mbs")
 # of the previous micro-batch through its `L_stage` layers.
 
 # %%
-pp = derive("PP (one activation send against the next stage's forward)",
-            overlap.pp_comm_time(seq, mbs, h, peak_bw), overlap.pp_compute_time(seq, mbs, h, L_stage, peak_flops))
+pp = derive(
+    "PP (one activation send against the next stage's forward)",
+    overlap.pp_comm_time(seq, mbs, h, peak_bw),
+    overlap.pp_compute_time(seq, mbs, h, L_stage, peak_flops),
+)
 assert same(pp, peak_flops / (32 * h * L_stage * peak_bw))
 assert pp.free_symbols.isdisjoint({seq, mbs})
 gas = sp.symbols("gas", positive=True)
@@ -166,11 +175,17 @@ print("= the book's peak_flops/(32·h·num_layers_in_next_pp·peak_bw): no seq, 
 
 # %%
 T_tokens, N_params = sp.symbols("num_tokens num_params", positive=True)
-per_bucket = derive("DP, one bucket against the whole backward",
-                    overlap.dp_comm_time(bucket, DP, peak_bw), overlap.dp_compute_time(T_tokens, N_params, peak_flops))
+per_bucket = derive(
+    "DP, one bucket against the whole backward",
+    overlap.dp_comm_time(bucket, DP, peak_bw),
+    overlap.dp_compute_time(T_tokens, N_params, peak_flops),
+)
 print()
-dp = derive("DP, the whole gradient against the whole backward",
-            overlap.dp_comm_time(N_params, DP, peak_bw), overlap.dp_compute_time(T_tokens, N_params, peak_flops))
+dp = derive(
+    "DP, the whole gradient against the whole backward",
+    overlap.dp_comm_time(N_params, DP, peak_bw),
+    overlap.dp_compute_time(T_tokens, N_params, peak_flops),
+)
 assert same(dp, overlap.dp_ratio(T_tokens, N_params, DP, peak_flops, peak_bw))
 assert same(dp, 1 / (2 * T_tokens) * (DP - 1) / DP * peak_flops / peak_bw)
 assert N_params not in dp.free_symbols
@@ -221,7 +236,7 @@ assert {str(s) for s in pp.free_symbols} == {"h", "L_stage", "peak_flops", "peak
 # `h = 8192` and a micro-batch of one 4096-token sequence:
 
 # %%
-H100_FLOPS, NVLINK_BW, IB_BW = 989e12, 450e9, 50e9      # assumptions (spec sheets), see above
+H100_FLOPS, NVLINK_BW, IB_BW = 989e12, 450e9, 50e9  # assumptions (spec sheets), see above
 setting = dict(h=8192, seq=4096, mbs=1, tp=8, dp=64, layers_per_stage=4, peak_flops=H100_FLOPS, bytes_per_element=2)
 for link, bw in (("NVLink (in a node)", NVLINK_BW), ("InfiniBand (between nodes)", IB_BW)):
     values = overlap.overlap_ratios(**setting, peak_bw=bw)
@@ -235,7 +250,9 @@ assert in_node["TP"] > 1 and across["PP"] < 1 and in_node["DP"] < 1 < across["DP
 # (measured only on a GPU; the sliders start from the spec-sheet number either way)
 if torch.cuda.is_available():
     bf16 = overlap.measure_matmul_flops(8192, dtype=torch.bfloat16, device="cuda", repeats=10)
-    print(f"this GPU: {bf16 / 1e12:.0f} TFLOP/s for an 8192² bf16 matmul (spec-sheet H100 peak: {H100_FLOPS / 1e12:.0f})")
+    print(
+        f"this GPU: {bf16 / 1e12:.0f} TFLOP/s for an 8192² bf16 matmul (spec-sheet H100 peak: {H100_FLOPS / 1e12:.0f})"
+    )
 else:
     print("no GPU here: a GPU would measure its bf16 matmul FLOP/s in this cell")
 
@@ -254,17 +271,31 @@ else:
 # chosen `h` marked.
 
 # %%
-POW2 = {"h": [2**k for k in range(10, 16)], "tp": [2**k for k in range(0, 7)], "dp": [2**k for k in range(1, 11)],
-        "seq": [2**k for k in range(9, 18)], "mbs": [2**k for k in range(0, 6)],
-        "layers_per_stage": [1, 2, 4, 8, 16, 32]}
+POW2 = {
+    "h": [2**k for k in range(10, 16)],
+    "tp": [2**k for k in range(0, 7)],
+    "dp": [2**k for k in range(1, 11)],
+    "seq": [2**k for k in range(9, 18)],
+    "mbs": [2**k for k in range(0, 6)],
+    "layers_per_stage": [1, 2, 4, 8, 16, 32],
+}
 COLOURS = {"DP": "#4c72b0", "ZeRO-3": "#da8bc3", "TP": "#dd8452", "PP": "#55a868"}
 
 
-def overlap_figure(h=8192, tp=8, dp=64, seq=4096, mbs=1, layers_per_stage=4, peak_tflops=989.0, peak_gbs=450.0,
-                   bytes_per_element=2):
+def overlap_figure(
+    h=8192, tp=8, dp=64, seq=4096, mbs=1, layers_per_stage=4, peak_tflops=989.0, peak_gbs=450.0, bytes_per_element=2
+):
     """The four overlap ratios for one setting (left) and across model widths (right)."""
-    knobs = dict(seq=seq, mbs=mbs, tp=tp, dp=dp, layers_per_stage=layers_per_stage, peak_flops=peak_tflops * 1e12,
-                 peak_bw=peak_gbs * 1e9, bytes_per_element=bytes_per_element)
+    knobs = dict(
+        seq=seq,
+        mbs=mbs,
+        tp=tp,
+        dp=dp,
+        layers_per_stage=layers_per_stage,
+        peak_flops=peak_tflops * 1e12,
+        peak_bw=peak_gbs * 1e9,
+        bytes_per_element=bytes_per_element,
+    )
     values = overlap.overlap_ratios(h=h, **knobs)
     fig = Figure(figsize=(11, 3.6), layout="constrained")
     bars, sweep = fig.subplots(1, 2)
@@ -272,15 +303,25 @@ def overlap_figure(h=8192, tp=8, dp=64, seq=4096, mbs=1, layers_per_stage=4, pea
     for i, v in enumerate(values.values()):
         bars.text(i, v, f"{v:.2g}", ha="center", va="bottom", fontsize=8)
     bars.axhline(1, color="black", ls="--", lw=1)
-    bars.set(yscale="log", ylabel="t_comm / t_compute",
-             title=f"h {h}, TP {tp}, DP {dp}, seq {seq}, mbs {mbs}, {layers_per_stage} layers/stage")
+    bars.set(
+        yscale="log",
+        ylabel="t_comm / t_compute",
+        title=f"h {h}, TP {tp}, DP {dp}, seq {seq}, mbs {mbs}, {layers_per_stage} layers/stage",
+    )
     widths = np.array([2.0**k for k in np.arange(9, 16.01, 0.25)])
     for name, colour in COLOURS.items():
-        sweep.plot(widths, overlap.overlap_ratios(h=widths, **knobs)[name] * np.ones_like(widths), color=colour, label=name)
+        sweep.plot(
+            widths, overlap.overlap_ratios(h=widths, **knobs)[name] * np.ones_like(widths), color=colour, label=name
+        )
     sweep.axhspan(1, 1e6, color="#c44e52", alpha=0.08, label="communication shows")
     sweep.axvline(h, color="black", lw=0.8, ls=":")
-    sweep.set(xscale="log", yscale="log", xlabel="hidden size h", ylim=(1e-4, 1e3),
-              title=f"{peak_tflops:g} TFLOP/s, {peak_gbs:g} GB/s, {bytes_per_element} bytes per element")
+    sweep.set(
+        xscale="log",
+        yscale="log",
+        xlabel="hidden size h",
+        ylim=(1e-4, 1e3),
+        title=f"{peak_tflops:g} TFLOP/s, {peak_gbs:g} GB/s, {bytes_per_element} bytes per element",
+    )
     sweep.legend(fontsize=8, loc="upper right")
     return fig
 
@@ -291,13 +332,17 @@ def overlap_widget():
     def stops(name, value):
         return w.SelectionSlider(options=POW2[name], value=value, description=name, continuous_update=False)
 
-    controls = dict(h=stops("h", 8192), tp=stops("tp", 8), dp=stops("dp", 64), seq=stops("seq", 4096),
-                    mbs=stops("mbs", 1), layers_per_stage=stops("layers_per_stage", 4),
-                    peak_tflops=w.FloatLogSlider(value=989, base=10, min=0, max=4, description="TFLOP/s",
-                                                 continuous_update=False),
-                    peak_gbs=w.FloatLogSlider(value=450, base=10, min=0, max=3.5, description="GB/s",
-                                              continuous_update=False),
-                    bytes_per_element=w.Dropdown(options=[1, 2, 4], value=2, description="bytes/elem"))
+    controls = dict(
+        h=stops("h", 8192),
+        tp=stops("tp", 8),
+        dp=stops("dp", 64),
+        seq=stops("seq", 4096),
+        mbs=stops("mbs", 1),
+        layers_per_stage=stops("layers_per_stage", 4),
+        peak_tflops=w.FloatLogSlider(value=989, base=10, min=0, max=4, description="TFLOP/s", continuous_update=False),
+        peak_gbs=w.FloatLogSlider(value=450, base=10, min=0, max=3.5, description="GB/s", continuous_update=False),
+        bytes_per_element=w.Dropdown(options=[1, 2, 4], value=2, description="bytes/elem"),
+    )
     image = w.Image(format="png")
 
     def redraw(_=None):
@@ -311,7 +356,8 @@ def overlap_widget():
     boxes = list(controls.values())
     # saved without a kernel, the widget's text is this line rather than the widget tree
     return with_text_repr(w.VBox, "[overlap sliders: run this cell in JupyterLab to move them]")(
-        [w.HBox([w.VBox(boxes[:5]), w.VBox(boxes[5:])]), image])
+        [w.HBox([w.VBox(boxes[:5]), w.VBox(boxes[5:])]), image]
+    )
 
 
 # %% tags=["nbval-ignore-output"]
@@ -363,15 +409,17 @@ print(f"PP between nodes (h = 8192): {min_layers} layer(s) per stage already hid
 # when the notebook is re-run.
 
 # %%
-DP_CONFIG = GPTConfig(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32)       # chapter 02 (QUICK)
+DP_CONFIG = GPTConfig(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32)  # chapter 02 (QUICK)
 DP_MBS, DP_BUCKET_MB = 2, 0.25
-ZERO_CONFIG = GPTConfig(vocab_size=256, hidden=128, layers=6, heads=4, seq_len=64)   # chapter 03's timeline model
+ZERO_CONFIG = GPTConfig(vocab_size=256, hidden=128, layers=6, heads=4, seq_len=64)  # chapter 03's timeline model
 ZERO_MBS = 4
 FP32 = 4  # bytes per element: these CPU runs train in fp32
 dp_bytes = FP32 * count_params(DP_CONFIG)
 zero_block_params = sum(p.numel() for p in GPT(ZERO_CONFIG).blocks[0].parameters())
-print(f"chapter 02's DP: {format_bytes(dp_bytes)} of gradients in buckets closed at {DP_BUCKET_MB} MiB; "
-      f"chapter 03's ZeRO-3: blocks of {format_bytes(FP32 * zero_block_params)}")
+print(
+    f"chapter 02's DP: {format_bytes(dp_bytes)} of gradients in buckets closed at {DP_BUCKET_MB} MiB; "
+    f"chapter 03's ZeRO-3: blocks of {format_bytes(FP32 * zero_block_params)}"
+)
 
 cluster = Cluster(WORLD_SIZE, backend="gloo")  # gloo and CPU tensors, on any machine
 REPEATS = 3 if QUICK else 15
@@ -384,7 +432,7 @@ def achieved_flops(ctx, config, mbs, repeats):
     batch = Batches(config, mbs=mbs, seed=SEED).rank_batch(ctx.rank, ctx.world_size, 0).to(ctx.device)
     seconds = []
     for i in range(1 + repeats):  # one warm-up step
-        wait_for_device(ctx.device)   # on a GPU: time the kernels, not their launch
+        wait_for_device(ctx.device)  # on a GPU: time the kernels, not their launch
         start = time.perf_counter()
         batch.loss(model).backward()
         wait_for_device(ctx.device)
@@ -396,9 +444,11 @@ def achieved_flops(ctx, config, mbs, repeats):
 
 def calibrate(ctx, sizes, repeats):
     dist.barrier()
-    flops = {"matmul 512": overlap.measure_matmul_flops(512, device=ctx.device, repeats=repeats),
-             "chapter 02 model": achieved_flops(ctx, DP_CONFIG, DP_MBS, repeats),
-             "chapter 03 model": achieved_flops(ctx, ZERO_CONFIG, ZERO_MBS, repeats)}
+    flops = {
+        "matmul 512": overlap.measure_matmul_flops(512, device=ctx.device, repeats=repeats),
+        "chapter 02 model": achieved_flops(ctx, DP_CONFIG, DP_MBS, repeats),
+        "chapter 03 model": achieved_flops(ctx, ZERO_CONFIG, ZERO_MBS, repeats),
+    }
     bandwidth = {op: bus_bandwidth_sweep(ctx, sizes[op], op=op, iters=repeats) for op in sizes}
     return flops, bandwidth
 
@@ -408,15 +458,19 @@ calibration = cluster.run(calibrate, sizes, REPEATS)
 
 # %% tags=["nbval-ignore-output"]
 FLOPS = {name: statistics.median(flops[name] for flops, _ in calibration) for name in calibration[0][0]}
-BW = {op: points[0]["busbw"] for op, points in calibration[0][1].items()}   # the same on every rank
+BW = {op: points[0]["busbw"] for op, points in calibration[0][1].items()}  # the same on every rank
 for name, value in FLOPS.items():
     print(f"{name:>17}: {value / 1e9:6.2f} GFLOP/s per rank, {WORLD_SIZE} ranks busy at once")
 for op, points in calibration[0][1].items():
     p = points[0]
-    print(f"gloo {op:>10} of {format_bytes(p['size']):>10}: {1e3 * p['time_s']:.2f} ms, "
-          f"bus bandwidth {p['busbw'] / 1e9:.3f} GB/s")
-print(f"peak_flops / peak_bw = {FLOPS['matmul 512'] / BW['all_reduce']:.0f} FLOPs per byte with the matmul peak "
-      f"(an H100 over NVLink: {H100_FLOPS / NVLINK_BW:.0f})")
+    print(
+        f"gloo {op:>10} of {format_bytes(p['size']):>10}: {1e3 * p['time_s']:.2f} ms, "
+        f"bus bandwidth {p['busbw'] / 1e9:.3f} GB/s"
+    )
+print(
+    f"peak_flops / peak_bw = {FLOPS['matmul 512'] / BW['all_reduce']:.0f} FLOPs per byte with the matmul peak "
+    f"(an H100 over NVLink: {H100_FLOPS / NVLINK_BW:.0f})"
+)
 
 # %%
 assert all(value > 0 for value in FLOPS.values()) and all(bw > 0 for bw in BW.values())
@@ -436,10 +490,14 @@ dp_tokens = DP_MBS * DP_CONFIG.seq_len
 
 def predict(name, flops):
     if name == "bucketed DP":
-        return (overlap.dp_comm_time(dp_bytes, WORLD_SIZE, BW["all_reduce"]),
-                overlap.dp_compute_time(dp_tokens, count_params(DP_CONFIG), flops))
-    return (overlap.zero3_comm_time(zero_block_params, WORLD_SIZE, BW["all_gather"], FP32),
-            overlap.zero3_compute_time(zero_block_params, ZERO_CONFIG.seq_len, ZERO_MBS, flops))
+        return (
+            overlap.dp_comm_time(dp_bytes, WORLD_SIZE, BW["all_reduce"]),
+            overlap.dp_compute_time(dp_tokens, count_params(DP_CONFIG), flops),
+        )
+    return (
+        overlap.zero3_comm_time(zero_block_params, WORLD_SIZE, BW["all_gather"], FP32),
+        overlap.zero3_compute_time(zero_block_params, ZERO_CONFIG.seq_len, ZERO_MBS, flops),
+    )
 
 
 prediction = {}
@@ -447,15 +505,28 @@ for name, model_flops in (("bucketed DP", "chapter 02 model"), ("ZeRO-3 prefetch
     for label, flops in (("matmul peak", FLOPS["matmul 512"]), ("achieved", FLOPS[model_flops])):
         t_comm, t_compute = predict(name, flops)
         prediction[name, label] = t_comm / t_compute
-        print(f"{name:>16}, {label:>11} FLOP/s: t_comm {1e3 * t_comm:6.2f} ms, t_compute {1e3 * t_compute:6.2f} ms, "
-              f"ratio {t_comm / t_compute:6.2f}: communication {'can hide' if t_comm <= t_compute else 'will show'}")
+        print(
+            f"{name:>16}, {label:>11} FLOP/s: t_comm {1e3 * t_comm:6.2f} ms, t_compute {1e3 * t_compute:6.2f} ms, "
+            f"ratio {t_comm / t_compute:6.2f}: communication {'can hide' if t_comm <= t_compute else 'will show'}"
+        )
 # the library's closed forms give the same ratios
-assert np.isclose(prediction["bucketed DP", "achieved"],
-                  overlap.dp_ratio(dp_tokens, count_params(DP_CONFIG), WORLD_SIZE, FLOPS["chapter 02 model"],
-                                   BW["all_reduce"], bytes_per_element=FP32))
-assert np.isclose(prediction["ZeRO-3 prefetch", "achieved"],
-                  overlap.zero3_ratio(ZERO_CONFIG.seq_len, ZERO_MBS, WORLD_SIZE, FLOPS["chapter 03 model"],
-                                      BW["all_gather"], bytes_per_element=FP32))
+assert np.isclose(
+    prediction["bucketed DP", "achieved"],
+    overlap.dp_ratio(
+        dp_tokens,
+        count_params(DP_CONFIG),
+        WORLD_SIZE,
+        FLOPS["chapter 02 model"],
+        BW["all_reduce"],
+        bytes_per_element=FP32,
+    ),
+)
+assert np.isclose(
+    prediction["ZeRO-3 prefetch", "achieved"],
+    overlap.zero3_ratio(
+        ZERO_CONFIG.seq_len, ZERO_MBS, WORLD_SIZE, FLOPS["chapter 03 model"], BW["all_gather"], bytes_per_element=FP32
+    ),
+)
 
 # %% [markdown]
 # ## 5. ...and what the timelines say
@@ -464,6 +535,7 @@ assert np.isclose(prediction["ZeRO-3 prefetch", "achieved"],
 # on chapter 02's model and micro-batch, and `apply_zero(stage=3, prefetch=True)` on chapter 03's
 # timeline model. A `Timeline` records every block's forward and backward (`instrument`) and every
 # collective from launch to completion; a first step warms up, the second is kept.
+
 
 # %%
 def record_dp_step(ctx):
@@ -514,25 +586,35 @@ for name in ProgressBar("recording one step of each").iterate(["bucketed DP", "Z
 for rows, elements, buckets in runs["bucketed DP"]:
     assert elements["all_reduce elements"] == count_params(DP_CONFIG) == sum(buckets) // FP32
     assert elements["all_reduce"] == len(buckets)
-print(f"bucketed DP: {len(buckets)} all-reduces of {', '.join(format_bytes(b) for b in buckets)} "
-      f"= every gradient element once ({count_params(DP_CONFIG):,})")
+print(
+    f"bucketed DP: {len(buckets)} all-reduces of {', '.join(format_bytes(b) for b in buckets)} "
+    f"= every gradient element once ({count_params(DP_CONFIG):,})"
+)
 
 for rows, padded in runs["ZeRO-3 prefetch"]:
     for i, numel in enumerate(padded):
         moved = sum(e["nbytes"] for e in rows if e["lane"] == "communication" and e["name"].endswith(f" unit {i}"))
         assert moved == (3 if i < len(padded) - 1 else 2) * FP32 * numel, (i, moved, numel)
-print(f"ZeRO-3: each of the first {len(padded) - 1} blocks moved 3 x its {FP32 * padded[0]:,} bytes "
-      f"(padded to a multiple of {WORLD_SIZE} elements), the last one 2 x")
+print(
+    f"ZeRO-3: each of the first {len(padded) - 1} blocks moved 3 x its {FP32 * padded[0]:,} bytes "
+    f"(padded to a multiple of {WORLD_SIZE} elements), the last one 2 x"
+)
 
 # %% [markdown]
 # Then the timelines, and the comparison. For each step: the time communication kept the link
 # busy, the time the blocks computed, their quotient (the measured counterpart of the ratio), and
 # the share of the communication that ran while a block was computing.
 
+
 # %% tags=["nbval-ignore-output"]
 def lane_seconds(rows, rank, lane, prefix=""):
-    return covered_seconds([(e["start"], e["end"]) for e in rows
-                            if e["rank"] == rank and e["lane"] == lane and e["name"].startswith(prefix)])
+    return covered_seconds(
+        [
+            (e["start"], e["end"])
+            for e in rows
+            if e["rank"] == rank and e["lane"] == lane and e["name"].startswith(prefix)
+        ]
+    )
 
 
 fig = Figure(figsize=(11, 1.2 * WORLD_SIZE + 2.4))
@@ -546,9 +628,11 @@ for ax, (name, per_rank) in zip(axes, runs.items()):
     hidden = overlap_seconds(rows) / sum(comm)
     measured[name] = (statistics.median(c / p for c, p in zip(comm, compute)), hidden)
 for name, (ratio, hidden) in measured.items():
-    print(f"{name:>16}: predicted ratio {prediction[name, 'matmul peak']:.2f} (matmul peak), "
-          f"{prediction[name, 'achieved']:.2f} (achieved FLOP/s); measured comm/compute {ratio:.2f}, "
-          f"{hidden:.0%} of the communication overlapped a block")
+    print(
+        f"{name:>16}: predicted ratio {prediction[name, 'matmul peak']:.2f} (matmul peak), "
+        f"{prediction[name, 'achieved']:.2f} (achieved FLOP/s); measured comm/compute {ratio:.2f}, "
+        f"{hidden:.0%} of the communication overlapped a block"
+    )
 fig
 
 # %% [markdown]

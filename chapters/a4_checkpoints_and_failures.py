@@ -46,8 +46,14 @@ from matplotlib.figure import Figure
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ultrascale.checkpoint import (SampleLoader, checkpoint_steps, latest_checkpoint, load_checkpoint,
-                                   save_checkpoint, save_checkpoint_async)
+from ultrascale.checkpoint import (
+    SampleLoader,
+    checkpoint_steps,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_checkpoint_async,
+)
 from ultrascale.checkpoint.failures import checkpoint_seconds, daly_interval, simulate_run, young_interval
 from ultrascale.comm import wait_for_device
 from ultrascale.model import GPT, LLAMA3_405B, GPTConfig, count_params
@@ -57,11 +63,13 @@ from ultrascale.train import run_steps
 
 assert WORLD_SIZE >= 2, "a sharded checkpoint needs at least two ranks: set WORLD_SIZE >= 2"
 RESUME_SIZE = max(1, WORLD_SIZE - 1)
-STEPS = 2 if QUICK else 5           # steps before the checkpoint, and again after it
+STEPS = 2 if QUICK else 5  # steps before the checkpoint, and again after it
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
-GLOBAL_BATCH = 12                   # samples per step, whatever the number of ranks
+GLOBAL_BATCH = 12  # samples per step, whatever the number of ranks
 for n in (WORLD_SIZE, RESUME_SIZE):
-    assert GLOBAL_BATCH % n == 0, f"{GLOBAL_BATCH} samples per step do not split over {n} ranks: pick another WORLD_SIZE"
+    assert GLOBAL_BATCH % n == 0, (
+        f"{GLOBAL_BATCH} samples per step do not split over {n} ranks: pick another WORLD_SIZE"
+    )
 ROOT = Path(tempfile.mkdtemp(prefix="a4-"))
 torch.manual_seed(SEED)
 
@@ -91,6 +99,7 @@ def fresh_model(device=None):
 # One reference run first: one process, the whole global batch each step, `2 * STEPS` Adam steps.
 # Every distributed run below must end with exactly its weights and optimizer state.
 
+
 # %%
 def train_one_process(steps):
     model = fresh_model()
@@ -108,8 +117,10 @@ def read_whole(path) -> dict:
 
 model, optimizer, data = train_one_process(2 * STEPS)
 reference = read_whole(save_checkpoint(ROOT / "reference", 2 * STEPS, model, optimizer, loader=data))
-print(f"the reference checkpoint holds {sum(k.startswith('model.') for k in reference)} weights and "
-      f"{sum(k.startswith('optim.') for k in reference)} optimizer tensors (exp_avg, exp_avg_sq, step each)")
+print(
+    f"the reference checkpoint holds {sum(k.startswith('model.') for k in reference)} weights and "
+    f"{sum(k.startswith('optim.') for k in reference)} optimizer tensors (exp_avg, exp_avg_sq, step each)"
+)
 
 # %% [markdown]
 # ## 2. ZeRO's flat shards as boxes of the global tensors
@@ -185,10 +196,13 @@ def assert_same_training_state(got: dict, want: dict, what: str) -> float:
 resumed = Cluster(RESUME_SIZE)
 first = resumed.run(train_zero_and_save, ROOT / "zero3", 3, STEPS, ROOT / "zero1")
 assert first == [STEPS * GLOBAL_BATCH] * RESUME_SIZE, "the loader resumes where the old ranks stopped"
-assert_same_training_state(read_whole(latest_checkpoint(ROOT / "zero3")), reference,
-                           f"ZeRO-1 x{WORLD_SIZE} -> ZeRO-3 x{RESUME_SIZE}")
-print(f"ZeRO-1 on {WORLD_SIZE} ranks -> ZeRO-3 on {RESUME_SIZE}: every weight and Adam state equals the "
-      f"uninterrupted run's after {STEPS} more steps (to {TOL:g})")
+assert_same_training_state(
+    read_whole(latest_checkpoint(ROOT / "zero3")), reference, f"ZeRO-1 x{WORLD_SIZE} -> ZeRO-3 x{RESUME_SIZE}"
+)
+print(
+    f"ZeRO-1 on {WORLD_SIZE} ranks -> ZeRO-3 on {RESUME_SIZE}: every weight and Adam state equals the "
+    f"uninterrupted run's after {STEPS} more steps (to {TOL:g})"
+)
 
 # %% [markdown]
 # The keys are the ones PyTorch's own `get_state_dict` gives an FSDP2 model (`model.<name>`,
@@ -203,6 +217,7 @@ print(f"ZeRO-1 on {WORLD_SIZE} ranks -> ZeRO-3 on {RESUME_SIZE}: every weight an
 # another layout, among them dp 2 x tp 2 with the experts over the data ranks and ZeRO-1, as
 # ZeRO-3 on 3 ranks.
 
+
 # %%
 def train_fsdp2_and_save(ctx, root, steps, resume_from):
     model = fsdp2(fresh_model(ctx.device), device_mesh_1d(ctx))
@@ -214,8 +229,9 @@ def train_fsdp2_and_save(ctx, root, steps, resume_from):
 
 
 resumed.run(train_fsdp2_and_save, ROOT / "fsdp2", STEPS, ROOT / "zero1")
-assert_same_training_state(read_whole(latest_checkpoint(ROOT / "fsdp2")), reference,
-                           f"ZeRO-1 x{WORLD_SIZE} -> FSDP2 x{RESUME_SIZE}")
+assert_same_training_state(
+    read_whole(latest_checkpoint(ROOT / "fsdp2")), reference, f"ZeRO-1 x{WORLD_SIZE} -> FSDP2 x{RESUME_SIZE}"
+)
 print(f"ZeRO-1 on {WORLD_SIZE} ranks -> torch's FSDP2 on {RESUME_SIZE}: the same state after {STEPS} more steps")
 
 # %% [markdown]
@@ -229,13 +245,14 @@ print(f"ZeRO-1 on {WORLD_SIZE} ranks -> torch's FSDP2 on {RESUME_SIZE}: the same
 # the write and commits the checkpoint (below). We time a step with each kind of save beside a
 # step with none.
 
+
 # %%
 def time_saves(ctx, root, steps):
     model, zero, data = build(ctx, 1)
-    run_steps(model, data, 1, zero)                       # warm up
+    run_steps(model, data, 1, zero)  # warm up
     seconds = {}
     for kind in ("no save", "blocking save", "background save"):
-        wait_for_device(ctx.device)   # on a GPU: time the steps' kernels, not their launches
+        wait_for_device(ctx.device)  # on a GPU: time the steps' kernels, not their launches
         pending, start = None, time.perf_counter()
         for step in range(steps):
             run_steps(model, data, 1, zero)
@@ -271,8 +288,10 @@ fig
 psi = count_params(LLAMA3_405B)
 for ranks, gb_s in ((1, 5.0), (2048, 5.0), (16384, 5.0)):
     seconds = checkpoint_seconds(psi, 14, gb_s, ranks)
-    print(f"{psi / 1e9:.0f}B parameters x 14 bytes = {psi * 14 / 1e12:.1f} TB; {ranks:>5} rank{'s' if ranks > 1 else ' '} writing at "
-          f"{gb_s:g} GB/s each: {seconds:,.1f} s")
+    print(
+        f"{psi / 1e9:.0f}B parameters x 14 bytes = {psi * 14 / 1e12:.1f} TB; {ranks:>5} rank{'s' if ranks > 1 else ' '} writing at "
+        f"{gb_s:g} GB/s each: {seconds:,.1f} s"
+    )
 assert checkpoint_seconds(1e9, 14, 1.0, 1) == 14.0
 
 # %% [markdown]
@@ -293,6 +312,7 @@ assert checkpoint_seconds(1e9, 14, 1.0, 1) == 14.0
 # restarts all ranks. The second run resumes from the last *complete* checkpoint (step 1),
 # and rank 0 dies in the middle of step 3. The third run resumes from step 2 and finishes.
 
+
 # %%
 def run_with_failures(ctx, root, last_step, kill=None):
     model, zero, data = build(ctx, 2)
@@ -304,7 +324,7 @@ def run_with_failures(ctx, root, last_step, kill=None):
 
     for step in range(done + 1, last_step + 1):
         if kill == (ctx.rank, step, "step"):
-            data.next_batch().loss(model)                 # a forward ... and the process is gone
+            data.next_batch().loss(model)  # a forward ... and the process is gone
             die()
         run_steps(model, data, 1, zero)
         dies_in_save = kill == (ctx.rank, step, "save")
@@ -322,8 +342,10 @@ for attempt, (kill, complete_after) in enumerate(plan, start=1):
     except RankError as error:
         (dead,) = [r for r, f in error.failures.items() if f.type_name == "died"]
         where = f"the save of step {kill[1]}" if kill[2] == "save" else f"the middle of step {kill[1]}"
-        print(f"run {attempt}: rank {dead} died in {where}; complete checkpoints: "
-              f"{checkpoint_steps(root)}, so step {kill[1]} is redone")
+        print(
+            f"run {attempt}: rank {dead} died in {where}; complete checkpoints: "
+            f"{checkpoint_steps(root)}, so step {kill[1]} is redone"
+        )
     assert checkpoint_steps(root) == complete_after, checkpoint_steps(root)
 assert_same_training_state(read_whole(latest_checkpoint(root)), reference, "killed twice, resumed")
 print("after two deaths the run ends with the uninterrupted run's weights and optimizer state")
@@ -347,7 +369,7 @@ print("after two deaths the run ends with the uninterrupted run's weights and op
 
 # %%
 RUNS = 40 if QUICK else 400
-WORK = 20_000.0     # seconds of useful compute
+WORK = 20_000.0  # seconds of useful compute
 fig = Figure(figsize=(9, 3))
 for ax, (c, m) in zip(fig.subplots(1, 2), [(10.0, 1000.0), (300.0, 600.0)]):
     young, daly = young_interval(c, m), daly_interval(c, m)
@@ -357,12 +379,16 @@ for ax, (c, m) in zip(fig.subplots(1, 2), [(10.0, 1000.0), (300.0, 600.0)]):
     ax.plot(taus, [lost[t] / 3600 for t in taus], "o-", color="#555")
     ax.axvline(young, color="#c44", label=f"Young {young:.0f} s")
     ax.axvline(daly, color="#48c", ls="--", label=f"Daly {daly:.0f} s")
-    ax.set(xscale="log", xlabel="compute between saves τ (s)", ylabel="time lost (h)", title=f"C = {c:g} s, M = {m:g} s")
+    ax.set(
+        xscale="log", xlabel="compute between saves τ (s)", ylabel="time lost (h)", title=f"C = {c:g} s, M = {m:g} s"
+    )
     ax.legend(fontsize=8)
     assert lost[daly] <= 1.05 * lost[best], "Daly's interval loses within 5% of the best one tried"
-    print(f"C = {c:g} s, M = {m:g} s: time lost at Young's {young:.0f} s: {lost[young] / 3600:.2f} h, at Daly's "
-          f"{daly:.0f} s: {lost[daly] / 3600:.2f} h; the least of the {len(taus)} intervals tried: "
-          f"{lost[best] / 3600:.2f} h")
+    print(
+        f"C = {c:g} s, M = {m:g} s: time lost at Young's {young:.0f} s: {lost[young] / 3600:.2f} h, at Daly's "
+        f"{daly:.0f} s: {lost[daly] / 3600:.2f} h; the least of the {len(taus)} intervals tried: "
+        f"{lost[best] / 3600:.2f} h"
+    )
 fig.tight_layout()
 fig
 
@@ -401,4 +427,4 @@ fig
 # %%
 cluster.close()
 resumed.close()
-shutil.rmtree(ROOT, ignore_errors=True)   # the checkpoints of this notebook
+shutil.rmtree(ROOT, ignore_errors=True)  # the checkpoints of this notebook

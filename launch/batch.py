@@ -68,7 +68,7 @@ def cpu_times(path: str, params, rows) -> pathlib.Path:
         raise SystemExit("--cpu-times keeps QUICK runs on a CPU where every chapter passed")
     device = f"cpu, {os.cpu_count()} cores"
     out = pathlib.Path(path)
-    runs = [dict(r, notebook=pathlib.Path(r["notebook"]).name) for r in rows]   # the same on every machine
+    runs = [dict(r, notebook=pathlib.Path(r["notebook"]).name) for r in rows]  # the same on every machine
     out.write_text(json.dumps(dict(records.provenance(device), parameters=params, runs=runs), indent=1) + "\n")
     return out
 
@@ -81,8 +81,9 @@ def record(params, rows) -> pathlib.Path:
     if not torch.cuda.is_available():
         raise SystemExit("--record keeps GPU runs only (results/ holds what a CPU cannot measure); no CUDA GPU here")
     device = torch.cuda.get_device_name(0)
-    return records.write("batch", dict(records.provenance(device), parameters=params, runs=rows,
-                                       gpus=torch.cuda.device_count()))
+    return records.write(
+        "batch", dict(records.provenance(device), parameters=params, runs=rows, gpus=torch.cuda.device_count())
+    )
 
 
 def main(argv=None) -> int:
@@ -92,11 +93,17 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="QUICK=False: full sizes")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--out", default="out")
-    parser.add_argument("--record", action="store_true",
-                        help="on a CUDA GPU, also keep the table in results/batch_<device>.json (see results/README.md)")
-    parser.add_argument("--cpu-times", metavar="JSON",
-                        help="on a CPU, keep the times with their provenance in JSON (chapters/run_times.json: the "
-                             "run times the chapters state, tests/test_batch.py holds them to it)")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="on a CUDA GPU, also keep the table in results/batch_<device>.json (see results/README.md)",
+    )
+    parser.add_argument(
+        "--cpu-times",
+        metavar="JSON",
+        help="on a CPU, keep the times with their provenance in JSON (chapters/run_times.json: the "
+        "run times the chapters state, tests/test_batch.py holds them to it)",
+    )
     args = parser.parse_args(argv)
     try:
         chosen = notebooks(args.paths)
@@ -113,9 +120,15 @@ def main(argv=None) -> int:
     for nb in chosen:
         start = time.monotonic()
         try:
-            papermill.execute_notebook(str(nb), str(out / nb.name), parameters=params,
-                                       cwd=str(nb.parent), kernel_name="python3", progress_bar=False,
-                                       **kernel_options())
+            papermill.execute_notebook(
+                str(nb),
+                str(out / nb.name),
+                parameters=params,
+                cwd=str(nb.parent),
+                kernel_name="python3",
+                progress_bar=False,
+                **kernel_options(),
+            )
             status = "ok"
         except papermill.PapermillExecutionError as exc:
             status = f"failed: {exc.ename}: {exc.evalue}"[:200]

@@ -28,8 +28,9 @@ def build(source: pathlib.Path) -> pathlib.Path:
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     notebook.metadata.pop("jupytext", None)
     nbformat.write(notebook, target)
-    papermill.execute_notebook(str(target), str(target), cwd=str(CHAPTERS), kernel_name="python3",
-                               progress_bar=False, **kernel_options())
+    papermill.execute_notebook(
+        str(target), str(target), cwd=str(CHAPTERS), kernel_name="python3", progress_bar=False, **kernel_options()
+    )
     clean(target)
     return target
 

@@ -6,6 +6,7 @@ of a one-element numpy array, which numpy 2.4 refuses ("only 0-dimensional array
 converted to Python scalars", triton-lang/triton#9171); launch/setup.sh then keeps numpy below
 2.4. A file of its own, since triton.jit reads the kernel's source.
 """
+
 import os
 import sys
 
@@ -27,8 +28,10 @@ def main() -> int:
     try:
         count_up[(1,)](out, 3)
     except Exception as error:  # the interpreter wraps the TypeError in its own error
-        print(f"[setup] triton {triton.__version__}'s interpreter failed a kernel with a runtime loop bound: "
-              f"{type(error).__name__}: {error}")
+        print(
+            f"[setup] triton {triton.__version__}'s interpreter failed a kernel with a runtime loop bound: "
+            f"{type(error).__name__}: {error}"
+        )
         return 1
     return 0 if out.tolist() == [0.0, 1.0, 2.0] else 1
 

@@ -15,9 +15,16 @@ c.LabApp.default_url = "/lab/tree/work/chapters/00_orientation.ipynb"
 # only (Jupyter's hide_globs), so a .py of your own named like "01_x.py" is hidden as well.
 c.ContentsManager.hide_globs = [
     # Jupyter's defaults
-    "__pycache__", "*.pyc", "*.pyo", ".DS_Store", "*.so", "*.dylib", "*~",
+    "__pycache__",
+    "*.pyc",
+    "*.pyo",
+    ".DS_Store",
+    "*.so",
+    "*.dylib",
+    "*~",
     # the chapters' jupytext twins
-    "[0-9][0-9]_*.py", "a[0-9]_*.py",
+    "[0-9][0-9]_*.py",
+    "a[0-9]_*.py",
 ]
 
 # The notebooks' kernel is "python3" (their metadata). A lab started from .venv finds

@@ -21,6 +21,7 @@ exit status is the number of steps that failed. Without a CUDA GPU it says so an
 CPU, ``make test`` proves the same code against a GPU node's rules (strict-device and strict
 point-to-point modes, CONTRIBUTING.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,15 @@ def commands(gpus: int, out: pathlib.Path) -> dict:
     world = max(2, gpus)
     return {
         "tests": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or multigpu", "tests"],
-        "chapters": [sys.executable, "launch/batch.py", "--world-size", str(world), "--out", str(out / "chapters"),
-                     "chapters"],
+        "chapters": [
+            sys.executable,
+            "launch/batch.py",
+            "--world-size",
+            str(world),
+            "--out",
+            str(out / "chapters"),
+            "chapters",
+        ],
         "grader": [sys.executable, "-m", "ultrascale.grading.cli", "solutions", "--json", str(out / "grades.json")],
     }
 
@@ -73,29 +81,41 @@ def main(argv=None) -> int:
     if gpus == 0:
         # torch sees no GPU. On a GPU node whose .venv got the CPU build of torch (set up on a login
         # node) that is no reason for a clean exit: setup's own check says so, and this fails.
-        check = subprocess.run(["bash", str(ROOT / "launch" / "setup.sh"), "--check-gpu"],
-                               capture_output=True, text=True, timeout=120)
+        check = subprocess.run(
+            ["bash", str(ROOT / "launch" / "setup.sh"), "--check-gpu"], capture_output=True, text=True, timeout=120
+        )
         if check.stderr.strip():
             print(f"test-gpu: torch sees no GPU here, and\n{check.stderr.strip()}")
             return 1
-        print("test-gpu: no CUDA GPU on this machine, so nothing to test here. On a CPU, `make test` "
-              "holds every chapter and grader to a GPU node's rules (strict-device and strict "
-              "point-to-point modes); run this on the GPU node before a class.")
+        print(
+            "test-gpu: no CUDA GPU on this machine, so nothing to test here. On a CPU, `make test` "
+            "holds every chapter and grader to a GPU node's rules (strict-device and strict "
+            "point-to-point modes); run this on the GPU node before a class."
+        )
         return 0
     import torch
 
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
-    print(f"test-gpu: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; chapters at "
-          f"WORLD_SIZE={max(2, gpus)}" + (" (one GPU: the ranks share the CPU, see Cluster's notice)" if gpus == 1
-                                          else " (one rank per GPU, NCCL)"), flush=True)
-    rows = [run(name, command, out / f"test_gpu_{name}.log")
-            for name, command in commands(gpus, out).items() if name not in args.skip]
+    print(
+        f"test-gpu: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; chapters at "
+        f"WORLD_SIZE={max(2, gpus)}"
+        + (" (one GPU: the ranks share the CPU, see Cluster's notice)" if gpus == 1 else " (one rank per GPU, NCCL)"),
+        flush=True,
+    )
+    rows = [
+        run(name, command, out / f"test_gpu_{name}.log")
+        for name, command in commands(gpus, out).items()
+        if name not in args.skip
+    ]
     print(f"\n{'step':<10} {'seconds':>8}  verdict")
     for row in rows:
         print(f"{row['step']:<10} {row['seconds']:8.1f}  {row['verdict']}")
-    (out / "test_gpu.json").write_text(json.dumps({"gpus": gpus, "device": torch.cuda.get_device_name(0),
-                                                   "torch": torch.__version__, "steps": rows}, indent=1))
+    (out / "test_gpu.json").write_text(
+        json.dumps(
+            {"gpus": gpus, "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "steps": rows}, indent=1
+        )
+    )
     return sum(row["verdict"] != "ok" for row in rows)
 
 

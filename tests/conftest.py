@@ -26,14 +26,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 GRADED_FOLDERS = ("solutions", "exercises")
 GRADER_TIMEOUT = 1800  # seconds for one folder of notebooks (18 of them)
-GRADER_JOBS = 2        # notebooks graded at a time, per folder
+GRADER_JOBS = 2  # notebooks graded at a time, per folder
 
 
 @dataclass
 class GradedFolder:
-    notebooks: list   # the grader's JSON rows, one per notebook
-    table: str        # the grader's printed table (for failure messages)
-    executed: Path    # the executed notebooks (the grader's --keep)
+    notebooks: list  # the grader's JSON rows, one per notebook
+    table: str  # the grader's printed table (for failure messages)
+    executed: Path  # the executed notebooks (the grader's --keep)
 
 
 def _wanted(session) -> set | None:
@@ -52,8 +52,7 @@ def _wanted(session) -> set | None:
 
 def _start_grading(folder: str, names: set | None, out: Path):
     """Start the grader on ``folder`` in the background; returns a function that waits for its result."""
-    paths = [folder] if names is None else [f"{folder}/{n}" for n in sorted(names)
-                                            if (REPO / folder / n).is_file()]
+    paths = [folder] if names is None else [f"{folder}/{n}" for n in sorted(names) if (REPO / folder / n).is_file()]
     scores, keep = out / f"{folder}.json", out / folder
     if not paths:
         return lambda: GradedFolder([], "", keep)
@@ -61,16 +60,31 @@ def _start_grading(folder: str, names: set | None, out: Path):
     # stubs cost nothing to test (no pass, so no second run); solutions/ as a teacher grades, each
     # test run once, in the grader's own process.
     feedback = ["--feedback"] if folder == "exercises" else []
-    log = out / f"{folder}.log"   # a file, not a pipe: nobody reads the second grader's until the first ends
+    log = out / f"{folder}.log"  # a file, not a pipe: nobody reads the second grader's until the first ends
     # Both folders are graded under a GPU node's rules (strict-device and strict point-to-point modes,
     # ultrascale.runtime.strict_device and strict_p2p): no tensor left on the host, no send that waits
     # on a receive queued behind another, in every grader and every solution.
     env = {**os.environ, "ULTRASCALE_STRICT_DEVICE": "1", "ULTRASCALE_STRICT_P2P": "1"}
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ultrascale.grading.cli", *paths, "--json", str(scores), "--keep", str(keep),
-             "--jobs", str(GRADER_JOBS), *feedback],
-            cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "ultrascale.grading.cli",
+                *paths,
+                "--json",
+                str(scores),
+                "--keep",
+                str(keep),
+                "--jobs",
+                str(GRADER_JOBS),
+                *feedback,
+            ],
+            cwd=REPO,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
 
     def result() -> GradedFolder:
@@ -83,6 +97,7 @@ def _start_grading(folder: str, names: set | None, out: Path):
         output = log.read_text()
         assert proc.returncode == 0, output
         return GradedFolder(json.loads(scores.read_text())["notebooks"], output, keep)
+
     return result
 
 
@@ -125,7 +140,9 @@ def _solution_fixture(stem: str):
     def solution() -> dict:
         """The imports, functions and classes of solutions/<stem>_exercises.ipynb (test_grader_holes._load)."""
         from test_grader_holes import _load
+
         return _load(f"{stem}_exercises.ipynb")
+
     return solution
 
 
@@ -135,7 +152,6 @@ for _notebook in sorted((REPO / "solutions").glob("*_exercises.ipynb")):
     _stem = _notebook.name.removesuffix("_exercises.ipynb")
     _prefix = _stem.split("_")[0]
     globals()["ch" + _prefix if _prefix[0].isdigit() else _prefix] = _solution_fixture(_stem)
-
 
 
 # --------------------------------------------------------------------------- two tests at a time
@@ -163,10 +179,22 @@ for _notebook in sorted((REPO / "solutions").glob("*_exercises.ipynb")):
 # the browser tests, they left a sixth of the cores idle for two minutes.
 SHARED_SESSION = {"tests/test_grading.py": "graded_course", "tests/test_run_all.py": "graded_course"}
 EACH_TEST_ALONE = {"tests/test_benchmarks.py"}
-LONGEST_FIRST = ["tests/test_grader_sandbox.py", "graded_course", "tests/test_notebooks.py",
-                 "tests/test_browser.py", "tests/test_runtime_stops.py"]
-WAITING = {"tests/test_batch.py", "tests/test_runtime.py", "tests/test_workspace.py", "tests/test_slurm.py",
-           "tests/test_grader_forgery.py", "tests/test_grader_zygote.py", "chapters/07_pipeline_parallelism.ipynb"}
+LONGEST_FIRST = [
+    "tests/test_grader_sandbox.py",
+    "graded_course",
+    "tests/test_notebooks.py",
+    "tests/test_browser.py",
+    "tests/test_runtime_stops.py",
+]
+WAITING = {
+    "tests/test_batch.py",
+    "tests/test_runtime.py",
+    "tests/test_workspace.py",
+    "tests/test_slurm.py",
+    "tests/test_grader_forgery.py",
+    "tests/test_grader_zygote.py",
+    "chapters/07_pipeline_parallelism.ipynb",
+}
 
 
 def unit_of(nodeid: str) -> str:
@@ -178,7 +206,7 @@ def unit_of(nodeid: str) -> str:
 
 
 def _waits(unit: str) -> bool:
-    return unit in WAITING or unit.startswith("tests/test_benchmarks.py::")   # a benchmark times things
+    return unit in WAITING or unit.startswith("tests/test_benchmarks.py::")  # a benchmark times things
 
 
 def unit_order(units: list) -> list:
@@ -188,7 +216,7 @@ def unit_order(units: list) -> list:
     waiting = [u for u in units if u not in first and _waits(u)]
     busy = [u for u in units if u not in first and not _waits(u)]
     order = list(busy)
-    for i, unit in enumerate(waiting):   # after the busy unit (i + 1) / (len(waiting) + 1) of the way
+    for i, unit in enumerate(waiting):  # after the busy unit (i + 1) / (len(waiting) + 1) of the way
         order.insert(round((i + 1) * len(busy) / (len(waiting) + 1)) + i, unit)
     return first + order
 
@@ -200,7 +228,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank[unit_of(item.nodeid)])
 
 
-@pytest.hookimpl(optionalhook=True)   # only with pytest-xdist (-n)
+@pytest.hookimpl(optionalhook=True)  # only with pytest-xdist (-n)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
@@ -210,5 +238,5 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
 
-    config.option.loadscopereorder = False   # keep LONGEST_FIRST's order, not "most tests first"
+    config.option.loadscopereorder = False  # keep LONGEST_FIRST's order, not "most tests first"
     return ByUnit(config, log)

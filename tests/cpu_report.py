@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-ROWS: dict[str, tuple[float, float]] = {}   # nodeid -> (machine CPU-seconds, seconds)
+ROWS: dict[str, tuple[float, float]] = {}  # nodeid -> (machine CPU-seconds, seconds)
 
 
 def _machine_cpu_seconds() -> float:
@@ -46,7 +46,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 def _unit(nodeid: str) -> str:
     try:
-        from conftest import unit_of   # tests/conftest.py, on the path when tests/ is collected
+        from conftest import unit_of  # tests/conftest.py, on the path when tests/ is collected
     except ImportError:
         return nodeid.split("::")[0]
     return unit_of(nodeid)
@@ -55,8 +55,10 @@ def _unit(nodeid: str) -> str:
 def pytest_terminal_summary(terminalreporter, config):
     write = terminalreporter.write_line
     if getattr(config.option, "numprocesses", None):
-        write("cpu_report: tests ran side by side (-n): per-test CPU would overlap; nothing measured "
-              "(TEST_WORKERS=0 runs one at a time)")
+        write(
+            "cpu_report: tests ran side by side (-n): per-test CPU would overlap; nothing measured "
+            "(TEST_WORKERS=0 runs one at a time)"
+        )
         return
     if not ROWS:
         return
@@ -66,14 +68,16 @@ def pytest_terminal_summary(terminalreporter, config):
         unit[0] += cpu
         unit[1] += seconds
     total = sum(cpu for cpu, _ in ROWS.values())
-    write(f"cpu_report: {total:.0f} CPU-s over {len(ROWS)} tests, "
-          f"{sum(s for _, s in ROWS.values()):.0f} s one at a time")
+    write(
+        f"cpu_report: {total:.0f} CPU-s over {len(ROWS)} tests, {sum(s for _, s in ROWS.values()):.0f} s one at a time"
+    )
     for title, rows in (("units", units.items()), ("tests", ROWS.items())):
         write(f"{'CPU-s':>8} {'s':>7}  most CPU, by {title[:-1]}")
         for name, (cpu, seconds) in sorted(rows, key=lambda row: -row[1][0])[:25]:
             write(f"{cpu:8.1f} {seconds:7.1f}  {name}")
     out = Path(os.environ.get("ULTRASCALE_CPU_REPORT", Path(config.rootpath) / "out" / "cpu_report.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
+
     def rounded(rows):
         return {name: {"cpu_s": round(cpu, 2), "s": round(seconds, 2)} for name, (cpu, seconds) in rows.items()}
 

@@ -3,6 +3,7 @@
 Ψ = 27,520 for CFG: not divisible by 3 (nor is a block's 12,704), so world size 3
 exercises the padding of flat buffers.
 """
+
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from ultrascale.model import GPT, GPTConfig
 from ultrascale.runtime import shared_cluster
 
 CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)
-DATA = Batches(CFG, mbs=2, seed=0)   # the same tokens on every rank and in the reference
+DATA = Batches(CFG, mbs=2, seed=0)  # the same tokens on every rank and in the reference
 STEPS = 3
 
 

@@ -2,6 +2,7 @@
 ``apply_<technique>(model, mesh_or_group, *, plan=None, timeline=None, ...) -> nn.Module``,
 returning the module this rank trains. Read from the signatures, so that a new technique that
 returns something else, or names its arguments otherwise, fails here."""
+
 import inspect
 import typing
 
@@ -27,7 +28,7 @@ def test_an_apply_returns_a_module(apply):
 def test_an_apply_takes_the_model_then_the_mesh_or_group_then_keywords(apply):
     parameters = inspect.signature(apply).parameters
     assert list(parameters)[:2] == ["model", "mesh_or_group"]
-    assert parameters["mesh_or_group"].default is None   # None: every rank, as torch's groups
+    assert parameters["mesh_or_group"].default is None  # None: every rank, as torch's groups
     for name in ("plan", "timeline"):
         assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, f"{apply.__name__}: {name}"
 
@@ -40,5 +41,6 @@ def test_a_technique_whose_ranks_see_other_data_can_leave_the_average_to_a_compo
 
 def test_the_data_axes_are_where_the_composition_reads_them():
     from ultrascale.parallel import compose
+
     assert (compose.DENSE_AXES, compose.EXPERT_AXES) == (DATA_AXES["dense"], DATA_AXES["expert"])
-    assert set(DATA_AXES["expert"]) == set(DATA_AXES["dense"]) - {"ep"}   # an expert lives on one ep rank
+    assert set(DATA_AXES["expert"]) == set(DATA_AXES["dense"]) - {"ep"}  # an expert lives on one ep rank

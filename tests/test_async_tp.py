@@ -12,6 +12,7 @@ that reassociation costs ~1e-16 relative in float64, so only the right mathemati
 The losses weight every output with a different random tensor per rank, so a wrong shard, a
 missing sum over ranks or a sum counted twice fails.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,14 +28,13 @@ from ultrascale.parallel.vocab_parallel import VocabParallelLogits
 from ultrascale.parity import assert_same, first_step_and_train
 from ultrascale.runtime import shared_cluster
 
-from test_tensor_parallel import (CONFIGS, GPT_CFG, STEPS, _error, assert_matches, data, fresh_model, ours,
-                                  reference)
+from test_tensor_parallel import CONFIGS, GPT_CFG, STEPS, _error, assert_matches, data, fresh_model, ours, reference
 
 # every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
 pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
 
 DT = torch.float64
-B, PIECE, HIDDEN = 2, 3, 5   # each rank holds (2, 3, 5) of the sequence
+B, PIECE, HIDDEN = 2, 3, 5  # each rank holds (2, 3, 5) of the sequence
 
 
 def _randn(*shape, seed):
@@ -54,7 +54,7 @@ def _leaf(t):
 def _functions_on_rank(ctx, members):
     """Both decompositions and their plain counterparts on this rank's shards; ``members``:
     the ranks of the group (None: all). Returns {name: (async, plain)} tensors, or None off it."""
-    group = None if members is None else ctx.new_group(members)   # every rank takes part in creating it
+    group = None if members is None else ctx.new_group(members)  # every rank takes part in creating it
     if members is not None and ctx.rank not in members:
         return None
     r = ctx.rank if members is None else members.index(ctx.rank)
@@ -64,10 +64,13 @@ def _functions_on_rank(ctx, members):
     # all-gather + matmul: two weights (q and k of one region), rows r of each; the gathered
     # input is used too, so its gradient joins the reduce-scatter.
     x_full = randn(B, n * PIECE, HIDDEN, seed=1)
-    x_r = x_full[:, r * PIECE:(r + 1) * PIECE]
+    x_r = x_full[:, r * PIECE : (r + 1) * PIECE]
     w1, w2 = randn(4, HIDDEN, seed=10 + r), randn(2, HIDDEN, seed=20 + r)
-    weights = [randn(B, n * PIECE, 4, seed=30 + r), randn(B, n * PIECE, 2, seed=40 + r),
-               randn(B, n * PIECE, HIDDEN, seed=50 + r)]
+    weights = [
+        randn(B, n * PIECE, 4, seed=30 + r),
+        randn(B, n * PIECE, 2, seed=40 + r),
+        randn(B, n * PIECE, HIDDEN, seed=50 + r),
+    ]
     results = []
     for decomposed in (True, False):
         x, a, b = _leaf(x_r), _leaf(w1), _leaf(w2)
@@ -78,16 +81,27 @@ def _functions_on_rank(ctx, members):
                 loss = (y1 * weights[0]).sum() + (y2 * weights[1]).sum() + (gathered * weights[2]).sum()
                 forward_ops = len(log.events)
                 loss.backward()
-            out["gather pieces"] = ([base_op(e["op"]) for e in log.rows()], forward_ops,
-                                    [e["bytes_sent"] for e in log.rows() if e["bytes_sent"]],
-                                    [(e["lane"], e["name"]) for e in timeline.rows()])
+            out["gather pieces"] = (
+                [base_op(e["op"]) for e in log.rows()],
+                forward_ops,
+                [e["bytes_sent"] for e in log.rows() if e["bytes_sent"]],
+                [(e["lane"], e["name"]) for e in timeline.rows()],
+            )
         else:
             gathered = g(x, 1, group)
             y1, y2 = F.linear(gathered, a), F.linear(gathered, b)
             loss = (y1 * weights[0]).sum() + (y2 * weights[1]).sum() + (gathered * weights[2]).sum()
             loss.backward()
-        results.append({"gathered": gathered.detach(), "y1": y1.detach(), "y2": y2.detach(),
-                        "dx": x.grad, "dw1": a.grad, "dw2": b.grad})
+        results.append(
+            {
+                "gathered": gathered.detach(),
+                "y1": y1.detach(),
+                "y2": y2.detach(),
+                "dx": x.grad,
+                "dw1": a.grad,
+                "dw2": b.grad,
+            }
+        )
     out["all_gather_matmul"] = tuple(results)
 
     # matmul + reduce-scatter: input features split (6 per rank), the sum kept by tokens.
@@ -102,9 +116,12 @@ def _functions_on_rank(ctx, members):
             y = matmul_reduce_scatter(h, v, group, timeline) if decomposed else g_star(F.linear(h, v), 1, group)
             (y * weight_out).sum().backward()
         if decomposed:
-            out["scatter pieces"] = ([base_op(e["op"]) for e in log.rows()], None,
-                                     [e["bytes_sent"] for e in log.rows() if e["bytes_sent"]],
-                                     [(e["lane"], e["name"]) for e in timeline.rows()])
+            out["scatter pieces"] = (
+                [base_op(e["op"]) for e in log.rows()],
+                None,
+                [e["bytes_sent"] for e in log.rows() if e["bytes_sent"]],
+                [(e["lane"], e["name"]) for e in timeline.rows()],
+            )
         results.append({"y": y.detach(), "dh": h.grad, "dw": v.grad})
     out["matmul_reduce_scatter"] = tuple(results)
     return out
@@ -132,26 +149,38 @@ def test_decomposed_functions_equal_the_plain_collectives(world, members):
         ops, forward_ops, sent, bars = out["gather pieces"]
         per_step = ["batch_isend_irecv"] if n == 2 else ["isend", "irecv"]
         assert ops == per_step * (2 * (n - 1)) and forward_ops == len(per_step) * (n - 1)
-        assert sent == [B * PIECE * HIDDEN * 8] * (2 * (n - 1))   # 1/tp of the gathered activation
+        assert sent == [B * PIECE * HIDDEN * 8] * (2 * (n - 1))  # 1/tp of the gathered activation
         for phase, lane_names in (("forward", ("all_gather",)), ("backward", ("reduce_scatter",))):
             pieces = sorted(name for lane, name in bars if name.startswith(phase))
             assert pieces == [f"{phase} matmul piece {c}" for c in range(n)]
         steps = [name for lane, name in bars if lane == "communication"]
-        assert sorted(steps) == sorted([f"all_gather step {k}" for k in range(1, n)]
-                                       + [f"reduce_scatter step {k}" for k in range(1, n)])
+        assert sorted(steps) == sorted(
+            [f"all_gather step {k}" for k in range(1, n)] + [f"reduce_scatter step {k}" for k in range(1, n)]
+        )
         ops, _, sent, bars = out["scatter pieces"]
         assert ops == per_step * (2 * (n - 1))
-        assert sent == [B * PIECE * HIDDEN * 8] * (2 * (n - 1))   # a running sum, then a gradient shard
+        assert sent == [B * PIECE * HIDDEN * 8] * (2 * (n - 1))  # a running sum, then a gradient shard
         assert sum(lane == "compute" for lane, _ in bars) == 2 * n
 
 
 # --------------------------------------------------------------------------- a whole model
 def async_tp(ctx, name, optimizer):
-    model = apply_tp(fresh_model(CONFIGS[name]).to(ctx.device), init_mesh(ctx, tp=ctx.world_size),
-                     sequence_parallel=True, async_tp=True)
-    return first_step_and_train(model, data(CONFIGS[name]), STEPS, optimizer, full_gradients=full_gradients,
-                                full_logits=VocabParallelLogits.full_tensor, full_weights=full_weights,
-                                device=ctx.device)
+    model = apply_tp(
+        fresh_model(CONFIGS[name]).to(ctx.device),
+        init_mesh(ctx, tp=ctx.world_size),
+        sequence_parallel=True,
+        async_tp=True,
+    )
+    return first_step_and_train(
+        model,
+        data(CONFIGS[name]),
+        STEPS,
+        optimizer,
+        full_gradients=full_gradients,
+        full_logits=VocabParallelLogits.full_tensor,
+        full_weights=full_weights,
+        device=ctx.device,
+    )
 
 
 # Llama's MLP has two column-parallel layers (gate, up) in one region; GPT's attention three.
@@ -173,8 +202,8 @@ def refusals_and_bars(ctx):
     n = ctx.world_size
     untouched = fresh_model(GPT_CFG).to(ctx.device)
     out = {"no sp": _error(lambda: apply_tp(untouched, async_tp=True))}
-    out["untouched"] = type(untouched.blocks[0].attn.q).__name__   # a refusal swaps nothing
-    x = torch.zeros(2, 13, 4, dtype=DT, device=ctx.device)   # 13 tokens: tp=2 does not divide them
+    out["untouched"] = type(untouched.blocks[0].attn.q).__name__  # a refusal swaps nothing
+    x = torch.zeros(2, 13, 4, dtype=DT, device=ctx.device)  # 13 tokens: tp=2 does not divide them
     out["sequence"] = _error(lambda: matmul_reduce_scatter(x, torch.zeros(3, 4, dtype=DT, device=ctx.device)))
     timeline = Timeline(ctx.rank, device=ctx.device)
     model = apply_tp(fresh_model(GPT_CFG).to(ctx.device), sequence_parallel=True, async_tp=True, timeline=timeline)
@@ -195,4 +224,5 @@ def test_refusals_and_the_pieces_on_the_timeline():
     # Pieces, not blocks: every matmul piece and every ring step of both phases.
     assert out["bars"] == sorted(
         [("compute", f"{phase} matmul piece {c}") for phase in ("forward", "backward") for c in (0, 1)]
-        + [("communication", f"{op} step 1") for op in ("all_gather", "reduce_scatter")])
+        + [("communication", f"{op} step 1") for op in ("all_gather", "reduce_scatter")]
+    )

@@ -5,6 +5,7 @@ Chapters are picked by name or number; an unknown name is a clear error, not a t
 harmless log messages (lib/ultrascale/headless.py), while a failing cell and a dying kernel
 are still reported.
 """
+
 import importlib.util
 import shutil
 import subprocess
@@ -26,8 +27,9 @@ batch = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(batch)
 
 
-@pytest.mark.parametrize("name", ["06_context_parallelism", "06", "06_context_parallelism.ipynb",
-                                  "chapters/06_context_parallelism.ipynb"])
+@pytest.mark.parametrize(
+    "name", ["06_context_parallelism", "06", "06_context_parallelism.ipynb", "chapters/06_context_parallelism.ipynb"]
+)
 def test_a_chapter_by_name_number_or_path(name, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert [p.resolve() for p in batch.notebooks([name])] == [CHAPTERS / "06_context_parallelism.ipynb"]
@@ -93,19 +95,26 @@ def test_plain_papermill_prints_both_messages(tmp_path):
     """The control: without ultrascale.headless's options this notebook prints both, so the
     next test's silence is the options' doing."""
     nb = _notebook(tmp_path / "interrupted.ipynb", INTERRUPTED)
-    code = ("import papermill, sys\n"
-            "try: papermill.execute_notebook(sys.argv[1], sys.argv[2], kernel_name='python3', progress_bar=False)\n"
-            "except papermill.PapermillExecutionError: pass")
-    run = subprocess.run([sys.executable, "-c", code, str(nb), str(tmp_path / "out.ipynb")],
-                         capture_output=True, text=True, timeout=120)
+    code = (
+        "import papermill, sys\n"
+        "try: papermill.execute_notebook(sys.argv[1], sys.argv[2], kernel_name='python3', progress_bar=False)\n"
+        "except papermill.PapermillExecutionError: pass"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(nb), str(tmp_path / "out.ipynb")], capture_output=True, text=True, timeout=120
+    )
     assert TCP_WARNING in run.stderr and INTERRUPT_ERROR in run.stderr, run.stderr
 
 
 def test_batch_kernels_keep_quiet_but_errors_and_deaths_are_reported(tmp_path):
     interrupted = _notebook(tmp_path / "interrupted.ipynb", INTERRUPTED)
     dies = _notebook(tmp_path / "dies.ipynb", ["import os\nos._exit(1)"])
-    run = subprocess.run([sys.executable, str(BATCH), "--out", str(tmp_path / "out"), str(interrupted), str(dies)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(BATCH), "--out", str(tmp_path / "out"), str(interrupted), str(dies)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "failed: ZeroDivisionError" in run.stdout and "failed: the kernel died" in run.stdout, run.stdout
     assert TCP_WARNING not in run.stderr and INTERRUPT_ERROR not in run.stderr, run.stderr
@@ -123,8 +132,8 @@ def test_the_gpu_self_test_says_so_without_a_gpu_and_plans_one_rank_per_gpu(caps
         assert "no CUDA GPU on this machine" in capsys.readouterr().out
     plan = launcher.commands(8, tmp_path)
     assert list(plan) == ["tests", "chapters", "grader"]
-    assert plan["chapters"][plan["chapters"].index("--world-size") + 1] == "8"      # one rank per GPU
-    assert launcher.commands(1, tmp_path)["chapters"][3] == "2"                      # one GPU: 2 ranks
+    assert plan["chapters"][plan["chapters"].index("--world-size") + 1] == "8"  # one rank per GPU
+    assert launcher.commands(1, tmp_path)["chapters"][3] == "2"  # one GPU: 2 ranks
     assert "gpu or multigpu" in plan["tests"] and "solutions" in plan["grader"]
 
 
@@ -146,5 +155,7 @@ def test_each_chapters_stated_run_time_is_the_measured_one():
         stated = re.search(r"about (\d+) s on 2 CPU cores", line)
         assert stated, f"{source.name}: its QUICK line states no 'about N s on 2 CPU cores': {line}"
         ratio = int(stated.group(1)) / measured[source.stem + ".ipynb"]
-        assert 0.5 <= ratio <= 2, (f"{source.name} says about {stated.group(1)} s; it took "
-                                   f"{measured[source.stem + '.ipynb']} s in the recorded run")
+        assert 0.5 <= ratio <= 2, (
+            f"{source.name} says about {stated.group(1)} s; it took "
+            f"{measured[source.stem + '.ipynb']} s in the recorded run"
+        )

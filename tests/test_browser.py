@@ -58,9 +58,12 @@ SCREENSHOTS = ROOT / "out" / "browser"
 ORIENTATION = "chapters/00_orientation.ipynb"
 # Every chapter but 00 (which test_chapter_00_run_all runs whole): read from the folder, so a
 # new chapter's notebook is covered by test_chapter_first_cells as soon as it exists.
-CHAPTERS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "chapters").glob("*.ipynb")
-                  if p.relative_to(ROOT).as_posix() != ORIENTATION)
-FIRST_CELLS = 3          # code cells the memory test runs: the parameters, the imports, the Cluster
+CHAPTERS = sorted(
+    p.relative_to(ROOT).as_posix()
+    for p in (ROOT / "chapters").glob("*.ipynb")
+    if p.relative_to(ROOT).as_posix() != ORIENTATION
+)
+FIRST_CELLS = 3  # code cells the memory test runs: the parameters, the imports, the Cluster
 ONE_GPU = "chapters/01_one_gpu.ipynb"
 EXERCISE = "exercises/00_orientation_exercises.ipynb"
 
@@ -71,22 +74,22 @@ RIGHT = '''def pipeline_stage_layers(num_layers, pp_degree):
         raise ValueError(f"pp_degree must be in [1, {num_layers}], got {pp_degree}")
     base, extra = divmod(num_layers, pp_degree)
     return [base + 1] * extra + [base] * (pp_degree - extra)'''
-WRONG = '''def pipeline_stage_layers(num_layers, pp_degree):
-    return [num_layers // pp_degree] * pp_degree   # drops the remainder'''
-WRONG_FIRST_FAILURE = "pipeline_stage_layers(3, 2)"   # the first case of the test's sweep it gets wrong
+WRONG = """def pipeline_stage_layers(num_layers, pp_degree):
+    return [num_layers // pp_degree] * pp_degree   # drops the remainder"""
+WRONG_FIRST_FAILURE = "pipeline_stage_layers(3, 2)"  # the first case of the test's sweep it gets wrong
 
 
 class Session:
     """One server, one browser, the processes they start, for the whole module."""
 
     def __init__(self, tmp: Path):
-        browser, driver = browser_paths()   # Unavailable: the fixture skips
+        browser, driver = browser_paths()  # Unavailable: the fixture skips
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         for old in SCREENSHOTS.glob("*.png"):
             old.unlink()
         self.processes = Processes()
         self.driver, self.stopped, self.left = None, False, {}
-        self.used = set()   # what the tests started: "kernels", "ranks" (checked by the last test)
+        self.used = set()  # what the tests started: "kernels", "ranks" (checked by the last test)
         self.course = CourseCopy(tmp / "course")
         self.lab = Lab(self.course, tmp / "lab.log")
         self.processes.add_root(self.lab.process.pid, session=True)
@@ -115,7 +118,7 @@ class Session:
             self.stopped = True
             if self.driver is not None:
                 self.driver.quit()
-            self.lab.stop()   # SIGTERM: the server shuts its kernels down, they stop their ranks
+            self.lab.stop()  # SIGTERM: the server shuts its kernels down, they stop their ranks
             self.processes.stop_watching()
             self.left = self.processes.wait_gone(30)
             self.processes.kill(list(self.left))
@@ -160,8 +163,11 @@ def _find(notebook: dict, text: str) -> int:
 
 def _figure_cells(notebook: dict) -> list[int]:
     """The code cells whose saved outputs hold a figure (what Run All must draw again)."""
-    return [i for i in _code_cells(notebook)
-            if any("image/png" in output.get("data", {}) for output in notebook["cells"][i].get("outputs", []))]
+    return [
+        i
+        for i in _code_cells(notebook)
+        if any("image/png" in output.get("data", {}) for output in notebook["cells"][i].get("outputs", []))
+    ]
 
 
 def _assert_ran_to_the_end(learner, notebook: dict, what: str) -> None:
@@ -173,6 +179,7 @@ def _assert_ran_to_the_end(learner, notebook: dict, what: str) -> None:
 
 
 # ---- where there is no browser -----------------------------------------------------------------
+
 
 def _no_debian_browser(monkeypatch, tmp_path, apt: bool, root: bool):
     import browser.lab as lab
@@ -197,14 +204,17 @@ def test_without_root_the_reason_says_so(monkeypatch, tmp_path):
 
 # ---- the landing page and chapter 00 -------------------------------------------------------
 
+
 def test_landing_page_is_chapter_00(session, learner):
-    session.driver.get(session.lab.url("/"))   # the bare server address, as printed without a path
+    session.driver.get(session.lab.url("/"))  # the bare server address, as printed without a path
     notebook = session.notebook(ORIENTATION)
     learner.wait(lambda: len(learner.cells()) == len(notebook["cells"]), 90, "chapter 00 to open")
     # (JupyterLab then rewrites the address to the file browser's folder, /lab/tree/work/chapters:
     # the landing page is the learner's own copy, which launch/lab.sh made in the course's copy)
     assert "/lab/tree/work/chapters" in session.driver.current_url, session.driver.current_url
-    tab = learner.js("return document.querySelector('#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel').innerText")
+    tab = learner.js(
+        "return document.querySelector('#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel').innerText"
+    )
     assert tab == "00_orientation.ipynb"
     # the cells exist before their markdown is rendered: wait for the title itself (a loaded CI
     # machine once read the page between the two)
@@ -221,9 +231,12 @@ def test_landing_page_is_chapter_00(session, learner):
 # Three chapters whose third code cell starts their Cluster: their first cells start a kernel, its
 # fork server and the ranks, everything a visited chapter holds. The test checks their first cells
 # as test_chapter_first_cells does the other chapters' (so they are run once, not twice).
-CLOSED_CHAPTERS = ("chapters/05_sequence_parallelism.ipynb", "chapters/06_context_parallelism.ipynb",
-                   "chapters/08_expert_parallelism.ipynb")
-MEMORY_SLACK_MIB = 150   # what the server may keep of three visits (issue 54: measured +29 MiB)
+CLOSED_CHAPTERS = (
+    "chapters/05_sequence_parallelism.ipynb",
+    "chapters/06_context_parallelism.ipynb",
+    "chapters/08_expert_parallelism.ipynb",
+)
+MEMORY_SLACK_MIB = 150  # what the server may keep of three visits (issue 54: measured +29 MiB)
 
 
 def _listed(learner, path: str, within: float) -> list:
@@ -231,9 +244,15 @@ def _listed(learner, path: str, within: float) -> list:
     name and folder, not its name alone: chapters/ and the learner's work/chapters/ hold files of the
     same names."""
     name, folder = Path(path).name, Path(path).parent.as_posix()
-    return learner.wait(lambda: [e for e in learner.driver.find_elements(By.CSS_SELECTOR, ".jp-DirListing-item")
-                                 if {f"Name: {name}", f"Path: {folder}"} <= set((e.get_attribute("title") or "").split("\n"))],
-                        within, f"{path} in the file browser")
+    return learner.wait(
+        lambda: [
+            e
+            for e in learner.driver.find_elements(By.CSS_SELECTOR, ".jp-DirListing-item")
+            if {f"Name: {name}", f"Path: {folder}"} <= set((e.get_attribute("title") or "").split("\n"))
+        ],
+        within,
+        f"{path} in the file browser",
+    )
 
 
 def _open_from_file_browser(learner, path: str, cells: int, listed: list | None = None) -> None:
@@ -252,15 +271,22 @@ def _close_discarding(learner) -> None:
     """File ▸ Close Tab on a notebook a run has modified: JupyterLab asks, and the learner discards
     (the file stays as it was); its kernel goes with the tab (launch/lab_settings: kernelShutdown)."""
     learner.menu("File", "application:close")
-    discard = learner.wait(lambda: [b for b in learner.driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog button")
-                                    if b.text.strip() == "Discard"], 10, "the save-or-discard dialog")
+    discard = learner.wait(
+        lambda: [
+            b for b in learner.driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog button") if b.text.strip() == "Discard"
+        ],
+        10,
+        "the save-or-discard dialog",
+    )
     discard[0].click()
 
 
 def _lab_is_alone(session) -> bool:
     """No kernel, and of the lab's processes only the server is left (no kernel, fork server or
     rank, even one whose kernel died)."""
-    return not session.lab.kernels() and set(session.processes.under(session.lab.process.pid)) == {session.lab.process.pid}
+    return not session.lab.kernels() and set(session.processes.under(session.lab.process.pid)) == {
+        session.lab.process.pid
+    }
 
 
 @pytest.mark.timeout(600)
@@ -272,16 +298,18 @@ def test_closing_a_chapters_tab_gives_its_memory_back(session, learner):
     server and ranks with it, and the lab's private memory (the sum of the USS of the server and
     everything it started, browser/lab.py) ends within MEMORY_SLACK_MIB of the fresh lab's."""
     root = session.lab.process.pid
-    session.lab.shut_down_kernels()   # the landing page's kernel: start from a lab without any
+    session.lab.shut_down_kernels()  # the landing page's kernel: start from a lab without any
     learner.wait(lambda: _lab_is_alone(session), 60, "the landing page's kernel to go")
     start = time.monotonic()
     for chapter in CLOSED_CHAPTERS:
         notebook = session.notebook(chapter)
         code = _code_cells(notebook)
-        assert "Cluster(" in _source(notebook["cells"][code[FIRST_CELLS - 1]]), f"{chapter}'s first cells start no Cluster"
+        assert "Cluster(" in _source(notebook["cells"][code[FIRST_CELLS - 1]]), (
+            f"{chapter}'s first cells start no Cluster"
+        )
         if chapter == CLOSED_CHAPTERS[0]:
             learner.open("work/" + chapter, len(notebook["cells"]))
-        else:   # from the file browser, beside the page (a fresh page per chapter costs seconds)
+        else:  # from the file browser, beside the page (a fresh page per chapter costs seconds)
             _open_from_file_browser(learner, "work/" + chapter, len(notebook["cells"]))
         session.used.add("ranks")
         # what test_chapter_first_cells checks of every other chapter
@@ -295,14 +323,20 @@ def test_closing_a_chapters_tab_gives_its_memory_back(session, learner):
         open_mib, running = session.processes.private_mib(root)
         assert any("forkserver" in command for command in running.values()), running
         _close_discarding(learner)
-        learner.wait(lambda: _lab_is_alone(session), 60,
-                     f"{chapter}'s kernel, fork server and ranks to go with its tab (kernelShutdown)")
+        learner.wait(
+            lambda: _lab_is_alone(session),
+            60,
+            f"{chapter}'s kernel, fork server and ranks to go with its tab (kernelShutdown)",
+        )
         print(f"{chapter}: {open_mib:.0f} MiB private with it open")
     after, counted = session.processes.private_mib(root)
-    print(f"three chapters opened, run and closed in {time.monotonic() - start:.0f} s: the lab holds "
-          f"{after:.0f} MiB private, {session.fresh_mib:.0f} MiB fresh ({counted}; fresh: {session.fresh_counted})")
+    print(
+        f"three chapters opened, run and closed in {time.monotonic() - start:.0f} s: the lab holds "
+        f"{after:.0f} MiB private, {session.fresh_mib:.0f} MiB fresh ({counted}; fresh: {session.fresh_counted})"
+    )
     assert after - session.fresh_mib <= MEMORY_SLACK_MIB, (
-        f"the lab holds {after - session.fresh_mib:.0f} MiB more than fresh after its tabs closed: {counted}")
+        f"the lab holds {after - session.fresh_mib:.0f} MiB more than fresh after its tabs closed: {counted}"
+    )
 
 
 # ---- the walk: map -> chapter 04 -> its exercises -> graded -> progress --------------------------
@@ -311,7 +345,7 @@ def test_closing_a_chapters_tab_gives_its_memory_back(session, learner):
 
 WALK_CHAPTER = "work/chapters/04_tensor_parallelism.ipynb"
 WALK_EXERCISES = "work/exercises/04_tensor_parallelism_exercises.ipynb"
-WALK_ID = "04.conjugate_pair"   # the first exercise of chapter 04's notebook
+WALK_ID = "04.conjugate_pair"  # the first exercise of chapter 04's notebook
 # f's backward without its all-reduce: each rank keeps only its own part of the gradient
 WALK_WRONG = '''class Copy(torch.autograd.Function):
     """f: identity in forward, all-reduce (sum) of the gradient in backward."""
@@ -388,12 +422,18 @@ def _click_link(learner, container_js: str, target: str, what: str) -> None:
     selection to the cell can hand the focus back to this notebook after the link's notebook
     opened, and leave that one behind its tab (seen on a loaded machine).
     """
-    link = learner.wait(lambda: learner.js(f"""const box = {container_js};
+    link = learner.wait(
+        lambda: learner.js(f"""const box = {container_js};
         return box && [...box.querySelectorAll('a')].find(a =>
             (a.getAttribute('href') || '').includes({target!r}) || (a.dataset.commandlinkerArgs || '').includes({target!r}))"""),
-        60, what)
-    cell = learner.js("const cell = arguments[0].closest('.jp-Cell'); "
-                      f"return [...document.querySelectorAll({CELLS!r})].indexOf(cell)", link)
+        60,
+        what,
+    )
+    cell = learner.js(
+        "const cell = arguments[0].closest('.jp-Cell'); "
+        f"return [...document.querySelectorAll({CELLS!r})].indexOf(cell)",
+        link,
+    )
     assert cell >= 0, f"{what}: the link is in no cell of the notebook"
     learner.select(cell)
     time.sleep(1)
@@ -425,17 +465,25 @@ def test_walk_from_the_map_to_recorded_progress(session, learner, tmp_path):
         # 1. the landing page, the learner's chapter 00: its map's link to chapter 04 opens it
         session.driver.get(session.lab.url("/"))
         _wait_document(learner, "work/" + ORIENTATION, len(session.notebook(ORIENTATION)["cells"]), "the landing page")
-        learner.wait_idle(180, "chapter 00's kernel to start")   # the lab has settled
-        the_map = (f"[...document.querySelectorAll({NOTEBOOK!r} + ' .jp-RenderedMarkdown')].find(m => "
-                   "[...m.querySelectorAll('table a')].some(a => a.innerText.trim() === '04'))")
+        learner.wait_idle(180, "chapter 00's kernel to start")  # the lab has settled
+        the_map = (
+            f"[...document.querySelectorAll({NOTEBOOK!r} + ' .jp-RenderedMarkdown')].find(m => "
+            "[...m.querySelectorAll('table a')].some(a => a.innerText.trim() === '04'))"
+        )
         _click_link(learner, the_map, "04_tensor_parallelism.ipynb", "chapter 00's map to link to chapter 04")
-        _wait_document(learner, WALK_CHAPTER, len(session.notebook("chapters/04_tensor_parallelism.ipynb")["cells"]),
-                       "the map's link to chapter 04")
+        _wait_document(
+            learner,
+            WALK_CHAPTER,
+            len(session.notebook("chapters/04_tensor_parallelism.ipynb")["cells"]),
+            "the map's link to chapter 04",
+        )
         learner.screenshot("walk_1_chapter_04_from_the_map")
 
         # 2. chapter 04's "Your turn" links to its exercises: the learner's copy opens
-        your_turn = (f"[...document.querySelectorAll({NOTEBOOK!r} + ' .jp-RenderedMarkdown')]"
-                     ".find(m => [...m.querySelectorAll('h2')].some(h => h.innerText.trim().startsWith('Your turn')))")
+        your_turn = (
+            f"[...document.querySelectorAll({NOTEBOOK!r} + ' .jp-RenderedMarkdown')]"
+            ".find(m => [...m.querySelectorAll('h2')].some(h => h.innerText.trim().startsWith('Your turn')))"
+        )
         _click_link(learner, your_turn, "04_tensor_parallelism_exercises.ipynb", "chapter 04's Your turn link")
         notebook = session.notebook("exercises/04_tensor_parallelism_exercises.ipynb")
         _wait_document(learner, WALK_EXERCISES, len(notebook["cells"]), "Your turn's link")
@@ -446,14 +494,16 @@ def test_walk_from_the_map_to_recorded_progress(session, learner, tmp_path):
         code = _code_cells(notebook)
         check = _find(notebook, f'check("{WALK_ID}"')
         stub = max(i for i in code if i < check and "NotImplementedError" in _source(notebook["cells"][i]))
-        for index in code[:2]:   # the parameters; the imports and the shared cluster of ranks
+        for index in code[:2]:  # the parameters; the imports and the shared cluster of ranks
             learner.run_cell(index, 240)
         session.used.add("ranks")
         assert not (errors := learner.errors()), f"the first cells show errors: {errors}"
         right = _solution(WALK_ID)
         assert "NotImplementedError" not in right and "all_reduce" in right, right
-        for code_typed, verdict, name in ((WALK_WRONG, "Failed", "walk_3_wrong_answer_fails"),
-                                          (right, "Passed", "walk_4_right_answer_passes")):
+        for code_typed, verdict, name in (
+            (WALK_WRONG, "Failed", "walk_3_wrong_answer_fails"),
+            (right, "Passed", "walk_4_right_answer_passes"),
+        ):
             typed = learner.type_into(stub, code_typed)
             assert typed == code_typed, f"the editor holds:\n{typed}"
             learner.run_cell(stub, 60)
@@ -463,25 +513,34 @@ def test_walk_from_the_map_to_recorded_progress(session, learner, tmp_path):
             learner.screenshot(name, check)
         learner.menu("File", "docmanager:save")
         saved_file = course.root / WALK_EXERCISES
-        learner.wait(lambda: not _current_document(learner)[2]
-                     and _source(json.loads(saved_file.read_text())["cells"][stub]) == right, 60,
-                     "the notebook to be saved with the right answer")
+        learner.wait(
+            lambda: (
+                not _current_document(learner)[2]
+                and _source(json.loads(saved_file.read_text())["cells"][stub]) == right
+            ),
+            60,
+            "the notebook to be saved with the right answer",
+        )
         print(f"walk in the browser: {time.monotonic() - start:.0f} s")
-        session.lab.shut_down_kernels()   # the ranks go: the grader runs a notebook of its own
+        session.lab.shut_down_kernels()  # the ranks go: the grader runs a notebook of its own
 
         # 4. the command-line grader on the saved copy, then the progress table, in the course
         python = str(course.root / ".venv" / "bin" / "python")
-        graded = _run([python, "-m", "ultrascale.grading.cli", WALK_EXERCISES, "--json", str(tmp_path / "scores.json")],
-                      course.root, 600)
+        graded = _run(
+            [python, "-m", "ultrascale.grading.cli", WALK_EXERCISES, "--json", str(tmp_path / "scores.json")],
+            course.root,
+            600,
+        )
         print(graded)
         scores = json.loads((tmp_path / "scores.json").read_text())["notebooks"][0]["exercises"]
         scored = next(e for e in scores if e["exercise"] == WALK_ID)
         assert scored["status"] == "pass" and scored["points"] == scored["max_points"] > 0, scores
-        records = "work/.progress/grades.jsonl"   # the course's (progress's default is the library's course)
+        records = "work/.progress/grades.jsonl"  # the course's (progress's default is the library's course)
         table = _run([python, "-m", "ultrascale.grading.progress", "--records", records], course.root, 300)
         print(table)
-        rows = json.loads(_run([python, "-m", "ultrascale.grading.progress", "--records", records, "--json"],
-                               course.root, 300))
+        rows = json.loads(
+            _run([python, "-m", "ultrascale.grading.progress", "--records", records, "--json"], course.root, 300)
+        )
         row = next(r for r in rows["chapters"] if r["chapter"] == "04")
         assert row["exercises"][WALK_ID] == "pass", row
         assert row["passed"] >= 1 and row["points"] >= scored["points"], row
@@ -504,10 +563,10 @@ def test_walk_from_the_map_to_recorded_progress(session, learner, tmp_path):
 def test_chapter_00_run_all(session, learner):
     notebook = session.notebook(ORIENTATION)
     learner.open(ORIENTATION, len(notebook["cells"]))
-    learner.clear_outputs()   # so every output checked below is drawn by this run
+    learner.clear_outputs()  # so every output checked below is drawn by this run
     live = _find(notebook, "LivePlot(")
     learner.watch_images(live)
-    session.used.add("ranks")   # the chapter starts a Cluster
+    session.used.add("ranks")  # the chapter starts a Cluster
     seconds = learner.run_all(240, while_running=lambda: learner.screenshot("02_chapter_00_running"))
     print(f"chapter 00: Run All took {seconds:.0f} s in the browser")
     _assert_ran_to_the_end(learner, notebook, "chapter 00")
@@ -531,6 +590,7 @@ def test_chapter_00_run_all(session, learner):
 
 # ---- chapter 01's memory widget ----------------------------------------------------------------
 
+
 def test_chapter_01_memory_widget(session, learner):
     notebook = session.notebook(ONE_GPU)
     learner.open(ONE_GPU, len(notebook["cells"]))
@@ -548,7 +608,7 @@ def test_chapter_01_memory_widget(session, learner):
     learner.screenshot("06_chapter_01_dp8_zero3", widget)
 
     # 4096 is not divisible by 7 heads: the widget says so, in red, and keeps the last plot
-    last_plot = learner.settled_image(widget)   # what the widget shows once DP 8 / ZeRO-3 has drawn
+    last_plot = learner.settled_image(widget)  # what the widget shows once DP 8 / ZeRO-3 has drawn
     learner.enter_number(widget, "heads", 7)
     shown = learner.wait(lambda: [m for m in learner.widget_messages(widget) if m[0]], 30, "the widget's error text")
     text, colour = shown[0]
@@ -557,13 +617,14 @@ def test_chapter_01_memory_widget(session, learner):
     assert red > green + 60 and red > blue + 60, f"error text not shown in red: {colour}"
     learner.screenshot("07_chapter_01_invalid_heads", widget)
     assert learner.widget_image(widget) == last_plot
-    learner.enter_number(widget, "heads", 32)   # back to Llama 3 8B's: the text goes, the same plot stays
+    learner.enter_number(widget, "heads", 32)  # back to Llama 3 8B's: the text goes, the same plot stays
     learner.wait(lambda: not [m for m in learner.widget_messages(widget) if m[0]], 30, "the error text to go")
     assert learner.widget_image(widget) == last_plot
     assert learner.log_entries() == 0
 
 
 # ---- an exercise notebook ----------------------------------------------------------------------
+
 
 def test_exercise_notebook_as_a_learner(session, learner):
     notebook = session.notebook(EXERCISE)
@@ -594,6 +655,7 @@ def test_exercise_notebook_as_a_learner(session, learner):
 
 # ---- a broken widget is caught -----------------------------------------------------------------
 
+
 def test_a_broken_widget_callback_fails_the_check(session, learner):
     """The memory widget with its drawing broken after it is shown: the check that chapter 01's
     widget passes (expect_redraw) must fail, and say why."""
@@ -617,7 +679,7 @@ def test_a_broken_widget_callback_fails_the_check(session, learner):
 
 # ---- every chapter opens and runs in the lab ---------------------------------------------------
 
-FIRST_CELL_CHAPTERS = [c for c in CHAPTERS if c not in CLOSED_CHAPTERS]   # those: in the memory test
+FIRST_CELL_CHAPTERS = [c for c in CHAPTERS if c not in CLOSED_CHAPTERS]  # those: in the memory test
 # Code cells run per chapter: the parameters cell. Its imports and everything after it run in
 # nbval and papermill, in the same kind of kernel; what only the browser sees is the chapter
 # opened and rendered by the lab, a kernel the lab started running its code, and the log console.
@@ -636,14 +698,14 @@ def test_chapter_first_cells(session, learner, chapter):
     notebook = session.notebook(chapter)
     code = _code_cells(notebook)
     first = code[:OPENED_CELLS]
-    try:   # the page lists chapters/ when the chapter before was opened and closed there
+    try:  # the page lists chapters/ when the chapter before was opened and closed there
         listed = _listed(learner, chapter, 2)
-    except PageTimeout:   # the first chapter, or a page left elsewhere: a fresh one
+    except PageTimeout:  # the first chapter, or a page left elsewhere: a fresh one
         learner.open(chapter, len(notebook["cells"]))
-    else:   # a failure once it is double-clicked is this test's, not a reason for a fresh page
+    else:  # a failure once it is double-clicked is this test's, not a reason for a fresh page
         _open_from_file_browser(learner, chapter, len(notebook["cells"]), listed)
     learner.clear_outputs()
-    if len(code) > len(first):   # Run ▸ Run All Above Selected Cell, from the next code cell
+    if len(code) > len(first):  # Run ▸ Run All Above Selected Cell, from the next code cell
         learner.run_all(120 + 30 * len(first), command="notebook:run-all-above", selected=code[len(first)])
     else:
         learner.run_all(300)
@@ -657,6 +719,7 @@ def test_chapter_first_cells(session, learner, chapter):
 
 # ---- nothing left behind -----------------------------------------------------------------------
 
+
 def test_every_process_stopped(session):
     """Last: quit the browser and stop the server by PID; every kernel, rank and chromium process
     noted during the tests must be gone (the ones still there are killed by PID, and named)."""
@@ -664,7 +727,7 @@ def test_every_process_stopped(session):
     commands = " ".join(command for _, command in noted.values())
     kinds = {"jupyter-lab", "chromium", "chromedriver"}
     kinds |= {"ipykernel_launcher"} if "kernels" in session.used else set()
-    kinds |= {"forkserver"} if "ranks" in session.used else set()   # the ranks' parent (forked or executed)
+    kinds |= {"forkserver"} if "ranks" in session.used else set()  # the ranks' parent (forked or executed)
     for kind in sorted(kinds):
         assert kind in commands, f"no {kind} process was noted: the watch missed it ({len(noted)} noted)"
     left = session.stop()

@@ -1,4 +1,5 @@
 """The chapter 1 exercise tests: the solutions pass, and the usual mistakes fail with a useful hint."""
+
 from pathlib import Path
 
 import nbformat
@@ -21,9 +22,14 @@ def solution():
     return namespace
 
 
-@pytest.mark.parametrize("exercise_id,name", [("01.param_count", "gpt_param_count"),
-                                              ("01.activation_memory", "activation_memory"),
-                                              ("01.grad_accumulation", "accumulate_gradients")])
+@pytest.mark.parametrize(
+    "exercise_id,name",
+    [
+        ("01.param_count", "gpt_param_count"),
+        ("01.activation_memory", "activation_memory"),
+        ("01.grad_accumulation", "accumulate_gradients"),
+    ],
+)
 def test_solutions_pass(solution, exercise_id, name):
     assert check(exercise_id, solution[name], quick=True).status == PASS
 
@@ -40,12 +46,14 @@ def test_param_count_mistakes():
 def test_activation_memory_mistakes():
     def no_scores(layers, hidden, heads, seq, micro_batch, recompute="none"):
         return layers * seq * micro_batch * hidden * (2 if recompute == "full" else 34)
+
     result = check("01.activation_memory", no_scores)
     assert result.status == FAIL and "5*a*seq/h" in result.message
 
     def accepts_anything(layers, hidden, heads, seq, micro_batch, recompute="none"):
         lin = layers * seq * micro_batch * hidden
         return {"selective": lin * 34, "full": lin * 2}.get(recompute, lin * (34 + 5 * heads * seq / hidden))
+
     result = check("01.activation_memory", accepts_anything)
     assert result.status == FAIL and "ValueError" in result.message
 
@@ -62,12 +70,17 @@ def _accumulate(model, inputs, targets, grad_acc, divide=True, clear=True, split
     return total if divide else total / grad_acc
 
 
-@pytest.mark.parametrize("mistake,hint", [({"divide": False}, "divide each micro-batch loss by grad_acc"),
-                                          ({"clear": False}, "clear them first"),
-                                          ({"split": False}, "split it into grad_acc micro-batches")])
+@pytest.mark.parametrize(
+    "mistake,hint",
+    [
+        ({"divide": False}, "divide each micro-batch loss by grad_acc"),
+        ({"clear": False}, "clear them first"),
+        ({"split": False}, "split it into grad_acc micro-batches"),
+    ],
+)
 def test_grad_accumulation_mistakes(mistake, hint):
-    def accumulate_gradients(model, inputs, targets, grad_acc):   # named as the exercise's, which the
-        return _accumulate(model, inputs, targets, grad_acc, **mistake)   # contract's allowance reads
+    def accumulate_gradients(model, inputs, targets, grad_acc):  # named as the exercise's, which the
+        return _accumulate(model, inputs, targets, grad_acc, **mistake)  # contract's allowance reads
 
     result = check("01.grad_accumulation", accumulate_gradients)
     assert result.status == FAIL and hint in result.message, result.message

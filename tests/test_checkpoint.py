@@ -12,6 +12,7 @@ step size lr = 1e-3 times the relative difference, far below 1e-10. A reshard th
 or misplaced a piece is off by the size of a weight (about 1e-2), and a resume at the wrong
 sample or without Adam's step count by about lr.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ultrascale.checkpoint import (PARTIAL, SampleLoader, checkpoint_steps, latest_checkpoint, load_checkpoint,
-                                   save_checkpoint, save_checkpoint_async)
+from ultrascale.checkpoint import (
+    PARTIAL,
+    SampleLoader,
+    checkpoint_steps,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_checkpoint_async,
+)
 from ultrascale.checkpoint.failures import daly_interval, simulate_run, young_interval
 from ultrascale.checkpoint.pieces import flat_boxes
 from ultrascale.model import GPT, GPTConfig
@@ -37,12 +45,12 @@ from ultrascale.train import run_steps
 # a technique test: run under a GPU node's rules in make test, on the node's GPUs in make test-gpu
 pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
 
-CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)   # a block: 12,704, not a multiple of 3
-MOE = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16, experts=4, top_k=2)   # 4 experts a block
+CFG = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16)  # a block: 12,704, not a multiple of 3
+MOE = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16, experts=4, top_k=2)  # 4 experts a block
 # compositions (parallel.compose) on 4 ranks: ZeRO-1 over TP's shards; experts and pipeline stages under ZeRO-1
 TP_ZERO1 = ParallelConfig(dp=2, tp=2, zero=1, optimizer="adam")
-EP_PP_ZERO1 = ParallelConfig(ep=2, pp=2, zero=1, optimizer="adam", microbatches=2)   # ep borrows the data ranks
-GLOBAL_BATCH = 12          # samples per step: splits over 1, 2, 3 and 4 data-parallel ranks
+EP_PP_ZERO1 = ParallelConfig(ep=2, pp=2, zero=1, optimizer="adam", microbatches=2)  # ep borrows the data ranks
+GLOBAL_BATCH = 12  # samples per step: splits over 1, 2, 3 and 4 data-parallel ranks
 TOL = 1e-10
 
 
@@ -62,28 +70,44 @@ def build(ctx, layout: str, stage: int = 1, cfg=CFG):
     if layout == "zero":
         opt = ZeRO(model, stage=stage, optimizer_cls=torch.optim.Adam, lr=1e-3)
         return model, opt, None, None, SampleLoader(cfg, GLOBAL_BATCH, 0, ctx.rank, ctx.world_size, ctx.device)
-    if isinstance(layout, ParallelConfig):   # parallel.compose: TP, EP, PP, then ZeRO over each one's data ranks
+    if isinstance(layout, ParallelConfig):  # parallel.compose: TP, EP, PP, then ZeRO over each one's data ranks
         mesh = build_mesh(ctx, layout)
         par = apply_parallelisms(model, mesh, layout)
-        return par.module, par.optimizer, None, None, SampleLoader(cfg, GLOBAL_BATCH, 0, *data_index(mesh, ctx.rank),
-                                                                   ctx.device)
-    if layout == "fsdp2":      # PyTorch's own: fully_shard each block, then the root (ZeRO-3's units)
+        return (
+            par.module,
+            par.optimizer,
+            None,
+            None,
+            SampleLoader(cfg, GLOBAL_BATCH, 0, *data_index(mesh, ctx.rank), ctx.device),
+        )
+    if layout == "fsdp2":  # PyTorch's own: fully_shard each block, then the root (ZeRO-3's units)
         model = fsdp2(model, device_mesh_1d(ctx))
-        return model, adam(model.parameters()), None, None, SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank,
-                                                                          ctx.world_size, ctx.device)
-    if layout == "tp":         # every rank one tp shard of one replica: all read the whole batch
+        return (
+            model,
+            adam(model.parameters()),
+            None,
+            None,
+            SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank, ctx.world_size, ctx.device),
+        )
+    if layout == "tp":  # every rank one tp shard of one replica: all read the whole batch
         apply_tp(model)
         return model, adam(model.parameters()), None, None, SampleLoader(CFG, GLOBAL_BATCH, device=ctx.device)
-    if layout == "pp":         # 2 stages, 1F1B over 2 micro-batches of the whole batch
+    if layout == "pp":  # 2 stages, 1F1B over 2 micro-batches of the whole batch
         pipe = apply_pp(model, schedule="1f1b", microbatches=2)
         return pipe, adam(pipe.parameters()), None, None, SampleLoader(CFG, GLOBAL_BATCH, device=ctx.device)
     dp = NaiveDataParallel(model)
-    return (model, adam(model.parameters()), dp, dp.finish_gradient_synchronization,
-            SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank, ctx.world_size, ctx.device))
+    return (
+        model,
+        adam(model.parameters()),
+        dp,
+        dp.finish_gradient_synchronization,
+        SampleLoader(CFG, GLOBAL_BATCH, 0, ctx.rank, ctx.world_size, ctx.device),
+    )
 
 
-def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every=None, kill=None,
-                   in_background=False, cfg=CFG):
+def train_and_save(
+    ctx, root, layout, stage, steps, resume_from=None, save_every=None, kill=None, in_background=False, cfg=CFG
+):
     """Resume from the newest checkpoint under ``resume_from`` (if any), train ``steps`` more,
     saving under ``root`` every ``save_every`` steps and at the end. ``kill``: (rank, step,
     "step" or "save"): that rank SIGKILLs itself in the middle of that step, or of its save.
@@ -93,8 +117,11 @@ def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every
     path = latest_checkpoint(resume_from) if resume_from else None
     if path is not None:
         done = load_checkpoint(path, model, opt, loader=loader)["step"]
-        resumed = {"step": done, "next_sample": loader.next_sample, "first_row": loader.sample(
-            loader.next_sample + loader.rank * (GLOBAL_BATCH // loader.world_size))}
+        resumed = {
+            "step": done,
+            "next_sample": loader.next_sample,
+            "first_row": loader.sample(loader.next_sample + loader.rank * (GLOBAL_BATCH // loader.world_size)),
+        }
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
@@ -103,15 +130,15 @@ def train_and_save(ctx, root, layout, stage, steps, resume_from=None, save_every
     for step in range(done + 1, done + steps + 1):
         if kill and kill[1:] == (step, "step") and ctx.rank == kill[0]:
             batch = loader.next_batch()
-            batch.loss(model if module is None else module)   # a forward, then the process is gone
+            batch.loss(model if module is None else module)  # a forward, then the process is gone
             die()
-        if layout == "pp" or getattr(layout, "pp", 1) > 1:   # the pipeline splits the batch into micro-batches
+        if layout == "pp" or getattr(layout, "pp", 1) > 1:  # the pipeline splits the batch into micro-batches
             model.step(loader.next_batch())
             opt.step()
             opt.zero_grad()
         else:
             run_steps(model, loader, 1, opt, module=module, after_backward=after)
-        if pending is not None:       # the previous step's save, written while this step trained
+        if pending is not None:  # the previous step's save, written while this step trained
             pending = pending.wait()
         if step == done + steps or (save_every and step % save_every == 0):
             killing = kill and kill[1:] == (step, "save") and ctx.rank == kill[0]
@@ -136,9 +163,11 @@ def reference(tmp_path_factory):
             model = fresh_model(cfg=cfg)
             opt, loader = adam(model.parameters()), SampleLoader(cfg, GLOBAL_BATCH)
             run_steps(model, loader, steps, opt)
-            made[steps, cfg] = read_whole(save_checkpoint(folder / f"{len(made)}", steps, model, opt, loader=loader),
-                                          folder)
+            made[steps, cfg] = read_whole(
+                save_checkpoint(folder / f"{len(made)}", steps, model, opt, loader=loader), folder
+            )
         return made[steps, cfg]
+
     return checkpoint
 
 
@@ -172,7 +201,7 @@ def test_a_flat_run_of_a_tensor_is_cut_into_boxes_that_hold_exactly_it():
                 held = [index[tuple(slice(o, o + s) for o, s in zip(off, sizes))].reshape(-1) for off, sizes in boxes]
                 got = torch.cat(held).tolist() if held else []
                 assert got == list(range(start, stop)), (shape, start, stop, boxes)
-                assert len(boxes) <= 2 * len(shape) - 1   # a partial row, whole rows, a partial row, per level
+                assert len(boxes) <= 2 * len(shape) - 1  # a partial row, whole rows, a partial row, per level
 
 
 def test_dp2_x_tp2_with_zero1_on_4_ranks_resumes_as_zero3_on_3(tmp_path, reference):
@@ -202,8 +231,11 @@ def test_tensor_parallel_resumes_as_plain_data_parallel_saving_in_the_background
     cluster.run(train_and_save, tmp_path / "dp", "dp", 0, 2, tmp_path / "tp", 1, None, True)
     assert checkpoint_steps(tmp_path / "dp") == [3, 4]
     for step in (3, 4):
-        assert_same_training_state(read_whole(tmp_path / "dp" / f"step-{step:08d}", tmp_path),
-                                   reference(step), f"tp 2 -> dp 2, step {step} in the background")
+        assert_same_training_state(
+            read_whole(tmp_path / "dp" / f"step-{step:08d}", tmp_path),
+            reference(step),
+            f"tp 2 -> dp 2, step {step} in the background",
+        )
 
 
 def test_pipeline_stages_resume_as_zero2(tmp_path, reference):
@@ -222,11 +254,15 @@ def test_experts_and_pipeline_stages_under_zero1_resume_as_zero2_on_2(tmp_path, 
     dense and the expert parameters over their own groups (the tied embedding is one of the first
     stage's units and one of the last's). ZeRO-2 on 2 ranks reads every expert back whole."""
     shared_cluster(4).run(train_and_save, tmp_path / "ep_pp", EP_PP_ZERO1, 1, 2, cfg=MOE)
-    assert_same_training_state(read_whole(latest_checkpoint(tmp_path / "ep_pp"), tmp_path), reference(2, MOE),
-                               "ep 2 x pp 2 + ZeRO-1")
+    assert_same_training_state(
+        read_whole(latest_checkpoint(tmp_path / "ep_pp"), tmp_path), reference(2, MOE), "ep 2 x pp 2 + ZeRO-1"
+    )
     shared_cluster(2).run(train_and_save, tmp_path / "zero2", "zero", 2, 2, tmp_path / "ep_pp", cfg=MOE)
-    assert_same_training_state(read_whole(latest_checkpoint(tmp_path / "zero2"), tmp_path), reference(4, MOE),
-                               "ep 2 x pp 2 + ZeRO-1 x4 -> ZeRO-2 x2")
+    assert_same_training_state(
+        read_whole(latest_checkpoint(tmp_path / "zero2"), tmp_path),
+        reference(4, MOE),
+        "ep 2 x pp 2 + ZeRO-1 x4 -> ZeRO-2 x2",
+    )
 
 
 @pytest.mark.parametrize("first, then", [("zero", "fsdp2"), ("fsdp2", "zero")])
@@ -237,8 +273,9 @@ def test_zero3_and_fsdp2_load_each_others_checkpoints(tmp_path, reference, first
     cluster = shared_cluster(3)
     cluster.run(train_and_save, tmp_path / first, first, 3, 2)
     cluster.run(train_and_save, tmp_path / then, then, 3, 2, tmp_path / first)
-    assert_same_training_state(read_whole(latest_checkpoint(tmp_path / then), tmp_path), want,
-                               f"{first} x3 -> {then} x3")
+    assert_same_training_state(
+        read_whole(latest_checkpoint(tmp_path / then), tmp_path), want, f"{first} x3 -> {then} x3"
+    )
 
 
 def test_a_rank_killed_mid_save_and_mid_step_loses_no_step(tmp_path, reference):
@@ -273,8 +310,10 @@ def test_the_lost_time_is_smallest_near_young_and_dalys_intervals():
     M = 600 s): Daly's interval (417 s) loses clearly less than Young's (600 s)."""
     c, m, work = 10.0, 1000.0, 20_000.0
     young, daly = young_interval(c, m), daly_interval(c, m)
-    lost = {tau: simulate_run(work, tau, c, m, runs=60) for tau in
-            [young / 4, young / 2, young / 1.5, daly, young, young * 1.5, young * 2, young * 4]}
+    lost = {
+        tau: simulate_run(work, tau, c, m, runs=60)
+        for tau in [young / 4, young / 2, young / 1.5, daly, young, young * 1.5, young * 2, young * 4]
+    }
     best = min(lost.values())
     assert lost[young] <= 1.03 * best and lost[daly] <= 1.03 * best, lost
     assert min(lost[young / 4], lost[young * 4]) > 1.5 * best, lost

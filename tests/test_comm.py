@@ -18,11 +18,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ultrascale.comm import (AlphaBeta, CommLogger, bus_bandwidth_sweep, bus_factor,
-                             chunk_sizes, crossover_size, fit_alpha_beta,
-                             fit_ring_all_reduce, ring_all_gather, ring_all_reduce,
-                             ring_reduce_scatter, tensor_parallel_scaling,
-                             tensor_parallel_throughput)
+from ultrascale.comm import (
+    AlphaBeta,
+    CommLogger,
+    bus_bandwidth_sweep,
+    bus_factor,
+    chunk_sizes,
+    crossover_size,
+    fit_alpha_beta,
+    fit_ring_all_reduce,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    tensor_parallel_scaling,
+    tensor_parallel_throughput,
+)
 from ultrascale.model import LLAMA3_8B, LLAMA_TINY, count_params, training_flops
 from ultrascale.runtime import Cluster
 
@@ -109,8 +119,7 @@ def _parity_on_rank(ctx):
             # reduce-scatter: this rank's tensor_split chunk of the all-reduce
             mine = ring_reduce_scatter(x, op)
             part = lambda t: torch.tensor_split(t, n)[r]  # noqa: E731
-            _check(failures, f"{label} reduce_scatter", mine, part(ref),
-                   None if tol is None else part(tol))
+            _check(failures, f"{label} reduce_scatter", mine, part(ref), None if tol is None else part(tol))
             if length % n == 0 and op != "avg":  # the built-in needs equal chunks
                 rs = torch.empty(length // n, device=ctx.device)
                 REDUCE_SCATTER_SINGLE(rs, x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
@@ -148,8 +157,13 @@ def _shapes_on_rank(ctx):
     ring_all_reduce(s)
     _check(failures, "0-d", s, torch.tensor(n * (n - 1) / 2, device=dev), None)
     rows = torch.full((2, 3), float(r), device=dev)  # equal chunks: stacked along dim 0
-    _check(failures, "all_gather rows", ring_all_gather(rows),
-           torch.arange(n, device=dev).repeat_interleave(2)[:, None].float().expand(2 * n, 3), None)
+    _check(
+        failures,
+        "all_gather rows",
+        ring_all_gather(rows),
+        torch.arange(n, device=dev).repeat_interleave(2)[:, None].float().expand(2 * n, 3),
+        None,
+    )
     return failures
 
 
@@ -217,8 +231,10 @@ def _logged_built_ins(ctx):
             work = dist.isend(torch.ones(10, device=dev), (r + 1) % n)
             dist.recv(torch.empty(10, device=dev), (r - 1) % n)
             work.wait()
-            ops = [dist.P2POp(dist.isend, torch.ones(3, device=dev), (r + 1) % n),
-                   dist.P2POp(dist.irecv, torch.empty(3, device=dev), (r - 1) % n)]
+            ops = [
+                dist.P2POp(dist.isend, torch.ones(3, device=dev), (r + 1) % n),
+                dist.P2POp(dist.irecv, torch.empty(3, device=dev), (r - 1) % n),
+            ]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
         patched = dist.all_reduce is not originals[0]
@@ -259,7 +275,7 @@ def _logged_onto_a_timeline(ctx):
         with timeline.span("compute"):
             y = x * 2
         dist.all_reduce(y)
-        work = dist.all_reduce(y, async_op=True)   # async: ends at wait(), not logged as a bar
+        work = dist.all_reduce(y, async_op=True)  # async: ends at wait(), not logged as a bar
         work.wait()
     return timeline.rows(), log.rows()
 
@@ -278,14 +294,20 @@ def test_logger_draws_blocking_calls_on_a_timeline(clusters):
 # ---- bandwidth -----------------------------------------------------------------------
 def _sweep(ctx, impl, op):
     seen = []
-    points = bus_bandwidth_sweep(ctx, [4096, 1 << 16], op=op, impl=impl, iters=3, warmup=1,
-                                 callback=seen.append)
+    points = bus_bandwidth_sweep(ctx, [4096, 1 << 16], op=op, impl=impl, iters=3, warmup=1, callback=seen.append)
     return points, seen
 
 
-@pytest.mark.parametrize("impl,op", [("torch", "all_reduce"), ("ring", "all_reduce"),
-                                     ("ring", "reduce_scatter"), ("torch", "all_gather"),
-                                     ("torch", "broadcast")])
+@pytest.mark.parametrize(
+    "impl,op",
+    [
+        ("torch", "all_reduce"),
+        ("ring", "all_reduce"),
+        ("ring", "reduce_scatter"),
+        ("torch", "all_gather"),
+        ("torch", "broadcast"),
+    ],
+)
 def test_bandwidth_sweep_reports_nccl_tests_quantities(clusters, impl, op):
     results = clusters(3).run(_sweep, impl, op)
     points = results[0][0]
@@ -349,12 +371,13 @@ def test_ring_all_reduce_model_and_crossover():
 # ---- tensor parallelism's throughput model -----------------------------------------------
 # illustrative H100-like inputs (not measurements): bf16 dense peak, NVLink, 400 Gb/s per GPU
 H100_LIKE = dict(peak_flops=989e12, intra_node=AlphaBeta(5e-6, 450e9), inter_node=AlphaBeta(1e-5, 50e9))
-LLAMA3_8B_4096 = training_flops(LLAMA3_8B, 4096, seq_len=4096)   # one micro-batch of one 4096-token sequence
+LLAMA3_8B_4096 = training_flops(LLAMA3_8B, 4096, seq_len=4096)  # one micro-batch of one 4096-token sequence
 
 
 def test_tp_model_one_rank_only_computes_and_compute_scales_as_one_over_tp():
-    rows = tensor_parallel_scaling(LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1, flops=LLAMA3_8B_4096,
-                                   **H100_LIKE)
+    rows = tensor_parallel_scaling(
+        LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1, flops=LLAMA3_8B_4096, **H100_LIKE
+    )
     assert rows[0]["comm_s"] == 0 and rows[0]["step_s"] == rows[0]["compute_s"]
     for row in rows:
         assert row["compute_s"] == pytest.approx(rows[0]["compute_s"] / row["tp"])
@@ -365,11 +388,19 @@ def test_tp_model_one_rank_only_computes_and_compute_scales_as_one_over_tp():
 @pytest.mark.parametrize("gpus_per_node", [4, 8])
 def test_tp_model_leaves_nvlink_exactly_when_the_group_leaves_the_node(gpus_per_node):
     intra, inter = AlphaBeta(1e-6, 400e9), AlphaBeta(3e-5, 20e9)
-    nbytes = 2048 * 2 * LLAMA3_8B.hidden * 2                      # b*s*h in bf16
+    nbytes = 2048 * 2 * LLAMA3_8B.hidden * 2  # b*s*h in bf16
     for tp in (2, 3, 4, 5, 8, 9, 16):
-        row = tensor_parallel_throughput(LLAMA3_8B, tp, seq=2048, micro_batch=2, peak_flops=1e15,
-                                         flops=training_flops(LLAMA3_8B, 2 * 2048, seq_len=2048),
-                                         intra_node=intra, inter_node=inter, gpus_per_node=gpus_per_node)
+        row = tensor_parallel_throughput(
+            LLAMA3_8B,
+            tp,
+            seq=2048,
+            micro_batch=2,
+            peak_flops=1e15,
+            flops=training_flops(LLAMA3_8B, 2 * 2048, seq_len=2048),
+            intra_node=intra,
+            inter_node=inter,
+            gpus_per_node=gpus_per_node,
+        )
         link = inter if tp > gpus_per_node else intra
         assert row["bandwidth"] == ("inter-node" if tp > gpus_per_node else "intra-node")
         assert row["comm_s"] == pytest.approx(4 * LLAMA3_8B.layers * link.ring_all_reduce_time(nbytes, tp))
@@ -378,26 +409,35 @@ def test_tp_model_leaves_nvlink_exactly_when_the_group_leaves_the_node(gpus_per_
 def test_tp_model_by_hand():
     """LLAMA_TINY (L=2, h=64), seq 32, micro-batch 2, tp 4, 1 TFLOP/s, alpha 10 us, beta 1 GB/s."""
     tokens = 2 * 32
-    flops = tokens * (6 * count_params(LLAMA_TINY) + 12 * 2 * 64 * 32)   # 6N + attention, per token
+    flops = tokens * (6 * count_params(LLAMA_TINY) + 12 * 2 * 64 * 32)  # 6N + attention, per token
     assert training_flops(LLAMA_TINY, tokens, seq_len=32) == pytest.approx(flops)
-    row = tensor_parallel_throughput(LLAMA_TINY, 4, seq=32, micro_batch=2, flops=flops, peak_flops=1e12,
-                                     intra_node=AlphaBeta(1e-5, 1e9), inter_node=AlphaBeta(1, 1))
+    row = tensor_parallel_throughput(
+        LLAMA_TINY,
+        4,
+        seq=32,
+        micro_batch=2,
+        flops=flops,
+        peak_flops=1e12,
+        intra_node=AlphaBeta(1e-5, 1e9),
+        inter_node=AlphaBeta(1, 1),
+    )
     compute = flops / (4 * 1e12)
-    all_reduce = 2 * (4 - 1) * (1e-5 + tokens * 64 * 2 / (4 * 1e9))     # ring over 4 ranks, 8 KiB
-    comm = 4 * 2 * all_reduce                                            # 4 per layer, 2 layers
+    all_reduce = 2 * (4 - 1) * (1e-5 + tokens * 64 * 2 / (4 * 1e9))  # ring over 4 ranks, 8 KiB
+    comm = 4 * 2 * all_reduce  # 4 per layer, 2 layers
     assert row["compute_s"] == pytest.approx(compute)
-    assert comm == pytest.approx(5.78304e-4)                             # 8 * 6 * (10 us + 2.048 us)
+    assert comm == pytest.approx(5.78304e-4)  # 8 * 6 * (10 us + 2.048 us)
     assert row["comm_s"] == pytest.approx(comm)
     assert row["tokens_per_s_per_gpu"] == pytest.approx(tokens / (4 * (compute + comm)))
     assert row["bandwidth"] == "intra-node"
 
 
 def test_tp_model_throughput_drops_and_falls_off_a_cliff_past_the_node():
-    rows = tensor_parallel_scaling(LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1, flops=LLAMA3_8B_4096,
-                                   **H100_LIKE)
+    rows = tensor_parallel_scaling(
+        LLAMA3_8B, [1, 2, 4, 8, 16, 32], seq=4096, micro_batch=1, flops=LLAMA3_8B_4096, **H100_LIKE
+    )
     per_gpu = {row["tp"]: row["tokens_per_s_per_gpu"] for row in rows}
     assert all(a > b for a, b in zip(list(per_gpu.values()), list(per_gpu.values())[1:]))
-    assert per_gpu[16] / per_gpu[8] < per_gpu[8] / per_gpu[4]     # leaving NVLink costs the most
+    assert per_gpu[16] / per_gpu[8] < per_gpu[8] / per_gpu[4]  # leaving NVLink costs the most
     with pytest.raises(ValueError, match="tp"):
         tensor_parallel_throughput(LLAMA3_8B, 0, seq=4096, micro_batch=1, flops=LLAMA3_8B_4096, **H100_LIKE)
 
@@ -495,13 +535,13 @@ def test_halving_doubling_matches_the_built_in_with_the_rings_bytes_in_2_log2_mi
         # kept. In all about the ring's 2 (P-1)/P of the buffer.
         exchange = sent[1:-1] if fold else sent
         halvings = max(len(distances) - 1, 0)
-        given, kept = exchange[:halvings], exchange[halvings + 1:][::-1]
+        given, kept = exchange[:halvings], exchange[halvings + 1 :][::-1]
         in_range = length
         for k in range(halvings):
             assert given[k] + kept[k] == in_range and abs(given[k] - kept[k]) <= 1, (r, given, kept)
             in_range = kept[k]
         if distances:
-            assert exchange[halvings] == in_range, (r, exchange)     # the innermost swap: all of it
+            assert exchange[halvings] == in_range, (r, exchange)  # the innermost swap: all of it
         assert abs(sum(exchange) - 2 * (power - 1) / power * length) <= 2 * len(distances)
     assert halving_doubling_steps(n) == {1: 0, 2: 1, 3: 3, 4: 3, 5: 5}[n]
 
@@ -514,7 +554,7 @@ def test_doubling_and_ring_times_cross_where_the_model_says():
         star = crossover_bytes(model, n)
         ring = lambda k: float(model.ring_all_reduce_time(k, n))  # noqa: E731
         doubling = lambda k: float(doubling_time(model, k, n))  # noqa: E731
-        if n == 2:   # one exchange of everything vs two half-size steps: doubling always wins
+        if n == 2:  # one exchange of everything vs two half-size steps: doubling always wins
             assert star == float("inf") and doubling(1e9) < ring(1e9)
             continue
         assert 0 < star < float("inf")
@@ -534,7 +574,10 @@ def test_doubling_and_ring_times_cross_where_the_model_says():
     ab = model.alpha * model.beta
     assert predicted_times(model, ab, 4)["halving_doubling"] == pytest.approx(4.5 * model.alpha)
     assert [choose_algorithm(int(k * ab), 4, model) for k in (1.9, 2.1, 100)] == [
-        "recursive_doubling", "halving_doubling", "halving_doubling"]
+        "recursive_doubling",
+        "halving_doubling",
+        "halving_doubling",
+    ]
     # N = 2: halving-doubling's one merged swap is recursive doubling's; a tie goes to doubling
     assert predicted_times(model, ab, 2)["halving_doubling"] == pytest.approx(2 * model.alpha)
     assert choose_algorithm(int(10 * ab), 2, model) == "recursive_doubling"
@@ -563,7 +606,7 @@ def test_all_reduce_chooses_by_size_with_a_model_fitted_on_the_spot(clusters):
     assert all(m == model for m, _ in models_and_ops), "ranks fitted different models"
     expected = [f"{choose_algorithm(length * 4, 4, model)}_all_reduce" for length in (3, 1 << 18)]
     assert all(ops == expected for _, ops in models_and_ops)
-    assert expected[0] == "recursive_doubling_all_reduce"   # 12 bytes: latency decides
+    assert expected[0] == "recursive_doubling_all_reduce"  # 12 bytes: latency decides
 
 
 def _direct_on_rank(ctx):
@@ -578,7 +621,7 @@ def _direct_on_rank(ctx):
         sends.append((kwargs.get("group_dst"), tensor.numel()))
         return original(tensor, *args, **kwargs)
 
-    dist.isend = c10d.isend = spy   # c10d: batch_isend_irecv's P2POps look isend up there
+    dist.isend = c10d.isend = spy  # c10d: batch_isend_irecv's P2POps look isend up there
     try:
         failures = _against_the_built_in(ctx, "direct_all_reduce", direct_all_reduce, [sends])
     finally:
@@ -608,10 +651,10 @@ def test_direct_exchange_is_chosen_from_its_measured_crossover_only():
     from ultrascale.comm.recursive import AlphaBeta, all_reduce_contenders, choose_algorithm
 
     model = AlphaBeta(1e-4, 1e9)
-    assert choose_algorithm(16 << 20, 4, model) == "halving_doubling"           # the model alone never picks it
+    assert choose_algorithm(16 << 20, 4, model) == "halving_doubling"  # the model alone never picks it
     assert choose_algorithm(16 << 20, 4, model, direct_from=4 << 20) == "direct"
     assert choose_algorithm(1 << 20, 4, model, direct_from=4 << 20) == choose_algorithm(1 << 20, 4, model)
-    assert choose_algorithm(16 << 20, 1, model, direct_from=1) != "direct"      # one rank: nothing to exchange
+    assert choose_algorithm(16 << 20, 1, model, direct_from=1) != "direct"  # one rank: nothing to exchange
     assert "direct" not in all_reduce_contenders(model=model)
     assert "direct" in all_reduce_contenders(model=model, direct=True)
 
@@ -676,7 +719,7 @@ def test_balanced_orders_give_every_position_and_predecessor_equally_often(count
     from ultrascale.comm.bandwidth import balanced_orders
 
     names = [f"c{i}" for i in range(count)]
-    square = 2 * count if count % 2 else count          # rounds in one balanced block
+    square = 2 * count if count % 2 else count  # rounds in one balanced block
     rounds = balanced_orders(names, 2 * square)
     assert rounds[0] == names and rounds[square:] == rounds[:square]
     assert all(sorted(r) == names for r in rounds)
@@ -685,8 +728,8 @@ def test_balanced_orders_give_every_position_and_predecessor_equally_often(count
     assert len(positions) == count * count
     followers = Counter((a, b) for r in rounds for a, b in zip(r, r[1:]))
     if count > 1:
-        assert len(followers) == count * (count - 1)     # every ordered pair of two contenders ...
-        assert len(set(followers.values())) == 1         # ... equally often
+        assert len(followers) == count * (count - 1)  # every ordered pair of two contenders ...
+        assert len(set(followers.values())) == 1  # ... equally often
 
 
 def _works_kept_then_released(ctx):
@@ -705,16 +748,18 @@ def _works_kept_then_released(ctx):
     kept_counts = []
 
     # The ring steps with ring_step (works returned, waited for later), the others with send_recv.
-    for name, collective, step in (("ring", ring_module.ring_all_reduce, "ring_step"),
-                                   ("doubling", recursive_doubling_all_reduce, "send_recv"),
-                                   ("halving", halving_doubling_all_reduce, "send_recv")):
+    for name, collective, step in (
+        ("ring", ring_module.ring_all_reduce, "ring_step"),
+        ("doubling", recursive_doubling_all_reduce, "send_recv"),
+        ("halving", halving_doubling_all_reduce, "send_recv"),
+    ):
         kept_counts.clear()
         module = importlib.import_module(collective.__module__)
         original = getattr(module, step)
 
         def spy(*args, original=original, **kwargs):
             result = original(*args, **kwargs)
-            kept_counts.append(len(ring_module._kept_works))   # fails (TypeError) if nothing is kept
+            kept_counts.append(len(ring_module._kept_works))  # fails (TypeError) if nothing is kept
             return result
 
         setattr(module, step, spy)

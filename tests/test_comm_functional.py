@@ -54,7 +54,7 @@ def _tensor_parallel_on_rank(ctx):
     randn = _randn_on(ctx.device)
     r, n = ctx.rank, ctx.world_size
     x_full, W = randn(5, 6, seed=1), randn(4 * n, 6, seed=2)  # y = x @ W.T, 4n outputs
-    w_out = randn(5, 4 * n, seed=3)                             # loss = (y * w_out).sum()
+    w_out = randn(5, 4 * n, seed=3)  # loss = (y * w_out).sum()
     rows = slice(4 * r, 4 * r + 4)
 
     # Column parallel: every rank has all of x and rows `rows` of W, so its slice of y.
@@ -78,8 +78,11 @@ def _tensor_parallel_on_rank(ctx):
 def test_f_and_f_star_match_single_process_linear(cluster):
     results = cluster.run(_tensor_parallel_on_rank)
     n = len(results)
-    x, W, w_out = (_randn(5, 6, seed=1).requires_grad_(), _randn(4 * n, 6, seed=2).requires_grad_(),
-                   _randn(5, 4 * n, seed=3))
+    x, W, w_out = (
+        _randn(5, 6, seed=1).requires_grad_(),
+        _randn(4 * n, 6, seed=2).requires_grad_(),
+        _randn(5, 4 * n, seed=3),
+    )
     y = x @ W.T
     (y * w_out).sum().backward()
     x2, W2 = _randn(5, 6 * n, seed=5).requires_grad_(), _randn(7, 6 * n, seed=4).requires_grad_()
@@ -191,8 +194,11 @@ def test_sequence_pair_and_edges_match_single_process(cluster):
 def _not_divisible_on_rank(ctx):
     x = torch.zeros(2, 13, 4, device=ctx.device)  # 13 is divisible by none of 2, 3, 4
     messages = []
-    for call in (lambda: F.g_star(x, dim=1), lambda: F.split_along_dim(x, dim=1),
-                 lambda: F.all_to_all(x.transpose(0, 1))):
+    for call in (
+        lambda: F.g_star(x, dim=1),
+        lambda: F.split_along_dim(x, dim=1),
+        lambda: F.all_to_all(x.transpose(0, 1)),
+    ):
         try:
             call()
             messages.append(None)

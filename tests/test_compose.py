@@ -7,6 +7,7 @@ partial results) in another order than one process. That is exact in real arithm
 a gradient averaged over the wrong group (say dp but not cp), a stage left out or a shard
 never gathered is off by far more.
 """
+
 import pytest
 import torch
 
@@ -41,11 +42,11 @@ FACTORISATIONS = [
 
 def fresh_model():
     torch.manual_seed(0)
-    return perturbed(GPT(CONFIG).double())   # biases and norms away from 0 and 1
+    return perturbed(GPT(CONFIG).double())  # biases and norms away from 0 and 1
 
 
 def composed(ctx, config):
-    return train_composed(ctx, fresh_model().to(ctx.device), config, DATA, STEPS)   # its batches follow
+    return train_composed(ctx, fresh_model().to(ctx.device), config, DATA, STEPS)  # its batches follow
 
 
 MOE = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=16, experts=4, top_k=2)
@@ -61,8 +62,11 @@ def composed_moe(ctx, config):
     return train_composed(ctx, moe_model().to(ctx.device), config, MOE_DATA, STEPS)
 
 
-@pytest.mark.parametrize("config", [ParallelConfig(dp=2, ep=2), ParallelConfig(ep=2, pp=2, microbatches=2),
-                                    ParallelConfig(ep=2, cp=2)], ids=str)
+@pytest.mark.parametrize(
+    "config",
+    [ParallelConfig(dp=2, ep=2), ParallelConfig(ep=2, pp=2, microbatches=2), ParallelConfig(ep=2, cp=2)],
+    ids=str,
+)
 def test_expert_parallelism_composes(config):
     # experts summed over their replicas (dp x cp) and divided by every data rank; dense over (dp, ep, cp)
     per_rank = shared_cluster(4).run(composed_moe, config)
@@ -88,8 +92,11 @@ def test_a_wrong_composition_fails_the_check():
 
 def test_rank_to_group_maps_and_data_indices():
     mesh = Mesh(dp=2, pp=2, tp=2)
-    assert mesh.group_map() == {"dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-                                "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    assert mesh.group_map() == {
+        "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    }
     assert mesh.groups_table().splitlines()[2] == "tp  [0 1] [2 3] [4 5] [6 7]"
     assert [data_index(mesh, r)[0] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     moe = Mesh(dp=2, ep=2)
@@ -99,8 +106,7 @@ def test_rank_to_group_maps_and_data_indices():
     assert mean_loss([[1.0], [9.0], [3.0], [9.0]], Mesh(dp=2, tp=2)) == [2.0]
     # HSDP's cut of the data ranks (with cp: they hold the same weights): blocks of consecutive
     # dp coordinates shard, the same place in every block replicates
-    assert Mesh(dp=4, tp=2).split_ranks("dp", 2) == ([[0, 2], [4, 6], [1, 3], [5, 7]],
-                                                      [[0, 4], [2, 6], [1, 5], [3, 7]])
+    assert Mesh(dp=4, tp=2).split_ranks("dp", 2) == ([[0, 2], [4, 6], [1, 3], [5, 7]], [[0, 4], [2, 6], [1, 5], [3, 7]])
     assert Mesh(dp=2, cp=2).split_ranks(("dp", "cp"), 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
 
 
@@ -110,7 +116,9 @@ def test_config_errors():
     with pytest.raises(ValueError, match="tp must be a positive integer"):
         ParallelConfig(tp=0)
     assert str(ParallelConfig(dp=2, pp=2, tp=2)) == "dp2 x pp2 x tp2"
-    assert str(ParallelConfig(dp=4, dp_shard=2)) == "dp4 +hsdp2x2" and ParallelConfig(dp=4, dp_shard=2).dp_replicate == 2
+    assert (
+        str(ParallelConfig(dp=4, dp_shard=2)) == "dp4 +hsdp2x2" and ParallelConfig(dp=4, dp_shard=2).dp_replicate == 2
+    )
     assert str(ParallelConfig(dp=4, dp_shard=4)) == "dp4 +fsdp"
     with pytest.raises(ValueError, match="dp_shard=3 must divide dp=4"):
         ParallelConfig(dp=4, dp_shard=3)
@@ -152,12 +160,16 @@ def test_ep_must_divide_the_experts():
 
 def held(ctx, config):
     from ultrascale.parallel.compose import apply_parallelisms
+
     par = apply_parallelisms(GPT(CONFIG).to(ctx.device), build_mesh(ctx, config), config)
     return sum(p.numel() for p in dict.fromkeys(par.module.parameters()))
 
 
-@pytest.mark.parametrize("config", [ParallelConfig(pp=2, tp=2, microbatches=2), ParallelConfig(dp=2, tp=2),
-                                    ParallelConfig(pp=4, microbatches=4)], ids=str)
+@pytest.mark.parametrize(
+    "config",
+    [ParallelConfig(pp=2, tp=2, microbatches=2), ParallelConfig(dp=2, tp=2), ParallelConfig(pp=4, microbatches=4)],
+    ids=str,
+)
 def test_rank_parameters_is_what_each_rank_holds(config):
     from ultrascale.model import count_params
     from ultrascale.parallel.compose import rank_parameters

@@ -9,6 +9,7 @@ with the tolerances of ``tests/test_compose.py`` (``parity.TOLERANCES``), on 4 C
   stage the embedding, the final norm and the head are units of their own);
 * ZeRO with TP's sequence parallelism: the norms' gradient hooks follow them into ZeRO's buffers.
 """
+
 import pytest
 
 from ultrascale.parallel.compose import ParallelConfig
@@ -62,7 +63,8 @@ def _without_tied_addition(ctx, config):
 
     original = compose_zero.ComposedZeRO.__init__
     compose_zero.ComposedZeRO.__init__ = lambda self, zeros, pipeline=None, tied_unit=None: original(
-        self, zeros, pipeline, None)
+        self, zeros, pipeline, None
+    )
     try:
         return composed(ctx, config)
     finally:

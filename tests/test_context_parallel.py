@@ -11,6 +11,7 @@ by the right mathematics; a missing block, a wrong mask or a lost rescaling is o
 Chapter 11's ``naive_attention`` computes in float32 internally, so it is compared with the
 float32 tolerance.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,13 @@ from ultrascale.data import Batches, split
 from ultrascale.kernels.tiled_attention import naive_attention
 from ultrascale.memory import cp_kv_buffer_bytes
 from ultrascale.model import GPT, GPTConfig, Llama, LlamaConfig
-from ultrascale.parallel.context_parallel import (KVBufferMeter, apply_cp, causal_tile_counts,
-                                                  context_parallel_attention, split_sequence)
+from ultrascale.parallel.context_parallel import (
+    KVBufferMeter,
+    apply_cp,
+    causal_tile_counts,
+    context_parallel_attention,
+    split_sequence,
+)
 from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.timeline import Timeline
 from ultrascale.parity import assert_same, tolerance
@@ -70,8 +76,12 @@ def attend_on_rank(ctx, causal, layout, kind, dtype=DT):
 
 
 def every_case(ctx):
-    return {(causal, layout, kind): attend_on_rank(ctx, causal, layout, kind)
-            for causal in (False, True) for layout in LAYOUTS for kind in KINDS}
+    return {
+        (causal, layout, kind): attend_on_rank(ctx, causal, layout, kind)
+        for causal in (False, True)
+        for layout in LAYOUTS
+        for kind in KINDS
+    }
 
 
 def reference(causal, dtype=DT, attention="sdpa"):
@@ -81,7 +91,7 @@ def reference(causal, dtype=DT, attention="sdpa"):
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     if attention == "sdpa":
         out = F.scaled_dot_product_attention(q, kr, vr, is_causal=causal)
-    else:   # chapter 11's reference: the whole score matrix
+    else:  # chapter 11's reference: the whole score matrix
         out = naive_attention(q, kr, vr, causal)[0]
     out.backward(grad_out)
     return out.detach(), q.grad, k.grad, v.grad
@@ -94,7 +104,7 @@ def test_attention_equals_full_attention_forward_and_backward(cp):
         got = [gather([rank[causal, layout, kind][i] for rank in per_rank], layout) for i in range(4)]
         for name, have, want in zip(("output", "dQ", "dK", "dV"), got, reference(causal)):
             assert_same(have, want, f"cp={cp} causal={causal} {layout} {kind}: {name} vs SDPA", optimizer=None)
-    for rank in per_rank:   # the same blocks merged in the same order: the same bits
+    for rank in per_rank:  # the same blocks merged in the same order: the same bits
         for causal in (False, True):
             for layout in LAYOUTS:
                 assert torch.equal(rank[causal, layout, "ring"][0], rank[causal, layout, "all_gather"][0])
@@ -123,7 +133,7 @@ def logged(ctx, kind):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_passes_kv_point_to_point_while_computing(cp):
     b, h, kv, s, d = SHAPE
-    block = b * kv * (s // cp) * d * 8   # one rank's K (or V) in float64
+    block = b * kv * (s // cp) * d * 8  # one rank's K (or V) in float64
     for forward, backward, rows in shared_cluster(cp).run(logged, "ring"):
         assert set(forward) == {"batch_isend_irecv", "cp shape check"} == set(backward) | {"cp shape check"}
         # forward: K and V go cp-1 steps round the ring; backward: again, plus dK/dV cp steps
@@ -133,10 +143,10 @@ def test_ring_passes_kv_point_to_point_while_computing(cp):
         # each transfer is started before the block in hand is attended to, so they overlap
         rank = rows[0]["rank"]
         attends = [e for e in rows if e["name"].startswith("attend to")]
-        receives = [e for e in rows if e["name"] == "receive K/V"]   # forward's, then backward's
+        receives = [e for e in rows if e["name"] == "receive K/V"]  # forward's, then backward's
         assert [e["name"] for e in attends] == [f"attend to K/V of rank {(rank - i) % cp}" for i in range(cp)]
         assert len(receives) == 2 * (cp - 1)
-        assert all(rx["start"] <= at["start"] for rx, at in zip(receives[:cp - 1], attends))
+        assert all(rx["start"] <= at["start"] for rx, at in zip(receives[: cp - 1], attends))
 
 
 def test_all_gather_variant_gathers_and_reduce_scatters():
@@ -160,16 +170,16 @@ def buffer_peaks(ctx, kind, dtype):
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_kv_buffer_peak_is_the_memory_model(cp):
     for kind in KINDS:
-        for dtype, nbytes in ((torch.float32, 4), (torch.bfloat16, 2)):   # dK/dV accumulate in fp32
+        for dtype, nbytes in ((torch.float32, 4), (torch.bfloat16, 2)):  # dK/dV accumulate in fp32
             forward, backward = shared_cluster(cp).run(buffer_peaks, kind, dtype)[0]
             model = dict(batch=2, kv_heads=2, seq=48, head_dim=8, cp=cp, kind=kind, bytes_per_element=nbytes)
             assert forward == cp_kv_buffer_bytes(**model), (kind, dtype)
             assert backward == cp_kv_buffer_bytes(**model, backward=True), (kind, dtype)
     # For a given sequence the ring's buffers (4 blocks of seq/cp) shrink as cp grows; the
     # all-gather's are the whole sequence's K and V whatever cp is.
-    ring, gathered = ({cp: cp_kv_buffer_bytes(1, 8, 2 ** 15, 128, cp, kind) for cp in (4, 8)} for kind in KINDS)
-    assert ring[8] * 2 == ring[4] == 4 * (2 ** 15 // 4) * 8 * 128 * 2
-    assert gathered[8] == gathered[4] == 2 * 2 ** 15 * 8 * 128 * 2
+    ring, gathered = ({cp: cp_kv_buffer_bytes(1, 8, 2**15, 128, cp, kind) for cp in (4, 8)} for kind in KINDS)
+    assert ring[8] * 2 == ring[4] == 4 * (2**15 // 4) * 8 * 128 * 2
+    assert gathered[8] == gathered[4] == 2 * 2**15 * 8 * 128 * 2
 
 
 # --------------------------------------------------------------------------- work per rank
@@ -178,8 +188,8 @@ def test_zigzag_balances_the_causal_work_and_contiguous_does_not():
     assert causal_tile_counts(64, 4, "zigzag") == [9, 9, 9, 9]
     for cp in (2, 3, 4, 8):
         contiguous, zigzag = causal_tile_counts(96 * cp, cp, "contiguous"), causal_tile_counts(96 * cp, cp, "zigzag")
-        assert sum(contiguous) == sum(zigzag) == (2 * cp) * (2 * cp + 1) // 2   # every tile of the mask once
-        assert len(set(zigzag)) == 1 and contiguous == sorted(set(contiguous))   # equal / growing with rank
+        assert sum(contiguous) == sum(zigzag) == (2 * cp) * (2 * cp + 1) // 2  # every tile of the mask once
+        assert len(set(zigzag)) == 1 and contiguous == sorted(set(contiguous))  # equal / growing with rank
     # rank 0, tiles of 2: chunk 0 is tiles 0-3 (1+2+3+4 key tiles), chunk 7 tiles 28-31 (29+...+32)
     assert causal_tile_counts(64, 4, "zigzag", tile=2) == [sum(range(1, 5)) + sum(range(29, 33))] * 4
     with pytest.raises(ValueError, match="tile=3 does not divide"):
@@ -196,7 +206,7 @@ STEPS = 3
 def fresh_model(name, recompute="none"):
     torch.manual_seed(0)
     model = (GPT if name == "gpt" else Llama)(CONFIGS[name]).to(DT).set_recompute(recompute)
-    with torch.no_grad():   # biases away from 0, norm weights away from 1
+    with torch.no_grad():  # biases away from 0, norm weights away from 1
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return model
@@ -229,10 +239,16 @@ def one_process(name):
     return first_step_then_train(model, data(name).global_batch(0), data(name).global_stream(1))
 
 
-CASES = [("gpt", 2, "zigzag", "ring", "none"), ("gpt", 3, "contiguous", "ring", "none"),
-         ("gpt", 4, "zigzag", "ring", "none"), ("gpt", 4, "contiguous", "all_gather", "none"),
-         ("gpt", 2, "zigzag", "ring", "selective"), ("gpt", 2, "zigzag", "ring", "full"),
-         ("llama", 2, "zigzag", "ring", "none"), ("llama", 4, "zigzag", "all_gather", "none")]
+CASES = [
+    ("gpt", 2, "zigzag", "ring", "none"),
+    ("gpt", 3, "contiguous", "ring", "none"),
+    ("gpt", 4, "zigzag", "ring", "none"),
+    ("gpt", 4, "contiguous", "all_gather", "none"),
+    ("gpt", 2, "zigzag", "ring", "selective"),
+    ("gpt", 2, "zigzag", "ring", "full"),
+    ("llama", 2, "zigzag", "ring", "none"),
+    ("llama", 4, "zigzag", "all_gather", "none"),
+]
 
 
 @pytest.mark.parametrize("name,cp,layout,kind,recompute", CASES, ids=["-".join(map(str, c)) for c in CASES])
@@ -257,7 +273,7 @@ def test_without_the_gradient_average_parity_fails():
     want = one_process("gpt")["grads"]
     got = shared_cluster(2).run(without_gradient_sync)
     average = {n: (got[0][n] + got[1][n]) / 2 for n in want}
-    assert_same(average, want, "the average of the ranks' gradients", optimizer=None)   # what the hooks do
+    assert_same(average, want, "the average of the ranks' gradients", optimizer=None)  # what the hooks do
     with pytest.raises(AssertionError):
         assert_same(got[0], want, "one rank's gradient", optimizer=None)
 
@@ -275,20 +291,23 @@ def refusals(ctx):
     r, n = ctx.rank, ctx.world_size
     q, k, v, _ = qkv_and_upstream()
     mine = [local(t, ctx, "contiguous") for t in (q, k, v)]
-    shorter = [t[:, :, :-2] if r == 0 else t for t in mine]   # rank 0 holds 4 tokens, the others 6
+    shorter = [t[:, :, :-2] if r == 0 else t for t in mine]  # rank 0 holds 4 tokens, the others 6
     model = apply_cp(fresh_model("gpt").to(ctx.device), None, layout="zigzag")
     contiguous = split(data("gpt").global_batch(0), r, n, by="sequence").to(ctx.device)
     return {
         "lengths": _error(lambda: context_parallel_attention(*shorter)),
         "head_dim": _error(lambda: context_parallel_attention(mine[0], mine[1][..., :6], mine[2][..., :6])),
-        "one rank": _error(lambda: context_parallel_attention(mine[0], mine[1][..., :6] if r == 1 else mine[1],
-                                                              mine[2][..., :6] if r == 1 else mine[2])),
+        "one rank": _error(
+            lambda: context_parallel_attention(
+                mine[0], mine[1][..., :6] if r == 1 else mine[1], mine[2][..., :6] if r == 1 else mine[2]
+            )
+        ),
         "odd zigzag": _error(lambda: context_parallel_attention(*(t[:, :, :-1] for t in mine), layout="zigzag")),
         "kind": _error(lambda: context_parallel_attention(*mine, kind="all_to_all")),
         "positions": _error(lambda: contiguous.loss(model)),
         "layout": _error(lambda: apply_cp(fresh_model("gpt").to(ctx.device), None, layout="striped")),
         "plan": _error(lambda: apply_cp(fresh_model("gpt").to(ctx.device), None, plan={"blocks.*.mlp": "ring"})),
-        "works after": context_parallel_attention(*mine).shape,   # nobody is left stuck in the ring
+        "works after": context_parallel_attention(*mine).shape,  # nobody is left stuck in the ring
     }
 
 
@@ -308,13 +327,19 @@ def test_bad_inputs_are_refused_on_every_rank_with_the_fix():
 
 
 def test_sequences_that_do_not_cut_into_chunks_are_refused_not_padded():
-    batch = data("gpt").global_batch(0)   # 24 tokens
-    with pytest.raises(ValueError, match="24 tokens per sequence do not split evenly over 5 ranks in the zigzag "
-                                         r"layout \(10 chunks, 2 per rank\): pad the sequence to 30 tokens"):
+    batch = data("gpt").global_batch(0)  # 24 tokens
+    with pytest.raises(
+        ValueError,
+        match="24 tokens per sequence do not split evenly over 5 ranks in the zigzag "
+        r"layout \(10 chunks, 2 per rank\): pad the sequence to 30 tokens",
+    ):
         split(batch, 0, 5, by="sequence", layout="zigzag")
-    with pytest.raises(ValueError, match="16 ranks need more chunks than a sequence of 24 tokens has in the zigzag "
-                                         r"layout \(32 chunks, 2 per rank\): use at most 12 ranks"):
+    with pytest.raises(
+        ValueError,
+        match="16 ranks need more chunks than a sequence of 24 tokens has in the zigzag "
+        r"layout \(32 chunks, 2 per rank\): use at most 12 ranks",
+    ):
         split(batch, 0, 16, by="sequence", layout="zigzag")
     with pytest.raises(ValueError, match="layout='striped'"):
         split(batch, 0, 2, by="sequence", layout="striped")
-    assert tolerance(None, DT) == tolerance("sgd", DT)   # the tolerance these tests rely on
+    assert tolerance(None, DT) == tolerance("sgd", DT)  # the tolerance these tests rely on

@@ -3,6 +3,7 @@ training and PyTorch DDP, no_sync accumulation, hook order, timelines, the batch
 
 Tolerances: ``ultrascale.parity.TOLERANCES`` (fp32, SGD), where the reason is written.
 """
+
 import time
 
 import matplotlib
@@ -12,8 +13,15 @@ import torch.distributed as dist
 
 from ultrascale.batch_size import global_batch_size, plan_batch, samples_per_step
 from ultrascale.comm import CommLogger
-from ultrascale.parallel import (BucketedDataParallel, NaiveDataParallel, OverlappedDataParallel,
-                                 Timeline, build_buckets, covered_seconds, overlap_seconds)
+from ultrascale.parallel import (
+    BucketedDataParallel,
+    NaiveDataParallel,
+    OverlappedDataParallel,
+    Timeline,
+    build_buckets,
+    covered_seconds,
+    overlap_seconds,
+)
 from ultrascale.parity import assert_replicas_identical, assert_same, ddp
 from ultrascale.train import train
 from dp_common import CFG, DATA, STEPS, cluster, fresh_model  # noqa: F401  (cluster is a fixture)
@@ -23,7 +31,7 @@ pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
 
 matplotlib.use("Agg")
 
-BUCKET_MB = 0.02   # ~20 KB: the tiny model (110 KB of fp32 gradients) fills several buckets
+BUCKET_MB = 0.02  # ~20 KB: the tiny model (110 KB of fp32 gradients) fills several buckets
 WRAPPERS = {
     "naive": NaiveDataParallel,
     "overlap": OverlappedDataParallel,
@@ -47,11 +55,24 @@ def train_dp(ctx, kind, grad_acc, use_no_sync):
     dp = WRAPPERS[kind](model, timeline=timeline)
     timeline.instrument(model.blocks)
     with CommLogger() as log:
-        params = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), STEPS, "sgd", grad_acc=grad_acc,
-                       module=dp, no_sync=dp.no_sync if use_no_sync else None,
-                       after_backward=dp.finish_gradient_synchronization, device=ctx.device)
-    return {"params": params, "all_reduces": log.totals()["all_reduce"]["calls"], "syncs": dp.num_syncs,
-            "order": getattr(dp, "ready_order", []), "rows": timeline.rows()}
+        params = train(
+            model,
+            DATA.rank_stream(ctx.rank, ctx.world_size),
+            STEPS,
+            "sgd",
+            grad_acc=grad_acc,
+            module=dp,
+            no_sync=dp.no_sync if use_no_sync else None,
+            after_backward=dp.finish_gradient_synchronization,
+            device=ctx.device,
+        )
+    return {
+        "params": params,
+        "all_reduces": log.totals()["all_reduce"]["calls"],
+        "syncs": dp.num_syncs,
+        "order": getattr(dp, "ready_order", []),
+        "rows": timeline.rows(),
+    }
 
 
 @pytest.mark.parametrize("kind", list(WRAPPERS))
@@ -86,8 +107,17 @@ def train_ddp_and_ours(ctx, grad_acc):
         else:
             wrapped = BucketedDataParallel(model, bucket_cap_mb=BUCKET_MB)
             sync = wrapped.finish_gradient_synchronization
-        out[name] = train(model, DATA.rank_stream(ctx.rank, ctx.world_size), STEPS, "sgd", grad_acc=grad_acc,
-                          module=wrapped, no_sync=wrapped.no_sync, after_backward=sync, device=ctx.device)
+        out[name] = train(
+            model,
+            DATA.rank_stream(ctx.rank, ctx.world_size),
+            STEPS,
+            "sgd",
+            grad_acc=grad_acc,
+            module=wrapped,
+            no_sync=wrapped.no_sync,
+            after_backward=sync,
+            device=ctx.device,
+        )
     return out
 
 
@@ -98,11 +128,11 @@ def test_bucketed_dp_matches_pytorch_ddp(cluster):
 
 def test_hooks_fire_in_reverse_layer_order_and_overlap_backward(cluster):
     overlap = cluster.run(train_dp, "overlap", 1, False)[0]
-    order = overlap["order"]   # the last step's: one name per parameter, however many steps ran
+    order = overlap["order"]  # the last step's: one name per parameter, however many steps ran
     assert sorted(order) == sorted(n for n, p in fresh_model().named_parameters() if p.requires_grad)
     blocks = [int(n.split(".")[1]) for n in order if n.startswith("blocks.")]
     assert blocks == sorted(blocks, reverse=True), "block gradients should arrive last layer first"
-    assert order[-1] == "embed.weight"   # the (tied) embedding is the very first layer
+    assert order[-1] == "embed.weight"  # the (tied) embedding is the very first layer
     for kind, expect_inside in (("overlap", True), ("bucket", True), ("naive", False)):
         rows = cluster.run(train_dp, kind, 1, False)[0]["rows"]
         # the last step's backward, from the instrumented blocks' bars
@@ -150,7 +180,7 @@ def test_bucketed_gradients_are_views_of_the_buckets(cluster):
 
 
 def test_build_buckets_closes_a_bucket_once_it_reaches_the_cap_as_ddp_does():
-    params = [torch.zeros(n) for n in (10, 5, 10, 30, 5, 20, 20)]   # fp32: 40, 20, 40, 120, 20, 80, 80 bytes
+    params = [torch.zeros(n) for n in (10, 5, 10, 30, 5, 20, 20)]  # fp32: 40, 20, 40, 120, 20, 80, 80 bytes
     buckets = build_buckets(params, bucket_cap_bytes=80)
     # 40 + 20 + 40 passes 80 with its last parameter, 120 is over by itself, 20 + 80 passes it,
     # and the last 80 reaches it exactly
@@ -158,8 +188,13 @@ def test_build_buckets_closes_a_bucket_once_it_reaches_the_cap_as_ddp_does():
     assert [p for b in buckets for p in b] == params
     # the same grouping as PyTorch DDP's own bucket assignment, on these and on random sizes
     gen = torch.Generator().manual_seed(0)
-    cases = [(params, 80)] + [([torch.zeros(int(n)) for n in torch.randint(1, 300, (25,), generator=gen)],
-                               int(torch.randint(4, 3000, (1,), generator=gen))) for _ in range(20)]
+    cases = [(params, 80)] + [
+        (
+            [torch.zeros(int(n)) for n in torch.randint(1, 300, (25,), generator=gen)],
+            int(torch.randint(4, 3000, (1,), generator=gen)),
+        )
+        for _ in range(20)
+    ]
     for ps, cap in cases:
         ours = [[i for i, q in enumerate(ps) for p in b if p is q] for b in build_buckets(ps, cap)]
         theirs, _ = dist._compute_bucket_assignment_by_size(ps, [cap], [False] * len(ps))
@@ -189,9 +224,11 @@ def test_bucket_scale_gives_the_bits_a_python_float_gives():
 
 def test_timeline_interval_arithmetic():
     assert covered_seconds([(0, 2), (1, 3), (5, 6)]) == 4
-    rows = [{"rank": 0, "lane": "compute", "start": 0.0, "end": 4.0},
-            {"rank": 0, "lane": "communication", "start": 3.0, "end": 6.0},
-            {"rank": 1, "lane": "communication", "start": 0.0, "end": 1.0}]
+    rows = [
+        {"rank": 0, "lane": "compute", "start": 0.0, "end": 4.0},
+        {"rank": 0, "lane": "communication", "start": 3.0, "end": 6.0},
+        {"rank": 1, "lane": "communication", "start": 0.0, "end": 1.0},
+    ]
     assert overlap_seconds(rows) == pytest.approx(1.0)
     tl = Timeline(rank=0)
     with tl.span("forward"):
@@ -241,18 +278,18 @@ def test_timeline_on_a_gpu_reads_its_events_once_and_never_waits_while_recording
         pass
     assert gpu.waits == 0, "recording a bar must not make the host wait for the GPU"
     rows = tl.rows()
-    assert gpu.waits == 2                      # one synchronize, one reference event: once per read
+    assert gpu.waits == 2  # one synchronize, one reference event: once per read
     forward, backward = rows
     assert [r["name"] for r in rows] == ["forward", "backward"]
     # the bars are where the GPU ran them: 0.25 s after the host queued them, on the host's clock
     assert forward["start"] >= before + 0.25 - 1e-3 and forward["end"] - forward["start"] >= 0.01
     assert forward["end"] <= backward["start"] <= backward["end"]
     tl.rows()
-    assert gpu.waits == 2                      # nothing new to read: no wait
+    assert gpu.waits == 2  # nothing new to read: no wait
 
 
 def test_asynchronous_transfers_on_a_gpu_end_when_the_device_says_so():
-    class Work:                                # NCCL's: wait() only orders streams
+    class Work:  # NCCL's: wait() only orders streams
         def __init__(self):
             self.done_at, self.waited = time.perf_counter() + 0.05, 0
 
@@ -276,7 +313,7 @@ def test_timed_collectives_wait_for_the_gpu_only_where_one_is_used(monkeypatch):
     gpu = _FakeGPU(lag=0)
     monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
     wait_for_device("cpu")
-    wait_for_device(None)                      # no GPU used by this process
+    wait_for_device(None)  # no GPU used by this process
     assert gpu.waits == 0
     wait_for_device(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -288,24 +325,47 @@ def test_timed_collectives_wait_for_the_gpu_only_where_one_is_used(monkeypatch):
 def test_gantt_draws_one_bar_per_event():
     from ultrascale.viz.gantt import COLOURS, lane_summary, plot_gantt
 
-    rows = [[{"rank": r, "lane": lane, "name": name, "start": s, "end": e, "nbytes": 0}
-             for lane, name, s, e in (("compute", "backward", 0.0, 0.004),
-                                      ("communication", "all_reduce bucket 0", 0.002, 0.006),
-                                      ("compute", "optimizer", 0.006, 0.007),
-                                      ("compute", "backward", 0.007, 0.009))]
-            for r in range(2)]
+    rows = [
+        [
+            {"rank": r, "lane": lane, "name": name, "start": s, "end": e, "nbytes": 0}
+            for lane, name, s, e in (
+                ("compute", "backward", 0.0, 0.004),
+                ("communication", "all_reduce bucket 0", 0.002, 0.006),
+                ("compute", "optimizer", 0.006, 0.007),
+                ("compute", "backward", 0.007, 0.009),
+            )
+        ]
+        for r in range(2)
+    ]
     fig = plot_gantt(rows, title="test")
     # every event a bar, where its lane and colour say (one artist per lane and colour)
-    bars = sorted((round(path.get_extents().y0 + 0.4, 6), collection.get_facecolor()[0].round(3).tolist(),
-                   round(path.get_extents().x0, 6), round(path.get_extents().width, 6))
-                  for collection in fig.axes[0].collections for path in collection.get_paths())
-    rgb = {k: [round(int(COLOURS[k][i:i + 2], 16) / 255, 3) for i in (1, 3, 5)] + [1.0]
-           for k in ("backward", "all_reduce", "optimizer")}
+    bars = sorted(
+        (
+            round(path.get_extents().y0 + 0.4, 6),
+            collection.get_facecolor()[0].round(3).tolist(),
+            round(path.get_extents().x0, 6),
+            round(path.get_extents().width, 6),
+        )
+        for collection in fig.axes[0].collections
+        for path in collection.get_paths()
+    )
+    rgb = {
+        k: [round(int(COLOURS[k][i : i + 2], 16) / 255, 3) for i in (1, 3, 5)] + [1.0]
+        for k in ("backward", "all_reduce", "optimizer")
+    }
     lanes = {(r, lane): 2 * r + (lane == "communication") for r in range(2) for lane in ("compute", "communication")}
-    expected = sorted((lanes[e["rank"], e["lane"]], rgb[e["name"].split()[0]], round(1e3 * e["start"], 6),
-                       round(1e3 * (e["end"] - e["start"]), 6)) for per_rank in rows for e in per_rank)
+    expected = sorted(
+        (
+            lanes[e["rank"], e["lane"]],
+            rgb[e["name"].split()[0]],
+            round(1e3 * e["start"], 6),
+            round(1e3 * (e["end"] - e["start"]), 6),
+        )
+        for per_rank in rows
+        for e in per_rank
+    )
     assert bars == expected
-    assert len(fig.axes[0].collections) == 6   # per rank: backward and optimizer lane, all_reduce lane
+    assert len(fig.axes[0].collections) == 6  # per rank: backward and optimizer lane, all_reduce lane
     summary = lane_summary(rows)
     assert summary[0]["overlapped"] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="no events"):
@@ -319,12 +379,12 @@ def test_wrapper_needs_a_process_group():
 
 def test_batch_size_recipe_reproduces_the_book():
     assert global_batch_size(mbs=2, grad_acc=4, dp=128) == 1024
-    assert samples_per_step(4e6, 4096) == 1024            # 976.6 rounds to the power of two 1024
-    assert samples_per_step(4 * 2 ** 20, 4096) == 1024
+    assert samples_per_step(4e6, 4096) == 1024  # 976.6 rounds to the power of two 1024
+    assert samples_per_step(4 * 2**20, 4096) == 1024
     assert plan_batch(4e6, 4096, mbs=2, dp=128).grad_acc == 4
     fast = plan_batch(4e6, 4096, mbs=2, dp=512)
     assert fast.grad_acc == 1 and fast.achieved_gbs == 1024 and fast.tokens_per_step == 1024 * 4096
-    rich = plan_batch(4e6, 4096, mbs=2, dp=1024)          # 2048 samples per step > 1024
+    rich = plan_batch(4e6, 4096, mbs=2, dp=1024)  # 2048 samples per step > 1024
     assert rich.gpu_rich and len(rich.options) == 3
     assert "dp=512" in rich.options[0] and "2048" in rich.options[1] and "size to 1" in rich.options[2]
     with pytest.raises(ValueError):

@@ -13,6 +13,7 @@ refusals name their technique. ``dryrun_extrapolated`` (one and two blocks per s
 equals a whole dry run, and a full-size rank of Llama 3 8B sends, per collective, exactly what
 the cost model's formulas charge.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,11 +27,11 @@ from ultrascale.runtime import shared_cluster
 # kv_heads < heads (grouped-query attention) and an untied head, as the published Llama presets
 CONFIG = LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, seq_len=16)
 
-CASES = [   # (layout, the rank compared): a dry run costs seconds, so one rank each
-    (ParallelConfig(pp=2, tp=2, microbatches=3, optimizer="adam"), 3),   # TP's vocab loss on the last stage
-    (ParallelConfig(dp=2, pp=2, microbatches=2, zero=1, optimizer="adam"), 0),   # the first stage, ZeRO-1
-    (ParallelConfig(dp=2, tp=2, microbatches=2, zero=3, optimizer="sgd"), 1),    # ZeRO-3, TP, accumulation
-    (ParallelConfig(dp=2, tp=2, sp=True, optimizer="adam"), 2),   # SP's regathered inputs, plain DP
+CASES = [  # (layout, the rank compared): a dry run costs seconds, so one rank each
+    (ParallelConfig(pp=2, tp=2, microbatches=3, optimizer="adam"), 3),  # TP's vocab loss on the last stage
+    (ParallelConfig(dp=2, pp=2, microbatches=2, zero=1, optimizer="adam"), 0),  # the first stage, ZeRO-1
+    (ParallelConfig(dp=2, tp=2, microbatches=2, zero=3, optimizer="sgd"), 1),  # ZeRO-3, TP, accumulation
+    (ParallelConfig(dp=2, tp=2, sp=True, optimizer="adam"), 2),  # SP's regathered inputs, plain DP
 ]
 
 
@@ -51,22 +52,24 @@ def test_a_dry_run_measures_what_a_real_run_does(layout, rank):
     real, independent = shared_cluster(4).run(real_step, layout, CONFIG)[rank]
     dry = dryrun(layout, CONFIG, rank)
     assert dry.rank == rank and dry.layout == str(layout)
-    assert dryrun(layout, CONFIG, rank) is dry   # the same call again is remembered, not run
+    assert dryrun(layout, CONFIG, rank) is dry  # the same call again is remembered, not run
     for key in ("parameters", "gradients", "optimizer_states", "activations", "flops", "collectives"):
         assert getattr(dry, key) == real[key], f"{layout}, rank {rank}: {key} {getattr(dry, key)} != {real[key]}"
     assert real["activations"] > 0 and real["flops"] > 0 and real["collectives"]
     if independent is not None:
         assert real["parameters"] == independent
-    assert not dist.is_initialized()   # the dry run left no process group here
+    assert not dist.is_initialized()  # the dry run left no process group here
 
 
 def test_what_cannot_run_on_fake_tensors_is_refused_by_name():
     moe = LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, seq_len=16, experts=4)
-    for layout, config, technique in [(ParallelConfig(dp=2), moe, "MoE routing"),
-                                      (ParallelConfig(cp=2), CONFIG, "context parallelism")]:
+    for layout, config, technique in [
+        (ParallelConfig(dp=2), moe, "MoE routing"),
+        (ParallelConfig(cp=2), CONFIG, "context parallelism"),
+    ]:
         with pytest.raises(DryRunError, match=technique):
             refuse(layout, config)
-    refuse(ParallelConfig(dp=2, tp=2, sp=True, pp=2, zero=1), CONFIG)   # these run
+    refuse(ParallelConfig(dp=2, tp=2, sp=True, pp=2, zero=1), CONFIG)  # these run
     with pytest.raises(ValueError, match="ranks 0..3"):
         dryrun(ParallelConfig(dp=2, tp=2), CONFIG, rank=4)
     # an error inside the dry run's process comes back with the technique that raised it
@@ -98,12 +101,13 @@ def test_a_full_size_ranks_bytes_per_collective_are_the_cost_models():
     from ultrascale import overlap
     from ultrascale.model import LLAMA3_8B, count_params
 
-    m, seq, dp, elt = 3, 1024, 4, 2   # bf16: 2 bytes an element
-    dry = dryrun_extrapolated(ParallelConfig(dp=dp, pp=2, microbatches=m, optimizer="adam"), LLAMA3_8B, 0,
-                              seq=seq, dtype=torch.bfloat16)
+    m, seq, dp, elt = 3, 1024, 4, 2  # bf16: 2 bytes an element
+    dry = dryrun_extrapolated(
+        ParallelConfig(dp=dp, pp=2, microbatches=m, optimizer="adam"), LLAMA3_8B, 0, seq=seq, dtype=torch.bfloat16
+    )
     h, v, layers = LLAMA3_8B.hidden, LLAMA3_8B.vocab_size, LLAMA3_8B.layers
-    block = (count_params(LLAMA3_8B) - 2 * v * h - h) // layers   # untied embedding and head, the final norm
-    stage0 = elt * (v * h + layers // 2 * block)                     # the embedding and the first 16 blocks
+    block = (count_params(LLAMA3_8B) - 2 * v * h - h) // layers  # untied embedding and head, the final norm
+    stage0 = elt * (v * h + layers // 2 * block)  # the embedding and the first 16 blocks
     assert dry.gradients == stage0
     ops = dry.collectives
     assert set(ops) == {"all_reduce", "isend", "irecv"}, ops

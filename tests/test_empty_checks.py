@@ -47,7 +47,8 @@ def _is_empty_container(node: ast.AST) -> bool:
 def _is_filter(node: ast.AST) -> bool:
     """A comprehension with an ``if``: it may keep nothing."""
     return isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) and any(
-        gen.ifs for gen in node.generators)
+        gen.ifs for gen in node.generators
+    )
 
 
 def _iterated_name(node: ast.AST) -> str | None:
@@ -78,21 +79,38 @@ def _bindings(body: list[ast.stmt]) -> dict[str, ast.AST]:
 
 def _guarded(tree: ast.AST) -> set[str]:
     """Names passed to nonempty / all_of somewhere in ``tree``."""
-    return {call.args[0].id for call in ast.walk(tree) if isinstance(call, ast.Call)
-            and getattr(call.func, "id", getattr(call.func, "attr", None)) in GUARDS
-            and call.args and isinstance(call.args[0], ast.Name)}
+    return {
+        call.args[0].id
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call)
+        and getattr(call.func, "id", getattr(call.func, "attr", None)) in GUARDS
+        and call.args
+        and isinstance(call.args[0], ast.Name)
+    }
 
 
 def _assigned(tree: ast.AST) -> set[str]:
-    return {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
-            for target in node.targets for target in ast.walk(target) if isinstance(target, ast.Name)}
+    return {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        for target in ast.walk(target)
+        if isinstance(target, ast.Name)
+    }
 
 
 def _counted(assertion: ast.Assert) -> set[str]:
     """Names whose count an assertion states (``assert len(sends) == CP - 1``): their checks
     cover a known number of items, which the assertion on the count makes sure of."""
-    return {call.args[0].id for call in ast.walk(assertion.test) if isinstance(call, ast.Call)
-            and getattr(call.func, "id", None) == "len" and call.args and isinstance(call.args[0], ast.Name)}
+    return {
+        call.args[0].id
+        for call in ast.walk(assertion.test)
+        if isinstance(call, ast.Call)
+        and getattr(call.func, "id", None) == "len"
+        and call.args
+        and isinstance(call.args[0], ast.Name)
+    }
 
 
 def _iterations(tree: ast.AST):
@@ -123,17 +141,19 @@ def across_cells(path: Path) -> list[str]:
     """Iterations over a collection an earlier cell filled, without nonempty/all_of first."""
     found, filled = [], {}
     for cell in _cells(path):
-        guarded = _guarded(cell) | _assigned(cell)   # a name this cell binds again is its own
+        guarded = _guarded(cell) | _assigned(cell)  # a name this cell binds again is its own
         for iterable in _iterations(cell):
             name = _iterated_name(iterable)
             if name in filled and name not in guarded:
-                found.append(f"{_shown(path)}:{iterable.lineno}: iterates {name!r}, filled in an "
-                             f"earlier cell (line {filled[name]}), without nonempty/all_of")
+                found.append(
+                    f"{_shown(path)}:{iterable.lineno}: iterates {name!r}, filled in an "
+                    f"earlier cell (line {filled[name]}), without nonempty/all_of"
+                )
         for name, value in _bindings(cell.body).items():
             if _is_empty_container(value):
                 filled[name] = value.lineno
             else:
-                filled.pop(name, None)   # rebound to something else in this cell
+                filled.pop(name, None)  # rebound to something else in this cell
     return found
 
 
@@ -160,8 +180,12 @@ class _Scopes(ast.NodeVisitor):
         scope = self.stack[-1]
         scope["counted"] |= _counted(node)
         test = node.test
-        if (isinstance(test, ast.Call) and getattr(test.func, "id", None) == "all" and test.args
-                and isinstance(test.args[0], ast.GeneratorExp)):
+        if (
+            isinstance(test, ast.Call)
+            and getattr(test.func, "id", None) == "all"
+            and test.args
+            and isinstance(test.args[0], ast.GeneratorExp)
+        ):
             scope["asserts"].append(node)
         self.generic_visit(node)
 
@@ -172,14 +196,17 @@ def vacuous_asserts(path: Path) -> list[str]:
     walk.visit(ast.parse(path.read_text()))
     found = []
     for scope in walk.scopes:
-        suspects = {name for name, value in scope["bound"].items()
-                    if _is_filter(value) or _is_empty_container(value)} - scope["counted"]
+        suspects = {
+            name for name, value in scope["bound"].items() if _is_filter(value) or _is_empty_container(value)
+        } - scope["counted"]
         for node in scope["asserts"]:
             for gen in node.test.args[0].generators:
                 name = _iterated_name(gen.iter)
                 if name in suspects:
-                    found.append(f"{_shown(path)}:{node.lineno}: assert all(...) over {name!r}, which "
-                                 "may be empty (a filter or a filled container): use all_of")
+                    found.append(
+                        f"{_shown(path)}:{node.lineno}: assert all(...) over {name!r}, which "
+                        "may be empty (a filter or a filled container): use all_of"
+                    )
     return sorted(set(found))
 
 
@@ -196,16 +223,21 @@ def test_no_assert_all_over_a_possibly_empty_collection():
 def test_the_scan_finds_both_kinds(tmp_path):
     """The two rules catch what they exist for (so a scan that finds nothing means something)."""
     chapter = tmp_path / "chapter.py"
-    chapter.write_text("# %%\nrows = {}\nfor i in range(3):\n    rows[i] = i\n\n"
-                       "# %% [markdown]\n# text\n\n# %%\nfor k, v in rows.items():\n    assert v >= 0\n"
-                       "print('all rows fine')\n\n# %%\nnonempty(rows, 'rows')\nfor k in rows:\n    pass\n")
+    chapter.write_text(
+        "# %%\nrows = {}\nfor i in range(3):\n    rows[i] = i\n\n"
+        "# %% [markdown]\n# text\n\n# %%\nfor k, v in rows.items():\n    assert v >= 0\n"
+        "print('all rows fine')\n\n# %%\nnonempty(rows, 'rows')\nfor k in rows:\n    pass\n"
+    )
     found = [line.split(": ", 1)[1] for line in across_cells(chapter)]
     assert found == ["iterates 'rows', filled in an earlier cell (line 2), without nonempty/all_of"], found
     module = tmp_path / "module.py"
-    module.write_text("def f(events):\n    sends = [e for e in events if e['op'] == 'send']\n"
-                      "    assert all(e['bytes'] > 0 for e in sends)\n    assert all(e for e in events)\n")
+    module.write_text(
+        "def f(events):\n    sends = [e for e in events if e['op'] == 'send']\n"
+        "    assert all(e['bytes'] > 0 for e in sends)\n    assert all(e for e in events)\n"
+    )
     assert [line.split(": ", 1)[1] for line in vacuous_asserts(module)] == [
-        "assert all(...) over 'sends', which may be empty (a filter or a filled container): use all_of"]
+        "assert all(...) over 'sends', which may be empty (a filter or a filled container): use all_of"
+    ]
 
 
 def test_helpers_refuse_nothing():

@@ -8,15 +8,20 @@ batch of rows and the combine adds a token's k outputs in another order, so resu
 from one process in the last bits only. A token sent to the wrong expert, a lost weight or a
 gradient averaged over the wrong ranks is off by orders of magnitude more.
 """
+
 import pytest
 import torch
 
 from ultrascale.model import GPT, GPTConfig, LlamaConfig
 from ultrascale.moe import apply_experts, grouped_mlp
-from ultrascale.parallel.expert_parallel import (apply_ep, dispatch_plan, expert_parameter_names, local_experts,
-                                                 rank_load)
-from ultrascale.parity.expert_runs import (assert_ep_matches, ep_rank_run, layer_traffic, moe_model,
-                                             one_process_run)
+from ultrascale.parallel.expert_parallel import (
+    apply_ep,
+    dispatch_plan,
+    expert_parameter_names,
+    local_experts,
+    rank_load,
+)
+from ultrascale.parity.expert_runs import assert_ep_matches, ep_rank_run, layer_traffic, moe_model, one_process_run
 from ultrascale.runtime import shared_cluster
 
 # every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
@@ -44,8 +49,15 @@ def test_ep_matches_one_process(ep, experts, top_k):
 
 
 def test_ep_with_adam_load_balancing_loss_and_llama():
-    for c, opt in [(config(4, 2, aux_loss_coef=0.05), "adam"), (LlamaConfig(
-            vocab_size=64, hidden=32, heads=2, kv_heads=1, ffn=48, layers=1, seq_len=16, experts=4, top_k=2), "sgd")]:
+    for c, opt in [
+        (config(4, 2, aux_loss_coef=0.05), "adam"),
+        (
+            LlamaConfig(
+                vocab_size=64, hidden=32, heads=2, kv_heads=1, ffn=48, layers=1, seq_len=16, experts=4, top_k=2
+            ),
+            "sgd",
+        ),
+    ]:
         per_rank = shared_cluster(2).run(ep_rank_run, c, 2, opt)
         assert_ep_matches(per_rank, one_process_run(c, 2, optimizer=opt), opt, what=f"{type(c).__name__} {opt}")
 
@@ -72,10 +84,10 @@ def test_ep_when_one_rank_gets_every_token():
 
 # --------------------------------------------------------------------------- the pieces
 def test_dispatch_plan_sends_a_token_once_per_rank():
-    chosen = torch.tensor([[0, 1], [3, 0], [2, 3], [1, 0]])      # 4 experts, 2 per rank
+    chosen = torch.tensor([[0, 1], [3, 0], [2, 3], [1, 0]])  # 4 experts, 2 per rank
     weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])
     plan = dispatch_plan(chosen, weights, ep=2, per_rank=2)
-    assert plan.send_counts == [3, 2]                             # tokens 0, 1, 3 -> rank 0; 1, 2 -> rank 1
+    assert plan.send_counts == [3, 2]  # tokens 0, 1, 3 -> rank 0; 1, 2 -> rank 1
     assert plan.rows.tolist() == [0, 1, 3, 1, 2]
     assert plan.local_ids.tolist() == [[0, 1], [-1, 0], [1, 0], [1, -1], [0, 1]]
     assert torch.equal(plan.weights[1], torch.tensor([0.0, 0.3]))
@@ -85,8 +97,9 @@ def test_dispatch_plan_sends_a_token_once_per_rank():
     want = apply_experts(experts, x, chosen, weights)
     got = torch.zeros_like(x)
     for r, share in enumerate((slice(0, 3), slice(3, 5))):
-        local = apply_experts(experts[2 * r: 2 * r + 2], x[plan.rows[share]], plan.local_ids[share],
-                              plan.weights[share])
+        local = apply_experts(
+            experts[2 * r : 2 * r + 2], x[plan.rows[share]], plan.local_ids[share], plan.weights[share]
+        )
         got.index_add_(0, plan.rows[share], local)
     torch.testing.assert_close(got, want)
 
@@ -128,7 +141,7 @@ def test_group_limited_routing_removes_dispatch_traffic():
     limited = config(8, 2, expert_groups=4, group_limit=1)
     runs = {name: shared_cluster(4).run(logged_layer, c) for name, c in (("free", free), ("limited", limited))}
     for f, l in zip(runs["free"], runs["limited"]):
-        assert sum(l["send"]) == 32 < sum(f["send"])                # rows sent: one per token
+        assert sum(l["send"]) == 32 < sum(f["send"])  # rows sent: one per token
         assert l["logged"][0]["ep dispatch"] < f["logged"][0]["ep dispatch"] and l["logged"] == l["predicted"]
 
 

@@ -1,6 +1,7 @@
 """The facts several chapters state (``ultrascale.facts``) are stated once: the chapters that
 need them print them from the module, their saved outputs show today's wording, no chapter's
 prose says otherwise, and the planner's published layout agrees. Reads files only: a second."""
+
 import json
 import re
 from pathlib import Path
@@ -44,8 +45,9 @@ def _outputs(name: str) -> str:
 def test_chapter_prints_the_fact(fact, chapter):
     assert f"facts.{fact}" in (CHAPTERS / f"{chapter}.py").read_text(), f"{chapter} does not read facts.{fact}"
     statement = getattr(facts, fact).statement
-    assert statement in re.sub(r"\s+", " ", _outputs(chapter)), \
+    assert statement in re.sub(r"\s+", " ", _outputs(chapter)), (
         f"{chapter}.ipynb's saved output does not show today's facts.{fact}: rebuild it"
+    )
 
 
 @pytest.mark.parametrize("what,pattern", CONTRADICTIONS.items())
@@ -56,18 +58,21 @@ def test_no_chapter_contradicts(what, pattern):
 
 def test_contradiction_patterns_can_fail():
     """Each pattern catches the sentence it was written for (else the test above passes vacuously)."""
-    old = {"405B with ZeRO-3": "Llama 3 405B trained with TP 8, PP 16, and FSDP (ZeRO-3) over the replicas.",
-           "PP goes with plain DP or ZeRO-1, said to be the book's":
-               "adds two things the book says elsewhere: PP goes with plain DP or ZeRO-1, rarely with ZeRO-3",
-           "torchtitan applies TP before the PP split": "in the order torchtitan uses: 1. **TP/SP** first",
-           "overlap for free on a GPU": "so the overlap is free on a GPU."}
+    old = {
+        "405B with ZeRO-3": "Llama 3 405B trained with TP 8, PP 16, and FSDP (ZeRO-3) over the replicas.",
+        "PP goes with plain DP or ZeRO-1, said to be the book's": "adds two things the book says elsewhere: PP goes with plain DP or ZeRO-1, rarely with ZeRO-3",
+        "torchtitan applies TP before the PP split": "in the order torchtitan uses: 1. **TP/SP** first",
+        "overlap for free on a GPU": "so the overlap is free on a GPU.",
+    }
     for what, pattern in CONTRADICTIONS.items():
         assert re.search(pattern, old[what], re.I), what
 
 
 def test_planner_agrees_with_the_facts():
-    for setup, layout in ((published.LLAMA3_405B_PRETRAIN, facts.LLAMA3_405B_LAYOUT),
-                          (published.LLAMA3_405B_LONG, facts.LLAMA3_405B_LONG_LAYOUT)):
+    for setup, layout in (
+        (published.LLAMA3_405B_PRETRAIN, facts.LLAMA3_405B_LAYOUT),
+        (published.LLAMA3_405B_LONG, facts.LLAMA3_405B_LONG_LAYOUT),
+    ):
         assert setup.gpus == layout["gpus"] and setup.seq == layout["seq"]
         for axis in ("tp", "cp", "pp", "dp", "zero"):
             assert setup.layout[axis] == layout[axis], (setup.name, axis)

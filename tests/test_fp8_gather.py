@@ -8,6 +8,7 @@ torchao's float8 training (``enable_fsdp_float8_all_gather``).
     the global amax, bit for bit, on every rank, inside a real forward.
 (c) training: the FP8-gather run stays close to the exact-gather run, and is not identical.
 """
+
 import pytest
 import torch
 
@@ -40,9 +41,15 @@ def one_step_traffic(ctx, param_dtype, gather_dtype):
         run_steps(model, batches, 1, zero, device=ctx.device)
     calls, nbytes = gather_bytes(log)
     amax = log.totals().get(AMAX_ALL_REDUCE, {"calls": 0, "bytes_sent": 0})
-    return {"calls": calls, "bytes": nbytes, "elements": log.collective_elements()["all_gather elements"],
-            "amax calls": amax["calls"], "amax bytes": amax["bytes_sent"],
-            "params": [len(u.params) for u in zero.all_units], "units": len(zero.all_units)}
+    return {
+        "calls": calls,
+        "bytes": nbytes,
+        "elements": log.collective_elements()["all_gather elements"],
+        "amax calls": amax["calls"],
+        "amax bytes": amax["bytes_sent"],
+        "params": [len(u.params) for u in zero.all_units],
+        "units": len(zero.all_units),
+    }
 
 
 def test_fp8_gather_halves_the_bytes(cluster):
@@ -52,12 +59,12 @@ def test_fp8_gather_halves_the_bytes(cluster):
     fp8 = cluster.run(one_step_traffic, torch.bfloat16, E4M3)
     for r in range(n):
         assert fp8[r]["calls"] == bf16[r]["calls"] == fp32[r]["calls"]
-        assert fp8[r]["elements"] == bf16[r]["elements"]          # the same elements travel...
-        assert 2 * fp8[r]["bytes"] == bf16[r]["bytes"]            # ...1 byte each instead of 2
-        assert 4 * fp8[r]["bytes"] == fp32[r]["bytes"]            # (or 4)
-        assert fp8[r]["bytes"] == (n - 1) * fp8[r]["elements"] // n   # the ring's (N-1)/N of K bytes
+        assert fp8[r]["elements"] == bf16[r]["elements"]  # the same elements travel...
+        assert 2 * fp8[r]["bytes"] == bf16[r]["bytes"]  # ...1 byte each instead of 2
+        assert 4 * fp8[r]["bytes"] == fp32[r]["bytes"]  # (or 4)
+        assert fp8[r]["bytes"] == (n - 1) * fp8[r]["elements"] // n  # the ring's (N-1)/N of K bytes
         # One small all-reduce per FP8 gather: one float32 amax per parameter tensor of the unit.
-        assert fp8[r]["amax calls"] == fp8[r]["calls"] > fp8[r]["units"]   # forward and backward
+        assert fp8[r]["amax calls"] == fp8[r]["calls"] > fp8[r]["units"]  # forward and backward
         assert bf16[r]["amax calls"] == 0
         biggest = 2 * (n - 1) * 4 * max(fp8[r]["params"]) // n
         assert 0 < fp8[r]["amax bytes"] <= fp8[r]["calls"] * biggest
@@ -71,13 +78,14 @@ def gathered_in_forward(ctx, param_dtype, steps):
     batches = DATA.rank_stream(ctx.rank, ctx.world_size)
     run_steps(model, batches, steps, zero, device=ctx.device)
     seen = {}
-    for i, block in enumerate(model.blocks):   # ZeRO's gather hook runs first, then this one
+    for i, block in enumerate(model.blocks):  # ZeRO's gather hook runs first, then this one
         block.register_forward_pre_hook(
-            lambda m, a, i=i: seen.update({f"blocks.{i}.{n}": p.detach().clone() for n, p in m.named_parameters()}))
+            lambda m, a, i=i: seen.update({f"blocks.{i}.{n}": p.detach().clone() for n, p in m.named_parameters()})
+        )
     batches(steps, 0).to(ctx.device).loss(model).backward()
     zero.zero_grad()
     exact = zero.full_state_dict()
-    cut = [sum(1 for _ in local_ranges(u)) for u in zero.all_units]   # shards split parameters
+    cut = [sum(1 for _ in local_ranges(u)) for u in zero.all_units]  # shards split parameters
     return seen, exact, cut
 
 
@@ -87,11 +95,11 @@ def test_gathered_weight_is_quantize_dequantize_with_the_global_amax(cluster, pa
     seen, exact, _ = out[0]
     assert seen and all(name in exact for name in seen)
     for name, w in seen.items():
-        q, scale = quantize_per_tensor(exact[name], E4M3)   # one scale from the whole tensor
+        q, scale = quantize_per_tensor(exact[name], E4M3)  # one scale from the whole tensor
         assert w.dtype == param_dtype
         assert torch.equal(w, dequantize(q, scale).to(param_dtype)), name
         assert not torch.equal(w, exact[name]), f"{name}: the FP8 rounding was not applied"
-    for r in range(1, cluster.world_size):   # every rank computes with the same weights
+    for r in range(1, cluster.world_size):  # every rank computes with the same weights
         for name, w in seen.items():
             assert torch.equal(out[r][0][name], w), (r, name)
     # The test means something: at least one parameter is cut between two ranks' shards,
@@ -133,7 +141,7 @@ def test_fp8_gather_trains_like_the_exact_gather():
     exact = cluster.run(train_curve, None, 10)[0]
     fp8 = cluster.run(train_curve, E4M3, 10)[0]
     gaps = [abs(a - b) for a, b in zip(exact, fp8)]
-    assert 0 < gaps[0] <= rounding_effect_bound(), gaps[0]   # the rounding is applied, and bounded
+    assert 0 < gaps[0] <= rounding_effect_bound(), gaps[0]  # the rounding is applied, and bounded
     assert max(gaps) < LOSS_TOLERANCE, gaps
     assert fp8 != exact
 
@@ -145,5 +153,6 @@ def test_gather_dtype_is_refused_outside_stage_3_and_fp8(cluster):
         except ValueError as error:
             return str(error)
         return "built"
+
     assert "needs stage 3" in cluster.run(build, 2, E4M3)[0]
     assert "FP8 format" in cluster.run(build, 3, torch.bfloat16)[0]

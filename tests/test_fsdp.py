@@ -6,6 +6,7 @@ process they are needed (the ranks sum their averaged gradients in another order
 ``fully_shard`` we measured bit-identical weights (both cut rows as ``torch.chunk`` does and
 reduce in the same order), but hold it only to the same justified tolerance.
 """
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -28,15 +29,17 @@ pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
 
 STEPS = 3
 # vocab 64 over 3 ranks: 22, 22, 20 rows; vocab 9 over 4 ranks: 3, 3, 3 and an empty shard
-CONFIGS = {2: GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16),
-           3: GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16),
-           4: GPTConfig(vocab_size=9, hidden=32, layers=2, heads=2, seq_len=16)}
+CONFIGS = {
+    2: GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16),
+    3: GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16),
+    4: GPTConfig(vocab_size=9, hidden=32, layers=2, heads=2, seq_len=16),
+}
 HSDP_DIMS = ("dp_replicate", "dp_shard")
 
 
 def fresh_model(world, dtype=torch.float64):
     torch.manual_seed(0)
-    return perturbed(GPT(CONFIGS[world])).to(dtype)   # perturbed: no norm weight left at 1, no bias at 0
+    return perturbed(GPT(CONFIGS[world])).to(dtype)  # perturbed: no norm weight left at 1, no bias at 0
 
 
 def data(world):
@@ -46,41 +49,58 @@ def data(world):
 def train_ours(ctx, opt, dtype=torch.float64, mesh_shape=None, grad_acc=1, **options):
     mesh = None if mesh_shape is None else init_device_mesh(ctx.device.type, mesh_shape, mesh_dim_names=HSDP_DIMS)
     model = apply_fsdp(fresh_model(ctx.world_size, dtype).to(ctx.device), mesh, **options)
-    optimizer = make_optimizer(model.parameters(), opt)     # a plain torch optimizer on the shards
+    optimizer = make_optimizer(model.parameters(), opt)  # a plain torch optimizer on the shards
     batches = data(ctx.world_size).rank_stream(ctx.rank, ctx.world_size)
     loss = batches(0, 0).to(ctx.device).loss(model)
-    held = [[full.untyped_storage().nbytes() for e, full in zip(unit.entries, unit.fulls) if e.sharded]
-            for unit in fsdp_units(model)]   # between forward and backward: root first
+    held = [
+        [full.untyped_storage().nbytes() for e, full in zip(unit.entries, unit.fulls) if e.sharded]
+        for unit in fsdp_units(model)
+    ]  # between forward and backward: root first
     loss.backward()
     released = all(unit.fulls is None for unit in fsdp_units(model))
-    held_bytes = state_bytes(model)   # this rank's parameters and gradients: its shards
+    held_bytes = state_bytes(model)  # this rank's parameters and gradients: its shards
     grad_shapes = {n: (tuple(p.shape), tuple(p.grad.shape), p.grad.dtype) for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     with CommLogger() as log:
         losses = run_steps(model, batches, STEPS, optimizer, device=ctx.device, grad_acc=grad_acc)
     # Adam's moments (its step counters, one scalar per parameter, left out as breakdown does)
-    held_bytes["optimizer states"] = sum(t.untyped_storage().nbytes() for s in optimizer.state.values()
-                                         for key, t in s.items() if key != "step")
-    per_group = {}   # bytes by (collective, size of the group it ran on): the mesh's axes
+    held_bytes["optimizer states"] = sum(
+        t.untyped_storage().nbytes() for s in optimizer.state.values() for key, t in s.items() if key != "step"
+    )
+    per_group = {}  # bytes by (collective, size of the group it ran on): the mesh's axes
     for e in log.events:
         row = per_group.setdefault((base_op(e.op), e.world_size), {"calls": 0, "bytes_sent": 0})
         row["calls"], row["bytes_sent"] = row["calls"] + 1, row["bytes_sent"] + e.bytes_sent
-    return {"weights": full_state_dict(model), "losses": losses, "comm": by_collective(log), "grad_shapes": grad_shapes,
-            "held": held, "released": released, "held_bytes": held_bytes, "per_group": per_group,
-            "replicated": {n: p.detach().cpu() for n, p in model.named_parameters() if "norm" in n}}
+    return {
+        "weights": full_state_dict(model),
+        "losses": losses,
+        "comm": by_collective(log),
+        "grad_shapes": grad_shapes,
+        "held": held,
+        "released": released,
+        "held_bytes": held_bytes,
+        "per_group": per_group,
+        "replicated": {n: p.detach().cpu() for n, p in model.named_parameters() if "norm" in n},
+    }
 
 
 def train_fully_shard(ctx, opt, dtype=torch.float64, mesh_shape=None, mp_policy=None):
-    mesh = init_device_mesh(ctx.device.type, mesh_shape or (ctx.world_size,),
-                            mesh_dim_names=HSDP_DIMS if mesh_shape else None)
+    mesh = init_device_mesh(
+        ctx.device.type, mesh_shape or (ctx.world_size,), mesh_dim_names=HSDP_DIMS if mesh_shape else None
+    )
     model = fresh_model(ctx.world_size, dtype).to(ctx.device)
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
-    for block in model.blocks:            # the same units as apply_fsdp's default
+    for block in model.blocks:  # the same units as apply_fsdp's default
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
-    losses = run_steps(model, data(ctx.world_size).rank_stream(ctx.rank, ctx.world_size), STEPS,
-                       make_optimizer(model.parameters(), opt), device=ctx.device)
+    losses = run_steps(
+        model,
+        data(ctx.world_size).rank_stream(ctx.rank, ctx.world_size),
+        STEPS,
+        make_optimizer(model.parameters(), opt),
+        device=ctx.device,
+    )
     return {"weights": weights(model), "losses": losses, "shapes": shapes}
 
 
@@ -115,8 +135,9 @@ def test_plain_optimizer_equals_one_process_and_fully_shard(world):
         reference = one_process(world, opt)
         for rank, (mine, torch_s) in enumerate(zip(ours, theirs)):
             for name, (shape, grad_shape, grad_dtype) in mine["grad_shapes"].items():
-                assert shape == torch_s["shapes"][name], f"rank {rank} {name}: shard {shape}, fully_shard's " \
-                                                         f"{torch_s['shapes'][name]}"
+                assert shape == torch_s["shapes"][name], (
+                    f"rank {rank} {name}: shard {shape}, fully_shard's {torch_s['shapes'][name]}"
+                )
                 assert grad_shape == shape and grad_dtype == torch.float64, f"rank {rank} {name}: .grad {grad_shape}"
             assert_same(mine["weights"], reference, f"{world} ranks {opt} vs one process", optimizer=opt)
             assert_same(mine["weights"], torch_s["weights"], f"{world} ranks {opt} vs fully_shard", optimizer=opt)
@@ -124,7 +145,7 @@ def test_plain_optimizer_equals_one_process_and_fully_shard(world):
             assert all(held > 0 for held in mine["held"][0]), f"rank {rank}: the root unit was freed after forward"
             assert not any(sum(held) for held in mine["held"][1:]), f"rank {rank}: a block kept its whole weights"
             assert mine["released"], f"rank {rank}: gathered weights kept after backward"
-        if world == 4:   # vocab 9 over 4 ranks: the last rank's embedding shard is empty
+        if world == 4:  # vocab 9 over 4 ranks: the last rank's embedding shard is empty
             assert ours[3]["grad_shapes"]["embed.weight"][0] == (0, 32)
 
 
@@ -157,8 +178,12 @@ def test_mixed_precision_matches_fully_shard(reduce_dtype):
         reduced = mine["comm"]["reduce_scatter"]["bytes_sent"]
         assert reduced * (2 if reduce_dtype is None else 1) == full["comm"]["reduce_scatter"]["bytes_sent"]
         # bf16 keeps 8 bits: the loss moves by a few parts in a thousand, not more
-        assert_same(torch.tensor(mine["losses"]), torch.tensor(full["losses"]), "bf16 loss vs fp32",
-                    tol=dict(rtol=1e-2, atol=0.0))
+        assert_same(
+            torch.tensor(mine["losses"]),
+            torch.tensor(full["losses"]),
+            "bf16 loss vs fp32",
+            tol=dict(rtol=1e-2, atol=0.0),
+        )
 
 
 def test_hybrid_sharding_matches_fully_shard_on_2d_mesh():
@@ -171,11 +196,11 @@ def test_hybrid_sharding_matches_fully_shard_on_2d_mesh():
     ours = cluster.run(train_ours, "adamw", mesh_shape=(2, 2))
     theirs = cluster.run(train_fully_shard, "adamw", mesh_shape=(2, 2))
     reference = one_process(4, "adamw")
-    units = 1 + CONFIGS[4].layers   # each block, and the rest
+    units = 1 + CONFIGS[4].layers  # each block, and the rest
     for mine, torch_s in zip(ours, theirs):
         assert_same(mine["weights"], reference, "HSDP vs one process", optimizer="adamw")
         assert_same(mine["weights"], torch_s["weights"], "HSDP vs fully_shard", optimizer="adamw")
-        assert mine["grad_shapes"]["blocks.0.mlp.fc.weight"][0] == (64, 32)   # 128 rows over 2 shards
+        assert mine["grad_shapes"]["blocks.0.mlp.fc.weight"][0] == (64, 32)  # 128 rows over 2 shards
         assert mine["comm"]["reduce_scatter"]["calls"] == units * STEPS
         assert mine["comm"]["all_reduce"]["calls"] == units * STEPS
     check_hsdp_memory(ours, reference, replicas=2, shards=2)
@@ -189,17 +214,18 @@ def check_hsdp_memory(results, reference, replicas, shards):
     for the gradients: their shards are views of the unit's reduce-scatter output, which keeps
     the padding rows too (here one row of the embedding's)."""
     config = CONFIGS[replicas * shards]
-    formula = breakdown(config, dp=replicas * shards, dp_shard=shards, zero_stage=3, mixed_precision=False,
-                        optimizer_bytes=8)
-    row = sum(w[0].numel() for w in reference.values()) * 8   # one row of every parameter
+    formula = breakdown(
+        config, dp=replicas * shards, dp_shard=shards, zero_stage=3, mixed_precision=False, optimizer_bytes=8
+    )
+    row = sum(w[0].numel() for w in reference.values()) * 8  # one row of every parameter
     padding = sum((-(-w.shape[0] // shards) * shards - w.shape[0]) * w[0].numel() for w in reference.values()) * 8
-    one_row = {"parameters": row, "gradients": row, "optimizer states": 2 * row}   # Adam: two moments
+    one_row = {"parameters": row, "gradients": row, "optimizer states": 2 * row}  # Adam: two moments
     for key, one_row_bytes in one_row.items():
-        expected = 2 * formula[key]   # float64
+        expected = 2 * formula[key]  # float64
         for rank, r in enumerate(results):
             assert abs(r["held_bytes"][key] - expected) <= one_row_bytes, (rank, key, r["held_bytes"][key], expected)
-        for replica in range(replicas):   # ranks replica * shards + s: one replica's shards
-            block = results[replica * shards:(replica + 1) * shards]
+        for replica in range(replicas):  # ranks replica * shards + s: one replica's shards
+            block = results[replica * shards : (replica + 1) * shards]
             extra = padding if key == "gradients" else 0
             assert sum(r["held_bytes"][key] for r in block) == shards * expected + extra, (replica, key)
 
@@ -210,16 +236,17 @@ def check_hsdp_bytes(results, reference, replicas, shards):
     ring phase (S-1)/S K for each gather and reduce-scatter over the shard axis, the all-reduce
     2 (R-1)/R K/S of the gradient shards over the replicate axis."""
     ring = AlphaBeta(alpha=0.0, beta=1.0)
-    unit_bytes = {}   # padded rows x row size x 8 bytes, by unit (root: what no block holds)
+    unit_bytes = {}  # padded rows x row size x 8 bytes, by unit (root: what no block holds)
     for name, w in reference.items():
         unit = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "root"
         unit_bytes[unit] = unit_bytes.get(unit, 0) + -(-w.shape[0] // shards) * shards * w[0].numel() * 8
     blocks = sum(k for u, k in unit_bytes.items() if u != "root")
-    gathered = sum(unit_bytes.values()) + blocks   # forward gathers every unit, backward all but the root
-    expected = {("all_gather", shards): ring.ring_phase_time(gathered, shards),
-                ("reduce_scatter", shards): ring.ring_phase_time(sum(unit_bytes.values()), shards),
-                ("all_reduce", replicas): sum(ring.ring_all_reduce_time(k / shards, replicas)
-                                              for k in unit_bytes.values())}
+    gathered = sum(unit_bytes.values()) + blocks  # forward gathers every unit, backward all but the root
+    expected = {
+        ("all_gather", shards): ring.ring_phase_time(gathered, shards),
+        ("reduce_scatter", shards): ring.ring_phase_time(sum(unit_bytes.values()), shards),
+        ("all_reduce", replicas): sum(ring.ring_all_reduce_time(k / shards, replicas) for k in unit_bytes.values()),
+    }
     for rank, r in enumerate(results):
         assert set(r["per_group"]) == set(expected), (rank, r["per_group"])
         for key, per_step in expected.items():
@@ -237,11 +264,14 @@ class Optimizers:
     """Muon for the blocks' matrices, AdamW for the rest (embeddings, norms): stepped together."""
 
     def __init__(self, model, **muon):
-        matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and n.endswith(".weight")
-                    and "norm" not in n]
+        matrices = [
+            p
+            for n, p in model.named_parameters()
+            if n.startswith("blocks.") and n.endswith(".weight") and "norm" not in n
+        ]
         rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
         self.all = [Muon(matrices, lr=0.02, ns_dtype=torch.float64, **muon), torch.optim.AdamW(rest, lr=1e-3)]
-        self.logs = []   # each step's collectives: what the optimizers add to forward's and backward's
+        self.logs = []  # each step's collectives: what the optimizers add to forward's and backward's
 
     def step(self):
         with CommLogger() as log:
@@ -255,17 +285,21 @@ class Optimizers:
 
 
 def muon_matrix_shapes(world):
-    return [tuple(p.shape) for n, p in fresh_model(world).named_parameters()
-            if n.startswith("blocks.") and n.endswith(".weight") and "norm" not in n]
+    return [
+        tuple(p.shape)
+        for n, p in fresh_model(world).named_parameters()
+        if n.startswith("blocks.") and n.endswith(".weight") and "norm" not in n
+    ]
 
 
 def train_sharded_muon(ctx, mode):
     model = apply_fsdp(fresh_model(ctx.world_size).to(ctx.device))
     optimizers = Optimizers(model, fsdp=model.fsdp, mode=mode)
     with CommLogger() as log:
-        run_steps(model, data(ctx.world_size).rank_stream(ctx.rank, ctx.world_size), STEPS, optimizers,
-                  device=ctx.device)
-    steps = {}   # the optimizers' collectives over all steps, by collective
+        run_steps(
+            model, data(ctx.world_size).rank_stream(ctx.rank, ctx.world_size), STEPS, optimizers, device=ctx.device
+        )
+    steps = {}  # the optimizers' collectives over all steps, by collective
     for totals in optimizers.logs:
         for op, row in totals.items():
             summed = steps.setdefault(op, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
@@ -311,8 +345,8 @@ def test_sharded_muon_equals_one_process(mode, world):
         assert_same(r["weights"], reference, f"sharded Muon ({mode})", optimizer="adam")
     padded = sum(-(-rows // world) * world * cols for rows, cols in muon_matrix_shapes(world)) * 8
     muon_bytes = STEPS * padded * (world - 1) // world
-    fsdp_gathers = STEPS * (2 * (1 + CONFIGS[world].layers) - 1)   # forward per unit, backward but the root
-    for r in results:   # outside the optimizers' steps: forward's and backward's gathers only
+    fsdp_gathers = STEPS * (2 * (1 + CONFIGS[world].layers) - 1)  # forward per unit, backward but the root
+    for r in results:  # outside the optimizers' steps: forward's and backward's gathers only
         assert r["comm"]["all_gather"]["calls"] - r["steps"].get("all_gather", {}).get("calls", 0) == fsdp_gathers
     if mode == "gather":
         for r in results:

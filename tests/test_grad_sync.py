@@ -4,6 +4,7 @@ Three ranks cut into the groups [0] and [1, 2]: a group that is not the world, w
 in the group differ from the global ones, and a group of one rank (no collective at all).
 Rank r's gradient is r + 1, so the mean over [1, 2] is 2.5 and the sum 5.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ def cluster():
 
 
 def _my_group(ctx):
-    groups = [ctx.new_group(ranks) for ranks in GROUPS]   # every rank creates both, in order
+    groups = [ctx.new_group(ranks) for ranks in GROUPS]  # every rank creates both, in order
     return groups[0] if ctx.rank == 0 else groups[1]
 
 
@@ -40,12 +41,13 @@ def _reduce_on_rank(ctx):
 
 
 def test_reduce_gradient_sums_over_its_group_divides_and_leaves_its_input(cluster):
-    (mean0, sum0, alone0, grad0, calls0), (mean1, sum1, alone1, grad1, calls1), (mean2, *_) = \
-        cluster.run(_reduce_on_rank)
-    assert mean0 == sum0 == grad0 == [1.0] * 3 and calls0 == 0   # a group of one: no collective
+    (mean0, sum0, alone0, grad0, calls0), (mean1, sum1, alone1, grad1, calls1), (mean2, *_) = cluster.run(
+        _reduce_on_rank
+    )
+    assert mean0 == sum0 == grad0 == [1.0] * 3 and calls0 == 0  # a group of one: no collective
     assert mean1 == mean2 == [2.5] * 3 and sum1 == [5.0] * 3 and calls1 == 2
-    assert grad1 == [2.0] * 3                                    # the given gradient is not changed
-    assert alone0 == [0.25] * 3 and alone1 == [0.5] * 3          # NO_REPLICAS: only divided
+    assert grad1 == [2.0] * 3  # the given gradient is not changed
+    assert alone0 == [0.25] * 3 and alone1 == [0.5] * 3  # NO_REPLICAS: only divided
 
 
 def _in_backward_on_rank(ctx, divide_by):
@@ -56,10 +58,10 @@ def _in_backward_on_rank(ctx, divide_by):
     frozen = torch.nn.Parameter(torch.ones(1, device=ctx.device), requires_grad=False)
     sync_in_backward([*model.parameters(), frozen], group, divide_by=divide_by, keep_as="_test_sync")
     x = torch.full((1, 2), ctx.rank + 1.0, device=ctx.device)
-    for _ in range(2):                       # two micro-batches accumulate into .grad
+    for _ in range(2):  # two micro-batches accumulate into .grad
         model(x).sum().backward()
     synced = model.weight.grad.tolist()
-    model.weight._test_sync.remove()         # the handle is kept so that it can be removed
+    model.weight._test_sync.remove()  # the handle is kept so that it can be removed
     model.weight.grad = None
     model(x).sum().backward()
     return synced, model.weight.grad.tolist(), hasattr(frozen, "_test_sync")
@@ -72,8 +74,8 @@ def test_sync_in_backward_reduces_each_gradient_before_it_accumulates(cluster, d
     alone = 2.0 if divide_by is None else 2.0 / divide_by
     assert rows[0][0] == [[alone, alone]]
     assert rows[1][0] == rows[2][0] == [[expected, expected]]
-    assert [r[1] for r in rows] == [[[1.0, 1.0]], [[2.0, 2.0]], [[3.0, 3.0]]]   # removed: local again
-    assert not any(r[2] for r in rows)       # a frozen parameter gets no hook
+    assert [r[1] for r in rows] == [[[1.0, 1.0]], [[2.0, 2.0]], [[3.0, 3.0]]]  # removed: local again
+    assert not any(r[2] for r in rows)  # a frozen parameter gets no hook
 
 
 def _after_backward_on_rank(ctx):
@@ -83,7 +85,7 @@ def _after_backward_on_rank(ctx):
     model = torch.nn.Linear(2, 1).to(ctx.device)
     model.bias.requires_grad_(False)
     (model.weight * (ctx.rank + 1.0)).sum().backward()
-    average_gradients(model, group)          # a module: its parameters; no .grad: left alone
+    average_gradients(model, group)  # a module: its parameters; no .grad: left alone
     mean = model.weight.grad.tolist()
     average_gradients([model.weight], group, divide_by=1)
     return mean, model.weight.grad.tolist(), model.bias.grad

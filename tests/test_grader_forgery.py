@@ -42,8 +42,12 @@ def _in_main(source: str, name: str):
 def _forge(grade_file: str, *records) -> None:
     with open(grade_file, "a") as f:
         for exercise_id, points in records:
-            f.write(json.dumps({"exercise": exercise_id, "status": PASS, "points": points,
-                                "max_points": points, "message": ""}) + "\n")
+            f.write(
+                json.dumps(
+                    {"exercise": exercise_id, "status": PASS, "points": points, "max_points": points, "message": ""}
+                )
+                + "\n"
+            )
 
 
 def _submit(grade_file: str, exercise_id: str, *objects, **kwargs) -> None:
@@ -64,8 +68,12 @@ def _grade_with(monkeypatch, cells, feedback: bool = False) -> cli.NotebookRepor
         return nb
 
     monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
-    return cli.grade_notebook(REPO / "solutions" / "00_orientation_exercises.ipynb", timeout=120,
-                              parameters={"QUICK": True}, feedback=feedback)
+    return cli.grade_notebook(
+        REPO / "solutions" / "00_orientation_exercises.ipynb",
+        timeout=120,
+        parameters={"QUICK": True},
+        feedback=feedback,
+    )
 
 
 def _rows(report) -> dict:
@@ -102,8 +110,9 @@ def test_forged_lines_unknown_ids_and_a_swapped_registry_score_nothing(monkeypat
 def test_a_pass_is_the_graders_own_and_worth_its_registered_points(monkeypatch):
     from ultrascale.exercise_tests import ch00
 
-    wrong = _in_main("def memory_per_stage(num_layers, pp, h, v, bytes_per_param=16):\n    return [0] * pp\n",
-                     "memory_per_stage")
+    wrong = _in_main(
+        "def memory_per_stage(num_layers, pp, h, v, bytes_per_param=16):\n    return [0] * pp\n", "memory_per_stage"
+    )
 
     def cells(grade_file):
         _submit(grade_file, "00.pipeline_stage_layers", ch00.reference_stage_layers, quick=True)
@@ -119,7 +128,7 @@ def test_a_pass_is_the_graders_own_and_worth_its_registered_points(monkeypatch):
     assert (report.points, report.max_points) == (1, 3)
 
 
-FORGERY_CELL = '''
+FORGERY_CELL = """
 import json, os
 from ultrascale.exercise_tests import ch00
 from ultrascale.grading import registry
@@ -139,7 +148,7 @@ check("00.memory_per_stage", memory_per_stage, quick=QUICK)
 with open(os.environ["ULTRASCALE_GRADE_FILE"], "a") as f:
     for eid in ("00.mean_across_ranks", "00.pipeline_stage_layers", "00.memory_per_stage", "00.bonus"):
         f.write(json.dumps({"exercise": eid, "status": "pass", "points": 1000, "max_points": 1000}) + "\\n")
-'''
+"""
 
 
 @pytest.mark.slow
@@ -162,6 +171,7 @@ def test_a_forging_notebook_scores_what_its_code_earns(tmp_path):
 
 # ---- the ban on built-in collectives --------------------------------------------------------
 
+
 def _every_door(ctx):
     """Try each way to a collective under the ban; then a ring exchange, which must work."""
     import torch.distributed._functional_collectives as funcol
@@ -173,9 +183,11 @@ def _every_door(ctx):
         "Backend.allreduce": lambda t: ctx.group._get_backend(t.device).allreduce([t]).wait(),
         "functional all_reduce": lambda t: funcol.wait_tensor(funcol.all_reduce(t, "sum", ctx.group)),
         "torch.ops._c10d_functional.all_reduce": lambda t: torch.ops._c10d_functional.all_reduce(
-            t, "sum", ctx.group.group_name),
+            t, "sum", ctx.group.group_name
+        ),
         "torch.ops.c10d.allgather_": lambda t: torch.ops.c10d.allgather_(
-            [[torch.empty_like(t) for _ in range(ctx.world_size)]], [t], ctx.group.boxed(), False, -1)[1].wait(),
+            [[torch.empty_like(t) for _ in range(ctx.world_size)]], [t], ctx.group.boxed(), False, -1
+        )[1].wait(),
     }
     refused = {}
     with forbid_collectives("a0.test", "build it from sends and receives"):

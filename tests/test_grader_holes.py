@@ -41,6 +41,7 @@ def _fails(result, *phrases):
 
 # ---- 02: a synchronous all-reduce in the hook does not overlap -------------------------
 
+
 def test_overlapped_hooks_refuse_a_synchronous_all_reduce(ch02):
     class SyncInHook:
         def __init__(self, module, group=None):
@@ -88,7 +89,7 @@ def test_bucket_manager_refuses_a_synchronous_all_reduce(ch02):
 
 
 def test_assign_buckets_refuses_buckets_closed_before_the_cap_and_a_strict_comparison(ch02):
-    def close_before_passing(params, bucket_cap_bytes):   # never over the cap: more, smaller buckets
+    def close_before_passing(params, bucket_cap_bytes):  # never over the cap: more, smaller buckets
         buckets, current, size = [], [], 0
         for p in reversed(list(params)):
             nbytes = p.numel() * p.element_size()
@@ -99,7 +100,7 @@ def test_assign_buckets_refuses_buckets_closed_before_the_cap_and_a_strict_compa
             size += nbytes
         return buckets + [current] if current else buckets
 
-    def strictly_over(params, bucket_cap_bytes):          # > where DDP has >=: a bucket at the cap stays open
+    def strictly_over(params, bucket_cap_bytes):  # > where DDP has >=: a bucket at the cap stays open
         buckets, current, size = [], [], 0
         for p in reversed(list(params)):
             current.append(p)
@@ -120,12 +121,13 @@ def test_dp_exercises_refuse_the_librarys_data_parallel(ch02):
     from ultrascale.parallel import BucketedDataParallel, OverlappedDataParallel
     from ultrascale.parallel.data_parallel import Bucket
 
-    class LibraryBuckets:   # the library's wrapper registers its own hooks and buckets
+    class LibraryBuckets:  # the library's wrapper registers its own hooks and buckets
         def __init__(self, params, bucket_cap_bytes, group=None):
             holder = nn.Module()
             holder.params = nn.ParameterList(params)
-            self.ddp = BucketedDataParallel(holder, bucket_cap_mb=bucket_cap_bytes / 2**20, group=group,
-                                            broadcast=False)
+            self.ddp = BucketedDataParallel(
+                holder, bucket_cap_mb=bucket_cap_bytes / 2**20, group=group, broadcast=False
+            )
             self.buckets = [b.params for b in self.ddp.buckets]
 
         def grad_ready(self, param):
@@ -134,7 +136,7 @@ def test_dp_exercises_refuse_the_librarys_data_parallel(ch02):
         def finish(self):
             self.ddp.finish_gradient_synchronization()
 
-    class LibraryBufferBuckets(ch02["BucketManager"]):   # the library's Bucket as the flat buffer
+    class LibraryBufferBuckets(ch02["BucketManager"]):  # the library's Bucket as the flat buffer
         def __init__(self, params, bucket_cap_bytes, group=None):
             super().__init__(params, bucket_cap_bytes, group)
             flat = [Bucket(i, b, b[0].dtype, b[0].device) for i, b in enumerate(self.buckets)]
@@ -155,15 +157,18 @@ def test_dp_exercises_refuse_the_librarys_data_parallel(ch02):
     # The library is itself again on the ranks afterwards. (That the solutions still pass under
     # the refusal: the tests above and the grader's run of solutions/ in test_grading.py.)
     from ultrascale.runtime import shared_cluster
+
     flat = shared_cluster(2).run(lambda ctx: Bucket(0, [torch.zeros(3)], torch.float32, "cpu").buffer.numel())
     assert flat == [3, 3]
 
 
 # ---- a0: the ring, not the same bytes sent straight to their owner ----------------------
 
+
 def _ring_reduce_scatter(exchange):
     """A ring reduce-scatter whose every step moves its chunks with ``exchange(me, out, incoming,
     right, left)``. (The function it returns is local, so cloudpickle ships it by value.)"""
+
     def ring_reduce_scatter(ctx, tensor):
         me, n = ctx.rank, ctx.world_size
         right, left = (me + 1) % n, (me - 1) % n
@@ -174,6 +179,7 @@ def _ring_reduce_scatter(exchange):
             exchange(me, out, incoming, right, left)
             target += incoming
         return parts[me]
+
     return ring_reduce_scatter
 
 
@@ -216,15 +222,18 @@ def test_ring_collectives_refuse_direct_sends(a0):
 
     halves_reduce_scatter = _ring_reduce_scatter(in_halves)
 
-    for exercise, wrong, right in [("a0.ring_reduce_scatter", ring_reduce_scatter, "ring_reduce_scatter"),
-                                   ("a0.ring_all_gather", ring_all_gather, "ring_all_gather"),
-                                   ("a0.ring_all_reduce", ring_all_reduce, "ring_all_reduce")]:
+    for exercise, wrong, right in [
+        ("a0.ring_reduce_scatter", ring_reduce_scatter, "ring_reduce_scatter"),
+        ("a0.ring_all_gather", ring_all_gather, "ring_all_gather"),
+        ("a0.ring_all_reduce", ring_all_reduce, "ring_all_reduce"),
+    ]:
         _fails(check(exercise, wrong), "sent messages to ranks", "right neighbour")
         assert check(exercise, a0[right]).status == PASS, exercise
     _fails(check("a0.ring_reduce_scatter", halves_reduce_scatter), "N-1 = 1 step", "do not split a chunk")
 
 
 # ---- 03: the gathered parameters must really be freed -----------------------------------
+
 
 def test_zero3_refuses_gathered_memory_kept_in_a_closure(ch03):
     all_gather_into = ch03["all_gather_into"]
@@ -238,7 +247,7 @@ def test_zero3_refuses_gathered_memory_kept_in_a_closure(ch03):
             all_gather_into(full, shard)
             cache.append(full)
             for p, offset, shape in module.zero3_layout:
-                p.data = full[offset: offset + math.prod(shape)].view(shape)
+                p.data = full[offset : offset + math.prod(shape)].view(shape)
 
         def free(module, args, output):
             for p, _, _ in module.zero3_layout:
@@ -252,31 +261,39 @@ def test_zero3_refuses_gathered_memory_kept_in_a_closure(ch03):
 
 # ---- 00: the input tensor stays unchanged ----------------------------------------------
 
+
 def test_mean_across_ranks_refuses_an_in_place_all_reduce(ch00):
     def mean_across_ranks(ctx, tensor):
         dist.all_reduce(tensor, group=ctx.group)
         return tensor / ctx.world_size
 
-    _fails(check("00.mean_across_ranks", mean_across_ranks), "changed its argument `tensor`", "clone()")   # the contract
+    _fails(check("00.mean_across_ranks", mean_across_ranks), "changed its argument `tensor`", "clone()")  # the contract
     assert check("00.mean_across_ranks", ch00["mean_across_ranks"]).status == PASS
 
 
 # ---- an expected ValueError: which input, and what was expected --------------------------
+
 
 def test_an_unexpected_exception_names_the_input_and_the_expected_value_error(ch00, ch01, ch02):
     def pipeline_stage_layers(num_layers, pp_degree):  # no check: divides by zero for pp_degree=0
         share, remainder = divmod(num_layers, pp_degree)
         return [share + (stage < remainder) for stage in range(pp_degree)]
 
-    _fails(check("00.pipeline_stage_layers", pipeline_stage_layers),
-           "pipeline_stage_layers(4, 0) raised ZeroDivisionError", "expected a ValueError")
+    _fails(
+        check("00.pipeline_stage_layers", pipeline_stage_layers),
+        "pipeline_stage_layers(4, 0) raised ZeroDivisionError",
+        "expected a ValueError",
+    )
 
     def activation_memory(layers, hidden, heads, seq, micro_batch, recompute="none"):
         factor = {"none": 34 + 5 * heads * seq / hidden, "selective": 34, "full": 2}[recompute]  # KeyError
         return layers * seq * micro_batch * hidden * factor
 
-    _fails(check("01.activation_memory", activation_memory),
-           "activation_memory(2, 64, 4, 128, 1, 'partial') raised KeyError", "expected a ValueError")
+    _fails(
+        check("01.activation_memory", activation_memory),
+        "activation_memory(2, 64, 4, 128, 1, 'partial') raised KeyError",
+        "expected a ValueError",
+    )
 
     def grad_acc_steps(gbs_tokens, seq_len, mbs, dp):
         gbs = 2 ** round(math.log2(gbs_tokens / seq_len))
@@ -286,13 +303,17 @@ def test_an_unexpected_exception_names_the_input_and_the_expected_value_error(ch
         return grad_acc
 
     _fails(check("02.grad_acc_steps", grad_acc_steps), "raised ZeroDivisionError", "expected a ValueError (")
-    for exercise, name in [("00.pipeline_stage_layers", "pipeline_stage_layers"),
-                           ("01.activation_memory", "activation_memory"), ("02.grad_acc_steps", "grad_acc_steps")]:
+    for exercise, name in [
+        ("00.pipeline_stage_layers", "pipeline_stage_layers"),
+        ("01.activation_memory", "activation_memory"),
+        ("02.grad_acc_steps", "grad_acc_steps"),
+    ]:
         solutions = {**ch00, **ch01, **ch02}
         assert check(exercise, solutions[name]).status == PASS, exercise
 
 
 # ---- the library's own implementation is not an answer -----------------------------------
+
 
 def test_calling_the_library_implementation_is_refused(ch01, ch02):
     from ultrascale.batch_size import plan_batch, samples_per_step
@@ -306,6 +327,7 @@ def test_calling_the_library_implementation_is_refused(ch01, ch02):
 
     def activation_memory(layers, hidden, heads, seq, micro_batch, recompute="none"):
         from types import SimpleNamespace
+
         return activation_bytes(SimpleNamespace(layers=layers, hidden=hidden, heads=heads), seq, micro_batch, recompute)
 
     def grad_acc_steps(gbs_tokens, seq_len, mbs, dp):
@@ -323,23 +345,30 @@ def test_calling_the_library_implementation_is_refused(ch01, ch02):
     def assign_buckets(params, bucket_cap_bytes):
         return build_buckets(list(reversed(list(params))), bucket_cap_bytes)
 
-    for exercise, wrong, name in [("01.param_count", gpt_param_count, "ultrascale.model.count_params"),
-                                  ("01.activation_memory", activation_memory, "ultrascale.memory.activation_bytes"),
-                                  ("02.grad_acc_steps", grad_acc_steps, "ultrascale.batch_size.samples_per_step"),
-                                  ("02.grad_acc_steps", grad_acc_from_plan, "ultrascale.batch_size.samples_per_step"),
-                                  ("02.assign_buckets", assign_buckets,
-                                   "ultrascale.parallel.data_parallel.build_buckets")]:
-        _fails(check(exercise, wrong), f"{exercise}: your code called the course library's {name}",
-               "compute it yourself")
+    for exercise, wrong, name in [
+        ("01.param_count", gpt_param_count, "ultrascale.model.count_params"),
+        ("01.activation_memory", activation_memory, "ultrascale.memory.activation_bytes"),
+        ("02.grad_acc_steps", grad_acc_steps, "ultrascale.batch_size.samples_per_step"),
+        ("02.grad_acc_steps", grad_acc_from_plan, "ultrascale.batch_size.samples_per_step"),
+        ("02.assign_buckets", assign_buckets, "ultrascale.parallel.data_parallel.build_buckets"),
+    ]:
+        _fails(
+            check(exercise, wrong), f"{exercise}: your code called the course library's {name}", "compute it yourself"
+        )
     # the library is itself again afterwards, and the solutions pass
     assert count_params(GPTConfig(vocab_size=10, hidden=4, layers=1, heads=1)) == 4 * 10 + 12 * 16 + 13 * 4 + 8
     assert samples_per_step(4e6, 4096) == 1024
-    for exercise, name in [("01.param_count", "gpt_param_count"), ("01.activation_memory", "activation_memory"),
-                           ("02.grad_acc_steps", "grad_acc_steps"), ("02.assign_buckets", "assign_buckets")]:
+    for exercise, name in [
+        ("01.param_count", "gpt_param_count"),
+        ("01.activation_memory", "activation_memory"),
+        ("02.grad_acc_steps", "grad_acc_steps"),
+        ("02.assign_buckets", "assign_buckets"),
+    ]:
         assert check(exercise, {**ch01, **ch02}[name]).status == PASS, exercise
 
 
 # ---- 04 and 05: tensor and sequence parallelism -------------------------------------------
+
 
 def test_tp_conjugate_pair_refuses_collectives_in_the_wrong_direction(ch04):
     Copy, Reduce = ch04["Copy"], ch04["Reduce"]
@@ -414,15 +443,29 @@ def test_tp_conjugate_pair_refuses_collectives_in_the_wrong_direction(ch04):
         def backward(ctx, grad):
             return grad, None
 
-    _fails(check("04.conjugate_pair", CopyReducingBothWays, Reduce), "Copy, 2 ranks",
-           "returned the sum of x over the ranks", "identity in forward")
-    _fails(check("04.conjugate_pair", CopyWithoutReduce, Reduce), "own upstream gradient",
-           "all-reduce (sum) the gradient in backward")
+    _fails(
+        check("04.conjugate_pair", CopyReducingBothWays, Reduce),
+        "Copy, 2 ranks",
+        "returned the sum of x over the ranks",
+        "identity in forward",
+    )
+    _fails(
+        check("04.conjugate_pair", CopyWithoutReduce, Reduce),
+        "own upstream gradient",
+        "all-reduce (sum) the gradient in backward",
+    )
     _fails(check("04.conjugate_pair", CopyOverAllRanks, Reduce), "tp groups [0, 1] and [2]", "group=group")
-    _fails(check("04.conjugate_pair", CopyGatheringGradients, Reduce), "the backward called all_gather",
-           "exactly one all-reduce")
-    _fails(check("04.conjugate_pair", Copy, ReduceBothWays), "Reduce, 2 ranks", "backward all-reduced the gradient",
-           "f*'s backward is the identity")
+    _fails(
+        check("04.conjugate_pair", CopyGatheringGradients, Reduce),
+        "the backward called all_gather",
+        "exactly one all-reduce",
+    )
+    _fails(
+        check("04.conjugate_pair", Copy, ReduceBothWays),
+        "Reduce, 2 ranks",
+        "backward all-reduced the gradient",
+        "f*'s backward is the identity",
+    )
     _fails(check("04.conjugate_pair", Copy, ReduceInPlace), "changed its input x in place", "x.clone()")
     assert check("04.conjugate_pair", Copy, Reduce).status == PASS
 
@@ -441,11 +484,9 @@ def test_tp_column_parallel_linear_needs_f(ch04):
     def gathering_the_output(x, weight_shard, bias_shard, group):
         return gather_along_dim(F.linear(f(x, group), weight_shard, bias_shard), -1, group)
 
-    _fails(check("04.column_parallel_linear", without_f), "x.grad holds only this rank's share",
-           "route x through f")
+    _fails(check("04.column_parallel_linear", without_f), "x.grad holds only this rank's share", "route x through f")
     _fails(check("04.column_parallel_linear", with_f_star), "2 times too large", "f is the identity in forward")
-    _fails(check("04.column_parallel_linear", gathering_the_output), "all 8 output features",
-           "only this rank's slice")
+    _fails(check("04.column_parallel_linear", gathering_the_output), "all 8 output features", "only this rank's slice")
     assert check("04.column_parallel_linear", ch04["column_parallel_forward"]).status == PASS
 
 
@@ -471,12 +512,14 @@ def test_tp_row_parallel_linear_adds_the_bias_once_after_the_sum(ch04):
         dist.all_reduce(partial, group=group)
         return partial + bias
 
-    _fails(check("04.row_parallel_linear", bias_before_the_sum), "the bias is counted 2 times",
-           "after the all-reduce")
+    _fails(check("04.row_parallel_linear", bias_before_the_sum), "the bias is counted 2 times", "after the all-reduce")
     _fails(check("04.row_parallel_linear", no_sum), "partial product only", "f_star")
     _fails(check("04.row_parallel_linear", bias_on_rank_0_only), "rank 1", "bias.grad is None on this rank")
-    _fails(check("04.row_parallel_linear", plain_all_reduce), "dist.all_reduce directly on a tensor that autograd "
-           "tracks", "f_star(y, group)")
+    _fails(
+        check("04.row_parallel_linear", plain_all_reduce),
+        "dist.all_reduce directly on a tensor that autograd tracks",
+        "f_star(y, group)",
+    )
     assert check("04.row_parallel_linear", ch04["row_parallel_forward"]).status == PASS
 
 
@@ -490,7 +533,7 @@ def test_vocab_parallel_cross_entropy_refuses_gathered_logits_and_local_maxima(c
 
     def summing_padded_logits(local_logits, targets, vocab_start, group):  # the full logits on every rank
         full = local_logits.new_zeros(local_logits.shape[0], local_logits.shape[1] * dist.get_world_size(group))
-        full[:, vocab_start: vocab_start + local_logits.shape[1]] = local_logits
+        full[:, vocab_start : vocab_start + local_logits.shape[1]] = local_logits
         return F.cross_entropy(f_star(full, group), targets)
 
     def cross_entropy(local_logits, targets, vocab_start, group, shift="global", last=False):
@@ -579,20 +622,33 @@ def test_sequence_gather_scatter_refuses_all_reduce_and_slice(ch05):
             return grad.narrow(ctx.dim, dist.get_rank(ctx.group) * piece, piece).contiguous(), None, None
 
     exercise = "05.sequence_gather_scatter"
-    _fails(check(exercise, GatherAllReducingBackward, ReduceScatter), "Gather, dim 1",
-           "the backward all-reduced the whole tensor and kept one slice", "double the traffic")
-    _fails(check(exercise, Gather, ReduceScatterAllReducing), "ReduceScatter, dim 1",
-           "the forward all-reduced the whole tensor and kept one slice", "double the traffic")
+    _fails(
+        check(exercise, GatherAllReducingBackward, ReduceScatter),
+        "Gather, dim 1",
+        "the backward all-reduced the whole tensor and kept one slice",
+        "double the traffic",
+    )
+    _fails(
+        check(exercise, Gather, ReduceScatterAllReducing),
+        "ReduceScatter, dim 1",
+        "the forward all-reduced the whole tensor and kept one slice",
+        "double the traffic",
+    )
     _fails(check(exercise, GatherAlongDim0, ReduceScatter), "concatenated along dim 0", "movedim(1, 0)")
-    _fails(check(exercise, GatherKeepingOwnGradient, ReduceScatter), "slice of its own upstream gradient",
-           "a reduce-scatter")
+    _fails(
+        check(exercise, GatherKeepingOwnGradient, ReduceScatter),
+        "slice of its own upstream gradient",
+        "a reduce-scatter",
+    )
     assert check(exercise, Gather, ReduceScatter).status == PASS
 
 
 def test_sequence_parallel_norm_hooks_sum_before_accumulation(ch05):
     def after_accumulation(module, group):  # right after one micro-batch, wrong after two
-        return [p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
-                for p in module.parameters()]
+        return [
+            p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
+            for p in module.parameters()
+        ]
 
     def no_hooks(module, group):
         return []
@@ -606,8 +662,12 @@ def test_sequence_parallel_norm_hooks_sum_before_accumulation(ch05):
         return [p.register_hook(mean_over_ranks) for p in module.parameters()]
 
     exercise = "05.sequence_parallel_norm_grads"
-    _fails(check(exercise, after_accumulation), "after 2 backward passes", "counts the first micro-batch 2 times",
-           "before it is accumulated")
+    _fails(
+        check(exercise, after_accumulation),
+        "after 2 backward passes",
+        "counts the first micro-batch 2 times",
+        "before it is accumulated",
+    )
     _fails(check(exercise, no_hooks), "only the contribution of this rank's tokens", "register_hook")
     _fails(check(exercise, averaging), "the average over the 2 tp ranks", "no division")
     assert check(exercise, ch05["sync_norm_gradients"]).status == PASS
@@ -635,20 +695,33 @@ def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
         for p in module.parameters():
             sum_gradient_over_tp(p, group)
 
-    _fails(check("04.column_parallel_linear", column_parallel_forward), "the course library's",
-           "ColumnParallelLinear is the answer")
+    _fails(
+        check("04.column_parallel_linear", column_parallel_forward),
+        "the course library's",
+        "ColumnParallelLinear is the answer",
+    )
     for wrong in (through_the_library, through_sharded_logits):
-        _fails(check("04.vocab_parallel_cross_entropy", wrong), "the course library's ultrascale.parallel."
-               "vocab_parallel.", "compute it yourself")
-    def through_the_shared_helper(module, group):   # what sum_gradient_over_tp calls
+        _fails(
+            check("04.vocab_parallel_cross_entropy", wrong),
+            "the course library's ultrascale.parallel.vocab_parallel.",
+            "compute it yourself",
+        )
+
+    def through_the_shared_helper(module, group):  # what sum_gradient_over_tp calls
         from ultrascale.parallel.grad_sync import sync_in_backward
 
         sync_in_backward(list(module.parameters()), group, divide_by=1, keep_as="_mine")
 
-    _fails(check("05.sequence_parallel_norm_grads", sync_norm_gradients), "sum_gradient_over_tp",
-           "register the hooks yourself")
-    _fails(check("05.sequence_parallel_norm_grads", through_the_shared_helper), "sync_in_backward",
-           "register the hooks yourself")
+    _fails(
+        check("05.sequence_parallel_norm_grads", sync_norm_gradients),
+        "sum_gradient_over_tp",
+        "register the hooks yourself",
+    )
+    _fails(
+        check("05.sequence_parallel_norm_grads", through_the_shared_helper),
+        "sync_in_backward",
+        "register the hooks yourself",
+    )
     # the library works again afterwards, and the solutions pass
     assert check("04.vocab_parallel_cross_entropy", ch04["vocab_parallel_cross_entropy"]).status == PASS
     assert check("05.sequence_parallel_norm_grads", ch05["sync_norm_gradients"]).status == PASS
@@ -659,7 +732,7 @@ def test_activation_memory_refuses_the_wrong_splits(ch05):
         return ch05["activation_bytes_per_rank"](config, seq, micro_batch, tp, sequence_parallel, recompute)
 
     def tp_divides_everything(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
-        return split(config, seq, micro_batch, tp, True, recompute)   # as if TP alone split the norms too
+        return split(config, seq, micro_batch, tp, True, recompute)  # as if TP alone split the norms too
 
     def sp_changes_nothing(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
         return split(config, seq, micro_batch, tp, sequence_parallel and recompute == "full", recompute)
@@ -670,7 +743,7 @@ def test_activation_memory_refuses_the_wrong_splits(ch05):
         if recompute == "full":
             return config.layers * 2 * sbh / (tp if sequence_parallel else 1)
         linear = 34 * sbh / tp if sequence_parallel else 10 * sbh + 24 * sbh / tp
-        return config.layers * (linear + scores)   # the heads are split, so are the scores
+        return config.layers * (linear + scores)  # the heads are split, so are the scores
 
     def full_always_split(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
         return split(config, seq, micro_batch, tp, sequence_parallel or recompute == "full", recompute)
@@ -683,6 +756,7 @@ def test_activation_memory_refuses_the_wrong_splits(ch05):
 
     def library(config, seq, micro_batch, tp=1, sequence_parallel=False, recompute="none"):
         from ultrascale.memory import activation_bytes
+
         return activation_bytes(config, seq, micro_batch, recompute, tp, sequence_parallel)
 
     exercise = "05.activation_memory"
@@ -698,6 +772,7 @@ def test_activation_memory_refuses_the_wrong_splits(ch05):
 
 # ---- 12: mixed precision ---------------------------------------------------------------------
 
+
 def _fields(x, exponent_bits, mantissa_bits, mask=True):
     bits = 1 + exponent_bits + mantissa_bits
     raw = int(x.reshape(1).view({32: torch.int32, 16: torch.int16, 8: torch.uint8}[bits]).item())
@@ -706,8 +781,13 @@ def _fields(x, exponent_bits, mantissa_bits, mask=True):
 
 
 def test_ch12_decode_float_refuses_signed_bits_float32_fields_and_wrong_widths(ch12):
-    widths = {torch.float32: (8, 23), torch.float16: (5, 10), torch.bfloat16: (8, 7),
-              torch.float8_e4m3fn: (4, 3), torch.float8_e5m2: (5, 2)}
+    widths = {
+        torch.float32: (8, 23),
+        torch.float16: (5, 10),
+        torch.bfloat16: (8, 7),
+        torch.float8_e4m3fn: (4, 3),
+        torch.float8_e5m2: (5, 2),
+    }
 
     def signed(x):  # the signed view, never masked: a negative number's sign comes out as -1
         return _fields(x, *widths[x.dtype], mask=False)
@@ -827,8 +907,9 @@ def test_ch12_fp8_backward_refuses_e4m3_gradients_float32_products_a_transposed_
 
 
 def test_ch12_update_scale_refuses_forgotten_resets_late_growth_and_an_infinite_scale(ch12):
-    def no_reset_after_growth(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5,
-                              growth_interval=2000):
+    def no_reset_after_growth(
+        scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000
+    ):
         if found_inf:
             return scale * backoff_factor, 0
         growth_tracker += 1
@@ -836,8 +917,9 @@ def test_ch12_update_scale_refuses_forgotten_resets_late_growth_and_an_infinite_
             return scale * growth_factor, growth_tracker
         return scale, growth_tracker
 
-    def no_reset_after_overflow(scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5,
-                                growth_interval=2000):
+    def no_reset_after_overflow(
+        scale, growth_tracker, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000
+    ):
         if found_inf:
             return scale * backoff_factor, growth_tracker
         return ch12["update_scale"](scale, growth_tracker, False, growth_factor, backoff_factor, growth_interval)
@@ -874,6 +956,7 @@ def test_ch12_update_scale_refuses_forgotten_resets_late_growth_and_an_infinite_
 def test_a_ring_of_blocking_sends_counts_one_message_per_send():
     """dist.send calls dist.isend itself; the check must see one message, not two (it once
     failed this right ring with "do not split a chunk into several messages")."""
+
     def blocking(me, out, incoming, right, left):  # even ranks send first: no deadlock
         for first in (me % 2 == 0, me % 2 == 1):
             if first and out.numel():
@@ -886,11 +969,13 @@ def test_a_ring_of_blocking_sends_counts_one_message_per_send():
 
 # ---- a0: recursive doubling, not any all-reduce with the right sum -------------------------
 
+
 def test_recursive_doubling_refuses_rings_shifts_halves_and_a_missing_fold(a0):
     send_recv = a0["send_recv"]
 
     def doubling(partners, hand_back=True):
         """Recursive doubling with the fold, sending to and receiving from ``partners(me, distance, P)``."""
+
         def all_reduce(ctx, tensor):
             me, n = ctx.rank, ctx.world_size
             power = 1 << (n.bit_length() - 1)
@@ -912,6 +997,7 @@ def test_recursive_doubling_refuses_rings_shifts_halves_and_a_missing_fold(a0):
             if hand_back and me + power < n:
                 dist.send(total, me + power)
             return total.reshape(tensor.shape)
+
         return all_reduce
 
     # right sums for a power of two, but passed round a circle instead of swapped
@@ -921,27 +1007,28 @@ def test_recursive_doubling_refuses_rings_shifts_halves_and_a_missing_fold(a0):
 
     def the_library(ctx, tensor):  # the course's own recursive doubling, right messages and all
         from ultrascale.comm.recursive import recursive_doubling_all_reduce
+
         return recursive_doubling_all_reduce(tensor.clone())
 
     exercise = "a0.recursive_doubling"
     _fails(check(exercise, the_library), "the course library's collectives")
     _fails(check(exercise, a0["ring_all_reduce"]), "recursive doubling sends 1, to ranks [1]")
     _fails(check(exercise, shifted), "r XOR 2**k")
-    _fails(check(exercise, a0["halving_doubling_all_reduce"]), "whole tensor")   # the next exercise's answer
-    _fails(check(exercise, no_answer_for_the_extra_ranks), "world_size=3", "rank 2: wrong values",
-           "own input")
+    _fails(check(exercise, a0["halving_doubling_all_reduce"]), "whole tensor")  # the next exercise's answer
+    _fails(check(exercise, no_answer_for_the_extra_ranks), "world_size=3", "rank 2: wrong values", "own input")
     assert check(exercise, a0["recursive_doubling_all_reduce"]).status == PASS
     assert check(exercise, a0["recursive_doubling_all_reduce"], world_size=7, quick=False).status == PASS
 
 
 # ---- a0: halving-doubling, the ring's bytes in few messages --------------------------------
 
+
 def test_halving_doubling_refuses_doubling_rings_a_forward_all_gather_and_the_library(a0):
     send_recv, right = a0["send_recv"], a0["halving_doubling_all_reduce"]
 
     def all_gather_in_halving_order(ctx, tensor):  # the right reduce-scatter, gathered d = 1 first
         me, n = ctx.rank, ctx.world_size
-        if n & (n - 1):                        # the fold is not what this answer gets wrong
+        if n & (n - 1):  # the fold is not what this answer gets wrong
             return right(ctx, tensor)
         flat = tensor.reshape(-1).clone()
         lo, hi, levels, distance = 0, flat.numel(), [], 1
@@ -960,6 +1047,7 @@ def test_halving_doubling_refuses_doubling_rings_a_forward_all_gather_and_the_li
 
     def the_library(ctx, tensor):
         from ultrascale.comm.halving_doubling import halving_doubling_all_reduce
+
         return halving_doubling_all_reduce(tensor.clone())
 
     exercise = "a0.halving_doubling"
@@ -967,6 +1055,7 @@ def test_halving_doubling_refuses_doubling_rings_a_forward_all_gather_and_the_li
 
     def the_library_direct_exchange(ctx, tensor):  # right sums, and the course's code, not the learner's
         from ultrascale.comm.direct import direct_all_reduce
+
         return direct_all_reduce(tensor.clone())
 
     _fails(check(exercise, the_library_direct_exchange), "the course library's collectives")

@@ -11,8 +11,12 @@ from ultrascale.grading import PASS, check
 
 
 def test_the_solutions_pass(ch09):
-    for exercise, answer in (("09.group_ranks", ch09["group_ranks"]), ("09.pp_activations", ch09["pp_activations"]),
-                             ("09.rank_parameters", ch09["rank_parameters"]), ("09.quiz", ch09["quiz_answers"])):
+    for exercise, answer in (
+        ("09.group_ranks", ch09["group_ranks"]),
+        ("09.pp_activations", ch09["pp_activations"]),
+        ("09.rank_parameters", ch09["rank_parameters"]),
+        ("09.quiz", ch09["quiz_answers"]),
+    ):
         assert check(exercise, answer).status == PASS, exercise
 
 
@@ -86,12 +90,19 @@ def test_quiz_refuses_wrong_answers(ch09):
         return lambda: {**ch09["quiz_answers"](), question: answer}
 
     # forgot DP's smaller local batch
-    _fails(check("09.quiz", changed("Which methods save activation memory?", {"TP/SP", "CP"})),
-           "1 of 6 answers are wrong", "activation memory")
-    _fails(check("09.quiz", changed("Which method moves activations between ranks, ZeRO-3 or PP?", "ZeRO-3")),
-           "ZeRO-3 or PP")
-    _fails(check("09.quiz", lambda: {k: v for k, v in ch09["quiz_answers"]().items() if "model-specific" not in k}),
-           "no answer to")
+    _fails(
+        check("09.quiz", changed("Which methods save activation memory?", {"TP/SP", "CP"})),
+        "1 of 6 answers are wrong",
+        "activation memory",
+    )
+    _fails(
+        check("09.quiz", changed("Which method moves activations between ranks, ZeRO-3 or PP?", "ZeRO-3")),
+        "ZeRO-3 or PP",
+    )
+    _fails(
+        check("09.quiz", lambda: {k: v for k, v in ch09["quiz_answers"]().items() if "model-specific" not in k}),
+        "no answer to",
+    )
 
     def library():
         from ultrascale.methods import quiz

@@ -24,10 +24,11 @@ NO_GROUP = "not over the 2 ranks of the tp group: pass group=group"
 
 # ---- 04.conjugate_pair --------------------------------------------------------------------
 
+
 def test_conjugate_pair_refuses_in_place_gradients_and_a_missing_group(ch04):
     Copy, Reduce = ch04["Copy"], ch04["Reduce"]
 
-    class CopyReducingGradInPlace(torch.autograd.Function):   # the right sum, written into grad itself
+    class CopyReducingGradInPlace(torch.autograd.Function):  # the right sum, written into grad itself
         @staticmethod
         def forward(ctx, x, group):
             ctx.group = group
@@ -38,7 +39,7 @@ def test_conjugate_pair_refuses_in_place_gradients_and_a_missing_group(ch04):
             dist.all_reduce(grad, group=ctx.group)
             return grad, None
 
-    class CopyThroughAnAlias(torch.autograd.Function):   # "total" is grad under another name
+    class CopyThroughAnAlias(torch.autograd.Function):  # "total" is grad under another name
         @staticmethod
         def forward(ctx, x, group):
             ctx.group = group
@@ -51,7 +52,7 @@ def test_conjugate_pair_refuses_in_place_gradients_and_a_missing_group(ch04):
             work.wait()
             return total, None
 
-    class ReduceOverAllRanks(torch.autograd.Function):   # forgets group= in forward
+    class ReduceOverAllRanks(torch.autograd.Function):  # forgets group= in forward
         @staticmethod
         def forward(ctx, x, group):
             total = x.clone()
@@ -62,7 +63,7 @@ def test_conjugate_pair_refuses_in_place_gradients_and_a_missing_group(ch04):
         def backward(ctx, grad):
             return grad, None
 
-    class CopyWithGroupNone(torch.autograd.Function):   # keeps a group, but not the one it was given
+    class CopyWithGroupNone(torch.autograd.Function):  # keeps a group, but not the one it was given
         @staticmethod
         def forward(ctx, x, group):
             ctx.group = None
@@ -77,19 +78,19 @@ def test_conjugate_pair_refuses_in_place_gradients_and_a_missing_group(ch04):
     exercise = "04.conjugate_pair"
     _fails(check(exercise, CopyReducingGradInPlace, Reduce), "Copy, 2 ranks", IN_PLACE, "grad.clone()")
     _fails(check(exercise, CopyThroughAnAlias, Reduce), "Copy, 2 ranks", IN_PLACE, "residual")
-    _fails(check(exercise, Copy, ReduceOverAllRanks), "Reduce, 3 ranks split into tp groups [0, 1] and [2]",
-           NO_GROUP)
+    _fails(check(exercise, Copy, ReduceOverAllRanks), "Reduce, 3 ranks split into tp groups [0, 1] and [2]", NO_GROUP)
     _fails(check(exercise, CopyWithGroupNone, Reduce), "Copy, 3 ranks split", NO_GROUP)
     assert check(exercise, Copy, Reduce).status == PASS
 
 
 # ---- 04.column_parallel_linear and 04.row_parallel_linear ----------------------------------
 
+
 def test_tp_linears_refuse_a_missing_group(ch04):
     from ultrascale.comm.functional import f, f_star
 
     def column_f_over_everyone(x, weight_shard, bias_shard, group):
-        return F.linear(f(x, None), weight_shard, bias_shard)   # None: the default group, all ranks
+        return F.linear(f(x, None), weight_shard, bias_shard)  # None: the default group, all ranks
 
     def column_own_copy_without_group(x, weight_shard, bias_shard, group):
         class Copy(torch.autograd.Function):
@@ -100,7 +101,7 @@ def test_tp_linears_refuse_a_missing_group(ch04):
             @staticmethod
             def backward(ctx, grad):
                 total = grad.clone()
-                dist.all_reduce(total)   # group= left out
+                dist.all_reduce(total)  # group= left out
                 return total
 
         return F.linear(Copy.apply(x), weight_shard, bias_shard)
@@ -113,7 +114,7 @@ def test_tp_linears_refuse_a_missing_group(ch04):
             @staticmethod
             def forward(ctx, partial):
                 total = partial.clone()
-                dist.all_reduce(total)   # group= left out
+                dist.all_reduce(total)  # group= left out
                 return total
 
             @staticmethod
@@ -145,11 +146,12 @@ def test_row_parallel_linear_refuses_an_f_star_that_writes_into_its_gradient(ch0
                     return backward(grad)
 
             return Reduce.apply(F.linear(x_shard, weight_shard)) + bias
+
         return row_parallel_forward
 
     # The two answers give the right gradients here; what they change is the tensor they were given,
     # which the bias' branch (y = f*(partial) + b) and any residual share.
-    def doubling_in_place(grad):   # "the bias' branch gets its own copy": it does not, it is the same tensor
+    def doubling_in_place(grad):  # "the bias' branch gets its own copy": it does not, it is the same tensor
         grad.mul_(2)
         return grad / 2
 
@@ -164,8 +166,10 @@ def test_row_parallel_linear_refuses_an_f_star_that_writes_into_its_gradient(ch0
 
 # ---- 04.vocab_parallel_cross_entropy -----------------------------------------------------------
 
-def _cross_entropy(local_logits, targets, vocab_start, group, max_group="group", shift_in_place=False,
-                   sum_group="group"):
+
+def _cross_entropy(
+    local_logits, targets, vocab_start, group, max_group="group", shift_in_place=False, sum_group="group"
+):
     """The solution's loss, with one of the mistakes below switched on."""
     from ultrascale.comm.functional import f_star
 
@@ -175,7 +179,7 @@ def _cross_entropy(local_logits, targets, vocab_start, group, max_group="group",
         top = local_logits.max(dim=-1).values
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=pick[max_group])
         if shift_in_place:
-            local_logits -= top.unsqueeze(-1)   # the caller's logits shifted where they stand
+            local_logits -= top.unsqueeze(-1)  # the caller's logits shifted where they stand
     shifted = local_logits if shift_in_place else local_logits - top.unsqueeze(-1)
     mine = (targets >= vocab_start) & (targets < vocab_start + local_vocab)
     index = (targets - vocab_start).clamp(0, local_vocab - 1).unsqueeze(-1)
@@ -185,7 +189,7 @@ def _cross_entropy(local_logits, targets, vocab_start, group, max_group="group",
 
 
 def test_vocab_parallel_cross_entropy_refuses_a_missing_group_and_shifted_logits(ch04):
-    def maximum_over_everyone(local_logits, targets, vocab_start, group):   # any common shift gives the same loss
+    def maximum_over_everyone(local_logits, targets, vocab_start, group):  # any common shift gives the same loss
         return _cross_entropy(local_logits, targets, vocab_start, group, max_group="none")
 
     def sums_over_everyone(local_logits, targets, vocab_start, group):
@@ -194,14 +198,14 @@ def test_vocab_parallel_cross_entropy_refuses_a_missing_group_and_shifted_logits
     def shifted_in_place(local_logits, targets, vocab_start, group):
         return _cross_entropy(local_logits, targets, vocab_start, group, shift_in_place=True)
 
-    def stabilised_in_place(local_logits, targets, vocab_start, group):   # subtracts the max, then the loss
+    def stabilised_in_place(local_logits, targets, vocab_start, group):  # subtracts the max, then the loss
         with torch.no_grad():
             top = local_logits.max(dim=-1, keepdim=True).values
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
             local_logits.sub_(top)
         return _cross_entropy(local_logits, targets, vocab_start, group)
 
-    class MeanOverTokens(torch.autograd.Function):   # scales the incoming gradient where it stands
+    class MeanOverTokens(torch.autograd.Function):  # scales the incoming gradient where it stands
         @staticmethod
         def forward(ctx, per_token):
             ctx.tokens = per_token.numel()
@@ -240,13 +244,14 @@ def test_vocab_parallel_cross_entropy_refuses_a_missing_group_and_shifted_logits
     for wrong in (maximum_over_everyone, sums_over_everyone):
         _fails(check(exercise, wrong), "3 ranks split into tp groups [0, 1] and [2]", NO_GROUP)
     for wrong in (shifted_in_place, stabilised_in_place):
-        _fails(check(exercise, wrong), "changed its argument `local_logits`", "work on a copy")   # the contract
+        _fails(check(exercise, wrong), "changed its argument `local_logits`", "work on a copy")  # the contract
     for mean in (MeanOverTokens, MeanScalingTheLossGradient):
         _fails(check(exercise, lambda *a, mean=mean: per_token_loss(*a, mean)), IN_PLACE)
     assert check(exercise, ch04["vocab_parallel_cross_entropy"]).status == PASS
 
 
 # ---- 05.sequence_gather_scatter ----------------------------------------------------------
+
 
 def test_sequence_gather_scatter_refuses_in_place_gradients_and_a_missing_group(ch05):
     Gather, ReduceScatter = ch05["Gather"], ch05["ReduceScatter"]
@@ -259,7 +264,7 @@ def test_sequence_gather_scatter_refuses_in_place_gradients_and_a_missing_group(
             return gather_along(x, dim, group)
 
         @staticmethod
-        def backward(ctx, grad):   # scales the incoming gradient in place before the reduce-scatter
+        def backward(ctx, grad):  # scales the incoming gradient in place before the reduce-scatter
             grad.mul_(1.0 / dist.get_world_size(ctx.group))
             return reduce_scatter_along(grad, ctx.dim, ctx.group) * dist.get_world_size(ctx.group), None, None
 
@@ -270,12 +275,12 @@ def test_sequence_gather_scatter_refuses_in_place_gradients_and_a_missing_group(
             return gather_along(x, dim, group)
 
         @staticmethod
-        def backward(ctx, grad):   # "contiguous first": but .contiguous() of a contiguous grad is grad itself
+        def backward(ctx, grad):  # "contiguous first": but .contiguous() of a contiguous grad is grad itself
             front = grad.contiguous()
             front.mul_(2.0)
             return reduce_scatter_along(front, ctx.dim, ctx.group) / 2.0, None, None
 
-    class GatherOverAllRanks(torch.autograd.Function):   # forgets group= in the collectives
+    class GatherOverAllRanks(torch.autograd.Function):  # forgets group= in the collectives
         @staticmethod
         def forward(ctx, x, dim, group):
             ctx.dim = dim
@@ -285,7 +290,7 @@ def test_sequence_gather_scatter_refuses_in_place_gradients_and_a_missing_group(
         def backward(ctx, grad):
             return reduce_scatter_along(grad, ctx.dim, None), None, None
 
-    class GatherOnTheWorld(torch.autograd.Function):   # the world group named, not the one given
+    class GatherOnTheWorld(torch.autograd.Function):  # the world group named, not the one given
         @staticmethod
         def forward(ctx, x, dim, group):
             ctx.dim, ctx.group = dim, group
@@ -300,15 +305,19 @@ def test_sequence_gather_scatter_refuses_in_place_gradients_and_a_missing_group(
         _fails(check(exercise, wrong, ReduceScatter), "Gather, dim 1, 2 ranks", IN_PLACE)
     # (A reduce-scatter over the world crashes gloo instead: the groups' buffers differ in size there.)
     for wrong in (GatherOverAllRanks, GatherOnTheWorld):
-        _fails(check(exercise, wrong, ReduceScatter), "Gather, dim 1, 3 ranks split into tp groups [0, 1] and [2]",
-               NO_GROUP)
+        _fails(
+            check(exercise, wrong, ReduceScatter),
+            "Gather, dim 1, 3 ranks split into tp groups [0, 1] and [2]",
+            NO_GROUP,
+        )
     assert check(exercise, Gather, ReduceScatter).status == PASS
 
 
 # ---- 05.sequence_parallel_norm_grads --------------------------------------------------------
 
+
 def test_sequence_parallel_norm_refuses_hooks_that_overwrite_their_argument_and_a_missing_group(ch05):
-    def all_reduce_in_place(module, group):   # the hook's return value is None: PyTorch keeps grad, changed
+    def all_reduce_in_place(module, group):  # the hook's return value is None: PyTorch keeps grad, changed
         return [p.register_hook(lambda grad: dist.all_reduce(grad, group=group)) for p in module.parameters()]
 
     def all_reduce_and_return_it(module, group):
@@ -321,12 +330,12 @@ def test_sequence_parallel_norm_refuses_hooks_that_overwrite_their_argument_and_
     def over_everyone(module, group):
         def summed(grad):
             total = grad.clone()
-            dist.all_reduce(total)   # group= left out
+            dist.all_reduce(total)  # group= left out
             return total
 
         return [p.register_hook(summed) for p in module.parameters()]
 
-    def over_group_none(module, group):   # the group saved from a default argument
+    def over_group_none(module, group):  # the group saved from a default argument
         def summed(grad, group=None):
             total = grad.clone()
             dist.all_reduce(total, group=group)
@@ -336,8 +345,9 @@ def test_sequence_parallel_norm_refuses_hooks_that_overwrite_their_argument_and_
 
     exercise = "05.sequence_parallel_norm_grads"
     for wrong in (all_reduce_in_place, all_reduce_and_return_it):
-        _fails(check(exercise, wrong), "2 ranks", "your hook changed the gradient it was given in place",
-               "grad.clone()")
+        _fails(
+            check(exercise, wrong), "2 ranks", "your hook changed the gradient it was given in place", "grad.clone()"
+        )
     for wrong in (over_everyone, over_group_none):
         _fails(check(exercise, wrong), "tp groups [0, 1] and [2]", NO_GROUP)
     assert check(exercise, ch05["sync_norm_gradients"]).status == PASS
@@ -347,25 +357,35 @@ def test_tp_groups_include_one_whose_ranks_are_not_the_global_ones(ch04):
     """3 ranks cut into [0] and [1, 2]: global rank 1 is rank 0 of its group. Code that takes the
     tp rank to be the global rank modulo the tp size (true where tp groups are [0, 1], [2, 3], ...)
     passes on the groups [0, 1] and [2], and fails there."""
+
     def start_from_the_global_rank(local_logits, targets, vocab_start, group):
         tp_rank = dist.get_rank() % dist.get_world_size(group)
         return _cross_entropy(local_logits, targets, tp_rank * local_logits.shape[-1], group)
 
-    def start_from_the_rank(local_logits, targets, vocab_start, group):   # dist.get_rank() without the group
+    def start_from_the_rank(local_logits, targets, vocab_start, group):  # dist.get_rank() without the group
         return _cross_entropy(local_logits, targets, dist.get_rank() * local_logits.shape[-1], group)
 
     exercise = "04.vocab_parallel_cross_entropy"
-    _fails(check(exercise, start_from_the_global_rank), "3 ranks split into tp groups [0] and [1, 2]",
-           "rank 1, moderate logits", "vocab_start <= target")
-    _fails(check(exercise, start_from_the_rank), "3 ranks split into tp groups [0, 1] and [2]",
-           "rank 2, moderate logits", "vocab_start <= target")
+    _fails(
+        check(exercise, start_from_the_global_rank),
+        "3 ranks split into tp groups [0] and [1, 2]",
+        "rank 1, moderate logits",
+        "vocab_start <= target",
+    )
+    _fails(
+        check(exercise, start_from_the_rank),
+        "3 ranks split into tp groups [0, 1] and [2]",
+        "rank 2, moderate logits",
+        "vocab_start <= target",
+    )
     assert check(exercise, ch04["vocab_parallel_cross_entropy"]).status == PASS
 
 
 # ---- 07.one_f_one_b: QUICK keeps the case with fewer micro-batches than stages -------------------
 
+
 def test_one_f_one_b_quick_has_fewer_micro_batches_than_the_warm_up(ch07):
-    def warmup_not_capped(p, m, rank):   # p - 1 - rank forwards even when there are fewer micro-batches
+    def warmup_not_capped(p, m, rank):  # p - 1 - rank forwards even when there are fewer micro-batches
         warmup = p - 1 - rank
         out = [f"F{i}" for i in range(warmup)]
         for i in range(m):
@@ -374,7 +394,7 @@ def test_one_f_one_b_quick_has_fewer_micro_batches_than_the_warm_up(ch07):
             out.append(f"B{i}")
         return out
 
-    def drain_from_m_minus_warmup(p, m, rank):   # warm-up, steady state, drain: the drain starts below 0
+    def drain_from_m_minus_warmup(p, m, rank):  # warm-up, steady state, drain: the drain starts below 0
         warmup = p - 1 - rank
         out = [f"F{i}" for i in range(min(warmup, m))]
         for i in range(m - warmup):
@@ -382,21 +402,26 @@ def test_one_f_one_b_quick_has_fewer_micro_batches_than_the_warm_up(ch07):
         return out + [f"B{i}" for i in range(m - warmup, m)]
 
     exercise = "07.one_f_one_b"
-    _fails(check(exercise, warmup_not_capped, quick=True), "p=6, m=2", "rank 0: F2, but there are only m=2",
-           "more forwards than there are micro-batches")
+    _fails(
+        check(exercise, warmup_not_capped, quick=True),
+        "p=6, m=2",
+        "rank 0: F2, but there are only m=2",
+        "more forwards than there are micro-batches",
+    )
     _fails(check(exercise, drain_from_m_minus_warmup, quick=True), "p=6, m=2", "'B-3'")
     assert check(exercise, ch07["one_f_one_b_list"], quick=True).status == PASS
 
 
 # ---- 07.bubble_fraction: timelines where rank 0 is not first and last -----------------------
 
+
 def test_bubble_refuses_windows_read_off_the_lists(ch07):
-    def rank_0_window(spans):   # the step from rank 0's first span to its last
+    def rank_0_window(spans):  # the step from rank 0's first span to its last
         start, end = spans[0][0][0], spans[0][-1][1]
         busy = sum(b - a for r in spans for a, b in r)
         return (len(spans) * (end - start) - busy) / busy
 
-    def first_and_last_items(spans):   # each rank's spans assumed in time order
+    def first_and_last_items(spans):  # each rank's spans assumed in time order
         start = min(r[0][0] for r in spans)
         end = max(r[-1][1] for r in spans)
         busy = sum(b - a for r in spans for a, b in r)
@@ -409,6 +434,7 @@ def test_bubble_refuses_windows_read_off_the_lists(ch07):
 
 
 # ---- 07.stage_step: every transfer on the pipeline group ----------------------------------
+
 
 def test_stage_step_refuses_transfers_without_the_group(ch07):
     forward, backward = ch07["forward_step"], ch07["backward_step"]
@@ -431,20 +457,19 @@ def test_stage_step_refuses_transfers_without_the_group(ch07):
         return [dist.isend(stage_input.grad, dst=rank - 1)] if rank > 0 else []
 
     exercise = "07.stage_step"
-    _fails(check(exercise, forward_without_group, backward), "forward_step of micro-batch 0",
-           "without group=group")
-    _fails(check(exercise, forward, backward_without_group), "backward_step of micro-batch 0",
-           "without group=group")
+    _fails(check(exercise, forward_without_group, backward), "forward_step of micro-batch 0", "without group=group")
+    _fails(check(exercise, forward, backward_without_group), "backward_step of micro-batch 0", "without group=group")
     assert check(exercise, forward, backward).status == PASS
 
 
 # ---- 07.split_backward: what B and W compute ---------------------------------------------------
 
+
 def test_split_backward_refuses_weight_work_in_b_input_work_in_w_and_the_wrong_micro_batch(ch07):
     b_in, w = ch07["backward_input"], ch07["backward_weight"]
     stash, seen = [], []
 
-    def everything_in_b_kept_for_w(output, stage_input, grad_output):   # B does W's work ahead of time
+    def everything_in_b_kept_for_w(output, stage_input, grad_output):  # B does W's work ahead of time
         graph_inputs = [stage_input] + _leaves(output, stage_input)
         grads = torch.autograd.grad(output, graph_inputs, grad_output, retain_graph=True, allow_unused=True)
         stash.append(dict(zip(graph_inputs[1:], grads[1:])))
@@ -457,10 +482,10 @@ def test_split_backward_refuses_weight_work_in_b_input_work_in_w_and_the_wrong_m
             if g is not None:
                 q.grad = g if q.grad is None else q.grad + g
 
-    def w_as_a_whole_backward(output, params, grad_output):   # recomputes the input's gradient too
+    def w_as_a_whole_backward(output, params, grad_output):  # recomputes the input's gradient too
         torch.autograd.backward(output, grad_output, retain_graph=True)
 
-    def w_from_the_last_output(output, params, grad_output):   # uses what the last B saw, not its own
+    def w_from_the_last_output(output, params, grad_output):  # uses what the last B saw, not its own
         latest = seen[-1]
         grads = torch.autograd.grad(latest[0], params, latest[1], retain_graph=True, allow_unused=True)
         for q, g in zip(params, grads):
@@ -471,22 +496,28 @@ def test_split_backward_refuses_weight_work_in_b_input_work_in_w_and_the_wrong_m
         seen.append((output, grad_output))
         return b_in(output, stage_input, grad_output)
 
-    def w_with_ones(output, params, grad_output):   # W from a gradient of ones, not the one received
+    def w_with_ones(output, params, grad_output):  # W from a gradient of ones, not the one received
         return w(output, params, torch.ones_like(grad_output))
 
-    def b_clearing_the_message(output, stage_input, grad_output):   # zeroes the buffer "to reuse it"
+    def b_clearing_the_message(output, stage_input, grad_output):  # zeroes the buffer "to reuse it"
         grad = b_in(output, stage_input, grad_output)
         grad_output.zero_()
         return grad
 
     exercise = "07.split_backward"
-    _fails(check(exercise, everything_in_b_kept_for_w, w_adding_what_b_kept), "B of micro-batch 0",
-           "computed the weights' gradients too")
+    _fails(
+        check(exercise, everything_in_b_kept_for_w, w_adding_what_b_kept),
+        "B of micro-batch 0",
+        "computed the weights' gradients too",
+    )
     _fails(check(exercise, b_in, w_as_a_whole_backward), "W of micro-batch 0", "computed the input's gradient again")
-    _fails(check(exercise, b_remembering, w_from_the_last_output), "after W of micro-batch 0",
-           "its own output with its own grad_output")
+    _fails(
+        check(exercise, b_remembering, w_from_the_last_output),
+        "after W of micro-batch 0",
+        "its own output with its own grad_output",
+    )
     _fails(check(exercise, b_in, w_with_ones), "after W of micro-batch 0", "its own output with its own grad_output")
-    _fails(check(exercise, b_clearing_the_message, w), "changed its argument `grad_output`")   # the contract
+    _fails(check(exercise, b_clearing_the_message, w), "changed its argument `grad_output`")  # the contract
     assert check(exercise, b_in, w).status == PASS
 
 

@@ -33,11 +33,11 @@ from nbformat.v4 import new_code_cell, new_notebook
 from ultrascale.grading import NOT_RUN, PASS, cli
 from ultrascale.grading import sandbox as sb
 
-TIME_LIMIT = 25      # seconds for the notebooks that never end (their kernel must start first, on a busy machine:
-                     # 6-10 s measured beside the suite's other worker; each second here is one the fixture waits)
-ROOMY = 600          # seconds for the others, whatever the load of this 2-core machine
+TIME_LIMIT = 25  # seconds for the notebooks that never end (their kernel must start first, on a busy machine:
+# 6-10 s measured beside the suite's other worker; each second here is one the fixture waits)
+ROOMY = 600  # seconds for the others, whatever the load of this 2-core machine
 MAX_PROCESSES = 128  # tasks per notebook: a kernel with two ranks needs about 40
-BOMB_CAP = 511       # the bomb's own tree (2 children each, 9 generations): safe for this machine if unbounded
+BOMB_CAP = 511  # the bomb's own tree (2 children each, 9 generations): safe for this machine if unbounded
 
 
 def _probe() -> sb.Sandbox:
@@ -46,17 +46,19 @@ def _probe() -> sb.Sandbox:
 
 def _needs_bwrap(sandbox: sb.Sandbox) -> None:
     if not sandbox.bwrap:
-        pytest.skip(f"no bubblewrap sandbox here, so writes outside and the network are not blocked: "
-                    f"{sandbox.why_not}")
+        pytest.skip(f"no bubblewrap sandbox here, so writes outside and the network are not blocked: {sandbox.why_not}")
 
 
 def _needs_process_bound(sandbox: sb.Sandbox) -> None:
     if not sandbox.bounds_processes():
-        pytest.skip("no process bound here (root ignores RLIMIT_NPROC and no pids cgroup can be made): "
-                    "a fork bomb would not be stopped before the time limit")
+        pytest.skip(
+            "no process bound here (root ignores RLIMIT_NPROC and no pids cgroup can be made): "
+            "a fork bomb would not be stopped before the time limit"
+        )
 
 
 # ---- watching processes from the host --------------------------------------------------
+
 
 def _stat(pid: str) -> list:
     try:
@@ -117,6 +119,7 @@ class Watcher:
 
 # ---- the supervisor alone --------------------------------------------------------------
 
+
 @pytest.fixture(params=["bwrap", "no bwrap"])
 def sandbox(request):
     probed = sb.Sandbox.probe(sb.Limits(seconds=5, processes=48))
@@ -129,10 +132,12 @@ def sandbox(request):
 
 def test_a_daemon_that_leaves_the_session_is_killed_at_the_end(sandbox, tmp_path):
     marker = "usd" + secrets.token_hex(4)
-    daemon = (f"import os, signal, time\nif os.fork():\n    time.sleep(1)  # long enough to be seen\n    os._exit(0)\n"
-              f"os.setsid()\n"
-              f"signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
-              f"open('/proc/self/comm', 'w').write({marker!r})\ntime.sleep(600)")
+    daemon = (
+        f"import os, signal, time\nif os.fork():\n    time.sleep(1)  # long enough to be seen\n    os._exit(0)\n"
+        f"os.setsid()\n"
+        f"signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+        f"open('/proc/self/comm', 'w').write({marker!r})\ntime.sleep(600)"
+    )
     with Watcher([marker]) as watcher:
         outcome = sandbox.run([sys.executable, "-c", daemon], tmp_path, dict(os.environ), seconds=5)
         time.sleep(0.5)  # one more sample after the end
@@ -174,22 +179,24 @@ def test_course_folders_are_trusted_and_others_are_not(tmp_path):
 
 def _bomb(marker: str) -> str:
     """Every process forks two children (retrying while fork is refused), up to 9 generations."""
-    return (f"import os, time\nopen('/proc/self/comm', 'w').write({marker!r})\ngeneration = 0\n"
-            f"while generation < 9:\n"
-            f"    children = 0\n"
-            f"    while children < 2:\n"
-            f"        try:\n"
-            f"            if os.fork() == 0:\n"
-            f"                generation += 1\n"
-            f"                break\n"
-            f"            children += 1\n"
-            f"        except OSError as err:\n"
-            f"            print(err, flush=True, file=__import__('sys').stderr)\n"
-            f"            time.sleep(0.05)\n"
-            f"    else:\n"
-            f"        break\n"
-            f"while True:\n"
-            f"    time.sleep(1)\n")
+    return (
+        f"import os, time\nopen('/proc/self/comm', 'w').write({marker!r})\ngeneration = 0\n"
+        f"while generation < 9:\n"
+        f"    children = 0\n"
+        f"    while children < 2:\n"
+        f"        try:\n"
+        f"            if os.fork() == 0:\n"
+        f"                generation += 1\n"
+        f"                break\n"
+        f"            children += 1\n"
+        f"        except OSError as err:\n"
+        f"            print(err, flush=True, file=__import__('sys').stderr)\n"
+        f"            time.sleep(0.05)\n"
+        f"    else:\n"
+        f"        break\n"
+        f"while True:\n"
+        f"    time.sleep(1)\n"
+    )
 
 
 # ---- the grader on a folder of submissions ---------------------------------------------
@@ -199,8 +206,10 @@ SUBMIT = 'check("00.pipeline_stage_layers", stage_layers, quick=True)'
 
 
 def _write(folder: Path, name: str, *cells: str) -> None:
-    nb = new_notebook(cells=[new_code_cell(HEAD), *map(new_code_cell, cells)],
-                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nb = new_notebook(
+        cells=[new_code_cell(HEAD), *map(new_code_cell, cells)],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    )
     nbformat.write(nb, folder / name)
 
 
@@ -208,38 +217,55 @@ def _submissions(folder: Path, outside: Path, port: int, marker: str, sandbox: s
     """Harmful notebooks (only the ones this sandbox can stop), and two correct ones."""
     # The two that never end come first: with 4 jobs they wait beside the others.
     if sandbox.bounds_processes():
-        _write(folder, "1_fork_bomb.ipynb", _bomb(marker + "b"), "stage_layers = ch00.reference_stage_layers\n" + SUBMIT)
-    _write(folder, "2_loop.ipynb", "import time\n"
-                                   "while True:  # ignores the interrupts a cell timeout sends; sleeps, to spare the CPU\n"
-                                   "    try:\n        while True:\n            time.sleep(0.1)\n"
-                                   "    except BaseException:\n        pass",
-           "stage_layers = ch00.reference_stage_layers\n" + SUBMIT)
+        _write(
+            folder, "1_fork_bomb.ipynb", _bomb(marker + "b"), "stage_layers = ch00.reference_stage_layers\n" + SUBMIT
+        )
+    _write(
+        folder,
+        "2_loop.ipynb",
+        "import time\n"
+        "while True:  # ignores the interrupts a cell timeout sends; sleeps, to spare the CPU\n"
+        "    try:\n        while True:\n            time.sleep(0.1)\n"
+        "    except BaseException:\n        pass",
+        "stage_layers = ch00.reference_stage_layers\n" + SUBMIT,
+    )
     if sandbox.bwrap:
         targets = [str(outside / "from_the_kernel.txt"), str(Path(sys.prefix) / f"escaped-{marker}.txt")]
-        _write(folder, "3_write.ipynb",
-               f"for target in {targets!r}:\n"
-               f"    try:\n        pathlib.Path(target).write_text('escaped'); print('WROTE', target)\n"
-               f"    except OSError as err:\n        print('BLOCKED', target, type(err).__name__)",
-               f"def stage_layers(num_layers, pp):  # only the grader's second process runs it\n"
-               f"    pathlib.Path({str(outside / 'from_the_test_run.txt')!r}).write_text('escaped')\n"
-               f"    return ch00.reference_stage_layers(num_layers, pp)\n" + SUBMIT)
-        _write(folder, "4_socket.ipynb",
-               f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=3).sendall(b'kernel')\n"
-               f"    print('CONNECTED')\nexcept OSError as err:\n    print('BLOCKED', type(err).__name__)",
-               f"def stage_layers(num_layers, pp):\n"
-               f"    socket.create_connection(('127.0.0.1', {port}), timeout=3).sendall(b'test run')\n"
-               f"    return ch00.reference_stage_layers(num_layers, pp)\n" + SUBMIT)
+        _write(
+            folder,
+            "3_write.ipynb",
+            f"for target in {targets!r}:\n"
+            f"    try:\n        pathlib.Path(target).write_text('escaped'); print('WROTE', target)\n"
+            f"    except OSError as err:\n        print('BLOCKED', target, type(err).__name__)",
+            f"def stage_layers(num_layers, pp):  # only the grader's second process runs it\n"
+            f"    pathlib.Path({str(outside / 'from_the_test_run.txt')!r}).write_text('escaped')\n"
+            f"    return ch00.reference_stage_layers(num_layers, pp)\n" + SUBMIT,
+        )
+        _write(
+            folder,
+            "4_socket.ipynb",
+            f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=3).sendall(b'kernel')\n"
+            f"    print('CONNECTED')\nexcept OSError as err:\n    print('BLOCKED', type(err).__name__)",
+            f"def stage_layers(num_layers, pp):\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=3).sendall(b'test run')\n"
+            f"    return ch00.reference_stage_layers(num_layers, pp)\n" + SUBMIT,
+        )
     _write(folder, "5_correct.ipynb", "stage_layers = ch00.reference_stage_layers\n" + SUBMIT)
-    daemon = (f"import os, signal, time\nif os.fork(): os._exit(0)\n"
-              f"signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
-              f"open('/proc/self/comm', 'w').write({marker + 'l'!r})\ntime.sleep(3600)")
-    _write(folder, "6_leaves_processes.ipynb",
-           f"import os, subprocess, sys, time\nfrom ultrascale.runtime import shared_cluster\n"
-           f"def mark(ctx=None):\n    open('/proc/self/comm', 'w').write({marker + 'l'!r})\n    return os.getpid()\n"
-           f"mark()  # the kernel\nprint(shared_cluster(2).run(mark))  # its ranks, children of a forkserver\n"
-           f"subprocess.Popen([sys.executable, '-c', {daemon!r}], start_new_session=True)  # leaves the session\n"
-           f"time.sleep(1)",
-           "stage_layers = ch00.reference_stage_layers\n" + SUBMIT)
+    daemon = (
+        f"import os, signal, time\nif os.fork(): os._exit(0)\n"
+        f"signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+        f"open('/proc/self/comm', 'w').write({marker + 'l'!r})\ntime.sleep(3600)"
+    )
+    _write(
+        folder,
+        "6_leaves_processes.ipynb",
+        f"import os, subprocess, sys, time\nfrom ultrascale.runtime import shared_cluster\n"
+        f"def mark(ctx=None):\n    open('/proc/self/comm', 'w').write({marker + 'l'!r})\n    return os.getpid()\n"
+        f"mark()  # the kernel\nprint(shared_cluster(2).run(mark))  # its ranks, children of a forkserver\n"
+        f"subprocess.Popen([sys.executable, '-c', {daemon!r}], start_new_session=True)  # leaves the session\n"
+        f"time.sleep(1)",
+        "stage_layers = ch00.reference_stage_layers\n" + SUBMIT,
+    )
 
 
 class Listener:
@@ -285,8 +311,9 @@ def graded(tmp_path_factory):
     boxes = [sandbox if nb.name in ("1_fork_bomb.ipynb", "2_loop.ipynb") else roomy for nb in notebooks]
     try:
         with Watcher([marker + "b", marker + "l"]) as watcher:
-            reports = cli.grade_all(notebooks, timeout=60, parameters={}, keep_dir=keep, feedback=False, jobs=4,
-                                    sandboxes=boxes)
+            reports = cli.grade_all(
+                notebooks, timeout=60, parameters={}, keep_dir=keep, feedback=False, jobs=4, sandboxes=boxes
+            )
             time.sleep(0.5)  # one more sample after the end
     finally:
         listener.close()
@@ -294,8 +321,16 @@ def graded(tmp_path_factory):
     escaped_to_venv = escaped.exists()
     escaped.unlink(missing_ok=True)  # never leave it in the venv, whatever the test says
     rows = {Path(r.notebook).stem: r.to_json() for r in reports}
-    return dict(rows=rows, outside=outside, keep=keep, sandbox=sandbox, listener=listener, watcher=watcher,
-                marker=marker, escaped_to_venv=escaped_to_venv)
+    return dict(
+        rows=rows,
+        outside=outside,
+        keep=keep,
+        sandbox=sandbox,
+        listener=listener,
+        watcher=watcher,
+        marker=marker,
+        escaped_to_venv=escaped_to_venv,
+    )
 
 
 def _status(row) -> dict:
@@ -309,9 +344,11 @@ def _kept_output(graded, name: str) -> str:
 
 def test_the_cli_sandboxes_submissions_by_default_and_says_how(tmp_path, capsys):
     course, theirs = cli.COURSE / "solutions" / "00_orientation_exercises.ipynb", tmp_path / "00_theirs.ipynb"
+
     def parser_args(*flags):
-        return argparse.Namespace(trusted="--trusted" in flags, sandbox="--sandbox" in flags, time_limit=60,
-                                  memory_limit=4, max_processes=64)
+        return argparse.Namespace(
+            trusted="--trusted" in flags, sandbox="--sandbox" in flags, time_limit=60, memory_limit=4, max_processes=64
+        )
 
     boxes = cli._sandboxes([course, theirs], parser_args())
     assert boxes[0] is None and isinstance(boxes[1], sb.Sandbox) and boxes[1].limits.seconds == 60

@@ -60,7 +60,7 @@ def test_a_run_past_its_limit_is_killed_and_the_zygote_serves_the_next(tmp_path)
         code, _ = zyg.run(spec, tmp_path, env, limit=3)
         assert code is None and time.monotonic() - started < 30
         child = int(marker.read_text())
-        for _ in range(50):   # the run's own child went with it (one process group)
+        for _ in range(50):  # the run's own child went with it (one process group)
             try:
                 os.kill(child, 0)
             except ProcessLookupError:
@@ -79,8 +79,10 @@ def test_a_run_past_its_limit_is_killed_and_the_zygote_serves_the_next(tmp_path)
 
 def test_a_run_sees_its_folder_and_environment_and_one_that_kills_the_zygote_is_said(tmp_path, monkeypatch):
     # what the run's process sees, written where the test can read it, then a failing exit
-    probe = ("import json, os; json.dump({'cwd': os.getcwd(), 'mark': os.environ.get('ZYGOTE_MARK')}, "
-             f"open({str(tmp_path / 'seen.json')!r}, 'w')); os._exit(3)")
+    probe = (
+        "import json, os; json.dump({'cwd': os.getcwd(), 'mark': os.environ.get('ZYGOTE_MARK')}, "
+        f"open({str(tmp_path / 'seen.json')!r}, 'w')); os._exit(3)"
+    )
     spec, _ = _spec(tmp_path, "probe", (_OnLoad(exec, probe),))
     monkeypatch.setenv("ZYGOTE_MARK", "first")
     env = {k: v for k, v in os.environ.items() if k not in ("ULTRASCALE_GRADE_FILE", "ULTRASCALE_GRADE_DEFER")}
@@ -95,7 +97,7 @@ def test_a_run_sees_its_folder_and_environment_and_one_that_kills_the_zygote_is_
     assert said.startswith("the grader's process for the tests stopped"), said
     assert not cli._zygote.alive()
     spec, _ = _spec(tmp_path, "after", (_OnLoad(exec, probe),))
-    assert cli._run_forked(spec, spec.parent, env, limit=120) == "it exited with code 3: "   # a new zygote
+    assert cli._run_forked(spec, spec.parent, env, limit=120) == "it exited with code 3: "  # a new zygote
     assert json.loads((tmp_path / "seen.json").read_text())["mark"] == "second"
 
 
@@ -104,10 +106,12 @@ def test_a_run_for_a_kernel_that_had_ranks_gets_a_fork_server_forked_from_it(tmp
     the run (the same command line: no second interpreter importing torch), started before the
     first test; a run whose notebook had none starts no server."""
     seen = tmp_path / "server.json"
-    probe = ("import json, os; from multiprocessing import forkserver; "
-             "pid = forkserver._forkserver._forkserver_pid; "
-             "line = lambda p: open(f'/proc/{p}/cmdline', 'rb').read(); "
-             f"json.dump(pid and line(pid) == line(os.getpid()), open({str(seen)!r}, 'w')); os._exit(3)")
+    probe = (
+        "import json, os; from multiprocessing import forkserver; "
+        "pid = forkserver._forkserver._forkserver_pid; "
+        "line = lambda p: open(f'/proc/{p}/cmdline', 'rb').read(); "
+        f"json.dump(pid and line(pid) == line(os.getpid()), open({str(seen)!r}, 'w')); os._exit(3)"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("ULTRASCALE_GRADE_FILE", "ULTRASCALE_GRADE_DEFER")}
     for ranks, forked in ((True, True), (False, None)):
         spec, _ = _spec(tmp_path, f"ranks-{ranks}", (_OnLoad(exec, probe),), ranks=ranks)

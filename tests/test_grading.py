@@ -27,22 +27,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ---- the generator ---------------------------------------------------------------
 
+
 def test_stub_replaces_regions_at_their_indentation():
-    source = "\n".join([
-        "import math",
-        "def f(x):",
-        '    """Doc."""',
-        "    # BEGIN SOLUTION hint: use math.sqrt",
-        "    y = math.sqrt(x)",
-        "    return y",
-        "    # END SOLUTION",
-        "class A:",
-        "    def g(self):",
-        "        # BEGIN SOLUTION",
-        "        return 1",
-        "        # END SOLUTION",
-        "print(f(4))",
-    ])
+    source = "\n".join(
+        [
+            "import math",
+            "def f(x):",
+            '    """Doc."""',
+            "    # BEGIN SOLUTION hint: use math.sqrt",
+            "    y = math.sqrt(x)",
+            "    return y",
+            "    # END SOLUTION",
+            "class A:",
+            "    def g(self):",
+            "        # BEGIN SOLUTION",
+            "        return 1",
+            "        # END SOLUTION",
+            "print(f(4))",
+        ]
+    )
     out = stub_source(source)
     assert out.source.splitlines() == [
         "import math",
@@ -58,20 +61,25 @@ def test_stub_replaces_regions_at_their_indentation():
     compile(out.source, "<stub>", "exec")  # still valid Python
 
 
-@pytest.mark.parametrize("source, complaint", [
-    ("# BEGIN SOLUTION\nx = 1", "has no END SOLUTION"),
-    ("x = 1\n# END SOLUTION", "without a BEGIN SOLUTION"),
-    ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION", "inside the region"),
-    ("x = 1  # BEGIN SOLUTION", "malformed"),
-])
+@pytest.mark.parametrize(
+    "source, complaint",
+    [
+        ("# BEGIN SOLUTION\nx = 1", "has no END SOLUTION"),
+        ("x = 1\n# END SOLUTION", "without a BEGIN SOLUTION"),
+        ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION", "inside the region"),
+        ("x = 1  # BEGIN SOLUTION", "malformed"),
+    ],
+)
 def test_unbalanced_markers_are_refused(source, complaint):
     with pytest.raises(GenerateError, match=complaint):
         stub_source(source)
 
 
 def _solution_nb(*cells):
-    return new_notebook(cells=list(cells), metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                                     "language": "python"}})
+    return new_notebook(
+        cells=list(cells),
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    )
 
 
 SOLVED_CELL = "def area(r):\n    # BEGIN SOLUTION hint: pi r squared\n    return 3.14159 * r * r\n    # END SOLUTION"
@@ -205,6 +213,7 @@ def test_committed_exercises_are_in_sync_with_solutions():
 
 # ---- check() -------------------------------------------------------------------------
 
+
 class FakeRankFailure:
     def __init__(self, rank, type_name, traceback):
         self.rank, self.type_name, self.traceback, self.exception = rank, type_name, traceback, None
@@ -214,7 +223,7 @@ class FakeRankError(RuntimeError):
     """Shaped like the runtime's RankError: per-rank failures with type names."""
 
     def __init__(self, type_name, message):
-        tb = f"Traceback (most recent call last):\n  File \"<cell>\", line 2, in f\n{type_name}: {message}\n"
+        tb = f'Traceback (most recent call last):\n  File "<cell>", line 2, in f\n{type_name}: {message}\n'
         self.failures = {r: FakeRankFailure(r, type_name, tb) for r in range(2)}
         super().__init__(f"2 of 2 ranks failed in `f`\n\n--- rank 0 raised {type_name}:\n{tb}")
 
@@ -243,6 +252,7 @@ def test_check_pass_fail_and_not_implemented(monkeypatch, tmp_path, capsys):
 
     def stub(x):
         raise NotImplementedError("exercise: multiply by two")
+
     todo = check("zz.double", stub)
     assert todo.status == NOT_IMPLEMENTED and "multiply by two" in todo.message
 
@@ -257,6 +267,7 @@ def test_check_pass_fail_and_not_implemented(monkeypatch, tmp_path, capsys):
 def _raise(err):
     def fn():
         raise err
+
     return fn
 
 
@@ -292,6 +303,7 @@ def test_check_result_renders_html_escaped():
 
 # ---- the chapter 0 tests against their references and against typical mistakes --------
 
+
 def test_ch00_pipeline_tests_accept_the_reference_and_reject_mistakes():
     from ultrascale.exercise_tests import ch00
 
@@ -302,6 +314,7 @@ def test_ch00_pipeline_tests_accept_the_reference_and_reject_mistakes():
     def extra_on_last(num_layers, pp):
         base, extra = divmod(num_layers, pp)
         return [base] * (pp - extra) + [base + 1] * extra
+
     assert "expected [2, 1], got [1, 2]" in check("00.pipeline_stage_layers", extra_on_last).message
 
     def untied(num_layers, pp, h, v, bytes_per_param=16):  # forgets the last stage's copy of h*v
@@ -309,6 +322,7 @@ def test_ch00_pipeline_tests_accept_the_reference_and_reject_mistakes():
         stages[0] += h * v
         stages[-1] += 2 * h
         return [s * bytes_per_param for s in stages]
+
     assert "own copy of the output projection" in check("00.memory_per_stage", untied).message
 
 
@@ -318,7 +332,7 @@ def test_ch00_mean_across_ranks_on_the_cluster():
 
     # Defined inside the test so that cloudpickle ships them by value to the ranks.
     def mean(ctx, t):
-        total = t.clone()   # the task: leave the input unchanged
+        total = t.clone()  # the task: leave the input unchanged
         dist.all_reduce(total)
         return total / ctx.world_size
 
@@ -334,6 +348,7 @@ def test_ch00_mean_across_ranks_on_the_cluster():
 
 # ---- the command-line grader -----------------------------------------------------------
 
+
 def test_the_points_read_from_the_tests_source_are_the_registrys():
     """The grader's table takes each exercise's points from the test modules' source, without
     importing them (registry.declared_points): the same ids and points as the registry holds once
@@ -347,14 +362,21 @@ def test_the_points_read_from_the_tests_source_are_the_registrys():
     registry.load_all()
     course = {e: ex.points for e, ex in registry._REGISTRY.items() if not e.startswith("zz.")}
     assert registry.declared_points() == course
-    assert len(course) >= 57 and len(set(course.values())) > 1   # the course's exercises, not all worth 1
-    code = ("import sys; from pathlib import Path; from ultrascale.grading import cli; "
-            "print(repr((cli.expected_exercises(Path('solutions/03_zero_exercises.ipynb')), 'torch' in sys.modules)))")
+    assert len(course) >= 57 and len(set(course.values())) > 1  # the course's exercises, not all worth 1
+    code = (
+        "import sys; from pathlib import Path; from ultrascale.grading import cli; "
+        "print(repr((cli.expected_exercises(Path('solutions/03_zero_exercises.ipynb')), 'torch' in sys.modules)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     table, imported_torch = ast.literal_eval(done.stdout.strip())
-    assert table == {"03.flatten_padded": 1, "03.zero1_step": 2, "03.zero3_gather_free": 2, "03.shard_gradient": 2,
-                     "03.muon_rows": 2}
+    assert table == {
+        "03.flatten_padded": 1,
+        "03.zero1_step": 2,
+        "03.zero3_gather_free": 2,
+        "03.shard_gradient": 2,
+        "03.muon_rows": 2,
+    }
     assert not imported_torch, "making the table imported torch"
 
 
@@ -376,8 +398,11 @@ def test_grader_counts_checks_that_never_ran(tmp_path, monkeypatch):
     monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
     report = cli.grade_notebook(src, timeout=10, parameters={"QUICK": True})
     status = {e["exercise"]: e["status"] for e in report.exercises}
-    assert status == {"00.mean_across_ranks": "not run", "00.pipeline_stage_layers": PASS,
-                      "00.memory_per_stage": "not run"}
+    assert status == {
+        "00.mean_across_ranks": "not run",
+        "00.pipeline_stage_layers": PASS,
+        "00.memory_per_stage": "not run",
+    }
     assert (report.points, report.max_points) == (1, 3)
 
 
@@ -390,11 +415,14 @@ def test_grader_runs_each_deferred_test_once_in_its_own_process(tmp_path, monkey
 
     def fake_execute(input_path, output_path, **kwargs):
         assert os.environ.get(DEFER_ENV) == "1"
-        def wrong_layers(num_layers, pp):     # plausible mistake: the remainder on the last stages
+
+        def wrong_layers(num_layers, pp):  # plausible mistake: the remainder on the last stages
             base, extra = divmod(num_layers, pp)
             return [base] * (pp - extra) + [base + 1] * extra
+
         def stub(*args, **kwargs):
             raise NotImplementedError("exercise: memory per stage")
+
         in_kernel.append(check("00.pipeline_stage_layers", wrong_layers, quick=True))
         in_kernel.append(check("00.memory_per_stage", stub, quick=True))
         in_kernel.append(check("00.mean_across_ranks", quick=True))  # forgot the function: wrong arguments
@@ -402,14 +430,16 @@ def test_grader_runs_each_deferred_test_once_in_its_own_process(tmp_path, monkey
 
     monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
     report = cli.grade_notebook(src, timeout=60, parameters={"QUICK": True})
-    assert [r.status for r in in_kernel] == [SUBMITTED, SUBMITTED, ERROR]   # nothing ran in the "kernel"
+    assert [r.status for r in in_kernel] == [SUBMITTED, SUBMITTED, ERROR]  # nothing ran in the "kernel"
     rows = {e["exercise"]: e for e in report.exercises}
     assert rows["00.pipeline_stage_layers"]["status"] == FAIL
     assert "expected [2, 1], got [1, 2]" in rows["00.pipeline_stage_layers"]["message"]
     assert rows["00.memory_per_stage"]["status"] == NOT_IMPLEMENTED
-    assert rows["00.mean_across_ranks"]["status"] == ERROR and "wrong arguments" in rows["00.mean_across_ranks"]["message"]
+    assert (
+        rows["00.mean_across_ranks"]["status"] == ERROR and "wrong arguments" in rows["00.mean_across_ranks"]["message"]
+    )
     assert report.points == 0
-    assert os.environ.get(DEFER_ENV) is None   # the grader's own environment is left as it was
+    assert os.environ.get(DEFER_ENV) is None  # the grader's own environment is left as it was
 
 
 def test_deferred_submissions_of_the_right_answers_score_through_the_grader(tmp_path, monkeypatch):
@@ -426,8 +456,7 @@ def test_deferred_submissions_of_the_right_answers_score_through_the_grader(tmp_
     monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
     report = cli.grade_notebook(src, timeout=60, parameters={"QUICK": True})
     status = {e["exercise"]: e["status"] for e in report.exercises}
-    assert status == {"00.mean_across_ranks": "not run", "00.pipeline_stage_layers": PASS,
-                      "00.memory_per_stage": PASS}
+    assert status == {"00.mean_across_ranks": "not run", "00.pipeline_stage_layers": PASS, "00.memory_per_stage": PASS}
 
 
 def test_an_untouched_stub_is_told_without_starting_ranks(monkeypatch):
@@ -452,7 +481,7 @@ def test_an_untouched_stub_is_told_without_starting_ranks(monkeypatch):
         per_stage = [0] * pp_degree
         raise NotImplementedError(f"exercise: {len(per_stage)} stages")
 
-    result = check("00.pipeline_stage_layers", begun, quick=True)   # run: the test's own call raised it
+    result = check("00.pipeline_stage_layers", begun, quick=True)  # run: the test's own call raised it
     assert result.status == NOT_IMPLEMENTED and "stages" in result.message, result
 
 
@@ -467,7 +496,8 @@ def test_untouched_triton_kernels_are_not_implemented_through_the_grader():
     rows = {e["exercise"]: e for e in report.exercises}
     assert {"11.masked_add", "11.row_softmax", "11.matmul_tile"} <= set(rows)
     assert {ex: row["status"] for ex, row in rows.items()} == dict.fromkeys(rows, NOT_IMPLEMENTED), rows
-    assert all("Hint:" in row["message"] for row in rows.values()), rows   # the stub's nudge, from the grader
+    assert all("Hint:" in row["message"] for row in rows.values()), rows  # the stub's nudge, from the grader
+
 
 def test_grader_fails_only_on_infrastructure_errors(tmp_path, capsys):
     assert cli.main([str(tmp_path / "missing.ipynb")]) == 2

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "solutions"
 MIN_LINE_CHARS = 25
 MIN_CALL_CHARS = 12
-MIN_INSTRUCTION_CHARS = 30   # instructions may show a short API call ("tl.program_id(0)"), not an answer
+MIN_INSTRUCTION_CHARS = 30  # instructions may show a short API call ("tl.program_id(0)"), not an answer
 IDEA_MARK = "<summary>The idea"
 CHECK_RE = re.compile(r'check\("([^"]+)"')
 LINK_RE = re.compile(r"\]\(\.\./chapters/([a-z0-9_]+)\.ipynb(?:#([^)]*))?\)")
@@ -108,8 +108,13 @@ def hints_and_secrets(nb) -> tuple:
 def leaks(nb) -> list:
     """(exercise id, the solution's code found in one of its hints) for every leak."""
     hints, secrets = hints_and_secrets(nb)
-    return [(ex, secret) for ex, texts in hints.items() for text in texts
-            for secret in sorted(secrets) if secret in squash(text)]
+    return [
+        (ex, secret)
+        for ex, texts in hints.items()
+        for text in texts
+        for secret in sorted(secrets)
+        if secret in squash(text)
+    ]
 
 
 def registered_exercises() -> set:
@@ -128,18 +133,21 @@ def _cell(source: str):
 
 # ---- the rule, on the hint issue 41 reported --------------------------------------------------
 
-OLD_SPLIT_BACKWARD = '''def backward_input(output, stage_input, grad_output):
+OLD_SPLIT_BACKWARD = """def backward_input(output, stage_input, grad_output):
     # BEGIN SOLUTION hint: {hint}
     return torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)[0]
     # END SOLUTION
 check("07.split_backward", backward_input)
-'''
+"""
 
 
-@pytest.mark.parametrize("hint", [
-    "torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)[0]",  # the old hint
-    "call torch.autograd.grad(output,stage_input,grad_output, retain_graph=True)",  # respaced
-])
+@pytest.mark.parametrize(
+    "hint",
+    [
+        "torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)[0]",  # the old hint
+        "call torch.autograd.grad(output,stage_input,grad_output, retain_graph=True)",  # respaced
+    ],
+)
 def test_the_rule_catches_the_old_split_backward_hint(hint):
     found = leaks(_cell(OLD_SPLIT_BACKWARD.format(hint=hint)))
     assert found and all(ex == "07.split_backward" for ex, _ in found)
@@ -152,20 +160,26 @@ def test_the_rule_allows_naming_a_function():
 
 def test_the_rule_reads_idea_cells_too():
     nb = _cell(OLD_SPLIT_BACKWARD.format(hint="a nudge"))
-    nb.cells.append(nbformat.v4.new_markdown_cell(
-        f"<details>{IDEA_MARK}</summary>\n\n`torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)`"
-        "\n\n</details>"))
+    nb.cells.append(
+        nbformat.v4.new_markdown_cell(
+            f"<details>{IDEA_MARK}</summary>\n\n`torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)`"
+            "\n\n</details>"
+        )
+    )
     assert leaks(nb)
 
 
 def test_the_rule_catches_a_long_solution_line():
-    source = ('def f(x):\n    # BEGIN SOLUTION hint: x\n    total = some_tensor + other_tensor * 2\n'
-              '    return total\n    # END SOLUTION\ncheck("00.f", f)\n')
+    source = (
+        "def f(x):\n    # BEGIN SOLUTION hint: x\n    total = some_tensor + other_tensor * 2\n"
+        '    return total\n    # END SOLUTION\ncheck("00.f", f)\n'
+    )
     assert leaks(_cell(source.replace("hint: x", "hint: total = some_tensor + other_tensor * 2")))
     assert not leaks(_cell(source.replace("hint: x", "hint: add the two tensors")))
 
 
 # ---- the course's notebooks ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_no_hint_gives_the_solution(path):
@@ -221,7 +235,26 @@ def test_chapters_end_with_your_turn(path):
     assert f"make grade NB=work/exercises/{path.name}" in turn
 
 
-READING_ORDER = ["00", "a0", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "a1", "a2", "a3", "a4"]
+READING_ORDER = [
+    "00",
+    "a0",
+    "01",
+    "02",
+    "03",
+    "04",
+    "05",
+    "06",
+    "07",
+    "08",
+    "09",
+    "10",
+    "11",
+    "12",
+    "a1",
+    "a2",
+    "a3",
+    "a4",
+]
 
 
 def test_the_course_map_links_every_chapter_in_reading_order():
@@ -242,8 +275,11 @@ def signatures(nb) -> set:
             tree = ast.parse(_python(cell.source))
         except SyntaxError:
             continue
-        found |= {squash(f"{f.name}({', '.join(a.arg for a in f.args.args)})") for f in ast.walk(tree)
-                  if isinstance(f, ast.FunctionDef)}
+        found |= {
+            squash(f"{f.name}({', '.join(a.arg for a in f.args.args)})")
+            for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef)
+        }
     return found
 
 
@@ -255,8 +291,13 @@ def test_no_instruction_spells_out_the_solution(path):
     nb = nbformat.read(path, as_version=4)
     _, secrets = hints_and_secrets(nb)
     long = {s for s in secrets if len(s) >= MIN_INSTRUCTION_CHARS} - signatures(nb)
-    found = [(i, s) for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and IDEA_MARK not in c.source
-             for s in sorted(long) if s in squash(c.source)]
+    found = [
+        (i, s)
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "markdown" and IDEA_MARK not in c.source
+        for s in sorted(long)
+        if s in squash(c.source)
+    ]
     assert found == [], f"instruction cells holding solution code: {found}"
 
 
@@ -269,16 +310,25 @@ def messages(source: str) -> list:
     """(line, text) of every string a test module can put in a message: its string constants and
     f-strings (as written, with their {fields}), docstrings left out (they document the test)."""
     tree = ast.parse(source)
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     inside_fstrings = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.JoinedStr):
             found.append((node.lineno, ast.unparse(node)))
-        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-              and id(node) not in inside_fstrings):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and id(node) not in inside_fstrings
+        ):
             found.append((node.lineno, node.value))
     return found
 
@@ -293,8 +343,12 @@ def message_leaks(nb, module_source: str) -> list:
     notebook's solution regions that the exercise's text does not show already."""
     _, secrets = hints_and_secrets(nb)
     shown = instructions(nb)
-    return [(line, secret) for line, text in messages(module_source) for secret in sorted(secrets)
-            if secret in squash(text) and secret not in shown]
+    return [
+        (line, secret)
+        for line, text in messages(module_source)
+        for secret in sorted(secrets)
+        if secret in squash(text) and secret not in shown
+    ]
 
 
 def _test_module(path: Path) -> Path:
@@ -304,20 +358,28 @@ def _test_module(path: Path) -> Path:
 
 def test_the_message_rule_catches_a_message_that_writes_the_call():
     nb = _cell(OLD_SPLIT_BACKWARD.format(hint="a nudge"))
-    leaking = ('def test(fn):\n    """Docstrings may say torch.autograd.grad(output, stage_input, grad_output, '
-               'retain_graph=True)."""\n    raise AssertionError(f"B of micro-batch {i}: use '
-               'torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)")\n')
+    leaking = (
+        'def test(fn):\n    """Docstrings may say torch.autograd.grad(output, stage_input, grad_output, '
+        'retain_graph=True)."""\n    raise AssertionError(f"B of micro-batch {i}: use '
+        'torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)")\n'
+    )
     assert [line for line, _ in message_leaks(nb, leaking)] == [3]
-    pointing = leaking.replace("use torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)",
-                               "ask torch.autograd.grad for the input's gradient only")
+    pointing = leaking.replace(
+        "use torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)",
+        "ask torch.autograd.grad for the input's gradient only",
+    )
     assert message_leaks(nb, pointing) == []
     # what the exercise's own text shows already, a message may repeat
-    nb.cells.insert(0, nbformat.v4.new_markdown_cell(
-        "Call `torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)`."))
+    nb.cells.insert(
+        0,
+        nbformat.v4.new_markdown_cell(
+            "Call `torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)`."
+        ),
+    )
     assert message_leaks(nb, leaking) == []
 
 
-SHARED_TEST_MODULES = sorted(EXERCISE_TESTS.glob("_*.py"))   # helpers whose messages every chapter's tests give
+SHARED_TEST_MODULES = sorted(EXERCISE_TESTS.glob("_*.py"))  # helpers whose messages every chapter's tests give
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -335,7 +397,7 @@ def _zigzag_feedback(zigzag_positions) -> str:
     from ultrascale.exercise_tests import ch06
     from ultrascale.parallel.context_parallel import causal_tile_counts
 
-    def tile_counts(positions, tile):   # right, so that only the positions can fail
+    def tile_counts(positions, tile):  # right, so that only the positions can fail
         return int((positions.view(-1, tile)[:, -1] // tile + 1).sum())
 
     assert causal_tile_counts  # the counts the test compares with come from the library
@@ -356,15 +418,18 @@ def test_the_zigzag_feedback_names_the_idea_not_the_chunks(mistake):
         if seq % (2 * cp):
             raise ValueError("does not cut")
         size = seq // (2 * cp)
-        chunks = {"contiguous": [2 * rank, 2 * rank + 1], "wrong mirror": [rank, 2 * cp - 2 - rank if rank < cp - 1
-                                                                          else 2 * cp - 1],
-                  "scattered": [rank]}[mistake]
+        chunks = {
+            "contiguous": [2 * rank, 2 * rank + 1],
+            "wrong mirror": [rank, 2 * cp - 2 - rank if rank < cp - 1 else 2 * cp - 1],
+            "scattered": [rank],
+        }[mistake]
         positions = torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
         return positions if mistake != "scattered" else torch.arange(rank, seq, cp)
+
     message = _zigzag_feedback(wrong)
     seq, rank, cp = (int(n) for n in re.search(r"zigzag_positions\((\d+), (\d+), (\d+)\)", message).groups())
     right = data.sequence_positions(seq, rank, cp, "zigzag")
-    assert wrong(seq, rank, cp).tolist() != right.tolist()   # the case that failed is a wrong one
+    assert wrong(seq, rank, cp).tolist() != right.tolist()  # the case that failed is a wrong one
     assert str(right.tolist()) not in message, message
     assert not re.search(rf"chunks? {rank}\b[^.]*\b{2 * cp - 1 - rank}\b", message), message
-    assert "mirror" in message or "early" in message, message   # the idea, named
+    assert "mirror" in message or "early" in message, message  # the idea, named

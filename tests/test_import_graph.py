@@ -24,6 +24,7 @@ The rules are DESIGN.md's conventions for the library:
 Each rule lists its exceptions by name; an exception that is no longer needed fails too,
 so the lists only shrink.
 """
+
 import ast
 from pathlib import Path
 
@@ -46,8 +47,8 @@ def named_modules(importer: str, path: Path, node) -> list[str]:
         return [alias.name for alias in node.names]
     package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
     base = node.module or ""
-    if node.level:   # from .x (level 1: this package), from ..x (its parent), ...
-        anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+    if node.level:  # from .x (level 1: this package), from ..x (its parent), ...
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
         base = ".".join(anchor + ([base] if base else []))
     return [base] + [f"{base}.{alias.name}" for alias in node.names]
 
@@ -73,7 +74,7 @@ def find_circle(graph: dict) -> list | None:
         path.append(node)
         for child in sorted(graph.get(node, ())):
             if child in path:
-                return path[path.index(child):] + [child]
+                return path[path.index(child) :] + [child]
             if child not in done:
                 circle = visit(child)
                 if circle:
@@ -96,8 +97,13 @@ def inside(module: str, *prefixes: str) -> bool:
 
 def violations(importers: tuple, forbidden: tuple) -> set[tuple[str, str]]:
     """Every (importer, imported) edge from the ``importers`` packages into the ``forbidden`` ones."""
-    return {(name, target) for name, targets in GRAPH.items() if inside(name, *importers)
-            for target in targets if inside(target, *forbidden)}
+    return {
+        (name, target)
+        for name, targets in GRAPH.items()
+        if inside(name, *importers)
+        for target in targets
+        if inside(target, *forbidden)
+    }
 
 
 def assert_only_the_exceptions(found: set, exceptions: set, rule: str) -> None:
@@ -115,9 +121,9 @@ CHECKING = set()
 
 PURE = ("schedule", "comm", "plan", "model", "moe", "data", "train")
 NOTEBOOK_SIDE = ("runtime", "viz")
-PURE_EXCEPTIONS = set()   # the schedules' drawing and widget are viz.schedule and viz.schedule_widget
+PURE_EXCEPTIONS = set()  # the schedules' drawing and widget are viz.schedule and viz.schedule_widget
 
-PLANNER_RUNS = {("ultrascale.plan.calibrate", "ultrascale.parallel")}   # measures the techniques for real
+PLANNER_RUNS = {("ultrascale.plan.calibrate", "ultrascale.parallel")}  # measures the techniques for real
 
 # The graders look inside the library on purpose (they forbid a learner's solution to call the
 # library's own helpers, or spy on them); they are checked by their own tests, and are to move
@@ -134,7 +140,7 @@ def private_crossings(name: str, path: Path, tree=None) -> set[str]:
     module: ``from x import _y``, or ``z._y`` where ``z`` was imported (a module, or a class or
     function from a course module)."""
     tree = tree or ast.parse(path.read_text(), filename=str(path))
-    found, bound = set(), {}   # bound: local name -> the course module it came from
+    found, bound = set(), {}  # bound: local name -> the course module it came from
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             source = named_modules(name, path, node)[0]
@@ -148,8 +154,12 @@ def private_crossings(name: str, path: Path, tree=None) -> set[str]:
                 if alias.name in MODULES and alias.name != name:
                     bound[alias.asname or alias.name.partition(".")[0]] = alias.name
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
-                and node.value.id in bound):
+        if (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+        ):
             found.add(f"{node.lineno}: {node.value.id}.{node.attr} ({bound[node.value.id]})")
     return found
 
@@ -158,27 +168,37 @@ def private_crossings(name: str, path: Path, tree=None) -> set[str]:
 def test_the_graph_sees_module_level_and_function_level_imports():
     # Without these the rules below could pass on a graph that misses imports.
     assert len(GRAPH) > 100
-    assert "ultrascale.data" in GRAPH["ultrascale.parallel.pipeline_parallel"]     # from ..data import
+    assert "ultrascale.data" in GRAPH["ultrascale.parallel.pipeline_parallel"]  # from ..data import
     assert "ultrascale.schedule.simulate" in GRAPH["ultrascale.schedule.actions"]  # from .simulate import
-    assert "ultrascale.parallel" in GRAPH["ultrascale.plan.calibrate"]              # inside a function
-    assert "ultrascale.runtime.magic" in GRAPH["ultrascale.runtime.cluster"]        # inside a function
-    assert "ultrascale.comm.functional" in GRAPH["ultrascale.comm"]                 # from .functional import
+    assert "ultrascale.parallel" in GRAPH["ultrascale.plan.calibrate"]  # inside a function
+    assert "ultrascale.runtime.magic" in GRAPH["ultrascale.runtime.cluster"]  # inside a function
+    assert "ultrascale.comm.functional" in GRAPH["ultrascale.comm"]  # from .functional import
 
 
 def test_the_private_name_finder_sees_both_forms():
-    source = ("from .ring import _normalise_op, keep\nfrom . import functional\nimport ultrascale.train as t\n"
-              "functional._piece_size(1, 1, 0, '')\nt._full(x)\nkeep._kept\nself._mine\nkeep.__doc__\n")
+    source = (
+        "from .ring import _normalise_op, keep\nfrom . import functional\nimport ultrascale.train as t\n"
+        "functional._piece_size(1, 1, 0, '')\nt._full(x)\nkeep._kept\nself._mine\nkeep.__doc__\n"
+    )
     found = private_crossings("ultrascale.comm.direct", MODULES["ultrascale.comm.direct"], ast.parse(source))
-    assert found == {"1: from ultrascale.comm.ring import _normalise_op",
-                     "4: functional._piece_size (ultrascale.comm)", "5: t._full (ultrascale.train)",
-                     "6: keep._kept (ultrascale.comm.ring)"}, found
+    assert found == {
+        "1: from ultrascale.comm.ring import _normalise_op",
+        "4: functional._piece_size (ultrascale.comm)",
+        "5: t._full (ultrascale.train)",
+        "6: keep._kept (ultrascale.comm.ring)",
+    }, found
 
 
 def test_no_private_name_crosses_a_module():
-    found = {f"{name} {where}" for name, path in MODULES.items() if not inside(name, *GRADERS)
-             for where in private_crossings(name, path)}
-    assert found == set(), ("a private name used outside its module; give what modules share a public "
-                            f"name: {sorted(found)}")
+    found = {
+        f"{name} {where}"
+        for name, path in MODULES.items()
+        if not inside(name, *GRADERS)
+        for where in private_crossings(name, path)
+    }
+    assert found == set(), (
+        f"a private name used outside its module; give what modules share a public name: {sorted(found)}"
+    )
 
 
 def test_precision_does_not_import_the_techniques():
@@ -196,8 +216,9 @@ def test_no_import_circle():
 
 
 def test_techniques_do_not_import_the_checks():
-    assert_only_the_exceptions(violations(TECHNIQUES, ("parity",)), CHECKING,
-                               "techniques import data and train, never parity")
+    assert_only_the_exceptions(
+        violations(TECHNIQUES, ("parity",)), CHECKING, "techniques import data and train, never parity"
+    )
 
 
 def test_parallel_never_imports_parity():
@@ -211,10 +232,14 @@ def test_comm_does_not_import_the_model():
 
 
 def test_pure_packages_import_neither_runtime_nor_viz():
-    assert_only_the_exceptions(violations(PURE, NOTEBOOK_SIDE), PURE_EXCEPTIONS,
-                               "the pure packages import neither runtime nor viz")
+    assert_only_the_exceptions(
+        violations(PURE, NOTEBOOK_SIDE), PURE_EXCEPTIONS, "the pure packages import neither runtime nor viz"
+    )
 
 
 def test_the_planner_uses_the_techniques_only_to_calibrate():
-    assert_only_the_exceptions(violations(("plan",), ("parallel", "runtime")), PLANNER_RUNS,
-                               "the planner is arithmetic: it never runs the techniques")
+    assert_only_the_exceptions(
+        violations(("plan",), ("parallel", "runtime")),
+        PLANNER_RUNS,
+        "the planner is arithmetic: it never runs the techniques",
+    )

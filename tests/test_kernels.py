@@ -57,6 +57,7 @@ def _run_python(code: str, env_updates: dict, drop=("TRITON_INTERPRET",)) -> str
 
 # ---- Import and device selection -------------------------------------------------------------
 
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
 def test_import_on_cpu_turns_on_the_interpreter_and_kernels_run():
     out = _run_python(
@@ -69,8 +70,10 @@ def test_import_on_cpu_turns_on_the_interpreter_and_kernels_run():
 
 
 def test_an_explicit_triton_interpret_setting_is_respected():
-    out = _run_python("import os, ultrascale.kernels as K; print(os.environ['TRITON_INTERPRET'], K.interpreted())",
-                      {"TRITON_INTERPRET": "0"})
+    out = _run_python(
+        "import os, ultrascale.kernels as K; print(os.environ['TRITON_INTERPRET'], K.interpreted())",
+        {"TRITON_INTERPRET": "0"},
+    )
     assert out == "0 False"
 
 
@@ -89,6 +92,7 @@ def test_bf16_dot_kernels_refuse_to_run_in_the_interpreter():
 
 # ---- Element-wise kernels --------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", [(1000,), (3, 333)])
 def test_vector_add_matches_torch_for_sizes_that_are_not_block_multiples(shape):
     x, y = randn(*shape, seed=1), randn(*shape, seed=2)
@@ -104,6 +108,7 @@ def test_elu_matches_reference(alpha):
 
 
 # ---- Fused softmax and the norms -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", [(37, 300), (2, 5, 17), (4, 1)])
 def test_fused_softmax_matches_torch(shape):
@@ -152,11 +157,15 @@ def test_layer_norm_forward_matches_torch_and_returns_row_statistics():
 
 # ---- Tiled matmul ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tiles", [
-    dict(block_m=16, block_n=16, block_k=16, group_m=1),  # plain row-major order
-    dict(block_m=32, block_n=16, block_k=32, group_m=3),  # grouped order, a short last group
-    dict(block_m=64, block_n=64, block_k=64, group_m=8),  # one tile bigger than the matrix
-])
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        dict(block_m=16, block_n=16, block_k=16, group_m=1),  # plain row-major order
+        dict(block_m=32, block_n=16, block_k=32, group_m=3),  # grouped order, a short last group
+        dict(block_m=64, block_n=64, block_k=64, group_m=8),  # one tile bigger than the matrix
+    ],
+)
 def test_tiled_matmul_matches_torch_for_awkward_sizes(tiles):
     a, b = randn(67, 53, seed=9), randn(53, 45, seed=10)
     torch.testing.assert_close(K.matmul(a, b, **tiles), K.matmul_reference(a, b), **DOT_TOL)
@@ -193,8 +202,20 @@ def test_grouped_order_in_the_kernel_matches_the_python_mirror_and_covers_every_
 
 def test_grouped_order_by_hand():
     # 3 x 4 tiles, groups of 2 rows: go down the 2-row group column by column, then the last row.
-    assert K.grouped_tile_order(3, 4, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3),
-                                            (2, 0), (2, 1), (2, 2), (2, 3)]
+    assert K.grouped_tile_order(3, 4, 2) == [
+        (0, 0),
+        (1, 0),
+        (0, 1),
+        (1, 1),
+        (0, 2),
+        (1, 2),
+        (0, 3),
+        (1, 3),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+        (2, 3),
+    ]
     assert K.grouped_tile_order(2, 3, 1) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]  # row-major
 
 
@@ -206,6 +227,7 @@ def test_grouping_cuts_the_tiles_that_instances_in_flight_need():
 
 
 # ---- Attention: pure-PyTorch tiled reference -------------------------------------------------
+
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_tiled_attention_reference_equals_naive_attention(causal):
@@ -220,7 +242,7 @@ def test_merging_partial_attention_equals_attention_over_all_keys():
     """The one merge rule (tiled attention's key blocks, ring attention's ranks): attention over
     two parts of the keys, merged by their log-sum-exp, is attention over all of them."""
     q, k, v = (randn(2, 3, 10, 16, seed=s, dtype=torch.float64) for s in (40, 41, 42))
-    out, lse = K.naive_attention(q, k, v)   # (computed in fp32 inside: ELEMENTWISE_TOL)
+    out, lse = K.naive_attention(q, k, v)  # (computed in fp32 inside: ELEMENTWISE_TOL)
     out_a, lse_a = K.naive_attention(q, k[..., :4, :], v[..., :4, :])
     out_b, lse_b = K.naive_attention(q, k[..., 4:, :], v[..., 4:, :])
     merged, merged_lse = merge_partial_attention(out_a, lse_a, out_b, lse_b)
@@ -275,6 +297,7 @@ def test_hbm_traffic_model_by_hand():
 
 # ---- FlashAttention kernels ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [16, 32, 80, 128])
 def test_flash_attention_forward_matches_naive_attention(causal, head_dim):
@@ -328,6 +351,7 @@ def test_flash_attention_rejects_bad_shapes():
 
 
 # ---- Counting models (gpu_ideas) -------------------------------------------------------------
+
 
 def test_count_segments_by_hand():
     assert gpu_ideas.count_segments(np.arange(32) * 4) == 4  # 32 consecutive floats = 128 bytes
@@ -404,6 +428,7 @@ def test_thread_coarsening_by_hand():
 
 # ---- Ahead-of-time compilation for an H100 (no GPU needed) -----------------------------------
 
+
 def _can_compile_for_cuda() -> bool:
     try:
         backends = importlib.import_module("triton.backends")
@@ -415,8 +440,10 @@ def _can_compile_for_cuda() -> bool:
 def _compile_for_h100(*only) -> list:
     # Kernels must be imported with the interpreter off, hence a separate process.
     args = ["--arch", "90"] + (["--only", *only] if only else [])
-    out = _run_python(f"import sys; from ultrascale.kernels.compile_check import main; sys.exit(main({args!r}))",
-                      {"TRITON_INTERPRET": "0"})
+    out = _run_python(
+        f"import sys; from ultrascale.kernels.compile_check import main; sys.exit(main({args!r}))",
+        {"TRITON_INTERPRET": "0"},
+    )
     lines = out.splitlines()
     assert lines and all(line.endswith(" ok") for line in lines), out
     return lines
@@ -438,12 +465,23 @@ def test_the_largest_kernels_compile_for_an_h100_and_fit_its_shared_memory():
 def test_every_kernel_compiles_for_an_h100_and_fits_its_shared_memory():
     # About 30 s on 2 cores the first time (seconds once Triton's cache holds the kernels).
     lines = _compile_for_h100()
-    for kernel in ("vector_add", "elu", "softmax", "rms_norm forward", "rms_norm backward", "layer_norm",
-                   "matmul bf16", "matmul fp32", "flash forward fp32 d=128", "flash backward dq fp32 d=128"):
+    for kernel in (
+        "vector_add",
+        "elu",
+        "softmax",
+        "rms_norm forward",
+        "rms_norm backward",
+        "layer_norm",
+        "matmul bf16",
+        "matmul fp32",
+        "flash forward fp32 d=128",
+        "flash backward dq fp32 d=128",
+    ):
         assert any(line.startswith(kernel) for line in lines), f"{kernel} was not compiled: {lines}"
 
 
 # ---- GPU only: timings -----------------------------------------------------------------------
+
 
 @gpu
 @pytest.mark.gpu

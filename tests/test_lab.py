@@ -42,10 +42,23 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     port = _free_port()
-    env = dict(os.environ, HEADLESS="1", LAB_IP="127.0.0.1", LAB_PORT=str(port), LAB_SETUP="0",
-               JUPYTER_RUNTIME_DIR=str(tmp_path_factory.mktemp("runtime")))
-    proc = subprocess.Popen(["bash", "launch/lab.sh"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(
+        os.environ,
+        HEADLESS="1",
+        LAB_IP="127.0.0.1",
+        LAB_PORT=str(port),
+        LAB_SETUP="0",
+        JUPYTER_RUNTIME_DIR=str(tmp_path_factory.mktemp("runtime")),
+    )
+    proc = subprocess.Popen(
+        ["bash", "launch/lab.sh"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, found = [], threading.Event()
     pattern = re.compile(rf"http://127\.0\.0\.1:{port}/\S+")
 
@@ -131,7 +144,8 @@ def test_notebooks_kernel_is_the_course_venv(lab):
     assert python in ("python", "python3") or pathlib.Path(python).parent == ROOT / ".venv/bin", python
     assert spec["display_name"] == metadata["display_name"], (
         "the kernel's display name differs from the notebooks' metadata, so JupyterLab marks every "
-        "notebook modified on opening: run `make setup` (launch/setup.sh registers it)")
+        "notebook modified on opening: run `make setup` (launch/setup.sh registers it)"
+    )
 
 
 def test_one_kernel_to_choose(lab):
@@ -167,7 +181,10 @@ def test_landing_page_is_the_learners_copy_and_saving_it_leaves_the_course_alone
     body = json.dumps({"type": "notebook", "format": "json", "content": model["content"]}).encode()
     request = urllib.request.Request(
         f"{parts.scheme}://{parts.netloc}/api/contents/work/chapters/00_orientation.ipynb?token={token}",
-        data=body, method="PUT", headers={"Content-Type": "application/json"})
+        data=body,
+        method="PUT",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status in (200, 201)
     assert (CHAPTERS / "00_orientation.ipynb").read_bytes() == course

@@ -3,6 +3,7 @@
 ``jupyter lab --show-config`` prints the server's resolved settings, the --ip that launch/lab.sh
 passed included, and exits without starting a server.
 """
+
 import os
 import subprocess
 import sys
@@ -20,8 +21,9 @@ pytestmark = [
 
 def _lab_config(**env) -> str:
     env = dict(os.environ, HEADLESS="1", LAB_SETUP="0", **env)
-    run = subprocess.run(["bash", "launch/lab.sh", "--show-config"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        ["bash", "launch/lab.sh", "--show-config"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout + run.stderr
 

@@ -1,4 +1,5 @@
 """The memory model: the book's tables, ZeRO, activations, and measurement on a tiny model."""
+
 import math
 from types import SimpleNamespace
 
@@ -6,16 +7,27 @@ import numpy as np
 import pytest
 import torch
 
-from ultrascale.memory import (GB, GiB, activation_bytes, breakdown, cp_kv_buffer_bytes, cuda_peak_bytes,
-                               model_state_bytes, saved_activation_bytes, state_bytes, zero_bytes_per_rank)
+from ultrascale.memory import (
+    GB,
+    GiB,
+    activation_bytes,
+    breakdown,
+    cp_kv_buffer_bytes,
+    cuda_peak_bytes,
+    model_state_bytes,
+    saved_activation_bytes,
+    state_bytes,
+    zero_bytes_per_rank,
+)
 from ultrascale.model import GPT, LLAMA3_8B, LLAMA_TINY, GPTConfig, Llama, count_params
 
 torch.set_num_threads(1)
 
 
 # ------------------------------------------------------------------------ analytic
-@pytest.mark.parametrize("billions,plain_gb,fp32_accum_gb", [
-    (1, 16, 20), (7, 112, 140), (70, 1120, 1400), (405, 6480, 8100)])
+@pytest.mark.parametrize(
+    "billions,plain_gb,fp32_accum_gb", [(1, 16, 20), (7, 112, 140), (70, 1120, 1400), (405, 6480, 8100)]
+)
 def test_book_table_of_model_states(billions, plain_gb, fp32_accum_gb):
     n = billions * 10**9
     assert sum(model_state_bytes(n, mixed_precision=False).values()) / GB == plain_gb
@@ -25,7 +37,7 @@ def test_book_table_of_model_states(billions, plain_gb, fp32_accum_gb):
 
 def test_mixed_precision_parts():
     parts = model_state_bytes(1, mixed_precision=True)
-    assert parts == {"parameters": 2, "gradients": 2, "optimizer states": 4 + 8}   # fp32 master + Adam m, v
+    assert parts == {"parameters": 2, "gradients": 2, "optimizer states": 4 + 8}  # fp32 master + Adam m, v
 
 
 def test_zero_stages_derived_numbers():
@@ -51,9 +63,9 @@ def test_activation_formula_example():
 
 
 def test_activation_scaling():
-    a = lambda seq, bs: activation_bytes(LLAMA3_8B, seq, bs)   # noqa: E731
-    assert a(1024, 4) == 4 * a(1024, 1)                         # linear in batch
-    assert a(2048, 1) > 2 * a(1024, 1)                          # more than linear in seq
+    a = lambda seq, bs: activation_bytes(LLAMA3_8B, seq, bs)  # noqa: E731
+    assert a(1024, 4) == 4 * a(1024, 1)  # linear in batch
+    assert a(2048, 1) > 2 * a(1024, 1)  # more than linear in seq
     # second difference in seq is constant: a pure quadratic term, 5*a*L*bs bytes per seq^2
     assert a(3000, 1) - 2 * a(2000, 1) + a(1000, 1) == 2 * 5 * 32 * 32 * 1000**2
 
@@ -75,12 +87,12 @@ def test_activations_at_tp_1_are_the_unparallel_formulas(sequence_parallel):
 
 def test_activations_with_tp_8_by_hand():
     sbh = 128 * 2 * 64
-    tp_only = lambda mode: activation_bytes(SMALL, 128, 2, mode, tp=8)                         # noqa: E731
+    tp_only = lambda mode: activation_bytes(SMALL, 128, 2, mode, tp=8)  # noqa: E731
     with_sp = lambda mode: activation_bytes(SMALL, 128, 2, mode, tp=8, sequence_parallel=True)  # noqa: E731
     # TP only: s*b*h*(10 + 24/t + 5as/(h t)) = 16384*(10 + 3 + 5) per layer, 2 layers
     assert tp_only("none") == 2 * sbh * 18 == 589_824
     assert tp_only("selective") == 2 * sbh * 13 == 425_984
-    assert tp_only("full") == 2 * 2 * sbh == 65_536               # the layer input stays whole
+    assert tp_only("full") == 2 * 2 * sbh == 65_536  # the layer input stays whole
     # TP + SP: s*b*h/t*(34 + 5as/h) = 2048*74 per layer
     assert with_sp("none") == 2 * 2048 * 74 == 303_104
     assert with_sp("selective") == 2 * 2048 * 34 == 139_264
@@ -94,7 +106,8 @@ def test_sequence_parallel_divides_every_activation_by_tp(mode):
         assert activation_bytes(LLAMA3_8B, 4096, 2, mode, tp=tp, sequence_parallel=True) == alone / tp
     # an uneven split still gives the exact quotient
     assert activation_bytes(SMALL, 3, 1, mode, tp=7, sequence_parallel=True) == pytest.approx(
-        activation_bytes(SMALL, 3, 1, mode) / 7)
+        activation_bytes(SMALL, 3, 1, mode) / 7
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -142,11 +155,11 @@ def test_cp_kv_buffer_bytes_by_hand():
     # = 16 Mi elements, 32 MiB. The ring holds K and V twice (attended, arriving): 128 MiB;
     # the all-gather variant the whole sequence's K and V: 8 x 2 x 32 MiB = 512 MiB.
     args = (1, 8, 131072, 128, 8)
-    assert cp_kv_buffer_bytes(*args, "ring") == 128 * 2 ** 20
-    assert cp_kv_buffer_bytes(*args, "all_gather") == 512 * 2 ** 20
+    assert cp_kv_buffer_bytes(*args, "ring") == 128 * 2**20
+    assert cp_kv_buffer_bytes(*args, "all_gather") == 512 * 2**20
     # backward adds fp32 dK/dV accumulators: two pairs for the ring, one per rank for the all-gather
-    assert cp_kv_buffer_bytes(*args, "ring", backward=True) == (128 + 256) * 2 ** 20
-    assert cp_kv_buffer_bytes(*args, "all_gather", backward=True) == (512 + 1024) * 2 ** 20
+    assert cp_kv_buffer_bytes(*args, "ring", backward=True) == (128 + 256) * 2**20
+    assert cp_kv_buffer_bytes(*args, "all_gather", backward=True) == (512 + 1024) * 2**20
     # cp = 2: the ring needs one receive buffer only; cp = 1: none
     assert cp_kv_buffer_bytes(1, 8, 4096, 128, 2, "ring") == 2 * 8 * 2048 * 128 * 2
     assert cp_kv_buffer_bytes(1, 8, 4096, 128, 1, "ring") == 0
@@ -158,15 +171,27 @@ def test_cp_kv_buffer_bytes_by_hand():
 
 def test_breakdown_activations_default_to_sequence_parallel():
     """breakdown's activations are those it always gave: per layer / tp, times ceil(L/pp)*pp."""
-    for tp, pp, mode, mixed in ((1, 1, "none", True), (4, 1, "none", True), (8, 3, "selective", True),
-                                (2, 4, "full", False), (16, 5, "none", False)):
+    for tp, pp, mode, mixed in (
+        (1, 1, "none", True),
+        (4, 1, "none", True),
+        (8, 3, "selective", True),
+        (2, 4, "full", False),
+        (16, 5, "none", False),
+    ):
         per_layer = activation_bytes(LLAMA3_8B, 4096, 2, mode) / LLAMA3_8B.layers
         old = per_layer * math.ceil(LLAMA3_8B.layers / pp) * pp / tp * (1 if mixed else 2)
-        parts = breakdown(LLAMA3_8B, seq=4096, micro_batch=2, recompute=mode, tp=tp, pp=pp,
-                          mixed_precision=mixed)
+        parts = breakdown(LLAMA3_8B, seq=4096, micro_batch=2, recompute=mode, tp=tp, pp=pp, mixed_precision=mixed)
         assert parts["activations"] == pytest.approx(old, rel=1e-12)
-        assert parts == breakdown(LLAMA3_8B, seq=4096, micro_batch=2, recompute=mode, tp=tp, pp=pp,
-                                  mixed_precision=mixed, sequence_parallel=True)
+        assert parts == breakdown(
+            LLAMA3_8B,
+            seq=4096,
+            micro_batch=2,
+            recompute=mode,
+            tp=tp,
+            pp=pp,
+            mixed_precision=mixed,
+            sequence_parallel=True,
+        )
     no_sp = breakdown(LLAMA3_8B, seq=4096, tp=8, sequence_parallel=False)
     assert no_sp["activations"] == activation_bytes(LLAMA3_8B, 4096, 1, tp=8)
     assert no_sp["activations"] > breakdown(LLAMA3_8B, seq=4096, tp=8)["activations"]
@@ -192,9 +217,9 @@ def test_breakdown_parallel_degrees():
     assert tp["activations"] == pytest.approx(base["activations"] / 4)
     pp = breakdown(LLAMA3_8B, seq=4096, pp=4)
     assert pp["optimizer states"] == pytest.approx(base["optimizer states"] / 4)
-    assert pp["activations"] == pytest.approx(base["activations"])   # 1F1B: pp micro-batches in flight
+    assert pp["activations"] == pytest.approx(base["activations"])  # 1F1B: pp micro-batches in flight
     dp = breakdown(LLAMA3_8B, seq=4096, dp=8)
-    assert dp == base                                                # DP alone replicates everything
+    assert dp == base  # DP alone replicates everything
     z3 = breakdown(LLAMA3_8B, seq=4096, dp=8, zero_stage=3)
     assert z3["parameters"] == pytest.approx(base["parameters"] / 8)
     assert breakdown(LLAMA3_8B, seq=4096, optimizer_bytes=4)["optimizer states"] == 4 * count_params(LLAMA3_8B)
@@ -219,7 +244,7 @@ def test_state_bytes_match_prediction_fp32_adam():
     train_one_step(model, optimizer, torch.randint(0, 256, (2, 16)))
     n = count_params(model.config)
     measured, predicted = state_bytes(model, optimizer), model_state_bytes(n, mixed_precision=False)
-    assert measured["parameters"] == predicted["parameters"]        # the tied weight counts once
+    assert measured["parameters"] == predicted["parameters"]  # the tied weight counts once
     assert measured["gradients"] == predicted["gradients"]
     # Adam also keeps a 4-byte step counter per parameter tensor; apart from it, exact
     step_counters = 4 * len(list(model.parameters()))
@@ -229,8 +254,7 @@ def test_state_bytes_match_prediction_fp32_adam():
 
 def test_state_bytes_bf16_weights():
     model = Llama(LLAMA_TINY).to(torch.bfloat16)
-    assert state_bytes(model) == {"parameters": 2 * count_params(LLAMA_TINY), "gradients": 0,
-                                 "optimizer states": 0}
+    assert state_bytes(model) == {"parameters": 2 * count_params(LLAMA_TINY), "gradients": 0, "optimizer states": 0}
 
 
 def saved(model, batch, seq, dtype=torch.bfloat16):
@@ -256,7 +280,7 @@ def test_saved_bytes_linear_plus_quadratic_in_seq():
     config = GPTConfig()
     seqs = [8, 16, 24, 32, 40]
     second, _ = quadratic_fit(GPT(config), seqs)
-    assert len(set(second)) == 1 and second[0] > 0          # exactly quadratic, positive curvature
+    assert len(set(second)) == 1 and second[0] > 0  # exactly quadratic, positive curvature
     # bytes per attention-score element and layer: the formula's 5 counts bf16 softmax
     # output (2) + dropout mask (1) + dropout output (2); without dropout we keep the
     # bf16 softmax output (2) plus a 1-byte causal mask shared by batch and heads
@@ -305,10 +329,11 @@ def test_memory_figure_draws_the_breakdown(preset):
     config = {"Llama 3 8B": LLAMA3_8B, "Llama 3 70B": LLAMA3_70B, "Llama 3 405B": LLAMA3_405B}[preset]
     fig = memory_figure(preset, seq=2048, tp=2, dp=4, zero_stage=1)
     left = fig.axes[0]
-    drawn = [bar.get_height() for bar in left.patches]   # one bar per consumer, stacked
+    drawn = [bar.get_height() for bar in left.patches]  # one bar per consumer, stacked
     expected = breakdown(config, seq=2048, tp=2, dp=4, zero_stage=1)
-    assert drawn == pytest.approx([expected[name] / GB for name in
-                                   ("parameters", "gradients", "optimizer states", "activations")])
+    assert drawn == pytest.approx(
+        [expected[name] / GB for name in ("parameters", "gradients", "optimizer states", "activations")]
+    )
     assert len(fig.axes) == 3
 
 
@@ -329,11 +354,11 @@ def test_memory_widget_constructs_and_redraws():
     first = image.value
     assert first[:4] == b"\x89PNG"
     shape_box = widget.children[0].children[0]
-    shape_box.children[0].value = "Llama 3 70B"          # the preset dropdown
+    shape_box.children[0].value = "Llama 3 70B"  # the preset dropdown
     assert image.value != first
     hidden = next(c for c in shape_box.children if c.description == "hidden")
     assert hidden.value == 8192
-    hidden.value = 8191                                   # not divisible by heads: message, no crash
+    hidden.value = 8191  # not divisible by heads: message, no crash
     assert "divisible" in widget.children[1].value
 
 
@@ -374,14 +399,14 @@ def test_breakdown_with_a_pipeline_schedule():
     from ultrascale.schedule import interleaved_1f1b
 
     base = dict(seq=4096, pp=4)
-    per_layer = activation_bytes(LLAMA3_8B, 4096, 1) / LLAMA3_8B.layers   # 32 layers: 8 per stage
+    per_layer = activation_bytes(LLAMA3_8B, 4096, 1) / LLAMA3_8B.layers  # 32 layers: 8 per stage
     assert breakdown(LLAMA3_8B, **base)["activations"] == per_layer * 8 * 4
     afab = breakdown(LLAMA3_8B, **base, schedule="afab", micro_batches=16)
     one = breakdown(LLAMA3_8B, **base, schedule="1f1b", micro_batches=16)
     few = breakdown(LLAMA3_8B, **base, schedule="1f1b", micro_batches=2)
     assert afab["activations"] == per_layer * 8 * 16 and one["activations"] == per_layer * 8 * 4
-    assert few["activations"] == per_layer * 8 * 2   # m < p: only m ever in flight
-    for key in ("parameters", "gradients", "optimizer states"):   # the schedule changes activations only
+    assert few["activations"] == per_layer * 8 * 2  # m < p: only m ever in flight
+    for key in ("parameters", "gradients", "optimizer states"):  # the schedule changes activations only
         assert afab[key] == one[key] == breakdown(LLAMA3_8B, **base)[key]
     # Interleaved, v = 2: pairs of (micro-batch, chunk of 4 layers), rank 0's peak from the simulator.
     inter = breakdown(LLAMA3_8B, **base, schedule=interleaved_1f1b(4, 16, v=2), micro_batches=16)
@@ -398,7 +423,7 @@ def test_breakdown_divides_only_the_expert_parameters_by_ep():
     from ultrascale.memory import expert_params
 
     @dataclass(frozen=True)
-    class MoE(GPTConfig):   # the two fields breakdown reads of an MoE config
+    class MoE(GPTConfig):  # the two fields breakdown reads of an MoE config
         experts: int = 8
         top_k: int = 2
 
@@ -407,10 +432,10 @@ def test_breakdown_divides_only_the_expert_parameters_by_ep():
     assert expert_params(moe) == 4 * 8 * (8 * 64 * 64 + 5 * 64)
     for tp, pp in ((1, 1), (2, 2)):
         one, four = breakdown(moe, tp=tp, pp=pp), breakdown(moe, ep=4, tp=tp, pp=pp)
-        saved = expert_params(moe) * 3 / 4 / (tp * pp)   # three quarters of the experts live elsewhere
+        saved = expert_params(moe) * 3 / 4 / (tp * pp)  # three quarters of the experts live elsewhere
         assert one["parameters"] - four["parameters"] == pytest.approx(2 * saved)
         assert one["optimizer states"] - four["optimizer states"] == pytest.approx(12 * saved)
-        assert one["activations"] == four["activations"]   # ep ranks run their own tokens
+        assert one["activations"] == four["activations"]  # ep ranks run their own tokens
     with pytest.raises(ValueError, match="ep=3 does not divide the 8 experts"):
         breakdown(moe, ep=3)
 
@@ -432,5 +457,6 @@ def test_zero_with_ep_shards_dense_states_over_dp_times_ep_and_experts_over_dp()
     for stage in (1, 2, 3):
         got = breakdown(moe, zero_stage=stage, dp=2, ep=4, mixed_precision=True)
         assert got["optimizer states"] == pytest.approx(12 * (dense / 8 + expert_params(moe) / 4 / 2))
-    assert breakdown(GPTConfig(hidden=64, layers=4), zero_stage=1, dp=2, ep=4) == \
-        breakdown(GPTConfig(hidden=64, layers=4), zero_stage=1, dp=2)   # a dense model has no ep
+    assert breakdown(GPTConfig(hidden=64, layers=4), zero_stage=1, dp=2, ep=4) == breakdown(
+        GPTConfig(hidden=64, layers=4), zero_stage=1, dp=2
+    )  # a dense model has no ep

@@ -1,5 +1,6 @@
 """The process mesh: pure layout (coordinates, groups, table, picture, errors) and, on
 real ranks, its process groups, their caching and their agreement with DeviceMesh."""
+
 import pickle
 
 import pytest
@@ -15,11 +16,11 @@ pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
 
 SHAPES = [
     dict(tp=4),
-    dict(dp=2, tp=3),                          # 6 = 2 x 3
-    dict(dp=2, pp=2, tp=2),                    # 8 = 2 x 2 x 2
-    dict(dp=2, pp=1, cp=1, tp=2),              # axes of size 1
-    dict(dp=2, pp=2, cp=2, tp=2),              # four axes
-    dict(dp=2, pp=1, ep=2, cp=1, tp=3),        # all five, ep included
+    dict(dp=2, tp=3),  # 6 = 2 x 3
+    dict(dp=2, pp=2, tp=2),  # 8 = 2 x 2 x 2
+    dict(dp=2, pp=1, cp=1, tp=2),  # axes of size 1
+    dict(dp=2, pp=2, cp=2, tp=2),  # four axes
+    dict(dp=2, pp=1, ep=2, cp=1, tp=3),  # all five, ep included
     dict(pp=3, ep=2),
 ]
 
@@ -88,8 +89,7 @@ def test_ep_is_an_axis_of_the_product_between_pp_and_cp():
 def test_world_size_error_says_what_to_change():
     with pytest.raises(ValueError) as err:
         Mesh(dp=2, tp=3).check_world_size(4)
-    assert str(err.value) == ("dp=2 x tp=3 = 6 ranks, but the cluster has 4: "
-                              "choose sizes whose product is 4")
+    assert str(err.value) == ("dp=2 x tp=3 = 6 ranks, but the cluster has 4: choose sizes whose product is 4")
     Mesh(dp=2, tp=2).check_world_size(4)
 
 
@@ -113,8 +113,7 @@ def test_table_str_and_pickle():
     mesh = Mesh(dp=2, tp=2)
     lines = mesh.table().splitlines()
     assert lines[0].split() == ["rank", "dp", "tp"]
-    assert [line.split() for line in lines[1:]] == [["0", "0", "0"], ["1", "0", "1"],
-                                                    ["2", "1", "0"], ["3", "1", "1"]]
+    assert [line.split() for line in lines[1:]] == [["0", "0", "0"], ["1", "0", "1"], ["2", "1", "0"], ["3", "1", "1"]]
     assert str(mesh).startswith("Mesh(dp=2, tp=2): 4 ranks\n")
     assert pickle.loads(pickle.dumps(mesh)).sizes == mesh.sizes
 
@@ -137,7 +136,7 @@ def reduce_along(ctx, sizes, joint):
     mesh = init_mesh(ctx, joint=joint, **sizes)
     out = {}
     for axes in [(a,) for a in mesh.axes] + [tuple(j) for j in joint]:
-        x = torch.tensor([2.0 ** ctx.rank], dtype=torch.float64, device=ctx.device)
+        x = torch.tensor([2.0**ctx.rank], dtype=torch.float64, device=ctx.device)
         dist.all_reduce(x, group=mesh.group(axes))
         out[axes] = (int(x.item()), mesh.rank_in(axes), dist.get_process_group_ranks(mesh.group(axes)))
     return out
@@ -173,8 +172,10 @@ def device_mesh_agrees(ctx, sizes):
         "names": dm.mesh_dim_names,
         "grid": (dm.mesh.tolist(), mesh.grid().tolist()),
         "coordinate": (list(dm.get_coordinate()), list(mesh.coordinate(ctx.rank).values())),
-        "groups": {a: (dist.get_process_group_ranks(dm[a].get_group()),
-                       dist.get_process_group_ranks(mesh.group(a))) for a in mesh.axes},
+        "groups": {
+            a: (dist.get_process_group_ranks(dm[a].get_group()), dist.get_process_group_ranks(mesh.group(a)))
+            for a in mesh.axes
+        },
     }
 
 
@@ -182,8 +183,7 @@ def wrong_sizes(ctx):
     init_mesh(ctx, dp=2, tp=3)
 
 
-WORLDS = {2: (dict(dp=1, tp=2), []), 3: (dict(pp=1, tp=3), []),
-          4: (dict(dp=2, tp=2), [("dp", "tp")])}
+WORLDS = {2: (dict(dp=1, tp=2), []), 3: (dict(pp=1, tp=3), []), 4: (dict(dp=2, tp=2), [("dp", "tp")])}
 
 
 @pytest.fixture(scope="module", params=sorted(WORLDS), ids=lambda w: f"world{w}")
@@ -198,7 +198,7 @@ def test_all_reduce_over_a_group_sums_exactly_its_ranks(world):
         for axes, (total, rank_in, members) in out.items():
             expected = next(g for g in mesh.group_ranks(axes) if rank in g)
             assert members == expected
-            assert total == sum(2 ** r for r in expected)
+            assert total == sum(2**r for r in expected)
             assert rank_in == expected.index(rank)
 
 

@@ -1,4 +1,5 @@
 """The course model: exact parameter counts, FLOP counts and behaviour of both variants."""
+
 import copy
 import dataclasses
 
@@ -7,10 +8,26 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ultrascale.model import (GPT, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, LLAMA_TINY, GPTConfig, Llama,
-                              LlamaConfig, active_params, attention_flops_per_token, build_model, count_params, hfu,
-                              lm_loss,
-                              matmul_params, mfu, rope_tables, training_flops)
+from ultrascale.model import (
+    GPT,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    LLAMA3_405B,
+    LLAMA_TINY,
+    GPTConfig,
+    Llama,
+    LlamaConfig,
+    active_params,
+    attention_flops_per_token,
+    build_model,
+    count_params,
+    hfu,
+    lm_loss,
+    matmul_params,
+    mfu,
+    rope_tables,
+    training_flops,
+)
 
 torch.set_num_threads(1)
 
@@ -20,7 +37,7 @@ def book_formula(h, v, L):
 
 
 def numel(model):
-    return sum(p.numel() for p in model.parameters())   # parameters() yields a tied weight once
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
 
 
 def test_gpt_matches_book_formula_for_the_course_size():
@@ -46,13 +63,16 @@ def test_llama3_published_sizes():
     assert count_params(LLAMA3_405B) == 405_853_388_800
 
 
-@pytest.mark.parametrize("config", [
-    LLAMA_TINY,
-    LlamaConfig(tie_embeddings=True),
-    LlamaConfig(hidden=96, heads=6, kv_heads=3, ffn=200, layers=3, vocab_size=77),
-    LlamaConfig(hidden=64, heads=4, kv_heads=4, ffn=128),   # plain multi-head attention
-    LlamaConfig(hidden=64, heads=8, kv_heads=1, ffn=96),    # multi-query attention
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        LLAMA_TINY,
+        LlamaConfig(tie_embeddings=True),
+        LlamaConfig(hidden=96, heads=6, kv_heads=3, ffn=200, layers=3, vocab_size=77),
+        LlamaConfig(hidden=64, heads=4, kv_heads=4, ffn=128),  # plain multi-head attention
+        LlamaConfig(hidden=64, heads=8, kv_heads=1, ffn=96),  # multi-query attention
+    ],
+)
 def test_llama_analytic_count_equals_instantiated(config):
     assert count_params(config) == numel(Llama(config))
 
@@ -158,8 +178,8 @@ def test_attention_term_and_causal_half():
 
 def test_mfu_and_hfu():
     c = LLAMA3_8B
-    peak = 989e12                                   # H100 dense bf16
-    tokens_per_s = peak / training_flops(c, 1)      # a rate that would use the whole chip
+    peak = 989e12  # H100 dense bf16
+    tokens_per_s = peak / training_flops(c, 1)  # a rate that would use the whole chip
     assert mfu(tokens_per_s, c, peak) == pytest.approx(1.0)
     assert mfu(tokens_per_s / 2, c, peak) == pytest.approx(0.5)
     assert hfu(1000, c, peak, "full") / mfu(1000, c, peak) == pytest.approx(8 / 6)
@@ -191,10 +211,10 @@ def test_attention_with_a_slice_of_the_heads_is_a_slice_of_attention(config):
             layer.weight = nn.Parameter(layer.weight[keep])
             if layer.bias is not None:
                 layer.bias = nn.Parameter(layer.bias[keep])
-        shard.out.weight = nn.Parameter(shard.out.weight[:, r * q_rows:(r + 1) * q_rows])
-        if shard.out.bias is not None:   # the bias is added once, after the partial sums
+        shard.out.weight = nn.Parameter(shard.out.weight[:, r * q_rows : (r + 1) * q_rows])
+        if shard.out.bias is not None:  # the bias is added once, after the partial sums
             shard.out.bias = nn.Parameter(torch.zeros_like(shard.out.bias) if r else shard.out.bias)
-        total = total + shard(x, cos, sin)   # heads read from shapes: half of them here
+        total = total + shard(x, cos, sin)  # heads read from shapes: half of them here
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
 
 
@@ -212,7 +232,8 @@ def test_attention_core_can_be_replaced_from_outside(recompute):
     def core(attn):
         def recorded(q, k, v):
             calls.append((q.shape[1], k.shape[1], v.shape[1]))
-            return type(attn).core(attn, q, k, v)   # the default core, called from outside
+            return type(attn).core(attn, q, k, v)  # the default core, called from outside
+
         return recorded
 
     for block in replaced.blocks:
@@ -223,7 +244,7 @@ def test_attention_core_can_be_replaced_from_outside(recompute):
     model.loss(idx, idx).backward()
     for (name, p), q in zip(model.named_parameters(), replaced.parameters()):
         assert torch.equal(p.grad, q.grad), name
-    runs = {"none": 2, "selective": 3, "full": 3}[recompute]   # forward, loss forward, recomputation
+    runs = {"none": 2, "selective": 3, "full": 3}[recompute]  # forward, loss forward, recomputation
     assert calls == [(4, 2, 2)] * config.layers * runs
     replaced.blocks[0].attn.core = lambda q, k, v: torch.zeros_like(q)
     assert not torch.allclose(replaced(idx), model(idx))
@@ -257,8 +278,12 @@ def test_pipeline_stages_leave_out_embedding_norm_and_head(config):
 
 
 # --------------------------------------------------------------------------- mixture of experts
-MOE_CONFIGS = [GPTConfig(experts=4), GPTConfig(experts=8, top_k=2, layers=1),
-               LlamaConfig(experts=4, top_k=2), LlamaConfig(experts=3, tie_embeddings=True)]
+MOE_CONFIGS = [
+    GPTConfig(experts=4),
+    GPTConfig(experts=8, top_k=2, layers=1),
+    LlamaConfig(experts=4, top_k=2),
+    LlamaConfig(experts=3, tie_embeddings=True),
+]
 
 
 @pytest.mark.parametrize("config", MOE_CONFIGS)
@@ -285,8 +310,9 @@ def test_moe_flop_formula_is_exact_whatever_the_routing(config):
 def per_token_reference(moe, x):
     """The MoE output computed token by token, the slow obvious way."""
     weights, chosen, _ = moe.router(x)
-    return torch.stack([sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weights[t], chosen[t]))
-                        for t in range(x.shape[0])])
+    return torch.stack(
+        [sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weights[t], chosen[t])) for t in range(x.shape[0])]
+    )
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3])
@@ -300,24 +326,26 @@ def test_moe_gathers_tokens_per_expert_like_a_per_token_loop(top_k):
 
 def test_router_weights_renormalised_for_top_k_above_one():
     from ultrascale.moe import Router
+
     torch.manual_seed(0)
     x = torch.randn(10, 64)
     w2, c2, probs = Router(64, 4, 2)(x)
     torch.testing.assert_close(w2.sum(-1), torch.ones(10))
     assert torch.equal(c2, probs.topk(2).indices)
     router = Router(64, 4, 1)
-    w1, c1, probs = router(x)     # Switch: the probability itself, so the router gets a gradient
+    w1, c1, probs = router(x)  # Switch: the probability itself, so the router gets a gradient
     torch.testing.assert_close(w1[:, 0], probs.max(-1).values)
 
 
 def test_group_limited_routing_keeps_each_token_within_its_groups():
     from ultrascale.moe import Router
+
     torch.manual_seed(0)
     x = torch.randn(200, 64)
     free = Router(64, 8, 4, expert_groups=4)
     limited = Router(64, 8, 4, expert_groups=4, group_limit=2)
     limited.load_state_dict(free.state_dict())
-    groups = lambda chosen: torch.tensor([len(set((c // 2).tolist())) for c in chosen])   # noqa: E731
+    groups = lambda chosen: torch.tensor([len(set((c // 2).tolist())) for c in chosen])  # noqa: E731
     assert groups(limited(x)[1]).max() == 2 < groups(free(x)[1]).max()
     # the groups kept are those whose 4 / 2 = 2 best probabilities add up to the most
     probs = free(x)[2].view(200, 4, 2)
@@ -330,6 +358,7 @@ def test_group_limit_scores_a_group_by_the_sum_of_its_best_experts():
     """DeepSeek-V3: top_k / M experts per group summed, not the single best (DeepSeek-V2's rule).
     Group 0 holds the best expert (0.5) but group 1's two (0.3 + 0.3) add up to more."""
     from ultrascale.moe import limit_groups
+
     scores = torch.tensor([[0.5, 0.0, 0.3, 0.3]], dtype=torch.float64)
     kept = limit_groups(scores, groups=2, limit=1, top_k=2)
     assert torch.equal(kept.isfinite(), torch.tensor([[False, False, True, True]]))
@@ -346,11 +375,12 @@ def test_group_limit_scores_a_group_by_the_sum_of_its_best_experts():
 
 def test_balance_loss_is_one_when_even_and_reaches_the_training_loss():
     from ultrascale.moe import auxiliary_loss, balance_loss
+
     E, seq = 4, 8
     probs = torch.full((2 * seq, E), 1 / E)
     chosen = torch.arange(2 * seq).remainder(E).view(-1, 1)
     assert balance_loss(probs, chosen, E, 2).item() == pytest.approx(1.0)
-    skewed = torch.zeros_like(chosen)               # everything to expert 0, which has prob 1
+    skewed = torch.zeros_like(chosen)  # everything to expert 0, which has prob 1
     assert balance_loss(torch.eye(E)[0].expand(2 * seq, E), skewed, E, 2).item() == pytest.approx(E)
     config = GPTConfig(experts=4, top_k=2, aux_loss_coef=0.01)
     model = GPT(config)

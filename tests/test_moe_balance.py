@@ -4,6 +4,7 @@ The bias may change which experts a token goes to, never the weights given that 
 moves by a fixed speed against each expert's load, outside autograd; and on a toy run whose
 router starts piled onto one expert it brings the load back near the even split.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,21 +31,21 @@ def test_the_bias_changes_the_choice_never_the_weights_of_a_choice(top_k):
     x = torch.randn(200, H, generator=torch.Generator().manual_seed(2))
     w0, c0, p0 = plain(x)
     w1, c1, p1 = biased(x)
-    assert not torch.equal(c0, c1)                  # the bias moved some tokens ...
-    assert torch.equal(p0, p1)                      # ... but not the probabilities
+    assert not torch.equal(c0, c1)  # the bias moved some tokens ...
+    assert torch.equal(p0, p1)  # ... but not the probabilities
     # the weights of the biased choice are the unbiased router's: its probabilities of the chosen
     # experts, renormalised for k > 1 (Mixtral) or the probability itself for k = 1 (Switch)
     expected = p0.gather(-1, c1)
     if top_k > 1:
         expected = expected / expected.sum(-1, keepdim=True)
     assert torch.equal(w1, expected)
-    same = (c0 == c1).all(-1)                       # tokens the bias left alone: identical weights
+    same = (c0 == c1).all(-1)  # tokens the bias left alone: identical weights
     assert same.any() and torch.equal(w0[same], w1[same])
 
 
 def test_a_large_bias_forces_the_choice_and_the_gradient_is_the_unbiased_one():
     bias = torch.zeros(E)
-    bias[[3, 5]] = 10.0                             # more than any probability difference
+    bias[[3, 5]] = 10.0  # more than any probability difference
     plain, biased = router_pair(2, bias)
     x = torch.randn(50, H, generator=torch.Generator().manual_seed(3))
     w, chosen, probs = biased(x)
@@ -58,7 +59,7 @@ def test_a_large_bias_forces_the_choice_and_the_gradient_is_the_unbiased_one():
 
 
 def test_the_update_is_a_fixed_step_against_the_load():
-    load = torch.tensor([10, 2, 5, 3])              # mean 5: overloaded, under, at the mean, under
+    load = torch.tensor([10, 2, 5, 3])  # mean 5: overloaded, under, at the mean, under
     assert torch.equal(bias_update(load, 0.1), torch.tensor([-0.1, 0.1, 0.0, 0.1]))
     # the step does not grow with the imbalance: only its sign counts
     assert torch.equal(bias_update(torch.tensor([1000, 2, 5, 3]), 0.1), torch.tensor([-0.1, 0.1, 0.1, 0.1]))
@@ -67,15 +68,15 @@ def test_the_update_is_a_fixed_step_against_the_load():
 def test_update_selection_bias_sums_the_step_and_clears_it():
     model = MoE(H, GPTConfig(hidden=H, experts=4, top_k=1), lambda: MLP(H))
     router = model.router
-    router.selection_bias.copy_(torch.tensor([10.0, 0, 0, 0]))   # every token to expert 0
-    for _ in range(2):                                            # two micro-batches, one step
+    router.selection_bias.copy_(torch.tensor([10.0, 0, 0, 0]))  # every token to expert 0
+    for _ in range(2):  # two micro-batches, one step
         model(torch.randn(1, 6, H))
     assert router.load.tolist() == [12, 0, 0, 0]
     loads = update_selection_bias(model, 0.5)
     assert [l.tolist() for l in loads] == [[12, 0, 0, 0]] and router.load is None
     assert router.selection_bias.tolist() == [9.5, 0.5, 0.5, 0.5]
     assert update_selection_bias(model, 0.5) == [] and router.selection_bias.tolist() == [9.5, 0.5, 0.5, 0.5]
-    model.eval()                                                  # evaluation is no step's load
+    model.eval()  # evaluation is no step's load
     model(torch.randn(1, 6, H))
     assert router.load is None
 
@@ -83,23 +84,23 @@ def test_update_selection_bias_sums_the_step_and_clears_it():
 def test_the_update_follows_the_load_summed_over_ranks():
     model = MoE(H, GPTConfig(hidden=H, experts=4, top_k=1), lambda: MLP(H))
     model.router.load = torch.tensor([4, 0, 0, 4])
-    other_rank = torch.tensor([0, 8, 0, 0])         # what a second rank counted this step
+    other_rank = torch.tensor([0, 8, 0, 0])  # what a second rank counted this step
     loads = update_selection_bias(model, 1.0, sum_over_ranks=lambda t: t.add_(other_rank))
-    assert loads[0].tolist() == [4, 8, 0, 4]         # mean 4: only experts 1 and 2 move
+    assert loads[0].tolist() == [4, 8, 0, 4]  # mean 4: only experts 1 and 2 move
     assert model.router.selection_bias.tolist() == [0.0, -1.0, 1.0, 0.0]
 
 
 def test_the_bias_is_a_buffer_outside_autograd():
     model = MoE(H, GPTConfig(hidden=H, experts=4, top_k=2), lambda: MLP(H))
-    assert "router.selection_bias" in model.state_dict()          # saved with the model ...
-    assert all(p is not model.router.selection_bias for p in model.parameters())   # ... never optimised
+    assert "router.selection_bias" in model.state_dict()  # saved with the model ...
+    assert all(p is not model.router.selection_bias for p in model.parameters())  # ... never optimised
     model(torch.randn(2, 8, H)).square().sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     update_selection_bias(model, 0.1)
     bias = model.router.selection_bias
     assert not bias.requires_grad and bias.grad is None and bias.abs().sum() > 0
-    for n, p in model.named_parameters():                         # nothing else was touched
+    for n, p in model.named_parameters():  # nothing else was touched
         assert torch.equal(p.grad, grads[n]) and torch.equal(p.detach(), weights[n])
 
 
@@ -116,8 +117,8 @@ def skewed_run(balance: bool, seed: int = 0) -> list[float]:
     """
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    teacher_a = torch.randn(H, 4 * H, generator=g) / H**0.5       # the function to fit: a fixed MLP
-    teacher_b = torch.randn(4 * H, H, generator=g) / (4 * H)**0.5
+    teacher_a = torch.randn(H, 4 * H, generator=g) / H**0.5  # the function to fit: a fixed MLP
+    teacher_b = torch.randn(4 * H, H, generator=g) / (4 * H) ** 0.5
     mu = torch.randn(H, generator=g)
     model = MoE(H, GPTConfig(hidden=H, experts=E, top_k=2), lambda: MLP(H))
     with torch.no_grad():
@@ -141,7 +142,7 @@ def skewed_run(balance: bool, seed: int = 0) -> list[float]:
 def test_the_loss_free_update_balances_a_skewed_router():
     before = skewed_run(balance=False)
     after = skewed_run(balance=True)
-    tail = lambda run: sum(run[-20:]) / 20          # noqa: E731
+    tail = lambda run: sum(run[-20:]) / 20  # noqa: E731
     # Both start piled on expert 0. Without balancing it stays there: the mean of the last 20
     # steps was 3.77 at seed 0 (3.05-4.00 over seeds 0-11), so > 2.5. With the update it was 1.33
     # (1.32-1.39 over seeds 0-11). A router choosing uniformly at random measures 1.24 +- 0.09 here

@@ -101,10 +101,13 @@ papermill.execute_notebook(notebook, out, cwd=cwd, kernel_name="python3", progre
 
 def _papermill(notebook: str, world_size: int, out: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
     command = [sys.executable, "-c", RUN_ONE, str(CHAPTERS / notebook), str(out), str(CHAPTERS), str(world_size)]
-    env = {**os.environ, "ULTRASCALE_STRICT_DEVICE": "1", "ULTRASCALE_STRICT_P2P": "1"}   # the kernel's clusters inherit it
+    env = {
+        **os.environ,
+        "ULTRASCALE_STRICT_DEVICE": "1",
+        "ULTRASCALE_STRICT_P2P": "1",
+    }  # the kernel's clusters inherit it
     with log.open("w") as sink:
-        return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env)
+        return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
 def _run_all(runs: list, folder: pathlib.Path, at_once: int = RUNS_AT_ONCE) -> dict:
@@ -114,8 +117,11 @@ def _run_all(runs: list, folder: pathlib.Path, at_once: int = RUNS_AT_ONCE) -> d
         while waiting and len(running) < at_once:
             notebook, world_size = run = waiting.pop(0)
             log = folder / f"{notebook}-{world_size}.log"
-            running[run] = (_papermill(notebook, world_size, folder / f"{world_size}-{notebook}", log), log,
-                            time.monotonic())
+            running[run] = (
+                _papermill(notebook, world_size, folder / f"{world_size}-{notebook}", log),
+                log,
+                time.monotonic(),
+            )
         for run, (proc, log, started) in list(running.items()):
             if proc.poll() is None and time.monotonic() - started > RUN_TIMEOUT:
                 proc.kill()
@@ -130,8 +136,11 @@ def _run_all(runs: list, folder: pathlib.Path, at_once: int = RUNS_AT_ONCE) -> d
 @pytest.fixture(scope="session")
 def papermill_runs(request, tmp_path_factory) -> dict:
     """The selected tests' papermill runs, made together (see the module's docstring)."""
-    wanted = [tuple(item.callspec.params[k] for k in ("notebook", "world_size")) for item in request.session.items
-              if getattr(item, "originalname", None) == "test_chapter_runs_with_papermill"]
+    wanted = [
+        tuple(item.callspec.params[k] for k in ("notebook", "world_size"))
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_chapter_runs_with_papermill"
+    ]
     return _run_all(wanted, tmp_path_factory.mktemp("papermill"))
 
 
@@ -139,8 +148,10 @@ def papermill_runs(request, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("notebook, world_size", list(_runs()))
 def test_chapter_runs_with_papermill(notebook, world_size, papermill_runs):
     returncode, log = papermill_runs[notebook, world_size]
-    assert returncode == 0, f"{notebook} at WORLD_SIZE={world_size} failed (exit code {returncode}, "\
-                            f"{RUN_TIMEOUT} s allowed):\n{log[-6000:]}"
+    assert returncode == 0, (
+        f"{notebook} at WORLD_SIZE={world_size} failed (exit code {returncode}, "
+        f"{RUN_TIMEOUT} s allowed):\n{log[-6000:]}"
+    )
     for noise in ("Kernel is running over TCP without encryption", "KeyboardInterrupt caught in kernel"):
         assert noise not in log, f"a command-line run printed the kernel's {noise!r} (ultrascale.headless)"
 
@@ -157,10 +168,15 @@ def fixed_cluster_sizes(notebook: str) -> list:
     cells = list(_code_cells(notebook))
     trees = [tree for _, tree in cells]
     # numbers written in the chapter, not its parameters (WORLD_SIZE is one: papermill sets it)
-    constants = {t.id: n.value.value for is_parameters, tree in cells if not is_parameters
-                 for n in ast.walk(tree) if isinstance(n, ast.Assign)
-                 and isinstance(n.value, ast.Constant) and isinstance(n.value.value, int)
-                 for t in n.targets if isinstance(t, ast.Name)}
+    constants = {
+        t.id: n.value.value
+        for is_parameters, tree in cells
+        if not is_parameters
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, int)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
     sizes = []
     for call in (n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Call)):
         if getattr(call.func, "id", getattr(call.func, "attr", None)) in ("Cluster", "shared_cluster"):
@@ -181,4 +197,4 @@ def test_the_chapters_left_out_start_no_ranks_whose_number_depends_on_world_size
 
 def test_the_static_reading_of_cluster_sizes():
     assert fixed_cluster_sizes("12_mixed_precision.ipynb") == [2]
-    assert None in fixed_cluster_sizes("02_data_parallelism.ipynb")   # Cluster(WORLD_SIZE)
+    assert None in fixed_cluster_sizes("02_data_parallelism.ipynb")  # Cluster(WORLD_SIZE)

@@ -1,6 +1,7 @@
 """A3's overlap ratios (ultrascale.overlap): each one is t_comm / t_compute of the book's two
 lines, simplifies to the book's closed form (DP: to the derived form), and depends on what
 the book says it depends on."""
+
 import math
 
 import numpy as np
@@ -54,12 +55,13 @@ def test_bus_bandwidth_conventions_agree_with_comm():
 
 
 def test_numbers_arrays_and_the_four_ratios():
-    r = overlap.overlap_ratios(h=4096, seq=4096, mbs=1, tp=8, dp=64, layers_per_stage=4,
-                               peak_flops=989e12, peak_bw=450e9)
+    r = overlap.overlap_ratios(
+        h=4096, seq=4096, mbs=1, tp=8, dp=64, layers_per_stage=4, peak_flops=989e12, peak_bw=450e9
+    )
     assert set(r) == {"DP", "ZeRO-3", "TP", "PP"}
     assert math.isclose(r["TP"], 7 / 8192 * 989e12 / 450e9)
     assert math.isclose(r["PP"], 989e12 / (32 * 4096 * 4 * 450e9))
-    assert math.isclose(r["DP"], r["ZeRO-3"])   # same tokens: the whole gradient vs one block, same ratio
+    assert math.isclose(r["DP"], r["ZeRO-3"])  # same tokens: the whole gradient vs one block, same ratio
     hs = np.array([1024, 4096, 16384])
     assert np.all(np.diff(overlap.tp_ratio(hs, 8, 989e12, 450e9)) < 0)
     assert math.isclose(overlap.dp_ratio(64, 10**6, 2, 1e10, 1e9, bytes_per_element=4), 4 * 0.5 / 128 * 10)

@@ -1,4 +1,5 @@
 """The parity harness itself: seeded data and its slices, the one training loop, the comparisons."""
+
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ def fresh():
 def test_batches_are_seeded_and_ranks_tile_the_global_batch():
     a, b = DATA.global_batch(1, 3), DATA.global_batch(1, 3)
     assert torch.equal(a.inputs, b.inputs) and a.inputs.shape == (6, 12)
-    assert torch.equal(a.targets[:, :-1], a.inputs[:, 1:])            # next-token targets
+    assert torch.equal(a.targets[:, :-1], a.inputs[:, 1:])  # next-token targets
     assert not torch.equal(DATA.global_batch(2, 3).inputs, a.inputs)  # another step, other tokens
     assert not torch.equal(DATA.global_batch(1, 3, micro=1).inputs, a.inputs)
     rows = [DATA.rank_batch(r, 3, 1).inputs for r in range(3)]
@@ -42,10 +43,10 @@ def test_sequence_split_keeps_global_positions():
 
 
 def test_zigzag_sequence_split_pairs_an_early_chunk_with_a_late_one():
-    batch = DATA.global_batch(0)   # 12 tokens: 6 chunks of 2 over 3 ranks
+    batch = DATA.global_batch(0)  # 12 tokens: 6 chunks of 2 over 3 ranks
     pieces = [split(batch, r, 3, by="sequence", layout="zigzag") for r in range(3)]
     assert [p.positions.tolist() for p in pieces] == [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
-    for p in pieces:   # the tokens and targets at those positions
+    for p in pieces:  # the tokens and targets at those positions
         assert torch.equal(p.inputs, batch.inputs[:, p.positions])
         assert torch.equal(p.targets, batch.targets[:, p.positions])
     assert torch.equal(DATA.rank_stream(1, 3, by="sequence", layout="zigzag")(0).positions, pieces[1].positions)
@@ -70,8 +71,9 @@ def test_accumulation_over_micro_batches_equals_the_whole_batch():
     whole = train(fresh(), DATA.global_stream(4), 2, "sgd")
     accumulated = train(fresh(), lambda step, micro: DATA.rank_batch(micro, 4, step), 2, "sgd", grad_acc=4)
     assert_same(accumulated, whole, "grad_acc 4 vs whole batch")
-    summed = train(fresh(), lambda step, micro: DATA.rank_batch(micro, 4, step), 2,
-                   "sgd", grad_acc=1)   # only the first quarter: a different (wrong) gradient
+    summed = train(
+        fresh(), lambda step, micro: DATA.rank_batch(micro, 4, step), 2, "sgd", grad_acc=1
+    )  # only the first quarter: a different (wrong) gradient
     with pytest.raises(AssertionError, match="grad_acc"):
         assert_same(summed, whole, "grad_acc")
 
@@ -85,7 +87,7 @@ def test_assert_same_fails_on_plausible_wrong_answers():
     with pytest.raises(AssertionError, match="sum check"):
         assert_same(doubled, reference, "sum check")
     assert max_difference(doubled, reference) > 100 * tolerance("sgd")["atol"]
-    one_step = train(fresh(), DATA.global_stream(2), 2, "sgd")   # a lost step
+    one_step = train(fresh(), DATA.global_stream(2), 2, "sgd")  # a lost step
     with pytest.raises(AssertionError):
         assert_same(one_step, reference)
     with pytest.raises(AssertionError, match="missing"):
@@ -96,7 +98,7 @@ def test_assert_same_fails_on_plausible_wrong_answers():
 
 
 def test_tolerances_are_stated_per_dtype_and_optimizer():
-    assert tolerance("sgd")["atol"] < tolerance("adam")["atol"]      # Adam magnifies rounding
+    assert tolerance("sgd")["atol"] < tolerance("adam")["atol"]  # Adam magnifies rounding
     assert tolerance("adamw") == tolerance("adam")
     assert tolerance("sgd", torch.float64)["atol"] < 1e-9
     assert_same(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64) + 1e-13)
@@ -114,7 +116,7 @@ def test_weights_and_gradients_are_plain_cpu_copies():
     DATA.global_batch(0).loss(model).backward()
     grads, params = gradients(model), weights(model)
     assert set(grads) == set(params) == {n for n, _ in model.named_parameters()}
-    params["embed.weight"].zero_()   # a copy: the model is untouched
+    params["embed.weight"].zero_()  # a copy: the model is untouched
     assert model.embed.weight.abs().sum() > 0
     assert isinstance(Batch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long)).to("cpu"), Batch)
 
@@ -127,7 +129,7 @@ def test_refusal_returns_the_refused_message_and_fails_when_nothing_is_refused()
 
     assert refusal(bad) == "ValueError: cp=3 does not divide 8 chunks"
     with pytest.raises(AssertionError, match="accepted"):
-        refusal(lambda: 42)                          # accepted: a chapter must not print a refusal
+        refusal(lambda: 42)  # accepted: a chapter must not print a refusal
     with pytest.raises(KeyError):
-        refusal(lambda: {}["x"])                     # another error is a bug, not a refusal
+        refusal(lambda: {}["x"])  # another error is a bug, not a refusal
     assert refusal(lambda: {}["x"], KeyError) == "KeyError: 'x'"

@@ -16,6 +16,7 @@ all-reduce), and PyTorch's schedules add the micro-batches' gradients in their o
 rounding of ~1e-16 relative, which the float64 tolerances (1e-10 for one backward and for
 SGD) allow and a wrong scale, a lost micro-batch or a missing tied part cannot meet.
 """
+
 import contextlib
 
 import matplotlib
@@ -29,8 +30,13 @@ from ultrascale.parallel.mesh import init_mesh
 from ultrascale.parallel.pipeline_parallel import apply_pp, backward_input, backward_weight, build_stage, split_layers
 from ultrascale.parallel.timeline import Timeline
 from ultrascale.parity import assert_same
-from ultrascale.parity.pipeline_runs import (assert_same_as_one_process, calibrate_compute, first_step_and_train,
-                                             one_process, pytorch_pipeline)
+from ultrascale.parity.pipeline_runs import (
+    assert_same_as_one_process,
+    calibrate_compute,
+    first_step_and_train,
+    one_process,
+    pytorch_pipeline,
+)
 from ultrascale.runtime import shared_cluster
 
 # every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
@@ -41,16 +47,16 @@ from ultrascale.viz.schedule import draw
 
 matplotlib.use("Agg")
 
-CFG = GPTConfig(vocab_size=64, hidden=32, layers=8, heads=2, seq_len=8)   # 8 layers: p=4 with v=2
+CFG = GPTConfig(vocab_size=64, hidden=32, layers=8, heads=2, seq_len=8)  # 8 layers: p=4 with v=2
 DT = torch.float64
-M = 5        # micro-batches per step: not a multiple of p = 2, 3 or 4
+M = 5  # micro-batches per step: not a multiple of p = 2, 3 or 4
 STEPS = 3
 
 
 def fresh_model():
     torch.manual_seed(0)
     model = GPT(CFG).to(DT)
-    with torch.no_grad():   # biases away from 0, norm weights away from 1: every gradient path shows
+    with torch.no_grad():  # biases away from 0, norm weights away from 1: every gradient path shows
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return model
@@ -115,9 +121,9 @@ def assert_matches_reference(results, m, what):
 # --------------------------------------------------------------------------- parity
 # DualPipeV needs m >= 2p: m = 7 on 3 ranks. Interleaved on 2 ranks and DualPipeV on 3 also
 # receive some messages before they are needed (not in the order a rank needs them).
-CASES = [(p, name, v, M) for p in (2, 3, 4) for name, v in
-         (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))] + [(2, "dualpipe-v", 2, M),
-                                                                          (3, "dualpipe-v", 2, 7)]
+CASES = [
+    (p, name, v, M) for p in (2, 3, 4) for name, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+] + [(2, "dualpipe-v", 2, M), (3, "dualpipe-v", 2, 7)]
 
 
 @pytest.mark.parametrize("p,schedule,v,m", CASES, ids=[f"p{p}-{s}-m{m}" for p, s, _, m in CASES])
@@ -149,10 +155,12 @@ def test_same_as_torch_distributed_pipelining(schedule, v):
 def _warmup_peers(ctx, p):
     """Whom each of this rank's DualPipeV stages would send or receive its warm-up tensor from."""
     pipe = pytorch_pipeline(fresh_model().to(ctx.device), schedule="dualpipe-v", microbatches=2 * p, chunks=2)
-    for stage in pipe.torch_schedule._stages:   # the schedule sets this map before its first step
+    for stage in pipe.torch_schedule._stages:  # the schedule sets this map before its first step
         stage.stage_index_to_group_rank = {s: min(s, 2 * p - 1 - s) for s in range(2 * p)}
-    return {stage.stage_index: sorted(op.group_peer for op in stage._get_init_p2p_neighbors_ops())
-            for stage in pipe.torch_schedule._stages}
+    return {
+        stage.stage_index: sorted(op.group_peer for op in stage._get_init_p2p_neighbors_ops())
+        for stage in pipe.torch_schedule._stages
+    }
 
 
 def test_dualpipe_v_warm_up_sends_nothing_to_its_own_rank():
@@ -179,9 +187,10 @@ def assert_same_lists(torch_lists, schedule, name):
 
 
 def _torch_orders(ctx, m):
-    return {name: pytorch_pipeline(fresh_model().to(ctx.device), schedule=name, microbatches=m,
-                                   chunks=v).pipeline_order()
-            for name, v in TORCH_CASES}
+    return {
+        name: pytorch_pipeline(fresh_model().to(ctx.device), schedule=name, microbatches=m, chunks=v).pipeline_order()
+        for name, v in TORCH_CASES
+    }
 
 
 def test_action_lists_same_as_pytorchs_on_4_ranks():
@@ -194,12 +203,14 @@ def test_action_lists_same_as_pytorchs_on_4_ranks():
 def test_split_backward_is_the_whole_backward():
     """B (input gradient, graph kept) then W (weight gradients, accumulated) give what one
     backward() gives, on a stage that takes hidden states, over two micro-batches."""
+
     def stage():
         model = fresh_model()
         return build_stage(model, range(2, 5), first=False, last=False)
 
-    xs = [torch.randn(1, CFG.seq_len, CFG.hidden, dtype=DT, generator=torch.Generator().manual_seed(i))
-          for i in range(2)]
+    xs = [
+        torch.randn(1, CFG.seq_len, CFG.hidden, dtype=DT, generator=torch.Generator().manual_seed(i)) for i in range(2)
+    ]
     dys = [torch.randn_like(x) for x in xs]
     whole, split = stage(), stage()
     want = []
@@ -251,10 +262,9 @@ def test_timeline_and_communication_are_logged():
     # Each micro-batch crosses the one link twice: its activation forward, its gradient back;
     # then the first and last stage swap their parts of the tied embedding's gradient, the send
     # and the receive posted as one batch (both go to one peer: NCCL's rule, comm.ring.exchange).
-    activation = 1 * CFG.seq_len * CFG.hidden * 8   # a row of hidden states in float64
+    activation = 1 * CFG.seq_len * CFG.hidden * 8  # a row of hidden states in float64
     embedding = CFG.vocab_size * CFG.hidden * 8
-    assert results[0]["p2p"] == {"isend": 4 * activation, "irecv": 4 * activation,
-                                 "batch_isend_irecv": 2 * embedding}
+    assert results[0]["p2p"] == {"isend": 4 * activation, "irecv": 4 * activation, "batch_isend_irecv": 2 * embedding}
 
 
 def test_calibrated_compute_sleeps_the_stated_times():
@@ -294,12 +304,15 @@ def _apply(ctx, **options):
     apply_pp(fresh_model().to(ctx.device), **options)
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(schedule="interleaved", microbatches=4, chunks=5), "10 stages but the model has 8 layers"),
-    (dict(schedule="1f1b", microbatches=0), "m=0"),
-    (dict(schedule="1f1b"), "microbatches=m"),
-    (dict(schedule=make_schedule("1f1b", 3, 4)), "p=3 ranks but the pipeline group has 2"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(schedule="interleaved", microbatches=4, chunks=5), "10 stages but the model has 8 layers"),
+        (dict(schedule="1f1b", microbatches=0), "m=0"),
+        (dict(schedule="1f1b"), "microbatches=m"),
+        (dict(schedule=make_schedule("1f1b", 3, 4)), "p=3 ranks but the pipeline group has 2"),
+    ],
+)
 def test_bad_input_on_the_ranks(options, message):
     with pytest.raises(Exception, match=message):
         run_on(2, _apply, **options)
@@ -309,6 +322,7 @@ def test_a_pipeline_is_not_called_like_a_model():
     def call(ctx):
         pipe = apply_pp(fresh_model().to(ctx.device), schedule="1f1b", microbatches=2)
         pipe(torch.zeros(1, 8, dtype=torch.long, device=ctx.device))
+
     with pytest.raises(Exception, match=r"call pipe\.step\(micro_batches\)"):
         run_on(2, call)
 
@@ -318,10 +332,10 @@ def _subset_pipeline_then_all(ctx):
 
     from ultrascale.parallel.pipeline_messages import twin_group
 
-    sub = ctx.new_group([1, 2])            # made by every rank; only ranks 1 and 2 register it
+    sub = ctx.new_group([1, 2])  # made by every rank; only ranks 1 and 2 register it
     if ctx.rank in (1, 2):
-        twin_group(sub)                    # a pipeline over ranks 1 and 2 makes its twin
-    twin = twin_group(ctx.group)           # then one over all three: before the fix, a hang
+        twin_group(sub)  # a pipeline over ranks 1 and 2 makes its twin
+    twin = twin_group(ctx.group)  # then one over all three: before the fix, a hang
     t = torch.full((1,), float(ctx.rank), device=ctx.device)
     dist.all_reduce(t, group=twin)
     return t.item()

@@ -1,6 +1,7 @@
 """The planner's counts (chapter 10's calibration): the FLOPs and bytes its step-time model
 charges, against what a real step of the course's techniques does. Counts depend on shapes,
 not on the machine's load, so these checks are exact or tight and never timing-dependent."""
+
 import pytest
 
 from ultrascale.model import count_params
@@ -36,7 +37,7 @@ def test_real_steps_cost_what_the_model_charges(counted):
     # DP's all-reduce and PP's sends are exactly the model's bytes
     assert counts["DP"]["bytes_ratio"] == pytest.approx(1.0)
     assert counts["PP"]["bytes_ratio"] == pytest.approx(1.0)
-    for name, c in counts.items():   # the chapter's bands: a model wrong by 2x fails them
+    for name, c in counts.items():  # the chapter's bands: a model wrong by 2x fails them
         assert 1 / 1.25 <= c["flops_ratio"] <= 1.25, (name, c)
         assert 1 / 1.5 <= c["bytes_ratio"] <= 1.5, (name, c)
 

@@ -4,6 +4,7 @@ Exact values where the arithmetic is exact (field widths, epsilons, counts, byte
 quantised value that lies on the FP8 grid); bounds from the formats' rounding where it is
 not. Tolerances and their reasons are written beside each check.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,11 +16,39 @@ import torch.nn as nn
 from ultrascale.data import Batches
 from ultrascale.memory import model_state_bytes
 from ultrascale.model import GPT, GPTConfig
-from ultrascale.precision import (BOOK_TABLE, DTYPES, E4M3, E5M2, FP8_RECIPES, RECIPES, DynamicLossScaler, FP8Linear,
-                                  FP8Recipe, Quantised, ScaledOptimizer, apply_fp8, decode, dequantize,
-                                  dequantize_tiles, distinct_inside, fp8_gemm, fp8_max, layout, layouts, memory_row,
-                                  quantize_per_tensor, quantize_tiles, reduction, relative_error, rounding_bound,
-                                  state_bytes, tile_grid, tile_scaled_matmul, train_losses, update_scale)
+from ultrascale.precision import (
+    BOOK_TABLE,
+    DTYPES,
+    E4M3,
+    E5M2,
+    FP8_RECIPES,
+    RECIPES,
+    DynamicLossScaler,
+    FP8Linear,
+    FP8Recipe,
+    Quantised,
+    ScaledOptimizer,
+    apply_fp8,
+    decode,
+    dequantize,
+    dequantize_tiles,
+    distinct_inside,
+    fp8_gemm,
+    fp8_max,
+    layout,
+    layouts,
+    memory_row,
+    quantize_per_tensor,
+    quantize_tiles,
+    reduction,
+    relative_error,
+    rounding_bound,
+    state_bytes,
+    tile_grid,
+    tile_scaled_matmul,
+    train_losses,
+    update_scale,
+)
 from ultrascale.train import make_optimizer, train, weights
 
 torch.set_num_threads(1)
@@ -35,21 +64,21 @@ def test_the_book_table_is_what_torch_finfo_gives():
 
 def test_epsilons_exact_and_the_books_slips():
     eps = {name: layout(dtype).eps for name, dtype in DTYPES.items()}
-    assert eps["float32"] == torch.finfo(torch.float32).eps == 1.1920928955078125e-07 == 2.0 ** -23
-    assert eps["float16"] == 9.765625e-04 == 2.0 ** -10
-    assert eps["bfloat16"] == 7.8125e-03 == 2.0 ** -7
-    assert eps["bfloat16"] / eps["float16"] == 8          # the book says 10x
-    assert f"{eps['float32']:.2e}" == "1.19e-07"          # 1.19 x 10^-7, not 1.19^-7
-    assert 1.19 ** -7 > 0.29                               # what "1.19^{-7}" would literally be
+    assert eps["float32"] == torch.finfo(torch.float32).eps == 1.1920928955078125e-07 == 2.0**-23
+    assert eps["float16"] == 9.765625e-04 == 2.0**-10
+    assert eps["bfloat16"] == 7.8125e-03 == 2.0**-7
+    assert eps["bfloat16"] / eps["float16"] == 8  # the book says 10x
+    assert f"{eps['float32']:.2e}" == "1.19e-07"  # 1.19 x 10^-7, not 1.19^-7
+    assert 1.19**-7 > 0.29  # what "1.19^{-7}" would literally be
 
 
 def test_ranges():
     f32, f16, bf16, e4m3, e5m2 = (layout(d) for d in DTYPES.values())
     assert bf16.smallest_normal == f32.smallest_normal and abs(bf16.max / f32.max - 1) < 0.01
-    assert e5m2.smallest_normal == f16.smallest_normal == 2.0 ** -14
+    assert e5m2.smallest_normal == f16.smallest_normal == 2.0**-14
     assert e4m3.max == 448 and e5m2.max == 57344 and f16.max == 65504
-    assert e4m3.smallest_subnormal == 2.0 ** -9 and e5m2.smallest_subnormal == 2.0 ** -16
-    assert 76 < f32.decades() < 77 and 83 < f32.decades(subnormals=True) < 84   # "80 orders of magnitude"
+    assert e4m3.smallest_subnormal == 2.0**-9 and e5m2.smallest_subnormal == 2.0**-16
+    assert 76 < f32.decades() < 77 and 83 < f32.decades(subnormals=True) < 84  # "80 orders of magnitude"
     assert e4m3.decades() < e5m2.decades() == pytest.approx(f16.decades(), abs=0.06)
     # the smallest subnormal is really the smallest: half of it rounds (to even) to zero
     for lay in (f16, e4m3, e5m2):
@@ -69,12 +98,12 @@ def test_decode_known_values():
     assert (f.sign, f.exponent, f.mantissa, f.kind, f.bit_string()) == (0, 7, 4, "normal", "0 0111 100")
     f = decode(-5.734e7, torch.float32)
     assert (f.sign, f.exponent - 127) == (1, 25) and f.value == -57340000.0
-    assert decode(448, E4M3).bit_string() == "0 1111 110"                 # e4m3 uses its top exponent
+    assert decode(448, E4M3).bit_string() == "0 1111 110"  # e4m3 uses its top exponent
     assert decode(torch.tensor([float("nan")]).to(E4M3)).kind == "nan"
     assert decode(torch.tensor(float("-inf")).to(E5M2)).kind == "inf"
     assert decode(torch.tensor(-0.0)).sign == 1 and decode(torch.tensor(-0.0)).kind == "zero"
-    f = decode(2.0 ** -16, E5M2)
-    assert (f.exponent, f.mantissa, f.kind, f.value) == (0, 1, "subnormal", 2.0 ** -16)
+    f = decode(2.0**-16, E5M2)
+    assert (f.exponent, f.mantissa, f.kind, f.value) == (0, 1, "subnormal", 2.0**-16)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()))
@@ -100,9 +129,10 @@ def test_decode_refuses_what_it_cannot_read():
 
 # --------------------------------------------------------------------------- quantisation
 def test_per_tensor_round_trip_is_exact_on_the_grid():
-    grid = torch.tensor([v for v in torch.arange(256, dtype=torch.uint8).view(E4M3).float().tolist()
-                         if math.isfinite(v)])           # every finite e4m3 value, amax 448
-    for factor in (1.0, 2.0 ** -20, 2.0 ** 10):           # a power-of-two scale keeps the grid exact
+    grid = torch.tensor(
+        [v for v in torch.arange(256, dtype=torch.uint8).view(E4M3).float().tolist() if math.isfinite(v)]
+    )  # every finite e4m3 value, amax 448
+    for factor in (1.0, 2.0**-20, 2.0**10):  # a power-of-two scale keeps the grid exact
         q, scale = quantize_per_tensor(grid * factor)
         assert scale.item() == factor and q.dtype == E4M3
         assert torch.equal(dequantize(q, scale), grid * factor)
@@ -165,12 +195,12 @@ def test_tiles_contain_an_outlier():
     # subnormal, so with one scale the ordinary values fall to zero or to its last few steps.
     x[7, 300] = 1e6
     ordinary = torch.ones_like(x, dtype=torch.bool)
-    ordinary[7, 256:384] = False   # the outlier's own tile
+    ordinary[7, 256:384] = False  # the outlier's own tile
     q, scale = quantize_per_tensor(x)
     per_tensor = relative_error(dequantize(q, scale)[ordinary], x[ordinary])
     q, scales = quantize_tiles(x, (1, 128))
     tiled = relative_error(dequantize_tiles(q, scales, (1, 128))[ordinary], x[ordinary])
-    assert tiled < 0.05 < 0.5 < per_tensor   # tiles: e4m3's usual ~3%; one scale: most values lost
+    assert tiled < 0.05 < 0.5 < per_tensor  # tiles: e4m3's usual ~3%; one scale: most values lost
 
 
 # --------------------------------------------------------------------------- the FP8 linear
@@ -203,7 +233,7 @@ def test_fp8_linear_is_the_gemms_of_its_quantised_operands(name):
     linear, x, dy = _linear_case(0)
     y, dx, dw, db = _fp8_run(linear, x, dy, recipe)
     x2, dy2, w = x.reshape(-1, 200), dy.reshape(-1, 300), linear.weight.detach()
-    deq = lambda t, tile, dtype: Quantised.of(t, tile, dtype).dequantize()   # noqa: E731
+    deq = lambda t, tile, dtype: Quantised.of(t, tile, dtype).dequantize()  # noqa: E731
     f, gd = recipe.forward_dtype, recipe.grad_dtype
     wq = deq(w, recipe.weight_tile, f)
     y_ref = deq(x2, recipe.activation_tile(), f) @ wq.t() + linear.bias.detach()
@@ -213,7 +243,7 @@ def test_fp8_linear_is_the_gemms_of_its_quantised_operands(name):
     torch.testing.assert_close(y.reshape(-1, 300), y_ref, **close)
     torch.testing.assert_close(dx.reshape(-1, 200), dx_ref, **close)
     torch.testing.assert_close(dw, dw_ref, **close)
-    torch.testing.assert_close(db, dy2.sum(0), **close)   # the bias stays in float32
+    torch.testing.assert_close(db, dy2.sum(0), **close)  # the bias stays in float32
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "tilewise"])
@@ -228,8 +258,13 @@ def test_fp8_linear_against_float32(name):
     yr = linear(xr)
     yr.backward(dy)
     for got, want in ((y, yr.detach()), (dx, xr.grad), (dw, linear.weight.grad)):
-        assert 0.01 < relative_error(got - linear.bias.detach() if got is y else got,
-                                     want - linear.bias.detach() if got is y else want) < 0.1
+        assert (
+            0.01
+            < relative_error(
+                got - linear.bias.detach() if got is y else got, want - linear.bias.detach() if got is y else want
+            )
+            < 0.1
+        )
 
 
 def test_scaled_mm_and_the_tile_loop_agree_with_dequantised_matmul():
@@ -239,8 +274,13 @@ def test_scaled_mm_and_the_tile_loop_agree_with_dequantised_matmul():
         qa, qb = Quantised.of(a, None, da), Quantised.of(b, None, db)
         torch.testing.assert_close(fp8_gemm(qa, qb), qa.dequantize() @ qb.dequantize(), rtol=1e-5, atol=1e-5)
         # on a CPU fp8_gemm computes the FP8 product in float32: torch's own FP8 GEMM agrees
-        theirs = torch._scaled_mm(qa.q, qb.q.t().contiguous().t(), scale_a=qa.scale.reshape(()),
-                                  scale_b=qb.scale.reshape(()), out_dtype=torch.float32)
+        theirs = torch._scaled_mm(
+            qa.q,
+            qb.q.t().contiguous().t(),
+            scale_a=qa.scale.reshape(()),
+            scale_b=qb.scale.reshape(()),
+            out_dtype=torch.float32,
+        )
         torch.testing.assert_close(fp8_gemm(qa, qb), theirs, rtol=1e-5, atol=1e-5)
     qa, qb = Quantised.of(a, (1, 128), E4M3), Quantised.of(b, (128, 128), E4M3)
     torch.testing.assert_close(tile_scaled_matmul(qa, qb), qa.dequantize() @ qb.dequantize(), rtol=1e-5, atol=1e-5)
@@ -253,7 +293,7 @@ def test_apply_fp8_swaps_the_blocks_linears_from_outside():
     apply_fp8(model, recipe="tilewise")
     fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
     assert len(fp8) == CFG.layers * 6 and all(n.startswith("blocks.") for n in fp8)
-    assert type(model.head) is nn.Linear and model.head.weight is model.embed.weight   # still tied
+    assert type(model.head) is nn.Linear and model.head.weight is model.embed.weight  # still tied
     assert [n for n, _ in model.named_parameters()] == names
     assert model.blocks[0].attn.q.recipe.name == "tilewise"
     with pytest.raises(ValueError, match="matches no nn.Linear"):
@@ -289,20 +329,22 @@ def test_train_losses_is_the_course_loop():
 def test_update_rule_matches_pytorchs_kernel():
     g = torch.Generator().manual_seed(5)
     for interval in (1, 3, 2000):
-        scale, tracker = 2.0 ** 16, 0
+        scale, tracker = 2.0**16, 0
         s, t = torch.tensor([scale]), torch.tensor([0], dtype=torch.int32)
         for found in (torch.rand(300, generator=g) < 0.1).tolist():
             scale, tracker = update_scale(scale, tracker, found, growth_interval=interval)
             torch._amp_update_scale_(s, t, torch.tensor([float(found)]), 2.0, 0.5, interval)
             assert (scale, tracker) == (s.item(), t.item())
-    assert update_scale(2.0 ** 127, 0, False, growth_interval=1) == (2.0 ** 127, 0)   # never to inf
+    assert update_scale(2.0**127, 0, False, growth_interval=1) == (2.0**127, 0)  # never to inf
 
 
 def test_dynamic_loss_scaler_equals_grad_scaler_bit_for_bit():
     data = Batches(CFG, mbs=2, seed=0).global_stream()
     runs = {}
-    for name, scaler in (("ours", DynamicLossScaler(2.0 ** 24, growth_interval=3)),
-                         ("torch", torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=3))):
+    for name, scaler in (
+        ("ours", DynamicLossScaler(2.0**24, growth_interval=3)),
+        ("torch", torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=3)),
+    ):
         torch.manual_seed(0)
         model = GPT(CFG)
         opt = ScaledOptimizer(make_optimizer(model.parameters(), "adam"), scaler)
@@ -328,8 +370,13 @@ def test_scaler_refuses_float16_gradients_and_a_missing_step():
 def test_fp8_recipes_table():
     rows = [memory_row(r) for r in FP8_RECIPES]
     assert [(r["sum"], r["bytes"]) for r in rows] == [
-        ("4+4+2+2+4+4 = 20", 20), ("4+2+2+4+4 = 16", 16), ("4+4+4+4 = 16", 16),
-        ("2+2+1+1+1+2 = 9", 9), ("4+4+1+2+2+2 = 15", 15), ("2+4+1+1+1+1 = 10", 10)]
+        ("4+4+2+2+4+4 = 20", 20),
+        ("4+2+2+4+4 = 16", 16),
+        ("4+4+4+4 = 16", 16),
+        ("2+2+1+1+1+2 = 9", 9),
+        ("4+4+1+2+2+2 = 15", 15),
+        ("2+4+1+1+1+1 = 10", 10),
+    ]
     assert [round(100 * reduction(r)) for r in FP8_RECIPES] == [0, 20, 20, 55, 25, 50]
     assert [reduction(r) for r in FP8_RECIPES] == [0, 0.2, 0.2, 0.55, 0.25, 0.5]
     assert rows[4]["optimizer states"] == "bf16+bf16" and rows[2]["master weights"] == "n/a"
@@ -339,15 +386,15 @@ def test_fp8_recipes_table():
 
 
 def test_the_fp8_gemm_measurement_checks_its_product_before_it_times_it():
-    from ultrascale.precision.gemm_speed import (FP8_PRODUCT_TOLERANCE, check_fp8_product, fp8_matmul,
-                                                 fp8_operands)
-    assert check_fp8_product(64, "cpu") < 0.06   # e4m3's rounding: a few percent
+    from ultrascale.precision.gemm_speed import FP8_PRODUCT_TOLERANCE, check_fp8_product, fp8_matmul, fp8_operands
+
+    assert check_fp8_product(64, "cpu") < 0.06  # e4m3's rounding: a few percent
     # the check must catch what a fast wrong GEMM would look like: an operand used transposed
     a, b = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)), torch.randn(64, 64)
     qa, sa, qb, sb = fp8_operands(a, b)
-    transposed = fp8_matmul(qa, sa, qb.t(), sb).float()   # b^T, not b
+    transposed = fp8_matmul(qa, sa, qb.t(), sb).float()  # b^T, not b
     assert relative_error(transposed, a @ b) > 10 * FP8_PRODUCT_TOLERANCE
-    unscaled = fp8_matmul(qa, torch.ones(()), qb, sb).float()   # a scale forgotten
+    unscaled = fp8_matmul(qa, torch.ones(()), qb, sb).float()  # a scale forgotten
     assert relative_error(unscaled, a @ b) > 10 * FP8_PRODUCT_TOLERANCE
 
 
@@ -356,10 +403,11 @@ def test_the_course_cast_saturates_e4m3_on_every_torch():
     course's cast clamps first, so both give the largest value; formats with an infinity
     still overflow to it, and NaN stays NaN."""
     from ultrascale.precision import to_format
+
     beyond = torch.tensor([-5.734e7, -1000.0, 464.0, 470.0, float("nan")])
     assert to_format(beyond, torch.float8_e4m3fn).float().tolist()[:4] == [-448.0, -448.0, 448.0, 448.0]
     assert to_format(beyond, torch.float8_e4m3fn).float()[4].isnan()
-    assert to_format(beyond, torch.float8_e5m2).float().tolist()[:2] == [-math.inf, -1024.0]   # in range: rounded
+    assert to_format(beyond, torch.float8_e5m2).float().tolist()[:2] == [-math.inf, -1024.0]  # in range: rounded
     assert to_format(torch.tensor([1e6]), torch.float16).item() == math.inf
     assert decode(-5.734e7, torch.float8_e4m3fn).value == -448.0
 
@@ -378,8 +426,7 @@ def test_fp8_gemms_refused_with_the_reason_below_capability_8_9(monkeypatch):
     assert "A100" in reason and "8.0" in reason and "8.9" in reason
     with pytest.raises(RuntimeError, match="compute capability 8.0.*recorded"):
         gemm_speed.measure_fp8_gemm(1024)
-    fake_cuda = type("FakeCuda", (), {"is_cuda": True, "device": 0, "dtype": torch.float8_e4m3fn,
-                                      "shape": (16, 16)})()
+    fake_cuda = type("FakeCuda", (), {"is_cuda": True, "device": 0, "dtype": torch.float8_e4m3fn, "shape": (16, 16)})()
     assert not fp8_linear._scaled_mm_runs(fake_cuda, fake_cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert gemm_speed.fp8_gpu_refusal() is None and fp8_linear._scaled_mm_runs(fake_cuda, fake_cuda)

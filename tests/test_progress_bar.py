@@ -1,4 +1,5 @@
 """viz.live.ProgressBar: the bar, and beside it the count and the time so far."""
+
 import pytest
 
 pytest.importorskip("ipywidgets")
@@ -9,11 +10,11 @@ from ultrascale.viz import live  # noqa: E402
 def test_the_bar_shows_the_count_and_the_time(monkeypatch):
     clock = iter([100.0, 107.4, 112.0, 230.0])
     monkeypatch.setattr(live.time, "monotonic", lambda: next(clock))
-    bar = live.ProgressBar("training", total=8)          # made at t = 100 s, first label at 107.4 s
+    bar = live.ProgressBar("training", total=8)  # made at t = 100 s, first label at 107.4 s
     assert bar.label.value == "0/8, 7 s"
-    bar.update(3)                                        # t = 112 s
+    bar.update(3)  # t = 112 s
     assert (bar.bar.value, bar.label.value) == (3, "3/8, 12 s")
-    bar.update(8)                                        # t = 230 s
+    bar.update(8)  # t = 230 s
     assert bar.label.value == "8/8 in 2 min 10 s" and bar.bar.bar_style == "success"
 
 

@@ -74,9 +74,11 @@ def test_the_forward_flops_reference_is_what_flop_counter_mode_counts():
 
     from ultrascale.model import GPTConfig, LlamaConfig, build_model
 
-    configs = [GPTConfig(vocab_size=7, hidden=6, layers=1, heads=3),
-               LlamaConfig(vocab_size=5, hidden=12, layers=2, heads=6, kv_heads=2, ffn=7, tie_embeddings=True),
-               LlamaConfig(vocab_size=33, hidden=16, layers=1, heads=4, kv_heads=1, ffn=9, tie_embeddings=False)]
+    configs = [
+        GPTConfig(vocab_size=7, hidden=6, layers=1, heads=3),
+        LlamaConfig(vocab_size=5, hidden=12, layers=2, heads=6, kv_heads=2, ffn=7, tie_embeddings=True),
+        LlamaConfig(vocab_size=33, hidden=16, layers=1, heads=4, kv_heads=1, ffn=9, tie_embeddings=False),
+    ]
     for config, batch, seq in zip(configs, (3, 1, 2), (5, 9, 1)):
         torch.manual_seed(0)
         model = build_model(config)
@@ -87,30 +89,39 @@ def test_the_forward_flops_reference_is_what_flop_counter_mode_counts():
 
 # ---- wrong answers that pass every fixed case ---------------------------------------------------
 
+
 def test_stage_layers_from_a_float_division_fail_past_two_to_the_53():
     def pipeline_stage_layers(num_layers, pp_degree):
         if not 1 <= pp_degree <= num_layers:
             raise ValueError("a stage needs a layer")
-        base = int(num_layers / pp_degree)          # a float: exact for every layer count a model has
+        base = int(num_layers / pp_degree)  # a float: exact for every layer count a model has
         extra = num_layers - base * pp_degree
         return [base + (1 if stage < extra else 0) for stage in range(pp_degree)]
 
-    _fails(check("00.pipeline_stage_layers", pipeline_stage_layers), "pipeline_stage_layers(4611686018427387905, 3)",
-           "not 4611686018427387905", "2**53")
+    _fails(
+        check("00.pipeline_stage_layers", pipeline_stage_layers),
+        "pipeline_stage_layers(4611686018427387905, 3)",
+        "not 4611686018427387905",
+        "2**53",
+    )
 
 
 def test_a_parameter_count_through_a_float_power_fails_on_large_odd_sizes():
     def gpt_param_count(hidden, vocab, layers, tied=True):
         h, v, L = hidden, vocab, layers
-        return int(h * v + L * (12 * h ** 2.0 + 13 * h) + 2 * h + (0 if tied else h * v))
+        return int(h * v + L * (12 * h**2.0 + 13 * h) + 2 * h + (0 if tied else h * v))
 
-    _fails(check("01.param_count", gpt_param_count), "gpt_param_count(1048575, 262141, 4095, tied=False)",
-           "2**53", "h ** 2.0")
+    _fails(
+        check("01.param_count", gpt_param_count),
+        "gpt_param_count(1048575, 262141, 4095, tied=False)",
+        "2**53",
+        "h ** 2.0",
+    )
 
 
 def test_a_recompute_check_against_a_string_accepts_its_pieces():
     def activation_memory(layers, hidden, heads, seq, micro_batch, recompute="none"):
-        if recompute not in ("none" "selective" "full"):   # the commas forgotten: one string, not a tuple
+        if recompute not in ("noneselectivefull"):  # the commas forgotten: one string, not a tuple
             raise ValueError(f"unknown recompute mode {recompute!r}")
         per_layer = seq * micro_batch * hidden
         if recompute == "none":
@@ -119,21 +130,30 @@ def test_a_recompute_check_against_a_string_accepts_its_pieces():
             return layers * per_layer * 34
         return layers * per_layer * 2
 
-    _fails(check("01.activation_memory", activation_memory), "recompute='sel'", "should raise ValueError",
-           "not a substring")
+    _fails(
+        check("01.activation_memory", activation_memory),
+        "recompute='sel'",
+        "should raise ValueError",
+        "not a substring",
+    )
 
 
 def test_zigzag_positions_that_check_cp_instead_of_two_cp_fail():
     def zigzag_positions(seq, rank, cp):
         size = seq // (2 * cp)
-        if seq % cp or size == 0:                    # cp divides it: but the layout cuts 2 cp chunks
+        if seq % cp or size == 0:  # cp divides it: but the layout cuts 2 cp chunks
             raise ValueError(f"{seq} tokens do not split over {cp} ranks")
         late = 2 * cp - 1 - rank
         return torch.cat([torch.arange(rank * size, (rank + 1) * size), torch.arange(late * size, (late + 1) * size)])
 
     result = check("06.zigzag_chunks", zigzag_positions, solution("06.zigzag_chunks", "tile_counts"))
-    _fails(result, "zigzag_positions(12, 0, 4)", "should raise ValueError", "2 * 4 = 8 equal chunks",
-           "cp = 4 divides 12 is not enough")
+    _fails(
+        result,
+        "zigzag_positions(12, 0, 4)",
+        "should raise ValueError",
+        "2 * 4 = 8 equal chunks",
+        "cp = 4 divides 12 is not enough",
+    )
 
 
 def test_a_bubble_from_sums_of_ends_and_starts_fails_on_wall_clock_times():
@@ -159,9 +179,12 @@ def test_decoding_with_an_index_fails_on_a_0d_tensor():
         mantissa_bits = round(-math.log2(info.eps))
         exponent_bits = info.bits - 1 - mantissa_bits
         as_int = {32: torch.int32, 16: torch.int16, 8: torch.uint8}[info.bits]
-        raw = int(x.view(as_int)[0]) & ((1 << info.bits) - 1)   # the tests' tensors are 1-D
-        return raw >> (info.bits - 1), (raw >> mantissa_bits) & ((1 << exponent_bits) - 1), \
-            raw & ((1 << mantissa_bits) - 1)
+        raw = int(x.view(as_int)[0]) & ((1 << info.bits) - 1)  # the tests' tensors are 1-D
+        return (
+            raw >> (info.bits - 1),
+            (raw >> mantissa_bits) & ((1 << exponent_bits) - 1),
+            raw & ((1 << mantissa_bits) - 1),
+        )
 
     _fails(check("12.decode_float", decode_float), "shape () (0-d)", "IndexError")
 
@@ -173,12 +196,16 @@ def test_tiles_without_an_amax_floor_fail_on_an_all_zero_tile():
             raise ValueError("the tiles do not divide the matrix")
         top = torch.finfo(dtype).max
         tiles = x.detach().float().reshape(rows // tile_rows, tile_rows, cols // tile_cols, tile_cols)
-        scales = tiles.abs().amax(dim=(1, 3)) / top     # random tiles are never all zeros... until one is
+        scales = tiles.abs().amax(dim=(1, 3)) / top  # random tiles are never all zeros... until one is
         q = (tiles / scales[:, None, :, None]).clamp(-top, top).to(dtype)
         return q.reshape(rows, cols), scales
 
-    _fails(check("12.quantize_tiles", quantize_tiles), "tile (0, 0) all zeros", "finite and positive",
-           "clamp each tile's amax away from 0")
+    _fails(
+        check("12.quantize_tiles", quantize_tiles),
+        "tile (0, 0) all zeros",
+        "finite and positive",
+        "clamp each tile's amax away from 0",
+    )
 
 
 def test_a_loss_scaler_with_a_rounded_float32_maximum_fails_just_below_it():
@@ -188,7 +215,7 @@ def test_a_loss_scaler_with_a_rounded_float32_maximum_fails_just_below_it():
         growth_tracker += 1
         if growth_tracker == growth_interval:
             grown = scale * growth_factor
-            return (grown if grown <= 3.4e38 else scale), 0   # float32's largest value, roughly
+            return (grown if grown <= 3.4e38 else scale), 0  # float32's largest value, roughly
         return scale, growth_tracker
 
     _fails(check("12.update_scale", update_scale), "torch.finfo(torch.float32).max itself, not a rounded constant")
@@ -196,10 +223,15 @@ def test_a_loss_scaler_with_a_rounded_float32_maximum_fails_just_below_it():
 
 def test_scale_counts_through_a_float_power_fail_on_large_odd_sizes():
     def scale_counts(h, layers, vocab, seq, mbs, glu=True, tied=True):
-        block = (16 if glu else 12) * h ** 2.0
+        block = (16 if glu else 12) * h**2.0
         parameters = int(layers * block + vocab * h * (1 if tied else 2))
-        return {"tokens": seq * mbs, "hidden states": seq * mbs * h, "parameters": parameters,
-                "gradients": parameters, "optimizer states": 3 * parameters}
+        return {
+            "tokens": seq * mbs,
+            "hidden states": seq * mbs * h,
+            "parameters": parameters,
+            "gradients": parameters,
+            "optimizer states": 3 * parameters,
+        }
 
     _fails(check("a2.scale_counts", scale_counts), "scale_counts(1048575, 4095", "['parameters']", "2**53")
 
@@ -207,7 +239,7 @@ def test_scale_counts_through_a_float_power_fail_on_large_odd_sizes():
 def test_a_tp_search_over_a_fixed_range_fails_where_wider_tp_hides():
     def max_tp(h, peak_flops, peak_bw, bytes_per_element=1):
         best = 1
-        for tp in range(2, 65):                      # no node has more than 64 GPUs
+        for tp in range(2, 65):  # no node has more than 64 GPUs
             if bytes_per_element * (tp - 1) / (2 * h) * peak_flops / peak_bw <= 1:
                 best = tp
         return best

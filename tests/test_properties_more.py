@@ -16,13 +16,29 @@ from ultrascale.exercise_tests import properties_more
 from ultrascale.exercise_tests.properties import PROPERTIES
 from ultrascale.grading import check
 
-COVERED = {"00.mean_across_ranks", "01.grad_accumulation", "02.assign_buckets", "10.memory_filter", "a1.timed_median",
-           "a1.launched_by", "a0.ring_reduce_scatter", "a0.ring_all_gather", "a0.ring_all_reduce",
-           "a0.recursive_doubling", "a0.halving_doubling", "08.split_sizes",
-           "05.sequence_gather_scatter", "04.column_parallel_linear", "04.row_parallel_linear",
-           "10.step1", "08.expert_gradients", "08.dispatch_combine",
-           "04.conjugate_pair", "06.ulysses_attention",
-           "02.bucket_manager"}
+COVERED = {
+    "00.mean_across_ranks",
+    "01.grad_accumulation",
+    "02.assign_buckets",
+    "10.memory_filter",
+    "a1.timed_median",
+    "a1.launched_by",
+    "a0.ring_reduce_scatter",
+    "a0.ring_all_gather",
+    "a0.ring_all_reduce",
+    "a0.recursive_doubling",
+    "a0.halving_doubling",
+    "08.split_sizes",
+    "05.sequence_gather_scatter",
+    "04.column_parallel_linear",
+    "04.row_parallel_linear",
+    "10.step1",
+    "08.expert_gradients",
+    "08.dispatch_combine",
+    "04.conjugate_pair",
+    "06.ulysses_attention",
+    "02.bucket_manager",
+}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -34,9 +50,10 @@ def test_every_exercise_here_has_a_property_in_the_merged_table():
 
 # ---- wrong answers that pass every fixed case ---------------------------------------------------
 
+
 def test_a_mean_made_in_float32_fails_on_float64_and_bf16():
     def mean_across_ranks(ctx, tensor):
-        total = tensor.float().clone()    # a copy, so the caller's tensor is safe... and float32
+        total = tensor.float().clone()  # a copy, so the caller's tensor is safe... and float32
         dist.all_reduce(total, group=ctx.group)
         return total / ctx.world_size
 
@@ -45,7 +62,7 @@ def test_a_mean_made_in_float32_fails_on_float64_and_bf16():
 
 def test_a_mean_through_view_fails_on_a_transposed_tensor():
     def mean_across_ranks(ctx, tensor):
-        flat = tensor.view(-1).clone()    # one flat buffer for the collective
+        flat = tensor.view(-1).clone()  # one flat buffer for the collective
         dist.all_reduce(flat, group=ctx.group)
         return (flat / ctx.world_size).view(tensor.shape)
 
@@ -55,7 +72,7 @@ def test_a_mean_through_view_fails_on_a_transposed_tensor():
 def test_a_logged_loss_summed_in_float32_fails_on_a_float64_model():
     def accumulate_gradients(model, inputs, targets, grad_acc):
         model.zero_grad()
-        total = torch.zeros(())           # float32, as every fixed case's model is
+        total = torch.zeros(())  # float32, as every fixed case's model is
         for x, y in zip(inputs.chunk(grad_acc), targets.chunk(grad_acc)):
             loss = model.loss(x, y) / grad_acc
             loss.backward()
@@ -76,6 +93,7 @@ def _buckets_weighing(nbytes):
                 buckets.append(current)
                 current, total = [], 0
         return buckets + ([current] if current else [])
+
     return assign_buckets
 
 
@@ -97,11 +115,23 @@ def test_a_memory_filter_with_a_strict_comparison_fails_at_exactly_full():
         kept = []
         for c in configs:
             pipeline = dict(schedule=c.schedule, micro_batches=c.gas) if c.pp > 1 else {}
-            parts = breakdown(model, seq=seq, micro_batch=c.mbs, mixed_precision=True, recompute=c.recompute,
-                              zero_stage=c.zero, tp=c.tp, dp=c.dp * c.cp, pp=c.pp, cp=c.cp, sequence_parallel=True,
-                              ep=c.ep, **pipeline)
+            parts = breakdown(
+                model,
+                seq=seq,
+                micro_batch=c.mbs,
+                mixed_precision=True,
+                recompute=c.recompute,
+                zero_stage=c.zero,
+                tp=c.tp,
+                dp=c.dp * c.cp,
+                pp=c.pp,
+                cp=c.cp,
+                sequence_parallel=True,
+                ep=c.ep,
+                **pipeline,
+            )
             need = sum(parts[k] for k in ("parameters", "gradients", "optimizer states", "activations"))
-            if need < usable:             # room to spare: wrong only at exactly full
+            if need < usable:  # room to spare: wrong only at exactly full
                 kept.append((c, need))
         return kept
 
@@ -121,7 +151,7 @@ def test_a_median_by_floor_division_fails_between_two_odd_middles():
             times.append(clock() - start)
         times.sort()
         middle = len(times) // 2
-        return times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) // 2   # the clock is ints
+        return times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) // 2  # the clock is ints
 
     _fails(check("a1.timed_median", time_median), DRAWN, "even number of repeats", "not //")
 
@@ -134,9 +164,16 @@ def test_launches_found_by_the_name_cudalaunchkernel_miss_the_driver_api():
         pairs = []
         for k in sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"]):
             launch = launches.get(k["args"].get("correlation"))
-            around = [] if launch is None else [
-                o for o in ops if (o["pid"], o["tid"]) == (launch["pid"], launch["tid"])
-                and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+            around = (
+                []
+                if launch is None
+                else [
+                    o
+                    for o in ops
+                    if (o["pid"], o["tid"]) == (launch["pid"], launch["tid"])
+                    and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]
+                ]
+            )
             pairs.append((k["name"], min(around, key=lambda o: o["dur"])["name"] if around else None))
         return pairs
 
@@ -148,7 +185,7 @@ def test_a_ring_all_gather_into_a_float32_buffer_fails_on_float64_and_bf16():
 
     def ring_all_gather(ctx, chunk, numel):
         me, size = ctx.rank, ctx.world_size
-        gathered = torch.empty(numel, device=chunk.device)     # float32, as every fixed case's chunks are
+        gathered = torch.empty(numel, device=chunk.device)  # float32, as every fixed case's chunks are
         places = torch.tensor_split(gathered, size)
         places[me].copy_(chunk)
         for step in range(size - 1):
@@ -163,7 +200,7 @@ def test_a_ring_all_reduce_through_view_fails_on_a_transposed_tensor():
     reduce_scatter, all_gather = a0["ring_reduce_scatter"], a0["ring_all_gather"]
 
     def ring_all_reduce(ctx, tensor):
-        flat = tensor.view(-1)                                  # every fixed case's tensor is contiguous
+        flat = tensor.view(-1)  # every fixed case's tensor is contiguous
         return all_gather(ctx, reduce_scatter(ctx, flat), flat.numel()).view(tensor.shape)
 
     _fails(check("a0.ring_all_reduce", ring_all_reduce), DRAWN, "transposed, non-contiguous", "RuntimeError")
@@ -176,11 +213,12 @@ def _split_sizes(needs):
         receive = torch.empty_like(send)
         dist.all_to_all_single(receive, send, group=group)
         return send.tolist(), receive.tolist()
+
     return split_sizes
 
 
 def test_split_sizes_with_two_experts_per_rank_built_in_fail_on_one_or_three():
-    def needs(chosen, per_rank, n):                            # expert e lives on rank e // 2
+    def needs(chosen, per_rank, n):  # expert e lives on rank e // 2
         return torch.zeros(chosen.shape[0], n, dtype=torch.bool, device=chosen.device).scatter_(1, chosen // 2, True)
 
     _fails(check("08.split_sizes", _split_sizes(needs)), DRAWN, "experts_per_rank=", "on rank e // ")
@@ -198,7 +236,7 @@ def test_a_gather_into_float32_buffers_fails_on_float64_and_bf16():
 
     def along(x, dim, group, collective, rows):
         first = x.movedim(dim, 0).contiguous()
-        out = torch.empty((rows(first.shape[0]), *first.shape[1:]), device=x.device)   # float32, as the fixed x
+        out = torch.empty((rows(first.shape[0]), *first.shape[1:]), device=x.device)  # float32, as the fixed x
         collective(out, first, group)
         return out.movedim(0, dim).contiguous()
 
@@ -229,18 +267,23 @@ def test_linear_layers_spelled_for_three_axes_fail_on_other_inputs():
     from ultrascale.comm.functional import f, f_star
 
     def column_parallel_forward(x, weight_shard, bias_shard, group):
-        return torch.einsum("bsi,oi->bso", f(x, group), weight_shard) + bias_shard   # (batch, seq, features)
+        return torch.einsum("bsi,oi->bso", f(x, group), weight_shard) + bias_shard  # (batch, seq, features)
 
     def row_parallel_forward(x_shard, weight_shard, bias, group):
         return f_star(torch.einsum("bsi,oi->bso", x_shard, weight_shard), group) + bias
 
-    _fails(check("04.column_parallel_linear", column_parallel_forward), DRAWN, "x of shape ()", "(1-D: no batch axes)",
-           "RuntimeError")
+    _fails(
+        check("04.column_parallel_linear", column_parallel_forward),
+        DRAWN,
+        "x of shape ()",
+        "(1-D: no batch axes)",
+        "RuntimeError",
+    )
     _fails(check("04.row_parallel_linear", row_parallel_forward), DRAWN, "x of shape ()", "RuntimeError")
 
 
 def test_step1_with_its_options_in_another_order_fails_when_they_are_passed_by_position():
-    def step1_techniques(n_params, gpus, long_sequence=False, moe=False, gpus_per_node=8):   # the flags first
+    def step1_techniques(n_params, gpus, long_sequence=False, moe=False, gpus_per_node=8):  # the flags first
         small = n_params < 10e9
         if gpus >= 1024:
             options = [{"TP", "ZeRO-2"}] if small else [{"TP", "PP", "ZeRO-2"}]
@@ -258,7 +301,7 @@ def test_step1_with_its_options_in_another_order_fails_when_they_are_passed_by_p
 
 def test_gradients_reduced_in_float32_fail_on_float64_and_bf16():
     def reduce_gradient(grad, expert, data_group, expert_group):
-        grad = grad.float().clone()          # sum in float32, whatever the parameters hold
+        grad = grad.float().clone()  # sum in float32, whatever the parameters hold
         group = expert_group if expert else data_group
         if group is not None:
             dist.all_reduce(grad, group=group)
@@ -303,7 +346,7 @@ def test_an_f_star_summing_into_a_float32_buffer_fails_on_float64_and_bf16():
     class Reduce(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, group):
-            summed = torch.empty(x.shape, device=x.device)    # a fresh buffer... in float32
+            summed = torch.empty(x.shape, device=x.device)  # a fresh buffer... in float32
             summed.copy_(x)
             dist.all_reduce(summed, group=group)
             return summed
@@ -336,7 +379,7 @@ def test_ulysses_with_a_softmax_that_keeps_the_maximum_in_fails_on_large_scores(
         q, k, v = to_head_group(q), to_head_group(k), to_head_group(v)
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
         later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        weights = scores.masked_fill(later, float("-inf")).exp()       # softmax, written out
+        weights = scores.masked_fill(later, float("-inf")).exp()  # softmax, written out
         return to_my_tokens(weights / weights.sum(-1, keepdim=True) @ v)
 
     _fails(check("06.ulysses_attention", ulysses_attention), DRAWN, "size ~40", "Subtract each row's maximum")
@@ -355,7 +398,7 @@ def test_a_bucket_manager_with_float32_buffers_fails_on_a_float64_model():
                 for p in bucket:
                     self.slots[p], self.bucket_of[p] = (offset, offset + p.numel()), i
                     offset += p.numel()
-                self.buffers.append(torch.zeros(offset, device=bucket[0].device))   # no dtype: float32
+                self.buffers.append(torch.zeros(offset, device=bucket[0].device))  # no dtype: float32
             self.ready, self.handles = [set() for _ in self.buckets], [None] * len(self.buckets)
 
         def grad_ready(self, param):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton: the kernels below run on the CPU
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton: the kernels below run on the CPU
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,15 @@ from ultrascale.exercise_tests import properties_rest
 from ultrascale.exercise_tests.properties import PROPERTIES
 from ultrascale.grading import check
 
-COVERED = {"07.split_backward", "12.fp8_backward", "03.shard_gradient", "03.muon_rows",
-           "04.vocab_parallel_cross_entropy", "05.sequence_parallel_norm_grads", "11.row_softmax"}
+COVERED = {
+    "07.split_backward",
+    "12.fp8_backward",
+    "03.shard_gradient",
+    "03.muon_rows",
+    "04.vocab_parallel_cross_entropy",
+    "05.sequence_parallel_norm_grads",
+    "11.row_softmax",
+}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"
 
 
@@ -34,12 +41,13 @@ def test_every_exercise_here_has_a_property_in_the_merged_table():
 
 # ---- 07.split_backward: a stage may hold a parameter its output does not use -----------------------
 
+
 def test_a_w_that_asks_for_every_parameter_fails_on_a_stage_with_an_unused_one():
     def backward_input(output, stage_input, grad_output):
         return torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)[0]
 
     def backward_weight(output, params, grad_output):
-        grads = torch.autograd.grad(output, params, grad_output)     # every fixed stage uses all its weights
+        grads = torch.autograd.grad(output, params, grad_output)  # every fixed stage uses all its weights
         for p, g in zip(params, grads):
             p.grad = g if p.grad is None else p.grad + g
 
@@ -47,6 +55,7 @@ def test_a_w_that_asks_for_every_parameter_fails_on_a_stage_with_an_unused_one()
 
 
 # ---- 12.fp8_backward: e5m2's own maximum, float32 arithmetic, views ----------------------------------
+
 
 def _fp8_backward(quantize):
     def fp8_backward(x, weight, grad_output):
@@ -56,23 +65,29 @@ def _fp8_backward(quantize):
 
         dy = dequantised(grad_output, torch.float8_e5m2)
         return dy @ dequantised(weight, torch.float8_e4m3fn), dy.t() @ dequantised(x, torch.float8_e4m3fn)
+
     return fp8_backward
 
 
 def test_fp8_gradients_scaled_to_e4m3s_maximum_fail_on_a_tiny_token():
     def quantize(t, fp8):
-        scale = t.abs().max().float().clamp(min=1e-12) / 448.0     # "FP8's largest value", for both formats
+        scale = t.abs().max().float().clamp(min=1e-12) / 448.0  # "FP8's largest value", for both formats
         return (t.float() / scale).clamp(-448, 448).to(fp8), scale
 
-    _fails(check("12.fp8_backward", _fp8_backward(quantize)), DRAWN, "the first token's 2^-26",
-           "e4m3's largest value (448)", "57,344")
+    _fails(
+        check("12.fp8_backward", _fp8_backward(quantize)),
+        DRAWN,
+        "the first token's 2^-26",
+        "e4m3's largest value (448)",
+        "57,344",
+    )
 
 
 def test_fp8_operands_divided_in_their_own_dtype_fail_on_bf16():
     def quantize(t, fp8):
         top = torch.finfo(fp8).max
         scale = t.abs().max().float().clamp(min=1e-12) / top
-        return (t / scale).clamp(-top, top).to(fp8), scale          # bf16 / a 0-d float32: still bf16
+        return (t / scale).clamp(-top, top).to(fp8), scale  # bf16 / a 0-d float32: still bf16
 
     _fails(check("12.fp8_backward", _fp8_backward(quantize)), DRAWN, "torch.bfloat16", "x.float() / scale")
 
@@ -80,7 +95,7 @@ def test_fp8_operands_divided_in_their_own_dtype_fail_on_bf16():
 def test_fp8_operands_flattened_with_view_fail_on_a_transposed_weight():
     def quantize(t, fp8):
         top = torch.finfo(fp8).max
-        flat = t.view(-1).float()                                      # every fixed weight is contiguous
+        flat = t.view(-1).float()  # every fixed weight is contiguous
         scale = flat.abs().max().clamp(min=1e-12) / top
         return (flat / scale).clamp(-top, top).to(fp8).view(t.shape), scale
 
@@ -89,6 +104,7 @@ def test_fp8_operands_flattened_with_view_fail_on_a_transposed_weight():
 
 # ---- 03.shard_gradient and 03.muon_rows: views, and the master's dtype ------------------------------
 
+
 def test_a_gradient_shard_through_view_fails_on_a_transposed_gradient():
     from ultrascale.comm.functional import reduce_scatter_into
 
@@ -96,7 +112,7 @@ def test_a_gradient_shard_through_view_fails_on_a_transposed_gradient():
         n, member = dist.get_world_size(group), dist.get_rank(group)
         rows = full_grad.shape[0]
         per = -(-rows // n)
-        flat = full_grad.to(dtype).view(rows, -1)                      # rows by everything else
+        flat = full_grad.to(dtype).view(rows, -1)  # rows by everything else
         padded = flat.new_zeros(per * n, flat.shape[1])
         padded[:rows] = flat
         mine = padded.new_empty(per, flat.shape[1])
@@ -114,7 +130,7 @@ def test_a_gradient_shard_summed_in_float32_fails_on_float64_masters():
         n, member = dist.get_world_size(group), dist.get_rank(group)
         rows = full_grad.shape[0]
         per = -(-rows // n)
-        work = full_grad if full_grad.dtype == torch.float64 else full_grad.float()   # bf16 sums lose bits
+        work = full_grad if full_grad.dtype == torch.float64 else full_grad.float()  # bf16 sums lose bits
         padded = work.new_zeros((per * n, *full_grad.shape[1:]))
         padded[:rows] = work
         mine = padded.new_empty((per, *full_grad.shape[1:]))
@@ -133,17 +149,18 @@ def test_muon_rows_gathered_through_view_fail_on_transposed_rows():
         n, member = dist.get_world_size(group), dist.get_rank(group)
         per, cols = -(-rows // n), update_rows.shape[1]
         piece = update_rows.new_zeros(per * cols)
-        piece[: update_rows.numel()] = update_rows.view(-1)             # one flat message
+        piece[: update_rows.numel()] = update_rows.view(-1)  # one flat message
         gathered = piece.new_empty(n * per * cols)
         all_gather_into(gathered, piece, group=group)
         ortho = newton_schulz(gathered.view(n * per, cols)[:rows], dtype=update_rows.dtype)
         start = min(member * per, rows)
-        return ortho[start:start + update_rows.shape[0]]
+        return ortho[start : start + update_rows.shape[0]]
 
     _fails(check("03.muon_rows", muon_rows), DRAWN, "(a transposed view)", "RuntimeError")
 
 
 # ---- 04.vocab_parallel_cross_entropy: the slice is a view of the full logits ------------------------
+
 
 def test_a_target_logit_picked_through_view_fails_on_a_slice_of_the_full_logits():
     from ultrascale.comm.functional import f_star
@@ -155,17 +172,21 @@ def test_a_target_logit_picked_through_view_fails_on_a_slice_of_the_full_logits(
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         mine = (targets >= vocab_start) & (targets < vocab_start + local)
         index = (targets - vocab_start).clamp(0, local - 1)
-        flat = local_logits.view(-1)                                   # row t starts at t * local
+        flat = local_logits.view(-1)  # row t starts at t * local
         picked = flat[torch.arange(tokens, device=flat.device) * local + index] - top
-        sums = f_star(torch.stack([(local_logits - top[:, None]).exp().sum(-1),
-                                   torch.where(mine, picked, 0.0)]), group)
+        sums = f_star(torch.stack([(local_logits - top[:, None]).exp().sum(-1), torch.where(mine, picked, 0.0)]), group)
         return (sums[0].log() - sums[1]).mean()
 
-    _fails(check("04.vocab_parallel_cross_entropy", vocab_parallel_cross_entropy), DRAWN,
-           "passed as the view of the full logits", "RuntimeError")
+    _fails(
+        check("04.vocab_parallel_cross_entropy", vocab_parallel_cross_entropy),
+        DRAWN,
+        "passed as the view of the full logits",
+        "RuntimeError",
+    )
 
 
 # ---- 05.sequence_parallel_norm_grads: a norm need not be a LayerNorm with a bias ----------------------
+
 
 def test_norm_hooks_on_a_weight_and_a_bias_by_name_fail_on_an_rmsnorm():
     def sync_norm_gradients(module, group):
@@ -174,17 +195,24 @@ def test_norm_hooks_on_a_weight_and_a_bias_by_name_fail_on_an_rmsnorm():
             dist.all_reduce(total, group=group)
             return total
 
-        return [p.register_hook(summed_over_ranks) for p in (module.weight, module.bias)]   # a LayerNorm's two
+        return [p.register_hook(summed_over_ranks) for p in (module.weight, module.bias)]  # a LayerNorm's two
 
-    _fails(check("05.sequence_parallel_norm_grads", sync_norm_gradients), DRAWN, "nn.RMSNorm", "a weight only",
-           "AttributeError")
+    _fails(
+        check("05.sequence_parallel_norm_grads", sync_norm_gradients),
+        DRAWN,
+        "nn.RMSNorm",
+        "a weight only",
+        "AttributeError",
+    )
 
 
 # ---- 11.row_softmax: a finite padding value wins the maximum of a very negative row -----------------
 
+
 @triton.jit
-def _softmax_padded(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols, BLOCK_SIZE: tl.constexpr,
-                    PAD: tl.constexpr):
+def _softmax_padded(
+    out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols, BLOCK_SIZE: tl.constexpr, PAD: tl.constexpr
+):
     """The solution's kernel, its padding lanes loaded as ``PAD`` instead of -inf."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_SIZE)
@@ -207,7 +235,12 @@ class _Padded:
 
 
 def test_softmax_padding_lanes_loaded_as_a_large_negative_number_fail_on_very_negative_rows():
-    for pad in (-10000.0, -1e9):    # exp(-10000 - max) is 0 for every logit the fixed cases give
-        _fails(check("11.row_softmax", _Padded(pad), quick=True), DRAWN, "all below -size",
-               "padding lane that loads a finite number", "other=-float('inf')")
-    assert check("11.row_softmax", _Padded(float("-inf")), quick=True).passed   # the same kernel, padded right
+    for pad in (-10000.0, -1e9):  # exp(-10000 - max) is 0 for every logit the fixed cases give
+        _fails(
+            check("11.row_softmax", _Padded(pad), quick=True),
+            DRAWN,
+            "all below -size",
+            "padding lane that loads a finite number",
+            "other=-float('inf')",
+        )
+    assert check("11.row_softmax", _Padded(float("-inf")), quick=True).passed  # the same kernel, padded right

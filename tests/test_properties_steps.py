@@ -31,11 +31,12 @@ def test_every_exercise_here_has_a_property_in_the_merged_table():
 
 # ---- 02.overlapped_dp_hooks: a model may hold a frozen weight, or a layer its loss does not use --------
 
+
 def test_hooks_on_every_parameter_fail_on_a_frozen_weight():
     class OverlappedGradSync:
         def __init__(self, module, group=None):
             self.group, self.world_size, self.pending = group, dist.get_world_size(group), []
-            for param in module.parameters():          # every parameter of the course GPT trains
+            for param in module.parameters():  # every parameter of the course GPT trains
                 param.register_post_accumulate_grad_hook(self.grad_ready)
 
         def grad_ready(self, param):
@@ -47,8 +48,13 @@ def test_hooks_on_every_parameter_fail_on_a_frozen_weight():
                 param.grad.div_(self.world_size)
             self.pending.clear()
 
-    _fails(check("02.overlapped_dp_hooks", OverlappedGradSync), DRAWN, "its first weight frozen",
-           "refuses a hook on a tensor that requires no gradient", "`if param.requires_grad`")
+    _fails(
+        check("02.overlapped_dp_hooks", OverlappedGradSync),
+        DRAWN,
+        "its first weight frozen",
+        "refuses a hook on a tensor that requires no gradient",
+        "`if param.requires_grad`",
+    )
 
 
 def test_a_finish_that_averages_every_parameter_fails_on_a_layer_the_loss_does_not_use():
@@ -66,14 +72,20 @@ def test_a_finish_that_averages_every_parameter_fails_on_a_layer_the_loss_does_n
             for work in self.works:
                 work.wait()
             self.works.clear()
-            for param in self.params:                  # every parameter that trains has a gradient by now
+            for param in self.params:  # every parameter that trains has a gradient by now
                 param.grad.div_(self.world_size)
 
-    _fails(check("02.overlapped_dp_hooks", OverlappedGradSync), DRAWN, "a layer `spare` the loss does not use",
-           "'NoneType'", "only the gradients whose all-reduce grad_ready launched")
+    _fails(
+        check("02.overlapped_dp_hooks", OverlappedGradSync),
+        DRAWN,
+        "a layer `spare` the loss does not use",
+        "'NoneType'",
+        "only the gradients whose all-reduce grad_ready launched",
+    )
 
 
 # ---- 03.zero1_step: bf16 parameters with fp32 masters --------------------------------------------
+
 
 def _zero1(gradient_to_master, gather=None):
     """A ZeRO-1 step as the solution writes it, but for how the reduced slice becomes the master's
@@ -99,17 +111,24 @@ def _zero1(gradient_to_master, gather=None):
         offset = 0
         with torch.no_grad():
             for p in params:
-                p.copy_(full[offset: offset + p.numel()].view_as(p))   # copy_ casts to the parameter's dtype
+                p.copy_(full[offset : offset + p.numel()].view_as(p))  # copy_ casts to the parameter's dtype
                 offset += p.numel()
+
     return zero1_step
 
 
 def test_a_reduced_slice_given_to_the_fp32_master_as_it_is_fails_on_bf16_parameters():
     def as_it_is(grad_slice):
-        return grad_slice                              # the check's parameters are fp32, as the master is
+        return grad_slice  # the check's parameters are fp32, as the master is
 
-    _fails(check("03.zero1_step", _zero1(as_it_is)), DRAWN, "in torch.bfloat16",
-           "raised RuntimeError", "the masters fp32", "(the reduced slice .float())")
+    _fails(
+        check("03.zero1_step", _zero1(as_it_is)),
+        DRAWN,
+        "in torch.bfloat16",
+        "raised RuntimeError",
+        "the masters fp32",
+        "(the reduced slice .float())",
+    )
 
 
 def test_an_all_gather_of_the_fp32_masters_fails_on_bf16_parameters():
@@ -119,15 +138,21 @@ def test_an_all_gather_of_the_fp32_masters_fails_on_bf16_parameters():
     def gather_the_masters(master, params, n):
         from ultrascale.parallel import all_gather_into
 
-        full = master.new_empty(master.numel() * n)    # the masters' dtype: fp32
+        full = master.new_empty(master.numel() * n)  # the masters' dtype: fp32
         all_gather_into(full, master.detach())
         return full
 
-    _fails(check("03.zero1_step", _zero1(in_fp32, gather_the_masters)), DRAWN, "in torch.bfloat16",
-           "moved 4 bytes per element", "cast the updated slice to the parameters' dtype")
+    _fails(
+        check("03.zero1_step", _zero1(in_fp32, gather_the_masters)),
+        DRAWN,
+        "in torch.bfloat16",
+        "moved 4 bytes per element",
+        "cast the updated slice to the parameters' dtype",
+    )
 
 
 # ---- 03.zero3_gather_free: blocks in float64 and bf16 -------------------------------------------------
+
 
 def _zero3(empty_buffer, empty_parameter):
     """The solution's hooks, but for how the gathered buffer and a freed parameter are made."""
@@ -139,25 +164,31 @@ def _zero3(empty_buffer, empty_parameter):
             full = empty_buffer(shard.numel() * ctx.world_size, shard)
             all_gather_into(full, shard)
             for p, offset, shape in module.zero3_layout:
-                p.data = full[offset: offset + math.prod(shape)].view(shape)
+                p.data = full[offset : offset + math.prod(shape)].view(shape)
 
         def free(module, args, output):
             for p, _, _ in module.zero3_layout:
                 p.data = empty_parameter(p)
 
         return [module.register_forward_pre_hook(gather), module.register_forward_hook(free)]
+
     return install_zero3_hooks
 
 
 def test_a_gathered_buffer_made_without_dtype_fails_on_float64_blocks():
     def without_dtype(numel, shard):
-        return torch.empty(numel, device=shard.device)     # the check's blocks are fp32
+        return torch.empty(numel, device=shard.device)  # the check's blocks are fp32
 
     def freed(p):
         return torch.empty(0, dtype=p.dtype, device=p.device)
 
-    _fails(check("03.zero3_gather_free", _zero3(without_dtype, freed)), DRAWN, "in torch.float64",
-           "raised RuntimeError", "Make the gathered buffer in the shard's dtype")
+    _fails(
+        check("03.zero3_gather_free", _zero3(without_dtype, freed)),
+        DRAWN,
+        "in torch.float64",
+        "raised RuntimeError",
+        "Make the gathered buffer in the shard's dtype",
+    )
 
 
 def test_parameters_freed_to_float32_fail_on_float64_blocks():
@@ -165,24 +196,30 @@ def test_parameters_freed_to_float32_fail_on_float64_blocks():
         return torch.empty(numel, dtype=shard.dtype, device=shard.device)
 
     def without_dtype(p):
-        return torch.empty(0, device=p.device)              # "an empty tensor": float32, as the check's blocks
+        return torch.empty(0, device=p.device)  # "an empty tensor": float32, as the check's blocks
 
-    _fails(check("03.zero3_gather_free", _zero3(in_the_shards_dtype, without_dtype)), DRAWN, "in torch.float64",
-           "is an empty torch.float32 tensor", "an empty tensor of its own dtype")
+    _fails(
+        check("03.zero3_gather_free", _zero3(in_the_shards_dtype, without_dtype)),
+        DRAWN,
+        "in torch.float64",
+        "is an empty torch.float32 tensor",
+        "an empty tensor of its own dtype",
+    )
 
 
 # ---- 07.stage_step: a pipeline of one stage, where rank 0 is also the last ------------------------------
 
+
 def test_first_middle_last_branches_fail_on_a_pipeline_of_one_stage():
     def forward_step(stage, x, group, rank, p, shape, dtype):
-        if rank == 0:                                  # the first stage: tokens in, an activation out
+        if rank == 0:  # the first stage: tokens in, an activation out
             output = stage(x)
             return x, output, [dist.isend(output.detach(), dst=1, group=group)]
         x = torch.empty(shape, dtype=dtype, device=x.device)
         dist.recv(x, src=rank - 1, group=group)
         x.requires_grad_()
         output = stage(x)
-        if rank == p - 1:                              # the last stage: its output is the loss
+        if rank == p - 1:  # the last stage: its output is the loss
             return x, output, []
         return x, output, [dist.isend(output.detach(), dst=rank + 1, group=group)]
 
@@ -195,5 +232,10 @@ def test_first_middle_last_branches_fail_on_a_pipeline_of_one_stage():
         torch.autograd.backward(output, grad)
         return [] if rank == 0 else [dist.isend(stage_input.grad, dst=rank - 1, group=group)]
 
-    _fails(check("07.stage_step", forward_step, backward_step, world_size=3), DRAWN, "on p=1 rank(s)",
-           "rank 0 is also the last rank", "not first / middle / last branches")
+    _fails(
+        check("07.stage_step", forward_step, backward_step, world_size=3),
+        DRAWN,
+        "on p=1 rank(s)",
+        "rank 0 is also the last rank",
+        "not first / middle / last branches",
+    )

@@ -1,4 +1,5 @@
 """results/ records: provenance is required, files are named by kind and device, and found again."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,8 @@ def test_the_commit_comes_from_the_launcher_first_then_from_git(monkeypatch):
     monkeypatch.delenv("ULTRASCALE_COMMIT", raising=False)
     commit = records.git_commit()
     assert len(commit.removesuffix("-dirty")) == 40
-    monkeypatch.setenv("ULTRASCALE_COMMIT", "abc123")      # a copied .git may be stale: the launcher wins
+    monkeypatch.setenv("ULTRASCALE_COMMIT", "abc123")  # a copied .git may be stale: the launcher wins
     assert records.git_commit() == "abc123"
     monkeypatch.delenv("ULTRASCALE_COMMIT")
-    monkeypatch.setattr(records, "ROOT", records.ROOT / "no-such-folder")   # git cannot run there
+    monkeypatch.setattr(records, "ROOT", records.ROOT / "no-such-folder")  # git cannot run there
     assert records.git_commit() == "unknown"

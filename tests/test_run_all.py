@@ -27,6 +27,7 @@ EXERCISES = sorted((REPO / "exercises").glob("*_exercises.ipynb"))
 
 # ---- the helper ------------------------------------------------------------------------
 
+
 def test_a_local_stub_prints_one_line_naming_it(capsys):
     def pipeline_stage_layers(num_layers, pp_degree):
         raise NotImplementedError("exercise: divmod")
@@ -56,8 +57,10 @@ class FakeRankError(RuntimeError):
     """Shaped like the runtime's RankError: what each rank raised, as text."""
 
     def __init__(self, type_name, function, filename="<cell>", line=3):
-        tb = (f'Traceback (most recent call last):\n  File "{filename}", line {line}, in {function}\n'
-              f'    raise {type_name}("exercise: hint")\n{type_name}: exercise: hint\n')
+        tb = (
+            f'Traceback (most recent call last):\n  File "{filename}", line {line}, in {function}\n'
+            f'    raise {type_name}("exercise: hint")\n{type_name}: exercise: hint\n'
+        )
         self.failures = {rank: FakeFailure(type_name, tb) for rank in range(2)}
         super().__init__(f"2 of 2 ranks failed\n\n--- rank 0 raised {type_name}:\n{tb}")
 
@@ -67,7 +70,7 @@ class OverlappedGradSync:
         raise NotImplementedError("exercise: register the hooks")
 
 
-class Copy(torch.autograd.Function):   # an autograd Function's methods are static
+class Copy(torch.autograd.Function):  # an autograd Function's methods are static
     @staticmethod
     def backward(ctx, grad):
         raise NotImplementedError("exercise: all-reduce the gradient")
@@ -81,7 +84,7 @@ def test_a_stub_that_raised_on_the_ranks_is_named_with_its_class(capsys):
     line = OverlappedGradSync.__init__.__code__.co_firstlineno + 1
     with skip_if_not_implemented():
         raise FakeRankError("NotImplementedError", "__init__", filename=__file__, line=line)
-    line = Copy.backward.__code__.co_firstlineno + 2   # (the first line is the decorator)
+    line = Copy.backward.__code__.co_firstlineno + 2  # (the first line is the decorator)
     with skip_if_not_implemented():
         raise FakeRankError("NotImplementedError", "backward", filename=__file__, line=line)
     out = capsys.readouterr().out.splitlines()
@@ -103,6 +106,7 @@ def test_other_errors_and_finished_work_are_left_alone(capsys):
 
 
 # ---- Run All on every exercise notebook ----------------------------------------------------
+
 
 def _text(cell) -> str:
     parts = []

@@ -35,19 +35,19 @@ def _all_reduce_rank(ctx):
 
 def test_results_in_rank_order_and_collectives_work(cluster):
     assert cluster.backend == "gloo"
-    assert cluster.run(lambda ctx: (ctx.rank, ctx.world_size, str(ctx.device))) == [
-        (r, 3, "cpu") for r in range(3)
-    ]
+    assert cluster.run(lambda ctx: (ctx.rank, ctx.world_size, str(ctx.device))) == [(r, 3, "cpu") for r in range(3)]
     assert cluster.run(_all_reduce_rank) == [6.0, 6.0, 6.0]
 
 
 def test_new_ranks_need_not_import_what_an_optimizer_imports():
     """The fork server preloads torch._dynamo (forkserver.PRELOAD): torch.optim imports it with a
     process's first optimizer, about 2 s of CPU that every rank would otherwise pay again."""
+
     def first_look(ctx):
-        already = "torch._dynamo" in sys.modules   # before this rank has made anything
+        already = "torch._dynamo" in sys.modules  # before this rank has made anything
         torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         return already, "torch._dynamo" in sys.modules
+
     with Cluster(2) as fresh:
         assert fresh.run(first_look) == [(True, True)] * 2
 
@@ -57,18 +57,21 @@ def test_ranks_collect_garbage_but_never_walk_torchs_objects():
     (runtime/collector.py): a rank must come out with the collector on (a rank whose collector
     stayed off would never free a reference cycle), torch's objects frozen, and a cycle the rank
     itself makes still freed."""
+
     def collector_state(ctx):
         import gc
         import weakref
 
         class Node:
             pass
+
         a, b = Node(), Node()
-        a.other, b.other = b, a   # a cycle: only the collector frees it
+        a.other, b.other = b, a  # a cycle: only the collector frees it
         gone = weakref.ref(a)
         del a, b
         gc.collect()
         return gc.isenabled(), gc.get_freeze_count(), gone() is None
+
     with Cluster(2) as fresh:
         for enabled, frozen, freed in fresh.run(collector_state):
             assert enabled and freed
@@ -77,10 +80,17 @@ def test_ranks_collect_garbage_but_never_walk_torchs_objects():
 
 def test_importing_the_runtime_leaves_the_callers_collector_as_it_was():
     for state in ("gc.enable()", "gc.disable()"):
-        code = (f"import gc; {state}; before = gc.isenabled(); import ultrascale.runtime; "
-                "assert gc.isenabled() == before, (before, gc.isenabled()); print('ok')")
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                              env=dict(os.environ, ULTRASCALE_EAGER_FORKSERVER="0"))
+        code = (
+            f"import gc; {state}; before = gc.isenabled(); import ultrascale.runtime; "
+            "assert gc.isenabled() == before, (before, gc.isenabled()); print('ok')"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, ULTRASCALE_EAGER_FORKSERVER="0"),
+        )
         assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
@@ -106,9 +116,12 @@ def test_output_is_prefixed_by_rank_in_rank_order(cluster, capsys):
     cluster.run(talk)
     out = capsys.readouterr().out.splitlines()
     assert out == [
-        "[rank 0] hello from 0", "[rank 0] second line",
-        "[rank 1] hello from 1", "[rank 1] second line",
-        "[rank 2] hello from 2", "[rank 2] second line",
+        "[rank 0] hello from 0",
+        "[rank 0] second line",
+        "[rank 1] hello from 1",
+        "[rank 1] second line",
+        "[rank 2] hello from 2",
+        "[rank 2] second line",
     ]
 
 
@@ -213,7 +226,7 @@ def test_stop_button_returns_quickly_and_no_stale_result(cluster, where, sigint_
 
     _press_stop_after(0.5)
     start = time.monotonic()
-    with pytest.raises(Stopped) as stopped:   # a KeyboardInterrupt, with one line to show
+    with pytest.raises(Stopped) as stopped:  # a KeyboardInterrupt, with one line to show
         cluster.run(busy, where, timeout=20)
     # 0.5 s before the press and about 1 s to stop on an idle machine; 4.3 s was seen beside the suite's
     # other worker (a fresh clone's make test). The bound is what "quickly" must mean on a busy machine:
@@ -221,9 +234,9 @@ def test_stop_button_returns_quickly_and_no_stale_result(cluster, where, sigint_
     assert time.monotonic() - start < 10
     line = str(stopped.value)
     assert "\n" not in line and line.startswith("`busy` stopped: ")
-    if where == "blocked_in_c":   # only a kill stops it: the ranks restart, and the line says so
+    if where == "blocked_in_c":  # only a kill stops it: the ranks restart, and the line says so
         assert "start afresh on the next call" in line and "blocked outside Python" in line
-    else:                         # stopped in Python before any collective: the ranks live on
+    else:  # stopped in Python before any collective: the ranks live on
         assert "keep their state" in line
     # the next call gets its own result, never the interrupted call's
     assert cluster.run(lambda ctx: ("fresh", ctx.rank)) == [("fresh", r) for r in range(3)]
@@ -274,7 +287,8 @@ def test_killed_kernel_leaves_no_orphan_ranks(tmp_path):
     """Nor its fork server (torch loaded: the largest part of what a chapter's kernel leaves,
     issue 54), nor multiprocessing's resource tracker."""
     script = tmp_path / "kernel.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, time
         import multiprocessing.forkserver as fs, multiprocessing.resource_tracker as rt
         from ultrascale.runtime import Cluster
@@ -283,15 +297,16 @@ def test_killed_kernel_leaves_no_orphan_ranks(tmp_path):
             print(" ".join(map(str, c.pids)), flush=True)
             print(fs._forkserver._forkserver_pid, rt._resource_tracker._pid, flush=True)
             time.sleep(600)
-    """))
+    """)
+    )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in proc.stdout.readline().split()]
     helpers = [int(p) for p in proc.stdout.readline().split() if p != "None"]
     assert len(pids) == 3 and all(_alive(p) for p in pids)
-    assert helpers and all(_alive(p) for p in helpers), helpers   # the fork server at least
+    assert helpers and all(_alive(p) for p in helpers), helpers  # the fork server at least
     proc.kill()  # like the kernel dying: no atexit, no cleanup code runs
     proc.wait()
-    deadline = time.monotonic() + 30   # a bound for a loaded machine; the loop ends when they are gone
+    deadline = time.monotonic() + 30  # a bound for a loaded machine; the loop ends when they are gone
     while any(_alive(p) for p in pids + helpers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids), "orphan ranks survived the kernel"
@@ -302,7 +317,8 @@ def test_a_script_without_main_guard_works_like_a_notebook(tmp_path):
     """Ranks never re-run the caller's script, so no `if __name__ == "__main__"` is needed,
     and classes defined in it travel both ways."""
     script = tmp_path / "experiment.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         from ultrascale.runtime import Cluster
         class Box:
             def __init__(self, v):
@@ -310,7 +326,8 @@ def test_a_script_without_main_guard_works_like_a_notebook(tmp_path):
         cluster = Cluster(2)
         print([b.v for b in cluster.run(lambda ctx, box: Box(box.v * (ctx.rank + 1)), Box(5))])
         cluster.close()
-    """))
+    """)
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["[5, 10]"]
@@ -349,17 +366,33 @@ def test_cell_magic_runs_on_all_ranks_and_subsets(cluster, capsys):
 def test_same_function_runs_under_torchrun(tmp_path):
     out = tmp_path / "res.json"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "ultrascale.runtime.torchrun", "ultrascale.runtime.examples:all_reduce_demo", "[4]",
-        "--out", str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "ultrascale.runtime.torchrun",
+        "ultrascale.runtime.examples:all_reduce_demo",
+        "[4]",
+        "--out",
+        str(out),
     ]
-    done = subprocess.run(cmd, check=True, cwd=ROOT, timeout=120, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        cmd,
+        check=True,
+        cwd=ROOT,
+        timeout=120,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert json.loads(out.read_text())["results"] == [[3.0] * 4, [3.0] * 4]
     # the log says which backend the ranks got, and why the CPU where it is the CPU (issue 54)
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    said = re.findall(r"^ultrascale\.runtime\.torchrun: 2 ranks on 1 node\(s\), backend (\w+), (.*)$",
-                      done.stdout, re.MULTILINE)
+    said = re.findall(
+        r"^ultrascale\.runtime\.torchrun: 2 ranks on 1 node\(s\), backend (\w+), (.*)$", done.stdout, re.MULTILINE
+    )
     assert len(said) == 1 and said[0][0] == backend, done.stdout
     if torch.version.cuda is None:
         assert "is a CPU build" in said[0][1], said
@@ -383,6 +416,7 @@ def test_works_after_the_notebook_initialised_cuda():
 
 # ---- clear errors for the smaller slips of issue 11 ----------------------------------------
 
+
 def test_run_refuses_what_is_not_a_function_before_the_ranks_see_it(cluster):
     pids = cluster.pids
     with pytest.raises(TypeError, match="needs a function to run on the ranks.*got int 42"):
@@ -392,12 +426,15 @@ def test_run_refuses_what_is_not_a_function_before_the_ranks_see_it(cluster):
     assert cluster.pids == pids and cluster.run(lambda ctx: ctx.rank) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("kwargs, complaint", [
-    ({"timeout": -1}, "timeout must be a number of seconds above 0"),
-    ({"timeout": float("nan")}, "timeout must be"),
-    ({"grace": -0.5}, "grace must be a number of seconds at least 0"),
-    ({"threads": 0}, "threads must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, complaint",
+    [
+        ({"timeout": -1}, "timeout must be a number of seconds above 0"),
+        ({"timeout": float("nan")}, "timeout must be"),
+        ({"grace": -0.5}, "grace must be a number of seconds at least 0"),
+        ({"threads": 0}, "threads must be a positive integer"),
+    ],
+)
 def test_bad_cluster_options_are_clear_errors(kwargs, complaint):
     with pytest.raises(ValueError, match=complaint):
         Cluster(2, **kwargs)
@@ -422,14 +459,14 @@ def test_a_closed_cluster_starts_again_on_the_next_run(capsys):
         assert c.run(lambda ctx: ctx.state.setdefault("kept", ctx.rank + 10)) == [10, 11]
         c.close()
         assert not c.alive and "closed" in repr(c)
-        assert current_cluster() is c   # a %%ranks cell re-run after the close reopens it too
+        assert current_cluster() is c  # a %%ranks cell re-run after the close reopens it too
         capsys.readouterr()
         assert c.run(_all_reduce_rank) == [3.0, 3.0]
         notice = capsys.readouterr().out
         assert notice.count("\n") == 1 and "was closed" in notice and "ctx.state starts empty" in notice, notice
         assert c.alive and c.pids != before and "running" in repr(c)
-        assert c.run(lambda ctx: ctx.state.get("kept")) == [None, None]   # the state the notice named
-        assert capsys.readouterr().out == ""   # only the first run after the close says it
+        assert c.run(lambda ctx: ctx.state.get("kept")) == [None, None]  # the state the notice named
+        assert capsys.readouterr().out == ""  # only the first run after the close says it
     finally:
         c.close()
 
@@ -473,14 +510,18 @@ def test_a_stop_shows_one_line_in_a_notebook_and_percent_tb_the_rest(capsys):
     shell = InteractiveShell.instance()
     try:
         magic.register(shell, lambda: None)
-        result = shell.run_cell("from ultrascale.runtime.errors import Stopped\n"
-                                "def deep():\n    raise Stopped('`train` stopped: all ranks restart')\ndeep()")
+        result = shell.run_cell(
+            "from ultrascale.runtime.errors import Stopped\n"
+            "def deep():\n    raise Stopped('`train` stopped: all ranks restart')\ndeep()"
+        )
         err = capsys.readouterr().err
         assert not result.success and isinstance(result.error_in_exec, Stopped)
-        assert err.strip().splitlines() == ["Stopped: `train` stopped: all ranks restart  (%tb shows the full traceback)"]
+        assert err.strip().splitlines() == [
+            "Stopped: `train` stopped: all ranks restart  (%tb shows the full traceback)"
+        ]
         shell.run_line_magic("tb", "")
-        shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)   # without the colours
-        assert "Traceback" in shown and "----> 4 deep()" in shown   # the whole traceback, on request
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # without the colours
+        assert "Traceback" in shown and "----> 4 deep()" in shown  # the whole traceback, on request
     finally:
         shell.set_custom_exc((), None)
         InteractiveShell.clear_instance()
@@ -498,7 +539,7 @@ def test_idle_ranks_give_their_memory_back_and_return_on_the_next_call(capsys):
         assert not idle.alive and "idle" in repr(idle)
         assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in first)
         capsys.readouterr()
-        assert idle.run(_all_reduce_rank) == [3.0, 3.0]   # a fresh process group works
+        assert idle.run(_all_reduce_rank) == [3.0, 3.0]  # a fresh process group works
         assert "had been idle" in capsys.readouterr().out and idle.alive and idle.pids != first
 
 
@@ -507,7 +548,8 @@ def test_the_fork_server_goes_when_no_cluster_has_ranks(tmp_path):
     pages (issue 54). It goes with the last idle cluster's ranks, and after a close, and the next
     call brings it back. In a process of its own: this module's cluster keeps ranks."""
     script = tmp_path / "idle.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import json, os, time
         import multiprocessing.forkserver as fs
         from ultrascale.runtime import Cluster
@@ -534,7 +576,8 @@ def test_the_fork_server_goes_when_no_cluster_has_ranks(tmp_path):
             idle.close()
             closed_gone = server_gone(second)
             print(json.dumps([kept_it, idle_gone, again, second not in (None, first), closed_gone]))
-    """))
+    """)
+    )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     kept_it, idle_gone, again, restarted, closed_gone = json.loads(done.stdout.splitlines()[-1])
@@ -546,8 +589,8 @@ def test_the_fork_server_goes_when_no_cluster_has_ranks(tmp_path):
 
 def test_a_busy_cluster_is_not_released():
     with Cluster(2, idle_release=0.3) as busy:
-        assert busy.run(lambda ctx: time.sleep(1.0) or ctx.rank) == [0, 1]   # longer than idle_release
-        assert busy.alive   # the timer counts from the end of a call, not from its start
+        assert busy.run(lambda ctx: time.sleep(1.0) or ctx.rank) == [0, 1]  # longer than idle_release
+        assert busy.alive  # the timer counts from the end of a call, not from its start
 
 
 def _is_zombie(pid: int) -> bool:
@@ -561,8 +604,8 @@ def _is_zombie(pid: int) -> bool:
 def test_what_a_cluster_says_about_the_gpus_it_does_not_use():
     from ultrascale.runtime.cluster import gpu_notice
 
-    assert gpu_notice("gloo", 4, gpus=0) is None          # a laptop: nothing to say
-    assert gpu_notice("nccl", 4, gpus=8) is None          # one GPU per rank: as expected
+    assert gpu_notice("gloo", 4, gpus=0) is None  # a laptop: nothing to say
+    assert gpu_notice("nccl", 4, gpus=8) is None  # one GPU per rank: as expected
     fewer = gpu_notice("gloo", 4, gpus=2)
     assert "2 GPU(s) for 4 ranks" in fewer and "CPU with gloo" in fewer and "Cluster(2)" in fewer
     assert "asked for" in gpu_notice("gloo", 2, gpus=8)

@@ -9,6 +9,7 @@ the import. Where the runtime imported torch itself the server is a plain fork o
 (forkserver.py), and holds nothing of a kernel's: none of its sockets, no notebook shell for the
 ranks to find; where torch came first, it is a fresh interpreter started before the rest.
 """
+
 import pytest
 from jupyter_client.manager import start_new_kernel
 
@@ -29,7 +30,9 @@ def server_sockets():
     return sum(os.readlink(os.path.join(fds, fd)).startswith("socket:") for fd in os.listdir(fds))
 """
 
-PROBE = SERVER_KIND + """
+PROBE = (
+    SERVER_KIND
+    + """
 import os, sys, multiprocessing.forkserver as fs
 import ultrascale.runtime
 print("server", fs._forkserver._forkserver_pid is not None, server_kind())
@@ -41,6 +44,7 @@ with Cluster(2) as c:
     print("in-a-notebook", any(in_notebook), "sockets", server_sockets() if server_kind() == "fork" else 1)
     print("names", *c.run(lambda ctx: open("/proc/self/comm").read().strip()))   # as top shows them
 """
+)
 
 
 def _run_in_kernel(env_value, tmp_path):
@@ -50,8 +54,11 @@ def _run_in_kernel(env_value, tmp_path):
     manager, client = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path))
     lines = []
     try:
-        reply = client.execute_interactive(PROBE, timeout=300, output_hook=lambda m: lines.append(
-            m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+        reply = client.execute_interactive(
+            PROBE,
+            timeout=300,
+            output_hook=lambda m: lines.append(m["content"].get("text", "")) if m["msg_type"] == "stream" else None,
+        )
         assert reply["content"]["status"] == "ok", reply["content"]
     finally:
         client.stop_channels()
@@ -63,15 +70,29 @@ def _run_in_kernel(env_value, tmp_path):
 def test_fork_server_starts_at_import_in_a_kernel_unless_switched_off(env_value, started, tmp_path):
     # a forked server keeps only its listening socket of the kernel's sockets (which are 5 or more),
     # and its ranks do not think they are in a notebook (the kernel's shell object came with the fork)
-    assert _run_in_kernel(env_value, tmp_path) == ["server", *started, "ranks", "True",
-                                                   "in-a-notebook", "False", "sockets", "1", "names", "rank0", "rank1"]
+    assert _run_in_kernel(env_value, tmp_path) == [
+        "server",
+        *started,
+        "ranks",
+        "True",
+        "in-a-notebook",
+        "False",
+        "sockets",
+        "1",
+        "names",
+        "rank0",
+        "rank1",
+    ]
 
 
-SCRIPT_PROBE = SERVER_KIND + """
+SCRIPT_PROBE = (
+    SERVER_KIND
+    + """
 import os, multiprocessing.forkserver as fs
 import ultrascale.runtime
 print(fs._forkserver._forkserver_pid is not None, os.environ.get("ULTRASCALE_EAGER_FORKSERVER"), server_kind())
 """
+)
 
 
 def _started_in(tmp_path, as_script=True, **env_changes):
@@ -80,8 +101,11 @@ def _started_in(tmp_path, as_script=True, **env_changes):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("ULTRASCALE_EAGER_FORKSERVER", "LOCAL_RANK",
-                                                             "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("ULTRASCALE_EAGER_FORKSERVER", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+    }
     env.update(env_changes)
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT_PROBE)
@@ -99,8 +123,12 @@ def test_a_script_starts_it_at_import(tmp_path):
 
 @pytest.mark.parametrize("where", ["switched off", "python -c", "torchrun rank", "elastic rank"])
 def test_it_does_not_start_where_no_cluster_is_made(where, tmp_path):
-    changes = {"switched off": dict(ULTRASCALE_EAGER_FORKSERVER="0"), "python -c": dict(as_script=False),
-               "torchrun rank": dict(LOCAL_RANK="0"), "elastic rank": dict(TORCHELASTIC_RUN_ID="x")}[where]
+    changes = {
+        "switched off": dict(ULTRASCALE_EAGER_FORKSERVER="0"),
+        "python -c": dict(as_script=False),
+        "torchrun rank": dict(LOCAL_RANK="0"),
+        "elastic rank": dict(TORCHELASTIC_RUN_ID="x"),
+    }[where]
     assert _started_in(tmp_path, **changes).split()[0] == "False"
 
 
@@ -115,7 +143,7 @@ def _import_runtime_in_a_child(queue):
 def test_a_multiprocessing_child_does_not_start_it():
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")      # a fresh interpreter that imports the runtime itself
+    ctx = mp.get_context("spawn")  # a fresh interpreter that imports the runtime itself
     queue = ctx.Queue()
     child = ctx.Process(target=_import_runtime_in_a_child, args=(queue,))
     child.start()
@@ -146,7 +174,13 @@ import ultrascale.runtime
 print(seen, "torch" in sys.modules, mu.spawnv_passfds is spawn)
 """
     env = {k: v for k, v in __import__("os").environ.items() if k != "ULTRASCALE_EAGER_FORKSERVER"}
-    runs = {first: subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, check=True,
-                                  env=env).stdout.strip() for first in ("runtime first", "torch first")}
-    assert runs == {"runtime first": "[(True, True, True)] True True",    # after torch, forked
-                    "torch first": "[(True, False, False)] True True"}    # before the rest, executed
+    runs = {
+        first: subprocess.run(
+            [sys.executable, "-c", code, first], capture_output=True, text=True, check=True, env=env
+        ).stdout.strip()
+        for first in ("runtime first", "torch first")
+    }
+    assert runs == {
+        "runtime first": "[(True, True, True)] True True",  # after torch, forked
+        "torch first": "[(True, False, False)] True True",
+    }  # before the rest, executed

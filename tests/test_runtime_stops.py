@@ -78,6 +78,7 @@ def _press_stop_inside(functions: set, done: threading.Event):
             if threading.get_ident() == main:
                 entered.set()
             return original(*args, **kwargs)
+
         return wrapper
 
     def watch():
@@ -151,8 +152,7 @@ def _fresh_exchange(ctx, token: int):
 
 def _assert_healthy(cluster, token: int, what: str) -> None:
     n = cluster.world_size
-    expected = [(float(n * token + n * (n - 1) // 2), float(token), float(10 * token + (r - 1) % n))
-                for r in range(n)]
+    expected = [(float(n * token + n * (n - 1) // 2), float(token), float(10 * token + (r - 1) % n)) for r in range(n)]
     try:
         got = cluster.run(_fresh_exchange, token, timeout=30)
     except Exception as err:  # noqa: BLE001 - reported with what came before
@@ -161,6 +161,7 @@ def _assert_healthy(cluster, token: int, what: str) -> None:
 
 
 # ---- 1. stop while the results are being received --------------------------------------
+
 
 def _large_result(ctx, mib: int):
     ctx.log(returning=True)
@@ -177,17 +178,18 @@ def test_stop_while_receiving_large_results(cluster, sigint_raises, attempt):
 
 # ---- 2. stop while run() is still sending a large argument -------------------------------
 
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("attempt", range(3))
 def test_stop_while_sending_a_large_argument(cluster, sigint_raises, attempt):
     big = torch.ones(100 * MIB // 4)
-    outcome = _run_and_stop(lambda press: cluster.run(lambda ctx, x: x.numel(), big, timeout=60),
-                            inside=SENDING)
+    outcome = _run_and_stop(lambda press: cluster.run(lambda ctx, x: x.numel(), big, timeout=60), inside=SENDING)
     assert outcome is None or isinstance(outcome, KeyboardInterrupt), repr(outcome)
     _assert_healthy(cluster, 2, "a stop while sending a 100 MB argument")
 
 
 # ---- 3. stop just after a rank posted a collective or a send -----------------------------
+
 
 def _post_then_spin(ctx, what: str):
     """Rank 0 posts an operation the others never match, then every rank spins in Python."""
@@ -222,6 +224,7 @@ def test_stop_after_a_rank_posted_an_operation(cluster, sigint_raises, what):
 
 
 # ---- 4. a failed call leaves an unreceived send behind -----------------------------------
+
 
 def _orphan_send_then_fail(ctx):
     if ctx.rank == 0:
@@ -263,7 +266,7 @@ class _PressesStopWhenDropped:
         signal.raise_signal(signal.SIGINT)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the swallowed press
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed press
 def test_a_press_whose_interrupt_a_finalizer_swallowed_still_stops_the_call(cluster, sigint_raises, monkeypatch):
     """Seen in the soak test on a loaded machine: a press during a restart was lost, and the call
     (a Python loop) then ran until the test's timeout."""
@@ -273,11 +276,11 @@ def test_a_press_whose_interrupt_a_finalizer_swallowed_still_stops_the_call(clus
 
     def send_then_drop(self, payload):
         send(self, payload)
-        _PressesStopWhenDropped()   # dropped at once: the press lands in its __del__
+        _PressesStopWhenDropped()  # dropped at once: the press lands in its __del__
 
     monkeypatch.setattr(Call, "send", send_then_drop)
     with pytest.raises(Stopped):
-        cluster.run(_spin, timeout=30)   # without the press: CallTimeout after 30 s
+        cluster.run(_spin, timeout=30)  # without the press: CallTimeout after 30 s
     monkeypatch.undo()
     _assert_healthy(cluster, 1, "a call stopped by a press a finalizer swallowed")
 
@@ -286,7 +289,9 @@ def test_a_press_whose_interrupt_a_finalizer_swallowed_still_stops_the_call(clus
 
 SOAK_SEED = 11
 SOAK_SECONDS = 55
-SOAK_STOPS = 40    # about 0.4 s each; seed 11 reaches all five kinds (send 12, receive 10, collectives 4, python 7, failure 7)
+SOAK_STOPS = (
+    40  # about 0.4 s each; seed 11 reaches all five kinds (send 12, receive 10, collectives 4, python 7, failure 7)
+)
 
 
 def _total(ctx, x):
@@ -326,16 +331,21 @@ def _soak_case(cluster, kind: str, gen: random.Random):
     if kind == "failure":  # no stop: a call that fails after an unreceived send
         return "no stop, a failed call", _run_and_stop(lambda press: cluster.run(_orphan_send_then_fail))
     if kind in ("send", "receive") and gen.random() < 0.5:  # right inside the bytes' move
-        moment, inside, delay = f"stop pressed inside a {'write' if kind == 'send' else 'read'}", \
-            (SENDING if kind == "send" else RECEIVING), None
+        moment, inside, delay = (
+            f"stop pressed inside a {'write' if kind == 'send' else 'read'}",
+            (SENDING if kind == "send" else RECEIVING),
+            None,
+        )
     else:
         delay = gen.uniform(0.0, {"send": 0.4, "receive": 0.3, "collectives": 0.6, "python": 0.3}[kind])
         moment, inside = f"stop pressed at {delay:.3f} s", None
     seed, big = gen.randrange(10**6), torch.ones(40 * MIB // 4)
-    start = {"send": lambda press: cluster.run(_total, big),
-             "receive": lambda press: cluster.run(_large_result, 40),
-             "collectives": lambda press: cluster.run(_collective_storm, seed),
-             "python": lambda press: cluster.run(_spin)}[kind]
+    start = {
+        "send": lambda press: cluster.run(_total, big),
+        "receive": lambda press: cluster.run(_large_result, 40),
+        "collectives": lambda press: cluster.run(_collective_storm, seed),
+        "python": lambda press: cluster.run(_spin),
+    }[kind]
     return moment, _run_and_stop(start, delay, inside)
 
 
@@ -350,12 +360,16 @@ def test_soak_random_stops_then_a_correct_call(sigint_raises):
         while time.monotonic() - start < SOAK_SECONDS and len(done) < SOAK_STOPS:
             kind = gen.choice(kinds)
             moment, outcome = _soak_case(cluster, kind, gen)
-            what = (f"soak step {len(done)} (seed {SOAK_SEED}): {kind}, {moment}, "
-                    f"the call ended with {type(outcome).__name__ if outcome else 'its results'}")
+            what = (
+                f"soak step {len(done)} (seed {SOAK_SEED}): {kind}, {moment}, "
+                f"the call ended with {type(outcome).__name__ if outcome else 'its results'}"
+            )
             if outcome is not None and not isinstance(outcome, (KeyboardInterrupt, RankError)):
                 raise AssertionError(f"{what}: unexpected {outcome!r}")
             _assert_healthy(cluster, len(done) + 1, what)
             done.append(kind)
-    print(f"soak: {len(done)} stops in {time.monotonic() - start:.0f} s: "
-          + ", ".join(f"{k} x{done.count(k)}" for k in kinds))
+    print(
+        f"soak: {len(done)} stops in {time.monotonic() - start:.0f} s: "
+        + ", ".join(f"{k} x{done.count(k)}" for k in kinds)
+    )
     assert len(set(done)) == len(kinds), f"the soak did not reach every kind of stop: {done}"

@@ -8,15 +8,31 @@ a split backward runs B for t_b - t_w and W for t_w. The bubble fraction is the 
 r_bubble = idle time / compute time, m (t_f + t_b) per rank. The simulator adds exactly,
 so the formulas are asserted to 1e-12.
 """
+
 import subprocess
 import sys
 
 import matplotlib
 import pytest
 
-from ultrascale.schedule import (Action, DeadlockError, Schedule, afab, bubble_fraction, dualpipe_v,
-                                 interleaved_1f1b, make_schedule, naive, one_f_one_b, one_f_one_b_rank,
-                                 one_forward_one_backward, parse, predicted_bubble_fraction, simulate, zb_h1)
+from ultrascale.schedule import (
+    Action,
+    DeadlockError,
+    Schedule,
+    afab,
+    bubble_fraction,
+    dualpipe_v,
+    interleaved_1f1b,
+    make_schedule,
+    naive,
+    one_f_one_b,
+    one_f_one_b_rank,
+    one_forward_one_backward,
+    parse,
+    predicted_bubble_fraction,
+    simulate,
+    zb_h1,
+)
 from ultrascale.viz.schedule import draw
 
 matplotlib.use("Agg")
@@ -91,8 +107,10 @@ def test_interleaved_bubble_is_p_minus_1_over_vm(p, m, v, order):
 
 def test_interleaving_communicates_v_times_more():
     """Each chunk boundary between ranks is a message: (p v - 1) activations per micro-batch."""
+
     def messages(s):
         return sum(a.op == "send_F" for r in range(s.ranks) for a in s.actions(r))
+
     assert messages(one_f_one_b(4, 8)) == 8 * 3
     assert messages(interleaved_1f1b(4, 8, v=2)) == 8 * 7
     assert messages(interleaved_1f1b(4, 8, v=4)) == 8 * 15
@@ -123,7 +141,7 @@ def test_p2p_cost_adds_two_trips_per_stage_to_afab():
 def test_peak_activations_m_for_afab_at_most_p_for_1f1b(p, m):
     assert simulate(afab(p, m)).peak_activations == [m] * p
     one = simulate(one_f_one_b(p, m)).peak_activations
-    assert one == [min(p - r, m) for r in range(p)]   # rank 0 holds p: the first stage needs most
+    assert one == [min(p - r, m) for r in range(p)]  # rank 0 holds p: the first stage needs most
     assert max(one) <= p
     # ZB-H1 keeps 1F1B's peak (the deferred W's hold activations a little longer on later ranks).
     assert max(simulate(zb_h1(p, m)).peak_activations) == max(one)
@@ -189,23 +207,26 @@ def _rounds_of_4_then_1(rank):
     return one_forward_one_backward(forwards, backwards, min(2 * 4 + 2 * (3 - rank), 15))
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: one_f_one_b(4, 0), "m=0"),
-    (lambda: afab(0, 4), "p=0"),
-    (lambda: interleaved_1f1b(4, 8, v=0), "v=0"),
-    (lambda: dualpipe_v(4, 5), "needs m >= 8"),
-    (lambda: interleaved_1f1b(4, 8, rounds=3), r"choose 1 \.\. 2 rounds"),
-    (lambda: make_schedule("gpipe", 4, 8), "unknown schedule 'gpipe'"),
-    (lambda: make_schedule("1f1b", 4, 8, v=2), "use 'interleaved'"),
-    (lambda: make_schedule("naive", 4, 8), "runs the batch whole"),
-    (lambda: Schedule("x", [parse("B0 F0")], 1), "rank 0 runs B0s0 before F0s0.*move B0s0 after it"),
-    (lambda: Schedule("x", [parse("F0s1 F0 B0 B0s1")], 1, chunks=2), "F0s1 before F0s0 \\(the input of stage 1\\)"),
-    (lambda: Schedule("x", [parse("F0 B0"), parse("F0", stage=1)], 1), "missing: B0s1"),
-    (lambda: Schedule("x", [parse("F0 B0 F0"), parse("F0 B0", stage=1)], 1), "runs F0s0 twice"),
-    (lambda: Schedule("x", [parse("F0 B0 F0s1"), parse("B0", stage=1)], 1), "stage 1 lives on rank 1"),
-    (lambda: Schedule("x", [parse("F0 B0 F1 B1")], 1), r"outside micro-batches 0\.\.0"),
-    (lambda: parse("X0"), "cannot read 'X0'"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: one_f_one_b(4, 0), "m=0"),
+        (lambda: afab(0, 4), "p=0"),
+        (lambda: interleaved_1f1b(4, 8, v=0), "v=0"),
+        (lambda: dualpipe_v(4, 5), "needs m >= 8"),
+        (lambda: interleaved_1f1b(4, 8, rounds=3), r"choose 1 \.\. 2 rounds"),
+        (lambda: make_schedule("gpipe", 4, 8), "unknown schedule 'gpipe'"),
+        (lambda: make_schedule("1f1b", 4, 8, v=2), "use 'interleaved'"),
+        (lambda: make_schedule("naive", 4, 8), "runs the batch whole"),
+        (lambda: Schedule("x", [parse("B0 F0")], 1), "rank 0 runs B0s0 before F0s0.*move B0s0 after it"),
+        (lambda: Schedule("x", [parse("F0s1 F0 B0 B0s1")], 1, chunks=2), "F0s1 before F0s0 \\(the input of stage 1\\)"),
+        (lambda: Schedule("x", [parse("F0 B0"), parse("F0", stage=1)], 1), "missing: B0s1"),
+        (lambda: Schedule("x", [parse("F0 B0 F0"), parse("F0 B0", stage=1)], 1), "runs F0s0 twice"),
+        (lambda: Schedule("x", [parse("F0 B0 F0s1"), parse("B0", stage=1)], 1), "stage 1 lives on rank 1"),
+        (lambda: Schedule("x", [parse("F0 B0 F1 B1")], 1), r"outside micro-batches 0\.\.0"),
+        (lambda: parse("X0"), "cannot read 'X0'"),
+    ],
+)
 def test_bad_input_is_refused_with_the_fix(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -217,8 +238,10 @@ def test_bubble_fraction_reads_timeline_rows():
     sim = simulate(one_f_one_b(4, 8))
     rows = sim.rows()
     assert rows[0]["name"] == "forward 0 stage 0"
-    per_rank = [[e for e in rows if e["rank"] == r] + [dict(rank=r, lane="communication", name="recv", start=0,
-                                                            end=99)] for r in range(4)]
+    per_rank = [
+        [e for e in rows if e["rank"] == r] + [dict(rank=r, lane="communication", name="recv", start=0, end=99)]
+        for r in range(4)
+    ]
     assert bubble_fraction(per_rank) == pytest.approx(0.375, abs=EXACT)
     with pytest.raises(ValueError, match="no pipeline compute events"):
         bubble_fraction([dict(rank=0, lane="compute", name="optimizer", start=0, end=1)])
@@ -238,8 +261,10 @@ def test_draw_puts_micro_batch_ids_in_the_boxes():
 
 
 def test_schedule_needs_no_torch():
-    code = ("import sys, ultrascale.schedule as s; s.simulate(s.one_f_one_b(4, 8)); "
-            "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules")
+    code = (
+        "import sys, ultrascale.schedule as s; s.simulate(s.one_f_one_b(4, 8)); "
+        "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -252,14 +277,14 @@ def test_schedule_figure_and_widget():
     fig, text = schedule_figure("interleaved", p=4, m=8, v=2)
     assert "bubble 0.188 (formula (p-1)/(v m) = 0.188)" in text and "[11, 9, 7, 5]" in text
     assert "bubble fraction 0.188" in fig.axes[0].get_title()
-    assert "1F1B: bubble 0.375" in schedule_figure("1f1b", p=4, m=8, v=3)[1]   # v ignored for one-stage schedules
+    assert "1F1B: bubble 0.375" in schedule_figure("1f1b", p=4, m=8, v=3)[1]  # v ignored for one-stage schedules
     widget = schedule_widget()
     assert repr(widget) == "[pipeline simulator: run this cell in JupyterLab for its menus and sliders]"
     controls, message, image = widget.children
     name, p, m, v = controls.children
     assert image.value and "1F1B: bubble 0.375" in message.value
     name.value = "dualpipe-v"
-    m.value = 5   # DualPipeV needs m >= 2p = 8
+    m.value = 5  # DualPipeV needs m >= 2p = 8
     assert "Cannot build" in message.value and "needs m >= 8" in message.value
     m.value = 8
     assert "DualPipeV: bubble 0.062" in message.value

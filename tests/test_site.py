@@ -58,19 +58,28 @@ SCREENSHOTS = ROOT / "out" / "browser"
 def site(tmp_path_factory) -> Path:
     """site_src/build.py's HTML, built once into a temporary folder."""
     out = tmp_path_factory.mktemp("site")
-    done = subprocess.run([sys.executable, str(ROOT / "site_src" / "build.py"), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=540)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "site_src" / "build.py"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert done.returncode == 0, f"the site's build failed:\n{(done.stdout + done.stderr)[-6000:]}"
     return out / "html"
 
 
 def _sidebar(page: str) -> dict[str, list[tuple[str, str]]]:
     """The sidebar's captions and, under each, its (href, text) entries, in order."""
-    nav = page[page.index('<nav class="bd-links'):]
-    nav = nav[:nav.index("</nav>")]
+    nav = page[page.index('<nav class="bd-links') :]
+    nav = nav[: nav.index("</nav>")]
     sections, caption = {}, None
-    for match in re.finditer(r'<span class="caption-text">(.*?)</span>|<li class="toctree-l1[^"]*">'
-                             r'<a class="[^"]*" href="([^"]*)">(.*?)</a>', nav, re.S):
+    for match in re.finditer(
+        r'<span class="caption-text">(.*?)</span>|<li class="toctree-l1[^"]*">'
+        r'<a class="[^"]*" href="([^"]*)">(.*?)</a>',
+        nav,
+        re.S,
+    ):
         if match[1] is not None:
             caption = html.unescape(match[1])
             sections[caption] = []
@@ -80,8 +89,10 @@ def _sidebar(page: str) -> dict[str, list[tuple[str, str]]]:
 
 
 def _chapter_titles() -> list[str]:
-    return [site_build.title(json.loads((ROOT / "chapters" / f"{stem}.ipynb").read_text()))
-            for stem in site_build.reading_order()]
+    return [
+        site_build.title(json.loads((ROOT / "chapters" / f"{stem}.ipynb").read_text()))
+        for stem in site_build.reading_order()
+    ]
 
 
 def test_offline_scripts_are_kept_with_their_licences():
@@ -94,7 +105,8 @@ def test_offline_scripts_are_kept_with_their_licences():
     for script in (module.REQUIRE_JS, module.WIDGETS_JS, module.MATHJAX_JS):
         folder = (module.VENDOR / script).parents[len(Path(script).parts) - 2]
         licence = [p for p in folder.iterdir() if "LICENSE" in p.name] or (
-            ["require.js header"] if "@license RequireJS" in (module.VENDOR / script).read_text()[:300] else [])
+            ["require.js header"] if "@license RequireJS" in (module.VENDOR / script).read_text()[:300] else []
+        )
         assert licence, f"no licence beside {script}"
 
 
@@ -148,8 +160,9 @@ def test_previous_and_next_follow_the_order(site):
 @pytest.mark.parametrize("stem", [CHAPTER_07, "01_one_gpu", "a0_collectives"])
 def test_chapter_figures_are_images_that_exist(site, stem):
     notebook = json.loads((ROOT / "chapters" / f"{stem}.ipynb").read_text())
-    pngs = sum("image/png" in output.get("data", {}) for cell in notebook["cells"]
-               for output in cell.get("outputs", []))
+    pngs = sum(
+        "image/png" in output.get("data", {}) for cell in notebook["cells"] for output in cell.get("outputs", [])
+    )
     page = site / "chapters" / f"{stem}.html"
     images = re.findall(r'<img [^>]*src="([^"]+)"', page.read_text())
     assert pngs > 0 and len(images) >= pngs, (stem, pngs, images)
@@ -159,16 +172,16 @@ def test_chapter_figures_are_images_that_exist(site, stem):
 
 def test_chapter_links_to_its_exercises_and_the_grading_command(site):
     page = (site / f"chapters/{CHAPTER_07}.html").read_text()
-    box = page[page.index("This chapter"):][:3000]
-    href = re.search(r'href="(\.\./exercises/[^"#]+\.html)"', page[page.index("This chapter") - 300:])[1]
+    box = page[page.index("This chapter") :][:3000]
+    href = re.search(r'href="(\.\./exercises/[^"#]+\.html)"', page[page.index("This chapter") - 300 :])[1]
     assert href == f"../exercises/{CHAPTER_07}_exercises.html"
     assert "Chapter 7 exercises" in (site / "chapters" / href).resolve().read_text()
     assert f"make grade NB=work/exercises/{CHAPTER_07}_exercises.ipynb" in re.sub("<.*?>", "", box)
     grading = re.search(r'href="\.\./README\.html#([^"]+)"', box)
     readme = (site / "README.html").read_text()
     assert grading and f'id="{grading[1]}"' in readme
-    section = re.sub("<.*?>", "", readme[readme.index(f'id="{grading[1]}"'):])[:3000]
-    assert "make grade" in section   # the anchor is the README's section on the grading command
+    section = re.sub("<.*?>", "", readme[readme.index(f'id="{grading[1]}"') :])[:3000]
+    assert "make grade" in section  # the anchor is the README's section on the grading command
 
 
 def test_exercise_section_links_land_on_sections(site):
@@ -194,6 +207,7 @@ def test_results_pages_list_every_record_with_its_provenance(site):
 
 # ---- in a real browser --------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     pytest.importorskip("selenium", reason="selenium is missing: pip install -r requirements-dev.txt")
@@ -206,7 +220,7 @@ def browser(tmp_path_factory):
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
 
-        os.environ["SE_OFFLINE"] = "true"   # Selenium Manager, if ever reached, must not download
+        os.environ["SE_OFFLINE"] = "true"  # Selenium Manager, if ever reached, must not download
         options = chrome_options(chromium, profile)
         # Chromium never proxies loopback; every other host goes to a closed port, and no name resolves
         options.add_argument("--proxy-server=http://127.0.0.1:9")
@@ -228,12 +242,12 @@ def browser(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(site):
     """The site over http on a free localhost port (as `python -m http.server -d site/html`)."""
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                             functools.partial(Quiet, directory=str(site)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -256,14 +270,18 @@ def test_chapter_07_in_chromium(browser, served):
     # The network is off: the widget manager, RequireJS and MathJax come from the site itself.
     # The schedule explorer (an ipywidgets view restored from the saved state) is drawn with its
     # drop-down menus and sliders, in place of the script tag that holds its state.
-    controls = WebDriverWait(browser, 60).until(lambda b: b.execute_script("""
+    controls = WebDriverWait(browser, 60).until(
+        lambda b: b.execute_script("""
         const views = document.querySelectorAll('.jupyter-widgets select, .jupyter-widgets .slider-container');
-        return [...views].filter(v => v.getBoundingClientRect().width > 0).length;"""))
+        return [...views].filter(v => v.getBoundingClientRect().width > 0).length;""")
+    )
     assert controls >= 2, controls
     # Every formula typeset: MathJax replaced each math element's TeX with its rendering.
-    math = WebDriverWait(browser, 60).until(lambda b: b.execute_script("""
+    math = WebDriverWait(browser, 60).until(
+        lambda b: b.execute_script("""
         const math = [...document.querySelectorAll('article .math')];
-        return math.length && math.every(m => m.querySelector('mjx-container')) ? math.length : 0;"""))
+        return math.length && math.every(m => m.querySelector('mjx-container')) ? math.length : 0;""")
+    )
     assert math >= 5, math
     errors = browser.execute_script("return document.querySelectorAll('article mjx-merror').length")
     assert errors == 0, f"{errors} formulas MathJax could not typeset"

@@ -6,6 +6,7 @@ with apt-get if missing: 15 to 30 s) in a temporary folder (tests/slurm/local_sl
 the templates unedited from a folder outside the repository, and stop every daemon by its PID
 at the end. They skip, saying why, where that is impossible (not root, no apt-get, no network).
 """
+
 import json
 import os
 import re
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch"
 
 # What a learner writes beside their notebook: a function for cluster.run, in their folder.
-USER_MODULE = '''
+USER_MODULE = """
 import os
 import torch
 import torch.distributed as dist
@@ -35,11 +36,21 @@ def where(ctx):
     total = torch.tensor([float(ctx.rank + 1)])
     dist.all_reduce(total)
     return {"rank": ctx.rank, "node": int(os.environ["GROUP_RANK"]), "sum": total.item()}
-'''
+"""
 
 # Variables a user's shell may carry that would change what the launchers pick by themselves.
-LAUNCH_KNOBS = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "ULTRASCALE_ROOT", "PY",
-                "WORLD_SIZE", "FULL", "OUT")
+LAUNCH_KNOBS = (
+    "NPROC",
+    "NNODES",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "ULTRASCALE_ROOT",
+    "PY",
+    "WORLD_SIZE",
+    "FULL",
+    "OUT",
+)
 
 
 def clean_env(**extra):
@@ -63,9 +74,18 @@ def results(text: str) -> list:
 def torchrun_sh_together(runs, cwd: Path, timeout: float = 240) -> list[str]:
     """Start ``launch/torchrun.sh ARGS`` once per (ARGS, env) at the same time; their outputs.
     Each runs in a session of its own, so a hung one is killed with its ranks (by group id)."""
-    procs = [subprocess.Popen([str(LAUNCH / "torchrun.sh"), *args], cwd=cwd, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-             for args, env in runs]
+    procs = [
+        subprocess.Popen(
+            [str(LAUNCH / "torchrun.sh"), *args],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for args, env in runs
+    ]
     try:
         outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
     finally:
@@ -83,18 +103,26 @@ def test_torchrun_sh_two_nodes_on_localhost_run_the_callers_module(user_dir):
     """The two lines a user types on two nodes, here side by side; run from the user's folder,
     so ``myexp`` (a module) and ``myexp.py`` (a file) are theirs, not the repository's."""
     env = clean_env(NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    node1, node0 = torchrun_sh_together([(["myexp.py:where"], {**env, "NODE_RANK": "1"}),
-                                         (["myexp:where"], {**env, "NODE_RANK": "0"})], cwd=user_dir)
+    node1, node0 = torchrun_sh_together(
+        [(["myexp.py:where"], {**env, "NODE_RANK": "1"}), (["myexp:where"], {**env, "NODE_RANK": "0"})], cwd=user_dir
+    )
     assert "torchrun.sh: node 1 of 2, 1 ranks here, rendezvous 127.0.0.1:" in node1
     assert results(node0) == [{"rank": 0, "node": 0, "sum": 3.0}, {"rank": 1, "node": 1, "sum": 3.0}]
     # rank 0's log names the backend: how a learner checks that a GPU job used NCCL (README)
-    assert re.search(r"^ultrascale\.runtime\.torchrun: 2 ranks on 2 node\(s\), backend (gloo|nccl), ",
-                     node0, re.MULTILINE), node0
+    assert re.search(
+        r"^ultrascale\.runtime\.torchrun: 2 ranks on 2 node\(s\), backend (gloo|nccl), ", node0, re.MULTILINE
+    ), node0
 
 
 def test_torchrun_sh_several_nodes_need_a_port_they_share(user_dir):
-    done = subprocess.run([str(LAUNCH / "torchrun.sh"), "myexp:where"], cwd=user_dir, capture_output=True,
-                          text=True, env=clean_env(NNODES="2", NPROC="1"), timeout=60)
+    done = subprocess.run(
+        [str(LAUNCH / "torchrun.sh"), "myexp:where"],
+        cwd=user_dir,
+        capture_output=True,
+        text=True,
+        env=clean_env(NNODES="2", NPROC="1"),
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "set MASTER_ADDR and MASTER_PORT, the same on every node" in done.stderr
 
@@ -144,13 +172,21 @@ def test_slurm_sbatch_from_outside_the_repository_trains_data_parallel_like_one_
     """Submitted by absolute path from a folder that is not the repository, no variable set:
     the template finds the repository, starts one rank per CPU the node gave it, and our DP
     over those ranks ends with the weights of one process trained on the whole batch."""
-    job, log = submit(slurm, str(LAUNCH / "slurm.sbatch"), "ultrascale.runtime.examples:data_parallel_demo",
-                      "[3]", "--out", "dp.json", cwd=tmp_path, job_name="ultrascale")
+    job, log = submit(
+        slurm,
+        str(LAUNCH / "slurm.sbatch"),
+        "ultrascale.runtime.examples:data_parallel_demo",
+        "[3]",
+        "--out",
+        "dp.json",
+        cwd=tmp_path,
+        job_name="ultrascale",
+    )
     port = 10000 + int(job) % 20000
     assert f"repository {ROOT}, in {tmp_path}, rendezvous {slurm.node}:{port}" in log
     ranks = results(log)
     assert ranks == json.loads((tmp_path / "dp.json").read_text())["results"]
-    assert [r["world_size"] for r in ranks] == [slurm.cpus] * slurm.cpus      # ranks = CPUs given
+    assert [r["world_size"] for r in ranks] == [slurm.cpus] * slurm.cpus  # ranks = CPUs given
     atol = tolerance("sgd")["atol"]
     assert all(r["max_difference"] <= atol for r in ranks), ranks
     # The weights summed: the same on every rank, and what this process gets on its own.
@@ -175,7 +211,7 @@ def test_slurm_batch_sbatch_runs_a_chapter_and_writes_the_table_where_the_log_sa
     parameters = [c for c in executed["cells"] if "injected-parameters" in c["metadata"].get("tags", [])]
     assert parameters and f"WORLD_SIZE = {slurm.cpus}" in "".join(parameters[0]["source"])
     assert all(c["execution_count"] for c in executed["cells"] if c["cell_type"] == "code")
-    assert re.search(r"^00_orientation\.ipynb +[0-9.]+ s  ok$", log, re.M), log   # the table line
+    assert re.search(r"^00_orientation\.ipynb +[0-9.]+ s  ok$", log, re.M), log  # the table line
 
 
 # ---------------------------------------------------------------- setup.sh's GPU warnings
@@ -185,9 +221,11 @@ def test_slurm_batch_sbatch_runs_a_chapter_and_writes_the_table_where_the_log_sa
 # python are scripts, and PATH holds nothing else, so the machine's own tools never answer.
 # the second GPU's line a moment after the first, as a real nvidia-smi may write it: a reader that
 # stops at the first line (grep -q) then kills it with SIGPIPE, which pipefail turns into "no GPU"
-NVIDIA_SMI = {True: 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"; sleep 0.2; '
-                    'echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"',
-              False: 'echo "No devices were found"; exit 6'}   # as nvidia-smi says on a node without GPUs
+NVIDIA_SMI = {
+    True: 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"; sleep 0.2; '
+    'echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"',
+    False: 'echo "No devices were found"; exit 6',
+}  # as nvidia-smi says on a node without GPUs
 CPU_TORCH, CUDA_TORCH, CUDA_TORCH_OLD_DRIVER = "2.13.0+cpu cpu 0", "2.13.0+cu128 12.8 1", "2.13.0+cu128 12.8 0"
 
 
@@ -212,27 +250,57 @@ def setup_gpu_check(tmp_path: Path, gpus: bool, torch_says: str | None = None, s
         venv = tmp_path / "venv"
         (venv / "bin").mkdir(parents=True)
         _script(venv / "bin" / "python", f'echo "{torch_says}"')
-    done = subprocess.run([shutil.which("bash"), str(LAUNCH / "setup.sh"), "--check-gpu"], capture_output=True,
-                          text=True, timeout=120, env={"PATH": str(tools), "VENV": str(venv), **env})
+    done = subprocess.run(
+        [shutil.which("bash"), str(LAUNCH / "setup.sh"), "--check-gpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": str(tools), "VENV": str(venv), **env},
+    )
     assert done.returncode == 0 and done.stdout == "", done
     return done.stderr
 
 
-@pytest.mark.parametrize("gpus, torch_says, sinfo, env, warning", [
-    # a GPU node whose .venv was set up on a login node
-    (True, CPU_TORCH, None, {}, "lists 2 GPU\\(s\\), but .* has torch 2.13.0\\+cpu, a CPU build"),
-    (True, CUDA_TORCH_OLD_DRIVER, None, {}, "torch 2.13.0\\+cu128 \\(CUDA 12.8\\) cannot use it: the NVIDIA driver"),
-    # no GPU where GPUs are expected, and the CPU build installed
-    (False, CPU_TORCH, None, {"SLURM_JOB_ID": "4242"}, "no GPU is visible .* this is SLURM job 4242"),
-    (False, CPU_TORCH, None, {"CUDA_VISIBLE_DEVICES": "0,1"}, "no GPU is visible .* CUDA_VISIBLE_DEVICES=0,1 is set"),
-    (False, CPU_TORCH, "gpu:8(S:0-1)", {}, "no GPU is visible .* SLURM's nodes have GPUs .* a login node"),
-    # nothing to say
-    (True, CUDA_TORCH, None, {"SLURM_JOB_ID": "4242"}, None),        # a GPU node, set up there
-    (False, CPU_TORCH, None, {}, None),                              # a laptop
-    (False, CPU_TORCH, "(null)", {}, None),                          # a SLURM cluster without GPUs
-    (False, CUDA_TORCH, None, {"SLURM_JOB_ID": "4242"}, None),       # a CUDA build: it would use a GPU node's
-], ids=["gpu-cpu-torch", "gpu-old-driver", "slurm-job-no-gpu", "cuda-visible-no-gpu", "login-node",
-        "gpu-node-ok", "laptop", "cpu-cluster", "login-node-cuda-torch"])
+@pytest.mark.parametrize(
+    "gpus, torch_says, sinfo, env, warning",
+    [
+        # a GPU node whose .venv was set up on a login node
+        (True, CPU_TORCH, None, {}, "lists 2 GPU\\(s\\), but .* has torch 2.13.0\\+cpu, a CPU build"),
+        (
+            True,
+            CUDA_TORCH_OLD_DRIVER,
+            None,
+            {},
+            "torch 2.13.0\\+cu128 \\(CUDA 12.8\\) cannot use it: the NVIDIA driver",
+        ),
+        # no GPU where GPUs are expected, and the CPU build installed
+        (False, CPU_TORCH, None, {"SLURM_JOB_ID": "4242"}, "no GPU is visible .* this is SLURM job 4242"),
+        (
+            False,
+            CPU_TORCH,
+            None,
+            {"CUDA_VISIBLE_DEVICES": "0,1"},
+            "no GPU is visible .* CUDA_VISIBLE_DEVICES=0,1 is set",
+        ),
+        (False, CPU_TORCH, "gpu:8(S:0-1)", {}, "no GPU is visible .* SLURM's nodes have GPUs .* a login node"),
+        # nothing to say
+        (True, CUDA_TORCH, None, {"SLURM_JOB_ID": "4242"}, None),  # a GPU node, set up there
+        (False, CPU_TORCH, None, {}, None),  # a laptop
+        (False, CPU_TORCH, "(null)", {}, None),  # a SLURM cluster without GPUs
+        (False, CUDA_TORCH, None, {"SLURM_JOB_ID": "4242"}, None),  # a CUDA build: it would use a GPU node's
+    ],
+    ids=[
+        "gpu-cpu-torch",
+        "gpu-old-driver",
+        "slurm-job-no-gpu",
+        "cuda-visible-no-gpu",
+        "login-node",
+        "gpu-node-ok",
+        "laptop",
+        "cpu-cluster",
+        "login-node-cuda-torch",
+    ],
+)
 def test_setup_warns_when_gpus_and_torch_do_not_match(tmp_path, gpus, torch_says, sinfo, env, warning):
     said = setup_gpu_check(tmp_path, gpus, torch_says, sinfo, **env)
     if warning is None:

@@ -35,23 +35,23 @@ def _raises(cluster, fn, *needles):
 # ------------------------------------------------------------------ what a GPU node accepts
 def _the_course_idiom(ctx):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 4, generator=g).to(ctx.device)        # seeded on the host, then moved
+    x = torch.randn(8, 4, generator=g).to(ctx.device)  # seeded on the host, then moved
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).to(ctx.device)
-    buf = torch.zeros(4, device=ctx.device)                    # made on the device
+    buf = torch.zeros(4, device=ctx.device)  # made on the device
     follows = torch.zeros_like(x) + x.new_ones(()) + torch.ones(1, device=x.device)
     loss = model(x + follows).square().mean()
     loss.backward()
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)         # its step counters stay on the CPU
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)  # its step counters stay on the CPU
     opt.step()
     for p in model.parameters():
         dist.all_reduce(p.grad)
     dist.all_reduce(buf)
     out = [torch.empty_like(buf) for _ in range(ctx.world_size)]
     dist.all_gather(out, buf)
-    host = loss.detach().cpu()                                 # results back to the host: fine
+    host = loss.detach().cpu()  # results back to the host: fine
     dev = torch.empty(4, device=ctx.device)
-    dev.copy_(torch.arange(4.0))                               # a copy across devices: fine
+    dev.copy_(torch.arange(4.0))  # a copy across devices: fine
     return host.item() + dev.sum().item() + (x[torch.arange(2)].sum() * 0).item()
 
 
@@ -63,32 +63,36 @@ def test_the_course_idiom_runs(strict):
 # ------------------------------------------------------------------ what a GPU node refuses
 def test_a_tensor_made_without_a_device_in_a_collective(strict):
     def fault(ctx):
-        t = torch.tensor([float(ctx.rank)])       # on the CPU on a GPU node
+        t = torch.tensor([float(ctx.rank)])  # on the CPU on a GPU node
         dist.all_reduce(t)
+
     _raises(strict, fault, "dist.all_reduce at `fault` line", "made on the host at `fault` line")
 
 
 def test_a_model_left_unmoved(strict):
     def fault(ctx):
-        model = torch.nn.Linear(4, 4)             # never .to(ctx.device)
+        model = torch.nn.Linear(4, 4)  # never .to(ctx.device)
         return model(torch.ones(2, 4, device=ctx.device)).sum().item()
+
     _raises(strict, fault, "mixes a tensor made on the host")
 
 
 def test_data_left_on_the_host(strict):
     def fault(ctx):
         model = torch.nn.Linear(4, 4).to(ctx.device)
-        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))   # not moved
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))  # not moved
         return model(x).sum().item()
+
     _raises(strict, fault, "torch.linear", "mixes a tensor made on the host")
 
 
 def test_gradients_of_an_unmoved_model(strict):
-    def fault(ctx):                               # everything on the host, until NCCL sees it
+    def fault(ctx):  # everything on the host, until NCCL sees it
         model = torch.nn.Linear(4, 4)
         model(torch.ones(2, 4)).sum().backward()
         for p in model.parameters():
             dist.all_reduce(p.grad)
+
     _raises(strict, fault, "dist.all_reduce")
 
 
@@ -96,64 +100,76 @@ def test_cpu_undoes_a_move(strict):
     def fault(ctx):
         t = torch.ones(4, device=ctx.device).cpu()
         dist.broadcast(t, 0)
+
     _raises(strict, fault, "dist.broadcast")
 
 
 def test_point_to_point_and_imported_names(strict):
     def fault(ctx):
         from torch.distributed import P2POp, batch_isend_irecv
+
         peer = 1 - ctx.rank
         send, recv = torch.ones(3), torch.empty(3, device=ctx.device)
         for w in batch_isend_irecv([P2POp(dist.isend, send, peer), P2POp(dist.irecv, recv, peer)]):
             w.wait()
+
     _raises(strict, fault, "dist.batch_isend_irecv")
 
 
 def test_a_buffer_in_a_library_style_helper(strict):
     def fault(ctx):
         def ring_buffer(like):
-            return torch.zeros(like.numel())      # forgot device=like.device
+            return torch.zeros(like.numel())  # forgot device=like.device
+
         x = torch.ones(4, device=ctx.device)
         return (x + ring_buffer(x)).sum().item()
+
     _raises(strict, fault, "add at `fault` line", "made on the host at `ring_buffer` line")
 
 
 def test_the_mode_is_what_catches_them():
     """The same fault passes on a plain CPU cluster: only the mode tells it from a GPU node."""
     with Cluster(2, strict_device=False) as plain:
+
         def fault(ctx):
             t = torch.tensor([1.0])
             dist.all_reduce(t)
             return t.item()
+
         assert plain.run(fault) == [2.0, 2.0]
 
 
 def test_a_device_taken_from_a_tensor_follows_that_tensor(strict):
     """``device=x.device`` and ``.to(x)`` mean the host when x is on the host (as on a GPU
     node), and the device when x is there."""
+
     def follows(ctx):
-        host = torch.ones(3)                                   # an unmoved model's weights, say
-        assert (host + torch.ones(3).to(host.device)).sum() == 6      # all on the host: fine
+        host = torch.ones(3)  # an unmoved model's weights, say
+        assert (host + torch.ones(3).to(host.device)).sum() == 6  # all on the host: fine
         assert (host + torch.zeros(3, device=host.device)).sum() == 3
         assert (host + torch.ones(3).to(host)).sum() == 6
         dev = torch.ones(3, device=ctx.device)
-        assert (dev + torch.zeros(3, device=dev.device)).sum() == 3   # all on the device: fine
+        assert (dev + torch.zeros(3, device=dev.device)).sum() == 3  # all on the device: fine
         return True
+
     assert strict.run(follows) == [True, True]
 
     def fault(ctx):
         dev = torch.ones(3, device=ctx.device)
         host = torch.ones(3)
         return (dev + torch.zeros(3, device=host.device)).sum().item()
+
     _raises(strict, fault, "mixes a tensor made on the host at `fault` line")
 
 
 def test_a_dtype_change_is_no_move(strict):
     """``model.to(torch.float64)`` (Module.to passes non_blocking=False by position) leaves the
     weights where they were: on the host."""
+
     def fault(ctx):
         model = torch.nn.Linear(4, 4).to(torch.float64)
         return model(torch.ones(2, 4, device=ctx.device, dtype=torch.float64)).sum().item()
+
     _raises(strict, fault, "mixes a tensor made on the host")
 
 
@@ -170,7 +186,7 @@ def test_a_learner_buffer_left_on_the_host_fails_its_check_in_strict_mode(ch03, 
     def zero1_step(ctx, params, master, optimizer):
         n = ctx.world_size
         grads = flatten_padded([p.grad for p in params], n) / n
-        grad_slice = torch.empty(master.numel(), dtype=grads.dtype)          # no device: the fault
+        grad_slice = torch.empty(master.numel(), dtype=grads.dtype)  # no device: the fault
         reduce_scatter_into(grad_slice, grads)
         master.grad = grad_slice.float()
         optimizer.step()
@@ -179,7 +195,7 @@ def test_a_learner_buffer_left_on_the_host_fails_its_check_in_strict_mode(ch03, 
         offset = 0
         with torch.no_grad():
             for p in params:
-                p.copy_(full[offset: offset + p.numel()].view_as(p))
+                p.copy_(full[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
 
     monkeypatch.setenv("ULTRASCALE_STRICT_DEVICE", "1")
@@ -197,7 +213,7 @@ def test_a_learner_buffer_left_on_the_host_fails_its_check_in_strict_mode(ch03, 
 # chapters time device work in functions, and a1 times a launch on purpose, to show the trap.)
 CLOCK_READS = {"perf_counter", "perf_counter_ns", "time", "monotonic"}
 DEVICE_WAITS = {"wait_for_device", "synchronize", "sync", "_sync_if_cuda", "elapsed_time", "do_bench"}
-HOST_ONLY_FOLDERS = ("lib/ultrascale/runtime/", "launch/")   # processes and pipes, never tensors
+HOST_ONLY_FOLDERS = ("lib/ultrascale/runtime/", "launch/")  # processes and pipes, never tensors
 HOST_ONLY = {
     "benchmarks/bench_kernels.py::wall_ms": "the interpreter's timer: on a GPU, timer() uses do_bench",
     "benchmarks/bench_runtime.py::spawn_per_call": "process starts",
@@ -216,10 +232,15 @@ def _timed_functions():
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    files = subprocess.run(["git", "ls-files", "lib/*.py", "benchmarks/*.py", "chapters/*.py", "launch/*.py"],
-                           cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "lib/*.py", "benchmarks/*.py", "chapters/*.py", "launch/*.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for path in files:
-        if "/grading/" not in path and "/exercise_tests/" not in path:   # the grader times no device
+        if "/grading/" not in path and "/exercise_tests/" not in path:  # the grader times no device
             yield from _timed_in(path, (root / path).read_text())
 
 
@@ -229,12 +250,21 @@ def _timed_in(path: str, source: str):
 
     for fn in ast.walk(ast.parse(source)):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            nested = {id(n) for inner in ast.walk(fn) if inner is not fn
-                      and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                      for n in ast.walk(inner)}
+            nested = {
+                id(n)
+                for inner in ast.walk(fn)
+                if inner is not fn and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                for n in ast.walk(inner)
+            }
             called = [n.func for n in ast.walk(fn) if isinstance(n, ast.Call) and id(n) not in nested]
-            clocks = [f for f in called if isinstance(f, ast.Attribute) and f.attr in CLOCK_READS
-                      and isinstance(f.value, ast.Name) and f.value.id == "time"]
+            clocks = [
+                f
+                for f in called
+                if isinstance(f, ast.Attribute)
+                and f.attr in CLOCK_READS
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "time"
+            ]
             if len(clocks) >= 2:
                 names = {f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None) for f in called}
                 yield f"{path}::{fn.name}", fn.lineno, bool(names & DEVICE_WAITS)
@@ -251,11 +281,16 @@ def test_the_timing_scan_tells_a_launch_from_the_work():
 def test_every_timed_region_waits_for_the_device():
     timed = list(_timed_functions())
     assert len(timed) > 20, f"the scan found only {len(timed)} timed functions: is it still looking?"
-    unsynced = [f"{name} (line {line})" for name, line, waits in timed
-                if not waits and name not in HOST_ONLY and not name.startswith(HOST_ONLY_FOLDERS)]
-    assert not unsynced, ("these read a clock around work that may run on a GPU without waiting for it "
-                          "(comm.logger.wait_for_device, torch.cuda.synchronize or CUDA events); if they "
-                          "time host work only, list them in HOST_ONLY with the reason: " + ", ".join(unsynced))
+    unsynced = [
+        f"{name} (line {line})"
+        for name, line, waits in timed
+        if not waits and name not in HOST_ONLY and not name.startswith(HOST_ONLY_FOLDERS)
+    ]
+    assert not unsynced, (
+        "these read a clock around work that may run on a GPU without waiting for it "
+        "(comm.logger.wait_for_device, torch.cuda.synchronize or CUDA events); if they "
+        "time host work only, list them in HOST_ONLY with the reason: " + ", ".join(unsynced)
+    )
     stale = set(HOST_ONLY) - {name for name, _, _ in timed}
     assert not stale, f"HOST_ONLY names functions that no longer time anything: {sorted(stale)}"
 
@@ -264,11 +299,26 @@ def test_every_timed_region_waits_for_the_device():
 # Issue 52 items 2 and 6: each technique's parity tests run under a GPU node's rules in make test
 # (conftest.py's ``strict_modes``: their shared clusters in both strict modes) and on the GPUs of
 # a node in make test-gpu (the ``multigpu`` marker: launch/test_gpu.py runs ``-m "gpu or multigpu"``).
-TECHNIQUE_TESTS = ["test_data_parallel.py", "test_zero.py", "test_zero_optimizer.py", "test_fp8_gather.py",
-                   "test_grad_sync.py", "test_tensor_parallel.py", "test_comm_functional.py",
-                   "test_expert_parallel.py", "test_pipeline_parallel.py", "test_compose.py",
-                   "test_compose_5d.py", "test_mesh.py", "test_async_tp.py", "test_context_parallel.py",
-                   "test_ulysses.py", "test_comm.py", "test_fsdp.py", "test_checkpoint.py"]
+TECHNIQUE_TESTS = [
+    "test_data_parallel.py",
+    "test_zero.py",
+    "test_zero_optimizer.py",
+    "test_fp8_gather.py",
+    "test_grad_sync.py",
+    "test_tensor_parallel.py",
+    "test_comm_functional.py",
+    "test_expert_parallel.py",
+    "test_pipeline_parallel.py",
+    "test_compose.py",
+    "test_compose_5d.py",
+    "test_mesh.py",
+    "test_async_tp.py",
+    "test_context_parallel.py",
+    "test_ulysses.py",
+    "test_comm.py",
+    "test_fsdp.py",
+    "test_checkpoint.py",
+]
 TECHNIQUE_MARKS = {"pytest.mark.multigpu", "pytest.mark.usefixtures('strict_modes')"}
 
 
@@ -292,8 +342,7 @@ def test_every_technique_test_file_runs_strict_and_on_gpus():
     assert _module_marks("pytestmark = pytest.mark.multigpu\n") == {"pytest.mark.multigpu"}
     assert _module_marks("import pytest\n") == set()
     tests = Path(__file__).resolve().parent
-    unmarked = {name: sorted(TECHNIQUE_MARKS - _module_marks((tests / name).read_text()))
-                for name in TECHNIQUE_TESTS}
+    unmarked = {name: sorted(TECHNIQUE_MARKS - _module_marks((tests / name).read_text())) for name in TECHNIQUE_TESTS}
     unmarked = {name: missing for name, missing in unmarked.items() if missing}
     wanted = ", ".join(sorted(TECHNIQUE_MARKS))
     assert not unmarked, f"technique test files without pytestmark = [{wanted}]: {unmarked}"

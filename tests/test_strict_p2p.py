@@ -16,7 +16,7 @@ from ultrascale.runtime import Cluster, RankError
 
 @pytest.fixture(scope="module")
 def strict():
-    with Cluster(3, strict_p2p=3.0) as c:   # a send may wait 3 s for its receive
+    with Cluster(3, strict_p2p=3.0) as c:  # a send may wait 3 s for its receive
         yield c
 
 
@@ -26,7 +26,7 @@ def _both_send_first(ctx):
         return None
     out, into = torch.full((4,), float(ctx.rank)), torch.empty(4)
     send = dist.isend(out, peer)
-    dist.irecv(into, peer).wait()      # NCCL: behind the send on this pair's stream
+    dist.irecv(into, peer).wait()  # NCCL: behind the send on this pair's stream
     send.wait()
     return into.tolist()
 
@@ -50,8 +50,9 @@ def test_what_nccl_accepts_runs_and_moves_the_right_data(strict):
         got = {}
         # a ring exchange posted together: every rank sends and receives
         into = torch.empty(3)
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % n),
-                                         dist.P2POp(dist.irecv, into, (r - 1) % n)]):
+        for w in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % n), dist.P2POp(dist.irecv, into, (r - 1) % n)]
+        ):
             w.wait()
         got["ring"] = into[0].item()
         # a chain, as a pipeline's forward: blocking send after the receive
@@ -78,8 +79,12 @@ def test_what_nccl_accepts_runs_and_moves_the_right_data(strict):
         if r in (0, 2):
             mine, into = torch.tensor([float(r)]), torch.empty(1)
             peer = 1 - dist.get_rank(group)
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, group=group, group_peer=peer),
-                                            dist.P2POp(dist.irecv, into, group=group, group_peer=peer)])
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, mine, group=group, group_peer=peer),
+                    dist.P2POp(dist.irecv, into, group=group, group_peer=peer),
+                ]
+            )
             for w in works:
                 w.wait()
             got["group"] = into.item()
@@ -95,12 +100,13 @@ def test_what_nccl_accepts_runs_and_moves_the_right_data(strict):
 def test_a_send_and_a_receive_of_other_sizes_name_both_ends(strict):
     """gloo aborts the receiving process ("Connection reset by peer" on the other); here the
     send refuses, naming its tensor and the receive's buffer (issue 53's misleading rejection)."""
+
     def float32_buffer(ctx):
         if ctx.rank == 0:
             dist.send(torch.zeros(4, dtype=torch.float64), 1)
         elif ctx.rank == 1:
-            into = torch.empty(4)                       # float32: half the bytes
-            dist.irecv(into, 0)                         # left posted; the send fails first
+            into = torch.empty(4)  # float32: half the bytes
+            dist.irecv(into, 0)  # left posted; the send fails first
         return None
 
     with pytest.raises(RankError) as caught:
@@ -108,4 +114,4 @@ def test_a_send_and_a_receive_of_other_sizes_name_both_ends(strict):
     message = str(caught.value)
     assert "MessageMismatch" in message and "(4,) torch.float64" in message and "32 bytes" in message, message
     assert "torch.float32, 16 bytes" in message, message
-    assert strict.run(lambda ctx: ctx.rank) == [0, 1, 2]   # the cluster goes on
+    assert strict.run(lambda ctx: ctx.rank) == [0, 1, 2]  # the cluster goes on

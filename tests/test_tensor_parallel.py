@@ -14,6 +14,7 @@ last-bit differences of near-zero gradients) can only be met by the right mathem
 The weights are perturbed from their initialisation (biases and norm weights away from
 0 and 1), so a bias added tp times or a norm gradient left unsummed shows.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,9 +58,16 @@ def ours(ctx, name, sp, optimizer, tamper=None):
     model = apply_tp(fresh_model(CONFIGS[name]).to(ctx.device), mesh, sequence_parallel=sp)
     if tamper is not None:
         tamper(model)
-    out = first_step_and_train(model, data(CONFIGS[name]), STEPS, optimizer, full_gradients=full_gradients,
-                               full_logits=VocabParallelLogits.full_tensor, full_weights=full_weights,
-                               device=ctx.device)
+    out = first_step_and_train(
+        model,
+        data(CONFIGS[name]),
+        STEPS,
+        optimizer,
+        full_gradients=full_gradients,
+        full_logits=VocabParallelLogits.full_tensor,
+        full_weights=full_weights,
+        device=ctx.device,
+    )
     out["local logits"] = model(data(CONFIGS[name]).global_batch(0).inputs.to(ctx.device)).shape[-1]
     out["tied"] = model.head.weight is model.embed.weight
     out["names"] = [n for n, _ in model.named_parameters()]
@@ -69,8 +77,9 @@ def ours(ctx, name, sp, optimizer, tamper=None):
 def pytorch(ctx, name, sp, optimizer):
     model = dtensor_tp(fresh_model(CONFIGS[name]).to(ctx.device), device_mesh_1d(ctx), sequence_parallel=sp)
     # loss_parallel: F.cross_entropy on vocabulary-sharded DTensor logits, forward and backward
-    return first_step_and_train(model, data(CONFIGS[name]), STEPS, optimizer, loss_context=loss_parallel,
-                                device=ctx.device)
+    return first_step_and_train(
+        model, data(CONFIGS[name]), STEPS, optimizer, loss_context=loss_parallel, device=ctx.device
+    )
 
 
 def single_process(name, optimizer):
@@ -112,7 +121,7 @@ def test_same_as_one_process(name, tp, sp, optimizer):
         # Names as in the unsharded model; the full logits exist only when gathered for the check.
         assert got["names"] == want["names"]
         assert got["local logits"] == CONFIGS[name].vocab_size // tp
-    assert all(r["tied"] for r in results) == (name == "gpt")   # GPT's embed and head share one shard
+    assert all(r["tied"] for r in results) == (name == "gpt")  # GPT's embed and head share one shard
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
@@ -163,15 +172,17 @@ def _forget_norm_gradient_sum(model):
             p._tp_grad_sync.remove()
 
 
-@pytest.mark.parametrize("tamper,sp,wrong", [(_bias_on_every_rank, False, "logits"),
-                                             (_forget_norm_gradient_sum, True, "grads")],
-                         ids=["bias-on-every-rank", "sp-norm-gradients-not-summed"])
+@pytest.mark.parametrize(
+    "tamper,sp,wrong",
+    [(_bias_on_every_rank, False, "logits"), (_forget_norm_gradient_sum, True, "grads")],
+    ids=["bias-on-every-rank", "sp-norm-gradients-not-summed"],
+)
 def test_parity_catches_wrong_answers(tamper, sp, wrong):
     want = reference("gpt", "sgd")
     got = shared_cluster(2).run(ours, "gpt", sp, "sgd", tamper)[0]
     with pytest.raises(AssertionError):
         assert_matches(got, want, "tampered", "sgd")
-    assert max_difference(got[wrong], want[wrong]) > 1e-4   # far outside the float64 tolerance
+    assert max_difference(got[wrong], want[wrong]) > 1e-4  # far outside the float64 tolerance
 
 
 # --------------------------------------------------------------------------- errors
@@ -202,12 +213,20 @@ def refusals(ctx):
         "style": _error(lambda: apply_tp(on_device(GPT_CFG), plan={"blocks.*.norm1": "colwise"})),
         "unknown": _error(lambda: apply_tp(on_device(GPT_CFG), plan={"head": "columnwise"})),
         "tied": _error(lambda: apply_tp(on_device(GPT_CFG), plan={"embed": "vocab_embedding"})),
-        "sp without vocab": _error(lambda: apply_tp(on_device(GPT_CFG), sequence_parallel=True,
-                                                    plan={k: v for k, v in GPT_PLAN.items() if "vocab" not in v})),
-        "sp attention": _error(lambda: apply_tp(on_device(GPT_CFG), sequence_parallel=True,
-                                                plan={k: v for k, v in GPT_PLAN.items() if k != "blocks.*.attn"})),
+        "sp without vocab": _error(
+            lambda: apply_tp(
+                on_device(GPT_CFG), sequence_parallel=True, plan={k: v for k, v in GPT_PLAN.items() if "vocab" not in v}
+            )
+        ),
+        "sp attention": _error(
+            lambda: apply_tp(
+                on_device(GPT_CFG),
+                sequence_parallel=True,
+                plan={k: v for k, v in GPT_PLAN.items() if k != "blocks.*.attn"},
+            )
+        ),
     }
-    out["untouched"] = type(untouched.blocks[0].attn.q).__name__   # a refusal swaps nothing
+    out["untouched"] = type(untouched.blocks[0].attn.q).__name__  # a refusal swaps nothing
     timeline = Timeline(ctx.rank, device=ctx.device)
     model = apply_tp(on_device(GPT_CFG), sequence_parallel=True, timeline=timeline)
     batch = data(GPT_CFG).global_batch(0).to(ctx.device)
@@ -235,7 +254,7 @@ def test_refusals_name_the_fix():
     assert out["untouched"] == "Linear"
     assert "5 tokens do not split evenly" in out["sequence"] and "divisible by 4" in out["sequence"]
     assert out["positions"] == 0.0
-    assert out["bars"] == [f"{d} block {i}" for d in ("backward", "forward") for i in (0, 1)]   # timeline=
+    assert out["bars"] == [f"{d} block {i}" for d in ("backward", "forward") for i in (0, 1)]  # timeline=
 
 
 # --------------------------------------------------------------------------- the parallel cross-entropy alone
@@ -244,7 +263,7 @@ def parallel_cross_entropy(ctx, logits, targets):
 
     logits, targets = logits.to(ctx.device), targets.to(ctx.device)
     width = logits.shape[-1] // ctx.world_size
-    local = logits[..., ctx.rank * width:(ctx.rank + 1) * width].clone().requires_grad_()
+    local = logits[..., ctx.rank * width : (ctx.rank + 1) * width].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, targets, ctx.rank * width)
     loss.backward()
     return loss.detach(), local.grad
@@ -282,16 +301,16 @@ def saved_per_rank(ctx, sp, regather, tensor_parallel=True):
 
     def pack(t):
         if t.untyped_storage().data_ptr() not in params and t.shape[-1] == GPT_CFG.hidden:
-            lengths.append(t.numel() // GPT_CFG.hidden // len(inputs))   # tokens per sequence
+            lengths.append(t.numel() // GPT_CFG.hidden // len(inputs))  # tokens per sequence
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(inputs)
-    logits.float().sum().backward()   # the regathered inputs serve backward
+    logits.float().sum().backward()  # the regathered inputs serve backward
     return saved_activation_bytes(model, inputs), max(lengths)
 
 
-@pytest.mark.parametrize("tp", [2, 3])   # (at tp=4 the MLP's 4h/tp columns are h wide too)
+@pytest.mark.parametrize("tp", [2, 3])  # (at tp=4 the MLP's 4h/tp columns are h wide too)
 def test_sequence_parallel_saves_a_slice_of_every_hidden_state(tp):
     """With SP and regathering, every saved hidden state holds s/tp tokens and the total
     is within 5% of one process's over tp (Korthikanti et al.: s*b*h*34/t per layer)."""
@@ -301,7 +320,7 @@ def test_sequence_parallel_saves_a_slice_of_every_hidden_state(tp):
     assert longest == GPT_CFG.seq_len // tp
     assert abs(regathered / (whole / tp) - 1) < 0.05, (regathered, whole / tp)
     kept, longest = shared_cluster(tp).run(saved_per_rank, True, False)[0]
-    assert longest == GPT_CFG.seq_len and kept > regathered   # the gathered input saved whole
+    assert longest == GPT_CFG.seq_len and kept > regathered  # the gathered input saved whole
     tp_only, _ = shared_cluster(tp).run(saved_per_rank, False, False)[0]
     assert tp_only > kept
 
@@ -310,8 +329,8 @@ def test_choosing_a_tp_degree():
     from ultrascale.parallel.tensor_parallel import choose_tp, tp_degrees
 
     gpt, llama = GPT(GPT_CFG), Llama(LLAMA_CFG)
-    assert tp_degrees(gpt) == [1, 2, 3, 4, 6, 12]   # 12 heads, FFN 192, vocabulary 96
-    assert tp_degrees(llama) == [1, 2]              # 2 K/V heads
+    assert tp_degrees(gpt) == [1, 2, 3, 4, 6, 12]  # 12 heads, FFN 192, vocabulary 96
+    assert tp_degrees(llama) == [1, 2]  # 2 K/V heads
     assert [choose_tp(gpt, w, seq=12) for w in (2, 3, 4, 6, 8)] == [2, 3, 4, 6, 4]
     with pytest.raises(ValueError, match="WORLD_SIZE=5"):
         choose_tp(gpt, 5)

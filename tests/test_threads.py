@@ -1,5 +1,6 @@
 """Importing ultrascale makes torch's idle OpenMP threads sleep instead of spinning
 (``ultrascale._threads_wait_passively``), unless the user chose a policy; ranks inherit it."""
+
 import os
 import subprocess
 import sys
@@ -11,8 +12,9 @@ def _policy_after_import(env_value=None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if env_value is not None:
         env["OMP_WAIT_POLICY"] = env_value
-    return subprocess.run([sys.executable, "-c", SHOW], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", SHOW], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_import_sets_passive_waiting():

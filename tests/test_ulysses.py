@@ -6,6 +6,7 @@ process; the bytes it moves are the formula's, against the ring's; its limits ar
 float64 and ``parity.TOLERANCES`` as in test_context_parallel: here the attention itself is
 one process's (SDPA on whole heads), so only the order of the gradient sums differs.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from test_context_parallel import first_step_then_train
 pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
 
 DT = torch.float64
-MHA, GQA = (2, 4, 4, 24, 8), (2, 4, 2, 24, 8)   # (batch, heads, K/V heads, seq, head_dim)
+MHA, GQA = (2, 4, 4, 24, 8), (2, 4, 2, 24, 8)  # (batch, heads, K/V heads, seq, head_dim)
 
 
 def qkv_and_upstream(shape, dtype=DT):
@@ -53,8 +54,9 @@ def attend_on_rank(ctx, shape, causal):
 def reference(shape, causal):
     q, k, v, grad_out = (t.requires_grad_() for t in qkv_and_upstream(shape))
     group = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                         is_causal=causal)
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=causal
+    )
     out.backward(grad_out)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -64,7 +66,7 @@ def reference(shape, causal):
 def test_attention_equals_full_attention_forward_and_backward(cp, shape, causal):
     per_rank = shared_cluster(cp).run(attend_on_rank, shape, causal)
     for i, (name, want) in enumerate(zip(("output", "dQ", "dK", "dV"), reference(shape, causal))):
-        got = torch.cat([rank[i] for rank in per_rank], dim=2)   # contiguous: rank order is sequence order
+        got = torch.cat([rank[i] for rank in per_rank], dim=2)  # contiguous: rank order is sequence order
         assert_same(got, want, f"cp={cp} {shape} causal={causal}: {name}", optimizer=None)
 
 
@@ -78,17 +80,19 @@ STEPS = 2
 def fresh_model(name):
     torch.manual_seed(0)
     model = (GPT if name == "gpt" else Llama)(CONFIGS[name]).to(DT)
-    with torch.no_grad():   # biases away from 0, norm weights away from 1
+    with torch.no_grad():  # biases away from 0, norm weights away from 1
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return model
 
 
 def under_ulysses(ctx, name):
-    model = apply_cp(fresh_model(name).to(ctx.device), init_mesh(ctx, cp=ctx.world_size), layout="contiguous",
-                     kind="ulysses")
-    stream = Batches(CONFIGS[name], mbs=2, seed=0).rank_stream(ctx.rank, ctx.world_size, by="sequence",
-                                                              layout="contiguous")
+    model = apply_cp(
+        fresh_model(name).to(ctx.device), init_mesh(ctx, cp=ctx.world_size), layout="contiguous", kind="ulysses"
+    )
+    stream = Batches(CONFIGS[name], mbs=2, seed=0).rank_stream(
+        ctx.rank, ctx.world_size, by="sequence", layout="contiguous"
+    )
     return first_step_then_train(model, stream(0), stream, STEPS, device=ctx.device)
 
 
@@ -113,8 +117,10 @@ def logged_bytes(ctx, shape, kind):
         out = attend(*mine)
     with CommLogger() as backward:
         out.backward(local(grad_out, ctx))
-    return [{op: (row["calls"], row["bytes_sent"], row["bytes_received"]) for op, row in log.totals().items()}
-            for log in (forward, backward)]
+    return [
+        {op: (row["calls"], row["bytes_sent"], row["bytes_received"]) for op, row in log.totals().items()}
+        for log in (forward, backward)
+    ]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -135,11 +141,11 @@ def test_logged_bytes_are_the_formulas(cp, shape):
 
 def test_ulysses_bytes_fall_with_cp_and_the_rings_do_not():
     # Llama 3 8B's attention at 128k tokens, bf16: per rank and per layer, forward.
-    shape = dict(batch=1, kv_heads=8, seq=2 ** 17, head_dim=128, bytes_per_element=2)
+    shape = dict(batch=1, kv_heads=8, seq=2**17, head_dim=128, bytes_per_element=2)
     ulysses = {cp: ulysses_bytes(heads=32, cp=cp, **shape) for cp in (8, 16, 32)}
     ring = {cp: ring_bytes(cp=cp, **shape) for cp in (8, 16, 32)}
-    assert ulysses[8] > ulysses[16] > ulysses[32]                        # ~ n*d/P
-    assert ring[8] < ring[16] < ring[32] < 2 * 2 ** 17 * 8 * 128 * 2     # ~ n*d_kv: (P-1)/P of all K/V
+    assert ulysses[8] > ulysses[16] > ulysses[32]  # ~ n*d/P
+    assert ring[8] < ring[16] < ring[32] < 2 * 2**17 * 8 * 128 * 2  # ~ n*d_kv: (P-1)/P of all K/V
     # with full multi-head attention (kv = heads) Ulysses sends less than the ring for every cp > 2
     mha = dict(shape, kv_heads=32)
     for cp in (2, 4, 8):
@@ -162,19 +168,20 @@ def refusals(ctx, shape):
     return {
         "attention": _error(lambda: ulysses_attention(*mine)),
         "zigzag": _error(lambda: ulysses_attention(*mine, layout="zigzag")),
-        "model": _error(lambda: apply_cp(fresh_model("llama").to(ctx.device), None, layout="contiguous",
-                                         kind="ulysses")),
+        "model": _error(
+            lambda: apply_cp(fresh_model("llama").to(ctx.device), None, layout="contiguous", kind="ulysses")
+        ),
         "model zigzag": _error(lambda: apply_cp(fresh_model("gpt").to(ctx.device), None, kind="ulysses")),
-        "ring works after": context_parallel_attention(*mine).shape,   # nobody left waiting
+        "ring works after": context_parallel_attention(*mine).shape,  # nobody left waiting
     }
 
 
 def test_heads_that_do_not_split_are_refused_on_every_rank_with_what_to_do():
-    for errors in shared_cluster(3).run(refusals, (2, 4, 4, 24, 8)):   # 4 heads over 3 ranks
+    for errors in shared_cluster(3).run(refusals, (2, 4, 4, 24, 8)):  # 4 heads over 3 ranks
         assert "4 heads do not split over 3 ranks" in errors["attention"] and "kind='ring'" in errors["attention"]
         assert "4 heads do not split over 3 ranks" in errors["model"]
         assert errors["ring works after"] == (2, 4, 8, 8)
-    for errors in shared_cluster(4).run(refusals, GQA):                # 2 K/V heads over 4 ranks
+    for errors in shared_cluster(4).run(refusals, GQA):  # 2 K/V heads over 4 ranks
         assert "grouped-query attention's K/V heads (2) do not split over 4 ranks" in errors["attention"]
         assert "repeat each K/V head 2 times" in errors["attention"]
         assert "K/V heads (2)" in errors["model"]

@@ -28,13 +28,14 @@ def _cells(ax):
 # ---- buffer_rows -----------------------------------------------------------------------
 def test_buffer_rows_flattens_every_kind_of_state():
     assert buffer_rows(None) == []
-    (label, values), = buffer_rows(torch.tensor([1.0, 2.0]))
+    ((label, values),) = buffer_rows(torch.tensor([1.0, 2.0]))
     assert label == "" and values.tolist() == [1.0, 2.0]
     assert [v.tolist() for _, v in buffer_rows(torch.tensor(3.0))] == [[3.0]]  # 0-D: one cell
     rows = buffer_rows(torch.arange(6.0).reshape(2, 3))
     assert [label for label, _ in rows] == ["[0]", "[1]"]
-    rows = buffer_rows({"tensor": torch.ones(2), "gather_list": [torch.zeros(2), torch.full((2,), 2.0)],
-                        "missing": None})
+    rows = buffer_rows(
+        {"tensor": torch.ones(2), "gather_list": [torch.zeros(2), torch.full((2,), 2.0)], "missing": None}
+    )
     assert [label for label, _ in rows] == ["tensor", "gather_list[0]", "gather_list[1]", "missing"]
     assert rows[-1][1] is None and rows[2][1].tolist() == [2.0, 2.0]
     assert buffer_rows([1, 2, 3])[0][1].tolist() == [1, 2, 3]  # a plain list of numbers is one row
@@ -96,8 +97,9 @@ def test_ring_steps_figure_marks_sends_and_complete_chunks():
     n = 3
     start = [[{r} for _ in range(n)] for r in range(n)]
     done = [[set(range(n)) for _ in range(n)] for _ in range(n)]
-    fig = ring_steps_figure([start, done, done], ["start", "middle", "end"], sends=[[2, 0, 1], [0, 1, 2]],
-                            ncols=2, title="ring")
+    fig = ring_steps_figure(
+        [start, done, done], ["start", "middle", "end"], sends=[[2, 0, 1], [0, 1, 2]], ncols=2, title="ring"
+    )
     visible = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in visible] == ["start", "middle", "end"]
     assert len(fig.axes) == 4 and not fig.axes[3].get_visible()  # 2 x 2 grid, one unused

@@ -20,7 +20,11 @@ def test_moe_layer_names_every_choice_and_the_rank_of_every_expert():
     assert isinstance(fig, Figure)
     assert "top-2: E0 0.60, E1 0.40" in texts and "top-2: E3 0.70, E0 0.30" in texts
     assert [t for t in texts if t.startswith("expert")] == [
-        "expert 0 (rank 0)", "expert 1 (rank 0)", "expert 2 (rank 1)", "expert 3 (rank 1)"]
+        "expert 0 (rank 0)",
+        "expert 1 (rank 0)",
+        "expert 2 (rank 1)",
+        "expert 3 (rank 1)",
+    ]
     assert "dispatch (all-to-all)" in texts
     # one process: no ranks, no all-to-all
     assert "dispatch" in _texts(moe_layer_figure([[1]], [[1.0]]))
@@ -31,7 +35,7 @@ def test_moe_layer_names_every_choice_and_the_rank_of_every_expert():
 def test_tp_split_gives_each_rank_whole_heads_and_one_all_reduce_per_layer():
     texts = _texts(tp_split_figure(tp=2, heads=4))
     assert "q, k, v of\nheads 0,1" in texts and "q, k, v of\nheads 2,3" in texts
-    assert texts.count("all-reduce\n(sum)") == 2   # one after the MLP, one after attention
+    assert texts.count("all-reduce\n(sum)") == 2  # one after the MLP, one after attention
     with pytest.raises(ValueError, match="divide"):
         tp_split_figure(tp=3, heads=4)
 

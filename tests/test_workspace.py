@@ -28,8 +28,8 @@ from ultrascale.grading import progress
 from ultrascale.grading.generate import content_hash
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = "a2_typical_scales.ipynb"       # run and saved, never edited: no cluster, quick
-EDIT = "01_one_gpu.ipynb"             # edited by the learner
+RUN = "a2_typical_scales.ipynb"  # run and saved, never edited: no cluster, quick
+EDIT = "01_one_gpu.ipynb"  # edited by the learner
 
 
 def _git(cwd: Path, *args) -> subprocess.CompletedProcess:
@@ -76,7 +76,7 @@ def test_copies_made_with_working_relative_paths(clones):
     assert set(again.values()) == {workspace.UNCHANGED}
 
 
-CODE_SPAN_RE = re.compile(r"`([^`\n]*)`")   # the code spans of a markdown cell, in order
+CODE_SPAN_RE = re.compile(r"`([^`\n]*)`")  # the code spans of a markdown cell, in order
 
 
 def test_each_exercise_prints_the_command_that_grades_its_copy(clones):
@@ -89,15 +89,21 @@ def test_each_exercise_prints_the_command_that_grades_its_copy(clones):
     assert len(notebooks) == len(list((ROOT / "solutions").glob("*_exercises.ipynb")))
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
-        printed = [span for cell in nb.cells if cell.cell_type == "markdown"
-                   for span in CODE_SPAN_RE.findall(cell.source) if re.search(r"\bgrade\b", span)]
+        printed = [
+            span
+            for cell in nb.cells
+            if cell.cell_type == "markdown"
+            for span in CODE_SPAN_RE.findall(cell.source)
+            if re.search(r"\bgrade\b", span)
+        ]
         assert printed == [f"make grade NB=work/exercises/{path.name}"], (path.name, printed)
         assert "ultrascale-grade" not in path.read_text(), path.name
         target = printed[0].split("NB=", 1)[1]
         assert (learner / target).is_file(), target
         # make's dry run (-n) shows the recipe without running it: the grader, on that very copy
-        recipe = subprocess.run(["make", "-n", *printed[0].split()[1:]], cwd=learner, capture_output=True,
-                                text=True, timeout=60)
+        recipe = subprocess.run(
+            ["make", "-n", *printed[0].split()[1:]], cwd=learner, capture_output=True, text=True, timeout=60
+        )
         assert recipe.returncode == 0, recipe.stderr
         assert f"-m ultrascale.grading.cli {target} " in recipe.stdout, recipe.stdout
 
@@ -135,9 +141,9 @@ def test_run_save_and_pull(clones):
     said = []
     outcome = workspace.refresh(learner, log=said.append)
     assert outcome[f"chapters/{RUN}"] == workspace.REFRESHED
-    assert run.read_bytes() == (learner / "chapters" / RUN).read_bytes() != ran   # run only: refreshed
+    assert run.read_bytes() == (learner / "chapters" / RUN).read_bytes() != ran  # run only: refreshed
     assert outcome[f"chapters/{EDIT}"] == workspace.KEPT_NEWER
-    assert (chapters / EDIT).read_bytes() == edited                                  # edited: kept
+    assert (chapters / EDIT).read_bytes() == edited  # edited: kept
     assert len(said) == 1 and f"work/chapters/{EDIT}" in said[0] and f"is chapters/{EDIT}" in said[0], said
     assert _git(learner, "status", "--porcelain").stdout == ""
     # said once per change of the course, not on every start
@@ -146,9 +152,15 @@ def test_run_save_and_pull(clones):
 
 # ---- progress ---------------------------------------------------------------------------------
 
-FORGED = {"notebook": "work/exercises/01_one_gpu_exercises.ipynb", "chapter": "01", "sha256": "0" * 64,
-          "time": "2026-01-01T00:00:00+0000", "status": "ok", "signature": "f" * 64,
-          "exercises": [{"exercise": "01.count_parameters", "status": "pass", "points": 1, "max_points": 1}]}
+FORGED = {
+    "notebook": "work/exercises/01_one_gpu_exercises.ipynb",
+    "chapter": "01",
+    "sha256": "0" * 64,
+    "time": "2026-01-01T00:00:00+0000",
+    "status": "ok",
+    "signature": "f" * 64,
+    "exercises": [{"exercise": "01.count_parameters", "status": "pass", "points": 1, "max_points": 1}],
+}
 
 # appended to the graded notebook: its kernel writes a pass for chapter 01 into the records
 FORGING_CELL = f"""
@@ -170,15 +182,25 @@ def graded(tmp_path_factory):
     nb.cells.append(nbformat.v4.new_code_cell(FORGING_CELL))
     notebook = exercises / "00_orientation_exercises.ipynb"
     nbformat.write(nb, notebook)
-    done = subprocess.run([sys.executable, "-m", "ultrascale.grading.cli", str(notebook), "--trusted"],
-                          cwd=course, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "ultrascale.grading.cli", str(notebook), "--trusted"],
+        cwd=course,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return course, notebook, done.stdout
 
 
 def _table(records: Path) -> str:
-    return subprocess.run([sys.executable, "-m", "ultrascale.grading.progress", "--records", str(records)],
-                          capture_output=True, text=True, timeout=120, check=True).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "ultrascale.grading.progress", "--records", str(records)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
 
 
 @pytest.mark.timeout(900)
@@ -196,8 +218,14 @@ def test_the_grader_records_full_points(graded):
     line = next(line for line in _table(records).splitlines() if line.startswith("00 "))
     assert line.split()[1:3] == ["3/3", "3/3"], line
     # run in the course, as `make progress` is, it reads that course's records by itself
-    here = subprocess.run([sys.executable, "-m", "ultrascale.grading.progress"], cwd=course,
-                          capture_output=True, text=True, timeout=120, check=True).stdout
+    here = subprocess.run(
+        [sys.executable, "-m", "ultrascale.grading.progress"],
+        cwd=course,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert next(line for line in here.splitlines() if line.startswith("00 ")).split()[1:3] == ["3/3", "3/3"]
 
 
@@ -206,7 +234,7 @@ def test_what_the_notebook_wrote_counts_for_nothing(graded):
     course, _, _ = graded
     records = course / "work" / ".progress" / "grades.jsonl"
     lines = records.read_text().splitlines()
-    assert len(lines) == 2 and json.loads(lines[0])["chapter"] == "01"   # the notebook's line, then the grader's
+    assert len(lines) == 2 and json.loads(lines[0])["chapter"] == "01"  # the notebook's line, then the grader's
     result = progress.progress(records)
     assert result["ignored"] == 1 and result["graded"] == 1
     assert next(r for r in result["chapters"] if r["chapter"] == "01")["passed"] == 0
@@ -233,21 +261,24 @@ def test_lines_changed_or_written_by_hand_count_for_nothing(graded, tmp_path):
 
     assert points(_forge(tmp_path / "as is", graded, lambda lines: None)) == 3
 
-    def raise_another(lines):   # a chapter 01 pass, copied from a real line, re-labelled
+    def raise_another(lines):  # a chapter 01 pass, copied from a real line, re-labelled
         forged = json.loads(json.dumps(lines[0]))
         forged["chapter"] = "01"
         forged["exercises"] = FORGED["exercises"]
         lines.append(forged)
+
     result = _forge(tmp_path / "relabelled", graded, raise_another)
     assert (points(result), result["ignored"]) == (3, 1)
 
-    def wrong_hash(lines):      # the notebook's hash changed by hand: the signature no longer holds
+    def wrong_hash(lines):  # the notebook's hash changed by hand: the signature no longer holds
         lines[0]["sha256"] = "0" * 64
+
     result = _forge(tmp_path / "hash", graded, wrong_hash)
     assert (points(result), result["ignored"]) == (0, 1)
 
-    def another_key(lines):     # signed, but with another learner's key
+    def another_key(lines):  # signed, but with another learner's key
         lines[0]["signature"] = progress._signature(lines[0], b"another learner's key")
+
     result = _forge(tmp_path / "key", graded, another_key)
     assert (points(result), result["ignored"]) == (0, 1)
 
@@ -273,7 +304,9 @@ def test_no_records_says_how_to_get_some(tmp_path):
 
 
 def test_only_work_exercises_are_recorded_by_default(tmp_path):
-    assert progress.records_for(tmp_path / "work" / "exercises" / "x.ipynb") == \
-        tmp_path / "work" / ".progress" / "grades.jsonl"
+    assert (
+        progress.records_for(tmp_path / "work" / "exercises" / "x.ipynb")
+        == tmp_path / "work" / ".progress" / "grades.jsonl"
+    )
     for other in ("exercises", "solutions", "submissions"):
         assert progress.records_for(tmp_path / other / "x.ipynb") is None

@@ -9,6 +9,7 @@ step moves a weight by at most about lr = 1e-3. Measured differences after 3 ste
 are ~3e-7; we allow 1e-5 (1% of one step). Adam hides a wrong gradient *scale*
 (it is scale-invariant), so SGD runs check the averaging too, at the DP tolerance.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,17 @@ def train_dp(ctx, opt_name, grad_acc=1):
     """The reference: plain data parallelism with the optimizer on full tensors."""
     model = fresh_model().to(ctx.device)
     dp = NaiveDataParallel(model)
-    return train(model, my_batches(ctx), STEPS, opt_name, grad_acc=grad_acc, module=dp, no_sync=dp.no_sync,
-                 after_backward=dp.finish_gradient_synchronization, device=ctx.device)
+    return train(
+        model,
+        my_batches(ctx),
+        STEPS,
+        opt_name,
+        grad_acc=grad_acc,
+        module=dp,
+        no_sync=dp.no_sync,
+        after_backward=dp.finish_gradient_synchronization,
+        device=ctx.device,
+    )
 
 
 def train_zero(ctx, stage, opt_name, prefetch=True, grad_acc=1, recompute="none"):
@@ -48,13 +58,19 @@ def train_zero(ctx, stage, opt_name, prefetch=True, grad_acc=1, recompute="none"
         per_step.append(log.collective_elements())
         flag_calls.append(log.totals().get(GRADIENT_FLAGS, {}).get("calls", 0))
     state = zero.state_bytes()
-    return {"params": zero.full_state_dict(), "per_step": per_step, "flag_calls": flag_calls, "state": state,
-            "formula": zero.formula_bytes(k=12), "padded": [u.padded for u in zero.all_units],
-            "numel": [u.numel for u in zero.all_units]}
+    return {
+        "params": zero.full_state_dict(),
+        "per_step": per_step,
+        "flag_calls": flag_calls,
+        "state": state,
+        "formula": zero.formula_bytes(k=12),
+        "padded": [u.padded for u in zero.all_units],
+        "numel": [u.numel for u in zero.all_units],
+    }
 
 
 def train_fsdp2(ctx):
-    model = fsdp2(fresh_model().to(ctx.device), device_mesh_1d(ctx))   # the same units as ours: each block, the root
+    model = fsdp2(fresh_model().to(ctx.device), device_mesh_1d(ctx))  # the same units as ours: each block, the root
     return train(model, my_batches(ctx), STEPS, "adam", device=ctx.device)
 
 
@@ -67,7 +83,7 @@ def references(cluster):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_equals_plain_dp(cluster, references, stage, opt_name):
     results = cluster.run(train_zero, stage, opt_name)
-    for r in results:   # every rank ends with the same full parameters
+    for r in results:  # every rank ends with the same full parameters
         assert_same(r["params"], references[opt_name], f"ZeRO-{stage}", optimizer=opt_name)
 
 
@@ -88,8 +104,9 @@ def test_zero3_with_full_recomputation(cluster, references):
 def test_zero_equals_fsdp2(cluster):
     fsdp = cluster.run(train_fsdp2, timeout=240)[0]
     for stage in (1, 3):
-        assert_same(cluster.run(train_zero, stage, "adam")[0]["params"], fsdp, f"ZeRO-{stage} vs FSDP2",
-                    optimizer="adam")
+        assert_same(
+            cluster.run(train_zero, stage, "adam")[0]["params"], fsdp, f"ZeRO-{stage} vs FSDP2", optimizer="adam"
+        )
 
 
 def test_state_bytes_match_the_formulas(cluster):
@@ -115,7 +132,7 @@ def test_communication_volume_and_all_gather_count(cluster):
         out = cluster.run(train_zero, stage, "sgd")[0]
         steps = out["per_step"]
         assert all(s == steps[0] for s in steps), "every step communicates the same"
-        step, padded = steps[0], out["padded"]   # padded[0] is the root unit
+        step, padded = steps[0], out["padded"]  # padded[0] is the root unit
         psi_pad = sum(padded)
         # Besides the flat buffers, one all-reduce of one flag per parameter tensor says
         # which parameters got a gradient on any rank; it is logged under its own name.
@@ -123,7 +140,7 @@ def test_communication_volume_and_all_gather_count(cluster):
         assert step["reduce_scatter elements"] == psi_pad
         if stage < 3:
             assert step["all_gather elements"] == psi_pad and step["elements"] == 2 * psi_pad
-            assert step["all_gather"] == len(padded)         # one per unit, after the step
+            assert step["all_gather"] == len(padded)  # one per unit, after the step
         else:
             blocks = CFG.layers
             # forward gathers every unit; backward regathers every block but the last
@@ -172,17 +189,20 @@ def test_zero3_keeps_only_shards_and_bf16_gives_the_books_widths(cluster):
     assert at_rest == after_eval, "an inference forward must free what it gathered"
     # bf16 parameters and gradients (2 B each) and k = 12: the book's (2Ψ + 2Ψ + 12Ψ) / Nd
     psi = count_params(CFG)
-    assert formula == pytest.approx({"parameters": 2 * psi / n, "gradients": 2 * psi / n,
-                                     "optimizer states": 12 * psi / n})
+    assert formula == pytest.approx(
+        {"parameters": 2 * psi / n, "gradients": 2 * psi / n, "optimizer states": 12 * psi / n}
+    )
     for key in formula:
         assert 0 <= state[key] - formula[key] <= 3 * (n - 1) * 12 + 12, key
 
 
 def sequential_zero3_vs_dp(ctx):
     """Any module, with units chosen by hand and no root parameters left over."""
+
     def make():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.GELU(), torch.nn.Linear(7, 3)).to(ctx.device)
+
     g = torch.Generator().manual_seed(ctx.rank)
     x, y = torch.randn(5, 4, generator=g).to(ctx.device), torch.randn(5, 3, generator=g).to(ctx.device)
     ours, ref = make(), make()
@@ -222,13 +242,20 @@ def apply_on_a_mesh(ctx):
     assert units_of(model, PLAN) == list(model.blocks)
     assert units_of(model, {"blocks.1": "unit"}) == [model.blocks[1]]
     zero = apply_zero(model, mesh, stage=3, plan={"blocks.*": "unit"}, optimizer_cls=torch.optim.SGD, lr=0.1)
-    assert isinstance(zero, torch.nn.Module) and zero is model   # every apply_* returns the model it changed
+    assert isinstance(zero, torch.nn.Module) and zero is model  # every apply_* returns the model it changed
     zero = model.zero_optimizer
     run_steps(model, my_batches(ctx), STEPS, zero, device=ctx.device)
     plain = fresh_model().to(ctx.device)
     dp = apply_data_parallel(plain, mesh, kind="overlapped")
-    expected = train(plain, my_batches(ctx), STEPS, "sgd", module=dp, after_backward=dp.finish_gradient_synchronization,
-                     device=ctx.device)
+    expected = train(
+        plain,
+        my_batches(ctx),
+        STEPS,
+        "sgd",
+        module=dp,
+        after_backward=dp.finish_gradient_synchronization,
+        device=ctx.device,
+    )
     return zero.full_state_dict(), expected, len(zero.units)
 
 

@@ -16,6 +16,7 @@ which can magnify that for a near-zero gradient, but never beyond lr per step; m
 differences are ~1e-16 (toy) and ~1e-15 (GPT). We allow rtol 1e-10, atol 1e-12: far below a
 wrong step count (bias correction changes a step by ~1e-3) or one decay step (lr*wd*w ~ 1e-3).
 """
+
 import io
 
 import pytest
@@ -32,9 +33,9 @@ from ultrascale.runtime import shared_cluster
 # every technique test runs under a GPU node's rules, and on its GPUs in make test-gpu (conftest.py)
 pytestmark = [pytest.mark.multigpu, pytest.mark.usefixtures("strict_modes")]
 
-STEPS, ROWS = 6, 3                      # ROWS per rank; every rank gets the same number
+STEPS, ROWS = 6, 3  # ROWS per rank; every rank gets the same number
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
-TOL = dict(rtol=1e-10, atol=1e-12)      # float64: see the module docstring
+TOL = dict(rtol=1e-10, atol=1e-12)  # float64: see the module docstring
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -49,7 +50,7 @@ class Block(nn.Module):
         # a bias per feature (a shift of all features alike would be erased by the norms
         # after it: a zero gradient, up to rounding, which Adam would magnify)
         self.spare = nn.Parameter(torch.linspace(0.1, 0.6, h)) if spare else None
-        self.use_spare = True           # switched off after a few steps (see set_step)
+        self.use_spare = True  # switched off after a few steps (see set_step)
 
     def forward(self, h):
         h = h + torch.tanh(self.fc(self.norm(h)))
@@ -62,24 +63,30 @@ class Toy(nn.Module):
         self.embed = nn.Linear(4, h)
         self.frozen = nn.Parameter(torch.randn(h), requires_grad=False)
         self.blocks = nn.ModuleList([Block(h), Block(h, spare=True), Block(h)])
-        self.blocks[0].fc.bias.requires_grad_(False)   # frozen inside a unit
-        self.blocks[2].requires_grad_(False)            # a unit with nothing to train
+        self.blocks[0].fc.bias.requires_grad_(False)  # frozen inside a unit
+        self.blocks[2].requires_grad_(False)  # a unit with nothing to train
         self.norm, self.head = nn.LayerNorm(h), nn.Linear(h, 2)
-        self.unused = nn.Parameter(torch.full((5,), 2.0))   # never used: never a gradient
-        self.side = nn.Linear(4, 2)                          # only for the routed rows
+        self.unused = nn.Parameter(torch.full((5,), 2.0))  # never used: never a gradient
+        self.side = nn.Linear(4, 2)  # only for the routed rows
 
     def forward(self, x, route):
         h = self.embed(x) + self.frozen
         for block in self.blocks:
             h = block(h)
         y = self.head(self.norm(h))
-        if route.any():                 # a rank without routed rows gives `side` no gradient
+        if route.any():  # a rank without routed rows gives `side` no gradient
             y = y + route[:, None] * self.side(x)
         return y
 
 
-FROZEN = ["frozen", "blocks.0.fc.bias", "blocks.2.norm.weight", "blocks.2.norm.bias",
-          "blocks.2.fc.weight", "blocks.2.fc.bias"]
+FROZEN = [
+    "frozen",
+    "blocks.0.fc.bias",
+    "blocks.2.norm.weight",
+    "blocks.2.norm.bias",
+    "blocks.2.fc.weight",
+    "blocks.2.fc.bias",
+]
 
 
 def make_toy():
@@ -88,7 +95,7 @@ def make_toy():
 
 
 def set_step(model, step):
-    model.blocks[1].use_spare = step < 3   # after 3 steps `spare` gets no gradient anywhere
+    model.blocks[1].use_spare = step < 3  # after 3 steps `spare` gets no gradient anywhere
 
 
 def global_batch(step, n):
@@ -97,18 +104,20 @@ def global_batch(step, n):
     y = torch.randn(ROWS * n, 2, generator=g, dtype=torch.float64)
     route = torch.zeros(ROWS * n, dtype=torch.bool)
     if step % 3 == 0:
-        route[0] = True                 # a row of rank 0 only
+        route[0] = True  # a row of rank 0 only
     if step % 3 == 2:
-        route[-1] = True                # a row of the last rank only
-    return x, y, route                  # step % 3 == 1: nobody uses `side`
+        route[-1] = True  # a row of the last rank only
+    return x, y, route  # step % 3 == 1: nobody uses `side`
 
 
 def groups_of(model):
     """The usual split: weight decay on matrices only, none on norms and biases (and a
     different lr, so that a piece stepped with the wrong group's options shows)."""
-    params = list(model.parameters())   # frozen ones too, as one would pass to torch
-    return [{"params": [p for p in params if p.ndim >= 2]},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": 5e-3}]
+    params = list(model.parameters())  # frozen ones too, as one would pass to torch
+    return [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": 5e-3},
+    ]
 
 
 def toy_reference(n, groups=False, steps=STEPS):
@@ -124,8 +133,8 @@ def toy_reference(n, groups=False, steps=STEPS):
 
 
 def toy_zero(ctx, stage, groups=False, scrambled=False):
-    model = make_toy().to(ctx.device)   # seeded on the host, then moved, as every rank does
-    if scrambled:                       # weights that only a checkpoint can bring back
+    model = make_toy().to(ctx.device)  # seeded on the host, then moved, as every rank does
+    if scrambled:  # weights that only a checkpoint can bring back
         with torch.no_grad():
             for p in model.parameters():
                 if p.requires_grad:
@@ -134,8 +143,9 @@ def toy_zero(ctx, stage, groups=False, scrambled=False):
     # at all for a unit. Stage 3 gathers a unit's parameters in its forward, a collective:
     # every rank must run the same units, so there `side` stays in the root.
     units = list(model.blocks) + ([model.side] if stage < 3 else [])
-    zero = ZeRO(model, stage, torch.optim.AdamW, units=units,
-                param_groups=groups_of(model) if groups else None, **ADAMW)
+    zero = ZeRO(
+        model, stage, torch.optim.AdamW, units=units, param_groups=groups_of(model) if groups else None, **ADAMW
+    )
     return model, zero
 
 
@@ -168,7 +178,7 @@ def test_adamw_with_frozen_and_gradientless_parameters(cluster, stage):
     for params, requires_grad, num_parameters in cluster.run(train_toy, stage):
         assert_same(params, expected)
         assert torch.equal(params["unused"], torch.full((5,), 2.0, dtype=torch.float64)), "2.0 stays 2.0"
-        for name in FROZEN:             # frozen: untouched, and still frozen
+        for name in FROZEN:  # frozen: untouched, and still frozen
             assert torch.equal(params[name], initial[name]) and not requires_grad[name], name
         assert num_parameters == trainable, "frozen parameters stay out of the flat buffers"
         for name in ("side.weight", "blocks.1.spare", "head.weight"):
@@ -187,9 +197,11 @@ def test_parameter_groups(cluster, stage):
 
 def bad_groups(ctx):
     messages = []
-    for make in (lambda m: [{"params": [m.head.weight]}],                        # most are missing
-                 lambda m: [{"params": list(m.parameters())}, {"params": [m.head.bias]}],
-                 lambda m: [{"params": list(m.parameters()) + [torch.zeros(2, device=ctx.device)]}]):
+    for make in (
+        lambda m: [{"params": [m.head.weight]}],  # most are missing
+        lambda m: [{"params": list(m.parameters())}, {"params": [m.head.bias]}],
+        lambda m: [{"params": list(m.parameters()) + [torch.zeros(2, device=ctx.device)]}],
+    ):
         model = make_toy().to(ctx.device)
         try:
             ZeRO(model, 1, torch.optim.AdamW, param_groups=make(model), **ADAMW)
@@ -214,7 +226,7 @@ def checkpoint_and_resume(ctx, stage, groups, saved_at):
 
     model, zero = toy_zero(ctx, stage, groups)
     toy_steps(ctx, model, zero, range(saved_at))
-    checkpoint = io.BytesIO()           # through bytes, as to a file
+    checkpoint = io.BytesIO()  # through bytes, as to a file
     torch.save(zero.state_dict(), checkpoint)
 
     model, zero = toy_zero(ctx, stage, groups, scrambled=True)
@@ -230,7 +242,7 @@ def test_checkpoint_and_resume(cluster, stage):
     split (`spare` dropped at step 3) happens after the resume, from loaded state."""
     expected = toy_reference(cluster.world_size, groups=True)
     for straight, resumed, _ in cluster.run(checkpoint_and_resume, stage, True, 2):
-        for name in straight:           # the same arithmetic in the same order: bitwise
+        for name in straight:  # the same arithmetic in the same order: bitwise
             assert torch.equal(resumed[name], straight[name]), name
         assert_same(resumed, expected)
 
@@ -250,7 +262,7 @@ def test_checkpoint_from_another_world_size_or_stage_is_refused(cluster):
     checkpoints = [c for _, _, c in cluster.run(checkpoint_and_resume, 1, False, 1)]
     for message in cluster.run(load_elsewhere, checkpoints, 2):
         assert message and "stage=1" in message and "stage=2" in message
-    other = shared_cluster(5 - n)       # 2 <-> 3
+    other = shared_cluster(5 - n)  # 2 <-> 3
     for message in other.run(load_elsewhere, checkpoints, 1):
         assert message and f"world_size={n}" in message
 
@@ -267,9 +279,11 @@ def make_gpt():
 
 
 def gpt_groups(model):
-    named = list(model.named_parameters())   # no decay on norms and biases (1-D), as usual
-    return [{"params": [p for _, p in named if p.ndim >= 2]},
-            {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    named = list(model.named_parameters())  # no decay on norms and biases (1-D), as usual
+    return [
+        {"params": [p for _, p in named if p.ndim >= 2]},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def train_gpt(ctx, stage):

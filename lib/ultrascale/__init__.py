@@ -57,12 +57,15 @@ def check_torch_version(version: str | None = None) -> None:
         raise ImportError(
             f"ultrascale needs torch {supported}; this Python has torch {version}. Create the course's "
             f"environment with `make setup` (a CPU machine gets torch 2.13.0), or upgrade the node's torch "
-            f"to {SUPPORTED_TORCH[0]} or newer.")
+            f"to {SUPPORTED_TORCH[0]} or newer."
+        )
     if _release(version) > newest:
         warnings.warn(
             f"ultrascale is tested with torch {supported}; this Python has torch {version}. It should work, "
             "but a saved output or a PyTorch API may differ: if a chapter fails, try torch "
-            f"{SUPPORTED_TORCH[1]} and report what differed.", stacklevel=2)
+            f"{SUPPORTED_TORCH[1]} and report what differed.",
+            stacklevel=2,
+        )
 
 
 check_torch_version()

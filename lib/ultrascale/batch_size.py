@@ -13,6 +13,7 @@ The recipe, in the order the decisions are made:
 If grad_acc would be below 1 the cluster is "GPU-rich": one step with every GPU
 processing one micro-batch already exceeds the target batch. See ``gpu_rich_options``.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,11 +49,11 @@ def samples_per_step(gbs_tokens: float, seq_len: int, power_of_two: bool = True)
 class BatchPlan:
     """The outcome of the recipe for one cluster size."""
 
-    gbs: int                  # target global batch size, in samples
+    gbs: int  # target global batch size, in samples
     seq_len: int
     mbs: int
     dp: int
-    grad_acc: int             # 0 when the cluster is GPU-rich (see options)
+    grad_acc: int  # 0 when the cluster is GPU-rich (see options)
     options: list = field(default_factory=list)
 
     @property
@@ -70,11 +71,15 @@ class BatchPlan:
 
     def __str__(self) -> str:
         if self.gpu_rich:
-            lines = [f"GPU-rich: mbs={self.mbs} on dp={self.dp} already covers "
-                     f"{self.mbs * self.dp} samples > gbs={self.gbs}. Options:"]
+            lines = [
+                f"GPU-rich: mbs={self.mbs} on dp={self.dp} already covers "
+                f"{self.mbs * self.dp} samples > gbs={self.gbs}. Options:"
+            ]
             return "\n".join(lines + [f"  - {o}" for o in self.options])
-        return (f"gbs={self.achieved_gbs} samples ({self.tokens_per_step:,} tokens) = "
-                f"mbs {self.mbs} x grad_acc {self.grad_acc} x dp {self.dp}")
+        return (
+            f"gbs={self.achieved_gbs} samples ({self.tokens_per_step:,} tokens) = "
+            f"mbs {self.mbs} x grad_acc {self.grad_acc} x dp {self.dp}"
+        )
 
 
 def plan_batch(gbs_tokens: float, seq_len: int, mbs: int, dp: int, power_of_two: bool = True) -> BatchPlan:
@@ -98,16 +103,24 @@ def gpu_rich_options(gbs: int, mbs: int, dp: int) -> list[str]:
     options = []
     used = gbs // mbs
     if used >= 1:
-        options.append(f"leave GPUs idle: use dp={used} and leave {dp - used} of {dp} GPUs unused "
-                       "(or give them to another form of parallelism)")
-    options.append(f"raise the global batch size to mbs x dp = {mbs * dp} samples "
-                   f"({mbs * dp / gbs:.3g}x the target; check that training still converges)")
+        options.append(
+            f"leave GPUs idle: use dp={used} and leave {dp - used} of {dp} GPUs unused "
+            "(or give them to another form of parallelism)"
+        )
+    options.append(
+        f"raise the global batch size to mbs x dp = {mbs * dp} samples "
+        f"({mbs * dp / gbs:.3g}x the target; check that training still converges)"
+    )
     if dp <= gbs:
         m = gbs // dp
         exact = "" if m * dp == gbs else f", not exactly gbs={gbs}"
-        options.append(f"lower the micro-batch size to {m}: {m} x {dp} GPUs = {m * dp} samples per step"
-                       f"{exact} (smaller matrix multiplies use each GPU less efficiently)")
+        options.append(
+            f"lower the micro-batch size to {m}: {m} x {dp} GPUs = {m * dp} samples per step"
+            f"{exact} (smaller matrix multiplies use each GPU less efficiently)"
+        )
     else:
-        options.append(f"lower the micro-batch size: even mbs=1 on {dp} GPUs gives {dp} samples, "
-                       f"more than gbs={gbs}, so combine it with one of the options above")
+        options.append(
+            f"lower the micro-batch size: even mbs=1 on {dp} GPUs gives {dp} samples, "
+            f"more than gbs={gbs}, so combine it with one of the options above"
+        )
     return options

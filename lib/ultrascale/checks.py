@@ -21,8 +21,10 @@ def nonempty(items, what: str):
     if not isinstance(items, Sized):
         raise TypeError(f"nonempty needs a collection with a length (a list, dict, ...), got {type(items).__name__}")
     if len(items) == 0:
-        raise EmptyInput(f"no {what} to check. In a notebook, the cell that makes them may have been "
-                         "interrupted or failed: run it again, then this one.")
+        raise EmptyInput(
+            f"no {what} to check. In a notebook, the cell that makes them may have been "
+            "interrupted or failed: run it again, then this one."
+        )
     return items
 
 

@@ -17,6 +17,7 @@ The loss is always ``Batch.loss``, ``model.lm_loss`` (mean next-token cross-entr
 definition for every run, so a difference can only come from the technique. The loop that
 trains on these batches is ``ultrascale.train``; the checks that runs agree, ``ultrascale.parity``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -35,7 +36,7 @@ class Batch:
     positions: torch.Tensor | None = None
 
     def to(self, device) -> "Batch":
-        move = lambda t: None if t is None else t.to(device)   # noqa: E731
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Batch(move(self.inputs), move(self.targets), move(self.positions))
 
     def loss(self, model) -> torch.Tensor:
@@ -57,8 +58,8 @@ class Batches:
     on which process asks, so the reference and every rank agree without communicating.
     """
 
-    config: object          # a model config: vocab_size and seq_len are used
-    mbs: int = 2            # rows per rank and micro-step
+    config: object  # a model config: vocab_size and seq_len are used
+    mbs: int = 2  # rows per rank and micro-step
     seed: int = 0
 
     def global_batch(self, step: int, world_size: int = 1, micro: int = 0) -> Batch:
@@ -67,10 +68,10 @@ class Batches:
         tokens = torch.randint(0, self.config.vocab_size, shape, generator=g)
         return Batch(tokens[:, :-1], tokens[:, 1:])
 
-    def rank_batch(self, rank: int, world_size: int, step: int, micro: int = 0, by: str = "data",
-                   layout: str = "contiguous") -> Batch:
-        return split(self.global_batch(step, world_size if by == "data" else 1, micro), rank, world_size, by,
-                     layout)
+    def rank_batch(
+        self, rank: int, world_size: int, step: int, micro: int = 0, by: str = "data", layout: str = "contiguous"
+    ) -> Batch:
+        return split(self.global_batch(step, world_size if by == "data" else 1, micro), rank, world_size, by, layout)
 
     def global_stream(self, world_size: int = 1):
         """``(step, micro) -> Batch``: what one process trains on in place of ``world_size`` ranks."""
@@ -101,11 +102,15 @@ def sequence_positions(seq: int, rank: int, world_size: int, layout: str = "cont
     chunks = per_rank * world_size
     how = f" in the zigzag layout ({chunks} chunks, 2 per rank)" if layout == "zigzag" else ""
     if seq < chunks:
-        raise ValueError(f"{world_size} ranks need more chunks than a sequence of {seq} tokens has{how}: use at "
-                         f"most {seq // per_rank} ranks or a longer sequence")
+        raise ValueError(
+            f"{world_size} ranks need more chunks than a sequence of {seq} tokens has{how}: use at "
+            f"most {seq // per_rank} ranks or a longer sequence"
+        )
     if seq % chunks:
-        raise ValueError(f"{seq} tokens per sequence do not split evenly over {world_size} ranks{how}: pad the "
-                         f"sequence to {-(-seq // chunks) * chunks} tokens or choose a length that {chunks} divides")
+        raise ValueError(
+            f"{seq} tokens per sequence do not split evenly over {world_size} ranks{how}: pad the "
+            f"sequence to {-(-seq // chunks) * chunks} tokens or choose a length that {chunks} divides"
+        )
     size = seq // chunks
     ids = [rank] if layout == "contiguous" else [rank, chunks - 1 - rank]
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in ids])
@@ -129,8 +134,9 @@ def split(batch: Batch, rank: int, world_size: int, by: str = "data", layout: st
         return Batch(batch.inputs[:, positions], batch.targets[:, positions], positions)
     rows = batch.inputs.shape[0]
     if rows % world_size:
-        raise ValueError(f"{rows} rows do not split evenly over {world_size} ranks: "
-                         f"choose sizes that {world_size} divides")
+        raise ValueError(
+            f"{rows} rows do not split evenly over {world_size} ranks: choose sizes that {world_size} divides"
+        )
     share = rows // world_size
     return batch.rows(rank * share, (rank + 1) * share)
 

@@ -47,6 +47,7 @@ the fake process group and the caches of process groups the techniques keep stay
 a notebook may call ``dryrun`` again and again, and never holds a process group itself. The
 same call twice runs once: its result is remembered by its arguments (``forget`` clears them).
 """
+
 from __future__ import annotations
 
 import collections
@@ -62,20 +63,41 @@ from .data import Batch, split
 from .model import build_model
 from .parallel.compose import ParallelConfig, apply_parallelisms, build_mesh
 
-__all__ = ["DryRun", "DryRunError", "dryrun", "dryrun_extrapolated", "dryrun_here", "forget", "measure_step",
-           "rank_batches", "refuse"]
+__all__ = [
+    "DryRun",
+    "DryRunError",
+    "dryrun",
+    "dryrun_extrapolated",
+    "dryrun_here",
+    "forget",
+    "measure_step",
+    "rank_batches",
+    "refuse",
+]
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer states", "activations")
 
 # Which technique a source file is, to name it when something cannot run on fake tensors.
-TECHNIQUES = {"moe.py": "MoE routing", "expert_parallel.py": "expert parallelism (EP)",
-              "tensor_parallel.py": "tensor parallelism (TP)", "sequence_parallel.py": "sequence parallelism (SP)",
-              "vocab_parallel.py": "tensor parallelism (TP, the vocabulary)", "parallel_linear.py": "tensor parallelism (TP)",
-              "context_parallel.py": "context parallelism (CP)", "ring_attention.py": "context parallelism (CP)",
-              "kv_exchange.py": "context parallelism (CP)", "ulysses.py": "context parallelism (Ulysses)",
-              "pipeline_parallel.py": "pipeline parallelism (PP)", "pipeline_messages.py": "pipeline parallelism (PP)",
-              "zero.py": "ZeRO", "zero3.py": "ZeRO-3", "compose_zero.py": "ZeRO", "flat.py": "ZeRO",
-              "data_parallel.py": "data parallelism (DP)", "grad_sync.py": "data parallelism (DP)"}
+TECHNIQUES = {
+    "moe.py": "MoE routing",
+    "expert_parallel.py": "expert parallelism (EP)",
+    "tensor_parallel.py": "tensor parallelism (TP)",
+    "sequence_parallel.py": "sequence parallelism (SP)",
+    "vocab_parallel.py": "tensor parallelism (TP, the vocabulary)",
+    "parallel_linear.py": "tensor parallelism (TP)",
+    "context_parallel.py": "context parallelism (CP)",
+    "ring_attention.py": "context parallelism (CP)",
+    "kv_exchange.py": "context parallelism (CP)",
+    "ulysses.py": "context parallelism (Ulysses)",
+    "pipeline_parallel.py": "pipeline parallelism (PP)",
+    "pipeline_messages.py": "pipeline parallelism (PP)",
+    "zero.py": "ZeRO",
+    "zero3.py": "ZeRO-3",
+    "compose_zero.py": "ZeRO",
+    "flat.py": "ZeRO",
+    "data_parallel.py": "data parallelism (DP)",
+    "grad_sync.py": "data parallelism (DP)",
+}
 
 
 class DryRunError(RuntimeError):
@@ -86,22 +108,26 @@ class DryRunError(RuntimeError):
 class DryRun:
     """What one rank held and did in one training step (bytes, FLOPs), measured."""
 
-    layout: str                 # str(ParallelConfig)
+    layout: str  # str(ParallelConfig)
     rank: int
-    coordinate: dict            # the rank's place on the mesh: {"dp": ..., "pp": ..., ...}
+    coordinate: dict  # the rank's place on the mesh: {"dp": ..., "pp": ..., ...}
     parameters: int
     gradients: int
     optimizer_states: int
-    activations: int            # the peak of the bytes saved for backward
+    activations: int  # the peak of the bytes saved for backward
     flops: int
-    tokens: int                 # tokens this rank ran forward and backward in the step
-    collectives: dict           # op -> {"calls", "bytes_sent", "bytes_received"}
-    stand_ins: dict = field(default_factory=dict)   # where a value was read: "file:function" -> reads
+    tokens: int  # tokens this rank ran forward and backward in the step
+    collectives: dict  # op -> {"calls", "bytes_sent", "bytes_received"}
+    stand_ins: dict = field(default_factory=dict)  # where a value was read: "file:function" -> reads
 
     def memory(self) -> dict:
         """The four consumers, keyed as ``memory.breakdown``'s result."""
-        return {"parameters": self.parameters, "gradients": self.gradients,
-                "optimizer states": self.optimizer_states, "activations": self.activations}
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer states": self.optimizer_states,
+            "activations": self.activations,
+        }
 
     @property
     def total_bytes(self) -> int:
@@ -109,8 +135,17 @@ class DryRun:
 
 
 # --------------------------------------------------------------------------- the entry point
-def dryrun(layout: ParallelConfig, config, rank: int = 0, *, micro_batch: int = 1, seq: int | None = None,
-           dtype=torch.float32, recompute: str = "none", timeout: float = 600) -> DryRun:
+def dryrun(
+    layout: ParallelConfig,
+    config,
+    rank: int = 0,
+    *,
+    micro_batch: int = 1,
+    seq: int | None = None,
+    dtype=torch.float32,
+    recompute: str = "none",
+    timeout: float = 600,
+) -> DryRun:
     """Rank ``rank`` of ``layout`` training ``config`` at full size, one step, measured.
 
     ``micro_batch``: rows per micro-batch (the layout's ``microbatches`` is how many);
@@ -121,7 +156,7 @@ def dryrun(layout: ParallelConfig, config, rank: int = 0, *, micro_batch: int = 
     technique cannot run on fake tensors.
     """
     _check_rank(layout, rank)
-    refuse(layout, config)   # at once, not after a process has started
+    refuse(layout, config)  # at once, not after a process has started
     options = dict(micro_batch=micro_batch, seq=seq, dtype=dtype, recompute=recompute)
     return _run_dry([(layout, config, rank, options)], timeout)[0]
 
@@ -131,7 +166,7 @@ def _check_rank(layout: ParallelConfig, rank: int) -> None:
         raise ValueError(f"rank={rank}: the layout {layout} has ranks 0..{layout.world_size - 1}")
 
 
-_REMEMBERED: dict = {}   # this process's dry runs, by their arguments (see _run_dry)
+_REMEMBERED: dict = {}  # this process's dry runs, by their arguments (see _run_dry)
 
 
 def forget() -> None:
@@ -160,7 +195,7 @@ def _run_dry(jobs: list, timeout: float) -> list:
 
 
 def _run_in_a_process(jobs: list, timeout: float) -> list:
-    from .runtime.forkserver import mp_context, no_main_reimport   # imports no torch: cheap
+    from .runtime.forkserver import mp_context, no_main_reimport  # imports no torch: cheap
 
     context = mp_context()
     receive, send = context.Pipe(duplex=False)
@@ -171,17 +206,20 @@ def _run_in_a_process(jobs: list, timeout: float) -> list:
     try:
         if not receive.poll(timeout):
             layout, _, rank, _ = jobs[-1]
-            raise TimeoutError(f"the dry run of rank {rank} of {layout} took more than {timeout} s: "
-                               "give dryrun(..., timeout=) more, or fewer micro-batches")
+            raise TimeoutError(
+                f"the dry run of rank {rank} of {layout} took more than {timeout} s: "
+                "give dryrun(..., timeout=) more, or fewer micro-batches"
+            )
         try:
             ok, value = receive.recv()
         except EOFError:
             process.join()
-            raise RuntimeError(f"the dry run's process ended without a result (exit code {process.exitcode}): "
-                               "out of memory, or killed") from None
+            raise RuntimeError(
+                f"the dry run's process ended without a result (exit code {process.exitcode}): out of memory, or killed"
+            ) from None
     finally:
         process.join(timeout=5)
-        if process.is_alive():   # a timeout: stop it, it holds nothing anyone needs
+        if process.is_alive():  # a timeout: stop it, it holds nothing anyone needs
             process.kill()
             process.join()
     if not ok:
@@ -203,8 +241,10 @@ def dryrun_extrapolated(layout: ParallelConfig, config, rank: int = 0, **options
     ones, whose chunks are split apart); ``options`` as ``dryrun``'s.
     """
     if layout.schedule not in ("1f1b", "afab") and layout.pp > 1:
-        raise ValueError(f"schedule={layout.schedule!r}: extrapolating by blocks per stage needs a schedule that "
-                         "gives each rank one stage (1f1b, afab); run dryrun(...) on the whole model")
+        raise ValueError(
+            f"schedule={layout.schedule!r}: extrapolating by blocks per stage needs a schedule that "
+            "gives each rank one stage (1f1b, afab); run dryrun(...) on the whole model"
+        )
     from .parallel.pipeline_parallel import split_layers
 
     stage = layout.layout().coordinate(rank).get("pp", 0)
@@ -218,10 +258,13 @@ def dryrun_extrapolated(layout: ParallelConfig, config, rank: int = 0, **options
     def at_n(a, b):
         return a + (n - 1) * (b - a)
 
-    collectives = {op: {k: at_n(one.collectives.get(op, {}).get(k, 0), row[k]) for k in row}
-                   for op, row in two.collectives.items()}
-    counts = {k: at_n(getattr(one, k), getattr(two, k))
-              for k in ("parameters", "gradients", "optimizer_states", "activations", "flops")}
+    collectives = {
+        op: {k: at_n(one.collectives.get(op, {}).get(k, 0), row[k]) for k in row} for op, row in two.collectives.items()
+    }
+    counts = {
+        k: at_n(getattr(one, k), getattr(two, k))
+        for k in ("parameters", "gradients", "optimizer_states", "activations", "flops")
+    }
     return replace(two, collectives=collectives, **counts)
 
 
@@ -231,7 +274,7 @@ def _child(send, jobs) -> None:
         result = (True, [dryrun_here(layout, config, rank, **options) for layout, config, rank, options in jobs])
     except DryRunError as error:
         result = (False, DryRunError(str(error)))
-    except BaseException as error:   # noqa: BLE001 - every failure goes back to the caller, with its trace
+    except BaseException as error:  # noqa: BLE001 - every failure goes back to the caller, with its trace
         result = (False, RuntimeError("".join(traceback.format_exception(error))))
     send.send(result)
     send.close()
@@ -242,11 +285,13 @@ def dryrun_here(layout: ParallelConfig, config, rank: int = 0, **options) -> Dry
     (with the groups the techniques keep for it), so one process can run several one after the
     other. For a process that has no process group and runs nothing else distributed
     (``dryrun``'s child)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore   # torch's fake backend (test utility)
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (test utility)
 
     if dist.is_initialized():
-        raise RuntimeError("this process already has a process group: call dryrun(...), which runs in a fresh "
-                           "process, rather than dryrun_here")
+        raise RuntimeError(
+            "this process already has a process group: call dryrun(...), which runs in a fresh "
+            "process, rather than dryrun_here"
+        )
     from .parallel import pipeline_messages
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
@@ -254,7 +299,7 @@ def dryrun_here(layout: ParallelConfig, config, rank: int = 0, **options) -> Dry
         return _dry_step(layout, config, rank, **options)
     finally:
         dist.destroy_process_group()
-        pipeline_messages.forget_twin_groups()   # they died with this world
+        pipeline_messages.forget_twin_groups()  # they died with this world
 
 
 class _FakeRankContext:
@@ -266,14 +311,14 @@ class _FakeRankContext:
 
         self.inner, self.groups = RankContext(rank, world_size, "fake", torch.device("cpu")), {}
 
-    def __getattr__(self, name):   # rank, world_size, device, state: the real context's
+    def __getattr__(self, name):  # rank, world_size, device, state: the real context's
         return getattr(self.inner, name)
 
     def new_group(self, ranks):
         key = tuple(sorted(ranks))
         if self.inner.rank not in key:
             return None
-        if key not in self.groups:   # by its own ranks alone: no other rank of this world runs
+        if key not in self.groups:  # by its own ranks alone: no other rank of this world runs
             self.groups[key] = dist.new_group(list(key), use_local_synchronization=True)
         return self.groups[key]
 
@@ -282,18 +327,22 @@ def refuse(layout: ParallelConfig, config) -> None:
     """Raise :class:`DryRunError` for what cannot run on fake tensors here, naming the technique."""
     why = None
     if getattr(config, "experts", 0):
-        why = ("MoE routing (and expert parallelism) cannot run on fake tensors: which experts a token goes to, and "
-               "so how many rows each expert and each ep rank gets, are values of the router's output, and a fake "
-               "tensor has a shape only")
+        why = (
+            "MoE routing (and expert parallelism) cannot run on fake tensors: which experts a token goes to, and "
+            "so how many rows each expert and each ep rank gets, are values of the router's output, and a fake "
+            "tensor has a shape only"
+        )
     elif layout.cp > 1:
-        why = ("context parallelism (CP) cannot run on fake tensors: ring attention decides which blocks of keys a "
-               "block of queries sees from the tokens' positions (values), and a fake tensor has none")
+        why = (
+            "context parallelism (CP) cannot run on fake tensors: ring attention decides which blocks of keys a "
+            "block of queries sees from the tokens' positions (values), and a fake tensor has none"
+        )
     if why:
         raise DryRunError(why)
 
 
 def _dry_step(layout, config, rank, *, micro_batch=1, seq=None, dtype=torch.float32, recompute="none") -> DryRun:
-    from torch._subclasses import FakeTensorMode   # torch's fake tensors (private module, public class)
+    from torch._subclasses import FakeTensorMode  # torch's fake tensors (private module, public class)
 
     from .parallel.pipeline_messages import twin_group
 
@@ -301,25 +350,26 @@ def _dry_step(layout, config, rank, *, micro_batch=1, seq=None, dtype=torch.floa
     seq = seq or config.seq_len
     config = replace(config, seq_len=seq)
     mesh = build_mesh(_FakeRankContext(rank, layout.world_size), layout)
-    if layout.pp > 1:   # made with real tensors: making it reads the ranks' counts of groups
+    if layout.pp > 1:  # made with real tensors: making it reads the ranks' counts of groups
         twin_group(mesh.group("pp"))
     real_batches = rank_batches(layout, mesh, config, micro_batch)
     try:
         with FakeTensorMode() as mode:
             model = _build(config, dtype).set_recompute(recompute)
             par = apply_parallelisms(model, mesh, layout)
-            batches = [Batch(*(None if t is None else mode.from_tensor(t) for t in (b.inputs, b.targets, b.positions)))
-                       for b in real_batches]
+            batches = [
+                Batch(*(None if t is None else mode.from_tensor(t) for t in (b.inputs, b.targets, b.positions)))
+                for b in real_batches
+            ]
             stand_ins = _StandIns()
             with _vocab_logits_plain(), _regather_by_storage():
                 measured = measure_step(par, batches, stand_ins)
     except DryRunError:
         raise
-    except Exception as error:   # noqa: BLE001 - any failure under fake tensors gets its technique named
+    except Exception as error:  # noqa: BLE001 - any failure under fake tensors gets its technique named
         raise DryRunError(_explain(error)) from error
     tokens = micro_batch * len(batches) * batches[0].inputs.shape[1]
-    return DryRun(str(layout), rank, mesh.coordinate(rank), tokens=tokens, stand_ins=dict(stand_ins.reads),
-                  **measured)
+    return DryRun(str(layout), rank, mesh.coordinate(rank), tokens=tokens, stand_ins=dict(stand_ins.reads), **measured)
 
 
 def _build(config, dtype):
@@ -355,13 +405,19 @@ def measure_step(par, batches, optimizer_reads=contextlib.nullcontext()) -> dict
     activations = _SavedBytes(par.module)
     with CommLogger() as log, FlopCounterMode(display=False) as flops, activations:
         _train_step(par, batches, optimizer_reads)
-    state = _state_bytes(par)   # after the step, before zero_grad: the gradients are still there
+    state = _state_bytes(par)  # after the step, before zero_grad: the gradients are still there
     par.optimizer.zero_grad()
-    collectives = {op: {k: row[k] for k in ("calls", "bytes_sent", "bytes_received")}
-                   for op, row in log.totals().items()}
-    return dict(parameters=state["parameters"], gradients=state["gradients"],
-                optimizer_states=state["optimizer states"], activations=activations.peak,
-                flops=int(flops.get_total_flops()), collectives=collectives)
+    collectives = {
+        op: {k: row[k] for k in ("calls", "bytes_sent", "bytes_received")} for op, row in log.totals().items()
+    }
+    return dict(
+        parameters=state["parameters"],
+        gradients=state["gradients"],
+        optimizer_states=state["optimizer states"],
+        activations=activations.peak,
+        flops=int(flops.get_total_flops()),
+        collectives=collectives,
+    )
 
 
 def _train_step(par, batches, optimizer_reads) -> None:
@@ -370,7 +426,7 @@ def _train_step(par, batches, optimizer_reads) -> None:
     if par.pipeline is not None:
         par.pipeline.step(batches)
     else:
-        for batch in batches:   # gradient accumulation: DP reduces the sum once, below
+        for batch in batches:  # gradient accumulation: DP reduces the sum once, below
             (batch.loss(par.model) / m).backward()
     par.sync_gradients()
     with optimizer_reads:
@@ -380,13 +436,16 @@ def _train_step(par, batches, optimizer_reads) -> None:
 def _state_bytes(par) -> dict:
     """Parameters, gradients and optimizer states on this rank, each storage once."""
     zeros = getattr(par.optimizer, "zeros", None)
-    if zeros is not None:   # ZeRO keeps them in flat buffers of its own
+    if zeros is not None:  # ZeRO keeps them in flat buffers of its own
         counts = [z.state_bytes() for z in zeros]
         return {k: sum(c[k] for c in counts) for k in counts[0]}
     params = list(par.module.parameters())
     states = [t for s in par.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return {"parameters": _unique_bytes(params), "gradients": _unique_bytes(p.grad for p in params),
-            "optimizer states": _unique_bytes(states)}
+    return {
+        "parameters": _unique_bytes(params),
+        "gradients": _unique_bytes(p.grad for p in params),
+        "optimizer states": _unique_bytes(states),
+    }
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -477,8 +536,11 @@ def _vocab_logits_plain():
         flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
         return vocab_parallel.vocab_parallel_cross_entropy(flat, targets.flatten(), logits.vocab_start, logits.group)
 
-    with mock.patch.object(vocab_parallel.VocabParallelLogits, "wrap", staticmethod(wrap)), \
-            mock.patch.object(data, "lm_loss", lm_loss), mock.patch.object(pipeline_parallel, "lm_loss", lm_loss):
+    with (
+        mock.patch.object(vocab_parallel.VocabParallelLogits, "wrap", staticmethod(wrap)),
+        mock.patch.object(data, "lm_loss", lm_loss),
+        mock.patch.object(pipeline_parallel, "lm_loss", lm_loss),
+    ):
         yield
 
 
@@ -505,8 +567,11 @@ def _regather_by_storage():
     def pack(self, t):
         return original_pack(self, t) if _storage_key(t) == self.storage_key else self.outer_pack(t)
 
-    with mock.patch.object(RegatherInBackward, "__init__", init), mock.patch.object(RegatherInBackward, "pack", pack), \
-            warnings.catch_warnings():
+    with (
+        mock.patch.object(RegatherInBackward, "__init__", init),
+        mock.patch.object(RegatherInBackward, "pack", pack),
+        warnings.catch_warnings(),
+    ):
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
         yield
 
@@ -555,12 +620,26 @@ def _caller() -> str:
 def _explain(error: Exception) -> str:
     """Which technique failed on fake tensors, and why, from the error's traceback."""
     frames = traceback.extract_tb(error.__traceback__)
-    technique = next((TECHNIQUES[f.filename.rsplit("/", 1)[-1]] for f in reversed(frames)
-                      if f.filename.rsplit("/", 1)[-1] in TECHNIQUES and "/ultrascale/" in f.filename), None)
-    where = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} ({f.name})" for f in reversed(frames)
-                  if "/ultrascale/" in f.filename), "torch")
+    technique = next(
+        (
+            TECHNIQUES[f.filename.rsplit("/", 1)[-1]]
+            for f in reversed(frames)
+            if f.filename.rsplit("/", 1)[-1] in TECHNIQUES and "/ultrascale/" in f.filename
+        ),
+        None,
+    )
+    where = next(
+        (
+            f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} ({f.name})"
+            for f in reversed(frames)
+            if "/ultrascale/" in f.filename
+        ),
+        "torch",
+    )
     name = type(error).__name__
     if "DynamicOutputShape" in name or "DataDependent" in name:
-        return (f"{technique or 'the model'} cannot run on fake tensors at {where}: it needs the values of a "
-                "tensor (a shape or a decision that depends on the data), and fake tensors have shapes only")
+        return (
+            f"{technique or 'the model'} cannot run on fake tensors at {where}: it needs the values of a "
+            "tensor (a shape or a decision that depends on the data), and fake tensors have shapes only"
+        )
     return f"{technique or 'the model'} failed in the dry run at {where}: {name}: {error}"

@@ -15,12 +15,20 @@ otherwise and that the planner's published layout (``plan.published``) agrees.
 * :data:`OVERLAP_ON_GPUS`: what overlapping communication with computation costs on a GPU.
 * :data:`PP_WITH_ZERO`: which ZeRO stages the book says combine with pipeline parallelism.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Fact", "LLAMA3_405B", "LLAMA3_405B_LAYOUT", "LLAMA3_405B_LONG_LAYOUT", "OVERLAP_ON_GPUS",
-           "PP_WITH_ZERO", "TORCHTITAN_ORDER"]
+__all__ = [
+    "Fact",
+    "LLAMA3_405B",
+    "LLAMA3_405B_LAYOUT",
+    "LLAMA3_405B_LONG_LAYOUT",
+    "OVERLAP_ON_GPUS",
+    "PP_WITH_ZERO",
+    "TORCHTITAN_ORDER",
+]
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,8 @@ LLAMA3_405B = Fact(
     "(CP 16 and DP 8 for its 128K-token stage); its data parallelism is FSDP that shards the "
     "optimizer states and gradients but keeps the gathered weights from the forward to the "
     "backward, so ZeRO-2 in the book's terms, not ZeRO-3",
-    "The Llama 3 Herd of Models, section 3.3.2 and table 4")
+    "The Llama 3 Herd of Models, section 3.3.2 and table 4",
+)
 
 # torchtitan (train.py, distributed/pipeline_parallel.py, models/llama3/infra/parallelize.py):
 # with pp > 1 the model is split into stages first and parallelize() runs on each stage's
@@ -60,7 +69,8 @@ TORCHTITAN_ORDER = Fact(
     "the pipeline split first (each rank builds only its stages), then on each stage TP with SP, "
     "activation checkpointing, torch.compile, and FSDP last over the data ranks (dp and cp); "
     "CP swaps attention for ring attention around the training step",
-    "torchtitan, train.py and pipeline_llm")
+    "torchtitan, train.py and pipeline_llm",
+)
 
 # The book (its section on overlapping TP's communication, and the A3 appendix's premise) and
 # NCCL's design: a collective is a CUDA kernel that occupies SMs and memory bandwidth.
@@ -69,7 +79,8 @@ OVERLAP_ON_GPUS = Fact(
     "NCCL's collectives are kernels that run on the same SMs as the computation and share its "
     "memory bandwidth, so communication hidden behind compute still slows that compute down: "
     "overlap saves time, but it is not free",
-    "the book; NCCL")
+    "the book; NCCL",
+)
 
 # The book, on combining ZeRO with PP: ZeRO-1 and ZeRO-2 combine easily with a pipeline (its
 # rule for 1024+ GPUs uses TP + PP + ZeRO-2, DeepSeek-V3 trained with PP and ZeRO-1); ZeRO-3
@@ -78,4 +89,5 @@ PP_WITH_ZERO = Fact(
     "PP with ZeRO",
     "ZeRO-1 and ZeRO-2 combine easily with pipeline parallelism; ZeRO-3 with it is rare, because "
     "every micro-batch gathers the weights again and only a large global batch hides that",
-    "the book, 5D parallelism and finding the best configuration")
+    "the book, 5D parallelism and finding the best configuration",
+)

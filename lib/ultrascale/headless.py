@@ -42,6 +42,7 @@ _KERNEL_LOGGING = {
     "handlers": {"console": {"filters": ["drop_shutdown_interrupt"]}},
 }
 
+
 def kernel_options() -> dict:
     """papermill's keyword arguments for nbclient (new objects each time: nbclient may extend them)."""
     return {

@@ -30,6 +30,7 @@ Three choices belong to the technique, each a parameter named for why:
 
 What a style means, and which modules a style may be applied to, stays with the technique.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -59,12 +60,20 @@ def _kind_name(kind) -> str:
     return f"nn.{kind.__name__}" if kind.__module__.startswith("torch.nn") else kind.__name__
 
 
-def match_plan(model: nn.Module, plan: dict, *, kind: type | None = None, children: bool = False,
-               outermost: bool = False, may_match_nothing: bool = False) -> list[tuple[str, nn.Module, object]]:
+def match_plan(
+    model: nn.Module,
+    plan: dict,
+    *,
+    kind: type | None = None,
+    children: bool = False,
+    outermost: bool = False,
+    may_match_nothing: bool = False,
+) -> list[tuple[str, nn.Module, object]]:
     """``[(name, module, style)]``: the modules of ``model`` that ``plan`` names, in the
     model's order, each with the style of the first pattern that names it (rules above)."""
-    candidates = [(name, m) for name, m in model.named_modules()
-                  if (name or "" in plan) and (kind is None or type(m) is kind)]
+    candidates = [
+        (name, m) for name, m in model.named_modules() if (name or "" in plan) and (kind is None or type(m) is kind)
+    ]
     used, matched, taken = set(), [], []
     for name, module in candidates:
         names = _names(name, children)
@@ -78,6 +87,8 @@ def match_plan(model: nn.Module, plan: dict, *, kind: type | None = None, childr
     if unused and not may_match_nothing:
         what = _kind_name(kind)
         some = [name for name, _ in candidates][:8]
-        raise ValueError(f"plan pattern {unused[0]!r} matches no {what} of this {type(model).__name__} "
-                         f"(is the plan for another model?); its {what} names include {some}")
+        raise ValueError(
+            f"plan pattern {unused[0]!r} matches no {what} of this {type(model).__name__} "
+            f"(is the plan for another model?); its {what} names include {some}"
+        )
     return matched

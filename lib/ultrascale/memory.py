@@ -6,6 +6,7 @@ stage, TP/PP/CP degrees); the measured half counts the real bytes of a small mod
 CPU through autograd's saved-tensor hooks, on GPU through the CUDA caching allocator.
 Sizes are in bytes; GB means 1e9 bytes, as in the book's tables.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,7 @@ import torch
 from .model import RECOMPUTE_MODES, LlamaConfig, count_params
 
 GB = 1e9
-GiB = 2 ** 30
+GiB = 2**30
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
@@ -38,12 +39,12 @@ def model_state_bytes(n_params: int, mixed_precision: bool = True, fp32_grad_acc
     n = n_params
     if not mixed_precision:
         return {"parameters": 4 * n, "gradients": 4 * n, "optimizer states": 8 * n}
-    return {"parameters": 2 * n, "gradients": (2 + (4 if fp32_grad_accum else 0)) * n,
-            "optimizer states": (4 + 8) * n}
+    return {"parameters": 2 * n, "gradients": (2 + (4 if fp32_grad_accum else 0)) * n, "optimizer states": (4 + 8) * n}
 
 
-def zero_bytes_per_rank(n_params, stage: int, dp: int, k: float = 12, param_bytes: float = 2,
-                        grad_bytes: float = 2) -> dict:
+def zero_bytes_per_rank(
+    n_params, stage: int, dp: int, k: float = 12, param_bytes: float = 2, grad_bytes: float = 2
+) -> dict:
     """Per-rank model-state bytes under ZeRO with data-parallel degree `dp`.
 
     k is the optimizer bytes per parameter including the fp32 master weights (12 for Adam
@@ -55,15 +56,24 @@ def zero_bytes_per_rank(n_params, stage: int, dp: int, k: float = 12, param_byte
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     if dp < 1:
         raise ValueError(f"data-parallel degree must be >= 1, got {dp}")
-    shard = lambda sharded: dp if sharded else 1   # noqa: E731
-    return {"parameters": param_bytes * n_params / shard(stage >= 3),
-            "gradients": grad_bytes * n_params / shard(stage >= 2),
-            "optimizer states": k * n_params / shard(stage >= 1)}
+    shard = lambda sharded: dp if sharded else 1  # noqa: E731
+    return {
+        "parameters": param_bytes * n_params / shard(stage >= 3),
+        "gradients": grad_bytes * n_params / shard(stage >= 2),
+        "optimizer states": k * n_params / shard(stage >= 1),
+    }
 
 
 # --------------------------------------------------------------------------- activations
-def activation_bytes(config, seq: int, micro_batch: int = 1, recompute: str = "none", tp: int = 1,
-                     sequence_parallel: bool = False, cp: int = 1):
+def activation_bytes(
+    config,
+    seq: int,
+    micro_batch: int = 1,
+    recompute: str = "none",
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+):
     """Activation bytes kept for backward by the transformer layers on one rank (16-bit activations).
 
     Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer
@@ -103,14 +113,14 @@ def activation_bytes(config, seq: int, micro_batch: int = 1, recompute: str = "n
             raise ValueError(f"{name} must be an integer >= 1, got {degree}")
     L, h, a = config.layers, config.hidden, config.heads
     tokens = seq * micro_batch
-    quadratic = 0 if recompute == "selective" else 5 * a * seq * tokens   # split by TP's heads
+    quadratic = 0 if recompute == "selective" else 5 * a * seq * tokens  # split by TP's heads
     if recompute == "full":
         per_rank = _split(L * 2 * tokens * h, tp if sequence_parallel else 1)
     elif sequence_parallel:
         per_rank = _split(L * (34 * tokens * h + quadratic), tp)
     else:
         per_rank = L * 10 * tokens * h + _split(L * (24 * tokens * h + quadratic), tp)
-    return _split(per_rank, cp)   # CP: every rank holds seq/cp of the tokens
+    return _split(per_rank, cp)  # CP: every rank holds seq/cp of the tokens
 
 
 def _split(total: int, ways: int):
@@ -127,13 +137,15 @@ def pp_in_flight(schedule, pp: int, micro_batches: int, chunks: int | None = Non
     Bubble schedules what their order gives. ``schedule``: a name ("afab", "1f1b",
     "interleaved", "zb-h1", "dualpipe-v", ...) or a built ``Schedule`` for ``pp`` ranks.
     """
-    from .schedule import Schedule, make_schedule, simulate   # pure Python, no torch
+    from .schedule import Schedule, make_schedule, simulate  # pure Python, no torch
 
     if not isinstance(schedule, Schedule):
         schedule = make_schedule(schedule, pp, micro_batches, chunks)
     elif schedule.ranks != pp or schedule.microbatches != micro_batches:
-        raise ValueError(f"the schedule is for p={schedule.ranks}, m={schedule.microbatches}; "
-                         f"got pp={pp}, micro_batches={micro_batches}")
+        raise ValueError(
+            f"the schedule is for p={schedule.ranks}, m={schedule.microbatches}; "
+            f"got pp={pp}, micro_batches={micro_batches}"
+        )
     return simulate(schedule).peak_activations
 
 
@@ -149,9 +161,26 @@ def expert_params(config) -> int:
 
 
 # --------------------------------------------------------------------------- one rank
-def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_grad_accum=False,
-              recompute="none", zero_stage=0, tp=1, dp=1, pp=1, optimizer_bytes=None,
-              sequence_parallel=True, cp=1, schedule=None, micro_batches=None, ep=1, dp_shard=None) -> dict:
+def breakdown(
+    config,
+    *,
+    seq=None,
+    micro_batch=1,
+    mixed_precision=True,
+    fp32_grad_accum=False,
+    recompute="none",
+    zero_stage=0,
+    tp=1,
+    dp=1,
+    pp=1,
+    optimizer_bytes=None,
+    sequence_parallel=True,
+    cp=1,
+    schedule=None,
+    micro_batches=None,
+    ep=1,
+    dp_shard=None,
+) -> dict:
     """Bytes held by one GPU, by consumer: what the memory widget draws.
 
     A simple model of the parallel degrees:
@@ -184,8 +213,10 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
             raise ValueError(f"{name} must be >= 1, got {degree}")
     shard = dp if dp_shard is None else dp_shard
     if shard < 1 or dp % shard:
-        raise ValueError(f"dp_shard={dp_shard} must divide dp={dp}: HSDP cuts the dp ranks into dp / dp_shard "
-                         "replicas of dp_shard shards")
+        raise ValueError(
+            f"dp_shard={dp_shard} must divide dp={dp}: HSDP cuts the dp ranks into dp / dp_shard "
+            "replicas of dp_shard shards"
+        )
     seq = seq or config.seq_len
     if mixed_precision:
         p_bytes, g_bytes, k = 2, 2 + (4 if fp32_grad_accum else 0), 12
@@ -203,8 +234,10 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
     dense_part = zero_bytes_per_rank(dense, zero_stage, shard * (ep if experts else 1), k, p_bytes, g_bytes)
     expert_part = zero_bytes_per_rank(local_experts, zero_stage, shard, k, p_bytes, g_bytes)
     result = {consumer: dense_part[consumer] + expert_part[consumer] for consumer in dense_part}
-    per_layer = activation_bytes(config, seq, micro_batch, recompute, tp=tp,
-                                 sequence_parallel=sequence_parallel, cp=cp) / config.layers
+    per_layer = (
+        activation_bytes(config, seq, micro_batch, recompute, tp=tp, sequence_parallel=sequence_parallel, cp=cp)
+        / config.layers
+    )
     if schedule is None:
         act = per_layer * math.ceil(config.layers / pp) * pp
     else:
@@ -216,12 +249,22 @@ def breakdown(config, *, seq=None, micro_batch=1, mixed_precision=True, fp32_gra
             schedule = make_schedule(schedule, pp, micro_batches)
         in_flight = max(pp_in_flight(schedule, pp, micro_batches))
         act = per_layer * math.ceil(config.layers / (pp * schedule.chunks)) * in_flight
-    result["activations"] = act if mixed_precision else 2 * act   # fp32 activations: twice the bytes
+    result["activations"] = act if mixed_precision else 2 * act  # fp32 activations: twice the bytes
     return result
 
 
-def cp_kv_buffer_bytes(batch: int, kv_heads: int, seq: int, head_dim: int, cp: int, kind: str = "ring", *,
-                       backward: bool = False, bytes_per_element: int = 2, grad_bytes_per_element: int = 4) -> int:
+def cp_kv_buffer_bytes(
+    batch: int,
+    kv_heads: int,
+    seq: int,
+    head_dim: int,
+    cp: int,
+    kind: str = "ring",
+    *,
+    backward: bool = False,
+    bytes_per_element: int = 2,
+    grad_bytes_per_element: int = 4,
+) -> int:
     """Peak bytes of the K/V buffers that context-parallel attention allocates on one rank.
 
     A "block" is one rank's K (or V): batch * kv_heads * (seq / cp) * head_dim elements.
@@ -265,12 +308,11 @@ def saved_activation_bytes(model, batch, autocast_dtype=None) -> int:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    autocast = (torch.autocast(batch.device.type, dtype=autocast_dtype) if autocast_dtype
-                else contextlib.nullcontext())
+    autocast = torch.autocast(batch.device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         out = model(batch)
     total = sum(storages.values())
-    del out   # the graph, and with it the saved tensors, is freed only now
+    del out  # the graph, and with it the saved tensors, is freed only now
     return total
 
 
@@ -286,8 +328,11 @@ def state_bytes(model, optimizer=None) -> dict:
     states = []
     if optimizer is not None:
         states = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return {"parameters": _unique_bytes(params), "gradients": _unique_bytes(grads),
-            "optimizer states": _unique_bytes(states)}
+    return {
+        "parameters": _unique_bytes(params),
+        "gradients": _unique_bytes(grads),
+        "optimizer states": _unique_bytes(states),
+    }
 
 
 def cuda_peak_bytes(fn, *args, device=None, **kwargs) -> int:
@@ -297,8 +342,9 @@ def cuda_peak_bytes(fn, *args, device=None, **kwargs) -> int:
     cached-but-free blocks are not included; nvidia-smi shows those too.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("cuda_peak_bytes needs a CUDA GPU; on CPU use saved_activation_bytes "
-                           "and state_bytes instead")
+        raise RuntimeError(
+            "cuda_peak_bytes needs a CUDA GPU; on CPU use saved_activation_bytes and state_bytes instead"
+        )
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     fn(*args, **kwargs)

@@ -16,6 +16,7 @@ from outside, and three choices make that possible without touching this file:
 Counting never builds a model: ``count_params`` and ``training_flops`` work on the
 config alone, so they run instantly for Llama 3 405B.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,26 +42,26 @@ class GPTConfig:
     hidden: int = 64
     layers: int = 2
     heads: int = 4
-    seq_len: int = 64          # default length for FLOP counting; RoPE has no length limit
-    attention: str = "eager"   # "eager": explicit softmax(QK^T/sqrt(d))V; "sdpa": fused kernel
+    seq_len: int = 64  # default length for FLOP counting; RoPE has no length limit
+    attention: str = "eager"  # "eager": explicit softmax(QK^T/sqrt(d))V; "sdpa": fused kernel
     rope_theta: float = 10000.0
     # Mixture of experts (ultrascale.moe): 0 keeps the dense MLP; E > 0 puts E expert MLPs
     # and a router choosing top_k of them per token in every block.
     experts: int = 0
     top_k: int = 1
     aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the training loss
-    expert_groups: int = 1      # experts cut into this many groups (e.g. nodes) ...
-    group_limit: int = 0        # ... of which a token may use at most this many (0: no limit)
+    expert_groups: int = 1  # experts cut into this many groups (e.g. nodes) ...
+    group_limit: int = 0  # ... of which a token may use at most this many (0: no limit)
 
     def __post_init__(self):
         _validate(self)
 
     @property
-    def kv_heads(self) -> int:   # GPT-2 has one K and one V head per query head
+    def kv_heads(self) -> int:  # GPT-2 has one K and one V head per query head
         return self.heads
 
     @property
-    def ffn(self) -> int:        # the MLP widens to 4h
+    def ffn(self) -> int:  # the MLP widens to 4h
         return 4 * self.hidden
 
     @property
@@ -74,14 +75,14 @@ class LlamaConfig:
     hidden: int = 64
     layers: int = 2
     heads: int = 4
-    kv_heads: int = 2          # grouped-query attention: heads // kv_heads queries share a K/V
-    ffn: int = 176             # SwiGLU inner width
+    kv_heads: int = 2  # grouped-query attention: heads // kv_heads queries share a K/V
+    ffn: int = 176  # SwiGLU inner width
     seq_len: int = 64
     tie_embeddings: bool = False
     attention: str = "eager"
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
-    experts: int = 0           # mixture of experts: as in GPTConfig, SwiGLU experts
+    experts: int = 0  # mixture of experts: as in GPTConfig, SwiGLU experts
     top_k: int = 1
     aux_loss_coef: float = 0.0
     expert_groups: int = 1
@@ -113,24 +114,25 @@ def _validate_experts(c) -> None:
     if not c.experts:
         return
     if not 1 <= c.top_k <= c.experts:
-        raise ValueError(f"top_k={c.top_k} must be between 1 and experts={c.experts}: "
-                         "a token cannot choose more experts than the layer has")
+        raise ValueError(
+            f"top_k={c.top_k} must be between 1 and experts={c.experts}: "
+            "a token cannot choose more experts than the layer has"
+        )
     if c.expert_groups < 1 or c.experts % c.expert_groups:
         raise ValueError(f"expert_groups={c.expert_groups} must divide experts={c.experts}")
     per_group = c.experts // c.expert_groups
     if c.group_limit and not (1 <= c.group_limit <= c.expert_groups and c.top_k <= c.group_limit * per_group):
-        raise ValueError(f"group_limit={c.group_limit}: choose 1..{c.expert_groups} groups holding at least "
-                         f"top_k={c.top_k} experts ({per_group} per group)")
+        raise ValueError(
+            f"group_limit={c.group_limit}: choose 1..{c.expert_groups} groups holding at least "
+            f"top_k={c.top_k} experts ({per_group} per group)"
+        )
 
 
 # Published Llama 3 shapes (untied embeddings, 8 KV heads, 128K vocabulary).
-LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden=4096, layers=32, heads=32, kv_heads=8,
-                        ffn=14336, seq_len=8192)
-LLAMA3_70B = LlamaConfig(vocab_size=128256, hidden=8192, layers=80, heads=64, kv_heads=8,
-                         ffn=28672, seq_len=8192)
-LLAMA3_405B = LlamaConfig(vocab_size=128256, hidden=16384, layers=126, heads=128, kv_heads=8,
-                          ffn=53248, seq_len=8192)
-LLAMA_TINY = LlamaConfig()     # runs in milliseconds on a CPU
+LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, seq_len=8192)
+LLAMA3_70B = LlamaConfig(vocab_size=128256, hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, seq_len=8192)
+LLAMA3_405B = LlamaConfig(vocab_size=128256, hidden=16384, layers=126, heads=128, kv_heads=8, ffn=53248, seq_len=8192)
+LLAMA_TINY = LlamaConfig()  # runs in milliseconds on a CPU
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -150,7 +152,7 @@ def rope_tables(positions, head_dim: int, theta: float, device=None):
 def apply_rope(x, cos, sin):
     """Rotate feature pairs (i, i + d/2) of x (batch, heads, seq, d) by a position-dependent angle."""
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)   # stay in the activation dtype under autocast
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # stay in the activation dtype under autocast
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
@@ -200,7 +202,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.split_heads(self.q(x)), self.split_heads(self.k(x)), self.split_heads(self.v(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if recompute_core:   # selective recomputation: drop the seq x seq tensors, redo them in backward
+        if recompute_core:  # selective recomputation: drop the seq x seq tensors, redo them in backward
             y = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             y = self.core(q, k, v)
@@ -209,7 +211,7 @@ class Attention(nn.Module):
     def core(self, q, k, v):
         """Causal attention of the whole sequence (see the class docstring; replaceable)."""
         group = q.shape[1] // k.shape[1]
-        if group > 1:                        # each K/V head serves a group of query heads
+        if group > 1:  # each K/V head serves a group of query heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return causal_attention(q, k, v, self.kind)
 
@@ -267,9 +269,9 @@ class _Decoder(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.norm = norm
         self.head = nn.Linear(config.hidden, config.vocab_size, bias=False)
-        if tie_embeddings:   # one matrix both looks up tokens and scores them
+        if tie_embeddings:  # one matrix both looks up tokens and scores them
             self.head.weight = self.embed.weight
-        self.recompute = "none"   # "none" | "selective" | "full"; see set_recompute
+        self.recompute = "none"  # "none" | "selective" | "full"; see set_recompute
         self.apply(_init_weights)
 
     def set_recompute(self, mode: str) -> "_Decoder":
@@ -291,7 +293,7 @@ class _Decoder(nn.Module):
             positions = torch.arange(x.shape[1], device=x.device)
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
         for block in self.blocks:
-            if self.recompute == "full":   # keep only the block input; redo the block in backward
+            if self.recompute == "full":  # keep only the block input; redo the block in backward
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin, self.recompute == "selective")
@@ -309,8 +311,15 @@ class GPT(_Decoder):
 
     def __init__(self, config: GPTConfig):
         h = config.hidden
-        blocks = [Block(nn.LayerNorm(h), Attention(h, config.heads, config.heads, True, config.attention),
-                        nn.LayerNorm(h), feed_forward(config, lambda: MLP(h))) for _ in range(config.layers)]
+        blocks = [
+            Block(
+                nn.LayerNorm(h),
+                Attention(h, config.heads, config.heads, True, config.attention),
+                nn.LayerNorm(h),
+                feed_forward(config, lambda: MLP(h)),
+            )
+            for _ in range(config.layers)
+        ]
         super().__init__(config, blocks, nn.LayerNorm(h), tie_embeddings=True)
 
 
@@ -319,9 +328,15 @@ class Llama(_Decoder):
 
     def __init__(self, config: LlamaConfig):
         h, eps = config.hidden, config.norm_eps
-        blocks = [Block(nn.RMSNorm(h, eps=eps), Attention(h, config.heads, config.kv_heads, False, config.attention),
-                        nn.RMSNorm(h, eps=eps), feed_forward(config, lambda: SwiGLU(h, config.ffn)))
-                  for _ in range(config.layers)]
+        blocks = [
+            Block(
+                nn.RMSNorm(h, eps=eps),
+                Attention(h, config.heads, config.kv_heads, False, config.attention),
+                nn.RMSNorm(h, eps=eps),
+                feed_forward(config, lambda: SwiGLU(h, config.ffn)),
+            )
+            for _ in range(config.layers)
+        ]
         super().__init__(config, blocks, nn.RMSNorm(h, eps=eps), config.tie_embeddings)
 
 
@@ -357,9 +372,9 @@ def count_params(config) -> int:
         # per block: two LayerNorms (2h each), q, k, v (3h^2 + 3h), out (h^2 + h),
         # fc (4h^2 + 4h), proj (4h^2 + h)  ->  12h^2 + 13h; final LayerNorm 2h; tied embedding h*v
         return h * v + L * (12 * h * h + 13 * h) + 2 * h + moe
-    per_layer = _llama_matmul_params_per_layer(config) + 2 * h   # + two RMSNorm weights
-    embeddings = h * v if config.tie_embeddings else 2 * h * v   # input table (+ separate head)
-    return embeddings + L * per_layer + h + moe                  # + final RMSNorm
+    per_layer = _llama_matmul_params_per_layer(config) + 2 * h  # + two RMSNorm weights
+    embeddings = h * v if config.tie_embeddings else 2 * h * v  # input table (+ separate head)
+    return embeddings + L * per_layer + h + moe  # + final RMSNorm
 
 
 def active_params(config) -> int:
@@ -382,8 +397,8 @@ def _moe_extra_params(c) -> int:
 
 def _llama_matmul_params_per_layer(c: LlamaConfig) -> int:
     kv = c.kv_heads * c.head_dim
-    attention = 2 * c.hidden * c.hidden + 2 * c.hidden * kv   # q and out are h x h; k and v h x kv
-    return attention + 3 * c.hidden * c.ffn                   # gate, up, down
+    attention = 2 * c.hidden * c.hidden + 2 * c.hidden * kv  # q and out are h x h; k and v h x kv
+    return attention + 3 * c.hidden * c.ffn  # gate, up, down
 
 
 def matmul_params(config) -> int:
@@ -394,7 +409,7 @@ def matmul_params(config) -> int:
     router (h x E) and its ``top_k`` experts only.
     """
     h, v, L = config.hidden, config.vocab_size, config.layers
-    ffn = 8 * h * h if isinstance(config, GPTConfig) else 3 * h * config.ffn   # one feed-forward's matmuls
+    ffn = 8 * h * h if isinstance(config, GPTConfig) else 3 * h * config.ffn  # one feed-forward's matmuls
     moe = L * (h * config.experts + (config.top_k - 1) * ffn) if config.experts else 0
     if isinstance(config, GPTConfig):
         return h * v + L * 12 * h * h + moe
@@ -438,6 +453,9 @@ def hfu(tokens_per_s, config, peak_flops, recompute="full", seq_len=None, causal
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
     model = training_flops(config, tokens_per_s, seq_len, causal)
-    extra = {"none": 0, "full": model / 3,
-             "selective": tokens_per_s * attention_flops_per_token(config, seq_len, causal) / 3}
+    extra = {
+        "none": 0,
+        "full": model / 3,
+        "selective": tokens_per_s * attention_flops_per_token(config, seq_len, causal) / 3,
+    }
     return (model + extra[recompute]) / peak_flops

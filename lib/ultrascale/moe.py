@@ -22,6 +22,7 @@ only k MLPs: more parameters at nearly the same FLOPs.
 * ``update_selection_bias``: DeepSeek-V3's balancing without a loss: between steps, each
   router's ``selection_bias`` moves by a fixed speed against its expert's load.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,7 +41,7 @@ class Router(nn.Module):
         # balancing without a loss, moved by update_selection_bias). Zero by default; chapter 08
         # also sets it by hand to skew the routing onto one expert.
         self.register_buffer("selection_bias", torch.zeros(experts))
-        self.load = None   # choices per expert since the last update_selection_bias (a plain tensor)
+        self.load = None  # choices per expert since the last update_selection_bias (a plain tensor)
 
     def forward(self, x):
         probs = torch.softmax(self.gate(x), dim=-1)
@@ -51,7 +52,7 @@ class Router(nn.Module):
         weights = probs.gather(-1, chosen)
         if self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
-        if self.training:      # an evaluation forward is no part of a training step's load
+        if self.training:  # an evaluation forward is no part of a training step's load
             self._count(chosen)
         return weights, chosen, probs
 
@@ -78,7 +79,7 @@ def limit_groups(scores, groups: int, limit: int, top_k: int):
     t, e = scores.shape
     per_group = max(1, min(e // groups, top_k // limit))
     ranked = scores.detach().view(t, groups, e // groups).topk(per_group, dim=-1).values
-    group_scores = ranked.sum(-1)                                          # (T, groups)
+    group_scores = ranked.sum(-1)  # (T, groups)
     best = group_scores.topk(limit, dim=-1).indices
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
     return scores.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
@@ -114,8 +115,7 @@ def grouped_mlp(experts, x_sorted, counts):
     padded[mask] = x_sorted
     fc_w = torch.stack([m.fc.weight for m in experts]).transpose(1, 2)
     proj_w = torch.stack([m.proj.weight for m in experts]).transpose(1, 2)
-    hidden = F.gelu(torch.bmm(padded, fc_w) + torch.stack([m.fc.bias for m in experts])[:, None],
-                    approximate="tanh")
+    hidden = F.gelu(torch.bmm(padded, fc_w) + torch.stack([m.fc.bias for m in experts])[:, None], approximate="tanh")
     out = torch.bmm(hidden, proj_w) + torch.stack([m.proj.bias for m in experts])[:, None]
     return out[mask]
 
@@ -165,7 +165,7 @@ def update_selection_bias(model, speed: float, sum_over_ranks=None) -> list:
     """
     loads = []
     for router in (m for m in model.modules() if isinstance(m, Router)):
-        if router.load is None:      # no forward since the last update: nothing to go by
+        if router.load is None:  # no forward since the last update: nothing to go by
             continue
         load, router.load = router.load, None
         if sum_over_ranks is not None:
@@ -183,7 +183,7 @@ class MoE(nn.Module):
         self.router = Router(hidden, config.experts, config.top_k, config.expert_groups, config.group_limit)
         self.experts = nn.ModuleList(make_expert() for _ in range(config.experts))
         self.num_experts, self.aux_loss_coef = config.experts, config.aux_loss_coef
-        self.aux_loss = None   # coef * balance loss of the last forward (when coef > 0)
+        self.aux_loss = None  # coef * balance loss of the last forward (when coef > 0)
 
     def forward(self, x):
         b, s, h = x.shape

@@ -31,6 +31,7 @@ the A3 chapter with symbols to derive the ratios.
 Only ``measure_matmul_flops`` measures anything: the ``peak_flops`` of this machine for
 plugging in (``comm.bus_bandwidth_sweep`` measures ``peak_bw``).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -38,7 +39,7 @@ import time
 
 from .scales import block_params
 
-DDP_BUCKET_BYTES = 25 * 2**20    # PyTorch DDP's default bucket_cap_mb = 25 (MiB); the book's "25MB"
+DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb = 25 (MiB); the book's "25MB"
 
 
 # --------------------------------------------------------------------------- data parallelism
@@ -59,8 +60,9 @@ def dp_ratio(num_tokens, num_params, dp, peak_flops, peak_bw, bytes_per_element=
     ``num_tokens``: the tokens of one rank's backward (``seq * mbs``). Simplified, the
     parameter count cancels: ``bytes_per_element * (DP-1)/DP / (2 T) * peak_flops/peak_bw``.
     """
-    return (dp_comm_time(bytes_per_element * num_params, dp, peak_bw)
-            / dp_compute_time(num_tokens, num_params, peak_flops))
+    return dp_comm_time(bytes_per_element * num_params, dp, peak_bw) / dp_compute_time(
+        num_tokens, num_params, peak_flops
+    )
 
 
 def dp_ratio_as_printed(num_tokens, num_params, dp, peak_flops, peak_bw):
@@ -90,8 +92,9 @@ def zero3_ratio(seq, mbs, dp, peak_flops, peak_bw, params_per_block=1, bytes_per
 
     ``(DP-1)/DP / (2 seq mbs) * peak_flops/peak_bw`` (times ``bytes_per_element``): the size
     of the block cancels, so ``params_per_block`` changes nothing but is accepted."""
-    return (zero3_comm_time(params_per_block, dp, peak_bw, bytes_per_element)
-            / zero3_compute_time(params_per_block, seq, mbs, peak_flops))
+    return zero3_comm_time(params_per_block, dp, peak_bw, bytes_per_element) / zero3_compute_time(
+        params_per_block, seq, mbs, peak_flops
+    )
 
 
 def zero3_bytes_per_block(params_per_block, dp):
@@ -120,8 +123,7 @@ def tp_compute_time(seq, mbs, h, tp, peak_flops):
 def tp_ratio(h, tp, peak_flops, peak_bw, seq=1, mbs=1, bytes_per_element=1):
     """``(TP-1)/(2h) * peak_flops/peak_bw``: the micro-batch cancels (``seq``, ``mbs`` accepted
     but change nothing), so only a wider model buys room for a larger TP degree."""
-    return (tp_comm_time(seq, mbs, h, tp, peak_bw, bytes_per_element)
-            / tp_compute_time(seq, mbs, h, tp, peak_flops))
+    return tp_comm_time(seq, mbs, h, tp, peak_bw, bytes_per_element) / tp_compute_time(seq, mbs, h, tp, peak_flops)
 
 
 def tp_bytes_per_block(seq, mbs, h, tp):
@@ -145,8 +147,9 @@ def pp_compute_time(seq, mbs, h, layers_per_stage, peak_flops, params_per_block=
 
 def pp_ratio(h, layers_per_stage, peak_flops, peak_bw, seq=1, mbs=1, bytes_per_element=1):
     """``peak_flops / (32 h L_stage peak_bw)``: deeper stages hide the transfer better."""
-    return (pp_comm_time(seq, mbs, h, peak_bw, bytes_per_element)
-            / pp_compute_time(seq, mbs, h, layers_per_stage, peak_flops))
+    return pp_comm_time(seq, mbs, h, peak_bw, bytes_per_element) / pp_compute_time(
+        seq, mbs, h, layers_per_stage, peak_flops
+    )
 
 
 def pp_bytes_per_step(seq, mbs, h, grad_acc=1):
@@ -156,8 +159,7 @@ def pp_bytes_per_step(seq, mbs, h, grad_acc=1):
 
 
 # --------------------------------------------------------------------------- all four
-def overlap_ratios(*, h, seq, mbs, tp=1, dp=1, layers_per_stage=1, peak_flops, peak_bw,
-                   bytes_per_element=1) -> dict:
+def overlap_ratios(*, h, seq, mbs, tp=1, dp=1, layers_per_stage=1, peak_flops, peak_bw, bytes_per_element=1) -> dict:
     """The four ratios for one setting, by technique name ("DP", "ZeRO-3", "TP", "PP").
 
     DP is the derived form (whole gradient against a backward of ``seq * mbs`` tokens)."""

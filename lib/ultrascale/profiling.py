@@ -15,6 +15,7 @@ as arrays, without writing a file.
     times, sizes = memory_timeline(prof)
     plot_memory_timeline(times, sizes, step_spans(prof, "step "))
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,6 +41,7 @@ def quiet_native_stderr():
         os.close(saved)
         os.close(devnull)
 
+
 # The profiler's categories, in the order its timeline stores them, with friendlier names.
 CATEGORY_NAMES = {
     "PARAMETER": "parameters",
@@ -51,9 +53,16 @@ CATEGORY_NAMES = {
     "AUTOGRAD_DETAIL": "autograd detail",
     None: "unknown",
 }
-COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer states": "#55A868",
-          "activations": "#C44E52", "inputs": "#8172B3", "temporaries": "#937860",
-          "autograd detail": "#DA8BC3", "unknown": "#8C8C8C"}
+COLORS = {
+    "parameters": "#4C72B0",
+    "gradients": "#DD8452",
+    "optimizer states": "#55A868",
+    "activations": "#C44E52",
+    "inputs": "#8172B3",
+    "temporaries": "#937860",
+    "autograd detail": "#DA8BC3",
+    "unknown": "#8C8C8C",
+}
 
 
 def _trace_start_us(prof) -> float:
@@ -71,7 +80,7 @@ def memory_timeline(prof, device: str = "cpu"):
     """
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
 
-    timeline = MemoryProfileTimeline(prof._memory_profile())   # what export_memory_timeline uses
+    timeline = MemoryProfileTimeline(prof._memory_profile())  # what export_memory_timeline uses
     times_us, sizes = timeline._coalesce_timeline(device)
     sizes = np.asarray(sizes, dtype=np.int64)
     names = [CATEGORY_NAMES[None if c is None else c.name] for c in _CATEGORY_TO_INDEX]
@@ -84,8 +93,9 @@ def memory_timeline(prof, device: str = "cpu"):
 def step_spans(prof, prefix: str) -> list:
     """``[(name, start_ms, end_ms)]`` of the ``record_function`` ranges whose name starts with
     ``prefix``, on the same clock as ``memory_timeline``, in order."""
-    spans = [(e.name, e.time_range.start / 1000, e.time_range.end / 1000)
-             for e in prof.events() if e.name.startswith(prefix)]
+    spans = [
+        (e.name, e.time_range.start / 1000, e.time_range.end / 1000) for e in prof.events() if e.name.startswith(prefix)
+    ]
     return sorted(spans, key=lambda span: span[1])
 
 
@@ -108,8 +118,13 @@ def plot_memory_timeline(times_ms, sizes: dict, spans=(), ax=None, unit: float =
 
         ax = Figure(figsize=(10, 3.5), layout="constrained").subplots()
     shown = {name: series / unit for name, series in sizes.items() if series.any()}
-    ax.stackplot(times_ms, *shown.values(), labels=list(shown),
-                 colors=[COLORS.get(name, "#8C8C8C") for name in shown], step="post")
+    ax.stackplot(
+        times_ms,
+        *shown.values(),
+        labels=list(shown),
+        colors=[COLORS.get(name, "#8C8C8C") for name in shown],
+        step="post",
+    )
     for i, (name, start, end) in enumerate(spans):
         if i % 2 == 0:
             ax.axvspan(start, end, color="black", alpha=0.06, linewidth=0)
@@ -130,4 +145,3 @@ def chrome_trace_events(path) -> list:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)["traceEvents"]
-

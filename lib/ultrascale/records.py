@@ -6,6 +6,7 @@ and the notebooks show those files, labelled as recorded, on machines without a 
 record starts with its provenance (device, versions, commit, date) so that a reader can
 tell where a number came from; ``results/README.md`` lists the kinds and their fields.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -32,10 +33,12 @@ def git_commit() -> str:
     if os.environ.get("ULTRASCALE_COMMIT"):
         return os.environ["ULTRASCALE_COMMIT"]
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -45,12 +48,19 @@ def provenance(device: str) -> dict:
     """Where and when a record was made: device, torch/triton/CUDA/Python versions, commit, date."""
     try:
         import triton
+
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return dict(device=device, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
-                python=platform.python_version(), commit=git_commit(),
-                date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    return dict(
+        device=device,
+        torch=torch.__version__,
+        triton=triton_version,
+        cuda=torch.version.cuda,
+        python=platform.python_version(),
+        commit=git_commit(),
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    )
 
 
 def device_slug(name: str) -> str:
@@ -83,5 +93,7 @@ def label(record: dict, path: Path | None = None) -> str:
     """One line saying where a record was measured: printed above every recorded number."""
     versions = ", ".join(f"{name} {record[name]}" for name in ("torch", "triton", "cuda") if record.get(name))
     where = f"; from results/{Path(path).name}" if path is not None else ""
-    return (f"RECORDED on {record['device']} ({versions}), commit {record['commit'][:12]}, {record['date']}"
-            f"{where}, not measured on this machine")
+    return (
+        f"RECORDED on {record['device']} ({versions}), commit {record['commit'][:12]}, {record['date']}"
+        f"{where}, not measured on this machine"
+    )

@@ -5,6 +5,7 @@ way a traceback's last line reads. A call that is *not* refused raises ``Asserti
 chapter can never print a refusal that did not happen; an error of another type propagates
 untouched (it is a bug, not a refusal).
 """
+
 from __future__ import annotations
 
 from typing import Callable

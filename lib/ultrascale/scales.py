@@ -24,6 +24,7 @@ calling them with symbols).
 ``scale_row(config, seq, mbs)`` puts these side by side for a real configuration (the
 Llama 3 presets of ``ultrascale.model``), next to the exact counts of the course model.
 """
+
 from __future__ import annotations
 
 from .memory import BYTES_PER_ELEMENT
@@ -71,8 +72,7 @@ def block_matrices(h, glu: bool = True) -> dict:
     has one. Norm weights (``2h`` or ``4h`` per block) are left out, as in the book.
     """
     mlp_in = {"mlp gate + up": 2 * 4 * h * h} if glu else {"mlp up": 4 * h * h}
-    return {"attention q, k, v": 3 * h * h, "attention out": h * h, **mlp_in,
-            "mlp down": 4 * h * h}
+    return {"attention q, k, v": 3 * h * h, "attention out": h * h, **mlp_in, "mlp down": 4 * h * h}
 
 
 def block_params(h, glu: bool = True):
@@ -109,8 +109,7 @@ def _a2_block(config):
     return block_params(config.hidden, glu=isinstance(config, LlamaConfig))
 
 
-def scale_row(config, seq=None, mbs: int = 1, param_dtype: str = "bf16",
-              activation_dtype: str = "bf16") -> dict:
+def scale_row(config, seq=None, mbs: int = 1, param_dtype: str = "bf16", activation_dtype: str = "bf16") -> dict:
     """A2's counts for one model configuration and micro-batch, in elements and bytes.
 
     Returns a dict with
@@ -127,7 +126,7 @@ def scale_row(config, seq=None, mbs: int = 1, param_dtype: str = "bf16",
     """
     seq = seq or config.seq_len
     h, layers, vocab = config.hidden, config.layers, config.vocab_size
-    tied = getattr(config, "tie_embeddings", True)     # the course GPT always ties
+    tied = getattr(config, "tie_embeddings", True)  # the course GPT always ties
     a2_block = _a2_block(config)
     n = count_params(config)
     exact_block = (matmul_params(config) - vocab * h) // layers if layers else 0
@@ -147,6 +146,10 @@ def scale_row(config, seq=None, mbs: int = 1, param_dtype: str = "bf16",
         "backward FLOPs": backward_flops(t, n),
     }
     p, a = BYTES_PER_ELEMENT[param_dtype], BYTES_PER_ELEMENT[activation_dtype]
-    row["bytes"] = {"hidden state": a * row["hidden state"], "parameters": p * n, "gradients": p * n,
-                    "optimizer states": BYTES_PER_ELEMENT["fp32"] * states}
+    row["bytes"] = {
+        "hidden state": a * row["hidden state"],
+        "parameters": p * n,
+        "gradients": p * n,
+        "optimizer states": BYTES_PER_ELEMENT["fp32"] * states,
+    }
     return row

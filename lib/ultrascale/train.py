@@ -17,6 +17,7 @@ A distributed run passes its wrapper and its hook after backward:
 * ``weights`` and ``gradients``: a model's parameters and gradients as plain CPU tensors,
   a DTensor (FSDP2, DTensor TP) gathered first.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,19 @@ def train(model, batches, steps: int, optimizer="sgd", **options) -> dict:
     return weights(model)
 
 
-def run_steps(model, batches, steps: int, optimizer="sgd", *, grad_acc: int = 1, module=None,
-              no_sync=None, after_backward=None, device=None, first_step: int = 0) -> list:
+def run_steps(
+    model,
+    batches,
+    steps: int,
+    optimizer="sgd",
+    *,
+    grad_acc: int = 1,
+    module=None,
+    no_sync=None,
+    after_backward=None,
+    device=None,
+    first_step: int = 0,
+) -> list:
     """Train ``model`` for ``steps`` optimizer steps: the one training loop of the course.
 
     ``batches(step, micro)`` gives each micro-batch; losses are divided by ``grad_acc`` so
@@ -104,8 +116,10 @@ def cpu_copy(t: torch.Tensor, name: str = "") -> torch.Tensor:
     needed = (t.storage_offset() + t.numel()) * t.element_size()
     if t.numel() and t.untyped_storage().nbytes() < needed:
         # Reading a freed storage would crash the process, not raise.
-        raise RuntimeError(f"{name}: its storage is freed (ZeRO-3 keeps only a shard between "
-                           "forwards); read the weights with zero.full_state_dict() instead")
+        raise RuntimeError(
+            f"{name}: its storage is freed (ZeRO-3 keeps only a shard between "
+            "forwards); read the weights with zero.full_state_dict() instead"
+        )
     return t.detach().cpu().clone()
 
 

@@ -33,20 +33,26 @@ from .grading.generate import content_hash
 
 COURSE = Path(__file__).resolve().parents[2]
 WORK = "work"
-COPIED = ("chapters", "exercises")          # copied notebook by notebook
-LINKED = ("results", "lib", "benchmarks")   # linked: the notebooks only read them
+COPIED = ("chapters", "exercises")  # copied notebook by notebook
+LINKED = ("results", "lib", "benchmarks")  # linked: the notebooks only read them
 MANIFEST = ".copies.json"
 
-MADE, REFRESHED, UNCHANGED, KEPT, KEPT_NEWER = ("made", "refreshed", "unchanged", "kept (edited by you)",
-                                                "kept (edited by you; the course's version changed)")
+MADE, REFRESHED, UNCHANGED, KEPT, KEPT_NEWER = (
+    "made",
+    "refreshed",
+    "unchanged",
+    "kept (edited by you)",
+    "kept (edited by you; the course's version changed)",
+)
 
 
 def sources(root: Path) -> list:
     """The course's notebooks that get a copy, as paths relative to ``root``."""
     found = []
     for folder in COPIED:
-        found += sorted(p.relative_to(root) for p in (root / folder).glob("*.ipynb")
-                        if not p.name.endswith(".updated.ipynb"))
+        found += sorted(
+            p.relative_to(root) for p in (root / folder).glob("*.ipynb") if not p.name.endswith(".updated.ipynb")
+        )
     return found
 
 
@@ -97,11 +103,13 @@ def refresh(root: Path = COURSE, log=print) -> dict:
             outcome[key] = UNCHANGED
             manifest[key] = {"sha256": new}
         elif recorded == new:
-            outcome[key] = KEPT                  # edited; the course has nothing newer
+            outcome[key] = KEPT  # edited; the course has nothing newer
         else:
             outcome[key] = KEPT_NEWER
-            log(f"{WORK}/{key} has your changes, so it was left as it is; the course's new version is {key}: "
-                f"compare them and copy what you need across (or delete {WORK}/{key} to get a fresh copy).")
+            log(
+                f"{WORK}/{key} has your changes, so it was left as it is; the course's new version is {key}: "
+                f"compare them and copy what you need across (or delete {WORK}/{key} to get a fresh copy)."
+            )
     text = json.dumps({"written_by": "ultrascale.workspace", "copies": manifest}, indent=1, sort_keys=True) + "\n"
     fd, tmp = tempfile.mkstemp(dir=work, prefix=f".{MANIFEST}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -122,8 +130,9 @@ def summary(outcome: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ultrascale-workspace",
-                                     description="Make or refresh your own copies of the notebooks in work/.")
+    parser = argparse.ArgumentParser(
+        prog="ultrascale-workspace", description="Make or refresh your own copies of the notebooks in work/."
+    )
     parser.add_argument("--root", type=Path, default=COURSE, help="the course's folder (default: this library's)")
     parser.add_argument("--quiet", action="store_true", help="only the lines about copies you edited")
     args = parser.parse_args(argv)

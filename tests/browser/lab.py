@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-APT_PACKAGES = ["chromium", "chromium-driver"]   # Debian's names (Ubuntu's are snap wrappers)
+APT_PACKAGES = ["chromium", "chromium-driver"]  # Debian's names (Ubuntu's are snap wrappers)
 
 
 class Unavailable(Exception):
@@ -36,6 +36,7 @@ class Unavailable(Exception):
 
 
 # ---- the browser ------------------------------------------------------------------------
+
 
 def _debian_paths() -> tuple[Path, Path]:
     return Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -52,8 +53,10 @@ def browser_paths() -> tuple[str, str]:
     if os.geteuid() != 0:
         raise Unavailable(f"{missing} missing and not root: run `sudo apt-get install {' '.join(APT_PACKAGES)}`")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for command in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *APT_PACKAGES]):
+    for command in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *APT_PACKAGES],
+    ):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise Unavailable(f"`{' '.join(command)}` failed:\n{(done.stdout + done.stderr)[-1500:]}")
@@ -67,10 +70,17 @@ def chrome_options(browser: str, profile: Path, width: int = 1400, height: int =
 
     options = webdriver.ChromeOptions()
     options.binary_location = browser
-    for flag in ("--headless=new", "--no-sandbox",   # no sandbox: root in a container has none
-                 "--disable-dev-shm-usage", "--disable-gpu", "--no-first-run",
-                 "--disable-extensions", "--disable-background-networking",
-                 f"--user-data-dir={profile}", f"--window-size={width},{height}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",  # no sandbox: root in a container has none
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+        f"--user-data-dir={profile}",
+        f"--window-size={width},{height}",
+    ):
         options.add_argument(flag)
     return options
 
@@ -80,12 +90,13 @@ def start_browser(browser: str, driver: str, profile: Path, log: Path):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    os.environ["SE_OFFLINE"] = "true"   # Selenium Manager, if ever reached, must not download
+    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager, if ever reached, must not download
     service = Service(executable_path=driver, log_output=str(log))
     return webdriver.Chrome(service=service, options=chrome_options(browser, profile))
 
 
 # ---- the course, copied ---------------------------------------------------------------
+
 
 class CourseCopy:
     """chapters/, exercises/, results/ and launch/ copied to ``where``, .venv linked, committed in
@@ -98,8 +109,9 @@ class CourseCopy:
             if source.suffix in (".ipynb", ".py"):
                 shutil.copy2(source, where / "chapters" / source.name)
         for folder in ("exercises", "results", "launch"):
-            shutil.copytree(ROOT / folder, where / folder,
-                            ignore=shutil.ignore_patterns("*.updated.ipynb", ".ipynb_checkpoints"))
+            shutil.copytree(
+                ROOT / folder, where / folder, ignore=shutil.ignore_patterns("*.updated.ipynb", ".ipynb_checkpoints")
+            )
         (where / ".venv").symlink_to(ROOT / ".venv")
         # The learner's settings start from JupyterLab's defaults; only the news prompt is off
         # (it asks to reach the internet and covers the corner of every screenshot).
@@ -121,17 +133,31 @@ class CourseCopy:
         if shutil.which("git") is None:
             return False
         shutil.copy2(ROOT / ".gitignore", self.root / ".gitignore")
-        env = dict(os.environ, GIT_AUTHOR_NAME="course copy", GIT_AUTHOR_EMAIL="copy@localhost",
-                   GIT_COMMITTER_NAME="course copy", GIT_COMMITTER_EMAIL="copy@localhost")
-        for command in (["init", "-q"], ["add", ".gitignore", "chapters", "exercises", "results", "launch"],
-                        ["-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "-m", "the course, copied"]):
+        env = dict(
+            os.environ,
+            GIT_AUTHOR_NAME="course copy",
+            GIT_AUTHOR_EMAIL="copy@localhost",
+            GIT_COMMITTER_NAME="course copy",
+            GIT_COMMITTER_EMAIL="copy@localhost",
+        )
+        for command in (
+            ["init", "-q"],
+            ["add", ".gitignore", "chapters", "exercises", "results", "launch"],
+            ["-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "-m", "the course, copied"],
+        ):
             subprocess.run(["git", *command], cwd=self.root, env=env, check=True, capture_output=True, timeout=120)
         return True
 
     def git_status(self) -> list[str]:
         """``git status --porcelain`` of the copy, one line per changed or untracked (not ignored) path."""
-        done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=self.root,
-                              check=True, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=self.root,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         return done.stdout.splitlines()
 
     def notebook(self, relative: str) -> dict:
@@ -139,6 +165,7 @@ class CourseCopy:
 
 
 # ---- the server -------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -154,16 +181,29 @@ class Lab:
         self.port, self.token = free_port(), os.urandom(12).hex()
         self.base = f"http://127.0.0.1:{self.port}"
         self._shutting_down: list[threading.Thread] = []
-        env = dict(os.environ, HEADLESS="1", LAB_IP="127.0.0.1", LAB_PORT=str(self.port), LAB_SETUP="0",
-                   JUPYTER_TOKEN=self.token, JUPYTER_RUNTIME_DIR=str(course.root / ".runtime"),
-                   JUPYTERLAB_SETTINGS_DIR=str(course.root / ".lab-settings"),
-                   JUPYTERLAB_WORKSPACES_DIR=str(course.root / ".lab-workspaces"))
-        env.pop("MPLBACKEND", None)   # the kernels keep their inline backend (see launch/test.sh)
+        env = dict(
+            os.environ,
+            HEADLESS="1",
+            LAB_IP="127.0.0.1",
+            LAB_PORT=str(self.port),
+            LAB_SETUP="0",
+            JUPYTER_TOKEN=self.token,
+            JUPYTER_RUNTIME_DIR=str(course.root / ".runtime"),
+            JUPYTERLAB_SETTINGS_DIR=str(course.root / ".lab-settings"),
+            JUPYTERLAB_WORKSPACES_DIR=str(course.root / ".lab-workspaces"),
+        )
+        env.pop("MPLBACKEND", None)  # the kernels keep their inline backend (see launch/test.sh)
         self._log = open(log, "w")
         # A session of its own: os.getsid() then names every process the server starts.
-        self.process = subprocess.Popen(["bash", "launch/lab.sh"], cwd=course.root, env=env,
-                                        stdin=subprocess.DEVNULL, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            ["bash", "launch/lab.sh"],
+            cwd=course.root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 90) -> float:
         start = time.monotonic()
@@ -182,8 +222,9 @@ class Lab:
         return f"{self.base}{path}{'&' if '?' in path else '?'}token={self.token}"
 
     def api(self, method: str, path: str):
-        request = urllib.request.Request(f"{self.base}{path}", method=method,
-                                         headers={"Authorization": f"token {self.token}"})
+        request = urllib.request.Request(
+            f"{self.base}{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
         with urllib.request.urlopen(request, timeout=30) as response:
             body = response.read()
         return json.loads(body) if body else None
@@ -201,7 +242,7 @@ class Lab:
                 try:
                     self.api("DELETE", f"/api/kernels/{kernel}")
                 except OSError:
-                    pass   # already gone; the final check of processes tells whether it stopped
+                    pass  # already gone; the final check of processes tells whether it stopped
 
         if wait:
             shut_down()
@@ -234,6 +275,7 @@ class Lab:
 
 # ---- every process they start -------------------------------------------------------------
 
+
 class Processes:
     """Notes every descendant of some root processes (and every process of the server's
     session) while they live, so each can be checked, and stopped, by PID at the end.
@@ -246,9 +288,9 @@ class Processes:
     def __init__(self, every: float = 0.5):
         self.roots: list[int] = []
         self.sessions: list[int] = []
-        self._session_roots: list[int] = []   # the root whose session each of ``sessions`` is
-        self.seen: dict[int, tuple[float, str]] = {}   # pid -> (start time, command line)
-        self.root_of: dict[int, int] = {}   # pid -> the root it was found under (the server's or the browser's)
+        self._session_roots: list[int] = []  # the root whose session each of ``sessions`` is
+        self.seen: dict[int, tuple[float, str]] = {}  # pid -> (start time, command line)
+        self.root_of: dict[int, int] = {}  # pid -> the root it was found under (the server's or the browser's)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, args=(every,), daemon=True)
@@ -263,7 +305,7 @@ class Processes:
         self.snapshot()
 
     def snapshot(self) -> None:
-        found = []   # (process, the root it belongs to)
+        found = []  # (process, the root it belongs to)
         with self._lock:
             roots, sessions = list(self.roots), dict(zip(self.sessions, self._session_roots))
         for pid in roots:
@@ -283,11 +325,11 @@ class Processes:
             try:
                 started, argv, name = process.create_time(), process.cmdline(), process.name()
                 command = " ".join(argv)[:160]
-                if argv and not os.path.basename(argv[0]).startswith(name):   # a fork that named itself:
-                    command = f"{name}: {command}"     # "forkserver: python -m ipykernel_launcher ..."
+                if argv and not os.path.basename(argv[0]).startswith(name):  # a fork that named itself:
+                    command = f"{name}: {command}"  # "forkserver: python -m ipykernel_launcher ..."
             except psutil.Error:
                 continue
-            with self._lock:   # the latest command line: lab.sh's bash becomes jupyter-lab (exec)
+            with self._lock:  # the latest command line: lab.sh's bash becomes jupyter-lab (exec)
                 if self.seen.get(process.pid, (started,))[0] == started:
                     self.seen[process.pid] = (started, command)
                     self.root_of.setdefault(process.pid, root)
@@ -326,7 +368,7 @@ class Processes:
             try:
                 uss = psutil.Process(pid).memory_full_info().uss
             except psutil.Error:
-                continue   # gone meanwhile
+                continue  # gone meanwhile
             total += uss
             # the interpreter's path said once as "python": a clone's path (/check/work/main/.venv/...)
             # must not push what the command runs past the cut

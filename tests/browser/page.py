@@ -48,7 +48,7 @@ class Learner:
                 value = condition()
                 if value:
                     return value
-            except StaleElementReferenceException as error:   # the page re-rendered under us
+            except StaleElementReferenceException as error:  # the page re-rendered under us
                 last_error = error
             time.sleep(min(0.5, 0.1 + 0.1 * (time.monotonic() - start)))
         self.screenshot("timeout_" + re.sub(r"\W+", "_", what)[:40])
@@ -85,26 +85,44 @@ class Learner:
     def menu(self, menu: str, command: str) -> None:
         """Click a menu of the menu bar, then the item running ``command`` (its data-command)."""
         self.driver.find_element(By.XPATH, f"//li[contains(@class,'lm-MenuBar-item')][.//div[text()='{menu}']]").click()
-        item = self.wait(lambda: [e for e in self.driver.find_elements(
-            By.CSS_SELECTOR, f".lm-Menu-item[data-command='{command}']:not(.lm-mod-disabled)") if e.is_displayed()],
-            10, f"menu item {command}")
-        time.sleep(0.2)   # the menu has opened: let it settle before the click
+        item = self.wait(
+            lambda: [
+                e
+                for e in self.driver.find_elements(
+                    By.CSS_SELECTOR, f".lm-Menu-item[data-command='{command}']:not(.lm-mod-disabled)"
+                )
+                if e.is_displayed()
+            ],
+            10,
+            f"menu item {command}",
+        )
+        time.sleep(0.2)  # the menu has opened: let it settle before the click
         item[0].click()
-        self.wait(lambda: not [e for e in self.driver.find_elements(By.CSS_SELECTOR, ".lm-Menu") if e.is_displayed()],
-                  10, "the menu to close")
+        self.wait(
+            lambda: not [e for e in self.driver.find_elements(By.CSS_SELECTOR, ".lm-Menu") if e.is_displayed()],
+            10,
+            "the menu to close",
+        )
 
     def clear_outputs(self) -> None:
         """Edit ▸ Clear Outputs of All Cells (the prompts go back to "[ ]:")."""
         self.select(self.first_code_cell())
         self.menu("Edit", "editmenu:clear-all")
-        self.wait(lambda: not self.js(f"return document.querySelectorAll({CELLS!r} + ' .jp-OutputArea-output').length")
-                  and all(p in ("", "[ ]:") for p in self.prompts()), 10, "outputs to clear")
+        self.wait(
+            lambda: (
+                not self.js(f"return document.querySelectorAll({CELLS!r} + ' .jp-OutputArea-output').length")
+                and all(p in ("", "[ ]:") for p in self.prompts())
+            ),
+            10,
+            "outputs to clear",
+        )
 
     def first_code_cell(self) -> int:
         return next(i for i, p in enumerate(self.prompts()) if p)
 
-    def run_all(self, timeout: float, while_running=None, command: str = "runmenu:run-all",
-                selected: int | None = None) -> float:
+    def run_all(
+        self, timeout: float, while_running=None, command: str = "runmenu:run-all", selected: int | None = None
+    ) -> float:
         """Run ▸ Run All Cells (or another item of the Run menu, with cell ``selected`` selected);
         call ``while_running()`` once the run is under way; return the seconds it took.
 
@@ -113,7 +131,7 @@ class Learner:
         """
         before, start = self.prompts(), time.monotonic()
         for attempt in (1, 2):
-            self.select(self.first_code_cell() if selected is None else selected)   # the notebook has the focus
+            self.select(self.first_code_cell() if selected is None else selected)  # the notebook has the focus
             self.menu("Run", command)
             try:
                 self.wait(lambda: "[*]:" in (now := self.prompts()) or now != before, 10, "the run to start")
@@ -135,9 +153,14 @@ class Learner:
         except ElementClickInterceptedException:
             self._fail_on_dialog(f"selecting cell {index}")
             raise
-        self.wait(lambda: "jp-mod-selected" in self.cell(index).get_attribute("class") and self.js(
-            f"return !!document.querySelector({NOTEBOOK!r} + ' .jp-Notebook.jp-mod-commandMode')"),
-            5, f"cell {index} selected")
+        self.wait(
+            lambda: (
+                "jp-mod-selected" in self.cell(index).get_attribute("class")
+                and self.js(f"return !!document.querySelector({NOTEBOOK!r} + ' .jp-Notebook.jp-mod-commandMode')")
+            ),
+            5,
+            f"cell {index} selected",
+        )
 
     def _fail_on_dialog(self, step: str) -> None:
         """A JupyterLab dialog covers the page (seen once, on a loaded machine, when a click was
@@ -163,8 +186,11 @@ class Learner:
             except PageTimeout:
                 if attempt == 2:
                     raise
-        self.wait(lambda: self.prompts()[index] not in (before, "[*]:", "[ ]:") and self.kernel_status() == "idle",
-                  timeout, f"cell {index} to run")
+        self.wait(
+            lambda: self.prompts()[index] not in (before, "[*]:", "[ ]:") and self.kernel_status() == "idle",
+            timeout,
+            f"cell {index} to run",
+        )
 
     def type_into(self, index: int, code: str) -> str:
         """Click into a cell's editor, select its text, type ``code`` over it; return what the editor holds.
@@ -181,17 +207,22 @@ class Learner:
         return self.source(index)
 
     def source(self, index: int) -> str:
-        return self.js("return [...arguments[0].querySelectorAll('.cm-line')].map(l => l.textContent).join('\\n')",
-                       self.cell(index))
+        return self.js(
+            "return [...arguments[0].querySelectorAll('.cm-line')].map(l => l.textContent).join('\\n')",
+            self.cell(index),
+        )
 
     # ---- what the page shows ----------------------------------------------------------------
     def outputs(self, index: int) -> list[dict]:
         """Each output of a cell: its MIME type as rendered, its text, and its images' sizes."""
-        return self.js("""return [...arguments[0].querySelectorAll('.jp-OutputArea-output')].map(o => ({
+        return self.js(
+            """return [...arguments[0].querySelectorAll('.jp-OutputArea-output')].map(o => ({
             mime: o.getAttribute('data-mime-type') || '',
             text: o.innerText,
             images: [...o.querySelectorAll('img')].map(i => [i.naturalWidth, i.naturalHeight]),
-        }))""", self.cell(index))
+        }))""",
+            self.cell(index),
+        )
 
     def errors(self) -> dict[int, str]:
         """Cells showing an error: a traceback, or an exception's line, in red (stderr): index -> text.
@@ -202,24 +233,31 @@ class Learner:
         shown = {}
         for index, prompt in enumerate(self.prompts()):
             if prompt:
-                bad = [o["text"] for o in self.outputs(index)
-                       if o["mime"] == ERROR_MIME and (TRACEBACK.search(o["text"]) or EXCEPTION.search(o["text"]))]
+                bad = [
+                    o["text"]
+                    for o in self.outputs(index)
+                    if o["mime"] == ERROR_MIME and (TRACEBACK.search(o["text"]) or EXCEPTION.search(o["text"]))
+                ]
                 if bad:
                     shown[index] = "\n".join(bad)
         return shown
 
     def image_digest(self, element) -> str:
         """SHA-256 of the bytes behind an <img> (a data: or blob: URL), '' if it has none."""
-        return self.driver.execute_async_script("""
+        return self.driver.execute_async_script(
+            """
             const [img, done] = arguments;
             if (!img.src) { done(''); return; }
             fetch(img.src).then(r => r.arrayBuffer()).then(b => crypto.subtle.digest('SHA-256', b))
               .then(h => done([...new Uint8Array(h)].map(x => x.toString(16).padStart(2, '0')).join('')))
-              .catch(e => done('error: ' + e));""", element)
+              .catch(e => done('error: ' + e));""",
+            element,
+        )
 
     def watch_images(self, index: int) -> None:
         """Start noting every distinct image a cell's outputs show (for a plot redrawn in place)."""
-        self.js("""const cell = arguments[0];
+        self.js(
+            """const cell = arguments[0];
             window.__frames = []; const seen = new Set();
             const note = () => cell.querySelectorAll('.jp-OutputArea-output img').forEach(img => {
                 if (img.src && !seen.has(img.src)) {
@@ -230,7 +268,9 @@ class Learner:
                 }});
             window.__frameObserver = new MutationObserver(note);
             window.__frameObserver.observe(cell, {subtree: true, childList: true, attributes: true,
-                                                  attributeFilter: ['src']});""", self.cell(index))
+                                                  attributeFilter: ['src']});""",
+            self.cell(index),
+        )
 
     def frames(self) -> list[dict]:
         return self.js("window.__frameObserver && window.__frameObserver.disconnect(); return window.__frames || []")
@@ -249,9 +289,12 @@ class Learner:
     # ---- widgets --------------------------------------------------------------------------
     def control(self, index: int, label: str):
         """The ipywidgets control labelled ``label`` in cell ``index``'s output."""
-        found = [row for row in self.cell(index).find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output .widget-inline-hbox")
-                 if row.find_elements(By.CSS_SELECTOR, ":scope > label.widget-label")
-                 and row.find_element(By.CSS_SELECTOR, ":scope > label.widget-label").text == label]
+        found = [
+            row
+            for row in self.cell(index).find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output .widget-inline-hbox")
+            if row.find_elements(By.CSS_SELECTOR, ":scope > label.widget-label")
+            and row.find_element(By.CSS_SELECTOR, ":scope > label.widget-label").text == label
+        ]
         assert len(found) == 1, f"{len(found)} controls labelled {label!r} in cell {index}"
         return found[0]
 
@@ -282,9 +325,11 @@ class Learner:
 
     def widget_messages(self, index: int) -> list[tuple[str, str]]:
         """The text of each HTML widget in cell ``index``'s output and the colour it is shown in."""
-        return self.js("""return [...arguments[0].querySelectorAll('.jp-OutputArea-output .widget-html-content')]
+        return self.js(
+            """return [...arguments[0].querySelectorAll('.jp-OutputArea-output .widget-html-content')]
             .map(h => [h.innerText, h.firstElementChild ? getComputedStyle(h.firstElementChild).color : ''])""",
-                       self.cell(index))
+            self.cell(index),
+        )
 
     def expect_redraw(self, index: int, change, what: str, timeout: float = 30) -> str:
         """Do ``change()`` to a widget of cell ``index`` and wait for its image to change.
@@ -298,8 +343,10 @@ class Learner:
 
         def redrawn():
             if self.log_entries() > entries:
-                raise AssertionError(f"{what}: the widget's callback raised; JupyterLab's log console shows:\n"
-                                     + self.log_console()[-3000:])
+                raise AssertionError(
+                    f"{what}: the widget's callback raised; JupyterLab's log console shows:\n"
+                    + self.log_console()[-3000:]
+                )
             digest = self.widget_image(index)
             return digest if digest != before else None
 
@@ -338,5 +385,9 @@ class Learner:
     def log_console(self) -> str:
         """Open the log console from the status bar (as a learner would) and return its text."""
         self.driver.find_element(By.CSS_SELECTOR, ".jp-LogConsoleStatusItem").click()
-        return self.wait(lambda: self.js("""const panel = document.querySelector('.jp-LogConsolePanel');
-                                            return panel && panel.innerText.trim()"""), 10, "the log console")
+        return self.wait(
+            lambda: self.js("""const panel = document.querySelector('.jp-LogConsolePanel');
+                                            return panel && panel.innerText.trim()"""),
+            10,
+            "the log console",
+        )

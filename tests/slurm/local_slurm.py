@@ -14,6 +14,7 @@ inherit), and removes the folder.
 By hand (a cluster to try the templates on): ``sudo python tests/slurm/local_slurm.py``, then
 ``export SLURM_CONF=...`` as it prints, and ``sbatch`` from another shell; Enter stops it.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")   # Debian's names
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")  # Debian's names
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 
 
@@ -45,7 +46,7 @@ def install_slurm(timeout: float = 400) -> str:
     install = ["apt-get", "-o", "DPkg::Lock::Timeout=120", "install", "-y", "--no-install-recommends", *PACKAGES]
     start = time.monotonic()
     done = _quiet(install, env, timeout)
-    if done.returncode:   # an old package list: refresh it once
+    if done.returncode:  # an old package list: refresh it once
         _quiet(["apt-get", "-o", "DPkg::Lock::Timeout=120", "update"], env, timeout)
         done = _quiet(install, env, timeout)
     if done.returncode or not all(shutil.which(b) for b in BINARIES):
@@ -55,8 +56,9 @@ def install_slurm(timeout: float = 400) -> str:
 
 def _quiet(cmd, env, timeout):
     try:
-        return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as exc:
         raise Unavailable(f"{' '.join(cmd[:3])} did not finish within {timeout:.0f} s") from exc
 
@@ -105,8 +107,8 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 
 class LocalSlurm:
     def __init__(self, cpus: int | None = None):
-        self.node = socket.gethostname().split(".")[0]          # what `hostname -s` says
-        self.cpus = cpus or len(os.sched_getaffinity(0))         # what `nproc` says
+        self.node = socket.gethostname().split(".")[0]  # what `hostname -s` says
+        self.cpus = cpus or len(os.sched_getaffinity(0))  # what `nproc` says
         self.dir: Path | None = None
         self.conf: Path | None = None
         self.daemons: dict[str, subprocess.Popen] = {}
@@ -124,13 +126,25 @@ class LocalSlurm:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         self.conf = self.dir / "slurm.conf"
-        self.conf.write_text(SLURM_CONF.format(node=self.node, cpus=self.cpus, dir=self.dir,
-                                               ctld_port=free_port(), slurmd_port=free_port()))
+        self.conf.write_text(
+            SLURM_CONF.format(
+                node=self.node, cpus=self.cpus, dir=self.dir, ctld_port=free_port(), slurmd_port=free_port()
+            )
+        )
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         d = self.dir
-        self._daemon("munged", ["munged", "-F", f"--key-file={key}", f"--socket={d}/munge.socket",
-                                f"--pid-file={d}/munged.pid", f"--seed-file={d}/munged.seed",
-                                f"--log-file={d}/munged.log"])
+        self._daemon(
+            "munged",
+            [
+                "munged",
+                "-F",
+                f"--key-file={key}",
+                f"--socket={d}/munge.socket",
+                f"--pid-file={d}/munged.pid",
+                f"--seed-file={d}/munged.seed",
+                f"--log-file={d}/munged.log",
+            ],
+        )
         self._wait_for(lambda: (d / "munge.socket").exists(), timeout, "munged to open its socket")
         self._daemon("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._daemon("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
@@ -139,12 +153,19 @@ class LocalSlurm:
 
     def _daemon(self, name: str, argv: list[str]) -> None:
         with open(self.dir / f"{name}.out", "wb") as log:
-            self.daemons[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                                  stdin=subprocess.DEVNULL, start_new_session=True)
+            self.daemons[name] = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def _node_state(self) -> str:
-        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env, capture_output=True, text=True,
-                              timeout=30)
+        done = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%t"], env=self.env, capture_output=True, text=True, timeout=30
+        )
         return done.stdout.strip()
 
     def _wait_for(self, ready, timeout: float, what: str) -> None:
@@ -159,9 +180,14 @@ class LocalSlurm:
     # ---- use
     def sbatch(self, argv: list[str], cwd: Path, env: dict | None = None, timeout: float = 300):
         """Submit, wait for the job to end; (job id, its exit code)."""
-        done = subprocess.Popen(["sbatch", "--parsable", "--wait", *argv], cwd=cwd, env={**(env or self.env),
-                                "SLURM_CONF": str(self.conf)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        done = subprocess.Popen(
+            ["sbatch", "--parsable", "--wait", *argv],
+            cwd=cwd,
+            env={**(env or self.env), "SLURM_CONF": str(self.conf)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         job = done.stdout.readline().strip().split(";")[0]
         self.jobs.append(job)
         try:
@@ -187,12 +213,13 @@ class LocalSlurm:
         if self.dir is None:
             return []
         if self.daemons.get("slurmctld") and self.daemons["slurmctld"].poll() is None:
-            queued = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True,
-                                    timeout=30).stdout.split()
+            queued = subprocess.run(
+                ["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True, timeout=30
+            ).stdout.split()
             if queued:
                 subprocess.run(["scancel", *queued], env=self.env, timeout=30)
                 self._wait_for_empty_queue(grace)
-        for name in ("slurmd", "slurmctld", "munged"):   # the reverse of the start
+        for name in ("slurmd", "slurmctld", "munged"):  # the reverse of the start
             proc = self.daemons.pop(name, None)
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -209,8 +236,9 @@ class LocalSlurm:
     def _wait_for_empty_queue(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not subprocess.run(["squeue", "-h"], env=self.env, capture_output=True, text=True,
-                                  timeout=30).stdout.strip():
+            if not subprocess.run(
+                ["squeue", "-h"], env=self.env, capture_output=True, text=True, timeout=30
+            ).stdout.strip():
                 return
             time.sleep(0.5)
 
@@ -227,7 +255,7 @@ class LocalSlurm:
                     found.append(f"{entry.name} {command}")
                     os.kill(int(entry.name), signal.SIGKILL)
             except (OSError, ValueError):
-                continue   # gone meanwhile, or not ours to read
+                continue  # gone meanwhile, or not ours to read
         return found
 
     def __enter__(self) -> "LocalSlurm":
@@ -244,6 +272,8 @@ class LocalSlurm:
 if __name__ == "__main__":
     print(install_slurm())
     with LocalSlurm() as slurm:
-        print(f"a one-node SLURM on {slurm.node} ({slurm.cpus} CPUs) is up; in another shell:\n"
-              f"  export SLURM_CONF={slurm.conf}\nthen sinfo, sbatch, squeue. Press Enter to stop it.")
+        print(
+            f"a one-node SLURM on {slurm.node} ({slurm.cpus} CPUs) is up; in another shell:\n"
+            f"  export SLURM_CONF={slurm.conf}\nthen sinfo, sbatch, squeue. Press Enter to stop it."
+        )
         input()

@@ -8,9 +8,25 @@
 * ``loader``: a data loader whose position is a sample, resumable on another layout;
 * ``failures``: the best checkpoint interval (Young, Daly) and a simulated run with failures.
 """
-from .loader import SampleLoader
-from .store import (PARTIAL, PendingSave, checkpoint_steps, latest_checkpoint, load_checkpoint, save_checkpoint,
-                    save_checkpoint_async)
 
-__all__ = ["SampleLoader", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_steps",
-           "save_checkpoint_async", "PendingSave", "PARTIAL"]
+from .loader import SampleLoader
+from .store import (
+    PARTIAL,
+    PendingSave,
+    checkpoint_steps,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_checkpoint_async,
+)
+
+__all__ = [
+    "SampleLoader",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "checkpoint_steps",
+    "save_checkpoint_async",
+    "PendingSave",
+    "PARTIAL",
+]

@@ -17,6 +17,7 @@ For C much smaller than M the two agree; when a checkpoint is slow next to M, Da
 shorter by about C. :func:`simulate_run` measures the time lost at a given interval in a
 seeded run with failures drawn at random (exponential gaps, mean M), to check both against.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,16 @@ def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - c
 
 
-def simulate_run(work_s: float, interval_s: float, checkpoint_s: float, mtbf_s: float, *,
-                 restart_s: float = 0.0, runs: int = 200, seed: int = 0) -> float:
+def simulate_run(
+    work_s: float,
+    interval_s: float,
+    checkpoint_s: float,
+    mtbf_s: float,
+    *,
+    restart_s: float = 0.0,
+    runs: int = 200,
+    seed: int = 0,
+) -> float:
     """The mean time lost (wall time minus ``work_s``) over ``runs`` seeded runs that compute
     ``interval_s`` seconds, save for ``checkpoint_s``, and so on; a failure (exponential gaps of
     mean ``mtbf_s``, at any moment, a save included) costs ``restart_s`` and the work since the
@@ -51,8 +60,8 @@ def simulate_run(work_s: float, interval_s: float, checkpoint_s: float, mtbf_s: 
         wall, done = 0.0, 0.0
         while done < work_s:
             segment = min(interval_s, work_s - done)
-            need = segment + (checkpoint_s if done + segment < work_s else 0.0)   # no save after the end
-            failure = rng.expovariate(1 / mtbf_s)   # memoryless: a fresh draw per attempt is exact
+            need = segment + (checkpoint_s if done + segment < work_s else 0.0)  # no save after the end
+            failure = rng.expovariate(1 / mtbf_s)  # memoryless: a fresh draw per attempt is exact
             if failure >= need:
                 wall, done = wall + need, done + segment
             else:

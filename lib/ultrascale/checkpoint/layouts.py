@@ -24,6 +24,7 @@ Each function returns the dict *and* a ``finish`` to call after DCP loaded into 
 fills the views in place, and then the layout publishes what it loaded (ZeRO gathers its
 new parameters; both adopt the loaded step counts).
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,7 +68,7 @@ def _parameter_runs(zero, names):
         own = unit.own.start
         for p in unit.params:
             first, last = unit.offsets[p]
-            lo, hi = max(first, own), min(last, unit.own.stop)   # padding is past ``last``: left out
+            lo, hi = max(first, own), min(last, unit.own.stop)  # padding is past ``last``: left out
             hi = max(lo, hi)
             yield names[p], p, unit, lo - first, hi - first, lo - own
 
@@ -79,29 +80,32 @@ def zero_state(zero, model, for_load: bool = False):
     names = global_names(model)
     state, where = {}, {}
     for name, p, unit, start, stop, at in _parameter_runs(zero, names):
-        run = unit.master[at:at + stop - start]
+        run = unit.master[at : at + stop - start]
         # a tensor-parallel shard's run, placed in the global tensor (compose: ZeRO after TP)
         state[MODEL + name] = Pieces.of_flat_run(p.shape, start, stop, run, *_shard_of(p))
         where[name] = (unit, p, start, stop, at)
     steps = {}
     for piece in zero.pieces:
         saved = zero.optimizer.state.get(piece.tensor)
-        if not saved:               # never stepped (no gradient yet): torch keeps no state either
+        if not saved:  # never stepped (no gradient yet): torch keeps no state either
             continue
         for i in piece.index:
             name = names[piece.unit.params[i]]
             _, p, start, stop, at = where[name]
-            lo = at - piece.lo      # this parameter's run inside the piece's state tensors
+            lo = at - piece.lo  # this parameter's run inside the piece's state tensors
             for key, value in saved.items():
                 if _is_elementwise(value, piece.tensor):
-                    state[f"{STATE}{name}.{key}"] = Pieces.of_flat_run(p.shape, start, stop,
-                                                                        value[lo:lo + stop - start], *_shard_of(p))
+                    state[f"{STATE}{name}.{key}"] = Pieces.of_flat_run(
+                        p.shape, start, stop, value[lo : lo + stop - start], *_shard_of(p)
+                    )
                 elif torch.is_tensor(value):
                     state[f"{STATE}{name}.{key}"] = value.clone() if for_load else value
                     steps.setdefault(piece, []).append((name, key))
+
     def finish(loaded: dict) -> None:
         _adopt_zero_counts(zero, names, loaded, steps)
         zero.publish_master()
+
     return state, finish
 
 
@@ -131,16 +135,20 @@ def load_zero_state(zero, model, present) -> tuple:
     state, finish = zero_state(zero, model, for_load=True)
     _require_weights(state, present)
     names = global_names(model)
-    _drop_state_not_saved(zero.optimizer, {piece.tensor: [f"{STATE}{names[piece.unit.params[i]]}." for i in piece.index]
-                                           for piece in zero.pieces}, present)
+    _drop_state_not_saved(
+        zero.optimizer,
+        {piece.tensor: [f"{STATE}{names[piece.unit.params[i]]}." for i in piece.index] for piece in zero.pieces},
+        present,
+    )
     return {k: v for k, v in state.items() if k in present}, finish
 
 
 def _require_weights(state, present) -> None:
     missing = [k for k in state if k.startswith(MODEL) and k not in present]
     if missing:
-        raise KeyError(f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more): "
-                       "it was saved from another model")
+        raise KeyError(
+            f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more): it was saved from another model"
+        )
 
 
 def _drop_state_not_saved(optimizer, prefixes: dict, present) -> None:
@@ -166,8 +174,9 @@ def global_names(model) -> dict:
     ``chunks``, and ``global_name``) number their blocks from 0 and call the tied head weight of
     the last stage by its own name: ``global_name`` gives the whole model's."""
     if hasattr(model, "chunks") and hasattr(model, "global_name"):
-        return {p: model.global_name(int(s), n) for s, chunk in model.chunks.items()
-                for n, p in chunk.named_parameters()}
+        return {
+            p: model.global_name(int(s), n) for s, chunk in model.chunks.items() for n, p in chunk.named_parameters()
+        }
     return {p: n for n, p in model.named_parameters()}
 
 
@@ -183,7 +192,7 @@ def module_state(model, optimizer, for_load: bool = False):
                 state[f"{STATE}{name}.{key}"] = Pieces.of_shard(value, *how)
             elif torch.is_tensor(value):
                 state[f"{STATE}{name}.{key}"] = value
-    return state, lambda loaded: None   # loaded in place: nothing to publish
+    return state, lambda loaded: None  # loaded in place: nothing to publish
 
 
 def load_module_state(model, optimizer, present) -> tuple:

@@ -8,6 +8,7 @@ samples, and each data-parallel rank trains on its share of them. The position i
 in samples, not in steps or per rank, so a checkpoint saved by 4 ranks resumes on 3 at the
 very sample the 4 would have read next.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,11 @@ class SampleLoader:
 
     def __init__(self, config, global_batch: int, seed: int = 0, rank: int = 0, world_size: int = 1, device=None):
         if global_batch % world_size:
-            raise ValueError(f"a global batch of {global_batch} samples does not split evenly over {world_size} "
-                             f"data-parallel ranks: choose a global batch that {world_size} divides, so that "
-                             "every rank's mean loss weighs the same")
+            raise ValueError(
+                f"a global batch of {global_batch} samples does not split evenly over {world_size} "
+                f"data-parallel ranks: choose a global batch that {world_size} divides, so that "
+                "every rank's mean loss weighs the same"
+            )
         self.config, self.global_batch, self.seed = config, global_batch, seed
         self.rank, self.world_size, self.device = rank, world_size, device
         self.next_sample = 0

@@ -17,6 +17,7 @@ for it (``lookup_object`` / ``lookup_tensor``: which local tensor a chunk's inde
 Everything else (the global plan, deduplicating replicas, reading overlapping chunks of
 another layout, the files) is DCP's.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,19 +51,22 @@ def flat_boxes(shape, start: int, stop: int) -> list[tuple[tuple, tuple]]:
         return [((start,) if shape else (), (stop - start,) if shape else ())]
     row = math.prod(shape[1:])
     first, last = start // row, (stop - 1) // row
-    if start % row == 0 and stop % row == 0:                  # whole rows only: one box
+    if start % row == 0 and stop % row == 0:  # whole rows only: one box
         return [((first,) + (0,) * (len(shape) - 1), (last - first + 1,) + shape[1:])]
-    if first == last:                                         # inside one row: recurse into it
+    if first == last:  # inside one row: recurse into it
         return [((first,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], start - first * row, stop - first * row)]
-    head_stop = (first + 1) * row if start % row else start   # a partial first row, whole rows, a partial last
+    head_stop = (first + 1) * row if start % row else start  # a partial first row, whole rows, a partial last
     tail_start = last * row if stop % row else stop
-    return (flat_boxes(shape, start, head_stop) + flat_boxes(shape, head_stop, tail_start)
-            + flat_boxes(shape, tail_start, stop))
+    return (
+        flat_boxes(shape, start, head_stop)
+        + flat_boxes(shape, head_stop, tail_start)
+        + flat_boxes(shape, tail_start, stop)
+    )
 
 
 def _moved(offsets: tuple, dim: int | None, by: int) -> tuple:
     """``offsets`` moved by ``by`` along ``dim`` (unchanged when dim is None)."""
-    return offsets if dim is None else offsets[:dim] + (offsets[dim] + by,) + offsets[dim + 1:]
+    return offsets if dim is None else offsets[:dim] + (offsets[dim] + by,) + offsets[dim + 1 :]
 
 
 def _grown(shape, dim: int | None, count: int) -> torch.Size:
@@ -83,8 +87,9 @@ class Pieces:
         self.shape, self.dtype, self.boxes = torch.Size(shape), dtype, boxes
 
     @classmethod
-    def of_flat_run(cls, shape, start: int, stop: int, run: torch.Tensor,
-                    dim: int | None = None, index: int = 0, count: int = 1) -> "Pieces":
+    def of_flat_run(
+        cls, shape, start: int, stop: int, run: torch.Tensor, dim: int | None = None, index: int = 0, count: int = 1
+    ) -> "Pieces":
         """Elements ``start:stop`` of a flattened tensor of ``shape``, held in the 1-D ``run``.
         That tensor is the global one, or (``dim`` not None) shard ``index`` of ``count`` equal
         ones along ``dim``: ZeRO over tensor-parallel shards flattens the shard, so its boxes are
@@ -92,8 +97,13 @@ class Pieces:
         boxes, at = [], 0
         for offsets, sizes in flat_boxes(shape, start, stop):
             n = math.prod(sizes)
-            boxes.append(Box(_moved(offsets, dim, shape[dim] * index if dim is not None else 0), sizes,
-                             run[at:at + n].view(sizes)))
+            boxes.append(
+                Box(
+                    _moved(offsets, dim, shape[dim] * index if dim is not None else 0),
+                    sizes,
+                    run[at : at + n].view(sizes),
+                )
+            )
             at += n
         return cls(_grown(shape, dim, count), run.dtype, boxes)
 
@@ -103,17 +113,24 @@ class Pieces:
         offsets = _moved((0,) * local.dim(), dim, local.shape[dim] * index if dim is not None else 0)
         return cls(_grown(local.shape, dim, count), local.dtype, [Box(offsets, tuple(local.shape), local.detach())])
 
-    def size(self) -> torch.Size:   # DCP compares it with the saved global size on load
+    def size(self) -> torch.Size:  # DCP compares it with the saved global size on load
         return self.shape
 
     # DCP's chunk protocol (as DTensor implements it)
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         properties = TensorProperties(dtype=self.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(b.offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)),
-                              properties=properties, size=self.shape))
-                for b in self.boxes]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(b.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)),
+                    properties=properties,
+                    size=self.shape,
+                ),
+            )
+            for b in self.boxes
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in self.boxes]

@@ -18,6 +18,7 @@ one file system is atomic, so a save killed half-way leaves a ``.partial`` direc
 :func:`latest_checkpoint` never returns. (DCP writes into the directory it is given and has no
 commit step of its own; this rename is the course's.)
 """
+
 from __future__ import annotations
 
 import os
@@ -38,14 +39,22 @@ from ..parallel.zero import ZeRO
 from .layouts import load_module_state, load_zero_state, module_state, zero_state
 from .pieces import Box, Pieces, PiecesLoadPlanner, PiecesSavePlanner
 
-__all__ = ["save_checkpoint", "save_checkpoint_async", "PendingSave", "load_checkpoint", "latest_checkpoint", "checkpoint_steps", "PARTIAL"]
+__all__ = [
+    "save_checkpoint",
+    "save_checkpoint_async",
+    "PendingSave",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "checkpoint_steps",
+    "PARTIAL",
+]
 
 PARTIAL = ".partial"
 NAME = re.compile(r"step-(\d{8})")
 
 
 def _is_fsdp2(model) -> bool:
-    return any(hasattr(p, "device_mesh") for p in model.parameters())   # DTensor parameters
+    return any(hasattr(p, "device_mesh") for p in model.parameters())  # DTensor parameters
 
 
 def _rank(group) -> int:
@@ -95,7 +104,7 @@ def save_checkpoint(root, step: int, model, optimizer, *, loader=None, group=Non
 def _begin(root, step: int, group) -> tuple[Path, Path]:
     final = Path(root) / f"step-{step:08d}"
     partial = final.with_name(final.name + PARTIAL)
-    if _rank(group) == 0:      # a save killed earlier may have left files here
+    if _rank(group) == 0:  # a save killed earlier may have left files here
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     if dist.is_initialized():
@@ -113,12 +122,12 @@ def _commit(final: Path, partial: Path, group, before_commit=None) -> Path:
     if before_commit is not None:
         before_commit()
     if dist.is_initialized():
-        dist.barrier(group)    # every rank is done with this step's files: only now may it count
+        dist.barrier(group)  # every rank is done with this step's files: only now may it count
     if _rank(group) == 0:
-        shutil.rmtree(final, ignore_errors=True)   # saving the same step again replaces it
+        shutil.rmtree(final, ignore_errors=True)  # saving the same step again replaces it
         os.replace(partial, final)
     if dist.is_initialized():
-        dist.barrier(group)    # nobody looks for the checkpoint before it has its name
+        dist.barrier(group)  # nobody looks for the checkpoint before it has its name
     return final
 
 
@@ -139,8 +148,11 @@ def _checkpoint_group(group):
 def _on_host(value):
     """A copy in host memory: what the background write reads while training changes the original."""
     if isinstance(value, Pieces):
-        return Pieces(value.shape, value.dtype,
-                      [Box(b.offsets, b.sizes, b.tensor.detach().to("cpu", copy=True)) for b in value.boxes])
+        return Pieces(
+            value.shape,
+            value.dtype,
+            [Box(b.offsets, b.sizes, b.tensor.detach().to("cpu", copy=True)) for b in value.boxes],
+        )
     if torch.is_tensor(value):
         return value.detach().to("cpu", copy=True)
     return value
@@ -166,8 +178,9 @@ def save_checkpoint_async(root, step: int, model, optimizer, *, loader=None, gro
     staged = {key: _on_host(value) for key, value in _state_to_save(step, model, optimizer, loader, group).items()}
     ckpt_group = _checkpoint_group(group) if dist.is_initialized() else None
     with _one_process_is_fine():
-        future = dcp.async_save(staged, storage_writer=FileSystemWriter(partial), planner=PiecesSavePlanner(),
-                                process_group=ckpt_group)
+        future = dcp.async_save(
+            staged, storage_writer=FileSystemWriter(partial), planner=PiecesSavePlanner(), process_group=ckpt_group
+        )
     return PendingSave(future, final, partial, ckpt_group)
 
 
@@ -191,8 +204,10 @@ def load_checkpoint(path, model, optimizer, *, loader=None, group=None) -> dict:
     (the steps done), ``world_size`` (of the run that saved it), ``next_sample``."""
     path = Path(path)
     if path.name.endswith(PARTIAL) or not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (a save that did not finish leaves a "
-                                f"'{PARTIAL}' directory): load latest_checkpoint(root) instead")
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (a save that did not finish leaves a "
+            f"'{PARTIAL}' directory): load latest_checkpoint(root) instead"
+        )
     present = set(FileSystemReader(path).read_metadata().state_dict_metadata)
     state, finish = _state_to_load(model, optimizer, present)
     rng = f"rng.rank{_rank(group)}"
@@ -203,13 +218,13 @@ def load_checkpoint(path, model, optimizer, *, loader=None, group=None) -> dict:
     with _one_process_is_fine():
         dcp.load(state, storage_reader=FileSystemReader(path), planner=PiecesLoadPlanner(), process_group=group)
     finish(state)
-    if rng in state:           # a rank the saving run did not have keeps its own generator
+    if rng in state:  # a rank the saving run did not have keeps its own generator
         torch.set_rng_state(state[rng])
     if loader is not None:
         if "meta.next_sample" not in state:
             raise KeyError(f"{path} records no data position: it was saved without a loader")
         loader.next_sample = state["meta.next_sample"]
-    return {key[len("meta."):]: state[key] for key in state if key.startswith("meta.")}
+    return {key[len("meta.") :]: state[key] for key in state if key.startswith("meta.")}
 
 
 def _state_to_load(model, optimizer, present):
@@ -234,6 +249,7 @@ def _each_zero(state_of, composed, model, *args) -> tuple:
     def finish(loaded: dict) -> None:
         for each in finishes:
             each(loaded)
+
     return state, finish
 
 
@@ -242,8 +258,14 @@ def _fsdp2_flat(model, model_state, optim_state) -> dict:
     ``named_parameters`` gives it), its optimizer state beside it."""
     names = dict(model.named_parameters())
     flat = {f"model.{k}": v for k, v in model_state.items() if k in names}
-    flat.update({f"optim.state.{name}.{key}": value for name, state in optim_state["state"].items()
-                 if name in names for key, value in state.items()})
+    flat.update(
+        {
+            f"optim.state.{name}.{key}": value
+            for name, state in optim_state["state"].items()
+            if name in names
+            for key, value in state.items()
+        }
+    )
     return flat
 
 
@@ -252,14 +274,15 @@ def _fsdp2_state_to_load(model, optimizer, present):
     initialised), DCP fills them, ``set_state_dict`` puts them back."""
     model_state, optim_state = get_state_dict(model, optimizer)
     flat = _fsdp2_flat(model, model_state, optim_state)
-    first_name = {}      # a tied parameter's other names take the loaded tensor of its first
+    first_name = {}  # a tied parameter's other names take the loaded tensor of its first
     for name, value in model_state.items():
         first_name.setdefault(id(value), name)
 
     missing = [k for k in flat if k.startswith("model.") and k not in present]
     if missing:
-        raise KeyError(f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more): "
-                       "it was saved from another model")
+        raise KeyError(
+            f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more): it was saved from another model"
+        )
 
     def finish(loaded: dict) -> None:
         for name, value in list(model_state.items()):
@@ -268,4 +291,5 @@ def _fsdp2_state_to_load(model, optimizer, present):
             for key in state:
                 state[key] = loaded.get(f"optim.state.{name}.{key}", state[key])
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
     return {k: v for k, v in flat.items() if k in present}, finish

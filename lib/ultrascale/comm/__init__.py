@@ -23,17 +23,49 @@
 
 from . import functional
 from .bandwidth import bus_bandwidth_sweep, bus_factor, time_collective
-from .cost_model import (AlphaBeta, crossover_size, fit_alpha_beta,
-                         fit_ring_all_reduce, tensor_parallel_scaling,
-                         tensor_parallel_throughput)
+from .cost_model import (
+    AlphaBeta,
+    crossover_size,
+    fit_alpha_beta,
+    fit_ring_all_reduce,
+    tensor_parallel_scaling,
+    tensor_parallel_throughput,
+)
 from .logger import CommEvent, CommLogger, format_bytes, wait_for_device
-from .ring import (chunk_sizes, exchange, release_buffers, ring_all_gather, ring_all_reduce, ring_blocks,
-                   ring_reduce_scatter, ring_step, send_recv)
+from .ring import (
+    chunk_sizes,
+    exchange,
+    release_buffers,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_blocks,
+    ring_reduce_scatter,
+    ring_step,
+    send_recv,
+)
 
 __all__ = [
-    "AlphaBeta", "CommEvent", "CommLogger", "bus_bandwidth_sweep", "bus_factor",
-    "chunk_sizes", "crossover_size", "exchange", "fit_alpha_beta", "fit_ring_all_reduce",
-    "format_bytes", "release_buffers", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
-    "ring_blocks", "ring_step", "send_recv", "tensor_parallel_scaling", "tensor_parallel_throughput", "time_collective",
-    "wait_for_device", "functional",
+    "AlphaBeta",
+    "CommEvent",
+    "CommLogger",
+    "bus_bandwidth_sweep",
+    "bus_factor",
+    "chunk_sizes",
+    "crossover_size",
+    "exchange",
+    "fit_alpha_beta",
+    "fit_ring_all_reduce",
+    "format_bytes",
+    "release_buffers",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_reduce_scatter",
+    "ring_blocks",
+    "ring_step",
+    "send_recv",
+    "tensor_parallel_scaling",
+    "tensor_parallel_throughput",
+    "time_collective",
+    "wait_for_device",
+    "functional",
 ]

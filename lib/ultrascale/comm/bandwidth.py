@@ -30,8 +30,13 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 def bus_factor(op: str, world_size: int) -> float:
     """nccl-tests' ratio busbw / algbw for ``op`` on ``world_size`` ranks."""
     n = world_size
-    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-               "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}
+    factors = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "broadcast": 1.0,
+        "reduce": 1.0,
+    }
     if op not in factors:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     return factors[op]
@@ -68,8 +73,10 @@ def _ring_op(op: str, group) -> Callable[[torch.Tensor, torch.Tensor], None]:
         return lambda full, chunk: ring_all_gather(chunk, group=group)
     if op == "reduce_scatter":
         return lambda full, chunk: ring_reduce_scatter(full, group=group)
-    raise ValueError(f"impl='ring' has all_reduce, all_gather and reduce_scatter, not {op!r}; "
-                     "use impl='torch' for broadcast and reduce")
+    raise ValueError(
+        f"impl='ring' has all_reduce, all_gather and reduce_scatter, not {op!r}; "
+        "use impl='torch' for broadcast and reduce"
+    )
 
 
 def _max_over_ranks(seconds: float, group, device) -> float:
@@ -92,14 +99,15 @@ def balanced_orders(names: list, rounds: int) -> list[list]:
     # ... (mod n), all differ, so the shifted rounds below pair every two contenders once each way
     first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
     rows = [[(i + shift) % n for i in first] for shift in range(n)]
-    if n % 2:                                 # an odd count needs the mirrored square as well
+    if n % 2:  # an odd count needs the mirrored square as well
         rows += [row[::-1] for row in rows]
-    name_of = {index: name for index, name in zip(first, names)}    # so that the first round is ``names``
+    name_of = {index: name for index, name in zip(first, names)}  # so that the first round is ``names``
     return [[name_of[i] for i in rows[r % len(rows)]] for r in range(rounds)]
 
 
-def time_collective(fn: Callable[[], object], iters: int = 10, warmup: int = 2, group=None,
-                    device: torch.device | None = None) -> float:
+def time_collective(
+    fn: Callable[[], object], iters: int = 10, warmup: int = 2, group=None, device: torch.device | None = None
+) -> float:
     """Seconds per call of ``fn`` (a collective every rank calls), the slowest rank's.
 
     A barrier lines the ranks up before the clock starts; the result is the maximum
@@ -118,9 +126,16 @@ def time_collective(fn: Callable[[], object], iters: int = 10, warmup: int = 2, 
     return _max_over_ranks((time.perf_counter() - start) / iters, group, device)
 
 
-def bus_bandwidth_sweep(ctx, sizes, op: str = "all_reduce", impl="torch", iters: int = 10,
-                        warmup: int = 2, dtype: torch.dtype = torch.float32,
-                        callback: Callable[[dict], None] | None = None) -> list[dict]:
+def bus_bandwidth_sweep(
+    ctx,
+    sizes,
+    op: str = "all_reduce",
+    impl="torch",
+    iters: int = 10,
+    warmup: int = 2,
+    dtype: torch.dtype = torch.float32,
+    callback: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Time ``op`` for each buffer size in ``sizes`` (bytes) and report bandwidths.
 
     ``ctx`` is the rank context from ``Cluster.run`` (its ``group`` and ``device``
@@ -149,8 +164,15 @@ def bus_bandwidth_sweep(ctx, sizes, op: str = "all_reduce", impl="torch", iters:
         seconds = time_collective(lambda: run(full, chunk), iters, warmup, group, device)
         nbytes = numel * element
         algbw = nbytes / seconds
-        point = {"op": op, "impl": impl_name, "world_size": n, "size": nbytes,
-                 "time_s": seconds, "algbw": algbw, "busbw": algbw * factor}
+        point = {
+            "op": op,
+            "impl": impl_name,
+            "world_size": n,
+            "size": nbytes,
+            "time_s": seconds,
+            "algbw": algbw,
+            "busbw": algbw * factor,
+        }
         points.append(point)
         if callback is not None and rank == 0:
             callback(point)

@@ -76,8 +76,9 @@ def fit_alpha_beta(sizes, times, relative: bool = True) -> AlphaBeta:
     """Fit ``t = alpha + n / beta`` to measured point-to-point (size, time) pairs."""
     alpha, inverse_beta = _fit_line(sizes, times, relative)
     if inverse_beta <= 0:
-        raise ValueError("the fitted time does not grow with size; measure larger "
-                         "messages (up to MiBs) or more iterations per size")
+        raise ValueError(
+            "the fitted time does not grow with size; measure larger messages (up to MiBs) or more iterations per size"
+        )
     return AlphaBeta(max(alpha, 0.0), 1.0 / inverse_beta)
 
 
@@ -98,9 +99,19 @@ def fit_ring_all_reduce(sizes, times, world_size: int, relative: bool = True) ->
 
 
 # ---- tensor parallelism ---------------------------------------------------------------
-def tensor_parallel_throughput(config, tp: int, *, seq: int, micro_batch: int, flops: float, peak_flops: float,
-                               intra_node: AlphaBeta, inter_node: AlphaBeta, gpus_per_node: int = 8,
-                               bytes_per_element: int = 2) -> dict:
+def tensor_parallel_throughput(
+    config,
+    tp: int,
+    *,
+    seq: int,
+    micro_batch: int,
+    flops: float,
+    peak_flops: float,
+    intra_node: AlphaBeta,
+    inter_node: AlphaBeta,
+    gpus_per_node: int = 8,
+    bytes_per_element: int = 2,
+) -> dict:
     """Per-GPU tokens/s of one tensor-parallel group, and where its step time goes.
 
     A model, not a measurement. One training step of one micro-batch of ``b * s`` tokens
@@ -144,9 +155,14 @@ def tensor_parallel_throughput(config, tp: int, *, seq: int, micro_batch: int, f
     activation = tokens * config.hidden * bytes_per_element
     all_reduces = 4 * config.layers
     comm_s = all_reduces * float(link.ring_all_reduce_time(activation, tp)) if tp > 1 else 0.0
-    return {"tp": tp, "compute_s": compute_s, "comm_s": comm_s, "step_s": compute_s + comm_s,
-            "tokens_per_s_per_gpu": tokens / (tp * (compute_s + comm_s)),
-            "bandwidth": "inter-node" if spans_nodes else "intra-node"}
+    return {
+        "tp": tp,
+        "compute_s": compute_s,
+        "comm_s": comm_s,
+        "step_s": compute_s + comm_s,
+        "tokens_per_s_per_gpu": tokens / (tp * (compute_s + comm_s)),
+        "bandwidth": "inter-node" if spans_nodes else "intra-node",
+    }
 
 
 def tensor_parallel_scaling(config, tps, **kwargs) -> list[dict]:

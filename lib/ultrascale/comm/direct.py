@@ -57,13 +57,15 @@ def _post(sends: list, receives: list, group) -> tuple[list, list]:
     sides (every rank knows every chunk size, so the two ends agree)."""
     sends = [(t, peer) for t, peer in sends if t.numel()]
     receives = [(t, peer) for t, peer in receives if t.numel()]
-    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends] + \
-          [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in receives]
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends] + [
+        dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in receives
+    ]
     works = dist.batch_isend_irecv(ops) if ops else []
-    send_works, recv_works = works[:len(sends)], list(zip(works[len(sends):], [t for t, _ in receives]))
-    count_p2p(sum(t.numel() * t.element_size() for t, _ in sends),
-              sum(t.numel() * t.element_size() for t, _ in receives))
-    keep(send_works + [w for w, _ in recv_works])      # until the collective returns (ring.keeping_exchanges)
+    send_works, recv_works = works[: len(sends)], list(zip(works[len(sends) :], [t for t, _ in receives]))
+    count_p2p(
+        sum(t.numel() * t.element_size() for t, _ in sends), sum(t.numel() * t.element_size() for t, _ in receives)
+    )
+    keep(send_works + [w for w, _ in recv_works])  # until the collective returns (ring.keeping_exchanges)
     return send_works, recv_works
 
 
@@ -80,11 +82,11 @@ def direct_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tenso
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         chunks = flat.tensor_split(n)
         mine = chunks[rank]
-        peers = [(rank + k) % n for k in range(1, n)]          # send to r+1, r+2, ...
-        sources = [(rank - k) % n for k in range(1, n)]        # receive from r-1, r-2, ...
+        peers = [(rank + k) % n for k in range(1, n)]  # send to r+1, r+2, ...
+        sources = [(rank - k) % n for k in range(1, n)]  # receive from r-1, r-2, ...
         m = mine.numel()
         buffer = receive_buffer((n - 1) * m, flat)
-        incoming = [buffer[i * m:(i + 1) * m] for i in range(n - 1)]    # one slot per contributor
+        incoming = [buffer[i * m : (i + 1) * m] for i in range(n - 1)]  # one slot per contributor
         # reduce-scatter: everything out at once; add each contribution as soon as it is in
         sends, receives = _post([(chunks[p], p) for p in peers], list(zip(incoming, sources)), group)
         for work, contribution in receives:
@@ -92,7 +94,7 @@ def direct_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tenso
             reduce_into(mine, contribution, op)
         if op == "avg":
             mine.div_(n)
-        for work in sends:                      # our chunks must have left before they change
+        for work in sends:  # our chunks must have left before they change
             work.wait()
         # all-gather: our summed chunk to everybody, every other chunk straight into place
         sends, receives = _post([(mine, p) for p in peers], [(chunks[s], s) for s in sources], group)

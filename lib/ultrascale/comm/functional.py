@@ -59,9 +59,11 @@ def broadcast_parameters(module: nn.Module, group=None) -> None:
 def rank_and_size(group=None, who: str = "these functions") -> tuple[int, int]:
     """This rank's index and the size of ``group``, or a clear error outside a process group."""
     if not dist.is_initialized():
-        raise RuntimeError(f"torch.distributed is not initialized: {who} need a process group; call "
-                           "them inside cluster.run(...) (ultrascale.runtime.Cluster), under torchrun, "
-                           "or after dist.init_process_group()")
+        raise RuntimeError(
+            f"torch.distributed is not initialized: {who} need a process group; call "
+            "them inside cluster.run(...) (ultrascale.runtime.Cluster), under torchrun, "
+            "or after dist.init_process_group()"
+        )
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -71,7 +73,8 @@ def piece_size(size: int, n: int, dim: int, what: str) -> int:
         raise ValueError(
             f"{what}: length {size} along dim {dim} is not divisible by the group size {n} "
             f"(e.g. sequence length {size} with tp={n}): pad it to {-(-size // n) * n} or "
-            "pick a length that divides")
+            "pick a length that divides"
+        )
     return size // n
 
 
@@ -157,33 +160,55 @@ def _conjugate_pair(name: str, forward_op, backward_op, doc: str):
     def backward(ctx, grad):
         return backward_op(grad, ctx.dim, ctx.group), None, None
 
-    return type(name, (torch.autograd.Function,),
-                {"__doc__": doc, "forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"__doc__": doc, "forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
 
 
-GatherFromSequenceRegion = _conjugate_pair("GatherFromSequenceRegion", _all_gather, _reduce_scatter, """
+GatherFromSequenceRegion = _conjugate_pair(
+    "GatherFromSequenceRegion",
+    _all_gather,
+    _reduce_scatter,
+    """
     g: all-gather along ``dim`` forward, reduce-scatter backward.
 
     Each rank holds a slice of the sequence; the tensor-parallel block after g needs all
     of it. Every rank uses the whole gathered tensor with different weights, so the
     gradient of rank r's slice is the sum over ranks of their gradients for that slice:
-    a reduce-scatter.""")
+    a reduce-scatter.""",
+)
 
 ReduceScatterToSequenceRegion = _conjugate_pair(
-    "ReduceScatterToSequenceRegion", _reduce_scatter, _all_gather, """
+    "ReduceScatterToSequenceRegion",
+    _reduce_scatter,
+    _all_gather,
+    """
     g*: reduce-scatter along ``dim`` forward, all-gather backward.
 
     Rank r keeps slice r of the sum of all ranks' partial outputs. Every rank's input
     contributes to every slice with coefficient 1, so each input's gradient is the full
-    upstream gradient, whose slices live on different ranks: an all-gather.""")
+    upstream gradient, whose slices live on different ranks: an all-gather.""",
+)
 
-SplitAlongDim = _conjugate_pair("SplitAlongDim", _own_slice, _all_gather, """
+SplitAlongDim = _conjugate_pair(
+    "SplitAlongDim",
+    _own_slice,
+    _all_gather,
+    """
     Keep this rank's slice of a replicated tensor; backward all-gathers the slices'
-    gradients, so every rank gets the gradient of the whole (replicated) tensor.""")
+    gradients, so every rank gets the gradient of the whole (replicated) tensor.""",
+)
 
-GatherAlongDim = _conjugate_pair("GatherAlongDim", _all_gather, _own_slice, """
+GatherAlongDim = _conjugate_pair(
+    "GatherAlongDim",
+    _all_gather,
+    _own_slice,
+    """
     All-gather the slices into the full tensor. The loss after it is computed the same
-    way on every rank, so the upstream gradient is replicated: keep this rank's slice.""")
+    way on every rank, so the upstream gradient is replicated: keep this rank's slice.""",
+)
 
 
 # ---- all-to-all: expert parallelism ----------------------------------------------------
@@ -191,8 +216,7 @@ def _all_to_all_rows(x, output_split_sizes, input_split_sizes, group) -> torch.T
     """Send rows ``input_split_sizes[j]`` of ``x`` to rank j; receive
     ``output_split_sizes[j]`` rows from rank j, stacked in rank order."""
     out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes,
-                           group=group)
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes, group=group)
     return out
 
 
@@ -205,8 +229,10 @@ def _resolve_splits(x, output_split_sizes, input_split_sizes, group):
             output_split_sizes = input_split_sizes
     input_split_sizes = list(input_split_sizes)
     if len(input_split_sizes) != n or sum(input_split_sizes) != x.shape[0]:
-        raise ValueError(f"all_to_all: input_split_sizes {input_split_sizes} must have one "
-                         f"entry per rank ({n}) summing to x.shape[0] = {x.shape[0]}")
+        raise ValueError(
+            f"all_to_all: input_split_sizes {input_split_sizes} must have one "
+            f"entry per rank ({n}) summing to x.shape[0] = {x.shape[0]}"
+        )
     if output_split_sizes is None:
         # A rank knows how many rows it sends, not how many it will receive: ask the
         # senders with one small all-to-all of the counts (MoE layers do the same).
@@ -267,14 +293,12 @@ def gather_along_dim(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor
     return GatherAlongDim.apply(x, dim % x.dim(), group)
 
 
-def all_to_all(x: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
-               group=None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, output_split_sizes=None, input_split_sizes=None, group=None) -> torch.Tensor:
     """Send ``input_split_sizes[j]`` rows of ``x`` (dim 0) to rank j and return the rows
     received, ``output_split_sizes[j]`` from rank j, in rank order. Splits may be uneven
     (and zero). Without ``input_split_sizes`` x is cut into equal pieces; without
     ``output_split_sizes`` the counts are first exchanged. Differentiable."""
-    output_split_sizes, input_split_sizes = _resolve_splits(
-        x, output_split_sizes, input_split_sizes, group)
+    output_split_sizes, input_split_sizes = _resolve_splits(x, output_split_sizes, input_split_sizes, group)
     return AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
 
 
@@ -285,11 +309,26 @@ g = gather_from_sequence_region
 g_star = reduce_scatter_to_sequence_region
 
 __all__ = [
-    "f", "f_star", "g", "g_star",
-    "copy_to_parallel_region", "reduce_from_parallel_region",
-    "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
-    "split_along_dim", "gather_along_dim", "all_to_all",
-    "all_gather_into", "reduce_scatter_into", "broadcast_parameters", "rank_and_size",
-    "CopyToParallelRegion", "ReduceFromParallelRegion", "GatherFromSequenceRegion",
-    "ReduceScatterToSequenceRegion", "SplitAlongDim", "GatherAlongDim", "AllToAll",
+    "f",
+    "f_star",
+    "g",
+    "g_star",
+    "copy_to_parallel_region",
+    "reduce_from_parallel_region",
+    "gather_from_sequence_region",
+    "reduce_scatter_to_sequence_region",
+    "split_along_dim",
+    "gather_along_dim",
+    "all_to_all",
+    "all_gather_into",
+    "reduce_scatter_into",
+    "broadcast_parameters",
+    "rank_and_size",
+    "CopyToParallelRegion",
+    "ReduceFromParallelRegion",
+    "GatherFromSequenceRegion",
+    "ReduceScatterToSequenceRegion",
+    "SplitAlongDim",
+    "GatherAlongDim",
+    "AllToAll",
 ]

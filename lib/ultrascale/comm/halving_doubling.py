@@ -40,8 +40,7 @@ import torch
 
 from .cost_model import AlphaBeta
 from .logger import record_op
-from .ring import (collective_rank_and_size, keeping_exchanges, normalise_op, receive_buffer, reduce_into,
-                   send_recv)
+from .ring import collective_rank_and_size, keeping_exchanges, normalise_op, receive_buffer, reduce_into, send_recv
 
 NOTHING = torch.empty(0)
 
@@ -89,7 +88,7 @@ def _halving_then_doubling(flat: torch.Tensor, op: str, rank: int, power: int, w
     all-gather by doubling, in place."""
     lo, hi, exchanges = 0, flat.numel(), []
     distance = 1
-    while 2 * distance < power:                 # reduce-scatter: the range halves at every level
+    while 2 * distance < power:  # reduce-scatter: the range halves at every level
         partner = rank ^ distance
         (k_lo, k_hi), (g_lo, g_hi) = _halves(lo, hi, upper=bool(rank & distance))
         incoming = receive_buffer(k_hi - k_lo, flat)
@@ -98,14 +97,14 @@ def _halving_then_doubling(flat: torch.Tensor, op: str, rank: int, power: int, w
         exchanges.append((partner, (k_lo, k_hi), (g_lo, g_hi)))
         lo, hi = k_lo, k_hi
         distance *= 2
-    if distance < power:                        # the innermost level: both hold [lo, hi); swap it whole
+    if distance < power:  # the innermost level: both hold [lo, hi); swap it whole
         partner = rank ^ distance
         incoming = receive_buffer(hi - lo, flat)
         send_recv(flat[lo:hi], incoming, partner, partner, group)
         reduce_into(flat[lo:hi], incoming, op)
     if op == "avg":
-        flat[lo:hi].div_(world_size)      # once, on the part of the buffer this rank has summed
-    for partner, (k_lo, k_hi), (g_lo, g_hi) in reversed(exchanges):   # all-gather: it doubles back
+        flat[lo:hi].div_(world_size)  # once, on the part of the buffer this rank has summed
+    for partner, (k_lo, k_hi), (g_lo, g_hi) in reversed(exchanges):  # all-gather: it doubles back
         send_recv(flat[k_lo:k_hi], flat[g_lo:g_hi], partner, partner, group)
 
 
@@ -120,16 +119,16 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> t
     power = largest_power_of_two(n)
     with record_op("halving_doubling_all_reduce", group), keeping_exchanges():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        if rank >= power:                       # an extra rank: fold in, wait for the answer
+        if rank >= power:  # an extra rank: fold in, wait for the answer
             send_recv(flat, NOTHING, rank - power, rank - power, group)
             send_recv(NOTHING, flat, rank - power, rank - power, group)
         else:
-            if rank + power < n:                # take the extra rank's input first
+            if rank + power < n:  # take the extra rank's input first
                 incoming = receive_buffer(flat.numel(), flat)
                 send_recv(NOTHING, incoming, rank + power, rank + power, group)
                 reduce_into(flat, incoming, op)
             _halving_then_doubling(flat, op, rank, power, n, group)
-            if rank + power < n:                # and hand the result back
+            if rank + power < n:  # and hand the result back
                 send_recv(flat, NOTHING, rank + power, rank + power, group)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))

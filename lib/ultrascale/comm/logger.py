@@ -102,7 +102,7 @@ def record_op(op: str, group=None):
     _, size = _group_rank_and_size(group)
     event = CommEvent(op, dist.get_rank() if dist.is_initialized() else 0, size, 0, 0, 0.0, "measured")
     _current_event = event
-    wait_for_device()   # earlier GPU work is not this operation's
+    wait_for_device()  # earlier GPU work is not this operation's
     start = time.perf_counter()
     try:
         yield
@@ -200,8 +200,10 @@ def _own_piece(t, splits, r, n) -> int:
 
 def _all_to_all_single(a, r, n):
     inp, out = a["input"], a["output"]
-    return (_nbytes([inp]) - _own_piece(inp, a.get("input_split_sizes"), r, n),
-            _nbytes([out]) - _own_piece(out, a.get("output_split_sizes"), r, n))
+    return (
+        _nbytes([inp]) - _own_piece(inp, a.get("input_split_sizes"), r, n),
+        _nbytes([out]) - _own_piece(out, a.get("output_split_sizes"), r, n),
+    )
 
 
 def _p2p_batch(a, r, n):
@@ -238,9 +240,15 @@ _POINT_TO_POINT = {"send", "isend", "recv", "irecv", "batch_isend_irecv"}
 
 # The whole buffer of each collective, as the book sizes it: the tensor an all-reduce
 # reduces, the full input a reduce-scatter splits, the full output an all-gather fills.
-_BUFFER = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
-           "reduce_scatter_single": "input", "reduce_scatter_tensor": "input",
-           "all_gather_single": "output_tensor", "all_gather_into_tensor": "output_tensor"}
+_BUFFER = {
+    "all_reduce": "tensor",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "reduce_scatter_single": "input",
+    "reduce_scatter_tensor": "input",
+    "all_gather_single": "output_tensor",
+    "all_gather_into_tensor": "output_tensor",
+}
 
 
 def base_op(name: str) -> str:
@@ -285,9 +293,10 @@ def _logging_wrapper(name: str, original):
             _current_event = None
         for logger in _active_loggers:
             logger.events.append(event)
-            if blocking and logger.timeline is not None:   # a bar in the Timeline's communication lane
-                logger.timeline.add("communication", event.op, event.start, event.start + event.seconds,
-                                    event.bytes_sent)
+            if blocking and logger.timeline is not None:  # a bar in the Timeline's communication lane
+                logger.timeline.add(
+                    "communication", event.op, event.start, event.start + event.seconds, event.bytes_sent
+                )
         return result
 
     return wrapper
@@ -359,8 +368,9 @@ class CommLogger:
         """Per operation: number of calls, bytes sent and received, seconds."""
         table: dict[str, dict] = {}
         for e in self.events:
-            row = table.setdefault(e.op, {"calls": 0, "bytes_sent": 0, "bytes_received": 0,
-                                          "seconds": 0.0, "source": e.source})
+            row = table.setdefault(
+                e.op, {"calls": 0, "bytes_sent": 0, "bytes_received": 0, "seconds": 0.0, "source": e.source}
+            )
             row["calls"] += 1
             row["bytes_sent"] += e.bytes_sent
             row["bytes_received"] += e.bytes_received
@@ -377,7 +387,7 @@ class CommLogger:
         """
         out: dict = {}
         for e in self.events:
-            if e.numel and e.op in _BUFFER:   # not a labelled(...) one
+            if e.numel and e.op in _BUFFER:  # not a labelled(...) one
                 op = base_op(e.op)
                 out[op] = out.get(op, 0) + 1
                 out[op + " elements"] = out.get(op + " elements", 0) + e.numel
@@ -397,9 +407,11 @@ class CommLogger:
         header = f"{'op':<24}{'calls':>7}{'sent':>12}{'received':>12}{'time (ms)':>11}  source"
         lines = [header, "-" * len(header)]
         for op, t in self.totals().items():
-            lines.append(f"{op:<24}{t['calls']:>7}{format_bytes(t['bytes_sent']):>12}"
-                         f"{format_bytes(t['bytes_received']):>12}{1e3 * t['seconds']:>11.3f}"
-                         f"  {t['source']}")
+            lines.append(
+                f"{op:<24}{t['calls']:>7}{format_bytes(t['bytes_sent']):>12}"
+                f"{format_bytes(t['bytes_received']):>12}{1e3 * t['seconds']:>11.3f}"
+                f"  {t['source']}"
+            )
         return "\n".join(lines)
 
 

@@ -41,8 +41,15 @@ from .cost_model import AlphaBeta, fit_alpha_beta
 from .direct import direct_all_reduce
 from .halving_doubling import halving_doubling_all_reduce, halving_doubling_time, largest_power_of_two
 from .logger import record_op, wait_for_device
-from .ring import (collective_rank_and_size, keeping_exchanges, normalise_op, receive_buffer, reduce_into,
-                   ring_all_reduce, send_recv)
+from .ring import (
+    collective_rank_and_size,
+    keeping_exchanges,
+    normalise_op,
+    receive_buffer,
+    reduce_into,
+    ring_all_reduce,
+    send_recv,
+)
 
 NOTHING = torch.empty(0)
 
@@ -66,8 +73,8 @@ def crossover_bytes(model: AlphaBeta, world_size: int) -> float:
     Setting the two times equal: ``n* = alpha beta (2(N-1) - S) / (S - 2(N-1)/N)``.
     """
     n, steps = world_size, doubling_steps(world_size)
-    latency_saved = 2 * (n - 1) - steps          # in units of alpha
-    bandwidth_lost = steps - 2 * (n - 1) / n     # in units of n / beta
+    latency_saved = 2 * (n - 1) - steps  # in units of alpha
+    bandwidth_lost = steps - 2 * (n - 1) / n  # in units of n / beta
     if n < 2 or latency_saved <= 0:
         return 0.0
     if bandwidth_lost <= 0:
@@ -84,37 +91,43 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None) ->
     with record_op("recursive_doubling_all_reduce", group), keeping_exchanges():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         incoming = receive_buffer(flat.numel(), flat)
-        if rank >= power:                       # an extra rank: fold in, wait for the answer
+        if rank >= power:  # an extra rank: fold in, wait for the answer
             send_recv(flat, NOTHING, rank - power, rank - power, group)
             send_recv(NOTHING, flat, rank - power, rank - power, group)
         else:
-            if rank + power < n:                # take the extra rank's input first
+            if rank + power < n:  # take the extra rank's input first
                 send_recv(NOTHING, incoming, rank + power, rank + power, group)
                 reduce_into(flat, incoming, op)
             distance = 1
-            while distance < power:             # log2 P swaps of the whole running sum
+            while distance < power:  # log2 P swaps of the whole running sum
                 partner = rank ^ distance
                 send_recv(flat, incoming, partner, partner, group)
                 reduce_into(flat, incoming, op)
                 distance *= 2
             if op == "avg":
                 flat.div_(n)
-            if rank + power < n:                # and hand the result back
+            if rank + power < n:  # and hand the result back
                 send_recv(flat, NOTHING, rank + power, rank + power, group)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
     return tensor
 
 
-ALGORITHMS = {"recursive_doubling": recursive_doubling_all_reduce, "halving_doubling": halving_doubling_all_reduce,
-              "ring": ring_all_reduce, "direct": direct_all_reduce}
+ALGORITHMS = {
+    "recursive_doubling": recursive_doubling_all_reduce,
+    "halving_doubling": halving_doubling_all_reduce,
+    "ring": ring_all_reduce,
+    "direct": direct_all_reduce,
+}
 
 
 def predicted_times(model: AlphaBeta, nbytes, world_size: int) -> dict:
     """Seconds for each algorithm of ``ALGORITHMS`` under the alpha-beta ``model``."""
-    return {"recursive_doubling": doubling_time(model, nbytes, world_size),
-            "halving_doubling": halving_doubling_time(model, nbytes, world_size),
-            "ring": model.ring_all_reduce_time(nbytes, world_size)}
+    return {
+        "recursive_doubling": doubling_time(model, nbytes, world_size),
+        "halving_doubling": halving_doubling_time(model, nbytes, world_size),
+        "ring": model.ring_all_reduce_time(nbytes, world_size),
+    }
 
 
 def choose_algorithm(nbytes: int, world_size: int, model: AlphaBeta, direct_from: int | None = None) -> str:
@@ -132,19 +145,19 @@ def choose_algorithm(nbytes: int, world_size: int, model: AlphaBeta, direct_from
     return min(times, key=times.get)
 
 
-def all_reduce(tensor: torch.Tensor, op="sum", group=None, *, model: AlphaBeta,
-               direct_from: int | None = None) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor, op="sum", group=None, *, model: AlphaBeta, direct_from: int | None = None
+) -> torch.Tensor:
     """All-reduce in place with the algorithm ``choose_algorithm`` picks for its size."""
     _, n = collective_rank_and_size(group)
     nbytes = tensor.numel() * tensor.element_size()
     return ALGORITHMS[choose_algorithm(nbytes, n, model, direct_from)](tensor, op, group)
 
 
-DIRECT_RACE_SIZES = (1 << 20, 4 << 20, 16 << 20)   # bytes at which direct_crossover_on_the_spot races
+DIRECT_RACE_SIZES = (1 << 20, 4 << 20, 16 << 20)  # bytes at which direct_crossover_on_the_spot races
 
 
-def direct_crossover_on_the_spot(group=None, sizes=DIRECT_RACE_SIZES, rounds: int = 6,
-                                 device=None) -> int | None:
+def direct_crossover_on_the_spot(group=None, sizes=DIRECT_RACE_SIZES, rounds: int = 6, device=None) -> int | None:
     """The smallest of ``sizes`` from which direct exchange beat halving-doubling at every larger
     size too, raced on the spot (``race_all_reduces``, median of ``rounds``); None if it lost at
     the largest, or on a GPU (direct exchange is gloo-only). Call on every rank: the times are
@@ -157,8 +170,10 @@ def direct_crossover_on_the_spot(group=None, sizes=DIRECT_RACE_SIZES, rounds: in
     """
     if device is not None and torch.device(device).type == "cuda":
         return None
-    contenders = {"halving": lambda t: halving_doubling_all_reduce(t, group=group),
-                  "direct": lambda t: direct_all_reduce(t, group=group)}
+    contenders = {
+        "halving": lambda t: halving_doubling_all_reduce(t, group=group),
+        "direct": lambda t: direct_all_reduce(t, group=group),
+    }
     crossover = None
     for nbytes, times in reversed(race_all_reduces(contenders, sorted(sizes), rounds, group, device)):
         if times["direct"] >= times["halving"]:
@@ -167,8 +182,7 @@ def direct_crossover_on_the_spot(group=None, sizes=DIRECT_RACE_SIZES, rounds: in
     return crossover
 
 
-def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), iters: int = 7,
-                    device=None) -> AlphaBeta:
+def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), iters: int = 7, device=None) -> AlphaBeta:
     """Fit alpha and beta from exchanges timed while *every* rank exchanges at once.
 
     Call on every rank. Rank ``r`` swaps a buffer with rank ``r XOR 1`` (a last, unpaired rank
@@ -185,20 +199,19 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
     if n < 2:
         raise ValueError("fitting alpha-beta needs at least two ranks")
     partner = rank ^ 1
-    buffers = [(torch.zeros(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device))
-               for nbytes in sizes]
+    buffers = [(torch.zeros(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)) for nbytes in sizes]
     tries = [[0.0] if partner >= n else [] for _ in sizes]
-    with keeping_exchanges():           # as inside the collectives (see ring.keeping_exchanges)
+    with keeping_exchanges():  # as inside the collectives (see ring.keeping_exchanges)
         if partner < n:
             for send, receive in buffers:
-                send_recv(send, receive, partner, partner, group)    # warm the connection and buffers up
+                send_recv(send, receive, partner, partner, group)  # warm the connection and buffers up
         dist.barrier(group=group)
         # Each try times every size once, so that a slow spell of the machine (another process taking
         # a core for a few milliseconds) spoils one try of each size rather than all tries of one: a
         # whole size measured slow bends the line, and one fit once came out with alpha near 2 ms.
         for _ in range(iters if partner < n else 0):
             for i, (send, receive) in enumerate(buffers):
-                wait_for_device(device)   # so that the fit is of transfer times, not of launch times
+                wait_for_device(device)  # so that the fit is of transfer times, not of launch times
                 start = time.perf_counter()
                 send_recv(send, receive, partner, partner, group)
                 wait_for_device(device)
@@ -216,8 +229,13 @@ def fit_on_the_spot(group=None, sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), ite
     return fit_alpha_beta(sizes, elapsed.tolist())
 
 
-def all_reduce_contenders(group=None, model: AlphaBeta | None = None, again: bool = False,
-                          direct: bool = False, direct_from: int | None = None) -> dict:
+def all_reduce_contenders(
+    group=None,
+    model: AlphaBeta | None = None,
+    again: bool = False,
+    direct: bool = False,
+    direct_from: int | None = None,
+) -> dict:
     """The all-reduces to compare, by name: the backend's, the ring, doubling, halving-doubling and (with
     a model) the choice among them, with direct exchange from ``direct_from`` bytes up. With
     ``direct`` direct exchange races too. With ``again`` the backend's runs a second time, as
@@ -239,8 +257,9 @@ def all_reduce_contenders(group=None, model: AlphaBeta | None = None, again: boo
     return contenders
 
 
-def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, device=None,
-                     callback=None, keep=None) -> list[tuple[int, dict]]:
+def race_all_reduces(
+    contenders: dict, sizes, rounds: int = 3, group=None, device=None, callback=None, keep=None
+) -> list[tuple[int, dict]]:
     """Time every contender on every size; ``[(bytes, {name: seconds per call})]``, the same on all ranks.
 
     Call on every rank. The contenders take turns round by round on the same tensor, in the
@@ -261,16 +280,16 @@ def race_all_reduces(contenders: dict, sizes, rounds: int = 3, group=None, devic
     rows = []
     for nbytes in sizes:
         x = torch.randn(max(1, nbytes // 4), device=device)
-        calls = max(1, min(10, (16 << 20) // max(nbytes, 1)))   # several calls when one is too short to time
+        calls = max(1, min(10, (16 << 20) // max(nbytes, 1)))  # several calls when one is too short to time
         times = {name: [] for name in contenders}
-        for run in contenders.values():                          # warm up: buffers, connections
+        for run in contenders.values():  # warm up: buffers, connections
             run(x)
         # what ran just before can cost the next call (on gloo, 4 ranks, 1 MiB recursive doubling
         # came out 1.3x the backend in one fixed order and 1.5-2.4x in another): balanced orders
         # spread that over all of them
         for order in balanced_orders(list(contenders), rounds):
             for name in order:
-                x.normal_()                                      # fresh values: repeated sums never overflow
+                x.normal_()  # fresh values: repeated sums never overflow
                 run = contenders[name]
                 times[name].append(time_collective(lambda: run(x), calls, warmup=0, group=group, device=device))
         rows.append((x.numel() * x.element_size(), {name: keep(t) for name, t in times.items()}))

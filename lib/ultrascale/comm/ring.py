@@ -57,8 +57,10 @@ def normalise_op(op, dtype: torch.dtype) -> str:
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS} (or the matching dist.ReduceOp), got {op!r}")
     if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"op='avg' needs a floating-point tensor, got {dtype}; use 'sum' "
-                         "and divide yourself, or convert the tensor with .float() first")
+        raise ValueError(
+            f"op='avg' needs a floating-point tensor, got {dtype}; use 'sum' "
+            "and divide yourself, or convert the tensor with .float() first"
+        )
     return op
 
 
@@ -117,11 +119,13 @@ def exchange(sends, recvs, right: int, left: int, group, tag: int = 0, batched: 
     sends = [(t, tag + i) for i, t in enumerate(sends) if t.numel() > 0]
     recvs = [(t, tag + i) for i, t in enumerate(recvs) if t.numel() > 0]
     if batched or right == left or any(t.is_cuda for t, _ in sends + recvs):
-        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=right, tag=k) for t, k in sends] + \
-              [dist.P2POp(dist.irecv, t, group=group, group_peer=left, tag=k) for t, k in recvs]
+        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=right, tag=k) for t, k in sends] + [
+            dist.P2POp(dist.irecv, t, group=group, group_peer=left, tag=k) for t, k in recvs
+        ]
         return dist.batch_isend_irecv(ops) if ops else []
-    return [dist.isend(t, group=group, group_dst=right, tag=k) for t, k in sends] + \
-           [dist.irecv(t, group=group, group_src=left, tag=k) for t, k in recvs]
+    return [dist.isend(t, group=group, group_dst=right, tag=k) for t, k in sends] + [
+        dist.irecv(t, group=group, group_src=left, tag=k) for t, k in recvs
+    ]
 
 
 def ring_neighbours(group, what: str = "the ring collectives") -> tuple[int, int, int, int]:
@@ -131,8 +135,9 @@ def ring_neighbours(group, what: str = "the ring collectives") -> tuple[int, int
     return r, n, (r + 1) % n, (r - 1) % n
 
 
-def ring_step(sends, recvs, group, *, tag: int = 0, batched: bool = False, timeline=None,
-              name: str = "ring step") -> list:
+def ring_step(
+    sends, recvs, group, *, tag: int = 0, batched: bool = False, timeline=None, name: str = "ring step"
+) -> list:
     """Start sending ``sends`` to the next rank of ``group`` and receiving ``recvs`` from the
     previous one (posted by ``exchange``, as NCCL needs them); return the works without
     waiting, so the caller computes while the tensors travel. With a ``timeline`` the step is
@@ -170,8 +175,9 @@ def ring_blocks(block, group, receive_buffer, **step_options):
         works = []
         if step < n - 1:
             incoming = receive_buffer(step, (owner - 1) % n)
-            works = ring_step(_tensors(current), _tensors(incoming), group,
-                              name=name.format(step=step + 1), **step_options)
+            works = ring_step(
+                _tensors(current), _tensors(incoming), group, name=name.format(step=step + 1), **step_options
+            )
         yield owner, current
         wait_all(works)
         if step < n - 1:
@@ -199,8 +205,7 @@ def reduce_round_ring(term, group, add, receive_buffer=None, **step_options):
         if incoming is not None:
             add(running, incoming)
         if step < n - 1:
-            incoming = (torch.empty_like(running) if receive_buffer is None
-                        else receive_buffer(step, (shard - 1) % n))
+            incoming = torch.empty_like(running) if receive_buffer is None else receive_buffer(step, (shard - 1) % n)
             works = ring_step([running], [incoming], group, name=name.format(step=step + 1), **step_options)
     return running
 
@@ -259,9 +264,12 @@ def _reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group) -> None:
     # One receive buffer, reused in every step (and every call): each step's sum is added
     # before the next receive is posted.
     buffer = receive_buffer(max(c.numel() for c in chunks), chunks[0])
-    reduce_round_ring(lambda shard: chunks[shard], group,
-                      lambda target, incoming: reduce_into(target, incoming, op),
-                      lambda step, shard: buffer[: chunks[shard].numel()])
+    reduce_round_ring(
+        lambda shard: chunks[shard],
+        group,
+        lambda target, incoming: reduce_into(target, incoming, op),
+        lambda step, shard: buffer[: chunks[shard].numel()],
+    )
     if op == "avg":
         chunks[r].div_(n)
 
@@ -310,8 +318,10 @@ def ring_all_gather(chunk: torch.Tensor, numel: int | None = None, group=None) -
     else:
         expected = chunk_sizes(numel, n)[r]
         if chunk.numel() != expected:
-            raise ValueError(f"rank {r}: chunk has {chunk.numel()} elements but the "
-                             f"tensor_split rule gives {expected} for numel={numel}, N={n}")
+            raise ValueError(
+                f"rank {r}: chunk has {chunk.numel()} elements but the "
+                f"tensor_split rule gives {expected} for numel={numel}, N={n}"
+            )
         output = chunk.new_empty(numel)
     with record_op("ring_all_gather", group), keeping_exchanges():
         chunks = list(torch.tensor_split(output.view(-1), n))

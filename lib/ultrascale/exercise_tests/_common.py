@@ -25,7 +25,7 @@ import torch
 
 from ultrascale.parity import max_difference, tolerance
 
-TOL = tolerance(None)       # float32, one forward and backward: rounding only
+TOL = tolerance(None)  # float32, one forward and backward: rounding only
 
 
 def layouts(world_size: int, quick: bool) -> list:
@@ -33,8 +33,11 @@ def layouts(world_size: int, quick: bool) -> list:
     once into halves and once into rank 0 alone and the rest (a group whose ranks are not the
     global ones: its first rank is global rank 1)."""
     sizes = sorted({2, 3, world_size} if quick else {2, 3, 4, world_size})
-    return ([(n, None) for n in sizes] + [(n, "halves") for n in sizes if n >= 3]
-            + [(n, "rank 0 alone") for n in sizes if n >= 3])
+    return (
+        [(n, None) for n in sizes]
+        + [(n, "halves") for n in sizes if n >= 3]
+        + [(n, "rank 0 alone") for n in sizes if n >= 3]
+    )
 
 
 def tp_group(ctx, split):
@@ -51,8 +54,10 @@ def tp_group(ctx, split):
     first, second = list(range(cut)), list(range(cut, n))
     groups = (ctx.new_group(first), ctx.new_group(second))
     mine = 0 if ctx.rank < cut else 1
-    return groups[mine], (f"{n} ranks split into tp groups {first} and {second} (every collective must "
-                          f"pass group=group, or it sums over the wrong ranks)")
+    return groups[mine], (
+        f"{n} ranks split into tp groups {first} and {second} (every collective must "
+        f"pass group=group, or it sums over the wrong ranks)"
+    )
 
 
 def randn(shape, seed: int, *salt: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -82,8 +87,10 @@ def same_collectives(got, expected, who: str) -> str | None:
         return f"{who} called {describe(got)}; expected {describe(expected)}"
     sent, wanted = sum(b for _, b in got), sum(b for _, b in expected)
     if sent != wanted:
-        return (f"{who} called {describe(got)} as expected, but it moved {sent:,} bytes from this rank where "
-                f"the library moves {wanted:,}: communicate the tensor itself, once, not a larger or padded one")
+        return (
+            f"{who} called {describe(got)} as expected, but it moved {sent:,} bytes from this rank where "
+            f"the library moves {wanted:,}: communicate the tensor itself, once, not a larger or padded one"
+        )
     return None
 
 
@@ -97,8 +104,10 @@ def wrong_group(sizes, n: int) -> str | None:
     other = [size for size in sizes if size != n]
     if not other:
         return None
-    return (f"a collective ran over {other[0]} ranks, not over the {n} ranks of the tp group: pass group=group to "
-            "every collective (without it, a collective runs over all the ranks of the job)")
+    return (
+        f"a collective ran over {other[0]} ranks, not over the {n} ranks of the tp group: pass group=group to "
+        "every collective (without it, a collective runs over all the ranks of the job)"
+    )
 
 
 class SharedBranch:
@@ -128,15 +137,22 @@ def shared_problem(got, upstream) -> str | None:
     if shared is None or shared["side"] is None:
         return None
     if not torch.equal(shared["incoming"], upstream) or not torch.equal(shared["side"], 2 * upstream):
-        return ("the backward changed the gradient it was given in place (a collective on grad itself, e.g. "
-                "dist.all_reduce(grad)). Autograd hands that same tensor to the other branches that use the "
-                "output: with out = y + r (a residual), r's gradient changed too. Leave the incoming gradient "
-                "alone: communicate a copy (grad.clone()) and return it")
+        return (
+            "the backward changed the gradient it was given in place (a collective on grad itself, e.g. "
+            "dist.all_reduce(grad)). Autograd hands that same tensor to the other branches that use the "
+            "output: with out = y + r (a residual), r's gradient changed too. Leave the incoming gradient "
+            "alone: communicate a copy (grad.clone()) and return it"
+        )
     return None
 
 
-_C10D_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "allgather_base": "all_gather_into_tensor",
-               "reduce_scatter_base": "reduce_scatter_tensor", "alltoall_base": "all_to_all_single"}
+_C10D_NAMES = {
+    "allreduce": "all_reduce",
+    "allgather": "all_gather",
+    "allgather_base": "all_gather_into_tensor",
+    "reduce_scatter_base": "reduce_scatter_tensor",
+    "alltoall_base": "all_to_all_single",
+}
 
 
 @contextlib.contextmanager
@@ -162,8 +178,10 @@ def untracked_collectives():
 def untracked_problem(found, instead: str) -> str | None:
     if not found:
         return None
-    return (f"your code called {', '.join(found)} directly on a tensor that autograd tracks. A plain collective "
-            "has no backward: PyTorch only warns and passes the gradient through unchanged. Use " + instead)
+    return (
+        f"your code called {', '.join(found)} directly on a tensor that autograd tracks. A plain collective "
+        "has no backward: PyTorch only warns and passes the gradient through unchanged. Use " + instead
+    )
 
 
 @contextlib.contextmanager
@@ -189,8 +207,11 @@ def refused_library(forbid=None):
 
 
 def close(got, want) -> bool:
-    return (torch.is_tensor(got) and tuple(got.shape) == tuple(want.shape)
-            and bool(torch.allclose(got.detach().to(want.dtype), want, **TOL)))
+    return (
+        torch.is_tensor(got)
+        and tuple(got.shape) == tuple(want.shape)
+        and bool(torch.allclose(got.detach().to(want.dtype), want, **TOL))
+    )
 
 
 def off_by(got, want) -> str:
@@ -234,6 +255,12 @@ def _run_pair(apply, x, upstream, group, forbid=None) -> dict:
             shared = branch.backward(apply(x.clone().requires_grad_(), group))
     if refusal.message:
         return {"forbidden": refusal.message}
-    return {"y": y.detach().clone() if torch.is_tensor(y) else y, "grad": given.grad, "changed": changed,
-            "forward": collectives(forward), "backward": collectives(backward), "shared": shared,
-            "sizes": group_sizes(forward, backward, again)}
+    return {
+        "y": y.detach().clone() if torch.is_tensor(y) else y,
+        "grad": given.grad,
+        "changed": changed,
+        "forward": collectives(forward),
+        "backward": collectives(backward),
+        "shared": shared,
+        "sizes": group_sizes(forward, backward, again),
+    }

@@ -31,9 +31,11 @@ import torch.distributed as dist
 
 from ..grading.guards import swapped_dist_functions
 
-HINT = ("Pass group=group to every collective, send and receive; take the size and the rank from the group "
-        "(dist.get_world_size and dist.get_rank take it too), not from the world; a rank within the group goes to "
-        "group_dst= / group_src= / group_peer=, while dst= / src= take a global rank")
+HINT = (
+    "Pass group=group to every collective, send and receive; take the size and the rank from the group "
+    "(dist.get_world_size and dist.get_rank take it too), not from the world; a rank within the group goes to "
+    "group_dst= / group_src= / group_peer=, while dst= / src= take a global rank"
+)
 
 
 class Split:
@@ -79,12 +81,14 @@ class Split:
             raise AssertionError(
                 f"{what} on {self}: the ranks waited for each other for {timeout:g} s and were stopped. A collective "
                 "over the default group, or a send or receive to a rank outside the group, waits for ranks that "
-                f"never come: did you pass group=? {HINT}") from None
+                f"never come: did you pass group=? {HINT}"
+            ) from None
         except RankError as err:
             if "NotImplementedError" in err.type_names:
                 raise
-            raise AssertionError(f"{what} on {self}: your code raised {_one_line(err)}. Did you pass group=? "
-                                 f"{HINT}") from None
+            raise AssertionError(
+                f"{what} on {self}: your code raised {_one_line(err)}. Did you pass group=? {HINT}"
+            ) from None
 
 
 class GroupContext:
@@ -108,9 +112,22 @@ class GroupContext:
 
 
 # the *_single names are torch 2.13's (comm.functional's all_gather_into and reduce_scatter_into call them)
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-               "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
-               "reduce", "gather", "scatter", "barrier")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+)
 
 
 class WrongGroup(Exception):
@@ -131,10 +148,14 @@ def only_group(group, what: str):
             given = signature.bind(*args, **kwargs).arguments.get("group")
             ranks = dist.get_process_group_ranks(given or dist.group.WORLD)
             if ranks != want:
-                over = ("the default group (no group=)" if given in (None, dist.group.WORLD)
-                        else f"the group of ranks {ranks}")
+                over = (
+                    "the default group (no group=)"
+                    if given in (None, dist.group.WORLD)
+                    else f"the group of ranks {ranks}"
+                )
                 raise WrongGroup(f"{what} called dist.{name} over {over}, not over the group it was given, {want}")
             return original(*args, **kwargs)
+
         return guarded
 
     with swapped_dist_functions(COLLECTIVES, guard):

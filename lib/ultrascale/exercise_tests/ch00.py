@@ -41,7 +41,9 @@ def _mean_on_rank(ctx, mean_across_ranks, shapes, seed):
 
 
 @exercise("00.mean_across_ranks", points=1)
-def test_mean_across_ranks(mean_across_ranks, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60):
+def test_mean_across_ranks(
+    mean_across_ranks, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60
+):
     """Each rank must return the element-wise mean of every rank's input tensor.
 
     Runs on several cluster sizes, so that dividing by a fixed number fails.
@@ -60,11 +62,14 @@ def test_mean_across_ranks(mean_across_ranks, world_size: int = 3, quick: bool =
                 assert isinstance(got, torch.Tensor), f"{where}: expected a tensor back, got {type(got).__name__}"
                 assert tuple(got.shape) == shape, f"{where}: expected shape {shape}, got {tuple(got.shape)}"
                 if not torch.allclose(got.float(), expected, rtol=1e-5, atol=1e-6):
-                    raise AssertionError(f"{where}: wrong values. {_diagnose(got.float(), expected, inputs, rank, size)}")
+                    raise AssertionError(
+                        f"{where}: wrong values. {_diagnose(got.float(), expected, inputs, rank, size)}"
+                    )
                 assert input_kept, (
                     f"{where}: the values are right, but your function changed the tensor it was given "
                     "(dist.all_reduce overwrites its argument in place). Leave the caller's tensor alone: "
-                    "all-reduce a copy, e.g. total = tensor.clone()")
+                    "all-reduce a copy, e.g. total = tensor.clone()"
+                )
 
 
 def _diagnose(got, expected, inputs, rank, size) -> str:
@@ -82,6 +87,7 @@ def _diagnose(got, expected, inputs, rank, size) -> str:
 
 
 # ---- 00.pipeline_stage_layers ------------------------------------------------------
+
 
 def reference_stage_layers(num_layers: int, pp_degree: int) -> list:
     """As even as possible; the first ``num_layers % pp_degree`` stages get one extra."""
@@ -108,14 +114,20 @@ def test_pipeline_stage_layers(pipeline_stage_layers, quick: bool = True):
         got = list(got)
         assert len(got) == pp, f"{call}: expected one entry per stage ({pp}), got {len(got)}: {got}"
         assert sum(got) == num_layers, f"{call}: the stages hold {sum(got)} layers in total, not {num_layers}: {got}"
-        assert got == expected, f"{call}: expected {expected}, got {got} (as even as possible, extra layers on the first stages)"
+        assert got == expected, (
+            f"{call}: expected {expected}, got {got} (as even as possible, extra layers on the first stages)"
+        )
     for num_layers, pp in [(4, 0), (4, 5), (1, 2)]:
-        why = ("there must be at least one stage" if pp < 1
-               else f"{pp} stages cannot each get at least one of {num_layers} layers")
+        why = (
+            "there must be at least one stage"
+            if pp < 1
+            else f"{pp} stages cannot each get at least one of {num_layers} layers"
+        )
         expect_value_error(pipeline_stage_layers, num_layers, pp, why=why)
 
 
 # ---- 00.memory_per_stage -----------------------------------------------------------
+
 
 def layer_params(hidden_size: int) -> int:
     """Parameters of one transformer block in the book's formula: 12h^2 + 13h."""

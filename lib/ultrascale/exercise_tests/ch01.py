@@ -30,6 +30,7 @@ from ultrascale.model import GPT, GPTConfig, LlamaConfig, build_model, count_par
 
 # ---- 01.param_count ------------------------------------------------------------------
 
+
 def reference_param_count(hidden: int, vocab: int, layers: int, tied: bool = True) -> int:
     h, v, L = hidden, vocab, layers
     return h * v + L * (12 * h * h + 13 * h) + 2 * h + (0 if tied else h * v)
@@ -50,7 +51,8 @@ def _check_count(gpt_param_count, args, tied, expected):
     if isinstance(got, float) and not isinstance(got, Integral):
         assert got == expected and got.is_integer(), (
             f"{call} returned the float {got!r}, expected {expected:,}: count with integers "
-            "(h * h, not math.pow or h ** 2.0) so that large models stay exact")
+            "(h * h, not math.pow or h ** 2.0) so that large models stay exact"
+        )
     if got == expected:
         return
     h, v, L = args
@@ -75,8 +77,12 @@ def test_param_count(gpt_param_count, quick: bool = True):
 
     # building the model and summing its parameters answers without counting (on the meta device it
     # even costs nothing): refused, as the library's own count is
-    gpt_param_count = without_library(gpt_param_count, [count_params, GPT, Block], "01.param_count",
-                                      "add up the blocks, the embedding, the final LayerNorm and maybe the head")
+    gpt_param_count = without_library(
+        gpt_param_count,
+        [count_params, GPT, Block],
+        "01.param_count",
+        "add up the blocks, the embedding, the final LayerNorm and maybe the head",
+    )
     # realistic shapes first (their messages are the easiest to read), then degenerate ones
     hiddens = (64, 768, 4096, 12288, 1, 2, 7) if quick else (64, 100, 768, 2048, 4096, 12288, 16384, 1, 2, 3, 7, 8)
     for h in hiddens:
@@ -87,10 +93,15 @@ def test_param_count(gpt_param_count, quick: bool = True):
     # the same numbers as the course model's own counter
     for h, v, L in [(64, 256, 2), (768, 50257, 12), (12288, 50257, 96)]:
         assert reference_param_count(h, v, L) == count_params(GPTConfig(vocab_size=v, hidden=h, layers=L, heads=4))
-        _check_count(gpt_param_count, (h, v, L), True, count_params(GPTConfig(vocab_size=v, hidden=h, layers=L, heads=4)))
+        _check_count(
+            gpt_param_count, (h, v, L), True, count_params(GPTConfig(vocab_size=v, hidden=h, layers=L, heads=4))
+        )
     # and the parameters PyTorch really allocates
-    shapes = [(8, 10, 1, 2), (16, 97, 2, 4), (32, 256, 3, 4)] if quick else \
-        [(8, 10, 1, 2), (16, 97, 2, 4), (32, 256, 3, 4), (48, 50, 5, 6), (64, 256, 2, 4)]
+    shapes = (
+        [(8, 10, 1, 2), (16, 97, 2, 4), (32, 256, 3, 4)]
+        if quick
+        else [(8, 10, 1, 2), (16, 97, 2, 4), (32, 256, 3, 4), (48, 50, 5, 6), (64, 256, 2, 4)]
+    )
     for h, v, L, heads in shapes:
         config = GPTConfig(vocab_size=v, hidden=h, layers=L, heads=heads)
         for tied in (True, False):
@@ -98,6 +109,7 @@ def test_param_count(gpt_param_count, quick: bool = True):
 
 
 # ---- 01.activation_memory ------------------------------------------------------------
+
 
 def reference_activation_memory(layers, hidden, heads, seq, micro_batch, recompute="none"):
     shape = SimpleNamespace(layers=layers, hidden=hidden, heads=heads)
@@ -120,8 +132,9 @@ def _activation_hint(got, layers, hidden, heads, seq, bs, mode) -> str:
 @exercise("01.activation_memory", points=1)
 def test_activation_memory(activation_memory, quick: bool = True):
     """Every recomputation mode over many shapes, the default mode, and a clear error."""
-    activation_memory = without_library(activation_memory, [activation_bytes], "01.activation_memory",
-                                        "write the three formulas of the exercise")
+    activation_memory = without_library(
+        activation_memory, [activation_bytes], "01.activation_memory", "write the three formulas of the exercise"
+    )
     shapes = [(1, 64, 4), (2, 64, 1), (32, 4096, 32), (80, 8192, 64), (126, 16384, 128), (96, 12288, 96)]
     seqs = (1, 128, 1000, 4096) if quick else (1, 2, 128, 1000, 2048, 4096, 8192, 32768)
     batches = (1, 3) if quick else (1, 2, 3, 8, 32)
@@ -131,29 +144,45 @@ def test_activation_memory(activation_memory, quick: bool = True):
                 for mode in ("none", "selective", "full"):
                     call = f"activation_memory({layers}, {hidden}, {heads}, seq={seq}, micro_batch={bs}, recompute={mode!r})"
                     expected = reference_activation_memory(layers, hidden, heads, seq, bs, mode)
-                    got = call_learner(activation_memory, layers, hidden, heads, seq, bs, mode, call=call,
-                                       expected=f"{expected:,} bytes")
+                    got = call_learner(
+                        activation_memory,
+                        layers,
+                        hidden,
+                        heads,
+                        seq,
+                        bs,
+                        mode,
+                        call=call,
+                        expected=f"{expected:,} bytes",
+                    )
                     assert got is not None, f"{call} returned None: return the number of bytes"
                     assert math.isclose(got, expected, rel_tol=1e-9), (
                         f"{call}: expected {expected:,} bytes, got {got:,}"
-                        f"{_activation_hint(got, layers, hidden, heads, seq, bs, mode)}")
+                        f"{_activation_hint(got, layers, hidden, heads, seq, bs, mode)}"
+                    )
     default = call_learner(activation_memory, 32, 4096, 32, 4096, 1)
     assert math.isclose(default, reference_activation_memory(32, 4096, 32, 4096, 1), rel_tol=1e-9), (
         f"activation_memory(32, 4096, 32, 4096, 1) should default to recompute='none' "
-        f"({reference_activation_memory(32, 4096, 32, 4096, 1):,} bytes, about 1.04e11), got {default:,}")
-    expect_value_error(activation_memory, 2, 64, 4, 128, 1, "partial",
-                       why="only 'none', 'selective' and 'full' exist")
+        f"({reference_activation_memory(32, 4096, 32, 4096, 1):,} bytes, about 1.04e11), got {default:,}"
+    )
+    expect_value_error(activation_memory, 2, 64, 4, 128, 1, "partial", why="only 'none', 'selective' and 'full' exist")
 
 
 # ---- 01.grad_accumulation ------------------------------------------------------------
 
+
 def _grad_cases(quick: bool):
-    configs = [GPTConfig(vocab_size=50, hidden=32, layers=2, heads=4),
-               LlamaConfig(vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48)]
+    configs = [
+        GPTConfig(vocab_size=50, hidden=32, layers=2, heads=4),
+        LlamaConfig(vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48),
+    ]
     if not quick:
         configs.append(GPTConfig(vocab_size=97, hidden=48, layers=3, heads=6))
-    plans = [(1, 1, 8), (2, 4, 6), (3, 1, 5), (4, 2, 7)] if quick else \
-        [(1, 1, 8), (1, 5, 4), (2, 4, 6), (3, 1, 5), (3, 2, 9), (4, 2, 7), (8, 1, 4)]
+    plans = (
+        [(1, 1, 8), (2, 4, 6), (3, 1, 5), (4, 2, 7)]
+        if quick
+        else [(1, 1, 8), (1, 5, 4), (2, 4, 6), (3, 1, 5), (3, 2, 9), (4, 2, 7), (8, 1, 4)]
+    )
     for i, config in enumerate(configs):
         for j, (grad_acc, mbs, seq) in enumerate(plans):
             yield 100 * i + j, config, grad_acc, mbs, seq
@@ -171,7 +200,7 @@ def test_grad_accumulation(accumulate_gradients, quick: bool = True, seed: int =
         batch = mbs * grad_acc
         inputs = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
         targets = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-        where = (f"{type(model).__name__}, batch of {batch} = {mbs} x grad_acc {grad_acc}, seq {seq}")
+        where = f"{type(model).__name__}, batch of {batch} = {mbs} x grad_acc {grad_acc}, seq {seq}"
 
         loss = reference.loss(inputs, targets)
         loss.backward()
@@ -191,8 +220,12 @@ def test_grad_accumulation(accumulate_gradients, quick: bool = True, seed: int =
         assert sizes, f"{where}: the model was never called"
         assert sizes == [mbs] * grad_acc, (
             f"{where}: expected {grad_acc} forward passes of {mbs} sequences each, got batch sizes {sizes}"
-            + (" (the whole batch went through at once: split it into grad_acc micro-batches)"
-               if sizes == [batch] and grad_acc > 1 else ""))
+            + (
+                " (the whole batch went through at once: split it into grad_acc micro-batches)"
+                if sizes == [batch] and grad_acc > 1
+                else ""
+            )
+        )
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             assert torch.equal(p, q), f"{where}: parameter {name} changed: accumulate gradients, do not step"
             assert p.grad is not None, f"{where}: parameter {name} has no gradient"
@@ -204,13 +237,19 @@ def test_grad_accumulation(accumulate_gradients, quick: bool = True, seed: int =
             elif torch.allclose(p.grad - stale[name], q.grad, rtol=1e-5, atol=1e-5):
                 hint = " The gradients of an earlier step were still in .grad: clear them first."
             elif torch.allclose(p.grad - stale[name], grad_acc * q.grad, rtol=1e-5, atol=1e-5):
-                hint = (" Clear the old gradients first, and divide each micro-batch loss by grad_acc.")
+                hint = " Clear the old gradients first, and divide each micro-batch loss by grad_acc."
             err = (p.grad - q.grad).abs().max().item()
-            raise AssertionError(f"{where}: the gradient of {name} differs from the whole-batch gradient "
-                                 f"(largest difference {err:.3g}).{hint}")
+            raise AssertionError(
+                f"{where}: the gradient of {name} differs from the whole-batch gradient "
+                f"(largest difference {err:.3g}).{hint}"
+            )
         assert got_loss is not None, f"{where}: return the mean loss over the whole batch"
         got_loss = float(got_loss)
         assert math.isclose(got_loss, expected_loss, rel_tol=1e-5), (
             f"{where}: returned loss {got_loss:.6f}, the whole batch's mean loss is {expected_loss:.6f}"
-            + (" (that is the sum of the micro-batch means: return their mean)"
-               if math.isclose(got_loss, grad_acc * expected_loss, rel_tol=1e-5) and grad_acc > 1 else ""))
+            + (
+                " (that is the sum of the micro-batch means: return their mean)"
+                if math.isclose(got_loss, grad_acc * expected_loss, rel_tol=1e-5) and grad_acc > 1
+                else ""
+            )
+        )

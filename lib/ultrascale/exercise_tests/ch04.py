@@ -64,14 +64,31 @@ import torch.nn.functional as F
 
 from ultrascale.grading import exercise
 
-from ._common import (SharedBranch, _run_pair, close, collectives, describe, group_sizes, off_by, randn,
-                      refused_library, run_layouts, same_collectives, shape_problem, shared_problem, tp_group,
-                      untracked_collectives, untracked_problem, wrong_group)
+from ._common import (
+    SharedBranch,
+    _run_pair,
+    close,
+    collectives,
+    describe,
+    group_sizes,
+    off_by,
+    randn,
+    refused_library,
+    run_layouts,
+    same_collectives,
+    shape_problem,
+    shared_problem,
+    tp_group,
+    untracked_collectives,
+    untracked_problem,
+    wrong_group,
+)
 
-SHAPE = (2, 3, 4)           # (batch, sequence, features) of the conjugate-pair inputs
+SHAPE = (2, 3, 4)  # (batch, sequence, features) of the conjugate-pair inputs
 
 
 # ---- 04.conjugate_pair ------------------------------------------------------------------
+
 
 def _pair_on_rank(ctx, Copy, Reduce, seed, split):
     from ultrascale.comm import functional
@@ -79,14 +96,19 @@ def _pair_on_rank(ctx, Copy, Reduce, seed, split):
 
     group, layout = tp_group(ctx, split)
     n = dist.get_world_size(group)
-    x = randn(SHAPE, seed, 1, ctx.rank, device=ctx.device)          # a different input on every rank
-    upstream = randn(SHAPE, seed, 2, ctx.rank, device=ctx.device)   # and a different upstream gradient
+    x = randn(SHAPE, seed, 1, ctx.rank, device=ctx.device)  # a different input on every rank
+    upstream = randn(SHAPE, seed, 2, ctx.rank, device=ctx.device)  # and a different upstream gradient
     # Everything runs before anything is judged: no rank may leave the others in a collective.
     library = {"Copy": _run_pair(f, x, upstream, group), "Reduce": _run_pair(f_star, x, upstream, group)}
-    forbid = ([functional._all_reduce], "04.conjugate_pair",
-              "f and f_star are what you are writing here: call dist.all_reduce yourself")
-    learner = {"Copy": _run_pair(Copy.apply, x, upstream, group, forbid),
-               "Reduce": _run_pair(Reduce.apply, x, upstream, group, forbid)}
+    forbid = (
+        [functional._all_reduce],
+        "04.conjugate_pair",
+        "f and f_star are what you are writing here: call dist.all_reduce yourself",
+    )
+    learner = {
+        "Copy": _run_pair(Copy.apply, x, upstream, group, forbid),
+        "Reduce": _run_pair(Reduce.apply, x, upstream, group, forbid),
+    }
     judge = {"Copy": _judge_copy, "Reduce": _judge_reduce}
     for name in ("Copy", "Reduce"):
         problem = judge[name](learner[name], library, x, upstream, n)
@@ -109,27 +131,35 @@ def _judge_copy(got, library, x, upstream, n) -> str | None:
         return "the forward changed x in place. f's forward is the identity: return x and leave it alone"
     if not close(y, x):
         if close(y, library["Reduce"]["y"]):
-            return ("the forward returned the sum of x over the ranks. f is the identity in forward: in tensor "
-                    "parallelism every rank already holds the same x. Its all-reduce belongs in backward")
+            return (
+                "the forward returned the sum of x over the ranks. f is the identity in forward: in tensor "
+                "parallelism every rank already holds the same x. Its all-reduce belongs in backward"
+            )
         return f"the forward must return x unchanged; it differs from x by up to {off_by(y, x)}"
     if grad is None:
         return "x.grad is None after backward: backward must return the gradient of x (and None for group)"
     want = library["Copy"]["grad"]
     if not close(grad, want):
         if close(grad, upstream) and n > 1:
-            return ("x.grad is this rank's own upstream gradient. The loss depends on x through every rank's "
-                    "slice of the computation, so dL/dx is the sum of all ranks' gradients: all-reduce "
-                    "(sum) the gradient in backward")
+            return (
+                "x.grad is this rank's own upstream gradient. The loss depends on x through every rank's "
+                "slice of the computation, so dL/dx is the sum of all ranks' gradients: all-reduce "
+                "(sum) the gradient in backward"
+            )
         if close(grad * n, want) and n > 1:
-            return (f"x.grad is the average over the {n} ranks; it must be the sum (the ranks' contributions "
-                    "add up, they are not copies of one gradient): no division")
+            return (
+                f"x.grad is the average over the {n} ranks; it must be the sum (the ranks' contributions "
+                "add up, they are not copies of one gradient): no division"
+            )
         return f"x.grad differs from the sum over ranks of the upstream gradients by up to {off_by(grad, want)}"
     problem = shared_problem(got, upstream)
     if problem:
         return problem
     if got["forward"]:
-        return (f"the forward called {describe(got['forward'])}. f needs no communication in forward "
-                "(x is already the same on every rank); its all-reduce belongs in backward")
+        return (
+            f"the forward called {describe(got['forward'])}. f needs no communication in forward "
+            "(x is already the same on every rank); its all-reduce belongs in backward"
+        )
     problem = same_collectives(got["backward"], library["Copy"]["backward"], "the backward")
     if problem:
         return problem + ". f's backward is exactly one all-reduce (sum) of the gradient"
@@ -147,13 +177,17 @@ def _judge_reduce(got, library, x, upstream, n) -> str | None:
     if problem:
         return problem
     if got["changed"]:
-        return ("the forward changed its input x in place (an all-reduce on x itself). The caller's tensor "
-                "may still be needed (by autograd, or elsewhere in the model): all-reduce a copy, x.clone()")
+        return (
+            "the forward changed its input x in place (an all-reduce on x itself). The caller's tensor "
+            "may still be needed (by autograd, or elsewhere in the model): all-reduce a copy, x.clone()"
+        )
     want = library["Reduce"]["y"]
     if not close(y, want):
         if close(y, x) and n > 1:
-            return ("the forward returned x unchanged. f* sums the ranks' partial results: all-reduce "
-                    "(sum) a copy of x and return it")
+            return (
+                "the forward returned x unchanged. f* sums the ranks' partial results: all-reduce "
+                "(sum) a copy of x and return it"
+            )
         if close(y * n, want) and n > 1:
             return f"the forward returned the average over the {n} ranks; f* returns their sum (no division)"
         return f"the forward differs from the sum of x over the ranks by up to {off_by(y, want)}"
@@ -161,10 +195,12 @@ def _judge_reduce(got, library, x, upstream, n) -> str | None:
         return "x.grad is None after backward: backward must return the gradient of x (and None for group)"
     if not close(grad, upstream):
         if close(grad, library["Copy"]["grad"]) and n > 1:
-            return ("backward all-reduced the gradient. f*'s backward is the identity: every rank's output is "
-                    "the same sum, so the gradient each rank receives is already the gradient of its input; "
-                    "summing it again adds the other ranks' (N times the gradient in a real model, where all "
-                    "ranks receive the same one)")
+            return (
+                "backward all-reduced the gradient. f*'s backward is the identity: every rank's output is "
+                "the same sum, so the gradient each rank receives is already the gradient of its input; "
+                "summing it again adds the other ranks' (N times the gradient in a real model, where all "
+                "ranks receive the same one)"
+            )
         return f"x.grad must be the upstream gradient as it is; it differs by up to {off_by(grad, upstream)}"
     problem = shared_problem(got, upstream)
     if problem:
@@ -173,21 +209,23 @@ def _judge_reduce(got, library, x, upstream, n) -> str | None:
     if problem:
         return problem + ". f* is exactly one all-reduce (sum) in forward"
     if got["backward"]:
-        return (f"the backward called {describe(got['backward'])}. f*'s backward is the identity and "
-                "communicates nothing")
+        return (
+            f"the backward called {describe(got['backward'])}. f*'s backward is the identity and communicates nothing"
+        )
     return None
 
 
 @exercise("04.conjugate_pair", points=2)
-def test_conjugate_pair(Copy, Reduce, world_size: int = 3, quick: bool = True, seed: int = 0,
-                        timeout: float = 60):
+def test_conjugate_pair(Copy, Reduce, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60):
     for name, cls in (("Copy", Copy), ("Reduce", Reduce)):
         assert isinstance(cls, type) and issubclass(cls, torch.autograd.Function), (
-            f"pass your {name} class itself (a subclass of torch.autograd.Function), got {cls!r}")
+            f"pass your {name} class itself (a subclass of torch.autograd.Function), got {cls!r}"
+        )
     run_layouts(_pair_on_rank, (Copy, Reduce, seed), world_size, quick, timeout)
 
 
 # ---- 04.column_parallel_linear and 04.row_parallel_linear --------------------------------
+
 
 def _full_linear(in_features: int, out_features: int, seed: int, device=None) -> nn.Linear:
     """The same layer in every process (seeded on the host, then moved to ``device``); its bias
@@ -223,9 +261,17 @@ def _run_linear(forward, x, weight, bias, group, dy, forbid=None) -> dict:
             shared = branch.backward(y)
     if refusal.message:
         return {"forbidden": refusal.message}
-    return {"y": y.detach() if torch.is_tensor(y) else y, "x": x.grad, "weight": weight.grad,
-            "bias": bias.grad, "forward": collectives(fwd), "backward": collectives(bwd), "untracked": untracked,
-            "shared": shared, "sizes": group_sizes(fwd, bwd)}
+    return {
+        "y": y.detach() if torch.is_tensor(y) else y,
+        "x": x.grad,
+        "weight": weight.grad,
+        "bias": bias.grad,
+        "forward": collectives(fwd),
+        "backward": collectives(bwd),
+        "untracked": untracked,
+        "shared": shared,
+        "sizes": group_sizes(fwd, bwd),
+    }
 
 
 def _grads_problem(got, want, names) -> str | None:
@@ -233,9 +279,11 @@ def _grads_problem(got, want, names) -> str | None:
         if got[name] is None:
             return f"{what}.grad is None after backward: {what} must be used, on the autograd graph"
         if not close(got[name], want[name]):
-            return (f"{what}.grad differs from the full layer's by up to {off_by(got[name], want[name])}"
-                    if got[name].shape == want[name].shape else
-                    f"{what}.grad has shape {tuple(got[name].shape)}, expected {tuple(want[name].shape)}")
+            return (
+                f"{what}.grad differs from the full layer's by up to {off_by(got[name], want[name])}"
+                if got[name].shape == want[name].shape
+                else f"{what}.grad has shape {tuple(got[name].shape)}, expected {tuple(want[name].shape)}"
+            )
     return None
 
 
@@ -244,17 +292,29 @@ def _column_on_rank(ctx, forward, seed, split):
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
-    local = 4                                        # output features per rank: 4n in all
+    local = 4  # output features per rank: 4n in all
     layer = _full_linear(6, local * n, seed, ctx.device)
-    x, dy = (randn((2, 3, 6), seed, 3, device=ctx.device),   # the same on every rank
-             randn((2, 3, local * n), seed, 4, device=ctx.device))
+    x, dy = (
+        randn((2, 3, 6), seed, 3, device=ctx.device),  # the same on every rank
+        randn((2, 3, local * n), seed, 4, device=ctx.device),
+    )
     rows = slice(r * local, (r + 1) * local)
     full = _reference(layer, x, dy)
     w, b = layer.weight.detach()[rows], layer.bias.detach()[rows]
     library = _run_linear(lambda *a: ColumnParallelLinear(a[1], a[2], a[3])(a[0]), x, w, b, group, dy[..., rows])
-    got = _run_linear(forward, x, w, b, group, dy[..., rows],
-                      ([ColumnParallelLinear.forward], "04.column_parallel_linear",
-                       "its ColumnParallelLinear is the answer; use f and F.linear"))
+    got = _run_linear(
+        forward,
+        x,
+        w,
+        b,
+        group,
+        dy[..., rows],
+        (
+            [ColumnParallelLinear.forward],
+            "04.column_parallel_linear",
+            "its ColumnParallelLinear is the answer; use f and F.linear",
+        ),
+    )
     want = {"y": full["y"][..., rows], "x": full["x"], "weight": full["weight"][rows], "bias": full["bias"][rows]}
     problem = _judge_column(got, want, library, w, b, dy[..., rows], n)
     return f"{layout}, rank {ctx.rank}: {problem}" if problem else None
@@ -268,9 +328,11 @@ def _judge_column(got, want, library, w, b, dy, n) -> str | None:
         return problem
     y = got["y"]
     if torch.is_tensor(y) and y.dim() == want["y"].dim() and y.shape[-1] == want["y"].shape[-1] * n and n > 1:
-        return (f"the output has shape {tuple(y.shape)}: all {y.shape[-1]} output features. A column-parallel "
-                f"layer returns only this rank's slice, {tuple(want['y'].shape)}; the row-parallel layer "
-                "after it takes the slices as they are")
+        return (
+            f"the output has shape {tuple(y.shape)}: all {y.shape[-1]} output features. A column-parallel "
+            f"layer returns only this rank's slice, {tuple(want['y'].shape)}; the row-parallel layer "
+            "after it takes the slices as they are"
+        )
     problem = shape_problem("the output", y, want["y"])
     if problem:
         return problem
@@ -278,16 +340,22 @@ def _judge_column(got, want, library, w, b, dy, n) -> str | None:
         if close(y + b, want["y"]):
             return "the output is missing the bias: y_r = x W_r^T + b_r"
         if close(y, n * (want["y"] - b) + b) and n > 1:
-            return (f"the output is {n} times too large: x was summed over the ranks in forward (f* instead of "
-                    "f?). x is already whole on every rank; f is the identity in forward")
-        return (f"the output differs from this rank's slice of the full layer's output by up to "
-                f"{off_by(y, want['y'])}: y_r = x W_r^T + b_r, with W_r and b_r as given")
+            return (
+                f"the output is {n} times too large: x was summed over the ranks in forward (f* instead of "
+                "f?). x is already whole on every rank; f is the identity in forward"
+            )
+        return (
+            f"the output differs from this rank's slice of the full layer's output by up to "
+            f"{off_by(y, want['y'])}: y_r = x W_r^T + b_r, with W_r and b_r as given"
+        )
     if got["x"] is None:
         return "x.grad is None after backward: compute the output from x, on the autograd graph"
     if not close(got["x"], want["x"]) and close(got["x"], dy @ w) and n > 1:
-        return ("x.grad holds only this rank's share of the gradient (from its own output features). The loss "
-                "depends on x through every rank's slice, so x.grad must be the sum of all ranks' shares: "
-                "route x through f (f(x, group)) before the matmul; its backward all-reduces them")
+        return (
+            "x.grad holds only this rank's share of the gradient (from its own output features). The loss "
+            "depends on x through every rank's slice, so x.grad must be the sum of all ranks' shares: "
+            "route x through f (f(x, group)) before the matmul; its backward all-reduces them"
+        )
     problem = _grads_problem(got, want, (("x", "x"), ("weight", "weight_shard"), ("bias", "bias_shard")))
     problem = problem or shared_problem(got, dy)
     if problem:
@@ -296,8 +364,10 @@ def _judge_column(got, want, library, w, b, dy, n) -> str | None:
     if problem:
         return problem
     if got["forward"]:
-        return (f"the forward called {describe(got['forward'])}. A column-parallel layer needs no communication "
-                "in forward: x is whole on every rank and the output stays split")
+        return (
+            f"the forward called {describe(got['forward'])}. A column-parallel layer needs no communication "
+            "in forward: x is whole on every rank and the output stays split"
+        )
     problem = same_collectives(got["backward"], library["backward"], "the backward")
     if problem:
         return problem + ": one all-reduce of x's gradient, from f"
@@ -305,8 +375,9 @@ def _judge_column(got, want, library, w, b, dy, n) -> str | None:
 
 
 @exercise("04.column_parallel_linear", points=1)
-def test_column_parallel_linear(column_parallel_forward, world_size: int = 3, quick: bool = True,
-                                seed: int = 0, timeout: float = 60):
+def test_column_parallel_linear(
+    column_parallel_forward, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60
+):
     assert callable(column_parallel_forward), f"pass your function, got {column_parallel_forward!r}"
     run_layouts(_column_on_rank, (column_parallel_forward, seed), world_size, quick, timeout)
 
@@ -316,19 +387,31 @@ def _row_on_rank(ctx, forward, seed, split):
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
-    local, out = 4, 5                                # input features per rank: 4n in all
+    local, out = 4, 5  # input features per rank: 4n in all
     layer = _full_linear(local * n, out, seed, ctx.device)
-    x, dy = (randn((2, 3, local * n), seed, 6, device=ctx.device),   # the same on every rank
-             randn((2, 3, out), seed, 7, device=ctx.device))
+    x, dy = (
+        randn((2, 3, local * n), seed, 6, device=ctx.device),  # the same on every rank
+        randn((2, 3, out), seed, 7, device=ctx.device),
+    )
     cols = slice(r * local, (r + 1) * local)
     full = _reference(layer, x, dy)
     w, b = layer.weight.detach()[:, cols], layer.bias.detach()
     library = _run_linear(lambda *a: RowParallelLinear(a[1], a[2], a[3])(a[0]), x[..., cols], w, b, group, dy)
-    got = _run_linear(forward, x[..., cols], w, b, group, dy,
-                      ([RowParallelLinear.forward], "04.row_parallel_linear",
-                       "its RowParallelLinear is the answer; use F.linear and f_star"))
+    got = _run_linear(
+        forward,
+        x[..., cols],
+        w,
+        b,
+        group,
+        dy,
+        (
+            [RowParallelLinear.forward],
+            "04.row_parallel_linear",
+            "its RowParallelLinear is the answer; use F.linear and f_star",
+        ),
+    )
     want = {"y": full["y"], "x": full["x"][..., cols], "weight": full["weight"][:, cols], "bias": full["bias"]}
-    partial = F.linear(x[..., cols], w)               # this rank's term of the sum
+    partial = F.linear(x[..., cols], w)  # this rank's term of the sum
     problem = _judge_row(got, want, library, partial, b, dy, n)
     return f"{layout}, rank {ctx.rank}: {problem}" if problem else None
 
@@ -344,24 +427,32 @@ def _judge_row(got, want, library, partial, bias, dy, n) -> str | None:
     if problem:
         return problem
     if not close(y, want["y"]):
-        total = want["y"] - bias                      # the sum over ranks of the partial products
+        total = want["y"] - bias  # the sum over ranks of the partial products
         if close(y, partial + bias) and n > 1:
-            return ("the output is this rank's partial product only. Each rank multiplies its slice of the input "
-                    "features; the output is the sum over ranks: f* (f_star(..., group)) all-reduces it")
+            return (
+                "the output is this rank's partial product only. Each rank multiplies its slice of the input "
+                "features; the output is the sum over ranks: f* (f_star(..., group)) all-reduces it"
+            )
         if close(y, total + n * bias) and n > 1:
-            return (f"the bias is counted {n} times: it was added on every rank before the sum. Add it once, "
-                    "after the all-reduce")
+            return (
+                f"the bias is counted {n} times: it was added on every rank before the sum. Add it once, "
+                "after the all-reduce"
+            )
         if close(y, total):
             return "the output is missing the bias: add it once, after the sum over ranks"
         if close(y, total / n + bias) and n > 1:
             return "the partial products are averaged over the ranks; they must be summed (no division)"
         return f"the output differs from the full layer's by up to {off_by(y, want['y'])}"
     if got["bias"] is None:
-        return ("bias.grad is None on this rank: add the bias on every rank (after the all-reduce), so every "
-                "rank's copy of it receives the same gradient and the copies stay equal")
+        return (
+            "bias.grad is None on this rank: add the bias on every rank (after the all-reduce), so every "
+            "rank's copy of it receives the same gradient and the copies stay equal"
+        )
     if got["x"] is not None and close(got["x"], want["x"] * n) and n > 1:
-        return (f"x_shard.grad is {n} times too large: the backward all-reduced the gradient. f*'s backward "
-                "is the identity (every rank already has the gradient of the summed output)")
+        return (
+            f"x_shard.grad is {n} times too large: the backward all-reduced the gradient. f*'s backward "
+            "is the identity (every rank already has the gradient of the summed output)"
+        )
     problem = _grads_problem(got, want, (("x", "x_shard"), ("weight", "weight_shard"), ("bias", "bias")))
     problem = problem or shared_problem(got, dy)
     if problem:
@@ -373,14 +464,17 @@ def _judge_row(got, want, library, partial, bias, dy, n) -> str | None:
     if problem:
         return problem + ": one all-reduce of the output, from f*"
     if got["backward"]:
-        return (f"the backward called {describe(got['backward'])}. A row-parallel layer communicates nothing "
-                "in backward: f*'s backward is the identity")
+        return (
+            f"the backward called {describe(got['backward'])}. A row-parallel layer communicates nothing "
+            "in backward: f*'s backward is the identity"
+        )
     return None
 
 
 @exercise("04.row_parallel_linear", points=1)
-def test_row_parallel_linear(row_parallel_forward, world_size: int = 3, quick: bool = True,
-                             seed: int = 0, timeout: float = 60):
+def test_row_parallel_linear(
+    row_parallel_forward, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60
+):
     assert callable(row_parallel_forward), f"pass your function, got {row_parallel_forward!r}"
     run_layouts(_row_on_rank, (row_parallel_forward, seed), world_size, quick, timeout)
 
@@ -388,16 +482,16 @@ def test_row_parallel_linear(row_parallel_forward, world_size: int = 3, quick: b
 # ---- 04.vocab_parallel_cross_entropy ----------------------------------------------------
 
 TOKENS = 24
-LOCAL_VOCAB = 64      # per rank: the full vocabulary is 64 N, its logits 4 * 24 * 64 N bytes
+LOCAL_VOCAB = 64  # per rank: the full vocabulary is 64 N, its logits 4 * 24 * 64 N bytes
 
 
 def _targets(vocab: int, local: int, n: int, seed: int, last_only: bool) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    if last_only:   # every target on the last rank's slice: the others hold none
+    if last_only:  # every target on the last rank's slice: the others hold none
         return torch.randint(vocab - local, vocab, (TOKENS,), generator=gen)
     targets = torch.randint(0, vocab, (TOKENS,), generator=gen)
     edges = [v for q in range(n) for v in (q * local, q * local + local - 1)][: TOKENS // 2]
-    targets[: len(edges)] = torch.tensor(edges)   # the first and last id of every slice
+    targets[: len(edges)] = torch.tensor(edges)  # the first and last id of every slice
     return targets
 
 
@@ -406,8 +500,10 @@ def _cases(n: int, seed: int) -> dict:
     return {
         "moderate logits": (3 * randn((TOKENS, vocab), seed, 8), _targets(vocab, LOCAL_VOCAB, n, seed, False)),
         "logits of size ~1e3": (1e3 * randn((TOKENS, vocab), seed, 9), _targets(vocab, LOCAL_VOCAB, n, seed, False)),
-        "all targets on the last rank's slice": (3 * randn((TOKENS, vocab), seed, 10),
-                                                 _targets(vocab, LOCAL_VOCAB, n, seed + 1, True)),
+        "all targets on the last rank's slice": (
+            3 * randn((TOKENS, vocab), seed, 10),
+            _targets(vocab, LOCAL_VOCAB, n, seed + 1, True),
+        ),
     }
 
 
@@ -429,23 +525,31 @@ def _ce_on_rank(ctx, fn, seed, split):
     cols = slice(r * LOCAL_VOCAB, (r + 1) * LOCAL_VOCAB)
     runs = []
     for case, (logits, targets) in _cases(n, seed).items():
-        logits, targets = logits.to(ctx.device), targets.to(ctx.device)   # drawn on the host, then moved
+        logits, targets = logits.to(ctx.device), targets.to(ctx.device)  # drawn on the host, then moved
         full = logits.clone().requires_grad_()
-        expected = F.cross_entropy(full, targets)     # one process, the whole vocabulary
+        expected = F.cross_entropy(full, targets)  # one process, the whole vocabulary
         expected.backward()
         local = logits[:, cols].clone().requires_grad_()
-        forbid = ([vocab_parallel.vocab_parallel_cross_entropy, vocab_parallel._cross_entropy],
-                  "04.vocab_parallel_cross_entropy",
-                  "build it from the maximum, the sum of exponentials and the target's logit")
-        loss, branch = None, SharedBranch(torch.tensor(1.0))   # the loss's gradient shared with another term
+        forbid = (
+            [vocab_parallel.vocab_parallel_cross_entropy, vocab_parallel._cross_entropy],
+            "04.vocab_parallel_cross_entropy",
+            "build it from the maximum, the sum of exponentials and the target's logit",
+        )
+        loss, branch = None, SharedBranch(torch.tensor(1.0))  # the loss's gradient shared with another term
         with untracked_collectives() as untracked, refused_library(forbid) as refusal, CommLogger() as log:
             loss = fn(local, targets.clone(), r * LOCAL_VOCAB, group)
             shared = branch.backward(loss)
         if refusal.message:
             return f"{layout}, rank {ctx.rank}: {refusal.message}"
-        got = {"loss": loss, "grad": local.grad, "ops": collectives(log), "untracked": untracked,
-               "shared": shared, "sizes": group_sizes(log),
-               "changed": not torch.equal(local.detach(), logits[:, cols])}
+        got = {
+            "loss": loss,
+            "grad": local.grad,
+            "ops": collectives(log),
+            "untracked": untracked,
+            "shared": shared,
+            "sizes": group_sizes(log),
+            "changed": not torch.equal(local.detach(), logits[:, cols]),
+        }
         runs.append((case, logits, targets, expected.detach(), full.grad[:, cols], got))
     for case, logits, targets, expected, grad, got in runs:
         problem = _judge_ce(logits, targets, expected, grad, got, n)
@@ -463,54 +567,74 @@ def _judge_ce(logits, targets, expected, grad, got, n) -> str | None:
         shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
         return f"return the mean loss as a 0-dimensional tensor, got {shape}"
     if not torch.isfinite(loss):
-        return (f"the loss is {loss.item()}. exp overflows float32 above about 88: subtract the maximum logit "
-                "of each token over the *whole* vocabulary (all-reduce the ranks' maxima with "
-                "op=dist.ReduceOp.MAX) before exp")
+        return (
+            f"the loss is {loss.item()}. exp overflows float32 above about 88: subtract the maximum logit "
+            "of each token over the *whole* vocabulary (all-reduce the ranks' maxima with "
+            "op=dist.ReduceOp.MAX) before exp"
+        )
     if not close(loss, expected):
         if n > 1 and close(loss, _per_rank_max_loss(logits, targets, n)):
-            return ("every rank subtracted its own maximum. The ranks' sums of exponentials only add up when "
-                    "they are shifted by the same number: all-reduce the maximum (op=dist.ReduceOp.MAX) first")
-        return (f"the loss is {loss.item():.6g}, F.cross_entropy of the full logits is {expected.item():.6g}. "
-                "loss = mean over tokens of log(sum over the whole vocabulary of exp(z - m)) - (z_target - m): "
-                "sum the exponentials over the ranks, and count the target's logit on the one rank whose slice "
-                "holds it (vocab_start <= target < vocab_start + V/tp), zero elsewhere")
+            return (
+                "every rank subtracted its own maximum. The ranks' sums of exponentials only add up when "
+                "they are shifted by the same number: all-reduce the maximum (op=dist.ReduceOp.MAX) first"
+            )
+        return (
+            f"the loss is {loss.item():.6g}, F.cross_entropy of the full logits is {expected.item():.6g}. "
+            "loss = mean over tokens of log(sum over the whole vocabulary of exp(z - m)) - (z_target - m): "
+            "sum the exponentials over the ranks, and count the target's logit on the one rank whose slice "
+            "holds it (vocab_start <= target < vocab_start + V/tp), zero elsewhere"
+        )
     if not loss.requires_grad or got_grad is None:
-        return ("the loss is right but not differentiable with respect to local_logits: keep the sum of "
-                "exponentials and the target's logit on the autograd graph (sum them with f_star)")
+        return (
+            "the loss is right but not differentiable with respect to local_logits: keep the sum of "
+            "exponentials and the target's logit on the autograd graph (sum them with f_star)"
+        )
     if not close(got_grad, grad):
-        return (f"the loss is right but the gradient of local_logits differs from this rank's slice of the full "
-                f"one by up to {off_by(got_grad, grad)}: keep the sum of exponentials and the target's logit on "
-                "the autograd graph, summed over the ranks with f_star (whose backward is the identity); only "
-                "the maximum may be detached")
+        return (
+            f"the loss is right but the gradient of local_logits differs from this rank's slice of the full "
+            f"one by up to {off_by(got_grad, grad)}: keep the sum of exponentials and the target's logit on "
+            "the autograd graph, summed over the ranks with f_star (whose backward is the identity); only "
+            "the maximum may be detached"
+        )
     if got["changed"]:
-        return ("the loss and its gradient are right, but your function changed local_logits in place (e.g. "
-                "local_logits -= max under torch.no_grad()). The caller's logits are the model's output, still "
-                "needed: compute the shifted logits as a new tensor (local_logits - max)")
+        return (
+            "the loss and its gradient are right, but your function changed local_logits in place (e.g. "
+            "local_logits -= max under torch.no_grad()). The caller's logits are the model's output, still "
+            "needed: compute the shifted logits as a new tensor (local_logits - max)"
+        )
     problem = shared_problem(got, torch.tensor(1.0))
     if problem:
         return problem
-    problem = untracked_problem(got["untracked"], "f_star for the sums, which stay on the graph, and compute the maximum "
-                                "under torch.no_grad() (it needs no gradient)")
+    problem = untracked_problem(
+        got["untracked"],
+        "f_star for the sums, which stay on the graph, and compute the maximum "
+        "under torch.no_grad() (it needs no gradient)",
+    )
     if problem:
         return problem
     local_bytes = TOKENS * LOCAL_VOCAB * 4
     full_bytes = local_bytes * n
     for op, sent in ops:
         if n > 1 and sent >= local_bytes:
-            return (f"one {op} call sent {sent:,} bytes from this rank, as much as its whole slice of the logits "
-                    f"({local_bytes:,} bytes): that gathers the logits. No rank may hold the full (tokens x "
-                    "vocabulary) logits; exchange a few numbers per token (the maximum, the sum of "
-                    "exponentials, the target's logit)")
+            return (
+                f"one {op} call sent {sent:,} bytes from this rank, as much as its whole slice of the logits "
+                f"({local_bytes:,} bytes): that gathers the logits. No rank may hold the full (tokens x "
+                "vocabulary) logits; exchange a few numbers per token (the maximum, the sum of "
+                "exponentials, the target's logit)"
+            )
     sent = sum(b for _, b in ops)
     if n > 1 and sent * 4 >= full_bytes:
-        return (f"this rank sent {sent:,} bytes ({describe(ops)}); the full logits are {full_bytes:,} bytes. "
-                "Exchange a few numbers per token (the maximum, the sum of exponentials, the target's logit), "
-                "not tensors the size of the vocabulary")
+        return (
+            f"this rank sent {sent:,} bytes ({describe(ops)}); the full logits are {full_bytes:,} bytes. "
+            "Exchange a few numbers per token (the maximum, the sum of exponentials, the target's logit), "
+            "not tensors the size of the vocabulary"
+        )
     return None
 
 
 @exercise("04.vocab_parallel_cross_entropy", points=2)
-def test_vocab_parallel_cross_entropy(vocab_parallel_cross_entropy, world_size: int = 3, quick: bool = True,
-                                      seed: int = 0, timeout: float = 60):
+def test_vocab_parallel_cross_entropy(
+    vocab_parallel_cross_entropy, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60
+):
     assert callable(vocab_parallel_cross_entropy), f"pass your function, got {vocab_parallel_cross_entropy!r}"
     run_layouts(_ce_on_rank, (vocab_parallel_cross_entropy, seed), world_size, quick, timeout)

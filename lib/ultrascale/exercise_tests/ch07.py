@@ -29,6 +29,7 @@ While the learner's code runs the library's own answers refuse to run
 (``grading.guards.forbid_library``). Tolerances: the simulator adds exact multiples, so
 bubbles are compared to 1e-9; gradients with ``parity.TOLERANCES`` in float64.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,6 +47,7 @@ EXACT = 1e-9
 
 # ---- 07.one_f_one_b ---------------------------------------------------------------------
 
+
 def _as_actions(got, rank: int, call: str):
     from ultrascale.schedule import Action, parse
 
@@ -56,7 +58,7 @@ def _as_actions(got, rank: int, call: str):
         if isinstance(item, str):
             try:
                 actions = parse(item, stage=rank)
-            except ValueError as err:   # e.g. 'B-3': a micro-batch counted from a negative start
+            except ValueError as err:  # e.g. 'B-3': a micro-batch counted from a negative start
                 raise AssertionError(f"{call}: {err}") from None
             if len(actions) != 1:
                 raise AssertionError(f"{call}: {item!r} is not one action; write one per item, e.g. 'F3'")
@@ -81,9 +83,15 @@ def test_one_f_one_b(one_f_one_b_list, world_size: int = 4, quick: bool = True, 
     from ultrascale.schedule import Schedule, ScheduleError, generators, simulate
 
     assert callable(one_f_one_b_list), f"pass your function, got {one_f_one_b_list!r}"
-    forbidden = [generators.one_f_one_b_rank, generators.one_f_one_b, generators.one_forward_one_backward,
-                 generators.interleaved_rank, generators.interleaved_1f1b, generators.zb_h1_rank,
-                 generators.make_schedule]
+    forbidden = [
+        generators.one_f_one_b_rank,
+        generators.one_f_one_b,
+        generators.one_forward_one_backward,
+        generators.interleaved_rank,
+        generators.interleaved_1f1b,
+        generators.zb_h1_rank,
+        generators.make_schedule,
+    ]
     for p, m in dict.fromkeys(_one_f_one_b_cases(quick) + [(world_size, world_size + 1)]):
         lists = []
         for rank in range(p):
@@ -92,12 +100,18 @@ def test_one_f_one_b(one_f_one_b_list, world_size: int = 4, quick: bool = True, 
                 got = call_learner(one_f_one_b_list, p, m, rank, call=call)
             lists.append(_as_actions(got, rank, call))
         where = f"p={p}, m={m}"
-        beyond = [f"rank {rank}: {a.op}{a.microbatch}" for rank, actions in enumerate(lists) for a in actions
-                  if not 0 <= a.microbatch < m]
+        beyond = [
+            f"rank {rank}: {a.op}{a.microbatch}"
+            for rank, actions in enumerate(lists)
+            for a in actions
+            if not 0 <= a.microbatch < m
+        ]
         if beyond:
-            raise AssertionError(f"{where}: {beyond[0]}, but there are only m={m} micro-batches (0..{m - 1}). "
-                                 "With fewer micro-batches than stages the warm-up is cut short: it cannot run "
-                                 "more forwards than there are micro-batches")
+            raise AssertionError(
+                f"{where}: {beyond[0]}, but there are only m={m} micro-batches (0..{m - 1}). "
+                "With fewer micro-batches than stages the warm-up is cut short: it cannot run "
+                "more forwards than there are micro-batches"
+            )
         try:
             schedule = Schedule("your 1F1B", lists, m)
         except ScheduleError as err:
@@ -105,19 +119,26 @@ def test_one_f_one_b(one_f_one_b_list, world_size: int = 4, quick: bool = True, 
         sim = simulate(schedule)
         want = [min(p - r, m) for r in range(p)]
         if sim.peak_activations == [m] * p and p > 1 and m > 1:
-            raise AssertionError(f"{where}: every rank holds all m={m} micro-batches at once: that is AFAB (all "
-                                 "forwards, then all backwards). 1F1B starts a backward as soon as the pipe is full: "
-                                 "p - 1 - rank forwards, then one forward and one backward in turn, then the rest")
+            raise AssertionError(
+                f"{where}: every rank holds all m={m} micro-batches at once: that is AFAB (all "
+                "forwards, then all backwards). 1F1B starts a backward as soon as the pipe is full: "
+                "p - 1 - rank forwards, then one forward and one backward in turn, then the rest"
+            )
         if abs(sim.bubble_fraction - (p - 1) / m) > EXACT:
-            raise AssertionError(f"{where}: the simulated bubble is {sim.bubble_fraction:.4f}, not (p-1)/m = "
-                                 f"{(p - 1) / m:.4f}: some rank waits longer than 1F1B makes it (too short a "
-                                 "warm-up, or backwards out of order: oldest micro-batch first)")
+            raise AssertionError(
+                f"{where}: the simulated bubble is {sim.bubble_fraction:.4f}, not (p-1)/m = "
+                f"{(p - 1) / m:.4f}: some rank waits longer than 1F1B makes it (too short a "
+                "warm-up, or backwards out of order: oldest micro-batch first)"
+            )
         if sim.peak_activations != want:
-            raise AssertionError(f"{where}: your ranks hold {sim.peak_activations} micro-batches at once; 1F1B holds "
-                                 f"{want} (min(p - rank, m)). The warm-up of rank r is p - 1 - rank forwards")
+            raise AssertionError(
+                f"{where}: your ranks hold {sim.peak_activations} micro-batches at once; 1F1B holds "
+                f"{want} (min(p - rank, m)). The warm-up of rank r is p - 1 - rank forwards"
+            )
 
 
 # ---- 07.bubble_fraction -----------------------------------------------------------------
+
 
 def _bubble_cases(seed: int) -> dict:
     """name -> (Simulation, shift in seconds, how the ranks' span lists are arranged).
@@ -136,10 +157,16 @@ def _bubble_cases(seed: int) -> dict:
         "interleaved, p=4, m=8, v=2": (simulate(interleaved_1f1b(4, 8, 2)), 0.0, as_simulated),
         "ZB-H1, p=4, m=6": (simulate(zb_h1(4, 6)), 0.0, as_simulated),
         "DualPipeV, p=2, m=5": (simulate(dualpipe_v(2, 5)), 7.5 + seed, as_simulated),
-        "1F1B, p=4, m=6, the ranks listed last to first (the first start and the last end on the last list)":
-            (simulate(one_f_one_b(4, 6), t_b=3.0), 0.0, lambda spans: spans[::-1]),
-        "AFAB, p=3, m=4, each rank's spans listed newest first":
-            (simulate(afab(3, 4), t_comm=0.2), 0.0, lambda spans: [r[::-1] for r in spans]),
+        "1F1B, p=4, m=6, the ranks listed last to first (the first start and the last end on the last list)": (
+            simulate(one_f_one_b(4, 6), t_b=3.0),
+            0.0,
+            lambda spans: spans[::-1],
+        ),
+        "AFAB, p=3, m=4, each rank's spans listed newest first": (
+            simulate(afab(3, 4), t_comm=0.2),
+            0.0,
+            lambda spans: [r[::-1] for r in spans],
+        ),
     }
 
 
@@ -160,23 +187,34 @@ def _judge_bubble(got, spans, want, sim) -> str | None:
     idle = len(spans) * (end - start) - busy
     s = sim.schedule
     if math.isclose(got, idle / (len(spans) * (end - start)), rel_tol=1e-6):
-        return (f"{got:.4f} is the idle share of the step's time. The book's r_bubble divides the idle time by "
-                f"the compute time, t_pb / t_id: expected {want:.4f}")
+        return (
+            f"{got:.4f} is the idle share of the step's time. The book's r_bubble divides the idle time by "
+            f"the compute time, t_pb / t_id: expected {want:.4f}"
+        )
     if math.isclose(got, (s.ranks - 1) / (s.chunks * s.microbatches), rel_tol=1e-6):
-        return (f"{got:.4f} is the formula (p-1)/(v m), which holds only when t_b = 2 t_f and messages cost "
-                f"nothing: measure the spans instead (expected {want:.4f})")
+        return (
+            f"{got:.4f} is the formula (p-1)/(v m), which holds only when t_b = 2 t_f and messages cost "
+            f"nothing: measure the spans instead (expected {want:.4f})"
+        )
     # Windows read off the lists' positions instead of the times: rank 0's first and last span,
     # or each rank's first and last span.
     windows = [(spans[0][0][0], spans[0][-1][1]), (min(r[0][0] for r in spans), max(r[-1][1] for r in spans))]
-    if any(math.isclose(got, (len(spans) * (b - a) - busy) / busy, rel_tol=1e-6) for a, b in windows
-           if (a, b) != (start, end)):
-        return ("the step must run from the earliest start to the latest end over *all* spans, wherever they "
-                "stand in the lists: here the first to start or the last to end is not the first span of rank 0 "
-                f"or the last one of a rank (use min and max over every span; expected {want:.4f})")
+    if any(
+        math.isclose(got, (len(spans) * (b - a) - busy) / busy, rel_tol=1e-6)
+        for a, b in windows
+        if (a, b) != (start, end)
+    ):
+        return (
+            "the step must run from the earliest start to the latest end over *all* spans, wherever they "
+            "stand in the lists: here the first to start or the last to end is not the first span of rank 0 "
+            f"or the last one of a rank (use min and max over every span; expected {want:.4f})"
+        )
     own = sum(max(b for _, b in r) - min(a for a, _ in r) for r in spans) - busy
     if math.isclose(got, own / busy, rel_tol=1e-6):
-        return ("each rank's idle time counted from its own first to its own last action: a rank that starts late "
-                f"or ends early idles from the step's start to its end too (expected {want:.4f})")
+        return (
+            "each rank's idle time counted from its own first to its own last action: a rank that starts late "
+            f"or ends early idles from the step's start to its end too (expected {want:.4f})"
+        )
     return f"{got:.4f}, expected {want:.4f}: idle time (ranks x step - compute) over compute time"
 
 
@@ -184,11 +222,14 @@ def _judge_bubble(got, spans, want, sim) -> str | None:
 def test_bubble_fraction(bubble, world_size: int = 4, quick: bool = True, seed: int = 0, timeout: float = 60):
     from ultrascale.grading.guards import call_learner, forbid_library
 
-    simulate_module = importlib.import_module("ultrascale.schedule.simulate")   # the package has a function so named
+    simulate_module = importlib.import_module("ultrascale.schedule.simulate")  # the package has a function so named
 
     assert callable(bubble), f"pass your function, got {bubble!r}"
-    forbidden = [simulate_module.bubble_fraction, simulate_module.covered_seconds,
-                 simulate_module.predicted_bubble_fraction]
+    forbidden = [
+        simulate_module.bubble_fraction,
+        simulate_module.covered_seconds,
+        simulate_module.predicted_bubble_fraction,
+    ]
     for name, (sim, shift, arrange) in _bubble_cases(seed).items():
         spans = arrange(_spans(sim, shift))
         want = simulate_module.bubble_fraction(sim)
@@ -261,9 +302,10 @@ class _SendTracker(_P2PTracker):
             return counted
 
         @functools.wraps(original)
-        def wrapped(*args, **kwargs):   # send/recv(tensor, peer, group=None, ...): note the group
+        def wrapped(*args, **kwargs):  # send/recv(tensor, peer, group=None, ...): note the group
             self.groups.append(kwargs.get("group", args[2] if len(args) > 2 else None))
             return counted(*args, **kwargs)
+
         if name != "isend":
             return wrapped
 
@@ -274,6 +316,7 @@ class _SendTracker(_P2PTracker):
                 work = _DeferredSend(work)
                 self.sends.append(work)
             return work
+
         return isend
 
 
@@ -287,7 +330,7 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
     from ultrascale.schedule import afab_rank, one_f_one_b_rank
 
     r, p = ctx.rank, ctx.world_size
-    pipe = apply_pp(_model(p, seed, ctx.device), schedule="1f1b", microbatches=m)   # this rank's stage and names
+    pipe = apply_pp(_model(p, seed, ctx.device), schedule="1f1b", microbatches=m)  # this rank's stage and names
     # forward_step's messages go down the ranks on the world group, backward_step's up on its
     # twin: under NCCL a receive queued behind a send the other way would wait forever
     # (pipeline_messages' module docstring), in 1F1B where neighbours send to each other first
@@ -297,30 +340,38 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
     shape = (*batches[0].inputs.shape, CFG_KW["hidden"])
     actions = (one_f_one_b_rank if order == "1F1B" else afab_rank)(p, m, r)
     held, pending = {}, []
-    forbidden = [pp_module.Pipeline.step, pp_module.Pipeline._F, pp_module.Pipeline._B, pp_module.Pipeline._send,
-                 pp_module.Pipeline._receive]
+    forbidden = [
+        pp_module.Pipeline.step,
+        pp_module.Pipeline._F,
+        pp_module.Pipeline._B,
+        pp_module.Pipeline._send,
+        pp_module.Pipeline._receive,
+    ]
 
     def stage_for(mb):
         if r < p - 1:
             return chunk
-        return lambda x: lm_loss(chunk(x), batches[mb].targets) / m   # the last stage ends in the loss
+        return lambda x: lm_loss(chunk(x), batches[mb].targets) / m  # the last stage ends in the loss
 
     for a in actions:
-        what = f"{order}, p={p}, m={m}, rank {r}, {'forward_step' if a.op == 'F' else 'backward_step'} of " \
-               f"micro-batch {a.microbatch}"
+        what = (
+            f"{order}, p={p}, m={m}, rank {r}, {'forward_step' if a.op == 'F' else 'backward_step'} of "
+            f"micro-batch {a.microbatch}"
+        )
         tracker = _SendTracker(range(p))
         try:
             with tracker, forbid_library(forbidden, "07.stage_step", "send and receive with dist.isend / dist.recv"):
                 if a.op == "F":
-                    got = forward_step(stage_for(a.microbatch), batches[a.microbatch].inputs, groups["F"], r, p,
-                                       shape, DT)
+                    got = forward_step(
+                        stage_for(a.microbatch), batches[a.microbatch].inputs, groups["F"], r, p, shape, DT
+                    )
                 else:
                     got = backward_step(*held.pop(a.microbatch), groups["B"], r, p)
         except ForbiddenCall as err:
             problem = str(err)
-        except NotImplementedError as err:   # a stub: check reports "not implemented yet"
+        except NotImplementedError as err:  # a stub: check reports "not implemented yet"
             problem = f"{NOT_IMPLEMENTED}{err}"
-        except Exception as err:   # judged here, so that this rank reports instead of hanging the others
+        except Exception as err:  # judged here, so that this rank reports instead of hanging the others
             problem = f"raised {type(err).__name__}: {err}"
         else:
             problem = _judge_transfers(a.op, r, p, tracker, got, groups[a.op])
@@ -350,39 +401,51 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
 def _judge_transfers(op: str, r: int, p: int, tracker, got, group) -> str | None:
     posted = tracker.posted
     if any(g is not group for g in tracker.groups):
-        return ("a send or receive without group=group. Each step is given its group (forward_step the one for "
-                "messages down the pipeline, backward_step the one for messages up); beside data or tensor "
-                "parallelism it is a subgroup, and a transfer on another group never meets its partner: pass "
-                "group=group to every dist.isend / dist.recv")
+        return (
+            "a send or receive without group=group. Each step is given its group (forward_step the one for "
+            "messages down the pipeline, backward_step the one for messages up); beside data or tensor "
+            "parallelism it is a subgroup, and a transfer on another group never meets its partner: pass "
+            "group=group to every dist.isend / dist.recv"
+        )
     # torch's blocking send/recv post an isend/irecv and wait for it: count each transfer once.
     sends = max(posted["isend"], posted["send"])
     recvs = max(posted["irecv"], posted["recv"])
     sends_out = (op == "F" and r < p - 1) or (op == "B" and r > 0)
     receives = (op == "F" and r > 0) or (op == "B" and r < p - 1)
     if posted["send"]:
-        return ("a blocking dist.send: use dist.isend and return its work. With NCCL a send completes only when "
-                "the receiver posts its receive, and in 1F1B neighbours send to each other at the same time "
-                "(activations down, gradients up): two blocking sends wait for each other forever")
+        return (
+            "a blocking dist.send: use dist.isend and return its work. With NCCL a send completes only when "
+            "the receiver posts its receive, and in 1F1B neighbours send to each other at the same time "
+            "(activations down, gradients up): two blocking sends wait for each other forever"
+        )
     if sends != int(sends_out):
-        return (f"{sends} send(s); this step sends {int(sends_out)}: "
-                + ("the output to rank + 1" if op == "F" else "the input's gradient to rank - 1")
-                if sends_out else f"{sends} send(s); this step sends nothing on this rank")
+        return (
+            f"{sends} send(s); this step sends {int(sends_out)}: "
+            + ("the output to rank + 1" if op == "F" else "the input's gradient to rank - 1")
+            if sends_out
+            else f"{sends} send(s); this step sends nothing on this rank"
+        )
     if recvs != int(receives):
-        return (f"{recvs} receive(s); this step receives {int(receives)}"
-                + (": the activation from rank - 1" if op == "F" and receives else "")
-                + (": the output's gradient from rank + 1" if op == "B" and receives else ""))
+        return (
+            f"{recvs} receive(s); this step receives {int(receives)}"
+            + (": the activation from rank - 1" if op == "F" and receives else "")
+            + (": the output's gradient from rank + 1" if op == "B" and receives else "")
+        )
     returned = got[2] if op == "F" and isinstance(got, (tuple, list)) and len(got) == 3 else got
     if any(w.waited for w in tracker.sends):
-        return ("the step waited for its own send: return the work instead (the caller waits at the end of the "
-                "pipeline step), or with NCCL two neighbours sending to each other would both wait forever")
+        return (
+            "the step waited for its own send: return the work instead (the caller waits at the end of the "
+            "pipeline step), or with NCCL two neighbours sending to each other would both wait forever"
+        )
     if sends_out and not returned:
         return "return the send's work (in a list) so that the caller can wait for it at the end of the step"
     return None
 
 
 @exercise("07.stage_step", points=2)
-def test_stage_step(forward_step, backward_step, world_size: int = 4, quick: bool = True, seed: int = 0,
-                    timeout: float = 60):
+def test_stage_step(
+    forward_step, backward_step, world_size: int = 4, quick: bool = True, seed: int = 0, timeout: float = 60
+):
     assert callable(forward_step) and callable(backward_step), "pass forward_step and backward_step"
     sizes = sorted({2, 3, world_size} if quick else {2, 3, 4, world_size})
     for p in sizes:
@@ -390,8 +453,9 @@ def test_stage_step(forward_step, backward_step, world_size: int = 4, quick: boo
             check_stages(forward_step, backward_step, p, order, m, seed, timeout)
 
 
-def check_stages(forward_step, backward_step, p: int, order: str, m: int, seed: int, timeout: float,
-                 hint: str = "") -> None:
+def check_stages(
+    forward_step, backward_step, p: int, order: str, m: int, seed: int, timeout: float, hint: str = ""
+) -> None:
     """One pipeline of ``p`` stages run with the learner's steps on ranks, against gradient
     accumulation in one process; raise what is wrong (``hint``: said after any message)."""
     from ultrascale.parity import assert_same, merge_ranks
@@ -399,29 +463,38 @@ def check_stages(forward_step, backward_step, p: int, order: str, m: int, seed: 
 
     where = f"{order}, p={p}, m={m}"
     try:
-        results = grading_cluster(p).run(_stage_on_rank, forward_step, backward_step, order, m, seed,
-                                         timeout=timeout)
+        results = grading_cluster(p).run(_stage_on_rank, forward_step, backward_step, order, m, seed, timeout=timeout)
     except CallTimeout as err:
-        raise AssertionError(f"{where}: the ranks waited for each other for {timeout:g} s and were stopped. A "
-                             "receive nobody sends to (a missing send, or one to the wrong rank, or to a rank that "
-                             f"does not exist)? {str(err).splitlines()[0]}.{hint}") from None
+        raise AssertionError(
+            f"{where}: the ranks waited for each other for {timeout:g} s and were stopped. A "
+            "receive nobody sends to (a missing send, or one to the wrong rank, or to a rank that "
+            f"does not exist)? {str(err).splitlines()[0]}.{hint}"
+        ) from None
     problems = [result["problem"] for result in results if "problem" in result]
     if problems:
-        grading_cluster(p).restart()   # sends the others posted may have no receiver: a fresh group
+        grading_cluster(p).restart()  # sends the others posted may have no receiver: a fresh group
         first = next((text for text in problems if text), "a rank failed")
         if first.startswith(NOT_IMPLEMENTED):
-            raise NotImplementedError(first[len(NOT_IMPLEMENTED):])
+            raise NotImplementedError(first[len(NOT_IMPLEMENTED) :])
         raise AssertionError(first + ("." if hint and not first.endswith(".") else "") + hint)
     grads = merge_ranks([result["grads"] for result in results])
     missing = sorted(name for name, g in grads.items() if g is None)
     if missing:
-        raise AssertionError(f"{where}: no gradient for {missing[:3]}: did backward_step run the stage's backward "
-                             f"with the received gradient?{hint}")
-    assert_same(grads, _reference(p, m, seed), f"{where}: gradients against gradient accumulation in one process",
-                optimizer=None, dtype=DT)
+        raise AssertionError(
+            f"{where}: no gradient for {missing[:3]}: did backward_step run the stage's backward "
+            f"with the received gradient?{hint}"
+        )
+    assert_same(
+        grads,
+        _reference(p, m, seed),
+        f"{where}: gradients against gradient accumulation in one process",
+        optimizer=None,
+        dtype=DT,
+    )
 
 
 # ---- 07.split_backward ------------------------------------------------------------------
+
 
 def _split_stage(seed: int):
     from ultrascale.parallel.pipeline_parallel import build_stage
@@ -471,7 +544,7 @@ def _problem_split(backward_input, backward_weight, seed: int, mbs: int = 3) -> 
     tol = tolerance(None, DT)
     xs, dys = _micro_batches(seed, mbs)
     whole, split = _split_stage(seed), _split_stage(seed)
-    want_dx, want_grads = [], []      # the input gradient of each micro-batch, the weights' after each
+    want_dx, want_grads = [], []  # the input gradient of each micro-batch, the weights' after each
     for x, dy in zip(xs, dys):
         x = x.clone().requires_grad_()
         whole(x).backward(dy)
@@ -479,10 +552,13 @@ def _problem_split(backward_input, backward_weight, seed: int, mbs: int = 3) -> 
         want_grads.append(gradients(whole))
     params = [q for q in split.parameters() if q.requires_grad]
     watch = _GradientWatch(params)
-    forbid = ([pp_module.backward_input, pp_module.backward_weight], "07.split_backward",
-              "use torch.autograd.grad yourself")
+    forbid = (
+        [pp_module.backward_input, pp_module.backward_weight],
+        "07.split_backward",
+        "use torch.autograd.grad yourself",
+    )
     kept = []
-    for i, (x, dy) in enumerate(zip(xs, dys)):   # B0 B1 B2: the input gradients first
+    for i, (x, dy) in enumerate(zip(xs, dys)):  # B0 B1 B2: the input gradients first
         x = x.clone().requires_grad_()
         y = split(x)
         watch.watch_input(x)
@@ -494,45 +570,57 @@ def _problem_split(backward_input, backward_weight, seed: int, mbs: int = 3) -> 
         if not torch.allclose(dx, want_dx[i], **tol):
             return f"B of micro-batch {i}: the input gradient differs by {max_difference(dx, want_dx[i]):.3g}"
         after = gradients(split)
-        if any((before[n] is None) != (after[n] is None)
-               or before[n] is not None and not torch.equal(before[n], after[n]) for n in before):
-            return (f"B of micro-batch {i} changed the weights' .grad: B computes only the input's gradient (ask "
-                    "torch.autograd.grad for that one alone, and keep the graph for W); the weights' gradients are "
-                    "W's job, later")
+        if any(
+            (before[n] is None) != (after[n] is None) or before[n] is not None and not torch.equal(before[n], after[n])
+            for n in before
+        ):
+            return (
+                f"B of micro-batch {i} changed the weights' .grad: B computes only the input's gradient (ask "
+                "torch.autograd.grad for that one alone, and keep the graph for W); the weights' gradients are "
+                "W's job, later"
+            )
         if watch.count("weights"):
-            return (f"B of micro-batch {i} computed the weights' gradients too (kept for W?). The point of the "
-                    "split is that B computes only the input's gradient, which the previous stage waits for, "
-                    "and leaves the weights' to W, which fills the bubbles later: ask torch.autograd.grad for the "
-                    "stage input's gradient only")
+            return (
+                f"B of micro-batch {i} computed the weights' gradients too (kept for W?). The point of the "
+                "split is that B computes only the input's gradient, which the previous stage waits for, "
+                "and leaves the weights' to W, which fills the bubbles later: ask torch.autograd.grad for the "
+                "stage input's gradient only"
+            )
         problem = _grad_output_problem(given, dy, f"B of micro-batch {i}")
         if problem:
             return problem
         kept.append((y, dy))
     watch.count("input")
-    for i, (y, dy) in enumerate(kept):   # W0 W1 W2: deferred, as Zero Bubble runs them
+    for i, (y, dy) in enumerate(kept):  # W0 W1 W2: deferred, as Zero Bubble runs them
         given = dy.clone()
         with forbid_library(*forbid):
             try:
                 call_learner(backward_weight, y, params, given, call=f"backward_weight(...) of micro-batch {i}")
             except AssertionError as err:
                 if "backward through the graph a second time" in str(err):
-                    return (f"W of micro-batch {i}: the graph was freed. B must keep it for W: "
-                            "torch.autograd.grad(..., retain_graph=True)")
+                    return (
+                        f"W of micro-batch {i}: the graph was freed. B must keep it for W: "
+                        "torch.autograd.grad(..., retain_graph=True)"
+                    )
                 raise
         problem = _weights_problem(gradients(split), want_grads, i, tol)
         if problem:
             return problem
         if watch.count("input"):
-            return (f"W of micro-batch {i} computed the input's gradient again (a whole backward?). B already did: "
-                    "W computes only the weights' gradients, torch.autograd.grad(output, params, grad_output)")
+            return (
+                f"W of micro-batch {i} computed the input's gradient again (a whole backward?). B already did: "
+                "W computes only the weights' gradients, torch.autograd.grad(output, params, grad_output)"
+            )
     return None
 
 
 def _grad_output_problem(given, dy, who: str) -> str | None:
     if torch.equal(given, dy):
         return None
-    return (f"{who} changed grad_output in place. It is the next stage's message, still needed: W uses it "
-            "again after B. Compute with it, do not write into it")
+    return (
+        f"{who} changed grad_output in place. It is the next stage's message, still needed: W uses it "
+        "again after B. Compute with it, do not write into it"
+    )
 
 
 def _weights_problem(got, want_grads, i, tol) -> str | None:
@@ -542,23 +630,30 @@ def _weights_problem(got, want_grads, i, tol) -> str | None:
     want = want_grads[i]
     missing = [n for n, t in got.items() if t is None]
     if missing:
-        return (f"after W of micro-batch {i}, {len(missing)} weights have no gradient (e.g. {missing[0]}): "
-                "W must set their .grad")
+        return (
+            f"after W of micro-batch {i}, {len(missing)} weights have no gradient (e.g. {missing[0]}): "
+            "W must set their .grad"
+        )
     if all(torch.allclose(got[n], want[n], **tol) for n in want):
         return None
     if i > 0:
         alone = {n: want[n] - want_grads[i - 1][n] for n in want}
         if all(torch.allclose(got[n], alone[n], **tol) for n in want):
-            return (f"after W of micro-batch {i} the weights' gradients are those of the last micro-batch alone: W must "
-                    "*add* to .grad (p.grad += g when it exists), as backward() does, so micro-batches accumulate")
-    return (f"after W of micro-batch {i} the weights' gradients differ by {max_difference(got, want):.3g} from those "
-            f"backward() leaves after micro-batches 0..{i}: W of micro-batch {i} must add the gradients of its own "
-            "output with its own grad_output, once")
+            return (
+                f"after W of micro-batch {i} the weights' gradients are those of the last micro-batch alone: W must "
+                "*add* to .grad (p.grad += g when it exists), as backward() does, so micro-batches accumulate"
+            )
+    return (
+        f"after W of micro-batch {i} the weights' gradients differ by {max_difference(got, want):.3g} from those "
+        f"backward() leaves after micro-batches 0..{i}: W of micro-batch {i} must add the gradients of its own "
+        "output with its own grad_output, once"
+    )
 
 
 @exercise("07.split_backward", points=1)
-def test_split_backward(backward_input, backward_weight, world_size: int = 4, quick: bool = True, seed: int = 0,
-                        timeout: float = 60):
+def test_split_backward(
+    backward_input, backward_weight, world_size: int = 4, quick: bool = True, seed: int = 0, timeout: float = 60
+):
     assert callable(backward_input) and callable(backward_weight), "pass backward_input and backward_weight"
     problem = _problem_split(backward_input, backward_weight, seed)
     if problem:

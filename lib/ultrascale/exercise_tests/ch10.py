@@ -42,34 +42,69 @@ from ultrascale.plan import rules as _rules
 from ultrascale.plan import search as _search
 from ultrascale.plan import steptime as _steptime
 
-PLANNER = [_enumerate.enumerate_configs, _enumerate.violations, _enumerate.sequences_per_step, _enumerate.divisors,
-           _fit.memory_per_gpu, _fit.memory_filter, _fit.fits, _search.plan, _steptime.step_time,
-           _rules.step1_techniques, _rules.step2_gradient_accumulation, _rules.techniques]
+PLANNER = [
+    _enumerate.enumerate_configs,
+    _enumerate.violations,
+    _enumerate.sequences_per_step,
+    _enumerate.divisors,
+    _fit.memory_per_gpu,
+    _fit.memory_filter,
+    _fit.fits,
+    _search.plan,
+    _steptime.step_time,
+    _rules.step1_techniques,
+    _rules.step2_gradient_accumulation,
+    _rules.techniques,
+]
 
 
 def _model(layers, heads, kv_heads):
-    return LlamaConfig(vocab_size=256, hidden=8 * heads, layers=layers, heads=heads, kv_heads=kv_heads,
-                       ffn=16 * heads, seq_len=64)
+    return LlamaConfig(
+        vocab_size=256, hidden=8 * heads, layers=layers, heads=heads, kv_heads=kv_heads, ffn=16 * heads, seq_len=64
+    )
 
 
 def _reference_layouts(gpus, batch, seq, layers, heads, kv_heads, gpus_per_node=8) -> set:
     model = _model(layers, heads, kv_heads)
-    return {(c.dp, c.tp, c.pp, c.cp, c.mbs, c.gas)
-            for c in _plan.enumerate_configs(model, gpus=gpus, global_batch_tokens=batch, seq=seq,
-                                             gpus_per_node=gpus_per_node, zero_stages=(0,), recompute=("none",),
-                                             max_cp=gpus)}
+    return {
+        (c.dp, c.tp, c.pp, c.cp, c.mbs, c.gas)
+        for c in _plan.enumerate_configs(
+            model,
+            gpus=gpus,
+            global_batch_tokens=batch,
+            seq=seq,
+            gpus_per_node=gpus_per_node,
+            zero_stages=(0,),
+            recompute=("none",),
+            max_cp=gpus,
+        )
+    }
 
 
 def _enumerate_cases(quick: bool):
-    fixed = [(8, 2**20, 4096, 32, 32, 8), (16, 2**20, 4096, 32, 32, 8), (12, 24 * 64, 64, 6, 12, 4),
-             (6, 6 * 32, 32, 2, 6, 6), (7, 14 * 64, 64, 8, 4, 4), (32, 64 * 128, 128, 4, 24, 8, 4),
-             (8, 8 * 24, 24, 1, 4, 4)]   # cp 8 divides seq 24 but 2 cp does not: the zig-zag rule
+    fixed = [
+        (8, 2**20, 4096, 32, 32, 8),
+        (16, 2**20, 4096, 32, 32, 8),
+        (12, 24 * 64, 64, 6, 12, 4),
+        (6, 6 * 32, 32, 2, 6, 6),
+        (7, 14 * 64, 64, 8, 4, 4),
+        (32, 64 * 128, 128, 4, 24, 8, 4),
+        (8, 8 * 24, 24, 1, 4, 4),
+    ]  # cp 8 divides seq 24 but 2 cp does not: the zig-zag rule
     rng = random.Random(10)
     more = []
     for _ in range(6 if quick else 40):
         heads = rng.choice([4, 6, 8, 12, 16, 32])
-        more.append((rng.randint(1, 24), rng.choice([1, 2, 3, 4, 6, 8, 12, 16]) * 64 * rng.randint(1, 4), 64,
-                     rng.randint(1, 12), heads, rng.choice([k for k in (1, 2, 4, heads) if heads % k == 0])))
+        more.append(
+            (
+                rng.randint(1, 24),
+                rng.choice([1, 2, 3, 4, 6, 8, 12, 16]) * 64 * rng.randint(1, 4),
+                64,
+                rng.randint(1, 12),
+                heads,
+                rng.choice([k for k in (1, 2, 4, heads) if heads % k == 0]),
+            )
+        )
     return fixed + more
 
 
@@ -81,8 +116,10 @@ def _layout_hint(got: set, expected: set) -> str:
         text += f" You return {len(extra)} layout(s) that break a rule, e.g. (dp, tp, pp, cp, mbs, gas) = {extra[0]}"
     if missing:
         text += f"{';' if text else ''} you miss {len(missing)} valid layout(s), e.g. {missing[0]}"
-    return text + ". Rules: TP divides the GPUs of a node and the heads and K/V heads; pp <= layers; cp > 1 needs seq " \
-                  "divisible by 2*cp; dp*pp*cp*tp = gpus; mbs*gas*dp*seq = batch."
+    return (
+        text + ". Rules: TP divides the GPUs of a node and the heads and K/V heads; pp <= layers; cp > 1 needs seq "
+        "divisible by 2*cp; dp*pp*cp*tp = gpus; mbs*gas*dp*seq = batch."
+    )
 
 
 @exercise("10.enumerate", points=1)
@@ -92,8 +129,10 @@ def test_enumerate(layouts, quick: bool = True):
     for case in _enumerate_cases(quick):
         gpus, batch, seq, layers, heads, kv = case[:6]
         node = case[6] if len(case) > 6 else 8
-        call = (f"layouts(gpus={gpus}, global_batch_tokens={batch}, seq={seq}, layers={layers}, heads={heads}, "
-                f"kv_heads={kv}, gpus_per_node={node})")
+        call = (
+            f"layouts(gpus={gpus}, global_batch_tokens={batch}, seq={seq}, layers={layers}, heads={heads}, "
+            f"kv_heads={kv}, gpus_per_node={node})"
+        )
         expected = _reference_layouts(gpus, batch, seq, layers, heads, kv, node)
         got = call_learner(layouts, gpus, batch, seq, layers, heads, kv, gpus_per_node=node, call=call)
         assert got is not None, f"{call} returned None; return a set of (dp, tp, pp, cp, mbs, gas) tuples"
@@ -127,17 +166,22 @@ def _experts_hint(model, c, seq, usable, *, kept=None, nbytes=None) -> str:
     if c.ep == 1:
         return ""
     mistakes = (
-        (dataclasses.replace(c, ep=1),
-         f" With {model.experts} experts per block and ep={c.ep}, each GPU holds {model.experts // c.ep} of them: "
-         "pass breakdown ep=c.ep (it divides the expert parameters, and only those, by ep)"),
-        (dataclasses.replace(c, tp=c.tp * c.ep, ep=1),
-         f" You divided every weight (and the activations) by ep={c.ep}, as TP would: ep splits only the experts; "
-         "attention and norms stay whole on every ep rank. Pass breakdown ep=c.ep"),
+        (
+            dataclasses.replace(c, ep=1),
+            f" With {model.experts} experts per block and ep={c.ep}, each GPU holds {model.experts // c.ep} of them: "
+            "pass breakdown ep=c.ep (it divides the expert parameters, and only those, by ep)",
+        ),
+        (
+            dataclasses.replace(c, tp=c.tp * c.ep, ep=1),
+            f" You divided every weight (and the activations) by ep={c.ep}, as TP would: ep splits only the experts; "
+            "attention and norms stay whole on every ep rank. Pass breakdown ep=c.ep",
+        ),
     )
     for wrong, hint in mistakes:
         need = _fit.memory_per_gpu(model, wrong, seq)["total"]
         if (kept is not None and kept == (need <= usable)) or (
-                nbytes is not None and math.isclose(nbytes, need, rel_tol=1e-9)):
+            nbytes is not None and math.isclose(nbytes, need, rel_tol=1e-9)
+        ):
             return hint
     return ""
 
@@ -147,14 +191,28 @@ def _pipeline_hint(model, c, seq, usable, *, kept=None, nbytes=None) -> str:
     is the memory model's default pipeline, pp micro-batches in flight, where gas < pp holds fewer."""
     if c.pp == 1 or (c.schedule == "1f1b" and c.gas >= c.pp):
         return ""
-    default = memory.breakdown(model, seq=seq, micro_batch=c.mbs, recompute=c.recompute, zero_stage=c.zero,
-                               tp=c.tp, dp=c.dp * c.cp, pp=c.pp, cp=c.cp, ep=c.ep, sequence_parallel=True)
+    default = memory.breakdown(
+        model,
+        seq=seq,
+        micro_batch=c.mbs,
+        recompute=c.recompute,
+        zero_stage=c.zero,
+        tp=c.tp,
+        dp=c.dp * c.cp,
+        pp=c.pp,
+        cp=c.cp,
+        ep=c.ep,
+        sequence_parallel=True,
+    )
     need = sum(default[k] for k in _fit.CONSUMERS)
     if (kept is not None and kept == (need <= usable)) or (
-            nbytes is not None and math.isclose(nbytes, need, rel_tol=1e-9)):
-        return (f" With pp={c.pp} and gas={c.gas} micro-batches under {c.schedule}, the first stage holds "
-                f"{min(c.pp, c.gas) if c.schedule == '1f1b' else 'what the schedule keeps'} in flight, not pp: "
-                "pass breakdown schedule=c.schedule and micro_batches=c.gas")
+        nbytes is not None and math.isclose(nbytes, need, rel_tol=1e-9)
+    ):
+        return (
+            f" With pp={c.pp} and gas={c.gas} micro-batches under {c.schedule}, the first stage holds "
+            f"{min(c.pp, c.gas) if c.schedule == '1f1b' else 'what the schedule keeps'} in flight, not pp: "
+            "pass breakdown schedule=c.schedule and micro_batches=c.gas"
+        )
     return ""
 
 
@@ -164,11 +222,14 @@ def test_memory_filter(fitting, quick: bool = True):
     fitting = without_library(fitting, PLANNER, "10.memory_filter", "call memory.breakdown yourself")
     for model, configs, seq, memory_bytes, headroom in _filter_cases(quick):
         usable = memory_bytes * (1 - headroom)
-        expected, _ = _fit.memory_filter(model, configs, seq, _plan.Hardware(memory_bytes=memory_bytes,
-                                                                             memory_headroom=headroom))
+        expected, _ = _fit.memory_filter(
+            model, configs, seq, _plan.Hardware(memory_bytes=memory_bytes, memory_headroom=headroom)
+        )
         assert not model.experts or any(c.ep > 1 for c, _ in expected), "the MoE case must keep configs with ep > 1"
-        call = f"fitting({model.hidden=}, {model.experts=}, {len(configs)} configs, seq={seq}, " \
-               f"memory_bytes={memory_bytes:.3g}, headroom={headroom})"
+        call = (
+            f"fitting({model.hidden=}, {model.experts=}, {len(configs)} configs, seq={seq}, "
+            f"memory_bytes={memory_bytes:.3g}, headroom={headroom})"
+        )
         got = call_learner(fitting, model, configs, seq, memory_bytes, headroom, call=call)
         assert got is not None, f"{call} returned None; return a list of (config, bytes) pairs"
         got = list(got)
@@ -184,20 +245,41 @@ def test_memory_filter(fitting, quick: bool = True):
                 "weights (dp * cp), the memory model tp, pp, cp, ep, the micro-batch and (pp > 1) the schedule and its "
                 "micro-batches, and compare with memory_bytes * (1 - headroom)."
                 + _experts_hint(model, wrong, seq, usable, kept=wrong in got_set)
-                + _pipeline_hint(model, wrong, seq, usable, kept=wrong in got_set))
+                + _pipeline_hint(model, wrong, seq, usable, kept=wrong in got_set)
+            )
         for c, nbytes in got:
             want = _fit.memory_per_gpu(model, c, seq)["total"]
             assert math.isclose(nbytes, want, rel_tol=1e-9), (
                 f"{call}: {c.short()} needs {want / 1e9:.4f} GB, you say {nbytes / 1e9:.4f}: call breakdown with "
                 "the layout's degrees (ZeRO shards over dp * cp ranks, ep splits the experts) and add parameters, "
-                "gradients, optimizer states and activations." + _experts_hint(model, c, seq, usable, nbytes=nbytes)
-                + _pipeline_hint(model, c, seq, usable, nbytes=nbytes))
+                "gradients, optimizer states and activations."
+                + _experts_hint(model, c, seq, usable, nbytes=nbytes)
+                + _pipeline_hint(model, c, seq, usable, nbytes=nbytes)
+            )
 
 
-STEP1_CASES = [(3e9, 8), (9.99e9, 8), (10e9, 8), (3e9, 12), (3e9, 16), (70e9, 64), (70e9, 511), (70e9, 512),
-               (8e9, 1023), (405e9, 1024), (405e9, 16384), (1e9, 1), (100e9, 256),
-               # the 10B boundary again where the GPUs' count decides first: 512-1023 and 1024+
-               (9.99e9, 512), (10e9, 512), (10e9, 1023), (9.99e9, 1024), (10e9, 1024), (3e9, 16384)]
+STEP1_CASES = [
+    (3e9, 8),
+    (9.99e9, 8),
+    (10e9, 8),
+    (3e9, 12),
+    (3e9, 16),
+    (70e9, 64),
+    (70e9, 511),
+    (70e9, 512),
+    (8e9, 1023),
+    (405e9, 1024),
+    (405e9, 16384),
+    (1e9, 1),
+    (100e9, 256),
+    # the 10B boundary again where the GPUs' count decides first: 512-1023 and 1024+
+    (9.99e9, 512),
+    (10e9, 512),
+    (10e9, 1023),
+    (9.99e9, 1024),
+    (10e9, 1024),
+    (3e9, 16384),
+]
 # (n_params, gpus, gpus_per_node): nodes of 4, 16 and 1 GPU move a small model's one-node limit
 STEP1_NODE_CASES = [(3e9, 4, 4), (3e9, 5, 4), (3e9, 8, 4), (3e9, 16, 16), (3e9, 9, 16), (3e9, 1, 1), (3e9, 2, 1)]
 
@@ -209,24 +291,33 @@ def _step1_hint(got, n, gpus, node, long_sequence, moe) -> str:
         other = _rules.step1_techniques(1e9 if n >= 10e9 else 10e9, gpus, long_sequence=long_sequence, moe=moe)
         if got != {frozenset(o) for o in other}:
             return ""
-        return (f". At {gpus} GPUs the options still depend on the model's size: this one has "
-                f"{'10B parameters or more' if n >= 10e9 else 'under 10B (n_params < 10e9)'}, and a model under 10B "
-                "needs no PP (it fits without, as the under-10B rule says)")
+        return (
+            f". At {gpus} GPUs the options still depend on the model's size: this one has "
+            f"{'10B parameters or more' if n >= 10e9 else 'under 10B (n_params < 10e9)'}, and a model under 10B "
+            "needs no PP (it fits without, as the under-10B rule says)"
+        )
     if n >= 10e9:
         return ""
     one_node = gpus <= node
-    flipped = _rules.step1_techniques(n, gpus, gpus_per_node=gpus - 1 if one_node else gpus,
-                                      long_sequence=long_sequence, moe=moe)
+    flipped = _rules.step1_techniques(
+        n, gpus, gpus_per_node=gpus - 1 if one_node else gpus, long_sequence=long_sequence, moe=moe
+    )
     if got != {frozenset(o) for o in flipped}:
         return ""
     if one_node:
         where = f". {gpus} GPUs fit on one node of gpus_per_node={node} (gpus <= gpus_per_node)"
     else:
         where = f". {gpus} GPUs on nodes of gpus_per_node={node} take {math.ceil(gpus / node)} nodes, more than one"
-    eight = node != 8 and got == {frozenset(o) for o in _rules.step1_techniques(
-        n, gpus, long_sequence=long_sequence, moe=moe)}
-    return where + ", so a model under 10B gets the " + ("one-node" if one_node else "multi-node") + \
-        " options" + (": compare gpus with the gpus_per_node you are given, not with 8" if eight else "")
+    eight = node != 8 and got == {
+        frozenset(o) for o in _rules.step1_techniques(n, gpus, long_sequence=long_sequence, moe=moe)
+    }
+    return (
+        where
+        + ", so a model under 10B gets the "
+        + ("one-node" if one_node else "multi-node")
+        + " options"
+        + (": compare gpus with the gpus_per_node you are given, not with 8" if eight else "")
+    )
 
 
 @exercise("10.step1", points=1)
@@ -241,23 +332,29 @@ def test_step1(step1_techniques, quick: bool = True):
         # None: the default of 8 GPUs per node, not passed
         options = {} if node is None else {"gpus_per_node": node}
         for long_sequence, moe in ((False, False), (True, False), (False, True), (True, True)):
-            call = f"step1_techniques({n:.4g}, {gpus}, {''.join(f'{k}={v}, ' for k, v in options.items())}" \
-                   f"long_sequence={long_sequence}, moe={moe})"
-            expected = {frozenset(o) for o in _rules.step1_techniques(n, gpus, long_sequence=long_sequence, moe=moe,
-                                                                      **options)}
+            call = (
+                f"step1_techniques({n:.4g}, {gpus}, {''.join(f'{k}={v}, ' for k, v in options.items())}"
+                f"long_sequence={long_sequence}, moe={moe})"
+            )
+            expected = {
+                frozenset(o) for o in _rules.step1_techniques(n, gpus, long_sequence=long_sequence, moe=moe, **options)
+            }
             got = call_learner(step1_techniques, n, gpus, long_sequence=long_sequence, moe=moe, call=call, **options)
             assert got is not None, f"{call} returned None; return a list of sets of technique names"
             got = {frozenset(o) for o in got}
-            assert got == expected, (f"{call}: expected {sorted(sorted(o) for o in expected)}, got "
-                                     f"{sorted(sorted(o) for o in got)}"
-                                     + _step1_hint(got, n, gpus, node or 8, long_sequence, moe))
+            assert got == expected, (
+                f"{call}: expected {sorted(sorted(o) for o in expected)}, got "
+                f"{sorted(sorted(o) for o in got)}" + _step1_hint(got, n, gpus, node or 8, long_sequence, moe)
+            )
 
 
 # ---- 10.smallest_pp: the smallest pipeline that fits, measured by dry runs -------------------
 # (model, layout without PP, seq, memory_bytes): on 45 GB the formula's pp is 2, the dry run's 4
 # (70B's activations are 1.5x the formula's); on 36 GB for 8B at 8192 tokens the same (2 and 4).
-PP_CASES = [(LLAMA3_70B, dict(tp=8, sp=True, dp=4, zero=1, optimizer="adam"), 4096, 45e9),
-            (LLAMA3_8B, dict(tp=2, sp=True, dp=8, zero=1, optimizer="adam"), 8192, 36e9)]
+PP_CASES = [
+    (LLAMA3_70B, dict(tp=8, sp=True, dp=4, zero=1, optimizer="adam"), 4096, 45e9),
+    (LLAMA3_8B, dict(tp=2, sp=True, dp=8, zero=1, optimizer="adam"), 8192, 36e9),
+]
 
 
 def _pp_candidates(model) -> list:
@@ -275,8 +372,18 @@ def _measured(model, layout, seq, pp):
 
 
 def _formula_total(model, layout, seq, pp) -> float:
-    parts = memory.breakdown(model, seq=seq, micro_batch=1, recompute="selective", zero_stage=layout.zero,
-                             tp=layout.tp, dp=layout.dp, pp=pp, schedule="1f1b", micro_batches=pp)
+    parts = memory.breakdown(
+        model,
+        seq=seq,
+        micro_batch=1,
+        recompute="selective",
+        zero_stage=layout.zero,
+        tp=layout.tp,
+        dp=layout.dp,
+        pp=pp,
+        schedule="1f1b",
+        micro_batches=pp,
+    )
     return sum(parts[k] for k in _fit.CONSUMERS)
 
 
@@ -287,7 +394,7 @@ def test_smallest_pp(smallest_pp, quick: bool = True):
     activations of 1F1B's first stage stay those of about all the layers)."""
     from ultrascale.parallel.compose import ParallelConfig as Layout
 
-    for model, fields, seq, memory_bytes in PP_CASES[:1 if quick else None]:
+    for model, fields, seq, memory_bytes in PP_CASES[: 1 if quick else None]:
         check_smallest_pp(smallest_pp, model, Layout(**fields), seq, memory_bytes)
 
 
@@ -300,9 +407,10 @@ def check_smallest_pp(smallest_pp, model, layout, seq, memory_bytes) -> None:
     candidates = _pp_candidates(model)
     assert got is None or got in candidates, (
         f"{call} returned {got!r}: a stage count must divide the {model.layers} layers (even stages), "
-        f"one of {candidates}")
+        f"one of {candidates}"
+    )
     fits = {}
-    for pp in candidates:   # up to the first that fits, as a learner's scan does
+    for pp in candidates:  # up to the first that fits, as a learner's scan does
         fits[pp] = _measured(model, layout, seq, pp)
         if fits[pp].total_bytes <= memory_bytes:
             break
@@ -318,9 +426,11 @@ def _wrong_pp(call, got, answer, model, layout, seq, memory_bytes, candidates, f
     if dry.total_bytes > memory_bytes:
         hints = ""
         if _formula_total(model, layout, seq, got) <= memory_bytes:
-            hints += (" memory.breakdown's formula says it fits: its activations are GPT's (34 bytes per "
-                      "token and hidden unit, no loss), and a Llama block keeps more; measure with the dry "
-                      "run rather than the formula.")
+            hints += (
+                " memory.breakdown's formula says it fits: its activations are GPT's (34 bytes per "
+                "token and hidden unit, no loss), and a Llama block keeps more; measure with the dry "
+                "run rather than the formula."
+            )
         if dry.total_bytes - dry.optimizer_states <= memory_bytes:
             hints += " Without its optimizer states it would fit: count them too (ZeRO's shards of Adam's)."
         raise AssertionError(
@@ -328,13 +438,18 @@ def _wrong_pp(call, got, answer, model, layout, seq, memory_bytes, candidates, f
             f"measured (parameters {gb['parameters']}, gradients {gb['gradients']}, optimizer states "
             f"{gb['optimizer states']}, activations {gb['activations']}): more than {memory_bytes / 1e9:.0f} "
             f"GB, it does not fit.{hints} (A scan returns the first depth that fits, not the last that does "
-            "not.)")
+            "not.)"
+        )
     smaller = [pp for pp in candidates if pp < got]
     beyond = smaller and smaller[-1] == answer
-    powers = answer & (answer - 1) and not got & (got - 1)   # the answer is no power of two, the one given is
+    powers = answer & (answer - 1) and not got & (got - 1)  # the answer is no power of two, the one given is
     raise AssertionError(
         f"{call} returned {got}, which fits ({dry.total_bytes / 1e9:.1f} GB measured), but a smaller pp "
         f"that divides the layers fits too: return the smallest."
         + (" You went one stage count too far: stop at the first pp that fits." if beyond else "")
-        + (f" Only powers of two were tried: every divisor of the {model.layers} layers is a depth, {candidates}."
-           if powers else ""))
+        + (
+            f" Only powers of two were tried: every divisor of the {model.layers} layers is a depth, {candidates}."
+            if powers
+            else ""
+        )
+    )

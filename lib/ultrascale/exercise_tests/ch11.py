@@ -62,8 +62,10 @@ def _launch(kernel, grid, *args, loads_per_program: int | None = None, **kwargs)
     and a program instance may make at most ``loads_per_program`` loads (a vector load per
     operand, not one load per element)."""
     if not hasattr(kernel, "__getitem__") or not hasattr(kernel, "fn"):
-        raise AssertionError(f"expected a @triton.jit kernel, got {type(kernel).__name__}: "
-                             "pass the kernel itself (the decorated function), not a wrapper")
+        raise AssertionError(
+            f"expected a @triton.jit kernel, got {type(kernel).__name__}: "
+            "pass the kernel itself (the decorated function), not a wrapper"
+        )
     with _as_on_a_gpu() as loads:
         kernel[grid](*args, **kwargs)
     programs = math.prod(grid)
@@ -72,7 +74,8 @@ def _launch(kernel, grid, *args, loads_per_program: int | None = None, **kwargs)
             f"the kernel made {loads[0] / programs:g} loads per program instance, where this one needs at most "
             f"{loads_per_program}: it reads element by element (a loop of scalar tl.load calls). Load the whole "
             "block at once, tl.load(ptr + offsets, mask=...) with offsets = start + tl.arange(0, BLOCK_SIZE): one "
-            "vector load that the GPU coalesces into a few wide memory transactions")
+            "vector load that the GPU coalesces into a few wide memory transactions"
+        )
 
 
 @contextlib.contextmanager
@@ -94,10 +97,8 @@ def _as_on_a_gpu():
         count[0] += 1
         if other is None:
             dtype = to_numpy(ptrs.get_element_ty())
-            fill = np.nan if np.issubdtype(dtype, np.floating) else (True if dtype == np.bool_ else
-                                                                     np.iinfo(dtype).max)
-            other = interpreter.TensorHandle(np.full(np.shape(ptrs.data), fill, dtype=dtype),
-                                             ptrs.get_element_ty())
+            fill = np.nan if np.issubdtype(dtype, np.floating) else (True if dtype == np.bool_ else np.iinfo(dtype).max)
+            other = interpreter.TensorHandle(np.full(np.shape(ptrs.data), fill, dtype=dtype), ptrs.get_element_ty())
         return current(ptrs, mask, other, *args, **kwargs)
 
     had_own = "create_masked_load" in vars(builder)
@@ -106,7 +107,7 @@ def _as_on_a_gpu():
         yield count
     finally:
         if had_own:
-            builder.create_masked_load = current   # _loads_seen's watcher, still open around us
+            builder.create_masked_load = current  # _loads_seen's watcher, still open around us
         else:
             del builder.create_masked_load
 
@@ -130,12 +131,12 @@ def _loads_seen():
 
     builder = getattr(interpreter, "interpreter_builder", None)
     original = getattr(builder, "create_masked_load", None)
-    if not _interpreted() or original is None:   # a GPU, or another Triton: not checked
+    if not _interpreted() or original is None:  # a GPU, or another Triton: not checked
         yield None
         return
     addresses = []
 
-    def watched(ptrs, mask, *args, **kwargs):   # create_load (no mask) calls this with a mask of ones
+    def watched(ptrs, mask, *args, **kwargs):  # create_load (no mask) calls this with a mask of ones
         data = np.asarray(ptrs.data)
         addresses.append(data[np.broadcast_to(np.asarray(mask.data, dtype=bool), data.shape)])
         return original(ptrs, mask, *args, **kwargs)
@@ -144,7 +145,7 @@ def _loads_seen():
     try:
         yield addresses
     finally:
-        del builder.create_masked_load   # the class's method again
+        del builder.create_masked_load  # the class's method again
 
 
 def _read_past(addresses, tensors) -> bool:
@@ -177,21 +178,26 @@ def check_add(masked_add_kernel, x: torch.Tensor, y: torch.Tensor, block: int, l
 
     n = x.shape[0]
     # Past the end of the inputs lies NaN, past the end of the output a sentinel.
-    x_view, y_view = (_window(torch.cat([t.new_full((lead,), float("nan")), t]), 0, block, float("nan"))[1][lead:]
-                      for t in (x, y))
+    x_view, y_view = (
+        _window(torch.cat([t.new_full((lead,), float("nan")), t]), 0, block, float("nan"))[1][lead:] for t in (x, y)
+    )
     out_buf, out = _window(torch.zeros_like(x), 0, block, SENTINEL)
     grid = (triton.cdiv(n, block),)
     with _loads_seen() as loads:
         _launch(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block, loads_per_program=4)
     where = f"n={n}, BLOCK_SIZE={block} ({grid[0]} program instance{'s' if grid[0] > 1 else ''}), {x.dtype}"
     if _read_past(loads, (x_view, y_view)):
-        raise AssertionError(f"{where}: the kernel loaded past element n-1 of x or y. The masked store hides "
-                             "it here, but on a GPU that load reads memory that is not the tensor's (garbage, "
-                             "or an illegal-address crash). Mask the loads too: "
-                             "tl.load(x_ptr + offsets, mask=offsets < n_elements)")
+        raise AssertionError(
+            f"{where}: the kernel loaded past element n-1 of x or y. The masked store hides "
+            "it here, but on a GPU that load reads memory that is not the tensor's (garbage, "
+            "or an illegal-address crash). Mask the loads too: "
+            "tl.load(x_ptr + offsets, mask=offsets < n_elements)"
+        )
     if not (_outside(out_buf, out) == SENTINEL).all():
-        raise AssertionError(f"{where}: the kernel wrote past element n-1. Mask the store: "
-                             "tl.store(out_ptr + offsets, ..., mask=offsets < n_elements)")
+        raise AssertionError(
+            f"{where}: the kernel wrote past element n-1. Mask the store: "
+            "tl.store(out_ptr + offsets, ..., mask=offsets < n_elements)"
+        )
     expected = x + y
     if not torch.equal(out, expected):
         wrong = (out != expected).nonzero().flatten().tolist()
@@ -202,16 +208,24 @@ def check_add(masked_add_kernel, x: torch.Tensor, y: torch.Tensor, block: int, l
         elif (out == 0).all():
             hint = " Nothing was stored."
         elif x.dtype == torch.float64 and torch.equal(out, (x.float() + y.float()).double()):
-            hint = (" The sum was rounded to float32: add in the inputs' own dtype (tl.load gives the pointer's "
-                    "element type; no .to(tl.float32)), so a float64 vector keeps its 53 bits.")
-        raise AssertionError(f"{where}: {len(wrong)} wrong elements, the first at index {first} "
-                             f"(got {out[first].item():.17g}, expected {expected[first].item():.17g}).{hint}")
+            hint = (
+                " The sum was rounded to float32: add in the inputs' own dtype (tl.load gives the pointer's "
+                "element type; no .to(tl.float32)), so a float64 vector keeps its 53 bits."
+            )
+        raise AssertionError(
+            f"{where}: {len(wrong)} wrong elements, the first at index {first} "
+            f"(got {out[first].item():.17g}, expected {expected[first].item():.17g}).{hint}"
+        )
 
 
 # ---- 11.row_softmax --------------------------------------------------------------------------
 
 SOFTMAX_CASES = [  # (rows, cols, scale of the logits)
-    (1, 1, 1.0), (3, 7, 1.0), (5, 100, 3.0), (17, 300, 3.0), (2, 1000, 1.0),
+    (1, 1, 1.0),
+    (3, 7, 1.0),
+    (5, 100, 3.0),
+    (17, 300, 3.0),
+    (2, 1000, 1.0),
     (4, 33, 1e4),  # exp(1e4) overflows unless each row's maximum is subtracted first
     (3, 20, -1e4),
 ]
@@ -230,32 +244,51 @@ def test_row_softmax(softmax_kernel, quick: bool = True, seed: int = 0):
         _, x_view = _window(x, 0, 5, float("nan"))
         out_buf, out = _window(torch.zeros(rows, cols, device=x.device), 1, 3, SENTINEL)
         block = triton.next_power_of_2(cols)
-        _launch(softmax_kernel, (rows,), out, x_view, x_view.stride(0), out.stride(0), cols, BLOCK_SIZE=block,
-                loads_per_program=4)
+        _launch(
+            softmax_kernel,
+            (rows,),
+            out,
+            x_view,
+            x_view.stride(0),
+            out.stride(0),
+            cols,
+            BLOCK_SIZE=block,
+            loads_per_program=4,
+        )
         where = f"shape ({rows}, {cols}), logits of size ~{abs(scale):g}, BLOCK_SIZE={block}"
         if not (_outside(out_buf, out) == SENTINEL).all():
-            raise AssertionError(f"{where}: the kernel wrote outside the output rows (mask the store with "
-                                 "cols < n_cols, and use out_row_stride for the row start)")
+            raise AssertionError(
+                f"{where}: the kernel wrote outside the output rows (mask the store with "
+                "cols < n_cols, and use out_row_stride for the row start)"
+            )
         expected = torch.softmax(x, dim=-1)
         if torch.isnan(out).any():
-            if scale < -100:   # exp underflows here, it does not overflow
-                raise AssertionError(f"{where}: the output has NaN: every logit is hugely negative, so exp "
-                                     "underflows to 0 across the row and the division is 0/0. Subtract the row "
-                                     "maximum (tl.max(x, axis=0)) before tl.exp, so the largest term is exp(0) = 1; "
-                                     "padding lanes loaded as 0 instead of -inf would win that maximum.")
+            if scale < -100:  # exp underflows here, it does not overflow
+                raise AssertionError(
+                    f"{where}: the output has NaN: every logit is hugely negative, so exp "
+                    "underflows to 0 across the row and the division is 0/0. Subtract the row "
+                    "maximum (tl.max(x, axis=0)) before tl.exp, so the largest term is exp(0) = 1; "
+                    "padding lanes loaded as 0 instead of -inf would win that maximum."
+                )
             if abs(scale) > 100:
-                raise AssertionError(f"{where}: the output has NaN: exp overflowed. Subtract the row maximum "
-                                     "(tl.max(x, axis=0)) before tl.exp, and load padding lanes as -inf.")
-            raise AssertionError(f"{where}: the output has NaN: a lane read outside its row (the gaps between "
-                                 "rows hold NaN here). Mask the load with cols < n_cols, and start row r at "
-                                 "in_ptr + r * in_row_stride.")
+                raise AssertionError(
+                    f"{where}: the output has NaN: exp overflowed. Subtract the row maximum "
+                    "(tl.max(x, axis=0)) before tl.exp, and load padding lanes as -inf."
+                )
+            raise AssertionError(
+                f"{where}: the output has NaN: a lane read outside its row (the gaps between "
+                "rows hold NaN here). Mask the load with cols < n_cols, and start row r at "
+                "in_ptr + r * in_row_stride."
+            )
         if not torch.allclose(out, expected, rtol=1e-5, atol=1e-6):
             err = (out - expected).abs().max().item()
             sums = out.sum(-1)
             hint = ""
             if not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
-                hint = (f" Rows sum to {sums.min().item():.4g}..{sums.max().item():.4g}, not 1: do padding lanes "
-                        "count in the sum (load them as -inf, so exp gives 0)?")
+                hint = (
+                    f" Rows sum to {sums.min().item():.4g}..{sums.max().item():.4g}, not 1: do padding lanes "
+                    "count in the sum (load them as -inf, so exp gives 0)?"
+                )
             elif rows > 1 and torch.allclose(out[0], expected[0], rtol=1e-5, atol=1e-6):
                 hint = " The first row is right: use in_row_stride and out_row_stride to find each row."
             raise AssertionError(f"{where}: largest difference from torch.softmax {err:.3g}.{hint}")
@@ -304,30 +337,65 @@ def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: t
     _, _, b_view = _operand(b, 4, 1, "B" in column_major, float("nan"))
     c_buf, c_stored, c = _operand(torch.zeros(M, N, device=a.device), 2, 2, "C" in column_major, SENTINEL)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _launch(matmul_tile_kernel, grid, a_view, b_view, c, M, N, K,
-            a_view.stride(0), a_view.stride(1), b_view.stride(0), b_view.stride(1), c.stride(0), c.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, loads_per_program=2 * triton.cdiv(K, bk) + 4)
-    where = (f"({M} x {K}) @ ({K} x {N}), tiles {bm} x {bn} x {bk}, grid {grid}"
-             + (f", {' and '.join(column_major)} column-major (strides {a_view.stride()}, {b_view.stride()}, "
-                f"{c.stride()})" if column_major else "")
-             + (f", A and B in {a.dtype}, C in float32" if a.dtype != torch.float32 else ""))
+    _launch(
+        matmul_tile_kernel,
+        grid,
+        a_view,
+        b_view,
+        c,
+        M,
+        N,
+        K,
+        a_view.stride(0),
+        a_view.stride(1),
+        b_view.stride(0),
+        b_view.stride(1),
+        c.stride(0),
+        c.stride(1),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        loads_per_program=2 * triton.cdiv(K, bk) + 4,
+    )
+    where = (
+        f"({M} x {K}) @ ({K} x {N}), tiles {bm} x {bn} x {bk}, grid {grid}"
+        + (
+            f", {' and '.join(column_major)} column-major (strides {a_view.stride()}, {b_view.stride()}, {c.stride()})"
+            if column_major
+            else ""
+        )
+        + (f", A and B in {a.dtype}, C in float32" if a.dtype != torch.float32 else "")
+    )
     if not (_outside(c_buf, c_stored) == SENTINEL).all():
-        raise AssertionError(f"{where}: the kernel wrote outside C. Mask the store with (rows < M) & (cols < N)"
-                             + (", and address C with both strides passed in: stride_cn is not 1 when C is "
-                                "column-major" if "C" in column_major else "") + ".")
+        raise AssertionError(
+            f"{where}: the kernel wrote outside C. Mask the store with (rows < M) & (cols < N)"
+            + (
+                ", and address C with both strides passed in: stride_cn is not 1 when C is column-major"
+                if "C" in column_major
+                else ""
+            )
+            + "."
+        )
     # what a kernel gives that rounds each BLOCK_K's product to the operands' dtype (None: float32 operands)
     rounded = _rounded_per_block(a, b, bk) if a.dtype != torch.float32 else None
     if not torch.isfinite(c).all() and rounded is not None and not torch.isfinite(rounded).all():
-        raise AssertionError(f"{where}: C has inf or NaN, as it has when each BLOCK_K's product is rounded to "
-                             f"{a.dtype} before it is added: {a.dtype} ends at {torch.finfo(a.dtype).max:,.0f}. "
-                             f"{_KEEP_FLOAT32}")
+        raise AssertionError(
+            f"{where}: C has inf or NaN, as it has when each BLOCK_K's product is rounded to "
+            f"{a.dtype} before it is added: {a.dtype} ends at {torch.finfo(a.dtype).max:,.0f}. "
+            f"{_KEEP_FLOAT32}"
+        )
     if torch.isnan(c).any():
-        raise AssertionError(f"{where}: C has NaN: some loads read past the edge of A or B, or kept masked "
-                             "lanes without a value (a load with mask= but no other= leaves them undefined on a "
-                             "GPU: here NaN, as garbage would be). Mask the A tile with rows < M and k < K, the "
-                             "B tile with k < K and cols < N, with other=0."
-                             + (" Use the strides passed in for every operand: with a column-major operand its "
-                                "column stride is not 1" if column_major else ""))
+        raise AssertionError(
+            f"{where}: C has NaN: some loads read past the edge of A or B, or kept masked "
+            "lanes without a value (a load with mask= but no other= leaves them undefined on a "
+            "GPU: here NaN, as garbage would be). Mask the A tile with rows < M and k < K, the "
+            "B tile with k < K and cols < N, with other=0."
+            + (
+                " Use the strides passed in for every operand: with a column-major operand its column stride is not 1"
+                if column_major
+                else ""
+            )
+        )
     close, want = _matmul_close(a, b, c), a.double() @ b.double()
     if not close(c, want):
         err = (c.double() - want).abs().max().item()
@@ -344,8 +412,10 @@ def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: t
         raise AssertionError(f"{where}: largest difference from A @ B {err:.3g}.{hint}")
 
 
-_KEEP_FLOAT32 = ("Keep tl.dot's result and the accumulator in float32 (acc = tl.zeros(..., dtype=tl.float32); "
-                 "acc += tl.dot(a, b)), whatever the operands' dtype.")
+_KEEP_FLOAT32 = (
+    "Keep tl.dot's result and the accumulator in float32 (acc = tl.zeros(..., dtype=tl.float32); "
+    "acc += tl.dot(a, b)), whatever the operands' dtype."
+)
 
 
 def _matmul_close(a, b, c):
@@ -354,18 +424,21 @@ def _matmul_close(a, b, c):
     its dtype: within K float32 ulps of the sum of magnitudes, plus one ulp of C's dtype. On a GPU,
     tl.dot on float32 operands uses TF32 (10 bits), so the tolerance is TF32's there."""
     gpu = _device().type != "cpu"
-    unit = 2.0 ** -11 if gpu else a.shape[1] * 2.0 ** -24
+    unit = 2.0**-11 if gpu else a.shape[1] * 2.0**-24
     magnitudes = a.double().abs() @ b.double().abs()
 
     def close(got, want, tile=(slice(None), slice(None))):
         bound = magnitudes[tile] * (4 * unit) + want.abs() * torch.finfo(c.dtype).eps + 1e-300
         return got.shape == want.shape and bool(((got.double() - want).abs() <= bound).all())
+
     return close
 
 
 def _rounded_per_block(a, b, bk: int) -> torch.Tensor:
     """What a kernel gives whose every BLOCK_K product is rounded to the operands' dtype before it is added."""
-    parts = [(a[:, k:k + bk].double() @ b[k:k + bk].double()).to(a.dtype).double() for k in range(0, a.shape[1], bk)]
+    parts = [
+        (a[:, k : k + bk].double() @ b[k : k + bk].double()).to(a.dtype).double() for k in range(0, a.shape[1], bk)
+    ]
     return torch.stack(parts).sum(0)
 
 
@@ -388,15 +461,16 @@ def _fold(update, scores, values, splits):
     acc = torch.zeros(rows, d, dtype=scores.dtype)
     start = 0
     for size in splits:
-        s_block, v_block = scores[:, start:start + size], values[start:start + size]
+        s_block, v_block = scores[:, start : start + size], values[start : start + size]
         before = [t.clone() for t in (m, l, acc, s_block, v_block)]
         out = update(m, l, acc, s_block, v_block)
         if not (isinstance(out, (tuple, list)) and len(out) == 3):
             raise AssertionError(f"online_softmax_update must return (m_new, l_new, acc_new), got {type(out).__name__}")
         for name, old, now in zip(("m", "l", "acc", "s_block", "v_block"), before, (m, l, acc, s_block, v_block)):
             if not torch.equal(old, now):
-                raise AssertionError(f"online_softmax_update changed its input {name} in place: "
-                                     "return new tensors instead")
+                raise AssertionError(
+                    f"online_softmax_update changed its input {name} in place: return new tensors instead"
+                )
         m, l, acc = (torch.as_tensor(t) for t in out)
         start += size
         yield start, m, l, acc
@@ -421,18 +495,25 @@ def test_online_softmax_update(online_softmax_update, quick: bool = True, seed: 
             at = f"{where}, after the first {seen} keys"
             assert tuple(m.shape) == (rows,) and tuple(l.shape) == (rows,) and tuple(acc.shape) == (rows, d), (
                 f"{at}: shapes m {tuple(m.shape)}, l {tuple(l.shape)}, acc {tuple(acc.shape)}; "
-                f"expected ({rows},), ({rows},), ({rows}, {d})")
+                f"expected ({rows},), ({rows},), ({rows}, {d})"
+            )
             assert torch.equal(m, m_ref), f"{at}: m must be the running maximum of the scores seen so far"
             if not torch.isfinite(l).all() or not torch.isfinite(acc).all():
-                raise AssertionError(f"{at}: l or acc is inf/NaN. Exponentiate s - m_new, never s itself, and "
-                                     "scale the old l and acc by exp(m - m_new).")
+                raise AssertionError(
+                    f"{at}: l or acc is inf/NaN. Exponentiate s - m_new, never s itself, and "
+                    "scale the old l and acc by exp(m - m_new)."
+                )
             if not torch.allclose(l, l_ref, rtol=1e-5, atol=1e-6):
-                raise AssertionError(f"{at}: l should be sum(exp(s - m)) over the keys seen so far; largest "
-                                     f"difference {(l - l_ref).abs().max().item():.3g}. Exponentiate s_block - m_new "
-                                     "and rescale the old l by exp(m - m_new).")
+                raise AssertionError(
+                    f"{at}: l should be sum(exp(s - m)) over the keys seen so far; largest "
+                    f"difference {(l - l_ref).abs().max().item():.3g}. Exponentiate s_block - m_new "
+                    "and rescale the old l by exp(m - m_new)."
+                )
             if not torch.allclose(acc, acc_ref, rtol=1e-5, atol=1e-5):
-                raise AssertionError(f"{at}: acc should be exp(s - m) @ v over the keys seen so far (not yet "
-                                     f"divided by l); largest difference {(acc - acc_ref).abs().max().item():.3g}")
+                raise AssertionError(
+                    f"{at}: acc should be exp(s - m) @ v over the keys seen so far (not yet "
+                    f"divided by l); largest difference {(acc - acc_ref).abs().max().item():.3g}"
+                )
         out = acc / l[:, None]
         expected = torch.softmax(scores, dim=1) @ values
         assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5), f"{where}: acc / l differs from softmax(s) @ v"

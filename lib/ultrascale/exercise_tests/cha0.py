@@ -58,11 +58,27 @@ from ultrascale.grading import exercise
 # Every built-in that moves data between several ranks at once. Point-to-point calls
 # (send, recv, isend, irecv, batch_isend_irecv) and barrier stay available.
 FORBIDDEN = (
-    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_single",
-    "all_gather_into_tensor", "_all_gather_base", "reduce_scatter", "reduce_scatter_single",
-    "reduce_scatter_tensor", "_reduce_scatter_base", "gather", "scatter", "all_to_all",
-    "all_to_all_single", "all_gather_object", "gather_object", "broadcast_object_list",
-    "scatter_object_list", "all_reduce_coalesced", "all_gather_coalesced",
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
 )
 P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 LENGTHS = (1, 7, 12, 1000)  # 1 and 7 leave some chunks empty or one element short
@@ -85,19 +101,23 @@ def _forbidden(name: str, exercise_name: str, original):
     def refuse(*args, **kwargs):
         raise ForbiddenCollective(
             f"{exercise_name} called dist.{name}: build it from point-to-point calls only "
-            "(dist.isend / dist.irecv, dist.batch_isend_irecv, or the send_recv helper)")
+            "(dist.isend / dist.irecv, dist.batch_isend_irecv, or the send_recv helper)"
+        )
 
     return refuse
 
 
 def _library_ring(*args, **kwargs):
-    raise ForbiddenCollective("your code called the course library's collectives (ultrascale.comm: the ring, "
-                              "recursive doubling, halving-doubling, direct exchange): write yours with "
-                              "dist.isend / dist.irecv")
+    raise ForbiddenCollective(
+        "your code called the course library's collectives (ultrascale.comm: the ring, "
+        "recursive doubling, halving-doubling, direct exchange): write yours with "
+        "dist.isend / dist.irecv"
+    )
 
 
-ADVICE = ("build it from point-to-point calls only (dist.isend / dist.irecv, dist.batch_isend_irecv, "
-          "or the send_recv helper)")
+ADVICE = (
+    "build it from point-to-point calls only (dist.isend / dist.irecv, dist.batch_isend_irecv, or the send_recv helper)"
+)
 
 
 @contextlib.contextmanager
@@ -109,8 +129,13 @@ def forbid_collectives(exercise_name: str):
     from ultrascale.comm import direct, halving_doubling, recursive, ring
     from ultrascale.grading.guards import forbid_collectives as forbid_builtins
 
-    senders = [(ring, "send_recv"), (ring, "ring_step"), (recursive, "send_recv"), (halving_doubling, "send_recv"),
-               (direct, "_post")]
+    senders = [
+        (ring, "send_recv"),
+        (ring, "ring_step"),
+        (recursive, "send_recv"),
+        (halving_doubling, "send_recv"),
+        (direct, "_post"),
+    ]
     saved = [getattr(module, name) for module, name in senders]
     for module, name in senders:
         setattr(module, name, _library_ring)
@@ -132,9 +157,9 @@ class _SendTap:
     """
 
     def __init__(self):
-        self.sends = []   # (destination rank, bytes)
+        self.sends = []  # (destination rank, bytes)
         self._saved = []
-        self._inside = False   # dist.send calls isend itself: one message, noted once
+        self._inside = False  # dist.send calls isend itself: one message, noted once
 
     def __enter__(self) -> "_SendTap":
         for name in ("send", "isend"):
@@ -160,8 +185,11 @@ class _SendTap:
             a = signature.bind(*args, **kwargs).arguments
             dst, group = a.get("dst"), a.get("group")
             if dst is None and a.get("group_dst") is not None:
-                dst = a["group_dst"] if group is None or group is dist.group.WORLD else \
-                    dist.get_global_rank(group, a["group_dst"])
+                dst = (
+                    a["group_dst"]
+                    if group is None or group is dist.group.WORLD
+                    else dist.get_global_rank(group, a["group_dst"])
+                )
             tensor = a["tensor"]
             self.sends.append((dst, tensor.numel() * tensor.element_size()))
             self._inside = True
@@ -221,9 +249,18 @@ def _on_rank(ctx, kind: str, payload: bytes, shapes, seed: int, exercise_name: s
             if isinstance(out, torch.Tensor):
                 out = out.detach().cpu().clone()
             messages = [(dst, nbytes) for dst, nbytes in tap.sends[first_send:] if nbytes]
-            results.append({"shape": shape, "given": given, "expected": expected, "out": out,
-                            "input_kept": torch.equal(argument, given), "sent": sent, "messages": messages,
-                            "sent_to": [dst for dst, _ in messages]})
+            results.append(
+                {
+                    "shape": shape,
+                    "given": given,
+                    "expected": expected,
+                    "out": out,
+                    "input_kept": torch.equal(argument, given),
+                    "sent": sent,
+                    "messages": messages,
+                    "sent_to": [dst for dst, _ in messages],
+                }
+            )
     return {"results": results}
 
 
@@ -252,7 +289,8 @@ def _check_output(where: str, out, expected, hint: str = "") -> None:
     assert out is not None, f"{where}: your function returned None; return the result tensor"
     assert isinstance(out, torch.Tensor), f"{where}: expected a tensor back, got {type(out).__name__}"
     assert tuple(out.shape) == tuple(expected.shape), (
-        f"{where}: expected shape {tuple(expected.shape)}, got {tuple(out.shape)}{hint}")
+        f"{where}: expected shape {tuple(expected.shape)}, got {tuple(out.shape)}{hint}"
+    )
 
 
 def _check_traffic(where: str, sent_per_rank: list, numel: int, n: int, phases: int, what: str) -> None:
@@ -265,18 +303,25 @@ def _check_traffic(where: str, sent_per_rank: list, numel: int, n: int, phases: 
             per_rank = phases * (n - 1) * total_bytes // n
             assert all(s == per_rank for s in sent_per_rank), (
                 f"{where}: bytes sent per rank {sent_per_rank}; with equal chunks a ring sends "
-                f"{phases}·(N-1)·K/N = {per_rank} on every rank")
+                f"{phases}·(N-1)·K/N = {per_rank} on every rank"
+            )
         return
     if total == 0:
-        raise AssertionError(f"{where}: no bytes went through dist.send / dist.isend / "
-                             "dist.batch_isend_irecv, yet data had to move between ranks. "
-                             "Move the chunks with point-to-point calls.")
-    hint = ("Are you sending whole tensors instead of one chunk per step?" if total > expected_total
-            else "Some chunks never travelled.")
+        raise AssertionError(
+            f"{where}: no bytes went through dist.send / dist.isend / "
+            "dist.batch_isend_irecv, yet data had to move between ranks. "
+            "Move the chunks with point-to-point calls."
+        )
+    hint = (
+        "Are you sending whole tensors instead of one chunk per step?"
+        if total > expected_total
+        else "Some chunks never travelled."
+    )
     raise AssertionError(
         f"{where}: your {what} sent {total} bytes in total over all ranks (per rank: "
         f"{sent_per_rank}); a ring sends every chunk N-1 times per phase, "
-        f"{phases}·(N-1)·K = {expected_total} bytes for K = {total_bytes}. {hint}")
+        f"{phases}·(N-1)·K = {expected_total} bytes for K = {total_bytes}. {hint}"
+    )
 
 
 def _check_ring(where: str, sent_to_per_rank: list, numel: int, n: int, phases: int, what: str) -> None:
@@ -295,15 +340,20 @@ def _check_ring(where: str, sent_to_per_rank: list, numel: int, n: int, phases: 
                 f"{where}, rank {rank}: your {what} sent messages to ranks {peers}. In a ring each rank "
                 f"sends only to its right neighbour (r + 1) % N = {right} and receives only from its left "
                 f"neighbour (r - 1) % N = {left}, passing chunks along; sending each chunk straight to the rank "
-                "that needs it moves as many bytes but makes every rank talk to all the others at once")
+                "that needs it moves as many bytes but makes every rank talk to all the others at once"
+            )
         if (numel >= n and len(sent_to) != steps) or len(sent_to) > steps:
             formula = "N-1" if phases == 1 else f"{phases}·(N-1)"
             raise AssertionError(
                 f"{where}, rank {rank}: your {what} sent {len(sent_to)} messages; a ring {what} takes "
                 f"{formula} = {steps} step{'s' if steps != 1 else ''}, and in each step every rank sends one "
                 "chunk to its neighbour, in one message"
-                + (": do not split a chunk into several messages" if len(sent_to) > steps
-                   else ": do not merge several chunks into one message"))
+                + (
+                    ": do not split a chunk into several messages"
+                    if len(sent_to) > steps
+                    else ": do not merge several chunks into one message"
+                )
+            )
 
 
 # ---- a0.ring_reduce_scatter --------------------------------------------------------------
@@ -313,16 +363,19 @@ def _diagnose_reduce_scatter(out, expected, given_all, rank, n) -> str:
     own = torch.tensor_split(given_all[rank], n)
     for other in range(n):
         if other != rank and out.shape == chunks[other].shape and torch.equal(out, chunks[other]):
-            return (f"This is chunk {other} of the sum, but rank {rank} must end with chunk {rank}: "
-                    "check which chunk each rank sends and adds in each step.")
+            return (
+                f"This is chunk {other} of the sum, but rank {rank} must end with chunk {rank}: "
+                "check which chunk each rank sends and adds in each step."
+            )
     if out.shape == own[rank].shape and torch.equal(out, own[rank]):
         return "This is the rank's own input chunk: nothing was added from the other ranks."
     return "Some terms are missing or counted twice: in step s, rank r sends chunk (r-s-1) % N and adds the incoming chunk into (r-s-2) % N."
 
 
 @exercise("a0.ring_reduce_scatter", points=1)
-def test_ring_reduce_scatter(ring_reduce_scatter, world_size: int = 3, quick: bool = True, seed: int = 0,
-                             timeout: float = 60):
+def test_ring_reduce_scatter(
+    ring_reduce_scatter, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60
+):
     """Chunk ``rank`` of the sum over ranks, from sends and receives, input untouched."""
     shapes = [(length,) for length in (LENGTHS if quick else LENGTHS + MORE_LENGTHS)]
     for n, per_rank in _run("reduce_scatter", ring_reduce_scatter, shapes, world_size, quick, seed, timeout):
@@ -331,24 +384,43 @@ def test_ring_reduce_scatter(ring_reduce_scatter, world_size: int = 3, quick: bo
                 res = per_rank[rank][i]
                 where = f"world_size={n}, length {length}, rank {rank}"
                 sizes = [c.numel() for c in torch.tensor_split(torch.empty(length), n)]
-                _check_output(where, res["out"], res["expected"],
-                              f" (torch.tensor_split gives chunk sizes {sizes}; rank {rank} returns chunk {rank})")
+                _check_output(
+                    where,
+                    res["out"],
+                    res["expected"],
+                    f" (torch.tensor_split gives chunk sizes {sizes}; rank {rank} returns chunk {rank})",
+                )
                 if not torch.equal(res["out"].float(), res["expected"]):
                     given_all = [per_rank[q][i]["given"] for q in range(n)]
-                    raise AssertionError(f"{where}: wrong values. "
-                                         f"{_diagnose_reduce_scatter(res['out'].float(), res['expected'], given_all, rank, n)}")
-                assert res["input_kept"], (f"{where}: your function changed its input tensor; "
-                                           "work on a copy (tensor.clone()) so the caller keeps its data")
-            _check_traffic(f"world_size={n}, length {length}", [per_rank[q][i]["sent"] for q in range(n)],
-                           length, n, 1, "reduce-scatter")
-            _check_ring(f"world_size={n}, length {length}", [per_rank[q][i]["sent_to"] for q in range(n)],
-                        length, n, 1, "reduce-scatter")
+                    raise AssertionError(
+                        f"{where}: wrong values. "
+                        f"{_diagnose_reduce_scatter(res['out'].float(), res['expected'], given_all, rank, n)}"
+                    )
+                assert res["input_kept"], (
+                    f"{where}: your function changed its input tensor; "
+                    "work on a copy (tensor.clone()) so the caller keeps its data"
+                )
+            _check_traffic(
+                f"world_size={n}, length {length}",
+                [per_rank[q][i]["sent"] for q in range(n)],
+                length,
+                n,
+                1,
+                "reduce-scatter",
+            )
+            _check_ring(
+                f"world_size={n}, length {length}",
+                [per_rank[q][i]["sent_to"] for q in range(n)],
+                length,
+                n,
+                1,
+                "reduce-scatter",
+            )
 
 
 # ---- a0.ring_all_gather ------------------------------------------------------------------
 @exercise("a0.ring_all_gather", points=1)
-def test_ring_all_gather(ring_all_gather, world_size: int = 3, quick: bool = True, seed: int = 0,
-                         timeout: float = 60):
+def test_ring_all_gather(ring_all_gather, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60):
     """Every rank's chunk, concatenated in rank order, on every rank."""
     shapes = [(length,) for length in (LENGTHS if quick else LENGTHS + MORE_LENGTHS)]
     for n, per_rank in _run("all_gather", ring_all_gather, shapes, world_size, quick, seed, timeout):
@@ -359,17 +431,34 @@ def test_ring_all_gather(ring_all_gather, world_size: int = 3, quick: bool = Tru
                 where = f"world_size={n}, length {length} (chunk sizes {sizes}), rank {rank}"
                 _check_output(where, res["out"], res["expected"])
                 if not torch.equal(res["out"].float(), res["expected"]):
-                    wrong = [q for q, (a, b) in enumerate(zip(torch.tensor_split(res["out"].float(), n),
-                                                              torch.tensor_split(res["expected"], n)))
-                             if not torch.equal(a, b)]
+                    wrong = [
+                        q
+                        for q, (a, b) in enumerate(
+                            zip(torch.tensor_split(res["out"].float(), n), torch.tensor_split(res["expected"], n))
+                        )
+                        if not torch.equal(a, b)
+                    ]
                     raise AssertionError(
                         f"{where}: wrong values in the chunks of ranks {wrong}. Chunk q must hold rank q's "
-                        "chunk: in step s, rank r forwards chunk (r-s) % N and receives chunk (r-s-1) % N.")
+                        "chunk: in step s, rank r forwards chunk (r-s) % N and receives chunk (r-s-1) % N."
+                    )
                 assert res["input_kept"], f"{where}: your function changed the chunk it was given"
-            _check_traffic(f"world_size={n}, length {length}", [per_rank[q][i]["sent"] for q in range(n)],
-                           length, n, 1, "all-gather")
-            _check_ring(f"world_size={n}, length {length}", [per_rank[q][i]["sent_to"] for q in range(n)],
-                        length, n, 1, "all-gather")
+            _check_traffic(
+                f"world_size={n}, length {length}",
+                [per_rank[q][i]["sent"] for q in range(n)],
+                length,
+                n,
+                1,
+                "all-gather",
+            )
+            _check_ring(
+                f"world_size={n}, length {length}",
+                [per_rank[q][i]["sent_to"] for q in range(n)],
+                length,
+                n,
+                1,
+                "all-gather",
+            )
 
 
 # ---- a0.ring_all_reduce ------------------------------------------------------------------
@@ -394,8 +483,7 @@ def _check_sum(where: str, res: dict, n: int) -> None:
 
 
 @exercise("a0.ring_all_reduce", points=1)
-def test_ring_all_reduce(ring_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0,
-                         timeout: float = 60):
+def test_ring_all_reduce(ring_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60):
     """The sum over ranks in the input's shape: reduce-scatter then all-gather."""
     shapes = _all_reduce_shapes(quick)
     for n, per_rank in _run("all_reduce", ring_all_reduce, shapes, world_size, quick, seed, timeout):
@@ -403,15 +491,23 @@ def test_ring_all_reduce(ring_all_reduce, world_size: int = 3, quick: bool = Tru
             for rank in range(n):
                 _check_sum(f"world_size={n}, shape {shape}, rank {rank}", per_rank[rank][i], n)
             numel = int(torch.Size(shape).numel())
-            _check_traffic(f"world_size={n}, shape {shape}", [per_rank[q][i]["sent"] for q in range(n)],
-                           numel, n, 2, "all-reduce")
-            _check_ring(f"world_size={n}, shape {shape}", [per_rank[q][i]["sent_to"] for q in range(n)],
-                        numel, n, 2, "all-reduce")
+            _check_traffic(
+                f"world_size={n}, shape {shape}", [per_rank[q][i]["sent"] for q in range(n)], numel, n, 2, "all-reduce"
+            )
+            _check_ring(
+                f"world_size={n}, shape {shape}",
+                [per_rank[q][i]["sent_to"] for q in range(n)],
+                numel,
+                n,
+                2,
+                "all-reduce",
+            )
 
 
 # ---- a0.recursive_doubling and a0.halving_doubling: every message read --------------------
-def _check_algorithm(fn, algorithm: str, accepted, hints, world_size: int, quick: bool, seed: int,
-                     timeout: float) -> None:
+def _check_algorithm(
+    fn, algorithm: str, accepted, hints, world_size: int, quick: bool, seed: int, timeout: float
+) -> None:
     """Run an all-reduce exercise: the sums on every rank and shape first (a wrong sum says more
     than a message), then each rank's messages, the longest tensor first (with a few elements
     most messages are empty). ``accepted(rank, n, numel)`` lists the message lists that pass; a
@@ -433,7 +529,8 @@ def _check_algorithm(fn, algorithm: str, accepted, hints, world_size: int, quick
                     f"message{'' if len(got) == 1 else 's'}, to ranks {[d for d, _ in got]} with {_sizes(got)} "
                     f"bytes; {algorithm} sends {len(want)}, to ranks {[d for d, _ in want]} with {_sizes(want)} "
                     f"bytes, in that order. "
-                    f"{advice[:1].upper()}{advice[1:]}")
+                    f"{advice[:1].upper()}{advice[1:]}"
+                )
 
 
 def _sizes(messages: list) -> list:
@@ -478,8 +575,11 @@ def halving_doubling_messages(rank: int, n: int, numel: int, merged: bool = Fals
         middle = [(partner, size(whole))]
     else:
         outer, middle = levels, []
-    messages = ([(partner, size(give)) for partner, _, give, _ in outer] + middle
-                + [(partner, size(keep)) for partner, keep, _, _ in reversed(outer)])
+    messages = (
+        [(partner, size(give)) for partner, _, give, _ in outer]
+        + middle
+        + [(partner, size(keep)) for partner, keep, _, _ in reversed(outer)]
+    )
     if rank + power < n:
         messages.append((rank + power, 4 * numel))
     return [(dst, nbytes) for dst, nbytes in messages if nbytes]
@@ -489,47 +589,75 @@ def _doubling_hints(n: int, got: list, want: list, nbytes: int) -> list:
     power = largest_power_of_two(n)
     hints = []
     if any(size < nbytes for size in _sizes(got)):
-        hints.append(f"every message carries the whole tensor ({nbytes} bytes), not a chunk of it: cutting "
-                     "it is the ring's way (or halving-doubling's), which send fewer bytes in more messages")
+        hints.append(
+            f"every message carries the whole tensor ({nbytes} bytes), not a chunk of it: cutting "
+            "it is the ring's way (or halving-doubling's), which send fewer bytes in more messages"
+        )
     if len(got) == len(want) and _sizes(got) == _sizes(want):
-        hints.append("the partner in step k is r XOR 2**k: the two ranks swap, each receiving from the rank "
-                     "it sends to (not r + 2**k, which passes sums round in a circle)")
+        hints.append(
+            "the partner in step k is r XOR 2**k: the two ranks swap, each receiving from the rank "
+            "it sends to (not r + 2**k, which passes sums round in a circle)"
+        )
     if n != power:
-        hints.append(f"with N = {n}, the P = {power} ranks below {power} run the doubling; rank P + i hands "
-                     "its tensor to rank i before and gets the result back after")
+        hints.append(
+            f"with N = {n}, the P = {power} ranks below {power} run the doubling; rank P + i hands "
+            "its tensor to rank i before and gets the result back after"
+        )
     return hints
 
 
 def _halving_hints(n: int, got: list, want: list, nbytes: int) -> list:
     hints = []
     if nbytes in _sizes(got) and nbytes not in _sizes(want):
-        hints.append("a message carried the whole tensor: halving-doubling sends half of the range it holds "
-                     "at each level, so the messages shrink (K/2, K/4, ...) and grow back in the all-gather")
+        hints.append(
+            "a message carried the whole tensor: halving-doubling sends half of the range it holds "
+            "at each level, so the messages shrink (K/2, K/4, ...) and grow back in the all-gather"
+        )
     if [d for d, _ in got] != [d for d, _ in want]:
-        hints.append("level d = 1, 2, ..., P/2 pairs rank r with r XOR d in the reduce-scatter, and the "
-                     "all-gather visits the same partners in reverse order, innermost first")
-    hints.append("at each level both partners cut [lo, hi) at mid = lo + (hi - lo) // 2, and the rank with bit d "
-                 "set keeps [mid, hi): so the two ends of every message agree on its size (one swap of the "
-                 "whole range at the innermost level, as the library does, passes too)")
+        hints.append(
+            "level d = 1, 2, ..., P/2 pairs rank r with r XOR d in the reduce-scatter, and the "
+            "all-gather visits the same partners in reverse order, innermost first"
+        )
+    hints.append(
+        "at each level both partners cut [lo, hi) at mid = lo + (hi - lo) // 2, and the rank with bit d "
+        "set keeps [mid, hi): so the two ends of every message agree on its size (one swap of the "
+        "whole range at the innermost level, as the library does, passes too)"
+    )
     return hints
 
 
 @exercise("a0.recursive_doubling", points=1)
-def test_recursive_doubling(recursive_doubling_all_reduce, world_size: int = 3, quick: bool = True,
-                            seed: int = 0, timeout: float = 60):
+def test_recursive_doubling(
+    recursive_doubling_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60
+):
     """The sum over ranks in log2 P swaps of the whole tensor with rank r XOR 2**k, and the
     fold of the ranks beyond the largest power of two P."""
-    _check_algorithm(recursive_doubling_all_reduce, "recursive doubling",
-                     lambda rank, n, numel: [doubling_messages(rank, n, numel)], _doubling_hints,
-                     world_size, quick, seed, timeout)
+    _check_algorithm(
+        recursive_doubling_all_reduce,
+        "recursive doubling",
+        lambda rank, n, numel: [doubling_messages(rank, n, numel)],
+        _doubling_hints,
+        world_size,
+        quick,
+        seed,
+        timeout,
+    )
 
 
 @exercise("a0.halving_doubling", points=1)
-def test_halving_doubling(halving_doubling_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0,
-                          timeout: float = 60):
+def test_halving_doubling(
+    halving_doubling_all_reduce, world_size: int = 3, quick: bool = True, seed: int = 0, timeout: float = 60
+):
     """The sum over ranks with the ring's bytes: a reduce-scatter by recursive halving, then an
     all-gather by recursive doubling, among the largest power of two P of ranks (the others fold).
     The library's merged innermost swap is accepted as well as the textbook form."""
-    _check_algorithm(halving_doubling_all_reduce, "halving-doubling",
-                     lambda rank, n, numel: [halving_doubling_messages(rank, n, numel, m) for m in (False, True)],
-                     _halving_hints, world_size, quick, seed, timeout)
+    _check_algorithm(
+        halving_doubling_all_reduce,
+        "halving-doubling",
+        lambda rank, n, numel: [halving_doubling_messages(rank, n, numel, m) for m in (False, True)],
+        _halving_hints,
+        world_size,
+        quick,
+        seed,
+        timeout,
+    )

@@ -41,18 +41,25 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype) -> bool:
 
 # ---- 03.flatten_padded ---------------------------------------------------------------------
 
+
 def _flatten_cases():
     st = _st()
-    shape = st.lists(st.integers(1, 4), min_size=0, max_size=3)    # [] is a 0-d tensor
-    return st.fixed_dictionaries(dict(
-        shapes=st.lists(shape, min_size=1, max_size=4), world_size=st.integers(1, 6),
-        dtype=st.sampled_from(FLOATS), transposed=st.booleans(), seed=st.integers(0, 99)))
+    shape = st.lists(st.integers(1, 4), min_size=0, max_size=3)  # [] is a 0-d tensor
+    return st.fixed_dictionaries(
+        dict(
+            shapes=st.lists(shape, min_size=1, max_size=4),
+            world_size=st.integers(1, 6),
+            dtype=st.sampled_from(FLOATS),
+            transposed=st.booleans(),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _flatten_tensors(case) -> list:
     tensors = []
     for i, shape in enumerate(case["shapes"]):
-        if case["transposed"] and len(shape) == 2:   # a non-contiguous view, as W.t() gives
+        if case["transposed"] and len(shape) == 2:  # a non-contiguous view, as W.t() gives
             tensors.append(_values(case["seed"] + i, shape[::-1], case["dtype"]).t())
         else:
             tensors.append(_values(case["seed"] + i, shape, case["dtype"]))
@@ -65,9 +72,11 @@ def _judge_flatten(fn, case):
     want = torch.cat([want, want.new_zeros(-want.numel() % n)])
     got = fn(tensors, n)
     if not torch.is_tensor(got) or got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
-        return (f"expected a {tuple(want.shape)} tensor of {want.dtype}, got "
-                + (f"{tuple(got.shape)} of {got.dtype}" if torch.is_tensor(got) else type(got).__name__)
-                + " (keep the parameters' dtype; flatten each tensor in its logical order, `reshape(-1)`)")
+        return (
+            f"expected a {tuple(want.shape)} tensor of {want.dtype}, got "
+            + (f"{tuple(got.shape)} of {got.dtype}" if torch.is_tensor(got) else type(got).__name__)
+            + " (keep the parameters' dtype; flatten each tensor in its logical order, `reshape(-1)`)"
+        )
     if not torch.equal(got.detach(), want):
         return "the values are not the tensors' elements in order then zeros (a transposed view read in memory order?)"
     return None
@@ -75,18 +84,27 @@ def _judge_flatten(fn, case):
 
 def _describe_flatten(case):
     kinds = ["()" if not s else str(tuple(s)) for s in case["shapes"]]
-    return (f"tensors of shapes {', '.join(kinds)}{' (2-D ones transposed views)' if case['transposed'] else ''}, "
-            f"{case['dtype']}, world_size={case['world_size']}")
+    return (
+        f"tensors of shapes {', '.join(kinds)}{' (2-D ones transposed views)' if case['transposed'] else ''}, "
+        f"{case['dtype']}, world_size={case['world_size']}"
+    )
 
 
 # ---- 06.merge_partial_attention -------------------------------------------------------------
 
+
 def _merge_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        rows=st.integers(1, 4), d=st.integers(1, 3), dtype=st.sampled_from((torch.float32, torch.float64)),
-        magnitude=st.sampled_from((1.0, 100.0, 1e4)), empty=st.sampled_from(("none", "a", "b", "both", "mixed")),
-        seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            rows=st.integers(1, 4),
+            d=st.integers(1, 3),
+            dtype=st.sampled_from((torch.float32, torch.float64)),
+            magnitude=st.sampled_from((1.0, 100.0, 1e4)),
+            empty=st.sampled_from(("none", "a", "b", "both", "mixed")),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _merge_inputs(case):
@@ -116,26 +134,39 @@ def _judge_merge(fn, case):
     if out.dtype != out_a.dtype:
         return f"out came back as {out.dtype}, the inputs are {out_a.dtype}"
     if torch.isnan(out).any() or torch.isnan(got_lse).any():
-        return ("the result has NaN: exp of a large log-sum-exp overflows (weigh each part by exp(lse_part - lse), "
-                "never exp(lse_part) itself) and a row with no key anywhere must give out 0, lse -inf")
+        return (
+            "the result has NaN: exp of a large log-sum-exp overflows (weigh each part by exp(lse_part - lse), "
+            "never exp(lse_part) itself) and a row with no key anywhere must give out 0, lse -inf"
+        )
     if not (_close(out, want, case["dtype"]) and _close(got_lse, lse, case["dtype"])):
         return "out or lse differs from the merged attention (computed in float64)"
     return None
 
 
 def _describe_merge(case):
-    return (f"{case['rows']} rows, head dim {case['d']}, {case['dtype']}, log-sum-exps of size ~{case['magnitude']:g}, "
-            f"empty part(s): {case['empty']}")
+    return (
+        f"{case['rows']} rows, head dim {case['d']}, {case['dtype']}, log-sum-exps of size ~{case['magnitude']:g}, "
+        f"empty part(s): {case['empty']}"
+    )
 
 
 # ---- 08.router ---------------------------------------------------------------------------------
 
+
 def _router_cases():
     st = _st()
-    return st.integers(2, 8).flatmap(lambda e: st.fixed_dictionaries(dict(
-        tokens=st.integers(1, 6), experts=st.just(e), k=st.integers(1, min(3, e)),
-        dtype=st.sampled_from((torch.float32, torch.float64)), magnitude=st.sampled_from((1.0, 1e3, 1e4)),
-        seed=st.integers(0, 99))))
+    return st.integers(2, 8).flatmap(
+        lambda e: st.fixed_dictionaries(
+            dict(
+                tokens=st.integers(1, 6),
+                experts=st.just(e),
+                k=st.integers(1, min(3, e)),
+                dtype=st.sampled_from((torch.float32, torch.float64)),
+                magnitude=st.sampled_from((1.0, 1e3, 1e4)),
+                seed=st.integers(0, 99),
+            )
+        )
+    )
 
 
 def _judge_router(fn, case):
@@ -148,8 +179,10 @@ def _judge_router(fn, case):
         return "return the pair (weights, chosen)"
     got_w, got_c = got
     if torch.isnan(got_w).any():
-        return ("the weights have NaN: exp of large logits overflows. Subtract each row's maximum before "
-                "exponentiating (`torch.softmax` does)")
+        return (
+            "the weights have NaN: exp of large logits overflows. Subtract each row's maximum before "
+            "exponentiating (`torch.softmax` does)"
+        )
     e = case["experts"]
     route = lambda w, c: torch.zeros(w.shape[0], e, dtype=torch.float64).scatter_add(1, c.long(), w.double())  # noqa: E731
     if not _close(route(got_w.detach(), got_c), route(weights, chosen), case["dtype"]):
@@ -158,8 +191,10 @@ def _judge_router(fn, case):
 
 
 def _describe_router(case):
-    return (f"logits of shape ({case['tokens']}, {case['experts']}) and size ~{case['magnitude']:g}, k={case['k']}, "
-            f"{case['dtype']}")
+    return (
+        f"logits of shape ({case['tokens']}, {case['experts']}) and size ~{case['magnitude']:g}, k={case['k']}, "
+        f"{case['dtype']}"
+    )
 
 
 # ---- 09.group_ranks ----------------------------------------------------------------------------
@@ -171,10 +206,13 @@ def _group_cases():
     st = _st()
 
     def mesh(axes):
-        return st.fixed_dictionaries(dict(
-            sizes=st.fixed_dictionaries({a: st.integers(1, 3) for a in axes}),
-            order=st.permutations(axes),
-            joint=st.lists(st.sampled_from(axes), min_size=1, max_size=min(3, len(axes)), unique=True)))
+        return st.fixed_dictionaries(
+            dict(
+                sizes=st.fixed_dictionaries({a: st.integers(1, 3) for a in axes}),
+                order=st.permutations(axes),
+                joint=st.lists(st.sampled_from(axes), min_size=1, max_size=min(3, len(axes)), unique=True),
+            )
+        )
 
     return st.lists(st.sampled_from(MESH_AXES), min_size=1, max_size=5, unique=True).flatmap(mesh)
 
@@ -183,7 +221,7 @@ def _judge_group(fn, case):
     from ultrascale.grading.guards import without_library
     from ultrascale.parallel.mesh import Mesh
 
-    sizes = {a: case["sizes"][a] for a in case["order"]}     # the dict in the drawn order
+    sizes = {a: case["sizes"][a] for a in case["order"]}  # the dict in the drawn order
     axis = case["joint"][0] if len(case["joint"]) == 1 else tuple(case["joint"])
     want = Mesh(**sizes).group_ranks(axis)
     fn = without_library(fn, [Mesh.group_ranks, Mesh.grid, Mesh.coordinate, Mesh.rank_of], "09.group_ranks")
@@ -199,12 +237,20 @@ def _describe_group(case):
 
 # ---- 11.online_softmax_update -------------------------------------------------------------------
 
+
 def _online_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        rows=st.integers(1, 3), blocks=st.lists(st.integers(1, 4), min_size=1, max_size=3), d=st.integers(1, 3),
-        dtype=st.sampled_from((torch.float32, torch.float64)), magnitude=st.sampled_from((1.0, 100.0, 1e4)),
-        masked=st.booleans(), seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            rows=st.integers(1, 3),
+            blocks=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+            d=st.integers(1, 3),
+            dtype=st.sampled_from((torch.float32, torch.float64)),
+            magnitude=st.sampled_from((1.0, 100.0, 1e4)),
+            masked=st.booleans(),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _judge_online(fn, case):
@@ -218,14 +264,16 @@ def _judge_online(fn, case):
     l, acc = torch.zeros(rows, dtype=dt), torch.zeros(rows, case["d"], dtype=dt)
     start = 0
     for size in blocks:
-        out = fn(m, l, acc, scores[:, start:start + size], values[start:start + size])
+        out = fn(m, l, acc, scores[:, start : start + size], values[start : start + size])
         if not (isinstance(out, (tuple, list)) and len(out) == 3):
             return "return (m_new, l_new, acc_new)"
         m, l, acc = out
         start += size
     if not (torch.isfinite(l).all() and torch.isfinite(acc).all()):
-        return ("l or acc is inf or NaN: exponentiate s - m_new, never s itself (nor exp(s) / exp(m)), and "
-                "rescale the old l and acc by exp(m - m_new)")
+        return (
+            "l or acc is inf or NaN: exponentiate s - m_new, never s itself (nor exp(s) / exp(m)), and "
+            "rescale the old l and acc by exp(m - m_new)"
+        )
     want = torch.softmax(scores.double(), dim=1) @ values.double()
     if acc.dtype != dt or not _close(acc / l[:, None], want, dt):
         return f"acc / l differs from softmax(s) @ v (computed in float64), or is not {dt}"
@@ -233,18 +281,27 @@ def _judge_online(fn, case):
 
 
 def _describe_online(case):
-    return (f"{case['rows']} row(s), key blocks of {case['blocks']}, head dim {case['d']}, {case['dtype']}, scores of "
-            f"size ~{case['magnitude']:g}{', the last key masked' if case['masked'] else ''}")
+    return (
+        f"{case['rows']} row(s), key blocks of {case['blocks']}, head dim {case['d']}, {case['dtype']}, scores of "
+        f"size ~{case['magnitude']:g}{', the last key masked' if case['masked'] else ''}"
+    )
 
 
 # ---- 12.quantize_per_tensor ----------------------------------------------------------------------
 
+
 def _quantize_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        shape=st.lists(st.integers(1, 5), min_size=0, max_size=3),
-        fp8=st.sampled_from((torch.float8_e4m3fn, torch.float8_e5m2)), dtype=st.sampled_from(FLOATS),
-        exponent=st.integers(-10, 30), zero=st.booleans(), seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            shape=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+            fp8=st.sampled_from((torch.float8_e4m3fn, torch.float8_e5m2)),
+            dtype=st.sampled_from(FLOATS),
+            exponent=st.integers(-10, 30),
+            zero=st.booleans(),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _judge_quantize(fn, case):
@@ -266,9 +323,11 @@ def _judge_quantize(fn, case):
         return None if bool((deq == 0).all()) else "an all-zero tensor must quantize to zeros"
     top = torch.finfo(fp8).max
     if q.double().abs().max().item() != top:
-        return (f"the largest |x| must land on {fp8}'s largest value, {top:g}, but lands on "
-                f"{q.double().abs().max().item():g} (each FP8 format has its own maximum: torch.finfo(dtype).max)")
-    rel = 2.0 ** -(3 if fp8 == torch.float8_e4m3fn else 2)   # half an ulp at the format's mantissa width
+        return (
+            f"the largest |x| must land on {fp8}'s largest value, {top:g}, but lands on "
+            f"{q.double().abs().max().item():g} (each FP8 format has its own maximum: torch.finfo(dtype).max)"
+        )
+    rel = 2.0 ** -(3 if fp8 == torch.float8_e4m3fn else 2)  # half an ulp at the format's mantissa width
     tiny = torch.finfo(fp8).smallest_normal
     if not bool(((deq - x.double()).abs() <= rel * x.double().abs() + tiny * scale).all()):
         return "q * scale is farther from x than FP8's rounding allows"
@@ -277,21 +336,36 @@ def _judge_quantize(fn, case):
 
 def _describe_quantize(case):
     shape = tuple(case["shape"])
-    return (f"x of shape {shape}{' (0-d)' if not shape else ''}, {case['dtype']}, "
-            + ("all zeros" if case["zero"] else f"values of size ~1e{case['exponent']}") + f", to {case['fp8']}")
+    return (
+        f"x of shape {shape}{' (0-d)' if not shape else ''}, {case['dtype']}, "
+        + ("all zeros" if case["zero"] else f"values of size ~1e{case['exponent']}")
+        + f", to {case['fp8']}"
+    )
 
 
 PROPERTIES = {
     "03.flatten_padded": Property(_flatten_cases, _judge_flatten, _describe_flatten),
     "06.merge_partial_attention": Property(_merge_cases, _judge_merge, _describe_merge),
     "08.router": Property(_router_cases, _judge_router, _describe_router),
-    "09.group_ranks": Property(_group_cases, _judge_group, _describe_group, examples=(
-        # a size-1 axis inside a joint group of three axes, named out of mesh order
-        dict(sizes=dict(dp=2, pp=1, cp=2, tp=2), order=["tp", "dp", "pp", "cp"], joint=["tp", "pp", "dp"]),)),
+    "09.group_ranks": Property(
+        _group_cases,
+        _judge_group,
+        _describe_group,
+        examples=(
+            # a size-1 axis inside a joint group of three axes, named out of mesh order
+            dict(sizes=dict(dp=2, pp=1, cp=2, tp=2), order=["tp", "dp", "pp", "cp"], joint=["tp", "pp", "dp"]),
+        ),
+    ),
     "11.online_softmax_update": Property(_online_cases, _judge_online, _describe_online),
-    "12.quantize_per_tensor": Property(_quantize_cases, _judge_quantize, _describe_quantize, examples=(
-        # amax of 1e-9: below float32's eps, so an amax floor at eps instead of 1e-12 is always tried
-        dict(shape=[3, 2], fp8=torch.float8_e4m3fn, dtype=torch.float32, exponent=-9, zero=False, seed=0),)),
+    "12.quantize_per_tensor": Property(
+        _quantize_cases,
+        _judge_quantize,
+        _describe_quantize,
+        examples=(
+            # amax of 1e-9: below float32's eps, so an amax floor at eps instead of 1e-12 is always tried
+            dict(shape=[3, 2], fp8=torch.float8_e4m3fn, dtype=torch.float32, exponent=-9, zero=False, seed=0),
+        ),
+    ),
 }
 
 # The formula and schedule exercises' properties (no ranks: many draws are cheap) live beside these.

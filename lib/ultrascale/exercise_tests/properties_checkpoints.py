@@ -33,41 +33,60 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 def _reshard_cases():
     st = _st()
-    shape = st.lists(st.integers(1, 4), min_size=0, max_size=3)    # [] is a 0-d parameter
-    return st.fixed_dictionaries(dict(
-        shapes=st.lists(shape, min_size=1, max_size=4), old=st.integers(1, 16), new=st.integers(1, 9),
-        keys=st.lists(st.sampled_from(STATE_NAMES), min_size=1, max_size=3, unique=True),
-        dtype=st.sampled_from(floats()), seed=st.integers(0, 99)))
+    shape = st.lists(st.integers(1, 4), min_size=0, max_size=3)  # [] is a 0-d parameter
+    return st.fixed_dictionaries(
+        dict(
+            shapes=st.lists(shape, min_size=1, max_size=4),
+            old=st.integers(1, 16),
+            new=st.integers(1, 9),
+            keys=st.lists(st.sampled_from(STATE_NAMES), min_size=1, max_size=3, unique=True),
+            dtype=st.sampled_from(floats()),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _reshard_args(case):
     from ultrascale.exercise_tests.cha4 import saved_states
+
     shapes = [tuple(s) for s in case["shapes"]]
     return saved_states(shapes, case["old"], case["keys"], case["dtype"], case["seed"]), shapes, case["new"]
 
 
 def _judge_reshard(fn, case):
     from ultrascale.exercise_tests.cha4 import _judge_reshard as judge
+
     states, shapes, new = _reshard_args(case)
-    judge(fn(states, shapes, new), states, shapes, new, "the call")   # raises what is wrong
+    judge(fn(states, shapes, new), states, shapes, new, "the call")  # raises what is wrong
     return None
 
 
 def _describe_reshard(case):
     shapes = [tuple(s) for s in case["shapes"]]
-    return (f"reshard_optimizer_state(<{case['old']} ranks' {', '.join(case['keys'])} of {case['dtype']}>, "
-            f"shapes={shapes}, new_world_size={case['new']})")
+    return (
+        f"reshard_optimizer_state(<{case['old']} ranks' {', '.join(case['keys'])} of {case['dtype']}>, "
+        f"shapes={shapes}, new_world_size={case['new']})"
+    )
 
 
 # ---- a4.resume_samples ---------------------------------------------------------------------
 
+
 def _resume_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        dp=st.sampled_from((1, 2, 3, 5, 8, 64)), pp=st.integers(1, 3), tp=st.integers(1, 4),
-        per_rank=st.integers(1, 4), ragged=st.sampled_from((0, 0, 0, 1)),   # 1: a batch dp does not divide
-        next_sample=st.one_of(st.integers(0, 10 ** 4), st.integers(2 ** 53, 2 ** 62)),
-        step=st.integers(0, 10 ** 6), old=st.integers(1, 4096), rank_seed=st.integers(0, 10 ** 6)))
+    return st.fixed_dictionaries(
+        dict(
+            dp=st.sampled_from((1, 2, 3, 5, 8, 64)),
+            pp=st.integers(1, 3),
+            tp=st.integers(1, 4),
+            per_rank=st.integers(1, 4),
+            ragged=st.sampled_from((0, 0, 0, 1)),  # 1: a batch dp does not divide
+            next_sample=st.one_of(st.integers(0, 10**4), st.integers(2**53, 2**62)),
+            step=st.integers(0, 10**6),
+            old=st.integers(1, 4096),
+            rank_seed=st.integers(0, 10**6),
+        )
+    )
 
 
 def _resume_args(case):
@@ -79,37 +98,54 @@ def _resume_args(case):
 
 def _judge_resume(fn, case):
     from ultrascale.exercise_tests.cha4 import _check_samples, _resume_mistakes, reference_resume
+
     checkpoint, batch, rank = _resume_args(case)
     dp, pp, tp = case["dp"], case["pp"], case["tp"]
     if batch % dp:
-        expect_value_error(fn, dict(checkpoint), batch, rank, dp, pp=pp, tp=tp, call="the call",
-                           why=f"{dp} dp ranks cannot split a global batch of {batch} samples evenly")
+        expect_value_error(
+            fn,
+            dict(checkpoint),
+            batch,
+            rank,
+            dp,
+            pp=pp,
+            tp=tp,
+            call="the call",
+            why=f"{dp} dp ranks cannot split a global batch of {batch} samples evenly",
+        )
         return None
     want = reference_resume(checkpoint, batch, rank, dp, pp, tp)
     got = fn(dict(checkpoint), batch, rank, dp, pp=pp, tp=tp)
-    _check_samples("the call", got, want, _resume_mistakes(checkpoint, batch, rank, dp, pp, tp))   # raises
+    _check_samples("the call", got, want, _resume_mistakes(checkpoint, batch, rank, dp, pp, tp))  # raises
     return None
 
 
 def _describe_resume(case):
     checkpoint, batch, rank = _resume_args(case)
-    return (f"resume_samples(checkpoint={checkpoint}, global_batch={batch}, rank={rank}, dp={case['dp']}, "
-            f"pp={case['pp']}, tp={case['tp']})")
+    return (
+        f"resume_samples(checkpoint={checkpoint}, global_batch={batch}, rank={rank}, dp={case['dp']}, "
+        f"pp={case['pp']}, tp={case['tp']})"
+    )
 
 
 # ---- a4.flat_boxes -------------------------------------------------------------------------
 
+
 def _box_cases():
     st = _st()
-    side = st.one_of(st.integers(1, 6), st.sampled_from((1, 1, 2 ** 20 + 3)))
-    return st.lists(side, min_size=0, max_size=4).flatmap(lambda shape: st.fixed_dictionaries(dict(
-        shape=st.just(shape), a=st.integers(0, math.prod(shape)), b=st.integers(0, math.prod(shape)))))
+    side = st.one_of(st.integers(1, 6), st.sampled_from((1, 1, 2**20 + 3)))
+    return st.lists(side, min_size=0, max_size=4).flatmap(
+        lambda shape: st.fixed_dictionaries(
+            dict(shape=st.just(shape), a=st.integers(0, math.prod(shape)), b=st.integers(0, math.prod(shape)))
+        )
+    )
 
 
 def _judge_boxes(fn, case):
     from ultrascale.exercise_tests.cha4 import _check_flat_boxes
+
     shape, (start, stop) = tuple(case["shape"]), sorted((case["a"], case["b"]))
-    _check_flat_boxes(fn(shape, start, stop), shape, start, stop, "the call")   # raises what is wrong
+    _check_flat_boxes(fn(shape, start, stop), shape, start, stop, "the call")  # raises what is wrong
     return None
 
 
@@ -120,11 +156,18 @@ def _describe_boxes(case):
 
 # ---- a4.checkpoint_interval ----------------------------------------------------------------
 
+
 def _interval_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        checkpoint_exp=st.integers(-3, 5), checkpoint_mantissa=st.integers(1, 99),
-        mtbf_exp=st.integers(0, 10), mtbf_mantissa=st.integers(1, 99), nodes=st.integers(1, 10 ** 6)))
+    return st.fixed_dictionaries(
+        dict(
+            checkpoint_exp=st.integers(-3, 5),
+            checkpoint_mantissa=st.integers(1, 99),
+            mtbf_exp=st.integers(0, 10),
+            mtbf_mantissa=st.integers(1, 99),
+            nodes=st.integers(1, 10**6),
+        )
+    )
 
 
 def _interval_args(case):
@@ -134,6 +177,7 @@ def _interval_args(case):
 
 def _judge_interval(fn, case):
     from ultrascale.exercise_tests.cha4 import reference_interval
+
     c, m, nodes = _interval_args(case)
     want = reference_interval(c, m, nodes)
     got = fn(c, m, nodes)
@@ -149,13 +193,30 @@ def _describe_interval(case):
 
 
 PROPERTIES: dict = {
-    "a4.reshard_optimizer_state": Property(_reshard_cases, _judge_reshard, _describe_reshard, examples=(
-        dict(shapes=[[2, 2], []], old=16, new=9, keys=["exp_avg"], dtype=floats()[2], seed=3),)),
-    "a4.resume_samples": Property(_resume_cases, _judge_resume, _describe_resume, examples=(
-        dict(dp=64, pp=2, tp=4, per_rank=4, ragged=0, next_sample=2 ** 62 + 1, step=10 ** 6, old=4096,
-             rank_seed=511),)),
-    "a4.flat_boxes": Property(_box_cases, _judge_boxes, _describe_boxes, examples=(
-        dict(shape=[3, 2 ** 20 + 3, 1, 2], a=2 ** 21 + 5, b=5 * 2 ** 20 + 1),)),
-    "a4.checkpoint_interval": Property(_interval_cases, _judge_interval, _describe_interval, examples=(
-        dict(checkpoint_exp=0, checkpoint_mantissa=20, mtbf_exp=0, mtbf_mantissa=40, nodes=4),)),   # C = 2M
+    "a4.reshard_optimizer_state": Property(
+        _reshard_cases,
+        _judge_reshard,
+        _describe_reshard,
+        examples=(dict(shapes=[[2, 2], []], old=16, new=9, keys=["exp_avg"], dtype=floats()[2], seed=3),),
+    ),
+    "a4.resume_samples": Property(
+        _resume_cases,
+        _judge_resume,
+        _describe_resume,
+        examples=(
+            dict(dp=64, pp=2, tp=4, per_rank=4, ragged=0, next_sample=2**62 + 1, step=10**6, old=4096, rank_seed=511),
+        ),
+    ),
+    "a4.flat_boxes": Property(
+        _box_cases,
+        _judge_boxes,
+        _describe_boxes,
+        examples=(dict(shape=[3, 2**20 + 3, 1, 2], a=2**21 + 5, b=5 * 2**20 + 1),),
+    ),
+    "a4.checkpoint_interval": Property(
+        _interval_cases,
+        _judge_interval,
+        _describe_interval,
+        examples=(dict(checkpoint_exp=0, checkpoint_mantissa=20, mtbf_exp=0, mtbf_mantissa=40, nodes=4),),
+    ),  # C = 2M
 }

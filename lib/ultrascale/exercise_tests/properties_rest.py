@@ -33,17 +33,25 @@ from ultrascale.grading.properties import seeded_values as _values
 from ultrascale.grading.properties import strategies as _st
 
 FLOATS = floats()
-F32_ULP = 2.0 ** -24
+F32_ULP = 2.0**-24
 
 
 # ---- 07.split_backward -----------------------------------------------------------------------
 
+
 def _split_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        tokens=st.integers(1, 3), width=st.integers(1, 4), micro_batches=st.integers(1, 3),
-        dtype=st.sampled_from((torch.float32, torch.float64)), unused=st.booleans(),
-        order=st.sampled_from(("deferred", "reversed", "interleaved")), seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            tokens=st.integers(1, 3),
+            width=st.integers(1, 4),
+            micro_batches=st.integers(1, 3),
+            dtype=st.sampled_from((torch.float32, torch.float64)),
+            unused=st.booleans(),
+            order=st.sampled_from(("deferred", "reversed", "interleaved")),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 class _Stage(torch.nn.Module):
@@ -60,7 +68,7 @@ class _Stage(torch.nn.Module):
 
 
 def _split_stage(case) -> _Stage:
-    with torch.random.fork_rng(devices=[]):   # seeded, and the caller's random stream left as it was
+    with torch.random.fork_rng(devices=[]):  # seeded, and the caller's random stream left as it was
         torch.manual_seed(case["seed"])
         return _Stage(case["width"], case["unused"]).to(case["dtype"])
 
@@ -80,7 +88,7 @@ def _judge_split(functions, case):
     dys = [_values(case["seed"] + 20 + i, (case["tokens"], case["width"]), dt) for i in range(m)]
     whole, split = _split_stage(case), _split_stage(case)
     want_dx = []
-    for x, dy in zip(xs, dys):   # ordinary backward, one micro-batch after the other
+    for x, dy in zip(xs, dys):  # ordinary backward, one micro-batch after the other
         x = x.clone().requires_grad_()
         whole(x).backward(dy)
         want_dx.append(x.grad)
@@ -99,56 +107,74 @@ def _judge_split(functions, case):
                 backward_weight(held[i], params, dys[i].clone())
             except RuntimeError as err:
                 if "not have been used in the graph" in str(err) and case["unused"]:
-                    return ("W raised: a parameter the stage's output does not depend on (here `spare`) has no "
-                            "gradient, and torch.autograd.grad refuses it unless told: allow_unused=True, then "
-                            "skip the parameters whose gradient comes back None")
+                    return (
+                        "W raised: a parameter the stage's output does not depend on (here `spare`) has no "
+                        "gradient, and torch.autograd.grad refuses it unless told: allow_unused=True, then "
+                        "skip the parameters whose gradient comes back None"
+                    )
                 raise
     for (name, p), q in zip(split.named_parameters(), whole.parameters()):
-        if q.grad is None:   # the spare parameter: backward() leaves it without a gradient
+        if q.grad is None:  # the spare parameter: backward() leaves it without a gradient
             if p.grad is not None and bool(p.grad.abs().sum() != 0):
                 return f"{name}.grad is not zero, but the output does not depend on {name}"
             continue
         if p.grad is None or not _close(p.grad, q.grad, dt):
-            return (f"after the W's ({case['order']} order) {name}.grad differs from what backward() leaves after "
-                    f"the {m} micro-batches: W must add each micro-batch's gradients to .grad, whatever the order")
+            return (
+                f"after the W's ({case['order']} order) {name}.grad differs from what backward() leaves after "
+                f"the {m} micro-batches: W must add each micro-batch's gradients to .grad, whatever the order"
+            )
     return None
 
 
 def _describe_split(case):
-    return (f"a stage of two {case['width']}-wide linear layers in {case['dtype']}"
-            + (" holding a parameter its output does not use" if case["unused"] else "")
-            + f", {case['micro_batches']} micro-batch(es) of {case['tokens']} token(s), "
-            + f"order {' '.join(f'{op}{i}' for op, i in _split_order(case))}")
+    return (
+        f"a stage of two {case['width']}-wide linear layers in {case['dtype']}"
+        + (" holding a parameter its output does not use" if case["unused"] else "")
+        + f", {case['micro_batches']} micro-batch(es) of {case['tokens']} token(s), "
+        + f"order {' '.join(f'{op}{i}' for op, i in _split_order(case))}"
+    )
 
 
 def _close(got, want, dtype) -> bool:
     tol = 1e-10 if dtype == torch.float64 else 1e-5
-    return torch.is_tensor(got) and got.shape == want.shape and bool(
-        torch.allclose(got.double(), want.double(), rtol=tol, atol=tol))
+    return (
+        torch.is_tensor(got)
+        and got.shape == want.shape
+        and bool(torch.allclose(got.double(), want.double(), rtol=tol, atol=tol))
+    )
 
 
 # ---- 12.fp8_backward -------------------------------------------------------------------------
 
+
 def _fp8_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        tokens=st.integers(1, 6), fin=st.integers(1, 8), fout=st.integers(1, 8), dtype=st.sampled_from(FLOATS),
-        exponents=st.lists(st.integers(-10, 12), min_size=3, max_size=3), transposed=st.booleans(),
-        gradient=st.sampled_from(("random", "zero", "a tiny token")), seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            tokens=st.integers(1, 6),
+            fin=st.integers(1, 8),
+            fout=st.integers(1, 8),
+            dtype=st.sampled_from(FLOATS),
+            exponents=st.lists(st.integers(-10, 12), min_size=3, max_size=3),
+            transposed=st.booleans(),
+            gradient=st.sampled_from(("random", "zero", "a tiny token")),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _fp8_inputs(case):
     dt, (ex, ew, edy) = case["dtype"], case["exponents"]
-    x = _values(case["seed"], (case["tokens"], case["fin"]), dt, 10.0 ** ex)
-    if case["transposed"]:    # the weight as a transposed view (W.t() of a stored (in, out) matrix)
-        weight = _values(case["seed"] + 1, (case["fin"], case["fout"]), dt, 10.0 ** ew).t()
+    x = _values(case["seed"], (case["tokens"], case["fin"]), dt, 10.0**ex)
+    if case["transposed"]:  # the weight as a transposed view (W.t() of a stored (in, out) matrix)
+        weight = _values(case["seed"] + 1, (case["fin"], case["fout"]), dt, 10.0**ew).t()
     else:
-        weight = _values(case["seed"] + 1, (case["fout"], case["fin"]), dt, 10.0 ** ew)
-    dy = _values(case["seed"] + 2, (case["tokens"], case["fout"]), dt, 10.0 ** edy)
+        weight = _values(case["seed"] + 1, (case["fout"], case["fin"]), dt, 10.0**ew)
+    dy = _values(case["seed"] + 2, (case["tokens"], case["fout"]), dt, 10.0**edy)
     if case["gradient"] == "zero":
         dy = torch.zeros_like(dy)
     elif case["gradient"] == "a tiny token" and case["tokens"] > 1:
-        dy[0] *= 2.0 ** -26      # a token whose loss barely moves: far below the others, still not zero
+        dy[0] *= 2.0**-26  # a token whose loss barely moves: far below the others, still not zero
     return x, weight, dy
 
 
@@ -176,14 +202,19 @@ def _judge_fp8(fn, case):
     if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(torch.is_tensor(g) for g in got)):
         return "return the pair of tensors (dx, dW)"
     for name, have, (a, b), mistakes in zip(
-            ("dx (Dgrad)", "dW (Wgrad)"), got, _fp8_products(x, weight, dy),
-            zip(*(_fp8_products(x, weight, dy, **m) for m in _FP8_MISTAKES.values()))):
-        want = (a.double() @ b.double())
+        ("dx (Dgrad)", "dW (Wgrad)"),
+        got,
+        _fp8_products(x, weight, dy),
+        zip(*(_fp8_products(x, weight, dy, **m) for m in _FP8_MISTAKES.values())),
+    ):
+        want = a.double() @ b.double()
         if tuple(have.shape) != tuple(want.shape):
             return f"{name} has shape {tuple(have.shape)}, expected {tuple(want.shape)}"
         if torch.isnan(have).any():
-            return (f"{name} has NaN: an all-zero tensor has amax 0, and x / 0 is NaN. Clamp amax to a tiny positive "
-                    "number (1e-12) before dividing")
+            return (
+                f"{name} has NaN: an all-zero tensor has amax 0, and x / 0 is NaN. Clamp amax to a tiny positive "
+                "number (1e-12) before dividing"
+            )
         # each entry is a sum of k products of FP8 values, rounded in float32: within k float32 ulps of
         # the sum of their magnitudes (a product in float64 is closer still)
         bound = (a.double().abs() @ b.double().abs()) * (4 * a.shape[1] * F32_ULP) + 1e-300
@@ -192,13 +223,15 @@ def _judge_fp8(fn, case):
         for why, (ma, mb) in zip(_FP8_MISTAKES, mistakes):
             if bool(((have.double() - ma.double() @ mb.double()).abs() <= bound).all()):
                 return f"{name} is what {why}"
-        return (f"{name} differs from the product of the dequantised operands (x and W in e4m3, dy in e5m2, each "
-                "with one scale amax / the format's largest value, amax at least 1e-12, the division x.float() / "
-                "scale in float32)")
+        return (
+            f"{name} differs from the product of the dequantised operands (x and W in e4m3, dy in e5m2, each "
+            "with one scale amax / the format's largest value, amax at least 1e-12, the division x.float() / "
+            "scale in float32)"
+        )
     return None
 
 
-_FP8_MISTAKES = {   # what the mistake gives, and why it is one -> how to make its operands
+_FP8_MISTAKES = {  # what the mistake gives, and why it is one -> how to make its operands
     "scaling dy to e4m3's largest value (448) gives: the tiny token's gradient falls below e5m2's smallest number. "
     "Each format has its own maximum, torch.finfo(dtype).max (57,344 for e5m2)": dict(top=448.0),
     "dividing by the scale in the input's dtype gives: a bf16 tensor divided by the scale is rounded to bf16's 8 "
@@ -208,25 +241,50 @@ _FP8_MISTAKES = {   # what the mistake gives, and why it is one -> how to make i
 
 def _describe_fp8(case):
     ex, ew, edy = case["exponents"]
-    grad = {"random": f"of size ~1e{edy}", "zero": "all zero",
-            "a tiny token": f"of size ~1e{edy}, the first token's 2^-26 of that"}[case["gradient"]]
-    return (f"fp8_backward(x {(case['tokens'], case['fin'])} of size ~1e{ex}, weight {(case['fout'], case['fin'])} "
-            f"of size ~1e{ew}{' (a transposed view)' if case['transposed'] else ''}, grad_output "
-            f"{(case['tokens'], case['fout'])} {grad}), all {case['dtype']}")
+    grad = {
+        "random": f"of size ~1e{edy}",
+        "zero": "all zero",
+        "a tiny token": f"of size ~1e{edy}, the first token's 2^-26 of that",
+    }[case["gradient"]]
+    return (
+        f"fp8_backward(x {(case['tokens'], case['fin'])} of size ~1e{ex}, weight {(case['fout'], case['fin'])} "
+        f"of size ~1e{ew}{' (a transposed view)' if case['transposed'] else ''}, grad_output "
+        f"{(case['tokens'], case['fout'])} {grad}), all {case['dtype']}"
+    )
 
 
 # ---- 03.shard_gradient and 03.muon_rows (on ranks) --------------------------------------------
 
+
 def _rows_cases(muon: bool):
     st = _st()
-    trailing = st.lists(st.integers(1, 3), min_size=1, max_size=1) if muon else \
-        st.lists(st.integers(1, 3), min_size=0, max_size=2)
-    dtypes = st.sampled_from(((torch.float32, torch.float32), (torch.float64, torch.float64))) if muon else \
-        st.sampled_from(((torch.float32, torch.float64), (torch.bfloat16, torch.float64),
-                         (torch.float32, torch.float32), (torch.bfloat16, torch.float32)))
-    return st.fixed_dictionaries(dict(
-        world_size=st.sampled_from((2, 3)), rows=st.integers(1, 7), trailing=trailing, dtypes=dtypes,
-        layout=st.sampled_from(("contiguous", "transposed", "strided")), seed=st.integers(0, 99)))
+    trailing = (
+        st.lists(st.integers(1, 3), min_size=1, max_size=1)
+        if muon
+        else st.lists(st.integers(1, 3), min_size=0, max_size=2)
+    )
+    dtypes = (
+        st.sampled_from(((torch.float32, torch.float32), (torch.float64, torch.float64)))
+        if muon
+        else st.sampled_from(
+            (
+                (torch.float32, torch.float64),
+                (torch.bfloat16, torch.float64),
+                (torch.float32, torch.float32),
+                (torch.bfloat16, torch.float32),
+            )
+        )
+    )
+    return st.fixed_dictionaries(
+        dict(
+            world_size=st.sampled_from((2, 3)),
+            rows=st.integers(1, 7),
+            trailing=trailing,
+            dtypes=dtypes,
+            layout=st.sampled_from(("contiguous", "transposed", "strided")),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _laid_out(values: torch.Tensor, layout: str) -> torch.Tensor:
@@ -267,25 +325,34 @@ def _judge_shard(fn, case):
     total = torch.stack([_shard_input(case, r).to(master) for r in range(n)]).sum(0)
     for rank, got in enumerate(grading_cluster(n).run(_shard_on_rank, fn, case)):
         start, length = _rows_of(case["rows"], n, rank)
-        want = total[start:start + length] / n
+        want = total[start : start + length] / n
         if not torch.is_tensor(got) or got.dtype != master or tuple(got.shape) != tuple(want.shape):
-            return (f"rank {rank} returned " + (f"a {tuple(got.shape)} tensor of {got.dtype}" if torch.is_tensor(got)
-                    else type(got).__name__) + f", expected its rows {start}..{start + length}, {tuple(want.shape)} "
-                    f"of {master} (cast to the dtype given, not to float32; reshape, as view needs contiguous memory)")
+            return (
+                f"rank {rank} returned "
+                + (f"a {tuple(got.shape)} tensor of {got.dtype}" if torch.is_tensor(got) else type(got).__name__)
+                + f", expected its rows {start}..{start + length}, {tuple(want.shape)} "
+                f"of {master} (cast to the dtype given, not to float32; reshape, as view needs contiguous memory)"
+            )
         tol = 1e-12 if master == torch.float64 else 1e-6
         if not torch.allclose(got.double(), want.double(), rtol=tol, atol=tol):
-            return (f"rank {rank}'s rows differ from the average over the ranks (to {tol:g}): in {master}, every sum "
-                    f"and the division are {master}'s, so the padded buffer must be made in the dtype given")
+            return (
+                f"rank {rank}'s rows differ from the average over the ranks (to {tol:g}): in {master}, every sum "
+                f"and the division are {master}'s, so the padded buffer must be made in the dtype given"
+            )
     return None
 
 
 def _describe_rows(case, what: str):
     shape = (case["rows"], *case["trailing"])
-    layout = {"contiguous": "", "transposed": " (a transposed view)", "strided": " (every other row of a larger "
-              "tensor: not contiguous)"}[case["layout"]]
+    layout = {
+        "contiguous": "",
+        "transposed": " (a transposed view)",
+        "strided": " (every other row of a larger tensor: not contiguous)",
+    }[case["layout"]]
     compute, master = case["dtypes"]
-    return (f"{what} on {case['world_size']} ranks: a {shape} {compute} tensor{layout}"
-            + (f", masters in {master}" if what == "shard_gradient" else ""))
+    return f"{what} on {case['world_size']} ranks: a {shape} {compute} tensor{layout}" + (
+        f", masters in {master}" if what == "shard_gradient" else ""
+    )
 
 
 def _muon_whole(case) -> torch.Tensor:
@@ -296,7 +363,7 @@ def _muon_on_rank(ctx, fn, case):
     from ultrascale.exercise_tests._groups import only_group
 
     start, length = _rows_of(case["rows"], ctx.world_size, ctx.rank)
-    mine = _laid_out(_muon_whole(case)[start:start + length].to(ctx.device), case["layout"])
+    mine = _laid_out(_muon_whole(case)[start : start + length].to(ctx.device), case["layout"])
     with only_group(ctx.group, "muon_rows"):
         got = fn(mine, case["rows"], ctx.group)
     return got.detach().cpu() if torch.is_tensor(got) else got
@@ -310,11 +377,14 @@ def _judge_muon(fn, case):
     whole = newton_schulz(_muon_whole(case), dtype=dtype)
     for rank, got in enumerate(grading_cluster(n).run(_muon_on_rank, fn, case)):
         start, length = _rows_of(case["rows"], n, rank)
-        want = whole[start:start + length]
+        want = whole[start : start + length]
         if not torch.is_tensor(got) or got.dtype != dtype or tuple(got.shape) != tuple(want.shape):
-            return (f"rank {rank} returned " + (f"a {tuple(got.shape)} tensor of {got.dtype}" if torch.is_tensor(got)
-                    else type(got).__name__) + f", expected its rows {start}..{start + length}, {tuple(want.shape)} "
-                    f"of {dtype} (reshape, as view needs contiguous memory)")
+            return (
+                f"rank {rank} returned "
+                + (f"a {tuple(got.shape)} tensor of {got.dtype}" if torch.is_tensor(got) else type(got).__name__)
+                + f", expected its rows {start}..{start + length}, {tuple(want.shape)} "
+                f"of {dtype} (reshape, as view needs contiguous memory)"
+            )
         tol = 1e-10 if dtype == torch.float64 else 1e-4
         if not torch.allclose(got, want, rtol=tol, atol=tol):
             return f"rank {rank}'s rows differ from those of the whole matrix orthogonalised"
@@ -323,19 +393,27 @@ def _judge_muon(fn, case):
 
 # ---- 04.vocab_parallel_cross_entropy (on ranks) -----------------------------------------------
 
+
 def _vocab_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        world_size=st.sampled_from((2, 3)), tokens=st.integers(1, 4), local=st.integers(1, 5),
-        magnitude=st.sampled_from((1.0, 1e3, 1e5)), one_rank=st.booleans(), view=st.booleans(),
-        seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            world_size=st.sampled_from((2, 3)),
+            tokens=st.integers(1, 4),
+            local=st.integers(1, 5),
+            magnitude=st.sampled_from((1.0, 1e3, 1e5)),
+            one_rank=st.booleans(),
+            view=st.booleans(),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _vocab_problem(case):
     n, local = case["world_size"], case["local"]
     logits = _values(case["seed"], (case["tokens"], local * n), torch.float32, case["magnitude"])
     g = torch.Generator().manual_seed(case["seed"] + 1)
-    low = (n - 1) * local if case["one_rank"] else 0   # every target on the last rank's slice
+    low = (n - 1) * local if case["one_rank"] else 0  # every target on the last rank's slice
     return logits, torch.randint(low, local * n, (case["tokens"],), generator=g)
 
 
@@ -343,14 +421,14 @@ def _vocab_on_rank(ctx, fn, case):
     logits, targets = _vocab_problem(case)
     full = logits.to(ctx.device).requires_grad_()
     start = ctx.rank * case["local"]
-    mine = full[:, start:start + case["local"]]    # a view of the full logits: rows local * n apart
+    mine = full[:, start : start + case["local"]]  # a view of the full logits: rows local * n apart
     if not case["view"]:
         mine = mine.contiguous()
     loss = fn(mine, targets.to(ctx.device), start, ctx.group)
     if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.requires_grad):
         return loss.detach().cpu() if torch.is_tensor(loss) else loss, None
-    grad, = torch.autograd.grad(loss, full)
-    return loss.detach().cpu(), grad[:, start:start + case["local"]].cpu()
+    (grad,) = torch.autograd.grad(loss, full)
+    return loss.detach().cpu(), grad[:, start : start + case["local"]].cpu()
 
 
 def _judge_vocab(fn, case):
@@ -366,8 +444,10 @@ def _judge_vocab(fn, case):
         if not torch.is_tensor(loss) or loss.dim() != 0:
             return f"rank {rank} returned {loss!r}: return the mean loss as a 0-dimensional tensor"
         if not torch.isfinite(loss):
-            return (f"rank {rank}'s loss is {loss.item()}: subtract each token's maximum over the whole vocabulary "
-                    "before exp")
+            return (
+                f"rank {rank}'s loss is {loss.item()}: subtract each token's maximum over the whole vocabulary "
+                "before exp"
+            )
         # float32 logits: the loss is a difference of numbers of the logits' size
         tol = 1e-5 * max(1.0, case["magnitude"])
         if abs(loss.item() - want.item()) > tol:
@@ -380,10 +460,12 @@ def _judge_vocab(fn, case):
 
 def _describe_vocab(case):
     n, local = case["world_size"], case["local"]
-    return (f"{case['tokens']} token(s), a vocabulary of {local} x {n} ranks, float32 logits of size "
-            f"~{case['magnitude']:g}" + (", every target on the last rank's slice" if case["one_rank"] else "")
-            + (", each rank's slice passed as the view of the full logits it is (not contiguous)" if case["view"]
-               else ""))
+    return (
+        f"{case['tokens']} token(s), a vocabulary of {local} x {n} ranks, float32 logits of size "
+        f"~{case['magnitude']:g}"
+        + (", every target on the last rank's slice" if case["one_rank"] else "")
+        + (", each rank's slice passed as the view of the full logits it is (not contiguous)" if case["view"] else "")
+    )
 
 
 # ---- 05.sequence_parallel_norm_grads (on ranks) ------------------------------------------------
@@ -393,16 +475,22 @@ NORMS = ("LayerNorm", "LayerNorm without bias", "RMSNorm")
 
 def _norm_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        world_size=st.sampled_from((2, 3)), norm=st.sampled_from(NORMS), hidden=st.integers(1, 5),
-        per_rank=st.integers(1, 3), dtype=st.sampled_from((torch.float32, torch.float64)), seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            world_size=st.sampled_from((2, 3)),
+            norm=st.sampled_from(NORMS),
+            hidden=st.integers(1, 5),
+            per_rank=st.integers(1, 3),
+            dtype=st.sampled_from((torch.float32, torch.float64)),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _norm_module(case) -> torch.nn.Module:
     """The same norm in every process, its parameters away from 1 and 0."""
     h = case["hidden"]
-    norm = torch.nn.RMSNorm(h) if case["norm"] == "RMSNorm" else \
-        torch.nn.LayerNorm(h, bias=case["norm"] == "LayerNorm")
+    norm = torch.nn.RMSNorm(h) if case["norm"] == "RMSNorm" else torch.nn.LayerNorm(h, bias=case["norm"] == "LayerNorm")
     with torch.no_grad():
         for i, p in enumerate(norm.parameters()):
             p.copy_(1 + 0.5 * _values(case["seed"] + i, (h,), torch.float64))
@@ -410,7 +498,7 @@ def _norm_module(case) -> torch.nn.Module:
 
 
 def _norm_tokens(case) -> tuple:
-    shape = (2, case["per_rank"] * case["world_size"], case["hidden"])   # the whole sequences
+    shape = (2, case["per_rank"] * case["world_size"], case["hidden"])  # the whole sequences
     return _values(case["seed"] + 10, shape, case["dtype"]), _values(case["seed"] + 11, shape, case["dtype"])
 
 
@@ -433,35 +521,53 @@ def _judge_norm(fn, case):
     for rank, grads in enumerate(grading_cluster(case["world_size"]).run(_norm_on_rank, fn, case)):
         for name, p in whole.named_parameters():
             got = grads.get(name)
-            if got is None or got.dtype != case["dtype"] or not torch.allclose(got.double(), p.grad, rtol=tol,
-                                                                                 atol=tol):
-                return (f"rank {rank}: {name}.grad is not the gradient of the whole sequence (summed over the ranks) "
-                        f"in {case['dtype']}")
+            if (
+                got is None
+                or got.dtype != case["dtype"]
+                or not torch.allclose(got.double(), p.grad, rtol=tol, atol=tol)
+            ):
+                return (
+                    f"rank {rank}: {name}.grad is not the gradient of the whole sequence (summed over the ranks) "
+                    f"in {case['dtype']}"
+                )
     return None
 
 
 def _describe_norm(case):
-    params = {"LayerNorm": "weight and bias", "LayerNorm without bias": "a weight and no bias",
-              "RMSNorm": "a weight only"}[case["norm"]]
-    return (f"sync_norm_gradients(an nn.{case['norm'].split()[0]}({case['hidden']}) with {params}, in "
-            f"{case['dtype']}) on {case['world_size']} ranks of {case['per_rank']} token(s) each")
+    params = {
+        "LayerNorm": "weight and bias",
+        "LayerNorm without bias": "a weight and no bias",
+        "RMSNorm": "a weight only",
+    }[case["norm"]]
+    return (
+        f"sync_norm_gradients(an nn.{case['norm'].split()[0]}({case['hidden']}) with {params}, in "
+        f"{case['dtype']}) on {case['world_size']} ranks of {case['per_rank']} token(s) each"
+    )
 
 
 # ---- 11.row_softmax (under Triton's interpreter, or on a GPU) ------------------------------------
 
+
 def _softmax_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        rows=st.integers(1, 3), cols=st.integers(1, 40), logits=st.sampled_from(("mixed", "all below")),
-        magnitude=st.sampled_from((1.0, 1e6, 1e20, 1e36)), masked=st.booleans(), seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            rows=st.integers(1, 3),
+            cols=st.integers(1, 40),
+            logits=st.sampled_from(("mixed", "all below")),
+            magnitude=st.sampled_from((1.0, 1e6, 1e20, 1e36)),
+            masked=st.booleans(),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 def _softmax_input(case) -> torch.Tensor:
     x = _values(case["seed"], (case["rows"], case["cols"]), torch.float64, case["magnitude"])
-    if case["logits"] == "all below":   # every logit far below zero, as a whole row of padding tokens' scores is
+    if case["logits"] == "all below":  # every logit far below zero, as a whole row of padding tokens' scores is
         x = -x.abs() - case["magnitude"]
     if case["masked"] and case["cols"] > 1:
-        x[:, 1::2] = float("-inf")       # masked keys; each row keeps its first logit
+        x[:, 1::2] = float("-inf")  # masked keys; each row keeps its first logit
     return x.float()
 
 
@@ -474,8 +580,17 @@ def _judge_softmax(kernel, case):
     rows, cols = x.shape
     _, x_view = _window(x, 0, 5, float("nan"))
     out_buf, out = _window(torch.zeros(rows, cols, device=x.device), 1, 3, SENTINEL)
-    _launch(kernel, (rows,), out, x_view, x_view.stride(0), out.stride(0), cols,
-            BLOCK_SIZE=triton.next_power_of_2(cols), loads_per_program=4)
+    _launch(
+        kernel,
+        (rows,),
+        out,
+        x_view,
+        x_view.stride(0),
+        out.stride(0),
+        cols,
+        BLOCK_SIZE=triton.next_power_of_2(cols),
+        loads_per_program=4,
+    )
     if not (_outside(out_buf, out) == SENTINEL).all():
         return "the kernel wrote outside the output rows"
     want = torch.softmax(x.double(), dim=-1)
@@ -483,39 +598,101 @@ def _judge_softmax(kernel, case):
     if torch.isnan(got).any() or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
         sums = got.sum(-1)
         if case["logits"] == "all below" and case["magnitude"] > 1e4 and bool(((sums < 0.5) | sums.isnan()).any()):
-            return ("a row's sum of exponentials is 0 or NaN: every logit of the row is far below zero, so a padding "
-                    "lane that loads a finite number (such as -10000 or -1e9) is the row's maximum, and every real "
-                    "exp(x - max) underflows to 0. Load padding lanes as -inf (other=-float('inf')): only then can "
-                    "no padding win the maximum")
+            return (
+                "a row's sum of exponentials is 0 or NaN: every logit of the row is far below zero, so a padding "
+                "lane that loads a finite number (such as -10000 or -1e9) is the row's maximum, and every real "
+                "exp(x - max) underflows to 0. Load padding lanes as -inf (other=-float('inf')): only then can "
+                "no padding win the maximum"
+            )
         return f"largest difference from torch.softmax {(got - want).abs().nan_to_num(float('inf')).max().item():.3g}"
     return None
 
 
 def _describe_softmax(case):
     kind = "of both signs" if case["logits"] == "mixed" else "all below -size"
-    return (f"logits of shape ({case['rows']}, {case['cols']}), {kind}, size ~{case['magnitude']:g}"
-            + (", every other one masked (-inf)" if case["masked"] and case["cols"] > 1 else ""))
+    return f"logits of shape ({case['rows']}, {case['cols']}), {kind}, size ~{case['magnitude']:g}" + (
+        ", every other one masked (-inf)" if case["masked"] and case["cols"] > 1 else ""
+    )
 
 
 PROPERTIES: dict = {
-    "07.split_backward": Property(_split_cases, _judge_split, _describe_split, argument=(0, 1), examples=(
-        dict(tokens=2, width=3, micro_batches=2, dtype=torch.float32, unused=True, order="reversed", seed=0),)),
-    "12.fp8_backward": Property(_fp8_cases, _judge_fp8, _describe_fp8, examples=(
-        dict(tokens=3, fin=4, fout=5, dtype=torch.float32, exponents=[0, -1, -3], transposed=True,
-             gradient="a tiny token", seed=0),
-        dict(tokens=4, fin=5, fout=5, dtype=torch.bfloat16, exponents=[1, 0, -2], transposed=False,
-             gradient="random", seed=2))),
-    "03.shard_gradient": Property(lambda: _rows_cases(False), _judge_shard,
-                                  lambda case: _describe_rows(case, "shard_gradient"), examples=(
-        dict(world_size=3, rows=5, trailing=[2, 3], dtypes=(torch.float32, torch.float64), layout="transposed",
-             seed=0),)),
-    "03.muon_rows": Property(lambda: _rows_cases(True), _judge_muon, lambda case: _describe_rows(case, "muon_rows"),
-                             examples=(dict(world_size=3, rows=4, trailing=[3], dtypes=(torch.float64, torch.float64),
-                                            layout="transposed", seed=0),)),
-    "04.vocab_parallel_cross_entropy": Property(_vocab_cases, _judge_vocab, _describe_vocab, examples=(
-        dict(world_size=2, tokens=3, local=4, magnitude=1e3, one_rank=False, view=True, seed=0),)),
-    "05.sequence_parallel_norm_grads": Property(_norm_cases, _judge_norm, _describe_norm, examples=(
-        dict(world_size=2, norm="RMSNorm", hidden=3, per_rank=2, dtype=torch.float64, seed=0),)),
-    "11.row_softmax": Property(_softmax_cases, _judge_softmax, _describe_softmax, examples=(
-        dict(rows=2, cols=5, logits="all below", magnitude=1e6, masked=False, seed=0),)),
+    "07.split_backward": Property(
+        _split_cases,
+        _judge_split,
+        _describe_split,
+        argument=(0, 1),
+        examples=(
+            dict(tokens=2, width=3, micro_batches=2, dtype=torch.float32, unused=True, order="reversed", seed=0),
+        ),
+    ),
+    "12.fp8_backward": Property(
+        _fp8_cases,
+        _judge_fp8,
+        _describe_fp8,
+        examples=(
+            dict(
+                tokens=3,
+                fin=4,
+                fout=5,
+                dtype=torch.float32,
+                exponents=[0, -1, -3],
+                transposed=True,
+                gradient="a tiny token",
+                seed=0,
+            ),
+            dict(
+                tokens=4,
+                fin=5,
+                fout=5,
+                dtype=torch.bfloat16,
+                exponents=[1, 0, -2],
+                transposed=False,
+                gradient="random",
+                seed=2,
+            ),
+        ),
+    ),
+    "03.shard_gradient": Property(
+        lambda: _rows_cases(False),
+        _judge_shard,
+        lambda case: _describe_rows(case, "shard_gradient"),
+        examples=(
+            dict(
+                world_size=3,
+                rows=5,
+                trailing=[2, 3],
+                dtypes=(torch.float32, torch.float64),
+                layout="transposed",
+                seed=0,
+            ),
+        ),
+    ),
+    "03.muon_rows": Property(
+        lambda: _rows_cases(True),
+        _judge_muon,
+        lambda case: _describe_rows(case, "muon_rows"),
+        examples=(
+            dict(
+                world_size=3, rows=4, trailing=[3], dtypes=(torch.float64, torch.float64), layout="transposed", seed=0
+            ),
+        ),
+    ),
+    "04.vocab_parallel_cross_entropy": Property(
+        _vocab_cases,
+        _judge_vocab,
+        _describe_vocab,
+        examples=(dict(world_size=2, tokens=3, local=4, magnitude=1e3, one_rank=False, view=True, seed=0),),
+    ),
+    "05.sequence_parallel_norm_grads": Property(
+        _norm_cases,
+        _judge_norm,
+        _describe_norm,
+        examples=(dict(world_size=2, norm="RMSNorm", hidden=3, per_rank=2, dtype=torch.float64, seed=0),),
+    ),
+    "11.row_softmax": Property(
+        _softmax_cases,
+        _judge_softmax,
+        _describe_softmax,
+        examples=(dict(rows=2, cols=5, logits="all below", magnitude=1e6, masked=False, seed=0),),
+    ),
 }

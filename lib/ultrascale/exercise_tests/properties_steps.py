@@ -38,7 +38,7 @@ from ultrascale.grading.properties import Property
 from ultrascale.grading.properties import seeded_values as _values
 from ultrascale.grading.properties import strategies as _st
 
-TIMEOUT = 60.0   # seconds a drawn run may take on the ranks: each is a fraction of a second when right
+TIMEOUT = 60.0  # seconds a drawn run may take on the ranks: each is a fraction of a second when right
 
 
 def _seeded(module: torch.nn.Module, seed: int, dtype) -> torch.nn.Module:
@@ -62,12 +62,20 @@ DP_LR = 0.1
 # In each strategy below the edge the fixed cases miss comes first (a frozen weight, bf16, float64): it is
 # what hypothesis draws first, and what it shrinks towards, so the few draws of QUICK always try it.
 
+
 def _dp_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        world_size=st.sampled_from((2, 3)), dtype=st.sampled_from((torch.float64, torch.float32)),
-        width=st.integers(1, 4), frozen=st.sampled_from((True, False)), unused=st.sampled_from((True, False)),
-        steps=st.integers(1, 2), seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            world_size=st.sampled_from((2, 3)),
+            dtype=st.sampled_from((torch.float64, torch.float32)),
+            width=st.integers(1, 4),
+            frozen=st.sampled_from((True, False)),
+            unused=st.sampled_from((True, False)),
+            steps=st.integers(1, 2),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 class _DPNet(torch.nn.Module):
@@ -104,7 +112,7 @@ def _dp_on_rank(ctx, OverlappedGradSync, case):
     model = _dp_model(case).to(ctx.device)
     try:
         sync = OverlappedGradSync(model)
-    except Exception as err:   # every rank builds the same model: all raise here, none waits for the others
+    except Exception as err:  # every rank builds the same model: all raise here, none waits for the others
         return {"raised": ("OverlappedGradSync(model)", _failure(err))}
     optimizer = torch.optim.SGD(_trainable(model), lr=DP_LR)
     grads = []
@@ -118,8 +126,9 @@ def _dp_on_rank(ctx, OverlappedGradSync, case):
             sync.finish()
         except Exception as err:
             return {"raised": (f"finish() of step {step + 1}", _failure(err))}
-        grads.append({name: None if p.grad is None else p.grad.detach().cpu().clone()
-                      for name, p in model.named_parameters()})
+        grads.append(
+            {name: None if p.grad is None else p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {"grads": grads}
@@ -137,8 +146,10 @@ def _dp_reference(case) -> list:
             x, y = (t.double() for t in _dp_batch(case, rank, step))
             torch.nn.functional.mse_loss(model(x), y).backward()
             per_rank.append({name: p.grad for name, p in model.named_parameters()})
-        mean = {name: None if per_rank[0][name] is None else torch.stack([g[name] for g in per_rank]).mean(0)
-                for name in per_rank[0]}
+        mean = {
+            name: None if per_rank[0][name] is None else torch.stack([g[name] for g in per_rank]).mean(0)
+            for name in per_rank[0]
+        }
         for name, p in model.named_parameters():
             p.grad = mean[name]
         optimizer.step()
@@ -165,13 +176,17 @@ def _judge_dp(OverlappedGradSync, case):
             continue
         where, err = out["raised"]
         if where.startswith("OverlappedGradSync") and case["frozen"]:
-            return (f"{where} raised {err}: `first.weight` is frozen (requires_grad=False), and autograd refuses a "
-                    "hook on a tensor that requires no gradient. Register grad_ready only on the parameters that "
-                    "require one (`if param.requires_grad`), as the text says")
+            return (
+                f"{where} raised {err}: `first.weight` is frozen (requires_grad=False), and autograd refuses a "
+                "hook on a tensor that requires no gradient. Register grad_ready only on the parameters that "
+                "require one (`if param.requires_grad`), as the text says"
+            )
         if where.startswith("finish") and (case["frozen"] or case["unused"]) and "NoneType" in err:
-            return (f"rank {rank}: {where} raised {err}. Here {_no_gradient(case)}: no hook runs for a parameter "
-                    "that gets no gradient, and its .grad stays None. finish() must wait for and average only the "
-                    "gradients whose all-reduce grad_ready launched, not every parameter of the module")
+            return (
+                f"rank {rank}: {where} raised {err}. Here {_no_gradient(case)}: no hook runs for a parameter "
+                "that gets no gradient, and its .grad stays None. finish() must wait for and average only the "
+                "gradients whose all-reduce grad_ready launched, not every parameter of the module"
+            )
         return f"rank {rank}: {where} raised {err}"
     want = _dp_reference(case)
     tol = 1e-10 if case["dtype"] == torch.float64 else 1e-5
@@ -180,24 +195,33 @@ def _judge_dp(OverlappedGradSync, case):
             where = f"rank {rank}, after finish() of step {step + 1}"
             for name, expected in mean.items():
                 have = got[name]
-                if expected is None:   # a frozen or unused parameter: backward leaves it without a gradient
+                if expected is None:  # a frozen or unused parameter: backward leaves it without a gradient
                     if have is not None and bool(have.abs().sum() != 0):
                         return f"{where}: {name}.grad is not zero, but {_no_gradient(case)}"
                     continue
                 if have is None:
                     return f"{where}: {name}.grad is None; every parameter that trains must get the mean gradient"
                 if have.dtype != case["dtype"] or not torch.allclose(have.double(), expected, rtol=tol, atol=tol):
-                    return (f"{where}: {name}.grad is not the mean over the ranks of their gradients (to {tol:g}, "
-                            f"in {case['dtype']})")
+                    return (
+                        f"{where}: {name}.grad is not the mean over the ranks of their gradients (to {tol:g}, "
+                        f"in {case['dtype']})"
+                    )
     return None
 
 
 def _describe_dp(case):
-    extra = [what for flag, what in ((case["frozen"], "its first weight frozen (requires_grad=False)"),
-                                     (case["unused"], "a layer `spare` the loss does not use")) if flag]
-    return (f"OverlappedGradSync(model) on {case['world_size']} ranks, a 3 -> {case['width']} -> 2 model in "
-            f"{case['dtype']}" + (f" with {' and '.join(extra)}" if extra else "")
-            + f", {case['steps']} SGD step(s)")
+    extra = [
+        what
+        for flag, what in (
+            (case["frozen"], "its first weight frozen (requires_grad=False)"),
+            (case["unused"], "a layer `spare` the loss does not use"),
+        )
+        if flag
+    ]
+    return (
+        f"OverlappedGradSync(model) on {case['world_size']} ranks, a 3 -> {case['width']} -> 2 model in "
+        f"{case['dtype']}" + (f" with {' and '.join(extra)}" if extra else "") + f", {case['steps']} SGD step(s)"
+    )
 
 
 # ---- 03.zero1_step ---------------------------------------------------------------------------
@@ -211,17 +235,29 @@ PRECISIONS = ((torch.bfloat16, "sgd"), (torch.float32, "sgd"), (torch.float32, "
 
 def _zero1_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        world_size=st.sampled_from((2, 3)), precision=st.sampled_from(PRECISIONS), inputs=st.integers(1, 4),
-        width=st.integers(1, 4), steps=st.integers(1, 2), seed=st.integers(0, 99))).map(
-        lambda case: {**{k: v for k, v in case.items() if k != "precision"},
-                      "dtype": case["precision"][0], "optimizer": case["precision"][1]})
+    return st.fixed_dictionaries(
+        dict(
+            world_size=st.sampled_from((2, 3)),
+            precision=st.sampled_from(PRECISIONS),
+            inputs=st.integers(1, 4),
+            width=st.integers(1, 4),
+            steps=st.integers(1, 2),
+            seed=st.integers(0, 99),
+        )
+    ).map(
+        lambda case: {
+            **{k: v for k, v in case.items() if k != "precision"},
+            "dtype": case["precision"][0],
+            "optimizer": case["precision"][1],
+        }
+    )
 
 
 def _zero1_model(case) -> torch.nn.Module:
     """inputs -> width -> 2: width * (inputs + 3) + 2 weights, from 6 to 30."""
-    net = torch.nn.Sequential(torch.nn.Linear(case["inputs"], case["width"]), torch.nn.Tanh(),
-                              torch.nn.Linear(case["width"], 2))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(case["inputs"], case["width"]), torch.nn.Tanh(), torch.nn.Linear(case["width"], 2)
+    )
     return _seeded(net, case["seed"], case["dtype"])
 
 
@@ -244,20 +280,24 @@ def _zero1_on_rank(ctx, zero1_step, case):
     params = list(model.parameters())
     flat = reference_flatten_padded(params, ctx.world_size)
     shard = flat.numel() // ctx.world_size
-    master = flat[ctx.rank * shard: (ctx.rank + 1) * shard].float().clone()   # the fp32 masters, as the check's
+    master = flat[ctx.rank * shard : (ctx.rank + 1) * shard].float().clone()  # the fp32 masters, as the check's
     optimizer = make_optimizer([master], case["optimizer"])
-    gathered = []   # bytes the all-gathers sent, per step
+    gathered = []  # bytes the all-gathers sent, per step
     for step in range(case["steps"]):
         _zero1_loss(model, case, ctx.rank, step, ctx.device).backward()
         try:
             with CommLogger() as log:
                 zero1_step(ctx, params, master, optimizer)
-        except Exception as err:   # the ranks run the same code on the same shapes: all raise at one place
+        except Exception as err:  # the ranks run the same code on the same shapes: all raise at one place
             return {"raised": (step, _failure(err))}
         gathered.append(sum(t["bytes_sent"] for op, t in log.totals().items() if op.startswith("all_gather")))
         model.zero_grad(set_to_none=True)
-    return {"params": [p.detach().cpu().clone() for p in params], "master": master.detach().cpu().clone(),
-            "gathered": gathered, "padded": flat.numel()}
+    return {
+        "params": [p.detach().cpu().clone() for p in params],
+        "master": master.detach().cpu().clone(),
+        "gathered": gathered,
+        "padded": flat.numel(),
+    }
 
 
 def _zero1_reference(case) -> torch.Tensor:
@@ -283,7 +323,7 @@ def _zero1_reference(case) -> torch.Tensor:
         with torch.no_grad():
             offset = 0
             for p in params:
-                p.copy_(master[offset: offset + p.numel()].view_as(p))
+                p.copy_(master[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
     return master.detach()
 
@@ -298,8 +338,10 @@ def _judge_zero1(zero1_step, case):
             step, err = out["raised"]
             hint = ""
             if dtype != torch.float32 and "type" in err:
-                hint = (f": the parameters and their gradients are {dtype} and the masters fp32. Give the master its "
-                        "gradient in fp32 (the reduced slice .float()); the optimizer steps fp32 tensors only")
+                hint = (
+                    f": the parameters and their gradients are {dtype} and the masters fp32. Give the master its "
+                    "gradient in fp32 (the reduced slice .float()); the optimizer steps fp32 tensors only"
+                )
             return f"rank {rank}: zero1_step of step {step + 1} raised {err}{hint}"
     psi = sum(p.numel() for p in results[0]["params"])
     masters = torch.cat([out["master"] for out in results])
@@ -308,19 +350,23 @@ def _judge_zero1(zero1_step, case):
     for rank, out in enumerate(results):
         offset = 0
         for i, p in enumerate(out["params"]):
-            if p.dtype != dtype or not torch.equal(p, cast[offset: offset + p.numel()].view_as(p)):
-                return (f"rank {rank}: parameter {i} is not the all-gathered master slices cast to {dtype}: copy "
-                        "element offset..offset + numel of the gathered buffer into each parameter, in order")
+            if p.dtype != dtype or not torch.equal(p, cast[offset : offset + p.numel()].view_as(p)):
+                return (
+                    f"rank {rank}: parameter {i} is not the all-gathered master slices cast to {dtype}: copy "
+                    "element offset..offset + numel of the gathered buffer into each parameter, in order"
+                )
             offset += p.numel()
     size = torch.empty(0, dtype=dtype).element_size()
     for rank, out in enumerate(results):
         for step, sent in enumerate(out["gathered"]):
             per_element = sent * n / (n - 1) / out["padded"]
             if per_element > 1.01 * size:
-                return (f"rank {rank}, step {step + 1}: the all-gather moved {per_element:g} bytes per element, but "
-                        f"the parameters are {dtype} ({size} bytes each): cast the updated slice to the parameters' "
-                        "dtype before gathering it, as the text's step 4 says; an all-gather of the fp32 masters "
-                        f"moves {4 // size} times the bytes the parameters need")
+                return (
+                    f"rank {rank}, step {step + 1}: the all-gather moved {per_element:g} bytes per element, but "
+                    f"the parameters are {dtype} ({size} bytes each): cast the updated slice to the parameters' "
+                    "dtype before gathering it, as the text's step 4 says; an all-gather of the fp32 masters "
+                    f"moves {4 // size} times the bytes the parameters need"
+                )
     want = _zero1_reference(case)
     start = _seeded_master(case)
     got_update, want_update = masters.double() - start, want - start
@@ -333,9 +379,11 @@ def _judge_zero1(zero1_step, case):
         close = bool(((got_update - want_update).abs() <= 0.05 * want_update.abs().max() + 1e-7).all())
     if not close:
         worst = (got_update - want_update).abs().max().item()
-        return (f"the fp32 masters differ from one process's {case['optimizer']} steps on the mean gradient by up to "
-                f"{worst:.3g} (their largest update is {want_update.abs().max().item():.3g}): reduce-scatter the "
-                "gradients, divide by the world size, and step this rank's slice only")
+        return (
+            f"the fp32 masters differ from one process's {case['optimizer']} steps on the mean gradient by up to "
+            f"{worst:.3g} (their largest update is {want_update.abs().max().item():.3g}): reduce-scatter the "
+            "gradients, divide by the world size, and step this rank's slice only"
+        )
     return None
 
 
@@ -347,17 +395,27 @@ def _seeded_master(case) -> torch.Tensor:
 
 def _describe_zero1(case):
     psi = case["width"] * (case["inputs"] + 3) + 2
-    return (f"zero1_step on {case['world_size']} ranks, a {case['inputs']} -> {case['width']} -> 2 model ({psi} "
-            f"weights) in {case['dtype']} with fp32 masters, {case['optimizer']}, {case['steps']} step(s)")
+    return (
+        f"zero1_step on {case['world_size']} ranks, a {case['inputs']} -> {case['width']} -> 2 model ({psi} "
+        f"weights) in {case['dtype']} with fp32 masters, {case['optimizer']}, {case['steps']} step(s)"
+    )
 
 
 # ---- 03.zero3_gather_free --------------------------------------------------------------------
 
+
 def _zero3_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        world_size=st.sampled_from((2, 3)), dtype=st.sampled_from((torch.float64, torch.bfloat16, torch.float32)),
-        width=st.integers(1, 4), blocks=st.integers(1, 3), bias=st.booleans(), seed=st.integers(0, 99)))
+    return st.fixed_dictionaries(
+        dict(
+            world_size=st.sampled_from((2, 3)),
+            dtype=st.sampled_from((torch.float64, torch.bfloat16, torch.float32)),
+            width=st.integers(1, 4),
+            blocks=st.integers(1, 3),
+            bias=st.booleans(),
+            seed=st.integers(0, 99),
+        )
+    )
 
 
 class _Zero3Net(torch.nn.Module):
@@ -386,11 +444,11 @@ def _zero3_on_rank(ctx, install_zero3_hooks, case):
         install_zero3_hooks(ctx, block)
     out = {"outputs": [], "after": []}
     with torch.no_grad():
-        for call in range(2):   # twice: the second forward gathers what the first freed
+        for call in range(2):  # twice: the second forward gathers what the first freed
             x = _values(case["seed"] + 50 + call, (2, case["width"]), case["dtype"]).to(ctx.device)
             try:
                 got = model(x)
-            except Exception as err:   # the same shards' shapes on every rank: all raise at one place
+            except Exception as err:  # the same shards' shapes on every rank: all raise at one place
                 return {"raised": (call, _failure(err))}
             out["outputs"].append((got.detach().cpu(), reference(x).cpu()))
             out["after"].append([(name, p.dtype, p.numel()) for name, p in model.named_parameters()])
@@ -407,51 +465,72 @@ def _judge_zero3(install_zero3_hooks, case):
             call, err = out["raised"]
             hint = ""
             if dtype != torch.float32 and "type" in err:
-                hint = (f": the shard is {dtype}. Make the gathered buffer in the shard's dtype (torch.empty(..., "
-                        "dtype=module.zero3_shard.dtype, device=...)); torch.empty without dtype= is float32")
+                hint = (
+                    f": the shard is {dtype}. Make the gathered buffer in the shard's dtype (torch.empty(..., "
+                    "dtype=module.zero3_shard.dtype, device=...)); torch.empty without dtype= is float32"
+                )
             return f"rank {rank}: forward {call + 1} raised {err}{hint}"
-    tol = {torch.float64: 1e-12, torch.float32: 1e-6}.get(dtype, 1e-2)   # the same ops on the same weights
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6}.get(dtype, 1e-2)  # the same ops on the same weights
     for rank, out in enumerate(results):
         for call, ((got, want), after) in enumerate(zip(out["outputs"], out["after"])):
             where = f"rank {rank}, forward {call + 1}"
-            if got.dtype != want.dtype or got.shape != want.shape or not torch.allclose(
-                    got.double(), want.double(), rtol=tol, atol=tol):
-                return (f"{where}: the output differs from the unsharded model's: each parameter is flat[offset : "
-                        "offset + numel] of the gathered buffer, in its shape")
+            if (
+                got.dtype != want.dtype
+                or got.shape != want.shape
+                or not torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
+            ):
+                return (
+                    f"{where}: the output differs from the unsharded model's: each parameter is flat[offset : "
+                    "offset + numel] of the gathered buffer, in its shape"
+                )
             for name, kind, numel in after:
                 if numel:
-                    return f"{where}: after the forward, {name} still holds {numel} elements; free it in the forward hook"
+                    return (
+                        f"{where}: after the forward, {name} still holds {numel} elements; free it in the forward hook"
+                    )
                 if kind != dtype:
-                    return (f"{where}: after the forward, {name} is an empty {kind} tensor, but the block is {dtype}: "
-                            "free each parameter to an empty tensor of its own dtype (torch.empty(0, dtype=p.dtype, "
-                            "device=p.device)), as shard_module left it; torch.empty(0) is float32")
+                    return (
+                        f"{where}: after the forward, {name} is an empty {kind} tensor, but the block is {dtype}: "
+                        "free each parameter to an empty tensor of its own dtype (torch.empty(0, dtype=p.dtype, "
+                        "device=p.device)), as shard_module left it; torch.empty(0) is float32"
+                    )
     return None
 
 
 def _describe_zero3(case):
     weights = case["width"] * case["width"] + (case["width"] if case["bias"] else 0)
-    return (f"install_zero3_hooks on {case['world_size']} ranks, {case['blocks']} block(s) of "
-            f"nn.Linear({case['width']}, {case['width']}, bias={case['bias']}) ({weights} weight(s) each) in "
-            f"{case['dtype']}, two forwards")
+    return (
+        f"install_zero3_hooks on {case['world_size']} ranks, {case['blocks']} block(s) of "
+        f"nn.Linear({case['width']}, {case['width']}, bias={case['bias']}) ({weights} weight(s) each) in "
+        f"{case['dtype']}, two forwards"
+    )
 
 
 # ---- 07.stage_step ---------------------------------------------------------------------------
 
+
 def _stage_cases():
     st = _st()
-    return st.fixed_dictionaries(dict(
-        p=st.integers(1, 3), m=st.integers(1, 4), order=st.sampled_from(("1F1B", "AFAB")), seed=st.integers(0, 9)))
+    return st.fixed_dictionaries(
+        dict(p=st.integers(1, 3), m=st.integers(1, 4), order=st.sampled_from(("1F1B", "AFAB")), seed=st.integers(0, 9))
+    )
 
 
 def _judge_stage(functions, case):
     from ultrascale.exercise_tests.ch07 import check_stages
 
     p = case["p"]
-    one = (" With p=1 rank 0 is also the last rank: it receives nothing, sends nothing, and its stage returns the "
-           "loss. Test each of the text's conditions by itself (rank > 0: receive; rank < p - 1: send the output; "
-           "the last rank: output.backward(); rank > 0: send the input's gradient), not first / middle / last "
-           "branches") if p == 1 else ""
-    check_stages(*functions, p, case["order"], case["m"], case["seed"], TIMEOUT, hint=one)   # raises what is wrong
+    one = (
+        (
+            " With p=1 rank 0 is also the last rank: it receives nothing, sends nothing, and its stage returns the "
+            "loss. Test each of the text's conditions by itself (rank > 0: receive; rank < p - 1: send the output; "
+            "the last rank: output.backward(); rank > 0: send the input's gradient), not first / middle / last "
+            "branches"
+        )
+        if p == 1
+        else ""
+    )
+    check_stages(*functions, p, case["order"], case["m"], case["seed"], TIMEOUT, hint=one)  # raises what is wrong
     return None
 
 
@@ -461,15 +540,42 @@ def _describe_stage(case):
 
 
 PROPERTIES: dict = {
-    "02.overlapped_dp_hooks": Property(_dp_cases, _judge_dp, _describe_dp, draws=(3, 12), examples=(
-        # a frozen weight and an unused layer in one model, float64 (compared to 1e-10), on 3 ranks
-        dict(world_size=3, dtype=torch.float64, width=2, frozen=True, unused=True, steps=2, seed=0),)),
-    "03.zero1_step": Property(_zero1_cases, _judge_zero1, _describe_zero1, draws=(3, 12), examples=(
-        # bf16 parameters, fp32 masters, 14 weights (padded on 3 ranks), two SGD steps
-        dict(world_size=3, dtype=torch.bfloat16, inputs=1, width=3, optimizer="sgd", steps=2, seed=0),)),
-    "03.zero3_gather_free": Property(_zero3_cases, _judge_zero3, _describe_zero3, draws=(3, 12), examples=(
-        # two float64 blocks of one weight each: on 3 ranks, ranks 1 and 2 hold nothing but padding
-        dict(world_size=3, dtype=torch.float64, width=1, blocks=2, bias=False, seed=0),)),
-    "07.stage_step": Property(_stage_cases, _judge_stage, _describe_stage, argument=(0, 1), draws=(3, 12),
-                              examples=(dict(p=1, m=2, order="1F1B", seed=0),)),
+    "02.overlapped_dp_hooks": Property(
+        _dp_cases,
+        _judge_dp,
+        _describe_dp,
+        draws=(3, 12),
+        examples=(
+            # a frozen weight and an unused layer in one model, float64 (compared to 1e-10), on 3 ranks
+            dict(world_size=3, dtype=torch.float64, width=2, frozen=True, unused=True, steps=2, seed=0),
+        ),
+    ),
+    "03.zero1_step": Property(
+        _zero1_cases,
+        _judge_zero1,
+        _describe_zero1,
+        draws=(3, 12),
+        examples=(
+            # bf16 parameters, fp32 masters, 14 weights (padded on 3 ranks), two SGD steps
+            dict(world_size=3, dtype=torch.bfloat16, inputs=1, width=3, optimizer="sgd", steps=2, seed=0),
+        ),
+    ),
+    "03.zero3_gather_free": Property(
+        _zero3_cases,
+        _judge_zero3,
+        _describe_zero3,
+        draws=(3, 12),
+        examples=(
+            # two float64 blocks of one weight each: on 3 ranks, ranks 1 and 2 hold nothing but padding
+            dict(world_size=3, dtype=torch.float64, width=1, blocks=2, bias=False, seed=0),
+        ),
+    ),
+    "07.stage_step": Property(
+        _stage_cases,
+        _judge_stage,
+        _describe_stage,
+        argument=(0, 1),
+        draws=(3, 12),
+        examples=(dict(p=1, m=2, order="1F1B", seed=0),),
+    ),
 }

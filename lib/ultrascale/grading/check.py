@@ -83,10 +83,13 @@ class CheckResult:
 
     # ---- how it looks -------------------------------------------------------
     def to_text(self) -> str:
-        label = {PASS: "PASS", FAIL: "FAIL", NOT_IMPLEMENTED: "NOT IMPLEMENTED YET", ERROR: "ERROR",
-                 SUBMITTED: "SUBMITTED"}.get(
-            self.status, self.status.upper()
-        )
+        label = {
+            PASS: "PASS",
+            FAIL: "FAIL",
+            NOT_IMPLEMENTED: "NOT IMPLEMENTED YET",
+            ERROR: "ERROR",
+            SUBMITTED: "SUBMITTED",
+        }.get(self.status, self.status.upper())
         head = f"[{label}] {self.exercise} ({_num(self.points)}/{_num(self.max_points)} points)"
         return head + (f"\n{self.message}" if self.message else "")
 
@@ -138,14 +141,20 @@ def check(exercise_id: str, *objects, **kwargs) -> CheckResult:
     except KeyError as err:
         result = CheckResult(exercise_id, ERROR, 0, 0, str(err.args[0]))
     except Exception as err:  # a test module that does not import: not the learner's fault
-        result = CheckResult(exercise_id, ERROR, 0, 0, f"the checker itself failed: {_one_line(err)}",
-                             details=traceback.format_exc())
+        result = CheckResult(
+            exercise_id, ERROR, 0, 0, f"the checker itself failed: {_one_line(err)}", details=traceback.format_exc()
+        )
     else:
         result = _argument_error(ex, objects, kwargs)
         if result is None:
             if saved and os.environ.get(DEFER_ENV):
-                result = CheckResult(exercise_id, SUBMITTED, 0, ex.points,
-                                     "saved for the grader, which runs the test in a process of its own")
+                result = CheckResult(
+                    exercise_id,
+                    SUBMITTED,
+                    0,
+                    ex.points,
+                    "saved for the grader, which runs the test in a process of its own",
+                )
             else:
                 result = grade_exercise(ex, objects, kwargs)
     _record(result)
@@ -159,8 +168,9 @@ def grade_exercise(ex, objects: tuple, kwargs: dict) -> CheckResult:
     try:
         result = _grade(ex, objects, kwargs)
     except Exception as err:  # a bug in the grading code itself must not stop the notebook
-        result = CheckResult(ex.id, ERROR, 0, ex.points, f"the checker itself failed: {_one_line(err)}",
-                             details=traceback.format_exc())
+        result = CheckResult(
+            ex.id, ERROR, 0, ex.points, f"the checker itself failed: {_one_line(err)}", details=traceback.format_exc()
+        )
     result.seconds = time.perf_counter() - start
     return result
 
@@ -171,8 +181,13 @@ def _argument_error(ex, objects: tuple, kwargs: dict) -> CheckResult | None:
     try:
         inspect.signature(ex.test).bind(*objects, **kwargs)
     except TypeError as err:
-        return CheckResult(ex.id, ERROR, 0, ex.points, f"check({ex.id!r}, ...) was called with the wrong "
-                                                       f"arguments ({err}); it expects {_signature_hint(ex.test)}")
+        return CheckResult(
+            ex.id,
+            ERROR,
+            0,
+            ex.points,
+            f"check({ex.id!r}, ...) was called with the wrong arguments ({err}); it expects {_signature_hint(ex.test)}",
+        )
     return None
 
 
@@ -254,7 +269,7 @@ def _not_implemented_hint(err: BaseException) -> str:
                 break
     todo = "Replace the `raise NotImplementedError(...)` line with your code, run that cell, then this one again."
     if message.startswith("exercise:"):
-        return f"{todo}\nHint: {message[len('exercise:'):].strip()}"
+        return f"{todo}\nHint: {message[len('exercise:') :].strip()}"
     return f"{todo}\n(NotImplementedError: {message})" if message else todo
 
 
@@ -267,6 +282,7 @@ def _chain(err: BaseException):
 
 
 # ---- messages -------------------------------------------------------------------
+
 
 def _assertion_message(err: AssertionError) -> str:
     if str(err):
@@ -308,6 +324,7 @@ def _num(x: float) -> str:
 
 # ---- where the verdict goes -------------------------------------------------------
 
+
 def submission_path(grade_file, exercise_id: str) -> Path:
     """Where ``check`` saves what it was given for ``exercise_id`` (a cloudpickle of
     ``(objects, kwargs)``), beside the grade file; ``.json`` beside it holds the context."""
@@ -334,8 +351,10 @@ def _save_submission(exercise_id: str, objects: tuple, kwargs: dict) -> bool:
         _write_whole(target.with_suffix(".json"), json.dumps(context).encode())
     except Exception as err:  # noqa: BLE001 - the notebook goes on; the grader scores it 0
         target.unlink(missing_ok=True)
-        print(f"ultrascale.grading: what check({exercise_id!r}, ...) was given cannot be saved for the grader "
-              f"({type(err).__name__}: {err}); the grader cannot test it again, so it will score 0")
+        print(
+            f"ultrascale.grading: what check({exercise_id!r}, ...) was given cannot be saved for the grader "
+            f"({type(err).__name__}: {err}); the grader cannot test it again, so it will score 0"
+        )
         return False
     return True
 
@@ -348,7 +367,7 @@ def _has_ranks() -> bool:
     if runtime is None:
         return False
     try:
-        runtime.current_cluster()   # raises when none runs
+        runtime.current_cluster()  # raises when none runs
     except RuntimeError:
         return False
     return True

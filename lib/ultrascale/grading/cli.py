@@ -64,8 +64,20 @@ from pathlib import Path
 
 import nbformat
 
-from .check import (DEFER_ENV, ERROR, FAIL, GRADE_FILE_ENV, NOT_IMPLEMENTED, NOT_RUN, PASS, SUBMITTED, CheckResult,
-                    _one_line, grade_exercise, submission_path)
+from .check import (
+    DEFER_ENV,
+    ERROR,
+    FAIL,
+    GRADE_FILE_ENV,
+    NOT_IMPLEMENTED,
+    NOT_RUN,
+    PASS,
+    SUBMITTED,
+    CheckResult,
+    _one_line,
+    grade_exercise,
+    submission_path,
+)
 from . import progress
 from .generate import content_hash
 from .registry import chapter_of, declared_points, get_exercise
@@ -166,8 +178,14 @@ def _read_grades(path: Path) -> dict:
     return grades
 
 
-def grade_notebook(nb_path: Path, timeout: float, parameters: dict, keep_dir: Path | None = None,
-                   feedback: bool = False, sandbox: Sandbox | None = None) -> NotebookReport:
+def grade_notebook(
+    nb_path: Path,
+    timeout: float,
+    parameters: dict,
+    keep_dir: Path | None = None,
+    feedback: bool = False,
+    sandbox: Sandbox | None = None,
+) -> NotebookReport:
     """Execute one notebook, then score it: see the module's docstring. With ``sandbox``
     both run in it, on a copy of the notebook in a temporary folder (sandbox.py)."""
     report = NotebookReport(str(nb_path))
@@ -177,8 +195,9 @@ def grade_notebook(nb_path: Path, timeout: float, parameters: dict, keep_dir: Pa
         tmp = Path(tmp)
         if sandbox is None:
             grade_file = tmp / "grades.jsonl"
-            _execute(nb_path, grade_file, (keep_dir or tmp) / nb_path.name, timeout, parameters, report,
-                     defer=not feedback)
+            _execute(
+                nb_path, grade_file, (keep_dir or tmp) / nb_path.name, timeout, parameters, report, defer=not feedback
+            )
             report.exercises = score(nb_path, grade_file, timeout)
         else:
             grade_file = tmp / "grading" / "grades.jsonl"
@@ -188,8 +207,15 @@ def grade_notebook(nb_path: Path, timeout: float, parameters: dict, keep_dir: Pa
     return report
 
 
-def _execute(nb_path: Path, grade_file: Path, output: Path, timeout: float, parameters: dict,
-             report: NotebookReport, defer: bool = True) -> None:
+def _execute(
+    nb_path: Path,
+    grade_file: Path,
+    output: Path,
+    timeout: float,
+    parameters: dict,
+    report: NotebookReport,
+    defer: bool = True,
+) -> None:
     """Run the notebook with papermill; its check() calls write into ``grade_file``."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
@@ -207,7 +233,8 @@ def _execute(nb_path: Path, grade_file: Path, output: Path, timeout: float, para
         if not nb_path.is_file():
             raise FileNotFoundError(f"no such notebook: {nb_path}")
         executed = papermill.execute_notebook(
-            str(nb_path), str(output),
+            str(nb_path),
+            str(output),
             parameters=parameters,
             kernel_name="python3",
             cwd=str(nb_path.parent),
@@ -240,8 +267,17 @@ def _execute(nb_path: Path, grade_file: Path, output: Path, timeout: float, para
 _EXECUTE = "import sys; from ultrascale.grading.cli import execute_main; sys.exit(execute_main(sys.argv[1]))"
 
 
-def _execute_sandboxed(nb_path: Path, work: Path, grade_file: Path, keep_dir: Path | None, timeout: float,
-                       parameters: dict, report: NotebookReport, defer: bool, sandbox: Sandbox) -> None:
+def _execute_sandboxed(
+    nb_path: Path,
+    work: Path,
+    grade_file: Path,
+    keep_dir: Path | None,
+    timeout: float,
+    parameters: dict,
+    report: NotebookReport,
+    defer: bool,
+    sandbox: Sandbox,
+) -> None:
     """``_execute`` in the sandbox, on a copy of the notebook in ``work`` (its only writable folder)."""
     if not nb_path.is_file():
         report.status, report.error = "infrastructure error", f"FileNotFoundError: no such notebook: {nb_path}"
@@ -251,8 +287,19 @@ def _execute_sandboxed(nb_path: Path, work: Path, grade_file: Path, keep_dir: Pa
     grade_file.parent.mkdir()
     output.parent.mkdir()
     spec = work / "execute.json"
-    spec.write_text(json.dumps({"notebook": str(copy), "grade_file": str(grade_file), "output": str(output),
-                                "timeout": timeout, "parameters": parameters, "defer": defer, "report": str(result)}))
+    spec.write_text(
+        json.dumps(
+            {
+                "notebook": str(copy),
+                "grade_file": str(grade_file),
+                "output": str(output),
+                "timeout": timeout,
+                "parameters": parameters,
+                "defer": defer,
+                "report": str(result),
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k not in (GRADE_FILE_ENV, DEFER_ENV)}
     outcome = sandbox.run([sys.executable, "-c", _EXECUTE, str(spec)], work, env, sandbox.limits.seconds)
     said = {}
@@ -276,15 +323,24 @@ def execute_main(spec_path: str) -> int:
     """In the sandbox: run the notebook as ``_execute`` does, and say how it went in a file."""
     spec = json.loads(Path(spec_path).read_text())
     report = NotebookReport(spec["notebook"])
-    _execute(Path(spec["notebook"]), Path(spec["grade_file"]), Path(spec["output"]), spec["timeout"],
-             spec["parameters"], report, spec["defer"])
-    Path(spec["report"]).write_text(json.dumps({"status": report.status, "error": report.error,
-                                                "cell_errors": report.cell_errors}))
+    _execute(
+        Path(spec["notebook"]),
+        Path(spec["grade_file"]),
+        Path(spec["output"]),
+        spec["timeout"],
+        spec["parameters"],
+        report,
+        spec["defer"],
+    )
+    Path(spec["report"]).write_text(
+        json.dumps({"status": report.status, "error": report.error, "cell_errors": report.cell_errors})
+    )
     return 0
 
 
-def score(nb_path: Path, grade_file: Path, timeout: float, cwd: Path | None = None,
-          sandbox: Sandbox | None = None) -> list:
+def score(
+    nb_path: Path, grade_file: Path, timeout: float, cwd: Path | None = None, sandbox: Sandbox | None = None
+) -> list:
     """One row per registered exercise the notebook has or checks, scored by the grader."""
     claims = _read_grades(grade_file)
     exercises = expected_exercises(nb_path)
@@ -299,9 +355,15 @@ def score(nb_path: Path, grade_file: Path, timeout: float, cwd: Path | None = No
 
 def _row(exercise_id: str, max_points: float, claim: dict | None, verdict: dict | None) -> dict:
     """The table's row: points are the registry's, and only for the grader's own pass."""
+
     def row(status: str, message: str) -> dict:
-        return {"exercise": exercise_id, "status": status, "points": max_points if status == PASS else 0,
-                "max_points": max_points, "message": message}
+        return {
+            "exercise": exercise_id,
+            "status": status,
+            "points": max_points if status == PASS else 0,
+            "max_points": max_points,
+            "message": message,
+        }
 
     def status_of(record: dict | None, allowed=(FAIL, NOT_IMPLEMENTED, ERROR)) -> str:
         # a status outside the known ones (or none at all) counts as a failure
@@ -310,14 +372,15 @@ def _row(exercise_id: str, max_points: float, claim: dict | None, verdict: dict 
     if claim is None:
         return row(NOT_RUN, "its check() never ran")
     message = str(verdict.get("message", "")) if verdict else "no verdict"
-    if claim.get("status") == SUBMITTED:   # the grader's run is the only one: its verdict as it is
+    if claim.get("status") == SUBMITTED:  # the grader's run is the only one: its verdict as it is
         return row(status_of(verdict, (PASS, FAIL, NOT_IMPLEMENTED, ERROR)), message)
     if claim.get("status") != PASS:
         return row(status_of(claim), str(claim.get("message", ""))[:4000])
     if verdict is not None and verdict.get("status") == PASS:
         return row(PASS, "")
-    return row(status_of(verdict), f"check() passed in the notebook, but not when the grader ran the test itself: "
-                                   f"{message}")
+    return row(
+        status_of(verdict), f"check() passed in the notebook, but not when the grader ran the test itself: {message}"
+    )
 
 
 # ---- the grader's own run of the tests ------------------------------------------------
@@ -334,32 +397,48 @@ def regrade(cwd: Path, submissions: dict, timeout: float, sandbox: Sandbox | Non
     if not submissions:
         return {}
     limit = timeout * len(submissions) + 120  # what the cells got, plus a start-up
-    with tempfile.TemporaryDirectory(prefix="ultrascale-regrade-", dir=cwd if sandbox else None,
-                                     ignore_cleanup_errors=True) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix="ultrascale-regrade-", dir=cwd if sandbox else None, ignore_cleanup_errors=True
+    ) as tmp:
         spec, results = Path(tmp) / "spec.json", Path(tmp) / "verdicts.jsonl"
-        spec.write_text(json.dumps({"results": str(results),
-                                    "submissions": {e: str(p) for e, p in submissions.items()}}))
+        spec.write_text(
+            json.dumps({"results": str(results), "submissions": {e: str(p) for e, p in submissions.items()}})
+        )
         env = {k: v for k, v in os.environ.items() if k not in (GRADE_FILE_ENV, DEFER_ENV)}
         argv = [sys.executable, "-c", _REGRADE, str(spec)]
         if sandbox is not None:
             trouble = _trouble(sandbox.run(argv, cwd, env, limit), limit)
-        elif zygote.available():   # a fork of a process that has imported the tests once (zygote.py)
+        elif zygote.available():  # a fork of a process that has imported the tests once (zygote.py)
             trouble = _run_forked(spec, cwd, env, limit)
         else:
             try:
-                proc = subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True, errors="replace", timeout=limit)
+                proc = subprocess.run(
+                    argv,
+                    cwd=cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    errors="replace",
+                    timeout=limit,
+                )
                 trouble = f"it exited with code {proc.returncode}: {proc.stderr[-2000:]}" if proc.returncode else ""
             except subprocess.TimeoutExpired:
                 trouble = f"it did not finish within {limit:g} s"
         verdicts = _read_grades(results)
     for exercise_id in submissions:
-        verdicts.setdefault(exercise_id, {"status": FAIL, "message": f"the grader's run of the test gave no "
-                                                                     f"verdict ({trouble or 'no reason given'})"})
+        verdicts.setdefault(
+            exercise_id,
+            {
+                "status": FAIL,
+                "message": f"the grader's run of the test gave no verdict ({trouble or 'no reason given'})",
+            },
+        )
     return verdicts
 
 
-_zygote: zygote.Zygote | None = None   # this process's, started by its first unsandboxed run
+_zygote: zygote.Zygote | None = None  # this process's, started by its first unsandboxed run
 
 
 def _run_forked(spec: Path, cwd: Path, env: dict, limit: float) -> str:
@@ -375,7 +454,7 @@ def _run_forked(spec: Path, cwd: Path, env: dict, limit: float) -> str:
         _zygote = zygote.Zygote.start(env)
     try:
         code, stderr = _zygote.run(spec, cwd, env, limit)
-    except (RuntimeError, OSError, ValueError) as err:   # the zygote died (a test killed its parent?)
+    except (RuntimeError, OSError, ValueError) as err:  # the zygote died (a test killed its parent?)
         _zygote.close()
         return f"the grader's process for the tests stopped: {err}"
     if code is None:
@@ -434,9 +513,14 @@ def _regrade_one(exercise_id: str, ex, path: Path) -> CheckResult:
     if ex is None:
         return CheckResult(exercise_id, ERROR, 0, 0, "no test is registered under this id")
     if not path.is_file():
-        return CheckResult(exercise_id, ERROR, 0, ex.points,
-                           "no copy of what check() was given was saved: check() did not run under the "
-                           "grader, or what it was given could not be pickled (see the notebook's output)")
+        return CheckResult(
+            exercise_id,
+            ERROR,
+            0,
+            ex.points,
+            "no copy of what check() was given was saved: check() did not run under the "
+            "grader, or what it was given could not be pickled (see the notebook's output)",
+        )
     try:
         _apply_context(path.with_suffix(".json"))
         import cloudpickle
@@ -445,8 +529,9 @@ def _regrade_one(exercise_id: str, ex, path: Path) -> CheckResult:
         objects, kwargs = tuple(objects), dict(kwargs)
         _give_kernels_triton_language([*objects, *kwargs.values()])
     except Exception as err:  # noqa: BLE001 - whatever the file holds, it scores 0
-        return CheckResult(exercise_id, ERROR, 0, ex.points,
-                           f"the grader could not load what check() was given: {_one_line(err)}")
+        return CheckResult(
+            exercise_id, ERROR, 0, ex.points, f"the grader could not load what check() was given: {_one_line(err)}"
+        )
     return grade_exercise(ex, objects, kwargs)
 
 
@@ -499,7 +584,8 @@ def _apply_context(path: Path) -> dict:
 def _count_error_cells(nb) -> int:
     return sum(
         any(o.get("output_type") == "error" for o in cell.get("outputs", []))
-        for cell in nb.cells if cell.cell_type == "code"
+        for cell in nb.cells
+        if cell.cell_type == "code"
     )
 
 
@@ -511,7 +597,9 @@ def format_table(reports: list) -> str:
             rows.append((name, "-", r.status, ""))
         for e in r.exercises:
             rows.append((name, e["exercise"], e["status"], f"{e['points']:g}/{e['max_points']:g}"))
-        rows.append((name, "total", f"{r.cell_errors} cell(s) raised, {r.seconds:.0f} s", f"{r.points:g}/{r.max_points:g}"))
+        rows.append(
+            (name, "total", f"{r.cell_errors} cell(s) raised, {r.seconds:.0f} s", f"{r.points:g}/{r.max_points:g}")
+        )
     total = sum(r.points for r in reports)
     total_max = sum(r.max_points for r in reports)
     rows.append(("ALL", "", "", f"{total:g}/{total_max:g}"))
@@ -536,10 +624,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def grade_all(notebooks: list, timeout: float, parameters: dict, keep_dir: Path | None, feedback: bool,
-              jobs: int = 1, sandboxes: list | None = None) -> list:
+def grade_all(
+    notebooks: list,
+    timeout: float,
+    parameters: dict,
+    keep_dir: Path | None,
+    feedback: bool,
+    jobs: int = 1,
+    sandboxes: list | None = None,
+) -> list:
     """``grade_notebook`` on each notebook, ``jobs`` at a time; the reports in the notebooks' order.
     ``sandboxes``: one per notebook, a Sandbox or None (none: run as it is)."""
+
     def announce(nb_path: Path, report: NotebookReport) -> NotebookReport:
         print(f"graded {nb_path} in {report.seconds:.0f} s", flush=True)
         if report.status != "ok":
@@ -554,8 +650,9 @@ def grade_all(notebooks: list, timeout: float, parameters: dict, keep_dir: Path 
     import multiprocessing
 
     # spawn: a fresh interpreter per worker, nothing inherited from this one's threads
-    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(notebooks)),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        min(jobs, len(notebooks)), mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
         futures = [pool.submit(grade_notebook, nb, *arguments, box) for nb, box in zip(notebooks, sandboxes)]
         return [announce(nb, future.result()) for nb, future in zip(notebooks, futures)]
 
@@ -565,9 +662,12 @@ def _sandboxes(notebooks: list, args) -> list:
     none with --trusted); one line says how far it protects, or that nothing is sandboxed."""
     wanted = [not args.trusted and (args.sandbox or not is_course_notebook(nb)) for nb in notebooks]
     if not any(wanted):
-        print("no sandbox: " + ("--trusted" if args.trusted
-                                else "the course's own exercises/, solutions/ and work/exercises/")
-              + " run with your rights (--sandbox to sandbox them)", flush=True)
+        print(
+            "no sandbox: "
+            + ("--trusted" if args.trusted else "the course's own exercises/, solutions/ and work/exercises/")
+            + " run with your rights (--sandbox to sandbox them)",
+            flush=True,
+        )
         return [None] * len(notebooks)
     limits = Limits(args.time_limit, int(args.memory_limit * GiB), args.max_processes)
     sandbox = Sandbox.probe(limits)
@@ -607,34 +707,72 @@ def _parse_param(text: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ultrascale-grade", description="Run exercise notebooks and print their scores.")
+    parser = argparse.ArgumentParser(
+        prog="ultrascale-grade", description="Run exercise notebooks and print their scores."
+    )
     parser.add_argument("paths", nargs="+", metavar="NOTEBOOK_OR_DIR")
     parser.add_argument("--json", type=Path, help="also write the scores to this JSON file")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per cell (default 300)")
-    parser.add_argument("-p", "--param", action="append", type=_parse_param, default=[],
-                        help="extra notebook parameter NAME=VALUE (QUICK=True is always set unless overridden)")
+    parser.add_argument(
+        "-p",
+        "--param",
+        action="append",
+        type=_parse_param,
+        default=[],
+        help="extra notebook parameter NAME=VALUE (QUICK=True is always set unless overridden)",
+    )
     parser.add_argument("--keep", type=Path, help="save the executed notebooks in this directory")
-    parser.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
-                        help="grade N notebooks at a time, each in its own process (default 1)")
-    parser.add_argument("--feedback", action="store_true",
-                        help="also run each test inside the notebook, so the kept notebooks show every verdict "
-                             "(the tests that pass then run twice: there and in the grader's own process)")
+    parser.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="grade N notebooks at a time, each in its own process (default 1)",
+    )
+    parser.add_argument(
+        "--feedback",
+        action="store_true",
+        help="also run each test inside the notebook, so the kept notebooks show every verdict "
+        "(the tests that pass then run twice: there and in the grader's own process)",
+    )
     trust = parser.add_mutually_exclusive_group()
-    trust.add_argument("--sandbox", action="store_true",
-                       help="sandbox every notebook, the course's own exercises/ and solutions/ too")
-    trust.add_argument("--trusted", action="store_true",
-                       help="sandbox none: run every notebook with your rights (only for code you trust)")
-    parser.add_argument("--time-limit", type=float, default=Limits.seconds, metavar="S",
-                        help=f"sandbox: seconds per notebook, all its cells together (default {Limits.seconds:g})")
-    parser.add_argument("--memory-limit", type=float, default=Limits.memory_bytes / GiB, metavar="GiB",
-                        help=f"sandbox: memory per process (default {Limits.memory_bytes / GiB:g})")
-    parser.add_argument("--max-processes", type=_positive_int, default=Limits.processes, metavar="N",
-                        help=f"sandbox: processes and threads of a notebook, all together "
-                             f"(default {Limits.processes})")
+    trust.add_argument(
+        "--sandbox", action="store_true", help="sandbox every notebook, the course's own exercises/ and solutions/ too"
+    )
+    trust.add_argument(
+        "--trusted",
+        action="store_true",
+        help="sandbox none: run every notebook with your rights (only for code you trust)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=Limits.seconds,
+        metavar="S",
+        help=f"sandbox: seconds per notebook, all its cells together (default {Limits.seconds:g})",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=float,
+        default=Limits.memory_bytes / GiB,
+        metavar="GiB",
+        help=f"sandbox: memory per process (default {Limits.memory_bytes / GiB:g})",
+    )
+    parser.add_argument(
+        "--max-processes",
+        type=_positive_int,
+        default=Limits.processes,
+        metavar="N",
+        help=f"sandbox: processes and threads of a notebook, all together (default {Limits.processes})",
+    )
     recording = parser.add_mutually_exclusive_group()
-    recording.add_argument("--record", type=Path, metavar="FILE",
-                           help="record every graded notebook in this file (default: only those of "
-                                "work/exercises/, in work/.progress/grades.jsonl; make progress reads it)")
+    recording.add_argument(
+        "--record",
+        type=Path,
+        metavar="FILE",
+        help="record every graded notebook in this file (default: only those of "
+        "work/exercises/, in work/.progress/grades.jsonl; make progress reads it)",
+    )
     recording.add_argument("--no-record", action="store_true", help="record no graded notebook")
     args = parser.parse_args(argv)
 
@@ -648,8 +786,9 @@ def main(argv=None) -> int:
 
     # hashed before grading: the record names the notebook as it was graded
     hashes = [_hash_or_none(nb) for nb in notebooks]
-    reports = grade_all(notebooks, args.timeout, parameters, args.keep, args.feedback, args.jobs,
-                        _sandboxes(notebooks, args))
+    reports = grade_all(
+        notebooks, args.timeout, parameters, args.keep, args.feedback, args.jobs, _sandboxes(notebooks, args)
+    )
     if not args.no_record:
         _record(notebooks, hashes, reports, args.record)
 

@@ -48,11 +48,11 @@ import torch
 class Contract:
     """What an exercise allows its functions beyond the default (nothing)."""
 
-    updates: tuple[str, ...] = ()        # arguments it updates in place, by name ("params.grad": their
-                                         # gradients only)
-    returns_inputs: bool = False         # may return its inputs, or views of them
-    iterables: tuple[str, ...] = ()      # arguments a caller may pass as any iterable
-    repeat: bool = True                  # off a rank, the first call is made twice
+    updates: tuple[str, ...] = ()  # arguments it updates in place, by name ("params.grad": their
+    # gradients only)
+    returns_inputs: bool = False  # may return its inputs, or views of them
+    iterables: tuple[str, ...] = ()  # arguments a caller may pass as any iterable
+    repeat: bool = True  # off a rank, the first call is made twice
     # On a rank, the collectives the technique is made of: each call must use every one of
     # ``collectives`` ("a|b": either) and no other collective (point-to-point calls are free),
     # by base name (all_gather for all_gather_into_tensor, ...); empty: not checked here.
@@ -109,7 +109,7 @@ def guard_objects(exercise_id: str, objects: tuple, kwargs: dict) -> tuple[tuple
 def guarded(fn: Callable, exercise_id: str, contract: Contract = STRICT) -> Callable:
     """``fn`` held to ``contract`` on every call (see the module's docstring)."""
     state = {"first": True}
-    signature = inspect.signature(fn)   # read once: the wrapper runs on every call
+    signature = inspect.signature(fn)  # read once: the wrapper runs on every call
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -118,8 +118,11 @@ def guarded(fn: Callable, exercise_id: str, contract: Contract = STRICT) -> Call
         if state["first"] and contract.repeat and not _on_a_rank() and not _any_callable(named):
             repeat_with = _copied(args, kwargs)
         state["first"] = False
-        before = {name: _snapshot(value, grads=f"{name}.grad" not in contract.updates)
-                  for name, value in named.items() if name not in contract.updates}
+        before = {
+            name: _snapshot(value, grads=f"{name}.grad" not in contract.updates)
+            for name, value in named.items()
+            if name not in contract.updates
+        }
         defaults_before = _snapshot(_mutable_defaults(signature))
         who = f"{exercise_id}: your `{getattr(fn, '__name__', 'function')}`"
         if contract.collectives and _on_a_rank():
@@ -133,14 +136,15 @@ def guarded(fn: Callable, exercise_id: str, contract: Contract = STRICT) -> Call
                 raise AssertionError(
                     f"{who} changed its argument `{name}`{change}. The caller still needs its input as it "
                     "was: work on a copy (`t.clone()`, `sorted(xs)`, `dict(d)`) or build a new result"
-                    + (f" (this exercise lets it update only {_names(contract.updates)})" if contract.updates
-                       else ""))
+                    + (f" (this exercise lets it update only {_names(contract.updates)})" if contract.updates else "")
+                )
         if not contract.returns_inputs:
             _check_new_storage(who, result, named)
-        if repeat_with is not None:   # checked once the exercise's own cases have passed (see below);
+        if repeat_with is not None:  # checked once the exercise's own cases have passed (see below);
             # the result as it was returned, before the exercise's test could touch it
-            call.deferred.append(functools.partial(_check_repeat, who, fn, signature, _snapshot(result),
-                                                   repeat_with, contract))
+            call.deferred.append(
+                functools.partial(_check_repeat, who, fn, signature, _snapshot(result), repeat_with, contract)
+            )
         return result
 
     call.deferred = []
@@ -157,6 +161,7 @@ def run_deferred(objects: tuple, kwargs: dict) -> None:
 
 
 # ---- what a call changed ----------------------------------------------------------------
+
 
 def _named_arguments(signature: inspect.Signature, args, kwargs) -> dict:
     try:
@@ -184,8 +189,10 @@ def _snapshot(x: Any, depth: int = 0, grads: bool = True) -> Any:
         grad = x.grad if grads and x.is_leaf and x.requires_grad else None
         return ("tensor", x.detach().clone(), None if grad is None else grad.detach().clone())
     if isinstance(x, torch.nn.Module):
-        return ("module", {k: _snapshot(t, depth + 1, grads) for k, t in
-                           list(x.named_parameters()) + list(x.named_buffers())})
+        return (
+            "module",
+            {k: _snapshot(t, depth + 1, grads) for k, t in list(x.named_parameters()) + list(x.named_buffers())},
+        )
     if isinstance(x, (list, tuple)):
         return (type(x).__name__, [_snapshot(v, depth + 1, grads) for v in x])
     if isinstance(x, dict):
@@ -193,8 +200,7 @@ def _snapshot(x: Any, depth: int = 0, grads: bool = True) -> Any:
     if isinstance(x, (set, frozenset)):
         return ("set", set(x))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return ("dataclass", {f.name: _snapshot(getattr(x, f.name), depth + 1, grads)
-                              for f in dataclasses.fields(x)})
+        return ("dataclass", {f.name: _snapshot(getattr(x, f.name), depth + 1, grads) for f in dataclasses.fields(x)})
     if isinstance(x, (int, float, complex, str, bytes, bool, type(None))):
         return ("value", x)
     return None  # a group, a context, a generator...: not compared
@@ -235,8 +241,12 @@ def _difference(snap: Any, now: Any, where: str = "") -> str:
     if kind == "dict":
         added, removed = set(now) - set(held), set(held) - set(now)
         if added or removed:
-            return (f"{where} (keys " + ", ".join(f"{k!r} added" for k in sorted(added, key=repr))
-                    + ", ".join(f"{k!r} removed" for k in sorted(removed, key=repr)) + ")")
+            return (
+                f"{where} (keys "
+                + ", ".join(f"{k!r} added" for k in sorted(added, key=repr))
+                + ", ".join(f"{k!r} removed" for k in sorted(removed, key=repr))
+                + ")"
+            )
         for k, s in held.items():
             change = _difference(s, now[k], f"{where}[{k!r}]")
             if change:
@@ -250,8 +260,7 @@ def _difference(snap: Any, now: Any, where: str = "") -> str:
             if change:
                 return change
         return ""
-    same = held == now or (isinstance(held, float) and isinstance(now, float) and math.isnan(held)
-                           and math.isnan(now))
+    same = held == now or (isinstance(held, float) and isinstance(now, float) and math.isnan(held) and math.isnan(now))
     return "" if same else f"{where} (from {held!r} to {now!r})"
 
 
@@ -263,8 +272,10 @@ def _tensor_change(before: torch.Tensor, now: torch.Tensor) -> str:
     if not _same_tensor(before, now):
         differ = (before != now) & ~(_isnan(before) & _isnan(now))
         i = int(differ.flatten().nonzero()[0]) if differ.any() else 0
-        return (f"{int(differ.sum())} of its {now.numel()} values changed, the first at flat index {i}: "
-                f"{before.flatten()[i].item()!r} became {now.flatten()[i].item()!r}")
+        return (
+            f"{int(differ.sum())} of its {now.numel()} values changed, the first at flat index {i}: "
+            f"{before.flatten()[i].item()!r} became {now.flatten()[i].item()!r}"
+        )
     return ""
 
 
@@ -297,23 +308,29 @@ def _names(names) -> str:
 
 # ---- mutable defaults -------------------------------------------------------------------
 
+
 def _mutable_defaults(signature: inspect.Signature) -> dict:
-    return {p.name: p.default for p in signature.parameters.values()
-            if p.default is not inspect.Parameter.empty
-            and isinstance(p.default, (list, dict, set, torch.Tensor, torch.nn.Module))}
+    return {
+        p.name: p.default
+        for p in signature.parameters.values()
+        if p.default is not inspect.Parameter.empty
+        and isinstance(p.default, (list, dict, set, torch.Tensor, torch.nn.Module))
+    }
 
 
 def _check_defaults(who: str, signature: inspect.Signature, before) -> None:
-    now = _mutable_defaults(signature)   # its defaults are the function's own objects
+    now = _mutable_defaults(signature)  # its defaults are the function's own objects
     for name, snap in before[1].items():
         if _difference(snap, now[name]):
             raise AssertionError(
                 f"{who} changed its default argument `{name}` during the call. A default like `=[]` or `={{}}` is "
                 "made once, when `def` runs, and shared by every later call, so what one call leaves in it "
-                f"leaks into the next. Write `{name}=None` and make a new one inside the function")
+                f"leaks into the next. Write `{name}=None` and make a new one inside the function"
+            )
 
 
 # ---- new storage -------------------------------------------------------------------------
+
 
 def _tensors(x: Any, where: str = "", depth: int = 0):
     """(path, tensor) for every tensor in ``x`` (nested containers, module parameters)."""
@@ -356,7 +373,8 @@ def _check_new_storage(who: str, result, named: dict) -> None:
             raise AssertionError(
                 f"{who} returned a tensor ({path}) that shares memory with its argument `{inputs[key]}`: a view "
                 "of the caller's data, not the new buffer the exercise asks for, so a later write to one would "
-                "change the other. Return new storage (`.clone()`, or a tensor you made)")
+                "change the other. Return new storage (`.clone()`, or a tensor you made)"
+            )
 
 
 # ---- the technique's collectives ---------------------------------------------------------------
@@ -387,15 +405,21 @@ def _with_signature(who: str, expected: tuple, fn, args, kwargs):
     if others or missing:
         raise AssertionError(
             f"{who} called these collectives on this rank: {seen}. The exercise's technique is made of {wanted}"
-            + (f": {', '.join(others)} is another algorithm, with other traffic, even where the numbers agree"
-               if others else f", and {' and '.join(missing)} was never called"))
+            + (
+                f": {', '.join(others)} is another algorithm, with other traffic, even where the numbers agree"
+                if others
+                else f", and {' and '.join(missing)} was never called"
+            )
+        )
     return result
 
 
 # ---- the same result twice ---------------------------------------------------------------
 
+
 def _on_a_rank() -> bool:
     import torch.distributed as dist
+
     return dist.is_available() and dist.is_initialized()
 
 
@@ -421,7 +445,8 @@ def _check_repeat(who, fn, signature, first, repeat_with, contract: Contract) ->
         raise AssertionError(
             f"{who} returned something else when called a second time with the same inputs (the result"
             f"{change or ' changed'}). A function's answer must depend on its inputs alone: does it keep "
-            "state between calls, in a global, a cache or a counter?")
+            "state between calls, in a global, a cache or a counter?"
+        )
     if not contract.iterables:
         return
     named = _named_arguments(signature, args, kwargs)
@@ -435,9 +460,11 @@ def _check_repeat(who, fn, signature, first, repeat_with, contract: Contract) ->
         raise AssertionError(
             f"{who} raised {type(err).__name__}: {err} when {_names(contract.iterables)} came as a generator "
             "instead of a list. A caller may pass any iterable there: go through it once, or make a list of "
-            "it first (`list(...)`)") from err
+            "it first (`list(...)`)"
+        ) from err
     change = _difference(first, lazy)
     if change:
         raise AssertionError(
             f"{who} returned something else when {_names(contract.iterables)} came as a generator instead of a "
-            f"list (the result{change}). A generator can be gone through only once: make a list of it first")
+            f"list (the result{change}). A generator can be gone through only once: make a list of it first"
+        )

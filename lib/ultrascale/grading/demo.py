@@ -36,8 +36,7 @@ def skip_if_not_implemented():
         if not _is_not_implemented(err):
             raise
         namespace = sys._getframe(2).f_globals  # the notebook's: the cell with the ``with``
-        print(f"not implemented yet: {_stub_name(err, namespace)} "
-              "(this demo runs once you have written it)")
+        print(f"not implemented yet: {_stub_name(err, namespace)} (this demo runs once you have written it)")
 
 
 def _stub_name(err: BaseException, namespace: dict) -> str:
@@ -63,7 +62,7 @@ def _qualified(name: str, filename: str, line: int, namespace: dict) -> str:
     function, so find the notebook class whose method of that name holds the line."""
     for value in list(namespace.values()):
         method = value.__dict__.get(name) if isinstance(value, type) else None
-        method = getattr(method, "__func__", method)   # a staticmethod or classmethod wraps the function
+        method = getattr(method, "__func__", method)  # a staticmethod or classmethod wraps the function
         code = getattr(method, "__code__", None)
         if code is not None and code.co_filename == filename and line in {n for _, _, n in code.co_lines()}:
             return f"{value.__name__}.{name}"

@@ -70,6 +70,7 @@ class GenerateError(Exception):
 
 # ---- one cell -----------------------------------------------------------------------
 
+
 @dataclass
 class Stubbed:
     source: str
@@ -83,7 +84,9 @@ def stub_source(source: str, where: str = "cell") -> Stubbed:
         begin, end = BEGIN_RE.match(line), END_RE.match(line)
         if begin:
             if region_start is not None:
-                raise GenerateError(f"{where}, line {number}: BEGIN SOLUTION inside the region opened on line {region_start}")
+                raise GenerateError(
+                    f"{where}, line {number}: BEGIN SOLUTION inside the region opened on line {region_start}"
+                )
             region_start, region_indent = number, begin.group("indent")
             region_hint = (begin.group("hint") or "").strip() or DEFAULT_HINT
         elif end:
@@ -117,6 +120,7 @@ def _check_python(source: str, where: str) -> None:
 
 
 # ---- one notebook -------------------------------------------------------------------
+
 
 def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
     """The exercise version of a solution notebook (in memory; refuses to leak)."""
@@ -181,6 +185,7 @@ def content_hash(nb) -> str:
 
 # ---- the whole directory --------------------------------------------------------------
 
+
 def solution_notebooks(solutions_dir: Path) -> list:
     return sorted(p for p in Path(solutions_dir).glob("*.ipynb") if not p.name.endswith(".updated.ipynb"))
 
@@ -239,8 +244,10 @@ def generate(solutions_dir: Path, exercises_dir: Path, log=print) -> dict:
             continue  # keep the old hash: the on-disk file still descends from it
         manifest[name] = {"sha256": new_hash, "source": f"solutions/{name}"}
     manifest = {k: v for k, v in manifest.items() if k in built}
-    _write_atomic(exercises_dir / MANIFEST_NAME,
-                  json.dumps({"generated_by": "ultrascale-exercises", "notebooks": manifest}, indent=1, sort_keys=True) + "\n")
+    _write_atomic(
+        exercises_dir / MANIFEST_NAME,
+        json.dumps({"generated_by": "ultrascale-exercises", "notebooks": manifest}, indent=1, sort_keys=True) + "\n",
+    )
     return outcome
 
 
@@ -253,13 +260,17 @@ def _offer_update(target: Path, nb, new_hash: str, entry: dict, log) -> str:
     if new_hash in (on_disk, written):
         return "kept (updated copy already written)"  # deleted since, perhaps: as the message asked
     if on_disk is not None and on_disk != written:
-        log(f"exercises/{updated.name} has your changes, so the newer version of the exercise was not "
-            "written; move that file aside and run again to get it.")
+        log(
+            f"exercises/{updated.name} has your changes, so the newer version of the exercise was not "
+            "written; move that file aside and run again to get it."
+        )
         return "kept (updated copy edited by you)"
     _write_atomic(updated, notebook_text(nb))
     entry["updated_sha256"] = new_hash
-    log(f"exercises/{target.name} has your changes, so it was left alone; the new version of the "
-        f"exercise is in exercises/{updated.name}. Copy what you need across, then delete it.")
+    log(
+        f"exercises/{target.name} has your changes, so it was left alone; the new version of the "
+        f"exercise is in exercises/{updated.name}. Copy what you need across, then delete it."
+    )
     return "updated-copy"
 
 
@@ -290,8 +301,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--solutions", type=Path, default=REPO_ROOT / "solutions")
     parser.add_argument("--exercises", type=Path, default=REPO_ROOT / "exercises")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when exercises/ is out of sync with solutions/ (for CI)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when exercises/ is out of sync with solutions/ (for CI)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.check:

@@ -27,9 +27,11 @@ class ForbiddenCall(AssertionError):
 def _refusing_code(message: str):
     # The code object runs with the library function's globals, where this module's names are
     # unknown: the exception class is imported by name, and the message is a constant.
-    source = ("def refuse(*args, **kwargs):\n"
-              "    raise __import__('ultrascale.grading.guards', fromlist=['ForbiddenCall'])"
-              f".ForbiddenCall({message!r})\n")
+    source = (
+        "def refuse(*args, **kwargs):\n"
+        "    raise __import__('ultrascale.grading.guards', fromlist=['ForbiddenCall'])"
+        f".ForbiddenCall({message!r})\n"
+    )
     namespace: dict = {}
     exec(source, namespace)  # noqa: S102 (a constant template, no learner input)
     return namespace["refuse"].__code__
@@ -37,9 +39,11 @@ def _refusing_code(message: str):
 
 def _forbidden_message(fn: Callable, exercise_id: str, hint: str) -> str:
     where = f"{fn.__module__}.{fn.__qualname__}"
-    return (f"{exercise_id}: your code called the course library's {where} (directly, or through another "
-            f"library function that uses it). This exercise asks you to compute it yourself"
-            + (f": {hint}" if hint else "."))
+    return (
+        f"{exercise_id}: your code called the course library's {where} (directly, or through another "
+        f"library function that uses it). This exercise asks you to compute it yourself"
+        + (f": {hint}" if hint else ".")
+    )
 
 
 @contextlib.contextmanager
@@ -55,7 +59,7 @@ def forbid_library(functions: Iterable[Callable], exercise_id: str, hint: str = 
     saved, classes = [], []
     try:
         for fn in dict.fromkeys(functions):
-            if isinstance(fn, type):   # a class: building one is refused (its __init__ is swapped)
+            if isinstance(fn, type):  # a class: building one is refused (its __init__ is swapped)
                 classes.append((fn, fn.__dict__.get("__init__")))
                 fn.__init__ = _refusing_init(_forbidden_message(fn, exercise_id, hint))
                 continue
@@ -69,7 +73,7 @@ def forbid_library(functions: Iterable[Callable], exercise_id: str, hint: str = 
             fn.__code__ = code
         for cls, init in reversed(classes):
             if init is None:
-                del cls.__init__   # it inherited its __init__: inherit it again
+                del cls.__init__  # it inherited its __init__: inherit it again
             else:
                 cls.__init__ = init
 
@@ -81,8 +85,7 @@ def _refusing_init(message: str):
     return refuse
 
 
-def without_library(learner_fn: Callable, functions: Iterable[Callable], exercise_id: str,
-                    hint: str = "") -> Callable:
+def without_library(learner_fn: Callable, functions: Iterable[Callable], exercise_id: str, hint: str = "") -> Callable:
     """``learner_fn``, with ``functions`` forbidden while each call of it runs."""
     functions = tuple(functions)
 
@@ -106,8 +109,7 @@ def _reraise_untouched(err: BaseException) -> bool:
     return isinstance(err, (NotImplementedError, AssertionError))
 
 
-def call_learner(fn: Callable, *args, call: str | None = None, expected: str = "",
-                 passthrough: tuple = (), **kwargs):
+def call_learner(fn: Callable, *args, call: str | None = None, expected: str = "", passthrough: tuple = (), **kwargs):
     """``fn(*args, **kwargs)``; when it raises, say on which input and what was expected.
 
     Exceptions of the types in ``passthrough`` (e.g. an expected ``ValueError``) are
@@ -119,8 +121,9 @@ def call_learner(fn: Callable, *args, call: str | None = None, expected: str = "
         if _reraise_untouched(err) or isinstance(err, passthrough):
             raise
         call = call or _call_text(getattr(fn, "__name__", "your function"), args, kwargs)
-        raise AssertionError(f"{call} raised {type(err).__name__}: {err}"
-                             + (f"; expected {expected}" if expected else "")) from err
+        raise AssertionError(
+            f"{call} raised {type(err).__name__}: {err}" + (f"; expected {expected}" if expected else "")
+        ) from err
 
 
 def expect_value_error(fn: Callable, *args, why: str, call: str | None = None, **kwargs) -> None:
@@ -133,9 +136,11 @@ def expect_value_error(fn: Callable, *args, why: str, call: str | None = None, *
     except Exception as err:
         if _reraise_untouched(err):
             raise
-        raise AssertionError(f"{call} raised {type(err).__name__}: {err}; expected a ValueError, because "
-                             f"{why}. Check the input first and `raise ValueError(...)` with a message that "
-                             "says what is wrong") from err
+        raise AssertionError(
+            f"{call} raised {type(err).__name__}: {err}; expected a ValueError, because "
+            f"{why}. Check the input first and `raise ValueError(...)` with a message that "
+            "says what is wrong"
+        ) from err
     raise AssertionError(f"{call} returned {result!r}; it should raise ValueError, because {why}")
 
 
@@ -144,26 +149,67 @@ def expect_value_error(fn: Callable, *args, why: str, call: str | None = None, *
 # torch.distributed's functions that move data between several ranks at once. Point-to-point
 # calls (send, recv, isend, irecv, batch_isend_irecv) and barrier stay available.
 DIST_COLLECTIVES = (
-    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_single",
-    "all_gather_into_tensor", "_all_gather_base", "reduce_scatter", "reduce_scatter_single",
-    "reduce_scatter_tensor", "_reduce_scatter_base", "gather", "scatter", "all_to_all",
-    "all_to_all_single", "all_gather_object", "gather_object", "broadcast_object_list",
-    "scatter_object_list", "all_reduce_coalesced", "all_gather_coalesced",
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
 )
 # The same, as methods of a ProcessGroup (``ctx.group.allreduce([t])``) or of its backend
 # (``group._get_backend(device).allreduce([t])``), which torch.distributed's functions call.
 GROUP_COLLECTIVES = (
-    "broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgather", "all_gather_single",
-    "_allgather_base", "allgather_coalesced", "all_gather_single_coalesced",
-    "allgather_into_tensor_coalesced", "gather", "scatter", "reduce_scatter", "reduce_scatter_single",
-    "_reduce_scatter_base", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
-    "all_to_all_single", "alltoall_base", "alltoall",
+    "broadcast",
+    "allreduce",
+    "allreduce_coalesced",
+    "reduce",
+    "allgather",
+    "all_gather_single",
+    "_allgather_base",
+    "allgather_coalesced",
+    "all_gather_single_coalesced",
+    "allgather_into_tensor_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all_single",
+    "alltoall_base",
+    "alltoall",
 )
 # The dispatcher's operators behind them all (``torch.ops.c10d.allreduce_``, the functional
 # collectives' ``torch.ops._c10d_functional.all_reduce``), but the point-to-point ones.
 COLLECTIVE_OP_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
-POINT_TO_POINT_OPS = ("send", "recv_", "recv_any_source_", "isend", "irecv", "batch_p2p_ops", "barrier",
-                      "monitored_barrier_", "wait_tensor", "check_for_nan")
+POINT_TO_POINT_OPS = (
+    "send",
+    "recv_",
+    "recv_any_source_",
+    "isend",
+    "irecv",
+    "batch_p2p_ops",
+    "barrier",
+    "monitored_barrier_",
+    "wait_tensor",
+    "check_for_nan",
+)
 
 
 @contextlib.contextmanager
@@ -178,6 +224,7 @@ def forbid_collectives(who: str, advice: str, error: type = ForbiddenCall):
     around the learner's code only. (A ``TorchDispatchMode`` would see the operators however
     they are reached, but its first use imports torch._dynamo: seconds on every new rank.)
     """
+
     def refusal(name: str) -> BaseException:
         return error(f"{who} called {name}: {advice}")
 
@@ -216,7 +263,8 @@ def swapped_dist_functions(names, stand_in_for: Callable):
 
 def _swapped_dist_functions(refusal: Callable):
     return swapped_dist_functions(
-        DIST_COLLECTIVES, lambda name, original: _refusing_function(f"dist.{name}", original, refusal))
+        DIST_COLLECTIVES, lambda name, original: _refusing_function(f"dist.{name}", original, refusal)
+    )
 
 
 def _refusing_function(name: str, original: Callable, refusal: Callable) -> Callable:
@@ -231,8 +279,7 @@ def _refusing_function(name: str, original: Callable, refusal: Callable) -> Call
 def _swapped_group_methods(refusal: Callable):
     from torch._C import _distributed_c10d as C
 
-    classes = [c for c in vars(C).values()
-               if isinstance(c, type) and issubclass(c, (C.ProcessGroup, C.Backend))]
+    classes = [c for c in vars(C).values() if isinstance(c, type) and issubclass(c, (C.ProcessGroup, C.Backend))]
     saved = []
     try:
         for cls in classes:

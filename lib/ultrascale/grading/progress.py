@@ -83,7 +83,9 @@ def _course_relative(nb_path: Path, records: Path) -> str:
         return str(nb_path)
 
 
-def record(records: Path, nb_path: Path, notebook_hash, status: str, exercises: list, when: float | None = None) -> dict:
+def record(
+    records: Path, nb_path: Path, notebook_hash, status: str, exercises: list, when: float | None = None
+) -> dict:
     """Append one signed record of a graded notebook (called by the grader, in its own process)."""
     records = Path(records)
     key = _key(records, create=True)
@@ -113,9 +115,13 @@ def read_records(records: Path) -> tuple:
             continue
         try:
             entry = json.loads(line)
-            ok = (key is not None and isinstance(entry, dict) and isinstance(entry.get("signature"), str)
-                  and hmac.compare_digest(entry["signature"], _signature(entry, key))
-                  and isinstance(entry.get("exercises"), list))
+            ok = (
+                key is not None
+                and isinstance(entry, dict)
+                and isinstance(entry.get("signature"), str)
+                and hmac.compare_digest(entry["signature"], _signature(entry, key))
+                and isinstance(entry.get("exercises"), list)
+            )
         except (ValueError, TypeError):
             ok = False
         if ok:
@@ -168,10 +174,18 @@ def progress(records: Path | None = None, root: Path | None = None) -> dict:
             notebook = Path(last_entry[chapter].get("notebook", ""))
             current = _notebook_hash(notebook if notebook.is_absolute() else course / notebook)
             edited = current is not None and current != last_entry[chapter].get("sha256")
-        rows.append({"chapter": chapter, "passed": len(passed), "total": len(exercises),
-                     "points": sum(exercises[e] for e in passed), "max_points": sum(exercises.values()),
-                     "last_graded": last_time.get(chapter, ""), "edited_since": edited,
-                     "exercises": {e: latest.get(e, {}).get("status", "not graded") for e in exercises}})
+        rows.append(
+            {
+                "chapter": chapter,
+                "passed": len(passed),
+                "total": len(exercises),
+                "points": sum(exercises[e] for e in passed),
+                "max_points": sum(exercises.values()),
+                "last_graded": last_time.get(chapter, ""),
+                "edited_since": edited,
+                "exercises": {e: latest.get(e, {}).get("status", "not graded") for e in exercises},
+            }
+        )
     return {"chapters": rows, "ignored": ignored, "graded": len(entries)}
 
 
@@ -186,8 +200,9 @@ def format_progress(result: dict) -> str:
             when = row["last_graded"][:16].replace("T", " ") or "-"
             if row["edited_since"]:
                 when += "  (edited since graded)"
-            table.append((row["chapter"], f"{row['passed']}/{row['total']}",
-                          f"{row['points']:g}/{row['max_points']:g}", when))
+            table.append(
+                (row["chapter"], f"{row['passed']}/{row['total']}", f"{row['points']:g}/{row['max_points']:g}", when)
+            )
         passed = sum(r["passed"] for r in result["chapters"])
         total = sum(r["total"] for r in result["chapters"])
         points = sum(r["points"] for r in result["chapters"])
@@ -197,8 +212,10 @@ def format_progress(result: dict) -> str:
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
     if result["ignored"]:
-        lines.append(f"{result['ignored']} line(s) of the records were ignored: not signed by the grader "
-                     "(written by hand, changed since, or by a notebook)")
+        lines.append(
+            f"{result['ignored']} line(s) of the records were ignored: not signed by the grader "
+            "(written by hand, changed since, or by a notebook)"
+        )
     return "\n".join(lines)
 
 
@@ -208,10 +225,15 @@ def show(records: Path | None = None) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ultrascale-progress",
-                                     description="Your graded exercises per chapter, from the grader's records.")
-    parser.add_argument("--records", type=Path, default=None,
-                        help=f"the grader's records (default: {WORK}/{PROGRESS_DIR}/{RECORDS_NAME} of the course)")
+    parser = argparse.ArgumentParser(
+        prog="ultrascale-progress", description="Your graded exercises per chapter, from the grader's records."
+    )
+    parser.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help=f"the grader's records (default: {WORK}/{PROGRESS_DIR}/{RECORDS_NAME} of the course)",
+    )
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
     # The course is the folder it is run in when that holds learner copies (a clone or a copy of

@@ -32,6 +32,7 @@ FULL_EXAMPLES = 150
 def strategies():
     """hypothesis's strategies module (imported when a property first draws, not with the grader)."""
     import hypothesis.strategies as st
+
     return st
 
 
@@ -39,6 +40,7 @@ def floats():
     """The dtypes a property draws where the technique admits any float: bf16 catches arithmetic
     that assumes float32, float64 a buffer or accumulator made in float32."""
     import torch
+
     return (torch.float32, torch.float64, torch.bfloat16)
 
 
@@ -46,20 +48,21 @@ def seeded_values(seed: int, shape, dtype, magnitude: float = 1.0):
     """A drawn case's tensor: normal values from a torch generator seeded by a drawn integer (so
     hypothesis shrinks the seed and the shape, never a float's last bits), made in float64 then cast."""
     import torch
+
     g = torch.Generator().manual_seed(seed)
     return (magnitude * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class Property:
-    strategy: Callable[[], Any]                  # () -> a hypothesis SearchStrategy of cases
+    strategy: Callable[[], Any]  # () -> a hypothesis SearchStrategy of cases
     judge: Callable[[Callable, Any], str | None]
     describe: Callable[[Any], str]
-    argument: int | tuple = 0                    # which of check()'s objects is the function tried (a tuple
-                                                 # of indices: the judge gets those objects, as a tuple)
-    examples: tuple = ()                         # cases always tried first (the edges draws may miss)
+    argument: int | tuple = 0  # which of check()'s objects is the function tried (a tuple
+    # of indices: the judge gets those objects, as a tuple)
+    examples: tuple = ()  # cases always tried first (the edges draws may miss)
     draws: tuple = (QUICK_EXAMPLES, FULL_EXAMPLES)  # how many cases drawn (QUICK, full): fewer where each
-                                                 # case is a run on ranks of a second or more
+    # case is a run on ranks of a second or more
 
 
 def tried(prop: Property, objects: tuple):
@@ -78,9 +81,14 @@ def run(exercise_id: str, prop: Property, fn: Callable, quick: bool = True) -> N
     # Seeded by the exercise's id, not derandomized: derandomize seeds from a hash of this function's
     # source, so any edit to these lines would draw other cases for every exercise.
     @seed(zlib.crc32(exercise_id.encode()))
-    @settings(max_examples=prop.draws[0] if quick else prop.draws[1], database=None,
-              deadline=None, print_blob=False, suppress_health_check=list(HealthCheck),
-              phases=(Phase.explicit, Phase.generate, Phase.shrink))
+    @settings(
+        max_examples=prop.draws[0] if quick else prop.draws[1],
+        database=None,
+        deadline=None,
+        print_blob=False,
+        suppress_health_check=list(HealthCheck),
+        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+    )
     @given(prop.strategy())
     def holds(case):
         try:
@@ -92,7 +100,7 @@ def run(exercise_id: str, prop: Property, fn: Callable, quick: bool = True) -> N
         except Exception as err:
             problem = f"your function raised {type(err).__name__}: {err}"
         if problem:
-            raise _Failed(problem, case)   # the case travels with its failure: hypothesis may run others after it
+            raise _Failed(problem, case)  # the case travels with its failure: hypothesis may run others after it
 
     for case in prop.examples:
         holds = example(case)(holds)
@@ -100,10 +108,15 @@ def run(exercise_id: str, prop: Property, fn: Callable, quick: bool = True) -> N
         holds()
     except _Failed as err:
         problem, case = err.args
-        how = ("one of the edge cases always tried" if any(case == edge for edge in prop.examples) else
-               "drawn by hypothesis, then shrunk to the smallest that still fails")
-        raise AssertionError(f"{exercise_id}: the fixed cases pass, but an input they do not cover fails ({how}): "
-                             f"{prop.describe(case)}. {problem}") from None
+        how = (
+            "one of the edge cases always tried"
+            if any(case == edge for edge in prop.examples)
+            else "drawn by hypothesis, then shrunk to the smallest that still fails"
+        )
+        raise AssertionError(
+            f"{exercise_id}: the fixed cases pass, but an input they do not cover fails ({how}): "
+            f"{prop.describe(case)}. {problem}"
+        ) from None
 
 
 class _Failed(Exception):

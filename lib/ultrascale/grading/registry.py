@@ -152,7 +152,9 @@ def declared_points() -> dict[str, float]:
             for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"), str(source))):
                 if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "exercise" and node.args):
                     continue
-                points = next((k.value for k in node.keywords if k.arg == "points"),
-                              node.args[1] if len(node.args) > 1 else ast.Constant(1))
+                points = next(
+                    (k.value for k in node.keywords if k.arg == "points"),
+                    node.args[1] if len(node.args) > 1 else ast.Constant(1),
+                )
                 declared[ast.literal_eval(node.args[0])] = ast.literal_eval(points)
     return declared

@@ -43,32 +43,43 @@ GiB = 1 << 30
 # Read-only system folders a Python kernel needs. All of /etc is not bound: it may hold
 # secrets that root (the usual CI user) can read, such as /etc/shadow.
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/sys")
-ETC_FILES = ("/etc/hosts", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group", "/etc/localtime",
-             "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/fonts",
-             "/etc/ssl", "/etc/mime.types")
+ETC_FILES = (
+    "/etc/hosts",
+    "/etc/nsswitch.conf",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/localtime",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+    "/etc/fonts",
+    "/etc/ssl",
+    "/etc/mime.types",
+)
 
 
 @dataclass(frozen=True)
 class Limits:
-    seconds: float = 1200          # wall clock for one notebook
-    memory_bytes: int = 8 * GiB    # private writable memory, per process
-    processes: int = 1024          # tasks (threads count too) of the whole submission
-    file_bytes: int = 2 * GiB      # largest file it may write; also the size of its /tmp
+    seconds: float = 1200  # wall clock for one notebook
+    memory_bytes: int = 8 * GiB  # private writable memory, per process
+    processes: int = 1024  # tasks (threads count too) of the whole submission
+    file_bytes: int = 2 * GiB  # largest file it may write; also the size of its /tmp
 
 
 @dataclass
 class Outcome:
     returncode: int | None = None  # None: killed at the time limit
     timed_out: bool = False
-    survivors: int = 0             # processes still there after the kill (should be 0)
+    survivors: int = 0  # processes still there after the kill (should be 0)
     stderr: str = ""
 
 
 @dataclass
 class Sandbox:
     limits: Limits = field(default_factory=Limits)
-    bwrap: str | None = None       # the bwrap to use; None: run without namespaces
-    why_not: str = ""              # why bwrap is not used
+    bwrap: str | None = None  # the bwrap to use; None: run without namespaces
+    why_not: str = ""  # why bwrap is not used
 
     @classmethod
     def probe(cls, limits: Limits = Limits()) -> "Sandbox":
@@ -76,20 +87,24 @@ class Sandbox:
         found = shutil.which("bwrap")
         if found is None:
             return cls(limits, None, "bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
-        probe = subprocess.run([found, *bwrap_args(Path("/")), "--", "true"], capture_output=True, text=True,
-                               timeout=30)
+        probe = subprocess.run(
+            [found, *bwrap_args(Path("/")), "--", "true"], capture_output=True, text=True, timeout=30
+        )
         if probe.returncode != 0:
             return cls(limits, None, f"bwrap cannot make its namespaces here ({probe.stderr.strip()[-200:]})")
         return cls(limits, found)
 
     def describe(self) -> str:
         """One line for the grader's output: what protects the teacher here, and what does not."""
-        limits = (f"{self.limits.seconds:g} s, {self.limits.memory_bytes / GiB:g} GiB per process, "
-                  f"{self._process_bound()}")
+        limits = (
+            f"{self.limits.seconds:g} s, {self.limits.memory_bytes / GiB:g} GiB per process, {self._process_bound()}"
+        )
         if self.bwrap:
             return f"sandbox: bubblewrap (no network but loopback, writes only in a throwaway copy), {limits}"
-        return (f"sandbox: WITHOUT bubblewrap ({self.why_not}): submissions run in a throwaway copy with "
-                f"limits ({limits}) and are killed at the end, but CAN write wherever you can and use the network")
+        return (
+            f"sandbox: WITHOUT bubblewrap ({self.why_not}): submissions run in a throwaway copy with "
+            f"limits ({limits}) and are killed at the end, but CAN write wherever you can and use the network"
+        )
 
     def _process_bound(self) -> str:
         if os.geteuid() != 0:
@@ -103,13 +118,22 @@ class Sandbox:
 
     def run(self, argv: list, workdir: Path, env: dict, seconds: float) -> Outcome:
         """``argv`` in ``workdir``, sandboxed; everything it started is gone when this returns."""
-        env = {**env, "HOME": str(workdir), "TMPDIR": "/tmp", "GLOO_SOCKET_IFNAME": "lo"} if self.bwrap else \
-            {**env, "HOME": str(workdir)}
+        env = (
+            {**env, "HOME": str(workdir), "TMPDIR": "/tmp", "GLOO_SOCKET_IFNAME": "lo"}
+            if self.bwrap
+            else {**env, "HOME": str(workdir)}
+        )
         command = [self.bwrap, *bwrap_args(workdir, self.limits.file_bytes), "--", *argv] if self.bwrap else list(argv)
         spec = {"argv": command, "cwd": str(workdir), "env": env, "seconds": seconds, "limits": asdict(self.limits)}
         # The supervisor gets a margin of its own to kill and reap; past that we kill it too.
-        done = subprocess.run([sys.executable, __file__], input=json.dumps(spec), capture_output=True, text=True,
-                              start_new_session=True, timeout=seconds + 120)
+        done = subprocess.run(
+            [sys.executable, __file__],
+            input=json.dumps(spec),
+            capture_output=True,
+            text=True,
+            start_new_session=True,
+            timeout=seconds + 120,
+        )
         try:
             return Outcome(**json.loads(done.stdout))
         except (ValueError, TypeError):
@@ -118,12 +142,26 @@ class Sandbox:
 
 def bwrap_args(workdir: Path, tmp_bytes: int = Limits.file_bytes) -> list:
     """bubblewrap's options: namespaces, then the folders the command may read and write."""
-    args = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--hostname", "localhost",
-            "--cap-drop", "ALL", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm"]
-    for device in sorted(Path("/dev").glob("nvidia*")):   # a GPU node's GPUs
+    args = [
+        "--unshare-all",
+        "--unshare-user",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "localhost",
+        "--cap-drop",
+        "ALL",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/dev/shm",
+    ]
+    for device in sorted(Path("/dev").glob("nvidia*")):  # a GPU node's GPUs
         args += ["--dev-bind", str(device), str(device)]
     for path in SYSTEM_DIRS:
-        if os.path.islink(path):           # /bin -> usr/bin on merged-/usr systems
+        if os.path.islink(path):  # /bin -> usr/bin on merged-/usr systems
             args += ["--symlink", os.readlink(path), path]
         else:
             args += ["--ro-bind-try", path, path]
@@ -142,8 +180,14 @@ def _python_paths() -> list:
     among them), without the ones already inside another or inside a system folder."""
     import sysconfig
 
-    candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-                  *sysconfig.get_paths().values(), *(p for p in sys.path if p)}
+    candidates = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        *sysconfig.get_paths().values(),
+        *(p for p in sys.path if p),
+    }
     here = Path(__file__).resolve().parents[2]  # lib/, where the course library lives (editable install)
     candidates.add(str(here))
     paths = sorted({os.path.realpath(p) for p in candidates if os.path.isdir(p)})
@@ -155,6 +199,7 @@ def _python_paths() -> list:
 
 
 # ---- cgroups: the only process bound root has ------------------------------------------
+
 
 def _pids_hierarchy() -> Path | None:
     """The folder of this process's cgroup in a writable ``pids`` hierarchy (v1 or v2), if any."""
@@ -201,12 +246,16 @@ def _read(path: Path) -> str:
 
 # ---- the supervisor --------------------------------------------------------------------
 
+
 def _limit_child(limits: dict, cgroup: Path | None, nproc: int | None) -> None:
     """In the child, before exec: limits that its descendants inherit and cannot raise."""
     if cgroup is not None:
         (cgroup / "cgroup.procs").write_text("0")  # "0": this process
-    rlimits = [(resource.RLIMIT_DATA, limits["memory_bytes"]), (resource.RLIMIT_FSIZE, limits["file_bytes"]),
-               (resource.RLIMIT_CORE, 0)]
+    rlimits = [
+        (resource.RLIMIT_DATA, limits["memory_bytes"]),
+        (resource.RLIMIT_FSIZE, limits["file_bytes"]),
+        (resource.RLIMIT_CORE, 0),
+    ]
     if nproc is not None:
         rlimits.append((resource.RLIMIT_NPROC, nproc))
     for name, value in rlimits:
@@ -309,9 +358,16 @@ def supervise(spec: dict) -> Outcome:
 def _run_child(spec: dict, limits: dict, cgroup: Path | None, nproc: int | None) -> Outcome:
     outcome = Outcome()
     with open(os.devnull, "rb") as stdin, open(Path(spec["cwd"]) / ".sandbox-stderr", "w+b") as err:
-        child = subprocess.Popen(spec["argv"], cwd=spec["cwd"], env=spec["env"], stdin=stdin,
-                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                                 preexec_fn=lambda: _limit_child(limits, cgroup, nproc))
+        child = subprocess.Popen(
+            spec["argv"],
+            cwd=spec["cwd"],
+            env=spec["env"],
+            stdin=stdin,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+            preexec_fn=lambda: _limit_child(limits, cgroup, nproc),
+        )
         try:
             outcome.returncode = child.wait(timeout=spec["seconds"])
         except subprocess.TimeoutExpired:

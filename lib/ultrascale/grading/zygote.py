@@ -41,8 +41,10 @@ from pathlib import Path
 # imported (torch._dynamo imports it), and ultrascale.kernels asks torch whether there is a GPU,
 # which starts CUDA's driver: a fork of the zygote could then use no GPU. (The grader's function is
 # handed to ``main`` here, so that this module and cli.py, which uses it, do not import each other.)
-_MAIN = ("import ultrascale.runtime; from ultrascale.grading.cli import regrade_main; "
-         "from ultrascale.grading.zygote import main; main(regrade_main)")
+_MAIN = (
+    "import ultrascale.runtime; from ultrascale.grading.cli import regrade_main; "
+    "from ultrascale.grading.zygote import main; main(regrade_main)"
+)
 
 
 def available() -> bool:
@@ -58,8 +60,15 @@ class Zygote:
     @classmethod
     def start(cls, env: dict) -> "Zygote":
         """A zygote with the environment ``env`` (its imports may read it, as a new interpreter's would)."""
-        proc = subprocess.Popen([sys.executable, "-c", _MAIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MAIN],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         return cls(proc, dict(env))
 
     def alive(self) -> bool:
@@ -69,18 +78,19 @@ class Zygote:
         """Run ``regrade_main(spec)`` in a fork, in ``cwd`` with ``env``: (exit code or None if it was
         killed at ``limit`` seconds, its standard error)."""
         stderr = spec.with_name("stderr.txt")
-        self.proc.stdin.write(json.dumps({"spec": str(spec), "cwd": str(cwd), "env": env,
-                                          "stderr": str(stderr)}) + "\n")
+        self.proc.stdin.write(
+            json.dumps({"spec": str(spec), "cwd": str(cwd), "env": env, "stderr": str(stderr)}) + "\n"
+        )
         self.proc.stdin.flush()
-        pid = self._read(60.0)["pid"]   # the zygote answers at once; 60 s: it may still be importing
+        pid = self._read(60.0)["pid"]  # the zygote answers at once; 60 s: it may still be importing
         answer = self._read(limit)
         timed_out = answer is None
-        if timed_out:   # the run, its fork server and ranks are one process group: all of them go
+        if timed_out:  # the run, its fork server and ranks are one process group: all of them go
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self._read(30.0)   # the zygote's line for the killed run, so that the next run reads its own
+            self._read(30.0)  # the zygote's line for the killed run, so that the next run reads its own
         text = stderr.read_text(errors="replace") if stderr.is_file() else ""
         return (None if timed_out else answer["code"]), text
 
@@ -125,7 +135,7 @@ def _child(request: dict, run) -> None:
     """In the fork: become the run the request asks for, run it, leave without the zygote's exit."""
     code = 1
     try:
-        os.setpgid(0, 0)   # a group of its own, which its fork server and ranks join: killed together
+        os.setpgid(0, 0)  # a group of its own, which its fork server and ranks join: killed together
         null = os.open(os.devnull, os.O_RDWR)
         err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         for fd, target in ((0, null), (1, null), (2, err)):
@@ -135,7 +145,7 @@ def _child(request: dict, run) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         code = run(request["spec"])
-    except BaseException:   # noqa: BLE001 - said on its stderr, as a new interpreter would
+    except BaseException:  # noqa: BLE001 - said on its stderr, as a new interpreter would
         import traceback
 
         traceback.print_exc()

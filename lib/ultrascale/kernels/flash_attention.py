@@ -78,8 +78,19 @@ def _key_end(start_m, seq_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def flash_attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_q, seq_k, head_dim, sm_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    seq_q,
+    seq_k,
+    head_dim,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M  # which query rows
     bh = tl.program_id(1)  # which (batch, head)
@@ -112,8 +123,19 @@ def flash_attention_forward_kernel(
 
 
 @triton.jit
-def _probabilities(q, k, lse, start_m, start_n, seq_q, seq_k, sm_scale,
-                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _probabilities(
+    q,
+    k,
+    lse,
+    start_m,
+    start_n,
+    seq_q,
+    seq_k,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Rebuild one tile of P = exp(S - lse) from Q, K and the saved logsumexp; hidden pairs get 0."""
     s = tl.dot(q, tl.trans(k)) * sm_scale
     p = tl.exp(s - lse[:, None])
@@ -122,8 +144,22 @@ def _probabilities(q, k, lse, start_m, start_n, seq_q, seq_k, sm_scale,
 
 @triton.jit
 def flash_attention_backward_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seq_q, seq_k, head_dim, sm_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    seq_q,
+    seq_k,
+    head_dim,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N  # this instance owns BLOCK_N keys
     bh = tl.program_id(1)
@@ -154,8 +190,21 @@ def flash_attention_backward_dkdv_kernel(
 
 @triton.jit
 def flash_attention_backward_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seq_q, seq_k, head_dim, sm_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    seq_q,
+    seq_k,
+    head_dim,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M  # this instance owns BLOCK_M queries
     bh = tl.program_id(1)
@@ -180,6 +229,7 @@ def flash_attention_backward_dq_kernel(
 
 # ---- Python wrappers ---------------------------------------------------------------------------
 
+
 def _check_shapes(q, k, v):
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(
@@ -192,8 +242,9 @@ def _check_shapes(q, k, v):
     check_dot_dtype(q, k, v)
 
 
-def launch_config(head_dim: int, backward: bool, block_m=None, block_n=None, gpu: bool | None = None,
-                  dtype_bytes: int = 2) -> dict:
+def launch_config(
+    head_dim: int, backward: bool, block_m=None, block_n=None, gpu: bool | None = None, dtype_bytes: int = 2
+) -> dict:
     """Tile sizes and launch options for the forward or the backward kernels."""
     gpu = on_gpu() if gpu is None else gpu
     # tl.dot needs tile sides >= 16; head_dim is padded up to a power of two and masked.
@@ -228,13 +279,13 @@ def flash_attention_forward(q, k, v, causal: bool = False, sm_scale=None, block_
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     cfg = launch_config(head_dim, backward=False, block_m=block_m, block_n=block_n, dtype_bytes=q.element_size())
     grid = (triton.cdiv(seq_q, cfg["BLOCK_M"]), batch * heads)
-    flash_attention_forward_kernel[grid](q, k, v, out, lse, seq_q, seq_k, head_dim, _scale(head_dim, sm_scale),
-                                         CAUSAL=causal, **cfg)
+    flash_attention_forward_kernel[grid](
+        q, k, v, out, lse, seq_q, seq_k, head_dim, _scale(head_dim, sm_scale), CAUSAL=causal, **cfg
+    )
     return out, lse
 
 
-def flash_attention_backward(do, q, k, v, out, lse, causal: bool = False, sm_scale=None, block_m=None,
-                             block_n=None):
+def flash_attention_backward(do, q, k, v, out, lse, causal: bool = False, sm_scale=None, block_m=None, block_n=None):
     """Returns ``(dq, dk, dv)`` from the output gradient and what the forward saved (out, lse)."""
     _check_shapes(q, k, v)
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
@@ -246,9 +297,11 @@ def flash_attention_backward(do, q, k, v, out, lse, causal: bool = False, sm_sca
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cfg = launch_config(head_dim, backward=True, block_m=block_m, block_n=block_n, dtype_bytes=q.element_size())
     flash_attention_backward_dkdv_kernel[(triton.cdiv(seq_k, cfg["BLOCK_N"]), batch * heads)](
-        q, k, v, do, lse, delta, dk, dv, seq_q, seq_k, head_dim, scale, CAUSAL=causal, **cfg)
+        q, k, v, do, lse, delta, dk, dv, seq_q, seq_k, head_dim, scale, CAUSAL=causal, **cfg
+    )
     flash_attention_backward_dq_kernel[(triton.cdiv(seq_q, cfg["BLOCK_M"]), batch * heads)](
-        q, k, v, do, lse, delta, dq, seq_q, seq_k, head_dim, scale, CAUSAL=causal, **cfg)
+        q, k, v, do, lse, delta, dq, seq_q, seq_k, head_dim, scale, CAUSAL=causal, **cfg
+    )
     return dq, dk, dv
 
 

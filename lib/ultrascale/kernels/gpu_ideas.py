@@ -23,6 +23,7 @@ WARP_SIZE = 32
 
 # ---- Memory coalescing -----------------------------------------------------------------------
 
+
 def count_segments(byte_addresses, segment_bytes: int = 32) -> int:
     """Memory transactions for one warp-wide load: the number of distinct aligned segments touched.
 
@@ -35,8 +36,9 @@ def count_segments(byte_addresses, segment_bytes: int = 32) -> int:
     return len({int(a) // segment_bytes for a in byte_addresses})
 
 
-def naive_matmul_warp_addresses(warp: int, step: int, n: int, k: int, block_size: int = 32,
-                                block=(0, 0), elem_bytes: int = 4) -> dict:
+def naive_matmul_warp_addresses(
+    warp: int, step: int, n: int, k: int, block_size: int = 32, block=(0, 0), elem_bytes: int = 4
+) -> dict:
     """Byte addresses that one warp of the *naive* matmul kernel reads at inner-loop step ``step``.
 
     Naive kernel: a 2-D block of block_size x block_size threads, with
@@ -53,8 +55,9 @@ def naive_matmul_warp_addresses(warp: int, step: int, n: int, k: int, block_size
     return dict(A=(x * k + step) * elem_bytes, B=(step * n + y) * elem_bytes)
 
 
-def coalesced_matmul_warp_addresses(warp: int, step: int, n: int, k: int, block_size: int = 32,
-                                    block=(0, 0), elem_bytes: int = 4) -> dict:
+def coalesced_matmul_warp_addresses(
+    warp: int, step: int, n: int, k: int, block_size: int = 32, block=(0, 0), elem_bytes: int = 4
+) -> dict:
     """The same for the *coalesced* kernel: a 1-D block of block_size^2 threads, remapped as
 
         x = blockIdx.x * BLOCKSIZE + threadIdx.x / BLOCKSIZE    (row of C)
@@ -69,8 +72,9 @@ def coalesced_matmul_warp_addresses(warp: int, step: int, n: int, k: int, block_
     return dict(A=(x * k + step) * elem_bytes, B=(step * n + y) * elem_bytes)
 
 
-def matmul_load_transactions(mapping: str, m: int, n: int, k: int, block_size: int = 32,
-                             segment_bytes: int = 32, elem_bytes: int = 4) -> int:
+def matmul_load_transactions(
+    mapping: str, m: int, n: int, k: int, block_size: int = 32, segment_bytes: int = 32, elem_bytes: int = 4
+) -> int:
     """Total segments read from A and B by every warp of a (m x k) @ (k x n) matmul, over all k steps.
 
     ``mapping`` is "naive" or "coalesced". m and n must be multiples of
@@ -91,6 +95,7 @@ def matmul_load_transactions(mapping: str, m: int, n: int, k: int, block_size: i
 
 
 # ---- Shared-memory tiling --------------------------------------------------------------------
+
 
 def naive_matmul_loads(m: int, n: int, k: int) -> int:
     """Global-memory element loads when each output reads its whole row of A and column of B: 2*m*n*k."""
@@ -121,15 +126,16 @@ def tiled_matmul_counting(a: np.ndarray, b: np.ndarray, block_m: int, block_n: i
         for j in range(0, n, block_n):
             acc = np.zeros((min(block_m, m - i), min(block_n, n - j)), dtype=c.dtype)  # stays "in registers"
             for p in range(0, k, block_k):
-                shared_a = a[i:i + block_m, p:p + block_k].copy()  # global -> shared
-                shared_b = b[p:p + block_k, j:j + block_n].copy()
+                shared_a = a[i : i + block_m, p : p + block_k].copy()  # global -> shared
+                shared_b = b[p : p + block_k, j : j + block_n].copy()
                 loads += shared_a.size + shared_b.size
                 acc += shared_a @ shared_b  # every element of the tiles is reused from shared memory
-            c[i:i + block_m, j:j + block_n] = acc
+            c[i : i + block_m, j : j + block_n] = acc
     return c, loads
 
 
 # ---- Warp divergence -------------------------------------------------------------------------
+
 
 def run_divergent(values, condition, then_fn, else_fn):
     """Execute ``then_fn(v) if condition(v) else else_fn(v)`` the way one warp runs a branch.
@@ -177,6 +183,7 @@ def divergent_passes(branch_taken) -> int:
 
 # ---- Thread coarsening -----------------------------------------------------------------------
 
+
 def coarsened_matmul_loads(m: int, n: int, k: int, per_thread_m: int = 1, per_thread_n: int = 1) -> int:
     """Loads into registers when each thread computes a per_thread_m x per_thread_n patch of C.
 
@@ -204,9 +211,9 @@ def coarsened_matmul_counting(a: np.ndarray, b: np.ndarray, per_thread_m: int, p
             threads += 1
             acc = np.zeros((min(per_thread_m, m - i), min(per_thread_n, n - j)), dtype=c.dtype)
             for p in range(k):
-                a_regs = a[i:i + per_thread_m, p]  # per_thread_m loads
-                b_regs = b[p, j:j + per_thread_n]  # per_thread_n loads
+                a_regs = a[i : i + per_thread_m, p]  # per_thread_m loads
+                b_regs = b[p, j : j + per_thread_n]  # per_thread_n loads
                 loads += a_regs.size + b_regs.size
                 acc += np.outer(a_regs, b_regs)  # reused pm*pn times
-            c[i:i + per_thread_m, j:j + per_thread_n] = acc
+            c[i : i + per_thread_m, j : j + per_thread_n] = acc
     return c, loads, threads

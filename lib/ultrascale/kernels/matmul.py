@@ -39,9 +39,22 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,8 +87,16 @@ def default_tiles(dtype: torch.dtype, gpu: bool | None = None) -> dict:
     return dict(block_m=128, block_n=128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, block_m=None, block_n=None, block_k=None, group_m=None,
-           num_warps=None, num_stages=None) -> torch.Tensor:
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    block_m=None,
+    block_n=None,
+    block_k=None,
+    group_m=None,
+    num_warps=None,
+    num_stages=None,
+) -> torch.Tensor:
     """``a @ b`` for 2-D tensors with the tiled Triton kernel; tile sizes are parameters.
 
     On a GPU, ``tl.dot`` needs each tile side to be at least 16.
@@ -87,18 +108,33 @@ def matmul(a: torch.Tensor, b: torch.Tensor, block_m=None, block_n=None, block_k
     check_tensors(a, b)
     check_dot_dtype(a, b)
     cfg = default_tiles(a.dtype)
-    given = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
-                 num_warps=num_warps, num_stages=num_stages)
+    given = dict(
+        block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages
+    )
     cfg.update({k: v for k, v in given.items() if v is not None})
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     grid = (triton.cdiv(M, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"]),)  # one instance per C tile
     matmul_kernel[grid](
-        a, b, c, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        a,
+        b,
+        c,
+        M,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        GROUP_M=cfg["group_m"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return c
 
@@ -108,6 +144,7 @@ def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # ---- Program order, on paper and as the kernel computes it -----------------------------------
+
 
 def grouped_tile_order(num_pid_m: int, num_pid_n: int, group_m: int) -> list[tuple[int, int]]:
     """The (row-tile, column-tile) of C that instance 0, 1, 2, ... computes (Python mirror of the kernel)."""

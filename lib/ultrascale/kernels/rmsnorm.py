@@ -38,8 +38,16 @@ def rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, row_stride, n_cols, e
 
 @triton.jit
 def rms_norm_backward_kernel(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
-    n_rows, row_stride, n_cols, BLOCK_SIZE: tl.constexpr,
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    n_rows,
+    row_stride,
+    n_cols,
+    BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -95,8 +103,16 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     n_programs = _backward_programs(n_rows)
     dw_partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
     rms_norm_backward_kernel[(n_programs,)](
-        dy2d, x2d, weight, rstd, dx, dw_partial,
-        n_rows, x2d.stride(0), n_cols, BLOCK_SIZE=triton.next_power_of_2(n_cols),
+        dy2d,
+        x2d,
+        weight,
+        rstd,
+        dx,
+        dw_partial,
+        n_rows,
+        x2d.stride(0),
+        n_cols,
+        BLOCK_SIZE=triton.next_power_of_2(n_cols),
     )
     return dx.reshape(x.shape), dw_partial.sum(dim=0).to(weight.dtype)
 

@@ -48,8 +48,13 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x2d)
     block_size = triton.next_power_of_2(n_cols)
     softmax_kernel[(x2d.shape[0],)](
-        out, x2d, x2d.stride(0), out.stride(0), n_cols,
-        BLOCK_SIZE=block_size, num_warps=_num_warps(block_size),
+        out,
+        x2d,
+        x2d.stride(0),
+        out.stride(0),
+        n_cols,
+        BLOCK_SIZE=block_size,
+        num_warps=_num_warps(block_size),
     )
     return out.reshape(x.shape)
 

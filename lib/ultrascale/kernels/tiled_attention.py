@@ -81,8 +81,9 @@ def tiled_attention_reference(q, k, v, causal: bool = False, sm_scale=None, bloc
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for start_m in range(0, seq_q, block_m):
         rows = slice(start_m, min(start_m + block_m, seq_q))
-        out[..., rows, :], lse[..., rows] = _attend_one_query_block(q[..., rows, :].float(), k, v, start_m,
-                                                                  causal, scale, block_n)
+        out[..., rows, :], lse[..., rows] = _attend_one_query_block(
+            q[..., rows, :].float(), k, v, start_m, causal, scale, block_n
+        )
     return out, lse
 
 
@@ -113,6 +114,7 @@ def _attend_one_query_block(q_blk, k, v, start_m, causal, scale, block_n):
 
 # ---- Measuring the memory of intermediates --------------------------------------------------
 
+
 class _LiveTensorBytes(TorchDispatchMode):
     """Tracks the bytes of every new tensor storage created by an op, until it is freed."""
 
@@ -126,8 +128,9 @@ class _LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        input_storages = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                          if isinstance(t, torch.Tensor)}
+        input_storages = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         for t in tree_leaves(out):
             # Views and in-place results share an input's storage: no new memory.
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in input_storages:
@@ -152,8 +155,14 @@ def peak_intermediate_bytes(fn, *args, **kwargs):
     return result, tracker.peak
 
 
-def attention_memory_report(seq_lens=(256, 512, 1024, 2048), head_dim: int = 64, block: int = 64,
-                            batch_heads: int = 1, dtype=torch.float32, causal: bool = False):
+def attention_memory_report(
+    seq_lens=(256, 512, 1024, 2048),
+    head_dim: int = 64,
+    block: int = 64,
+    batch_heads: int = 1,
+    dtype=torch.float32,
+    causal: bool = False,
+):
     """Measured peak bytes of intermediates for naive vs tiled attention, one dict per sequence length."""
     rows = []
     for seq in seq_lens:

@@ -38,10 +38,22 @@ Checking them (each against one process, or against PyTorch's own version) is
 
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from ..matching import match_plan
-from .context_parallel import (all_gather_attention, apply_cp, causal_tile_counts, context_parallel_attention,
-                               ring_attention, split_sequence)
-from .data_parallel import (BucketedDataParallel, DataParallel, NaiveDataParallel,
-                            OverlappedDataParallel, apply_data_parallel, build_buckets)
+from .context_parallel import (
+    all_gather_attention,
+    apply_cp,
+    causal_tile_counts,
+    context_parallel_attention,
+    ring_attention,
+    split_sequence,
+)
+from .data_parallel import (
+    BucketedDataParallel,
+    DataParallel,
+    NaiveDataParallel,
+    OverlappedDataParallel,
+    apply_data_parallel,
+    build_buckets,
+)
 from .expert_parallel import apply_ep, expert_parameters
 from .grad_sync import average_gradients, sync_in_backward
 from .mesh import AXES, Mesh, init_mesh
@@ -51,13 +63,45 @@ from .timeline import COMMUNICATION, COMPUTE, Event, Timeline, covered_seconds, 
 from .zero import FlatUnit, ZeRO, apply_zero
 
 __all__ = [
-    "AXES", "BucketedDataParallel", "COMMUNICATION", "COMPUTE", "ColumnParallelLinear", "DataParallel",
-    "Event", "FlatUnit", "RowParallelLinear", "apply_tp", "apply_ep", "expert_parameters",
-    "all_gather_attention", "apply_cp", "causal_tile_counts", "context_parallel_attention", "ring_attention",
+    "AXES",
+    "BucketedDataParallel",
+    "COMMUNICATION",
+    "COMPUTE",
+    "ColumnParallelLinear",
+    "DataParallel",
+    "Event",
+    "FlatUnit",
+    "RowParallelLinear",
+    "apply_tp",
+    "apply_ep",
+    "expert_parameters",
+    "all_gather_attention",
+    "apply_cp",
+    "causal_tile_counts",
+    "context_parallel_attention",
+    "ring_attention",
     "split_sequence",
-    "Mesh", "NaiveDataParallel", "OverlappedDataParallel", "Timeline", "ZeRO", "all_gather_into",
-    "apply_data_parallel", "apply_zero", "average_gradients", "broadcast_parameters", "build_buckets",
-    "match_plan", "sync_in_backward",
-    "covered_seconds", "Pipeline", "apply_pp", "backward_input", "backward_weight", "split_layers",
-    "stage_modules", "init_mesh", "overlap_seconds", "reduce_scatter_into",
+    "Mesh",
+    "NaiveDataParallel",
+    "OverlappedDataParallel",
+    "Timeline",
+    "ZeRO",
+    "all_gather_into",
+    "apply_data_parallel",
+    "apply_zero",
+    "average_gradients",
+    "broadcast_parameters",
+    "build_buckets",
+    "match_plan",
+    "sync_in_backward",
+    "covered_seconds",
+    "Pipeline",
+    "apply_pp",
+    "backward_input",
+    "backward_weight",
+    "split_layers",
+    "stage_modules",
+    "init_mesh",
+    "overlap_seconds",
+    "reduce_scatter_into",
 ]

@@ -34,6 +34,7 @@ puts these layers in place. A TP region (attention, MLP) gathers its input once 
 column-parallel layers (q, k and v read the same tokens): :func:`enter_async_region` runs one
 all-gather + matmul with all their weights and hands each layer its output.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,9 +46,16 @@ from .parallel_linear import ColumnParallelLinear
 from .sequence_parallel import SequenceParallelRowLinear
 from .timeline import or_disabled
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "AllGatherMatmul", "MatmulReduceScatter",
-           "AsyncColumnParallelLinear", "AsyncRowParallelLinear", "enter_async_region",
-           "enter_region_overlapped"]
+__all__ = [
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "AllGatherMatmul",
+    "MatmulReduceScatter",
+    "AsyncColumnParallelLinear",
+    "AsyncRowParallelLinear",
+    "enter_async_region",
+    "enter_region_overlapped",
+]
 
 
 # --------------------------------------------------------------------------- the ring
@@ -59,9 +67,10 @@ def overlapped_all_gather(shard, group, use_piece, timeline, name="all_gather", 
     shard_c)`` runs on each of the ``tp`` shards in turn, on the one in hand while the next
     one travels."""
     shard = shard.contiguous()
-    blocks = ring_blocks(shard, group, lambda step, owner: torch.empty_like(shard),
-                         timeline=timeline, name=f"{name} step {{step}}")
-    for c, current in blocks:   # own shard first; each step brings the previous rank's shard
+    blocks = ring_blocks(
+        shard, group, lambda step, owner: torch.empty_like(shard), timeline=timeline, name=f"{name} step {{step}}"
+    )
+    for c, current in blocks:  # own shard first; each step brings the previous rank's shard
         with timeline.span(f"{phase} matmul piece {c}"):
             use_piece(c, current)
 
@@ -70,9 +79,10 @@ def overlapped_reduce_scatter(partial, group, timeline, name="reduce_scatter", p
     """``partial(c)``: this rank's contribution to shard ``c`` of a sum over ranks. Returns
     shard ``rank`` of the sum. Each rank adds its piece to the running sum it received and
     passes it on; the next piece is computed while the sum travels."""
-    def term(c):   # computed while the previous running sum travels
+
+    def term(c):  # computed while the previous running sum travels
         with timeline.span(f"{phase} matmul piece {c}"):
-            return partial(c)   # a new tensor each time: the one sent last step stays unchanged
+            return partial(c)  # a new tensor each time: the one sent last step stays unchanged
 
     return reduce_round_ring(term, group, torch.Tensor.add_, timeline=timeline, name=f"{name} step {{step}}")
 
@@ -101,7 +111,7 @@ class AllGatherMatmul(torch.autograd.Function):
         overlapped_all_gather(x, group, multiply, timeline, "all_gather", "forward")
         ctx.save_for_backward(gathered, *weights)
         ctx.group, ctx.timeline, ctx.piece = group, timeline, piece
-        ctx.set_materialize_grads(False)   # an unused output (often the gathered input) has no gradient
+        ctx.set_materialize_grads(False)  # an unused output (often the gathered input) has no gradient
         return (gathered, *outs)
 
     @staticmethod
@@ -109,7 +119,7 @@ class AllGatherMatmul(torch.autograd.Function):
         gathered, *weights = ctx.saved_tensors
         piece = ctx.piece
 
-        def partial(c):   # this rank's share of dL/dx for shard c: a sum over ranks, reduce-scattered
+        def partial(c):  # this rank's share of dL/dx for shard c: a sum over ranks, reduce-scattered
             rows = _rows(c, piece)
             total = gathered.new_zeros(gathered.shape[0], piece, *gathered.shape[2:])
             if grad_gathered is not None:
@@ -121,8 +131,10 @@ class AllGatherMatmul(torch.autograd.Function):
 
         grad_x = overlapped_reduce_scatter(partial, ctx.group, ctx.timeline, "reduce_scatter", "backward")
         flat = gathered.flatten(0, -2)
-        grad_weights = [None if grad is None or not need else grad.flatten(0, -2).T @ flat
-                        for grad, need in zip(grad_outs, ctx.needs_input_grad[3:])]
+        grad_weights = [
+            None if grad is None or not need else grad.flatten(0, -2).T @ flat
+            for grad, need in zip(grad_outs, ctx.needs_input_grad[3:])
+        ]
         return (grad_x, None, None, *grad_weights)
 
 
@@ -133,8 +145,9 @@ class MatmulReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, group, timeline):
         _, n = rank_and_size(group, "asynchronous tensor parallelism")
         piece = piece_size(x.shape[1], n, 1, "matmul_reduce_scatter (async TP's g*)")
-        y = overlapped_reduce_scatter(lambda c: F.linear(x[:, _rows(c, piece)], weight), group, timeline,
-                                "reduce_scatter", "forward")
+        y = overlapped_reduce_scatter(
+            lambda c: F.linear(x[:, _rows(c, piece)], weight), group, timeline, "reduce_scatter", "forward"
+        )
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.timeline, ctx.piece = group, timeline, piece
         return y
@@ -144,7 +157,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x, grad_w = torch.empty_like(x), torch.zeros_like(weight)
 
-        def multiply(c, grad):   # the gradient of output shard c reached this rank: use it
+        def multiply(c, grad):  # the gradient of output shard c reached this rank: use it
             rows = _rows(c, ctx.piece)
             grad_x[:, rows] = grad @ weight
             grad_w.add_(grad.flatten(0, -2).T @ x[:, rows].flatten(0, -2))
@@ -178,11 +191,11 @@ class AsyncColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, x):
         ready = self.__dict__.pop("_ready", None)
-        if ready is not None and ready[0] is x:   # the gathered input the region handed on
+        if ready is not None and ready[0] is x:  # the gathered input the region handed on
             out = ready[1]
         elif self.enter_region:
             _, (out,) = all_gather_matmul(x, [self.weight], self.group, self.timeline)
-        else:                                     # called with another, already whole, input
+        else:  # called with another, already whole, input
             out = F.linear(x, self.weight)
         return out if self.bias is None else out + self.bias
 
@@ -211,5 +224,4 @@ def enter_async_region(module, x, group, timeline=None):
 
 def enter_region_overlapped(module, group=None, timeline=None):
     """Make ``module`` a TP region under async TP: :func:`enter_async_region` at its entrance."""
-    module.register_forward_pre_hook(lambda mod, args: (
-        enter_async_region(mod, args[0], group, timeline), *args[1:]))
+    module.register_forward_pre_hook(lambda mod, args: (enter_async_region(mod, args[0], group, timeline), *args[1:]))

@@ -43,6 +43,7 @@ biases, the same gradient already), so nothing is reduced over them.
 Checking a composition against one process (``train_composed``, ``train_one_process``,
 ``assert_composition_matches``) is ``parity.composition``'s.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,13 +65,23 @@ from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import apply_pp
 from .tensor_parallel import apply_tp
 
-__all__ = ["ParallelConfig", "Parallelized", "apply_parallelisms", "build_mesh", "data_index", "mean_loss",
-           "DENSE_AXES", "EXPERT_AXES", "JOINT_GROUPS", "rank_parameters"]
+__all__ = [
+    "ParallelConfig",
+    "Parallelized",
+    "apply_parallelisms",
+    "build_mesh",
+    "data_index",
+    "mean_loss",
+    "DENSE_AXES",
+    "EXPERT_AXES",
+    "JOINT_GROUPS",
+    "rank_parameters",
+]
 
-DENSE_AXES = DATA_AXES["dense"]    # the ranks whose data differ, for a parameter every one of them holds
+DENSE_AXES = DATA_AXES["dense"]  # the ranks whose data differ, for a parameter every one of them holds
 EXPERT_AXES = DATA_AXES["expert"]  # an expert lives on one ep rank: its replicas differ along dp and cp only
 JOINT_GROUPS = [DENSE_AXES, EXPERT_AXES, ("dp", "ep")]
-SPLIT_SCHEDULES = ("zb-h1", "dualpipe-v")   # their W fills .grad itself, past ZeRO's hooks
+SPLIT_SCHEDULES = ("zb-h1", "dualpipe-v")  # their W fills .grad itself, past ZeRO's hooks
 
 
 @dataclass(frozen=True)
@@ -111,29 +122,39 @@ class ParallelConfig:
         if self.dp_shard:
             self._check_dp_shard()
         if self.sp and self.pp > 1 and self.cp > 1:
-            raise ValueError("this course's library does not compose sequence parallelism inside pipeline stages "
-                             "with context parallelism yet: a later stage, given SP's slice of hidden states, "
-                             "does not get the global positions of CP's layout (use sp=False with pp and cp, or "
-                             "no pp)")
+            raise ValueError(
+                "this course's library does not compose sequence parallelism inside pipeline stages "
+                "with context parallelism yet: a later stage, given SP's slice of hidden states, "
+                "does not get the global positions of CP's layout (use sp=False with pp and cp, or "
+                "no pp)"
+            )
         if self.zero and self.pp > 1 and self.schedule in SPLIT_SCHEDULES:
-            raise ValueError(f"this course's library does not compose ZeRO with the {self.schedule!r} schedule "
-                             "yet: it computes the weights' gradients apart (W) with autograd.grad, which "
-                             "bypasses the hooks that move them into ZeRO's flat buffers; use a schedule "
-                             "without a B/W split (afab, 1f1b, interleaved)")
+            raise ValueError(
+                f"this course's library does not compose ZeRO with the {self.schedule!r} schedule "
+                "yet: it computes the weights' gradients apart (W) with autograd.grad, which "
+                "bypasses the hooks that move them into ZeRO's flat buffers; use a schedule "
+                "without a B/W split (afab, 1f1b, interleaved)"
+            )
 
     def _check_dp_shard(self) -> None:
         shard = self.dp_shard
         if isinstance(shard, bool) or not isinstance(shard, int) or shard < 0 or self.dp % shard:
-            raise ValueError(f"dp_shard={shard!r} must divide dp={self.dp} (the dp ranks are cut into dp / dp_shard "
-                             f"replicas of dp_shard shards): choose one of "
-                             f"{[d for d in range(1, self.dp + 1) if self.dp % d == 0]}, or 0 for no per-parameter "
-                             "sharding")
+            raise ValueError(
+                f"dp_shard={shard!r} must divide dp={self.dp} (the dp ranks are cut into dp / dp_shard "
+                f"replicas of dp_shard shards): choose one of "
+                f"{[d for d in range(1, self.dp + 1) if self.dp % d == 0]}, or 0 for no per-parameter "
+                "sharding"
+            )
         if self.zero:
-            raise ValueError(f"zero={self.zero} and dp_shard={shard} both shard the data axis: choose ZeRO's flat "
-                             "units (zero=) or per-parameter sharding (dp_shard=), not both")
+            raise ValueError(
+                f"zero={self.zero} and dp_shard={shard} both shard the data axis: choose ZeRO's flat "
+                "units (zero=) or per-parameter sharding (dp_shard=), not both"
+            )
         if self.pp > 1 or self.ep > 1:
-            raise ValueError("this course's library does not compose per-parameter sharding (dp_shard) with "
-                             "pipeline or expert parallelism yet: use zero= there")
+            raise ValueError(
+                "this course's library does not compose per-parameter sharding (dp_shard) with "
+                "pipeline or expert parallelism yet: use zero= there"
+            )
 
     @property
     def dp_replicate(self) -> int:
@@ -165,8 +186,10 @@ def build_mesh(ctx, config: ParallelConfig) -> Mesh:
     """This rank's mesh of all five axes, with the joint data groups (call on every rank)."""
     if config.world_size != ctx.world_size:
         product = " x ".join(f"{a}={s}" for a, s in config.sizes.items() if s > 1) or "1"
-        raise ValueError(f"{product} = {config.world_size} ranks, but the cluster has {ctx.world_size}: "
-                         f"choose degrees whose product is {ctx.world_size}")
+        raise ValueError(
+            f"{product} = {config.world_size} ranks, but the cluster has {ctx.world_size}: "
+            f"choose degrees whose product is {ctx.world_size}"
+        )
     return init_mesh(ctx, joint=JOINT_GROUPS, **config.sizes)
 
 
@@ -179,8 +202,11 @@ def data_index(mesh: Mesh, rank: int) -> tuple[int, int]:
 def mean_loss(per_rank_losses: list, mesh: Mesh) -> list:
     """The loss curve of the whole batch from every rank's curve: the mean over the ranks with
     different data (tp coordinate 0, and only the pipeline's last stage, which holds the loss)."""
-    curves = [c for r, c in enumerate(per_rank_losses)
-              if mesh.coordinate(r).get("tp", 0) == 0 and c is not None and None not in c]
+    curves = [
+        c
+        for r, c in enumerate(per_rank_losses)
+        if mesh.coordinate(r).get("tp", 0) == 0 and c is not None and None not in c
+    ]
     return [sum(float(c[t]) for c in curves) / len(curves) for t in range(len(curves[0]))]
 
 
@@ -188,13 +214,13 @@ def mean_loss(per_rank_losses: list, mesh: Mesh) -> list:
 class Parallelized:
     """A model with every axis applied: what ``apply_parallelisms`` returns on each rank."""
 
-    model: nn.Module                   # after TP, CP and EP (the pipeline's stages share its layers)
+    model: nn.Module  # after TP, CP and EP (the pipeline's stages share its layers)
     mesh: Mesh
     config: ParallelConfig
-    pipeline: object = None            # the Pipeline, with pp > 1
-    data_parallel: object = None       # plain DP's wrapper (no zero, dp_shard or ep; data ranks > 1)
-    optimizer: object = None           # a torch optimizer, or compose_zero's ComposedZeRO
-    shard_dims: dict = field(default_factory=dict)   # TP-sharded parameter name -> its split dim
+    pipeline: object = None  # the Pipeline, with pp > 1
+    data_parallel: object = None  # plain DP's wrapper (no zero, dp_shard or ep; data ranks > 1)
+    optimizer: object = None  # a torch optimizer, or compose_zero's ComposedZeRO
+    shard_dims: dict = field(default_factory=dict)  # TP-sharded parameter name -> its split dim
 
     @property
     def module(self) -> nn.Module:
@@ -213,6 +239,7 @@ class Parallelized:
             rows = split(data.global_batch(step, ways, micro), index, ways, "data")
             rows = split(rows, cp_rank, cp, "sequence", self.config.cp_layout) if cp > 1 else rows
             return rows.to(device)
+
         return stream
 
     def train(self, batches, steps: int, first_step: int = 0) -> list:
@@ -223,8 +250,9 @@ class Parallelized:
         if self.pipeline is not None:
             losses = run_pipeline_steps(self.pipeline, batches, steps, optimizer, first_step)
             return [None if loss is None else float(loss) for loss in losses]
-        return run_steps(self.model, batches, steps, optimizer, grad_acc=self.config.microbatches,
-                         first_step=first_step)
+        return run_steps(
+            self.model, batches, steps, optimizer, grad_acc=self.config.microbatches, first_step=first_step
+        )
 
     def sync_gradients(self) -> None:
         """DP's all-reduce of the gradients summed over the step's micro-batches (nothing
@@ -241,7 +269,7 @@ class Parallelized:
     def full_weights(self) -> dict:
         """This rank's parameters at full size (TP shards all-gathered over the tp group), named
         as in the whole model; merge the ranks' with ``parity.merge_ranks``. A collective."""
-        with getattr(self.optimizer, "gathered", contextlib.nullcontext)():   # ZeRO-3's shards, whole
+        with getattr(self.optimizer, "gathered", contextlib.nullcontext)():  # ZeRO-3's shards, whole
             return self._full_weights()
 
     def _full_weights(self) -> dict:
@@ -279,8 +307,10 @@ def _check_experts(model, ep: int) -> None:
     if ep > 1 and not experts:
         raise ValueError(f"ep={ep} needs a mixture-of-experts model (config.experts > 0); this one is dense")
     if ep > 1 and experts % ep:
-        raise ValueError(f"ep={ep} does not divide the {experts} experts: every ep rank must hold the same "
-                         f"number of experts; choose ep in {[d for d in range(1, experts + 1) if experts % d == 0]}")
+        raise ValueError(
+            f"ep={ep} does not divide the {experts} experts: every ep rank must hold the same "
+            f"number of experts; choose ep in {[d for d in range(1, experts + 1) if experts % d == 0]}"
+        )
 
 
 def apply_parallelisms(model, mesh: Mesh, config: ParallelConfig) -> Parallelized:
@@ -292,38 +322,41 @@ def apply_parallelisms(model, mesh: Mesh, config: ParallelConfig) -> Parallelize
     if config.tp > 1:
         apply_tp(model, mesh, sequence_parallel=config.sp)
     shard_dims = {n: p.tp_shard_dim for n, p in model.named_parameters() if hasattr(p, "tp_shard_dim")}
-    if config.cp > 1:   # the data-parallel all-reduce below also averages over cp
+    if config.cp > 1:  # the data-parallel all-reduce below also averages over cp
         apply_cp(model, mesh, layout=config.cp_layout, sync_gradients=False)
-    if config.ep > 1:   # its gradients are averaged below, with cp's and dp's
+    if config.ep > 1:  # its gradients are averaged below, with cp's and dp's
         from .expert_parallel import apply_ep
+
         apply_ep(model, mesh, sync_gradients=False)
     pipeline = None
-    if config.pp > 1:   # under ZeRO the tied weight's two parts are added by ZeRO, in its flat buffers
-        pipeline = apply_pp(model, mesh, schedule=config.schedule, microbatches=config.microbatches,
-                            add_tied_after_step=not config.zero)
+    if config.pp > 1:  # under ZeRO the tied weight's two parts are added by ZeRO, in its flat buffers
+        pipeline = apply_pp(
+            model, mesh, schedule=config.schedule, microbatches=config.microbatches, add_tied_after_step=not config.zero
+        )
     data_parallel, optimizer = _apply_data_parallel(model, mesh, config, pipeline)
-    return Parallelized(model, mesh, config, pipeline=pipeline, data_parallel=data_parallel,
-                        optimizer=optimizer, shard_dims=shard_dims)
+    return Parallelized(
+        model, mesh, config, pipeline=pipeline, data_parallel=data_parallel, optimizer=optimizer, shard_dims=shard_dims
+    )
 
 
 def _apply_data_parallel(model, mesh: Mesh, config: ParallelConfig, pipeline=None) -> tuple:
     """Average the gradients over the ranks with different data: one group for a dense model;
     dense and expert parameters over their own groups for an MoE model. Returns the plain DP
     wrapper (None where ZeRO, FSDP or EP's hooks reduce instead) and the optimizer."""
-    module = pipeline if pipeline is not None else model   # what holds this rank's parameters
-    if config.zero:   # dense and expert parameters over their own groups, the tied weight summed
-        return None, apply_zero_composed(model, mesh, stage=config.zero, optimizer=config.optimizer,
-                                         pipeline=pipeline)
-    if config.dp_shard:   # FSDP or HSDP: shard within a block of the data ranks, replicate across blocks
+    module = pipeline if pipeline is not None else model  # what holds this rank's parameters
+    if config.zero:  # dense and expert parameters over their own groups, the tied weight summed
+        return None, apply_zero_composed(model, mesh, stage=config.zero, optimizer=config.optimizer, pipeline=pipeline)
+    if config.dp_shard:  # FSDP or HSDP: shard within a block of the data ranks, replicate across blocks
         shard_group, replicate_group = mesh.split_groups(DENSE_AXES, config.dp_replicate)
         apply_fsdp(module, (replicate_group if config.dp_replicate > 1 else None, shard_group))
-        return None, make_optimizer(module.parameters(), config.optimizer)   # a plain one, on the shards
+        return None, make_optimizer(module.parameters(), config.optimizer)  # a plain one, on the shards
     optimizer = make_optimizer(module.parameters(), config.optimizer)
     if config.ep > 1:
         # An expert's gradient already sums every ep rank's tokens (the all-to-all brought them):
         # sum it over its replicas (dp x cp) and divide by all the data ranks; dense ones average
         # over (dp, ep, cp). Hooks in backward, as expert parallelism's own sync does.
         from .expert_parallel import average_in_backward
+
         average_in_backward(model, mesh.group(DENSE_AXES), mesh.group(EXPERT_AXES))
         return None, optimizer
     if mesh.size(DENSE_AXES) > 1:
@@ -349,5 +382,5 @@ def rank_parameters(config, *, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
     if stage == 0:
         total += v * h // tp
     if stage == pp - 1:
-        total += 2 * h + (v * h // tp if pp > 1 else 0)   # one tensor when one stage holds both ends
+        total += 2 * h + (v * h // tp if pp > 1 else 0)  # one tensor when one stage holds both ends
     return total

@@ -37,6 +37,7 @@ schedules that split the backward (zb-h1, dualpipe-v: their W fills ``.grad`` wi
 ``autograd.grad``, past the hooks that move gradients into the flat buffers), and a pipeline
 that puts both ends of the tied weight on one rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,7 +59,7 @@ class ComposedZeRO:
     def step(self) -> None:
         for zero in self.zeros:
             zero.reduce_gradients()
-        if self.tied_unit is not None:   # the two ends' reduced slices of the tied weight, added
+        if self.tied_unit is not None:  # the two ends' reduced slices of the tied weight, added
             shard = self.tied_unit.grad_shard
             shard.copy_(self.pipeline.add_tied(shard))
         for zero in self.zeros:
@@ -90,9 +91,11 @@ def _units(model, pipeline) -> list:
         blocks += list(chunk.blocks)
         ends += [m for m in (chunk.embed, chunk.norm, chunk.head) if m is not None]
     tied = [m for m in ends if pipeline.tied and m.weight is pipeline.tied_weight()]
-    if len(tied) > 1:   # both ends on one rank: two units would share the weight
-        raise ValueError("this course's library does not compose ZeRO with a schedule that puts the first and "
-                         "the last stage on one rank yet (the tied weight would be two units)")
+    if len(tied) > 1:  # both ends on one rank: two units would share the weight
+        raise ValueError(
+            "this course's library does not compose ZeRO with a schedule that puts the first and "
+            "the last stage on one rank yet (the tied weight would be two units)"
+        )
     return tied + blocks + [m for m in ends if m not in tied]
 
 
@@ -103,24 +106,33 @@ def apply_zero_composed(model, mesh, *, stage: int, optimizer: str = "sgd", pipe
     (``train.OPTIMIZERS``). Returns the optimizer to step."""
     tied = pipeline is not None and pipeline.tied_peer is not None
     if tied and pipeline.add_tied_after_step:
-        raise ValueError("under ZeRO the tied weight's gradient lives in ZeRO's flat buffers, not in .grad: "
-                         "build the pipeline with apply_pp(..., add_tied_after_step=False), and ZeRO adds "
-                         "the two parts")
-    cls, options = OPTIMIZERS[optimizer]   # the same optimizer as make_optimizer's
+        raise ValueError(
+            "under ZeRO the tied weight's gradient lives in ZeRO's flat buffers, not in .grad: "
+            "build the pipeline with apply_pp(..., add_tied_after_step=False), and ZeRO adds "
+            "the two parts"
+        )
+    cls, options = OPTIMIZERS[optimizer]  # the same optimizer as make_optimizer's
     module = pipeline if pipeline is not None else model
     experts = set()
     if mesh.size("ep") > 1:
         from .expert_parallel import expert_parameters
+
         experts = set(expert_parameters(model))
     units = _units(model, pipeline)
     # Every rank built the model from one seed (as apply_pp assumes): nothing to broadcast. A
     # broadcast over the dense group would also overwrite the other ep ranks' experts.
     common = dict(stage=stage, optimizer_cls=cls, units=units, broadcast=False, **options)
     dense_group = mesh.group(DATA_AXES["dense"])
-    zeros = [ZeRO(module, group=dense_group, params=[p for p in module.parameters() if p not in experts],
-                  **common)]
-    if experts:   # built after the dense one: the expert parameters are still the original tensors
-        zeros.append(ZeRO(module, group=mesh.group(DATA_AXES["expert"]), params=list(experts),
-                          divide_by=mesh.size(DATA_AXES["dense"]), **common))
+    zeros = [ZeRO(module, group=dense_group, params=[p for p in module.parameters() if p not in experts], **common)]
+    if experts:  # built after the dense one: the expert parameters are still the original tensors
+        zeros.append(
+            ZeRO(
+                module,
+                group=mesh.group(DATA_AXES["expert"]),
+                params=list(experts),
+                divide_by=mesh.size(DATA_AXES["dense"]),
+                **common,
+            )
+        )
     tied_unit = next(u for u in zeros[0].units if u.module is units[0]) if tied else None
     return ComposedZeRO(zeros, pipeline, tied_unit)

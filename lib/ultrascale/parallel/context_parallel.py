@@ -37,6 +37,7 @@ zigzag, cp for contiguous), a cp larger than the number of chunks, ranks holding
 different lengths, q and k with different head dims (padding would need masking in
 attention and in the loss; the messages say what to change).
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,9 +58,19 @@ from .ulysses import LAYOUT_REFUSAL, ulysses_attention, ulysses_problem
 # The ring's two ways of moving K/V, and Ulysses's all-to-all to head groups (``ulysses.py``).
 KINDS = (*RING_KINDS, "ulysses")
 
-__all__ = ["LAYOUTS", "KINDS", "sequence_positions", "split_sequence", "causal_tile_counts",
-           "context_parallel_attention", "ring_attention", "all_gather_attention", "apply_cp",
-           "ulysses_attention", "KVBufferMeter"]
+__all__ = [
+    "LAYOUTS",
+    "KINDS",
+    "sequence_positions",
+    "split_sequence",
+    "causal_tile_counts",
+    "context_parallel_attention",
+    "ring_attention",
+    "all_gather_attention",
+    "apply_cp",
+    "ulysses_attention",
+    "KVBufferMeter",
+]
 
 
 # --------------------------------------------------------------------------- layouts and work
@@ -79,27 +90,41 @@ def causal_tile_counts(seq: int, cp: int, layout: str = "zigzag", tile: int | No
     chunk = seq // (cp * (2 if layout == "zigzag" else 1))
     if chunk % tile:
         raise ValueError(f"tile={tile} does not divide the {layout} chunks of {chunk} tokens: choose a divisor")
-    return [sum(int(last) // tile + 1 for last in sequence_positions(seq, r, cp, layout).view(-1, tile)[:, -1])
-            for r in range(cp)]
+    return [
+        sum(int(last) // tile + 1 for last in sequence_positions(seq, r, cp, layout).view(-1, tile)[:, -1])
+        for r in range(cp)
+    ]
 
 
 # --------------------------------------------------------------------------- the model
 def _positions_hook(r: int, n: int, layout):
     """Before the model runs: fill in, or check, the global positions of the tokens of rank ``r``
     of the ``n`` context-parallel ranks."""
+
     def hook(model, args, kwargs):
         x, given = args[0], (args[1] if len(args) > 1 else kwargs.pop("positions", None))
         expected = sequence_positions(x.shape[1] * n, r, n, layout).to(x.device)
         if given is not None and not torch.equal(given.to(expected.device), expected):
-            raise ValueError(f"rank {r} got positions {given.tolist()[:8]}..., but the {layout} layout puts its "
-                             f"tokens at {expected.tolist()[:8]}...: take the batch from data.split(batch, rank, "
-                             f"{n}, by='sequence', layout={layout!r})")
+            raise ValueError(
+                f"rank {r} got positions {given.tolist()[:8]}..., but the {layout} layout puts its "
+                f"tokens at {expected.tolist()[:8]}...: take the batch from data.split(batch, rank, "
+                f"{n}, by='sequence', layout={layout!r})"
+            )
         return (x, expected, *args[2:]), kwargs
+
     return hook
 
 
-def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "ring", plan: dict | None = None,
-             timeline=None, sync_gradients: bool = True) -> nn.Module:
+def apply_cp(
+    model,
+    mesh_or_group=None,
+    *,
+    layout: str = "zigzag",
+    kind: str = "ring",
+    plan: dict | None = None,
+    timeline=None,
+    sync_gradients: bool = True,
+) -> nn.Module:
     """Context-parallel ``model`` over the ``cp`` axis of a mesh (or a group; None: all ranks).
 
     ``plan``: ``{module-name pattern: kind}`` of the attention modules whose core becomes
@@ -113,28 +138,38 @@ def apply_cp(model, mesh_or_group=None, *, layout: str = "zigzag", kind: str = "
     Returns the model, changed in place.
     """
     group = axis_group(mesh_or_group, "cp")
-    r, n = rank_and_size(group, "context parallelism")   # checked once: the positions hook reuses r, n
+    r, n = rank_and_size(group, "context parallelism")  # checked once: the positions hook reuses r, n
     plan = {"blocks.*.attn": kind} if plan is None else plan
     if layout not in LAYOUTS or not set(plan.values()) <= set(KINDS):
-        raise ValueError(f"layout={layout!r}, plan kinds {sorted(set(plan.values()))}: choose a layout in "
-                         f"{LAYOUTS} and kinds in {KINDS}")
+        raise ValueError(
+            f"layout={layout!r}, plan kinds {sorted(set(plan.values()))}: choose a layout in "
+            f"{LAYOUTS} and kinds in {KINDS}"
+        )
     if "ulysses" in plan.values() and layout != "contiguous":
         raise ValueError(f"kind='ulysses' with layout={layout!r}: {LAYOUT_REFUSAL}")
-    for pattern, attention_kind in plan.items():   # each pattern must name attention modules only
+    for pattern, attention_kind in plan.items():  # each pattern must name attention modules only
         named = match_plan(model, {pattern: attention_kind})
         if not all(hasattr(module, "core") for _, module, _ in named):
-            raise ValueError(f"plan pattern {pattern!r} must match attention modules (with a core), "
-                             f"matched {len(named)} module(s)")
+            raise ValueError(
+                f"plan pattern {pattern!r} must match attention modules (with a core), matched {len(named)} module(s)"
+            )
     for _, module, attention_kind in match_plan(model, plan):
-        if attention_kind == "ulysses":   # its head-count limit, refused now rather than in the first forward
-            problem = ulysses_problem(module.q.out_features // module.head_dim,
-                                      module.k.out_features // module.head_dim, n)
+        if attention_kind == "ulysses":  # its head-count limit, refused now rather than in the first forward
+            problem = ulysses_problem(
+                module.q.out_features // module.head_dim, module.k.out_features // module.head_dim, n
+            )
             if problem is not None:
                 raise ValueError(problem)
             module.core = functools.partial(ulysses_attention, group=group, causal=True)
         else:
-            module.core = functools.partial(context_parallel_attention, group=group, causal=True, layout=layout,
-                                            kind=attention_kind, timeline=timeline)
+            module.core = functools.partial(
+                context_parallel_attention,
+                group=group,
+                causal=True,
+                layout=layout,
+                kind=attention_kind,
+                timeline=timeline,
+            )
     model.register_forward_pre_hook(_positions_hook(r, n, layout), with_kwargs=True)
     if sync_gradients and n > 1:
         # Each rank's gradient is that of the mean loss over its own tokens; the model's is the

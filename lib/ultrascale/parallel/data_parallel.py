@@ -29,6 +29,7 @@ The training loop is the same for all three::
     dp.finish_gradient_synchronization()   # PyTorch DDP does this inside backward
     optimizer.step(); optimizer.zero_grad()
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,12 +52,12 @@ class DataParallel(nn.Module):
     counts communication), not by the wrapper.
     """
 
-    def __init__(self, module: nn.Module, group=None, timeline: Timeline | None = None,
-                 broadcast: bool = True):
+    def __init__(self, module: nn.Module, group=None, timeline: Timeline | None = None, broadcast: bool = True):
         super().__init__()
         if not dist.is_initialized():
-            raise RuntimeError("data parallelism needs a process group: run this inside "
-                               "cluster.run(...) or under torchrun")
+            raise RuntimeError(
+                "data parallelism needs a process group: run this inside cluster.run(...) or under torchrun"
+            )
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -66,10 +67,10 @@ class DataParallel(nn.Module):
         self.scale = 1.0 / self.world_size
         self.timeline = or_disabled(timeline)
         self.require_backward_grad_sync = True  # False inside no_sync()
-        self.num_syncs = 0                      # gradient synchronisations (one per step)
+        self.num_syncs = 0  # gradient synchronisations (one per step)
         self.names = {p: n for n, p in module.named_parameters()}
-        self.ready_order: list[str] = []        # parameter names, in the order their hooks fired
-        self._ready_order_sync = 0              # the sync that order belongs to (the latest)
+        self.ready_order: list[str] = []  # parameter names, in the order their hooks fired
+        self._ready_order_sync = 0  # the sync that order belongs to (the latest)
         if broadcast:
             broadcast_parameters(module, group)
 
@@ -100,7 +101,7 @@ class DataParallel(nn.Module):
         if self._ready_order_sync != self.num_syncs:
             self.ready_order, self._ready_order_sync = [], self.num_syncs
         self.ready_order.append(name)
-        if self.timeline.enabled:   # this runs for every parameter in every backward: keep it lean
+        if self.timeline.enabled:  # this runs for every parameter in every backward: keep it lean
             self.timeline.mark(f"grad ready {name}")
 
     def _all_reduce(self, tensor: torch.Tensor, name: str, async_op: bool, scaled: bool = False):
@@ -128,7 +129,7 @@ class NaiveDataParallel(DataParallel):
         if not self.require_backward_grad_sync:
             return
         for p in self.trainable_parameters():
-            if p.grad is None:   # an unused parameter: the others may have a gradient for it
+            if p.grad is None:  # an unused parameter: the others may have a gradient for it
                 p.grad = torch.zeros_like(p)
             self._all_reduce(p.grad, f"all_reduce {self.names[p]}", async_op=False)
         self.num_syncs += 1
@@ -146,7 +147,7 @@ class OverlappedDataParallel(DataParallel):
     def __init__(self, module, group=None, timeline=None, broadcast=True):
         super().__init__(module, group, timeline, broadcast)
         self.handles: list = []
-        self.reduced: set = set()          # parameters whose all-reduce is in flight
+        self.reduced: set = set()  # parameters whose all-reduce is in flight
         self.register_backward_hook(self._on_grad_ready)
 
     def register_backward_hook(self, hook) -> None:
@@ -156,7 +157,7 @@ class OverlappedDataParallel(DataParallel):
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self.require_backward_grad_sync:
-            return   # accumulating: keep the gradient local
+            return  # accumulating: keep the gradient local
         name = self.names[p]
         self._note_ready(name)
         self.reduced.add(p)
@@ -191,7 +192,7 @@ class Bucket:
         # each parameter's slot, viewed in its shape once: the hooks run for every parameter
         # in every backward, and slicing a fresh view each time is a measurable part of them
         self.views = {p: self.buffer[start:end].view_as(p) for p, (start, end) in self.offsets.items()}
-        self.ready: set = set()   # names of the parameters whose gradient is in
+        self.ready: set = set()  # names of the parameters whose gradient is in
         self.work = None
         # 1/N as a 0-dim tensor, made once: a Python float is wrapped into a fresh tensor on every
         # multiply (about 2.5 of a small hook's 6.5 us here). A float32 factor gives the very bits
@@ -248,8 +249,9 @@ class BucketedDataParallel(DataParallel):
         super().__init__(module, group, timeline, broadcast)
         params = list(reversed(self.trainable_parameters()))
         cap = int(bucket_cap_mb * 1024 * 1024)  # DDP's bucket_cap_mb counts MiB
-        self.buckets = [Bucket(i, ps, ps[0].dtype, ps[0].device, self.scale)
-                        for i, ps in enumerate(build_buckets(params, cap))]
+        self.buckets = [
+            Bucket(i, ps, ps[0].dtype, ps[0].device, self.scale) for i, ps in enumerate(build_buckets(params, cap))
+        ]
         self.next_to_launch = 0
         for bucket in self.buckets:
             for p in bucket.params:
@@ -273,7 +275,7 @@ class BucketedDataParallel(DataParallel):
             torch.mul(p.grad, bucket.scale, out=view)
             p.grad = view
         else:
-            view.mul_(bucket.scale)          # accumulated in its slot already: scale it there
+            view.mul_(bucket.scale)  # accumulated in its slot already: scale it there
         bucket.ready.add(name)
         self._launch_full_buckets()
 
@@ -282,21 +284,22 @@ class BucketedDataParallel(DataParallel):
             self._launch(self.buckets[self.next_to_launch])
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.work = self._all_reduce(bucket.buffer, f"all_reduce bucket {bucket.index}", async_op=True,
-                                       scaled=True)   # by the hooks, gradient by gradient
+        bucket.work = self._all_reduce(
+            bucket.buffer, f"all_reduce bucket {bucket.index}", async_op=True, scaled=True
+        )  # by the hooks, gradient by gradient
         self.next_to_launch += 1
 
     def finish_gradient_synchronization(self) -> None:
         if self.next_to_launch == 0 and not any(b.ready for b in self.buckets):
-            return   # nothing happened since the last sync (e.g. all backward ran in no_sync)
-        for bucket in self.buckets[self.next_to_launch:]:
-            for p in bucket.params:          # no gradient this step: contribute zeros
+            return  # nothing happened since the last sync (e.g. all backward ran in no_sync)
+        for bucket in self.buckets[self.next_to_launch :]:
+            for p in bucket.params:  # no gradient this step: contribute zeros
                 if self.names[p] not in bucket.ready:
                     p.grad = bucket.view_of(p).zero_()
                     bucket.ready.add(self.names[p])
             self._launch(bucket)
         for bucket in self.buckets:
-            bucket.work.wait()               # every .grad is a view: averaged where it lies
+            bucket.work.wait()  # every .grad is a view: averaged where it lies
             bucket.reset()
         self.next_to_launch = 0
         self.num_syncs += 1
@@ -310,8 +313,15 @@ class BucketedDataParallel(DataParallel):
 KINDS = {"naive": NaiveDataParallel, "overlapped": OverlappedDataParallel, "bucketed": BucketedDataParallel}
 
 
-def apply_data_parallel(model: nn.Module, mesh_or_group=None, *, kind: str = "bucketed", plan=None,
-                        timeline: Timeline | None = None, **options) -> DataParallel:
+def apply_data_parallel(
+    model: nn.Module,
+    mesh_or_group=None,
+    *,
+    kind: str = "bucketed",
+    plan=None,
+    timeline: Timeline | None = None,
+    **options,
+) -> DataParallel:
     """Make ``model`` data-parallel over the ``dp`` axis of a mesh (or over a group).
 
     DP returns a module around the model instead of the model changed in place (as DDP

@@ -38,6 +38,7 @@ backward brought them to it), so it is summed over the expert's replicas (the dp
 and divided by D, not by the number of replicas (``average_in_backward``; both through
 ``grad_sync``, the helper every technique uses).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,9 +55,20 @@ from .grad_sync import NO_REPLICAS, average_gradients, reduce_gradient, sync_in_
 from .mesh import Mesh, axis_group
 from .timeline import or_disabled
 
-__all__ = ["apply_ep", "local_experts", "dispatch_plan", "exchange_counts", "ExpertParallelDispatch",
-           "expert_parameters", "expert_parameter_names", "average_after_backward", "average_in_backward", "rank_load",
-           "dispatch_volume", "DispatchPlan"]
+__all__ = [
+    "apply_ep",
+    "local_experts",
+    "dispatch_plan",
+    "exchange_counts",
+    "ExpertParallelDispatch",
+    "expert_parameters",
+    "expert_parameter_names",
+    "average_after_backward",
+    "average_in_backward",
+    "rank_load",
+    "dispatch_volume",
+    "DispatchPlan",
+]
 
 DEFAULT_PLAN = {"blocks.*.mlp": "ep"}
 
@@ -66,8 +78,10 @@ def local_experts(experts: int, ep: int, rank: int) -> range:
     """The experts rank ``rank`` of ``ep`` holds: an equal, contiguous share."""
     if experts % ep:
         divisors = [d for d in range(1, experts + 1) if experts % d == 0]
-        raise ValueError(f"ep={ep} does not divide the {experts} experts: every rank must hold the same number "
-                         f"of experts; use ep in {divisors} or a number of experts that {ep} divides")
+        raise ValueError(
+            f"ep={ep} does not divide the {experts} experts: every rank must hold the same number "
+            f"of experts; use ep in {divisors} or a number of experts that {ep} divides"
+        )
     per_rank = experts // ep
     return range(rank * per_rank, (rank + 1) * per_rank)
 
@@ -82,20 +96,20 @@ def rank_load(chosen: torch.Tensor, experts: int, ep: int) -> torch.Tensor:
 class DispatchPlan:
     """Where this rank's tokens go: one row per (token, destination rank), by destination."""
 
-    rows: torch.Tensor        # (R,) the token of each row
-    local_ids: torch.Tensor   # (R, k) the expert at the destination (its local index), -1 if not there
-    weights: torch.Tensor     # (R, k) the router weight of that expert, 0 where the id is -1
-    send_counts: list         # rows for each rank: the input split sizes
+    rows: torch.Tensor  # (R,) the token of each row
+    local_ids: torch.Tensor  # (R, k) the expert at the destination (its local index), -1 if not there
+    weights: torch.Tensor  # (R, k) the router weight of that expert, 0 where the id is -1
+    send_counts: list  # rows for each rank: the input split sizes
 
 
 def dispatch_plan(chosen, weights, ep: int, per_rank: int) -> DispatchPlan:
     """Rows to send for tokens that chose experts ``chosen`` (T, k) with ``weights`` (T, k)."""
     tokens = chosen.shape[0]
-    destination = chosen // per_rank                                  # (T, k) rank of each choice
+    destination = chosen // per_rank  # (T, k) rank of each choice
     sends = torch.zeros(ep, tokens, dtype=torch.bool, device=chosen.device)
     sends[destination, torch.arange(tokens, device=chosen.device)[:, None].expand_as(chosen)] = True
-    ranks, rows = sends.nonzero(as_tuple=True)                        # by rank, then by token
-    here = destination[rows] == ranks[:, None]                        # which of a row's k choices it carries
+    ranks, rows = sends.nonzero(as_tuple=True)  # by rank, then by token
+    here = destination[rows] == ranks[:, None]  # which of a row's k choices it carries
     local_ids = torch.where(here, chosen[rows] - ranks[:, None] * per_rank, -1)
     return DispatchPlan(rows, local_ids, weights[rows] * here, torch.bincount(ranks, minlength=ep).tolist())
 
@@ -111,7 +125,7 @@ class ExpertParallelDispatch:
 
     def __init__(self, experts: nn.ModuleDict, num_experts: int, group=None, timeline=None):
         self.experts, self.group, self.timeline = experts, group, or_disabled(timeline)
-        self.ep = dist.get_world_size(group)   # apply_ep checked the group
+        self.ep = dist.get_world_size(group)  # apply_ep checked the group
         self.per_rank = num_experts // self.ep
 
     def __call__(self, tokens, chosen, weights):
@@ -125,7 +139,7 @@ class ExpertParallelDispatch:
             w = all_to_all(plan.weights, receive, send, self.group)
         y = self._local_experts(x, ids, w)
         with labelled("ep combine"):
-            back = all_to_all(y, send, receive, self.group)           # the reverse exchange
+            back = all_to_all(y, send, receive, self.group)  # the reverse exchange
         return tokens.new_zeros(tokens.shape).index_add(0, plan.rows, back)
 
     def _local_experts(self, x, ids, w):
@@ -133,19 +147,28 @@ class ExpertParallelDispatch:
             return apply_experts(list(self.experts.values()), x, ids, w)
 
 
-def dispatch_volume(send_counts: list, receive_counts: list, rank: int, hidden: int, top_k: int,
-                    element_size: int = 4, backward: bool = False) -> dict:
+def dispatch_volume(
+    send_counts: list,
+    receive_counts: list,
+    rank: int,
+    hidden: int,
+    top_k: int,
+    element_size: int = 4,
+    backward: bool = False,
+) -> dict:
     """Bytes this rank sends in one MoE layer, per ``CommLogger`` label: the prediction the
     logged all-to-alls must equal (the rows a rank keeps never leave it). Forward by default;
     ``backward``: each all-to-all's gradient goes back the other way (unlabelled)."""
     out_rows = sum(send_counts) - send_counts[rank]
     back_rows = sum(receive_counts) - receive_counts[rank]
-    if backward:   # the received rows' and weights' gradients return; the combine's go out again
+    if backward:  # the received rows' and weights' gradients return; the combine's go out again
         return {"all_to_all_single": element_size * ((hidden + top_k) * back_rows + hidden * out_rows)}
     n = len(send_counts)
-    return {"ep routing": 8 * (n - 1) + 8 * top_k * out_rows,                # counts, then int64 ids
-            "ep dispatch": element_size * (hidden + top_k) * out_rows,      # token rows and weights
-            "ep combine": element_size * hidden * back_rows}
+    return {
+        "ep routing": 8 * (n - 1) + 8 * top_k * out_rows,  # counts, then int64 ids
+        "ep dispatch": element_size * (hidden + top_k) * out_rows,  # token rows and weights
+        "ep combine": element_size * hidden * back_rows,
+    }
 
 
 # --------------------------------------------------------------------------- gradients
@@ -197,16 +220,19 @@ def _data_groups(mesh_or_group, ep_group):
     if not isinstance(mesh_or_group, Mesh):
         return ep_group or dist.group.WORLD, None
     if mesh_or_group.size("cp") > 1:
-        raise ValueError("apply_ep averages gradients over dp and ep only; with cp > 1 pass sync_gradients=False "
-                         "and average over (dp, ep, cp) yourself (parallel.compose does)")
+        raise ValueError(
+            "apply_ep averages gradients over dp and ep only; with cp > 1 pass sync_gradients=False "
+            "and average over (dp, ep, cp) yourself (parallel.compose does)"
+        )
     if mesh_or_group.size("dp") == 1:
         return ep_group, None
     return mesh_or_group.group(("dp", "ep")), mesh_or_group.group("dp")
 
 
 # --------------------------------------------------------------------------- apply
-def apply_ep(model: nn.Module, mesh_or_group=None, *, plan: dict | None = None, timeline=None,
-             sync_gradients: bool = True) -> nn.Module:
+def apply_ep(
+    model: nn.Module, mesh_or_group=None, *, plan: dict | None = None, timeline=None, sync_gradients: bool = True
+) -> nn.Module:
     """Expert-parallel ``model`` over the ``ep`` axis of a mesh (or a group; None: all ranks).
 
     Every MoE layer matched by ``plan`` (``{module-name pattern: "ep"}``, default every
@@ -224,8 +250,10 @@ def apply_ep(model: nn.Module, mesh_or_group=None, *, plan: dict | None = None, 
     # Patterns may name no MoE layer (dense MLPs are skipped); none at all is refused below, saying why.
     layers = [m for _, m, _ in match_plan(model, plan, kind=MoE, may_match_nothing=True)]
     if not layers:
-        raise ValueError(f"no MoE layer matches the plan {sorted(plan)}: expert parallelism needs a mixture-of-"
-                         "experts model (e.g. GPTConfig(experts=8, top_k=2))")
+        raise ValueError(
+            f"no MoE layer matches the plan {sorted(plan)}: expert parallelism needs a mixture-of-"
+            "experts model (e.g. GPTConfig(experts=8, top_k=2))"
+        )
     for moe in layers:
         if isinstance(moe.experts, nn.ModuleDict):
             raise ValueError("expert parallelism is already applied to this model: build a fresh one")

@@ -13,6 +13,7 @@ The optimizer steps *pieces* of a unit's master shard (``Piece``): views of runs
 consecutive parameters of one parameter group, so each element gets its group's
 options and a parameter without a gradient can be left out of a step.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,19 +40,19 @@ def _carry_over(p, view) -> None:
     kept under the same names. Without it, those hooks would silently stop running."""
     handles = {key: view.register_hook(hook) for key, hook in (p._backward_hooks or {}).items()}
     for name, value in vars(p).items():
-        setattr(view, name, handles.get(getattr(value, "id", None), value) if isinstance(value, RemovableHandle)
-                else value)
+        setattr(
+            view, name, handles.get(getattr(value, "id", None), value) if isinstance(value, RemovableHandle) else value
+        )
 
 
 class FlatUnit:
     """The trainable parameters of one unit as a flat buffer, cut into N_d equal shards."""
 
-    def __init__(self, name, module, params, owners, rank, world_size, sharded, param_dtype,
-                 groups=None):
+    def __init__(self, name, module, params, owners, rank, world_size, sharded, param_dtype, groups=None):
         self.name, self.module = name, module
-        self.groups = groups or [0] * len(params)   # each parameter's optimizer group
+        self.groups = groups or [0] * len(params)  # each parameter's optimizer group
         self.numel = sum(p.numel() for p in params)
-        self.shard_numel = -(-self.numel // world_size)          # ceil: pad the tail
+        self.shard_numel = -(-self.numel // world_size)  # ceil: pad the tail
         self.padded = self.shard_numel * world_size
         own = rank * self.shard_numel
         self.own = slice(own, own + self.shard_numel) if sharded else slice(0, self.padded)
@@ -59,22 +60,22 @@ class FlatUnit:
         self.full = torch.zeros(self.padded, dtype=dtype, device=params[0].device)
         self.offsets, self.params, offset = {}, [], 0
         for p in params:
-            self.full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-            view = nn.Parameter(self.full[offset:offset + p.numel()].view(p.shape))
+            self.full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            view = nn.Parameter(self.full[offset : offset + p.numel()].view(p.shape))
             _carry_over(p, view)
-            for module_, attr in owners[p]:   # every place the parameter is registered (tied weights)
+            for module_, attr in owners[p]:  # every place the parameter is registered (tied weights)
                 module_._parameters[attr] = view
             self.offsets[view] = (offset, offset + p.numel())
             self.params.append(view)
             offset += p.numel()
         # fp32 master weights for 16-bit parameters; fp64 parameters keep fp64 (never round down).
         master_dtype = torch.promote_types(dtype, torch.float32)
-        self.master = self.full[self.own].detach().to(master_dtype, copy=True)   # this rank's shard
-        self.shard = None            # stage 3: this rank's slice of the parameters
-        self.grad_full = None        # full flat gradient (stages 0, 1; transient in 2, 3)
-        self.grad_shard = None       # this rank's slice of the averaged gradient (stages 2, 3)
-        self.ready: set = set()      # parameters whose gradient arrived in this backward
-        self.has_grad: set = set()   # parameters that got a gradient since the last zero_grad
+        self.master = self.full[self.own].detach().to(master_dtype, copy=True)  # this rank's shard
+        self.shard = None  # stage 3: this rank's slice of the parameters
+        self.grad_full = None  # full flat gradient (stages 0, 1; transient in 2, 3)
+        self.grad_shard = None  # this rank's slice of the averaged gradient (stages 2, 3)
+        self.ready: set = set()  # parameters whose gradient arrived in this backward
+        self.has_grad: set = set()  # parameters that got a gradient since the last zero_grad
         self.gathered, self.gather_work = True, None
         self.backward_started = False
 
@@ -117,26 +118,30 @@ def resolve_param_groups(model, param_groups):
     if param_groups is None:
         return [{}], {p: 0 for p in trainable}
     param_groups = list(param_groups)
-    if param_groups and not isinstance(param_groups[0], dict):   # a plain list of parameters
+    if param_groups and not isinstance(param_groups[0], dict):  # a plain list of parameters
         param_groups = [{"params": param_groups}]
     known, seen, group_of, options = set(model.parameters()), set(), {}, []
     for g, group in enumerate(param_groups):
         params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
         for p in params:
             if p not in known:
-                raise ValueError(f"parameter group {g} holds a tensor that is not a parameter of the "
-                                 "model (build the groups before ZeRO replaces the parameters)")
+                raise ValueError(
+                    f"parameter group {g} holds a tensor that is not a parameter of the "
+                    "model (build the groups before ZeRO replaces the parameters)"
+                )
             if p in seen:
                 raise ValueError("some parameters appear in more than one parameter group")
             seen.add(p)
-            if p.requires_grad:          # a frozen parameter is never stepped anyway
+            if p.requires_grad:  # a frozen parameter is never stepped anyway
                 group_of[p] = g
         options.append({k: v for k, v in group.items() if k != "params"})
     names = {p: n for n, p in model.named_parameters()}
     missing = [names[p] for p in trainable if p not in group_of]
     if missing:
-        raise ValueError(f"trainable parameters in no parameter group: {missing}; ZeRO owns every "
-                         "trainable parameter, so each needs a group (freeze the others)")
+        raise ValueError(
+            f"trainable parameters in no parameter group: {missing}; ZeRO owns every "
+            "trainable parameter, so each needs a group (freeze the others)"
+        )
     return options, group_of
 
 
@@ -146,9 +151,9 @@ class Piece:
 
     def __init__(self, unit, ranges, group):
         self.unit, self.group = unit, group
-        self.index = [i for i, _, _ in ranges]            # the unit's parameters it covers
-        self.lo, self.hi = ranges[0][1], ranges[-1][2]   # its range in unit.master
-        self.tensor = unit.master[self.lo:self.hi]
+        self.index = [i for i, _, _ in ranges]  # the unit's parameters it covers
+        self.lo, self.hi = ranges[0][1], ranges[-1][2]  # its range in unit.master
+        self.tensor = unit.master[self.lo : self.hi]
 
 
 def coarse_pieces(unit) -> list:
@@ -171,10 +176,11 @@ def split_piece(piece, state: dict) -> list:
     ranges = {r[0]: r for r in piece.unit.owned_ranges()}
     parts = [Piece(piece.unit, [ranges[i]], piece.group) for i in piece.index]
     old = state.pop(piece.tensor, {})
-    for part in parts:   # elementwise state (Adam's moments) is sliced, the rest copied
+    for part in parts:  # elementwise state (Adam's moments) is sliced, the rest copied
         cut = slice(part.lo - piece.lo, part.hi - piece.lo)
         if old:
             state[part.tensor] = {
-                k: v[cut].clone() if torch.is_tensor(v) and v.shape == piece.tensor.shape
-                else copy.deepcopy(v) for k, v in old.items()}
+                k: v[cut].clone() if torch.is_tensor(v) and v.shape == piece.tensor.shape else copy.deepcopy(v)
+                for k, v in old.items()
+            }
     return parts

@@ -26,6 +26,7 @@ Between forwards a rank holds only its shards; ``full_state_dict(model)`` gather
 parameters (a collective) to save or compare them. No prefetch (each gather waits), and
 no activation recomputation: the gathered weights would be needed inside backward.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -53,20 +54,22 @@ def shard_rows(rows: int, n: int, rank: int) -> tuple[int, int]:
 @dataclass
 class Entry:
     """One parameter of a unit: the tensor the optimizer steps and where the module reads it."""
-    param: nn.Parameter                 # the shard (sharded) or the whole tensor (replicated)
-    owners: list                        # (module, attribute name): two for a tied weight
+
+    param: nn.Parameter  # the shard (sharded) or the whole tensor (replicated)
+    owners: list  # (module, attribute name): two for a tied weight
     full_shape: torch.Size
     sharded: bool
-    rows: int = 0                       # rows per rank inside the collectives (padded)
+    rows: int = 0  # rows per rank inside the collectives (padded)
 
 
 @dataclass
 class Unit:
     """A module whose parameters are gathered together (one all-gather, one reduce-scatter)."""
+
     module: nn.Module
     entries: list = field(default_factory=list)
-    fulls: list | None = None           # the gathered tensors while forward or backward needs them
-    freed: bool = False                 # gathered, then freed after forward: gather again in backward
+    fulls: list | None = None  # the gathered tensors while forward or backward needs them
+    freed: bool = False  # gathered, then freed after forward: gather again in backward
 
 
 class FSDP:
@@ -80,7 +83,7 @@ class FSDP:
         self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
         self.cast_inputs = getattr(mp_policy, "cast_forward_inputs", True)
         self.units: list[Unit] = []
-        self.entries: dict[int, Entry] = {}   # id(parameter) -> its entry
+        self.entries: dict[int, Entry] = {}  # id(parameter) -> its entry
 
     def entry(self, param) -> Entry:
         """How ``param`` (a parameter of the model) is sharded."""
@@ -95,16 +98,17 @@ class FSDP:
         sharded = [e for e in unit.entries if e.sharded]
         fulls = list(into) if into is not None else [None] * len(unit.entries)
         if sharded:
-            flat = torch.cat([pad_rows(e.param.detach(), e.rows).reshape(-1).to(dtype or e.param.dtype)
-                              for e in sharded])
+            flat = torch.cat(
+                [pad_rows(e.param.detach(), e.rows).reshape(-1).to(dtype or e.param.dtype) for e in sharded]
+            )
             gathered = flat.new_empty(self.n * flat.numel())
             all_gather_into(gathered, flat, self.shard_group)
-            rank_major = gathered.view(self.n, -1)   # row r: rank r's padded shards, side by side
+            rank_major = gathered.view(self.n, -1)  # row r: rank r's padded shards, side by side
             offset = 0
             for i, e in enumerate(unit.entries):
-                if e.sharded:   # every rank's rows of this parameter, one under the other, padding cut
+                if e.sharded:  # every rank's rows of this parameter, one under the other, padding cut
                     size = e.rows * _row_numel(e.full_shape)
-                    piece = rank_major[:, offset:offset + size].reshape(-1, *e.full_shape[1:])[:e.full_shape[0]]
+                    piece = rank_major[:, offset : offset + size].reshape(-1, *e.full_shape[1:])[: e.full_shape[0]]
                     fulls[i], offset = _refill(fulls[i], piece), offset + size
         for i, e in enumerate(unit.entries):
             if not e.sharded:
@@ -122,8 +126,10 @@ class FSDP:
         if sharded:
             dtype = self.reduce_dtype or grads[sharded[0]].dtype
             # rank r's padded rows of every gradient side by side: row r goes to rank r
-            flat = torch.cat([pad_rows(grads[i].to(dtype), unit.entries[i].rows * self.n).reshape(self.n, -1)
-                              for i in sharded], dim=1)
+            flat = torch.cat(
+                [pad_rows(grads[i].to(dtype), unit.entries[i].rows * self.n).reshape(self.n, -1) for i in sharded],
+                dim=1,
+            )
             mine = flat.new_empty(flat.shape[1])
             reduce_scatter_into(mine, flat.reshape(-1), self.shard_group)
             if self.replicate_group is not None:
@@ -133,13 +139,13 @@ class FSDP:
             for i in sharded:
                 e = unit.entries[i]
                 size = e.rows * _row_numel(e.full_shape)
-                local = mine[offset:offset + size].view(e.rows, *e.full_shape[1:])[:e.param.shape[0]]
+                local = mine[offset : offset + size].view(e.rows, *e.full_shape[1:])[: e.param.shape[0]]
                 out[i], offset = local.to(e.param.dtype), offset + size
         for i, e in enumerate(unit.entries):
             if not e.sharded:
-                g = grads[i].to(self.reduce_dtype or grads[i].dtype)   # a new tensor only if cast
+                g = grads[i].to(self.reduce_dtype or grads[i].dtype)  # a new tensor only if cast
                 g = g.clone() if g is grads[i] else g
-                dist.all_reduce(g, group=self.shard_group)   # None: all ranks
+                dist.all_reduce(g, group=self.shard_group)  # None: all ranks
                 if self.replicate_group is not None:
                     dist.all_reduce(g, group=self.replicate_group)
                 out[i] = g.div_(total).to(e.param.dtype)
@@ -153,26 +159,26 @@ class FSDP:
         unit.fulls = list(Unshard.apply(self, unit, *params))
         unit.freed = False
         for e, full in zip(unit.entries, unit.fulls):
-            for module, name in e.owners:   # an instance attribute hides the registered shard
+            for module, name in e.owners:  # an instance attribute hides the registered shard
                 module.__dict__[name] = full
         return args, kwargs
 
     def post_forward(self, unit: Unit, output):
-        for e in unit.entries:              # outside forward, the module shows its shards again
+        for e in unit.entries:  # outside forward, the module shows its shards again
             for module, name in e.owners:
                 module.__dict__.pop(name, None)
         outputs = [t for t in _tensors(output) if t.requires_grad]
         if not (torch.is_grad_enabled() and outputs):
-            self.free(unit)                 # inference: nothing comes back
+            self.free(unit)  # inference: nothing comes back
             return
-        if unit is not self.units[0]:       # the root's backward starts at once: keep it gathered
+        if unit is not self.units[0]:  # the root's backward starts at once: keep it gathered
             self.free(unit)
             unit.freed = True
-            for t in outputs:               # fires when backward reaches this unit's output
+            for t in outputs:  # fires when backward reaches this unit's output
                 t.register_hook(lambda grad, u=unit: self.pre_backward(u))
 
     def pre_backward(self, unit: Unit):
-        if unit.freed:                      # refill the very tensors autograd saved in forward
+        if unit.freed:  # refill the very tensors autograd saved in forward
             for e, full in zip(unit.entries, unit.fulls):
                 if e.sharded:
                     full.untyped_storage().resize_(full.numel() * full.element_size())
@@ -198,14 +204,15 @@ class Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         reduced = ctx.fsdp.reduce_gradients(ctx.unit, grads)
-        ctx.fsdp.free(ctx.unit)             # backward is done with this unit's weights
+        ctx.fsdp.free(ctx.unit)  # backward is done with this unit's weights
         ctx.unit.fulls = None
         return (None, None, *reduced)
 
 
 # --------------------------------------------------------------------------- applying
-def apply_fsdp(model: nn.Module, mesh_or_group=None, *, plan=None, timeline=None, replicate=(),
-               mp_policy=None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, mesh_or_group=None, *, plan=None, timeline=None, replicate=(), mp_policy=None
+) -> nn.Module:
     """Shard ``model``'s parameters per parameter over ``mesh_or_group`` and return it.
 
     ``mesh_or_group``: a process group (None: all ranks), a course ``Mesh`` (its dp axis), a
@@ -218,15 +225,17 @@ def apply_fsdp(model: nn.Module, mesh_or_group=None, *, plan=None, timeline=None
     Every rank must start from the same weights (a seeded model, or ``broadcast_parameters``).
     """
     if getattr(model, "recompute", "none") != "none":
-        raise ValueError("apply_fsdp does not support activation recomputation (the recomputed forward would "
-                         "gather again inside backward): call model.set_recompute('none') first")
+        raise ValueError(
+            "apply_fsdp does not support activation recomputation (the recomputed forward would "
+            "gather again inside backward): call model.set_recompute('none') first"
+        )
     if getattr(mp_policy, "output_dtype", None) is not None:
         raise ValueError("mp_policy.output_dtype is not supported here: leave it None")
     shard_group, replicate_group = _groups(mesh_or_group)
     fsdp = FSDP(shard_group, replicate_group, mp_policy)
     names = {id(p): n for n, p in model.named_parameters()}
     modules = [model] + units_of(model, PLAN if plan is None else plan)
-    owner_unit = {}                         # each module belongs to the innermost unit around it
+    owner_unit = {}  # each module belongs to the innermost unit around it
     for unit_module in modules:
         for m in unit_module.modules():
             owner_unit[m] = unit_module
@@ -237,7 +246,7 @@ def apply_fsdp(model: nn.Module, mesh_or_group=None, *, plan=None, timeline=None
             if p is None:
                 continue
             unit = by_module[owner_unit[module]]
-            if id(p) in by_param:           # a tied weight: one more place that reads it
+            if id(p) in by_param:  # a tied weight: one more place that reads it
                 entry, first = by_param[id(p)]
                 if first is not unit:
                     raise ValueError(f"{names[id(p)]} is shared by modules of two units: put them in one")
@@ -281,14 +290,14 @@ def _shard(p: nn.Parameter, name: str, replicate, n: int, rank: int) -> Entry:
         return Entry(p, [], p.shape, sharded=False)
     start, length = shard_rows(p.shape[0], n, rank)
     entry = Entry(p, [], p.shape, sharded=True, rows=-(-p.shape[0] // n))
-    p.data = p.data.narrow(0, start, length).clone()   # a storage of the shard's size only
+    p.data = p.data.narrow(0, start, length).clone()  # a storage of the shard's size only
     return entry
 
 
 def _groups(mesh_or_group):
     """(shard group, replicate group or None) from a group, a 1-D or 2-D DeviceMesh, or the
     two groups of a 2-D mesh as a pair (replicate group or None, shard group)."""
-    if isinstance(mesh_or_group, tuple):   # compose's HSDP: the groups of Mesh.split_groups
+    if isinstance(mesh_or_group, tuple):  # compose's HSDP: the groups of Mesh.split_groups
         replicate_group, shard_group = mesh_or_group
         return shard_group, replicate_group
     if mesh_or_group is None or isinstance(mesh_or_group, (dist.ProcessGroup, Mesh)):
@@ -297,8 +306,9 @@ def _groups(mesh_or_group):
         return mesh_or_group.get_group(), None
     if mesh_or_group.ndim == 2:
         return mesh_or_group.get_group(1), mesh_or_group.get_group(0)
-    raise ValueError(f"apply_fsdp takes a group or a DeviceMesh of 1 or 2 dims (replicate, shard); "
-                     f"got {mesh_or_group.ndim} dims")
+    raise ValueError(
+        f"apply_fsdp takes a group or a DeviceMesh of 1 or 2 dims (replicate, shard); got {mesh_or_group.ndim} dims"
+    )
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -316,7 +326,7 @@ def _refill(target, value):
     """``value`` as a tensor of its own, or copied into ``target`` (which autograd may have saved)."""
     if target is None:
         return value.clone(memory_format=torch.contiguous_format)
-    target.data.copy_(value)   # through .data: not an in-place edit autograd would object to
+    target.data.copy_(value)  # through .data: not an in-place edit autograd would object to
     return target
 
 

@@ -25,6 +25,7 @@ launch asynchronous all-reduces from ``register_post_accumulate_grad_hook`` and 
 them at the end of backward: how to overlap is what chapter 02 teaches. Nor ZeRO's, which
 reduce-scatter into flat buffers.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,7 @@ import torch.nn as nn
 
 __all__ = ["DATA_AXES", "NO_REPLICAS", "reduce_gradient", "sync_in_backward", "average_gradients"]
 
-NO_REPLICAS = "no replicas"   # a group argument: no other rank holds the parameter
+NO_REPLICAS = "no replicas"  # a group argument: no other rank holds the parameter
 
 # The mesh axes whose ranks compute a parameter's gradient from different data, so that the
 # gradient must be averaged over them: dp (other rows), ep (other rows too: EP borrows its ranks
@@ -53,7 +54,7 @@ def _group_size(group) -> int:
 
 def reduce_gradient(grad: torch.Tensor, group=None, divide_by: int = 1) -> torch.Tensor:
     """``grad`` summed over ``group``, divided by ``divide_by``, as a new tensor."""
-    grad = grad.clone()   # the incoming gradient may be used elsewhere in backward
+    grad = grad.clone()  # the incoming gradient may be used elsewhere in backward
     if _group_size(group) > 1:
         dist.all_reduce(grad, group=group)
     return grad if divide_by == 1 else grad.div_(divide_by)

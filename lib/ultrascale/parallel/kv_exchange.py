@@ -15,6 +15,7 @@ Ring attention (``ring_attention.py``) needs every rank's keys and values at eac
 :class:`KVBufferMeter` measures the bytes of these buffers alive at once on a rank
 (``memory.cp_kv_buffer_bytes`` is the model).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -27,7 +28,7 @@ from ..comm.ring import ring_blocks, ring_step, wait_all
 
 __all__ = ["KV_EXCHANGES", "KVBufferMeter"]
 
-_K, _V, _DKV = 0, 1, 2   # message tags: K, V and dK/dV transfers may be in flight together
+_K, _V, _DKV = 0, 1, 2  # message tags: K, V and dK/dV transfers may be in flight together
 
 
 class KVBufferMeter:
@@ -72,8 +73,7 @@ def ring_kv_blocks(k, v, group, timeline):
             buffers.append(_buffer(k.new_empty((2, *k.shape))))
         return tuple(buffers[step % 2])
 
-    yield from ring_blocks((k, v), group, receive_buffer, tag=_K, batched=True, timeline=timeline,
-                           name="receive K/V")
+    yield from ring_blocks((k, v), group, receive_buffer, tag=_K, batched=True, timeline=timeline, name="receive K/V")
 
 
 def gathered_kv_blocks(k, v, group, timeline):
@@ -101,7 +101,7 @@ class TravellingGradients:
         self.works, self.step = [], 0
 
     def add(self, src, part):
-        if self.step > 0:   # the accumulator of the block just attended, from the previous rank
+        if self.step > 0:  # the accumulator of the block just attended, from the previous rank
             wait_all(self.works)
             self.acc, self.incoming = self.incoming, self.acc
         if part is not None:
@@ -109,8 +109,15 @@ class TravellingGradients:
             self.acc[0, ..., :last_key, :] += dk
             self.acc[1, ..., :last_key, :] += dv
         if self.n > 1:
-            self.works = ring_step([self.acc], [self.incoming], self.group, tag=_DKV, batched=True,
-                                   timeline=self.timeline, name="receive dK/dV")
+            self.works = ring_step(
+                [self.acc],
+                [self.incoming],
+                self.group,
+                tag=_DKV,
+                batched=True,
+                timeline=self.timeline,
+                name="receive dK/dV",
+            )
         self.step += 1
 
     def finish(self):
@@ -140,5 +147,4 @@ class GatheredGradients:
 
 
 # For each kind of context-parallel attention: how the K/V blocks come, and how dK/dV goes back.
-KV_EXCHANGES = {"ring": (ring_kv_blocks, TravellingGradients),
-                "all_gather": (gathered_kv_blocks, GatheredGradients)}
+KV_EXCHANGES = {"ring": (ring_kv_blocks, TravellingGradients), "all_gather": (gathered_kv_blocks, GatheredGradients)}

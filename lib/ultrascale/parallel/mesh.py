@@ -128,8 +128,10 @@ class Mesh:
         ``Mesh(dp=4).split_ranks("dp", 2)`` is ``([[0, 1], [2, 3]], [[0, 2], [1, 3]])``."""
         size = self.size(axis)
         if isinstance(outer, bool) or not isinstance(outer, int) or outer < 1 or size % outer:
-            raise ValueError(f"cannot cut groups of {size} ranks along {axis} into {outer!r} equal blocks: "
-                             f"choose one of {[d for d in range(1, size + 1) if size % d == 0]}")
+            raise ValueError(
+                f"cannot cut groups of {size} ranks along {axis} into {outer!r} equal blocks: "
+                f"choose one of {[d for d in range(1, size + 1) if size % d == 0]}"
+            )
         blocks, across = [], []
         for group in self.group_ranks(axis):
             grid = torch.tensor(group).view(outer, size // outer)
@@ -143,7 +145,8 @@ class Mesh:
             product = " x ".join(f"{a}={s}" for a, s in self.sizes.items()) or "(no axes)"
             raise ValueError(
                 f"{product} = {self.world_size} ranks, but the cluster has {world_size}: "
-                f"choose sizes whose product is {world_size}")
+                f"choose sizes whose product is {world_size}"
+            )
 
     def table(self) -> str:
         """One line per rank with its coordinates, for printing in a notebook."""
@@ -164,8 +167,9 @@ class Mesh:
         """The rank-to-group map as text, one axis per line: which ranks communicate together."""
         groups = self.group_map(axes)
         width = max(len(a) for a in groups) if groups else 4
-        return "\n".join(f"{a.ljust(width)}  " + " ".join("[" + " ".join(map(str, g)) + "]" for g in gs)
-                         for a, gs in groups.items())
+        return "\n".join(
+            f"{a.ljust(width)}  " + " ".join("[" + " ".join(map(str, g)) + "]" for g in gs) for a, gs in groups.items()
+        )
 
     def __repr__(self) -> str:
         return f"Mesh({', '.join(f'{a}={s}' for a, s in self.sizes.items())})"
@@ -175,8 +179,7 @@ class Mesh:
 
     def _dim(self, axis: str) -> int:
         if axis not in self.sizes:
-            raise ValueError(f"{axis!r} is not an axis of {self!r}: name it, with size 1 if "
-                             "need be, to get its groups")
+            raise ValueError(f"{axis!r} is not an axis of {self!r}: name it, with size 1 if need be, to get its groups")
         return self.axes.index(axis)
 
     def _key(self, axis: Axes) -> tuple[str, ...]:
@@ -189,8 +192,10 @@ class Mesh:
         key = self._key(axis)
         self._require_rank()
         if key not in self._groups:
-            raise ValueError(f"no group along {key}: init_mesh built {sorted(self._groups)}; "
-                             "ask for groups over several axes with init_mesh(..., joint=[...])")
+            raise ValueError(
+                f"no group along {key}: init_mesh built {sorted(self._groups)}; "
+                "ask for groups over several axes with init_mesh(..., joint=[...])"
+            )
         return self._groups[key]
 
     def split_groups(self, axis: Axes, outer: int) -> tuple:
@@ -200,7 +205,7 @@ class Mesh:
         key = (self._key(axis), outer)
         if key not in self._split_groups:
             mine = []
-            for groups in self.split_ranks(axis, outer):   # every rank creates every group, in order
+            for groups in self.split_ranks(axis, outer):  # every rank creates every group, in order
                 created = [self._ctx.new_group(ranks) for ranks in groups]
                 mine.append(next(g for g, ranks in zip(created, groups) if self.rank in ranks))
             self._split_groups[key] = tuple(mine)
@@ -216,8 +221,7 @@ class Mesh:
 
     def _require_rank(self) -> None:
         if self.rank is None:
-            raise RuntimeError("this mesh has no process groups: build it on the ranks "
-                               "with init_mesh(ctx, ...)")
+            raise RuntimeError("this mesh has no process groups: build it on the ranks with init_mesh(ctx, ...)")
 
     def to_device_mesh(self):
         """The same layout as a torch ``DeviceMesh`` (for DTensor, FSDP2, ...).

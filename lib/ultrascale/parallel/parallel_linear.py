@@ -15,6 +15,7 @@ Parameters sharded here carry ``tp_shard_dim`` and ``tp_group``, which
 ``tensor_parallel.full_weights`` reads to gather them back to full shapes.
 ``tensor_parallel.apply_tp`` swaps a model's layers for these.
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -32,11 +33,12 @@ def shard_parameter(tensor, dim, group, shared=None) -> nn.Parameter:
         return shared[id(tensor)]
     rank, n = rank_and_size(group, "tensor-parallel layers")
     if tensor.shape[dim] % n:
-        raise ValueError(f"tp={n} does not divide the {tensor.shape[dim]} rows/columns (dim {dim}) of a "
-                         f"{tuple(tensor.shape)} weight: choose a tp that divides it")
+        raise ValueError(
+            f"tp={n} does not divide the {tensor.shape[dim]} rows/columns (dim {dim}) of a "
+            f"{tuple(tensor.shape)} weight: choose a tp that divides it"
+        )
     piece = tensor.shape[dim] // n
-    local = nn.Parameter(tensor.detach().narrow(dim, rank * piece, piece).clone(),
-                         requires_grad=tensor.requires_grad)
+    local = nn.Parameter(tensor.detach().narrow(dim, rank * piece, piece).clone(), requires_grad=tensor.requires_grad)
     local.tp_shard_dim, local.tp_group = dim, group
     if shared is not None:
         shared[id(tensor)] = local
@@ -68,8 +70,10 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self):
-        return (f"in_features={self.weight.shape[1]}, local out_features={self.weight.shape[0]}, "
-                f"bias={self.bias is not None}, enter_region={self.enter_region}")
+        return (
+            f"in_features={self.weight.shape[1]}, local out_features={self.weight.shape[0]}, "
+            f"bias={self.bias is not None}, enter_region={self.enter_region}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -84,8 +88,11 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, shared=None, **options):
         """Slice an existing ``nn.Linear`` (columns of its weight) for this rank; the bias is kept whole."""
-        bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
-                                                            requires_grad=linear.bias.requires_grad)
+        bias = (
+            None
+            if linear.bias is None
+            else nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        )
         return cls(shard_parameter(linear.weight, 1, group, shared), bias, group, **options)
 
     def forward(self, x):
@@ -93,8 +100,10 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
-        return (f"local in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"local in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 def enter_region_with_f(module, group=None):

@@ -28,6 +28,7 @@ input back to the previous one (``send_B``):
 :class:`StageMessages` is a part of :class:`~ultrascale.parallel.pipeline_parallel.Pipeline`;
 it reads the pipeline's schedule, group, timeline and stages.
 """
+
 from __future__ import annotations
 
 import threading
@@ -56,8 +57,9 @@ class StageMessages:
         st.inputs[(a.microbatch, a.stage)] = buf.requires_grad_()
 
     def _recv_B(self, a, st):
-        st.grads[(a.microbatch, a.stage)] = self._receive(st, ("B", a.microbatch, a.stage),
-                                                          self.schedule.rank_of(a.stage + 1))
+        st.grads[(a.microbatch, a.stage)] = self._receive(
+            st, ("B", a.microbatch, a.stage), self.schedule.rank_of(a.stage + 1)
+        )
 
     def _tag(self, kind: str, mb: int, stage: int) -> int:
         """One tag per message: (micro-batch, receiving stage, forward or backward)."""
@@ -70,13 +72,15 @@ class StageMessages:
 
     def _send(self, st, tensor, to_stage, kind, mb, what):
         dst = self.schedule.rank_of(to_stage)
-        work = dist.isend(tensor, group=self._group_of(self.rank, dst), group_dst=dst,
-                          tag=self._tag(kind, mb, to_stage))
-        if self.timeline.enabled:   # a helper thread per send: only when someone draws it
-            work = _WatchedSend(work, self.timeline, f"send {what} {mb} to stage {to_stage}",
-                                tensor.numel() * tensor.element_size())
+        work = dist.isend(
+            tensor, group=self._group_of(self.rank, dst), group_dst=dst, tag=self._tag(kind, mb, to_stage)
+        )
+        if self.timeline.enabled:  # a helper thread per send: only when someone draws it
+            work = _WatchedSend(
+                work, self.timeline, f"send {what} {mb} to stage {to_stage}", tensor.numel() * tensor.element_size()
+            )
         st.sends.append(work)
-        st.sent.append(tensor)   # the tensor must live until its send is done
+        st.sent.append(tensor)  # the tensor must live until its send is done
 
     def _receive(self, st, message, src):
         """Take the messages of rank ``src`` in the order it sent them until ``message`` (kind,
@@ -85,14 +89,14 @@ class StageMessages:
         while message not in st.inbox:
             kind, mb, stage = nxt = self.arrivals[src][st.received.get(src, 0)]
             st.received[src] = st.received.get(src, 0) + 1
-            batch = st.batches[mb].inputs   # activations and their gradients: (rows, seq, hidden),
-            rows, seq = batch.shape         # or (rows, seq/tp, hidden) under sequence parallelism
-            buf = torch.empty((rows, seq // self.sequence_shards, self.hidden), dtype=self.dtype,
-                              device=batch.device)
+            batch = st.batches[mb].inputs  # activations and their gradients: (rows, seq, hidden),
+            rows, seq = batch.shape  # or (rows, seq/tp, hidden) under sequence parallelism
+            buf = torch.empty((rows, seq // self.sequence_shards, self.hidden), dtype=self.dtype, device=batch.device)
             what = "activation" if kind == "F" else "gradient"
             with self._span(None, f"recv {what} {mb} for stage {stage}", COMMUNICATION):
-                dist.irecv(buf, group=self._group_of(src, self.rank), group_src=src,
-                           tag=self._tag(kind, mb, stage)).wait()
+                dist.irecv(
+                    buf, group=self._group_of(src, self.rank), group_src=src, tag=self._tag(kind, mb, stage)
+                ).wait()
             st.inbox[nxt] = buf
         return st.inbox.pop(message)
 
@@ -114,7 +118,7 @@ class StageMessages:
         """``mine`` plus the matching tensor of the rank at the other end of the tied weight."""
         theirs = torch.empty_like(mine)
         send_recv(mine, theirs, self.tied_peer, self.tied_peer, self.group)
-        return mine + theirs   # a + b and b + a: the same bits on both ranks
+        return mine + theirs  # a + b and b + a: the same bits on both ranks
 
     def _add_tied_gradients(self):
         """Embedding and head share one weight: add the gradient parts of its two ranks."""
@@ -122,7 +126,7 @@ class StageMessages:
         weight.grad = self.add_tied(weight.grad if weight.grad is not None else torch.zeros_like(weight))
 
 
-_TWINS: dict = {}   # the ranks of a group -> the twin over them, one per process
+_TWINS: dict = {}  # the ranks of a group -> the twin over them, one per process
 
 
 def twin_group(group):

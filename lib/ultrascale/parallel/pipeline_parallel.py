@@ -38,6 +38,7 @@ each sees only its part of the gradient, so the two ranks add their parts (Megat
 and keeps its layers: simple, and fine for the course's models (a 70B model would be built
 on the meta device instead).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,7 @@ from .mesh import axis_group
 from .pipeline_messages import StageMessages, twin_group
 from .timeline import or_disabled
 
-__all__ = ["Pipeline", "apply_pp", "backward_input", "backward_weight", "build_stage", "split_layers",
-           "stage_modules"]
+__all__ = ["Pipeline", "apply_pp", "backward_input", "backward_weight", "build_stage", "split_layers", "stage_modules"]
 
 
 # --------------------------------------------------------------------------- cutting the model
@@ -65,8 +65,10 @@ def split_layers(layers: int, stages: int, plan=None) -> list[range]:
     """The blocks of each stage: ``plan`` (layers per stage) or as even as possible, the extra
     layers on the first stages. ``split_layers(8, 3)`` -> ranges 0-2, 3-5, 6-7."""
     if stages > layers:
-        raise ValueError(f"{stages} stages but the model has {layers} layers: every stage needs at least one "
-                         f"block. Use p*v <= {layers} (fewer ranks or chunks) or a model with more layers")
+        raise ValueError(
+            f"{stages} stages but the model has {layers} layers: every stage needs at least one "
+            f"block. Use p*v <= {layers} (fewer ranks or chunks) or a model with more layers"
+        )
     sizes = list(plan) if plan is not None else [layers // stages + (s < layers % stages) for s in range(stages)]
     if len(sizes) != stages or sum(sizes) != layers or min(sizes) < 1:
         raise ValueError(f"plan={plan}: give {stages} layer counts, each >= 1, that add up to {layers}")
@@ -80,7 +82,7 @@ def build_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.
     runs the model's own forward: a stage without embedding takes hidden states, one without
     head returns them (model.py allows exactly that)."""
     stage = copy.copy(model)
-    for name, value in vars(model).items():   # own tables of modules and hooks: the model is not changed
+    for name, value in vars(model).items():  # own tables of modules and hooks: the model is not changed
         if isinstance(value, dict):
             stage.__dict__[name] = type(value)(value)
     stage.blocks = nn.ModuleList(model.blocks[i] for i in layers)
@@ -88,7 +90,7 @@ def build_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.
         stage.embed = None
     if not last:
         stage.norm, stage.head = None, None
-    stage.layers = layers   # which blocks of the whole model these are, for global names
+    stage.layers = layers  # which blocks of the whole model these are, for global names
     return stage
 
 
@@ -135,15 +137,15 @@ class _StepState:
     """Everything one step keeps between actions, by (micro-batch, stage)."""
 
     batches: list
-    inputs: dict = field(default_factory=dict)        # stage inputs (leaves that require grad past stage 0)
-    outputs: dict = field(default_factory=dict)       # stage outputs (the loss on the last stage)
-    grads: dict = field(default_factory=dict)         # gradients of the stage outputs
-    input_grads: dict = field(default_factory=dict)   # gradients of the stage inputs, to send back
-    inbox: dict = field(default_factory=dict)         # messages received before they are needed
-    received: dict = field(default_factory=dict)      # sender rank -> how many of its messages we took
-    sends: list = field(default_factory=list)         # isend works, waited for at the end
-    sent: list = field(default_factory=list)          # and their tensors, kept alive until then
-    saved: dict = field(default_factory=dict)         # activation bytes autograd keeps, per (mb, stage)
+    inputs: dict = field(default_factory=dict)  # stage inputs (leaves that require grad past stage 0)
+    outputs: dict = field(default_factory=dict)  # stage outputs (the loss on the last stage)
+    grads: dict = field(default_factory=dict)  # gradients of the stage outputs
+    input_grads: dict = field(default_factory=dict)  # gradients of the stage inputs, to send back
+    inbox: dict = field(default_factory=dict)  # messages received before they are needed
+    received: dict = field(default_factory=dict)  # sender rank -> how many of its messages we took
+    sends: list = field(default_factory=list)  # isend works, waited for at the end
+    sent: list = field(default_factory=list)  # and their tensors, kept alive until then
+    saved: dict = field(default_factory=dict)  # activation bytes autograd keeps, per (mb, stage)
     loss: torch.Tensor | float = 0.0
     held: int = 0
 
@@ -158,24 +160,34 @@ class Pipeline(StageMessages, nn.Module):
     bytes autograd saved for them, ``peak_activation_bytes``.
     """
 
-    def __init__(self, model, schedule: Schedule, group=None, timeline=None, plan=None,
-                 measure_activations: bool = False, add_tied_after_step: bool = True):
+    def __init__(
+        self,
+        model,
+        schedule: Schedule,
+        group=None,
+        timeline=None,
+        plan=None,
+        measure_activations: bool = False,
+        add_tied_after_step: bool = True,
+    ):
         super().__init__()
         self.group, self.schedule, self.timeline = group, schedule, or_disabled(timeline)
         self.rank, size = dist.get_rank(group), dist.get_world_size(group)
         if size != schedule.ranks:
-            raise ValueError(f"the schedule is for p={schedule.ranks} ranks but the pipeline group has {size}: "
-                             f"build the schedule with p={size}")
+            raise ValueError(
+                f"the schedule is for p={schedule.ranks} ranks but the pipeline group has {size}: "
+                f"build the schedule with p={size}"
+            )
         # The messages' group down the ranks (pipeline_messages). Made here, where every rank of the
         # pipeline is, rather than at a rank's first message, when its neighbours may be waiting on it.
         self.group_down = twin_group(group) if size > 1 else group
         self.chunks = nn.ModuleDict({str(s): m for s, m in stage_modules(model, schedule, self.rank, plan).items()})
         self.last = schedule.stages - 1
         self.hidden, self.dtype = model.config.hidden, next(model.parameters()).dtype
-        self.sequence_shards = _sequence_shards(model)   # the messages' split of the sequence
+        self.sequence_shards = _sequence_shards(model)  # the messages' split of the sequence
         self.measure_activations, self.tied = measure_activations, _tied(model)
         self.peak_activations = self.peak_activation_bytes = 0
-        self.durations = None   # action -> least seconds it lasts (pipeline_runs.calibrate_compute)
+        self.durations = None  # action -> least seconds it lasts (pipeline_runs.calibrate_compute)
         self.arrivals = self._arrivals()
         # The tied embedding/head weight, and the rank holding its other half (None: nothing to add).
         ends = {schedule.rank_of(0), schedule.rank_of(self.last)}
@@ -185,8 +197,9 @@ class Pipeline(StageMessages, nn.Module):
         self.add_tied_after_step = add_tied_after_step
 
     def forward(self, *args, **kwargs):
-        raise TypeError("a pipeline runs forward and backward together, micro-batch by micro-batch: "
-                        "call pipe.step(micro_batches)")
+        raise TypeError(
+            "a pipeline runs forward and backward together, micro-batch by micro-batch: call pipe.step(micro_batches)"
+        )
 
     # ------------------------------------------------------------------ one step
     def step(self, batches) -> torch.Tensor | None:
@@ -212,13 +225,13 @@ class Pipeline(StageMessages, nn.Module):
         x = batch.inputs if a.stage == 0 else st.inputs[key]
         with self._compute(a), self._saved_bytes(key, st):
             y = self.chunks[str(a.stage)](x)
-            if a.stage == self.last:   # the loss of one micro-batch, weighted as in gradient accumulation
+            if a.stage == self.last:  # the loss of one micro-batch, weighted as in gradient accumulation
                 y = lm_loss(y, batch.targets) / len(st.batches)
                 st.loss = st.loss + y.detach()
         st.inputs[key], st.outputs[key] = x, y
         st.held += 1
         self.peak_activations = max(self.peak_activations, st.held)
-        if a.stage < self.last and self.schedule.rank_of(a.stage + 1) == self.rank:   # next chunk is ours
+        if a.stage < self.last and self.schedule.rank_of(a.stage + 1) == self.rank:  # next chunk is ours
             st.inputs[(a.microbatch, a.stage + 1)] = y.detach().requires_grad_()
 
     def _B(self, a, st):
@@ -226,10 +239,10 @@ class Pipeline(StageMessages, nn.Module):
         y, x = st.outputs[key], st.inputs[key]
         dy = None if a.stage == self.last else st.grads.pop(key)
         with self._compute(a):
-            if key in self.schedule.split_backward:   # B: the input's gradient only, the graph kept for W
+            if key in self.schedule.split_backward:  # B: the input's gradient only, the graph kept for W
                 dx = backward_input(y, x, dy) if a.stage > 0 else None
                 st.grads[key] = dy
-            else:                                     # the whole backward: .grad of the weights too
+            else:  # the whole backward: .grad of the weights too
                 torch.autograd.backward(y, dy)
                 dx = x.grad if a.stage > 0 else None
                 self._free(key, st)
@@ -258,7 +271,7 @@ class Pipeline(StageMessages, nn.Module):
     def _compute(self, action):
         """A compute action's bar; with ``durations`` set, it lasts at least its simulated time."""
         with self._span(action):
-            start = time.perf_counter()   # inside the bar: the bar then lasts at least the duration
+            start = time.perf_counter()  # inside the bar: the bar then lasts at least the duration
             yield
             if self.durations is not None:
                 time.sleep(max(0.0, self.durations(action) - (time.perf_counter() - start)))
@@ -290,10 +303,10 @@ class Pipeline(StageMessages, nn.Module):
         """A chunk's parameter name as in the whole model ("blocks.0..." of stage 2 -> "blocks.4...")."""
         chunk = self.chunks[str(stage)]
         if name.startswith("blocks."):
-            index, rest = name[len("blocks."):].split(".", 1)
+            index, rest = name[len("blocks.") :].split(".", 1)
             return f"blocks.{chunk.layers[int(index)]}.{rest}"
         if name == "head.weight" and self.tied:
-            return "embed.weight"   # GPT's tied weight: named after the embedding in the whole model
+            return "embed.weight"  # GPT's tied weight: named after the embedding in the whole model
         return name
 
     def _named(self, what):
@@ -313,9 +326,18 @@ class Pipeline(StageMessages, nn.Module):
 
 
 # --------------------------------------------------------------------------- the technique
-def apply_pp(model, mesh_or_group=None, *, schedule="1f1b", microbatches: int | None = None,
-             chunks: int | None = None, plan=None, timeline=None, measure_activations: bool = False,
-             add_tied_after_step: bool = True) -> Pipeline:
+def apply_pp(
+    model,
+    mesh_or_group=None,
+    *,
+    schedule="1f1b",
+    microbatches: int | None = None,
+    chunks: int | None = None,
+    plan=None,
+    timeline=None,
+    measure_activations: bool = False,
+    add_tied_after_step: bool = True,
+) -> Pipeline:
     """This rank's part of ``model`` under pipeline parallelism, as a :class:`Pipeline`.
 
     ``schedule``: a name from ``ultrascale.schedule.SCHEDULES`` ("afab", "1f1b", "interleaved",

@@ -26,6 +26,7 @@ for the layout), so the contiguous and zig-zag layouts both work; a block, or th
 keys of a block, that the mask hides entirely is skipped. ``parallel.context_parallel``
 applies this to the course model.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,15 @@ from ..kernels.tiled_attention import merge_partial_attention
 from .kv_exchange import KV_EXCHANGES
 from .timeline import or_disabled
 
-__all__ = ["KINDS", "LAYOUTS", "context_parallel_attention", "ring_attention", "all_gather_attention",
-           "ContextParallelAttention", "check_attention_inputs"]
+__all__ = [
+    "KINDS",
+    "LAYOUTS",
+    "context_parallel_attention",
+    "ring_attention",
+    "all_gather_attention",
+    "ContextParallelAttention",
+    "check_attention_inputs",
+]
 
 KINDS = ("ring", "all_gather")
 
@@ -52,10 +60,10 @@ def _visible(pos_q, pos_k, causal):
     of these keys are a suffix and the keys seen by at least one query a prefix."""
     if not causal:
         return 0, len(pos_k), None
-    first_row = int(torch.searchsorted(pos_q, pos_k[0]))            # first query at or after key 0
+    first_row = int(torch.searchsorted(pos_q, pos_k[0]))  # first query at or after key 0
     last_key = int(torch.searchsorted(pos_k, pos_q[-1], right=True))  # keys up to the last query
     if first_row == len(pos_q) or last_key == 0:
-        return None                                                   # all in the future: skip
+        return None  # all in the future: skip
     mask = pos_k[None, :last_key] <= pos_q[first_row:, None]
     return first_row, last_key, (None if bool(mask.all()) else mask)
 
@@ -94,7 +102,7 @@ def _attend_backward(q, k, v, grad_out, lse, delta, mask, scale):
     kr, vr = _repeat_kv(k, q), _repeat_kv(v, q)
     p = torch.exp(_scores(q, kr, mask, scale) - lse[..., None])
     dv = p.transpose(-2, -1) @ grad_out
-    ds = p * (grad_out @ vr.transpose(-2, -1) - delta[..., None])   # softmax backward, delta = rowsum(dO * O)
+    ds = p * (grad_out @ vr.transpose(-2, -1) - delta[..., None])  # softmax backward, delta = rowsum(dO * O)
     return ds @ kr * scale, _sum_groups(ds.transpose(-2, -1) @ q * scale, k), _sum_groups(dv, v)
 
 
@@ -109,11 +117,11 @@ class ContextParallelAttention(torch.autograd.Function):
         # contiguous), and each block is converted when it is used.
         q = q.to(torch.promote_types(q.dtype, torch.float32))
         k, v = k.contiguous(), v.contiguous()
-        r, n = dist.get_rank(group), dist.get_world_size(group)   # the group checked by the caller
+        r, n = dist.get_rank(group), dist.get_world_size(group)  # the group checked by the caller
         positions = [sequence_positions(q.shape[2] * n, src, n, layout).to(q.device) for src in range(n)]
         visible = {src: _visible(positions[r], positions[src], causal) for src in range(n)}
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)   # nothing seen yet
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)  # nothing seen yet
         blocks, _ = KV_EXCHANGES[kind]
         for src, (k_blk, v_blk) in blocks(k, v, group, timeline):
             with timeline.span(f"attend to K/V of rank {src}"):
@@ -122,7 +130,8 @@ class ContextParallelAttention(torch.autograd.Function):
                 first, last, mask = visible[src]
                 part = _attend(q[..., first:, :], k_blk[..., :last, :], v_blk[..., :last, :], mask, scale)
                 out[..., first:, :], lse[..., first:] = merge_partial_attention(
-                    out[..., first:, :], lse[..., first:], *part)
+                    out[..., first:, :], lse[..., first:], *part
+                )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.setup = (group, kind, scale, timeline, visible)
         return out.to(ctx.dtypes[0])
@@ -135,15 +144,22 @@ class ContextParallelAttention(torch.autograd.Function):
         delta = (grad_out * out).sum(-1)
         dq = torch.zeros_like(q)
         blocks, Gradients = KV_EXCHANGES[kind]
-        grads = Gradients(k, q.dtype, group, timeline)   # dK/dV accumulated in q's (>= fp32) dtype
+        grads = Gradients(k, q.dtype, group, timeline)  # dK/dV accumulated in q's (>= fp32) dtype
         for src, (k_blk, v_blk) in blocks(k, v, group, timeline):
             part = None
             with timeline.span(f"backward for K/V of rank {src}"):
                 if visible[src] is not None:
                     first, last, mask = visible[src]
-                    dq_part, dk, dv = _attend_backward(q[..., first:, :], k_blk[..., :last, :], v_blk[..., :last, :],
-                                                       grad_out[..., first:, :], lse[..., first:],
-                                                       delta[..., first:], mask, scale)
+                    dq_part, dk, dv = _attend_backward(
+                        q[..., first:, :],
+                        k_blk[..., :last, :],
+                        v_blk[..., :last, :],
+                        grad_out[..., first:, :],
+                        lse[..., first:],
+                        delta[..., first:],
+                        mask,
+                        scale,
+                    )
                     dq[..., first:, :] += dq_part
                     part = (last, dk, dv)
             grads.add(src, part)
@@ -161,17 +177,25 @@ def _local_problem(q, k, v, layout, kind):
     if layout not in LAYOUTS or kind not in KINDS:
         return f"layout={layout!r}, kind={kind!r}: choose a layout in {LAYOUTS} and a kind in {KINDS}"
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q (batch, heads, "
-                "seq_local, head_dim) and k, v both (batch, kv_heads, seq_local, head_dim)")
+        return (
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q (batch, heads, "
+            "seq_local, head_dim) and k, v both (batch, kv_heads, seq_local, head_dim)"
+        )
     if q.shape[-1] != k.shape[-1]:
-        return (f"head_dim mismatch: q has head_dim {q.shape[-1]}, k and v {k.shape[-1]}: the q, k and v "
-                "projections must give heads of the same size")
+        return (
+            f"head_dim mismatch: q has head_dim {q.shape[-1]}, k and v {k.shape[-1]}: the q, k and v "
+            "projections must give heads of the same size"
+        )
     if (q.shape[0], q.shape[2]) != (k.shape[0], k.shape[2]) or q.shape[1] % k.shape[1]:
-        return (f"q {tuple(q.shape)} and k {tuple(k.shape)}: they need the same batch and sequence length, "
-                "and a number of query heads that the K/V heads divide")
+        return (
+            f"q {tuple(q.shape)} and k {tuple(k.shape)}: they need the same batch and sequence length, "
+            "and a number of query heads that the K/V heads divide"
+        )
     if layout == "zigzag" and q.shape[2] % 2:
-        return (f"the zigzag layout gives every rank 2 equal chunks, but this rank holds {q.shape[2]} tokens: "
-                "split the sequence with data.split(..., by='sequence', layout='zigzag')")
+        return (
+            f"the zigzag layout gives every rank 2 equal chunks, but this rank holds {q.shape[2]} tokens: "
+            "split the sequence with data.split(..., by='sequence', layout='zigzag')"
+        )
     return None
 
 
@@ -193,14 +217,26 @@ def check_attention_inputs(q, k, v, group, layout="contiguous", kind="ring"):
     high, low = stats[:5].tolist(), (-stats[6:11]).tolist()
     differ = [f"{name} from {lo} to {hi}" for name, lo, hi in zip(_SIZES, low, high) if lo != hi]
     if differ:
-        raise ValueError(f"the ranks of the cp group hold attention inputs of different shapes ({', '.join(differ)}; "
-                         f"this rank: q {tuple(q.shape)}): every rank must hold an equal slice of the sequence; "
-                         "split the batch with data.split(..., by='sequence', layout=...)")
+        raise ValueError(
+            f"the ranks of the cp group hold attention inputs of different shapes ({', '.join(differ)}; "
+            f"this rank: q {tuple(q.shape)}): every rank must hold an equal slice of the sequence; "
+            "split the batch with data.split(..., by='sequence', layout=...)"
+        )
 
 
 # --------------------------------------------------------------------------- the functions to call
-def context_parallel_attention(q, k, v, group=None, *, causal: bool = True, layout: str = "contiguous",
-                               kind: str = "ring", sm_scale: float | None = None, timeline=None):
+def context_parallel_attention(
+    q,
+    k,
+    v,
+    group=None,
+    *,
+    causal: bool = True,
+    layout: str = "contiguous",
+    kind: str = "ring",
+    sm_scale: float | None = None,
+    timeline=None,
+):
     """softmax(Q K^T * scale) V of this rank's queries against the whole sequence's keys.
 
     q: (batch, heads, seq_local, head_dim); k, v: (batch, kv_heads, seq_local, head_dim),
@@ -211,7 +247,7 @@ def context_parallel_attention(q, k, v, group=None, *, causal: bool = True, layo
     ``timeline``: a bar per block attended to and per transfer, for a Gantt chart.
     Every rank of ``group`` must call it, with inputs of the same shapes.
     """
-    rank_and_size(group, "context-parallel attention")   # a clear error outside a process group
+    rank_and_size(group, "context-parallel attention")  # a clear error outside a process group
     check_attention_inputs(q, k, v, group, layout, kind)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     return ContextParallelAttention.apply(q, k, v, group, causal, layout, kind, scale, or_disabled(timeline))

@@ -26,6 +26,7 @@ replace. ``apply_tp`` chooses the pieces of this module when ``sequence_parallel
   :func:`fill_global_positions` registers a forward pre-hook on the model that passes them
   when the caller gives none. ``model.py`` is not changed.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,22 +38,30 @@ from .grad_sync import sync_in_backward
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 
-__all__ = ["SequenceParallelColumnLinear", "SequenceParallelRowLinear", "SequenceParallelEmbedding",
-           "SequenceParallelVocabHead",
-           "enter_region_with_g", "RegatherInBackward", "fill_global_positions", "sum_gradient_over_tp",
-           "enter_region_keeping_shard", "leave_region"]
+__all__ = [
+    "SequenceParallelColumnLinear",
+    "SequenceParallelRowLinear",
+    "SequenceParallelEmbedding",
+    "SequenceParallelVocabHead",
+    "enter_region_with_g",
+    "RegatherInBackward",
+    "fill_global_positions",
+    "sum_gradient_over_tp",
+    "enter_region_keeping_shard",
+    "leave_region",
+]
 
 
 def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
     """Under SP a replicated parameter sees only this rank's tokens: its full gradient is the
     sum over the tp ranks. The hook changes the gradient *before* it is accumulated into
     ``.grad``, so gradient accumulation over micro-batches is unaffected."""
-    sync_in_backward([param], group, divide_by=1, keep_as="_tp_grad_sync")   # a sum: no division
-
+    sync_in_backward([param], group, divide_by=1, keep_as="_tp_grad_sync")  # a sum: no division
 
 
 class _Regathered:
     """What a saved-tensor hook keeps in place of (a view of) the gathered input: the slice."""
+
     __slots__ = ("shard", "size", "stride", "offset")
 
     def __init__(self, shard, t):
@@ -97,7 +106,7 @@ class RegatherInBackward:
             with torch.no_grad():
                 full = gather_along_dim(self.outer_unpack(saved.shard), 1, self.group)
         self.unpacked += 1
-        self.full = full if self.unpacked < self.packed else None   # drop it after the last use
+        self.full = full if self.unpacked < self.packed else None  # drop it after the last use
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
 
@@ -121,8 +130,9 @@ def enter_region_with_g(module, group=None, regather=True):
     """Make ``module`` a TP region under SP: g once at its entrance for all the column-parallel
     layers inside (built with ``enter_region=False``); attention then sees the whole sequence,
     whose length it reads from its input."""
-    module.register_forward_pre_hook(lambda mod, args: (
-        enter_region_keeping_shard(mod, args[0], group, regather), *args[1:]))
+    module.register_forward_pre_hook(
+        lambda mod, args: (enter_region_keeping_shard(mod, args[0], group, regather), *args[1:])
+    )
     module.register_forward_hook(leave_region, always_call=True)
 
 
@@ -137,12 +147,12 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
         self.regather = regather
 
     def forward(self, x):
-        if not self.enter_region:   # the region's entrance has gathered the input
+        if not self.enter_region:  # the region's entrance has gathered the input
             return F.linear(x, self.weight, self.bias)
         x = enter_region_keeping_shard(self, x, self.group, self.regather)
         try:
             return F.linear(x, self.weight, self.bias)
-        finally:   # even if the matmul fails, the saved-tensor hooks come off
+        finally:  # even if the matmul fails, the saved-tensor hooks come off
             leave_region(self)
 
     def extra_repr(self):
@@ -172,7 +182,7 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
     """The vocabulary-parallel embedding under SP: ``g*`` sums the ranks' lookups and leaves
     this rank its slice of the sequence (dim 1), where the blocks start."""
 
-    sequence_parallel = True   # the pipeline reads it: the messages between stages are slices
+    sequence_parallel = True  # the pipeline reads it: the messages between stages are slices
 
     def forward(self, idx):
         return g_star(self.local_lookup(idx), 1, self.group)
@@ -187,15 +197,18 @@ def fill_global_positions(model, tp: int):
     """A forward pre-hook giving the model RoPE positions ``0..seq-1`` when the caller gives
     none. With SP the model would otherwise take them from the length of its (sequence-split)
     embedding output; attention sees the whole sequence. Also refuses a length tp does not divide."""
+
     def hook(module, args, kwargs):
         idx = args[0] if args else kwargs["idx"]
-        tokens = idx.dim() == 2   # token ids: the whole sequence; hidden states: this rank's slice
+        tokens = idx.dim() == 2  # token ids: the whole sequence; hidden states: this rank's slice
         seq = idx.shape[1] if tokens else idx.shape[1] * tp
         if tokens and seq % tp:
-            raise ValueError(f"sequence parallelism splits each sequence over tp={tp} ranks: {seq} tokens "
-                             f"do not split evenly; use a sequence length divisible by {tp} (or pad)")
+            raise ValueError(
+                f"sequence parallelism splits each sequence over tp={tp} ranks: {seq} tokens "
+                f"do not split evenly; use a sequence length divisible by {tp} (or pad)"
+            )
         if len(args) > 1 or kwargs.get("positions") is not None:
-            return None   # the caller knows the global positions (e.g. context parallelism)
+            return None  # the caller knows the global positions (e.g. context parallelism)
         return args, {**kwargs, "positions": torch.arange(seq, device=idx.device)}
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -27,6 +27,7 @@ The course models have no dropout, so there is no random state to seed per rank.
 Parameters sharded by TP carry ``tp_shard_dim`` and ``tp_group``; :func:`full_weights` and
 :func:`full_gradients` gather them to full shapes, named as in the unsharded model.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -40,14 +41,30 @@ from ..matching import match_plan
 from .async_tp import AsyncColumnParallelLinear, AsyncRowParallelLinear, enter_region_overlapped
 from .mesh import axis_group
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear, enter_region_with_f
-from .sequence_parallel import (SequenceParallelColumnLinear, SequenceParallelEmbedding,
-                                SequenceParallelRowLinear, SequenceParallelVocabHead, enter_region_with_g,
-                                fill_global_positions, sum_gradient_over_tp)
+from .sequence_parallel import (
+    SequenceParallelColumnLinear,
+    SequenceParallelEmbedding,
+    SequenceParallelRowLinear,
+    SequenceParallelVocabHead,
+    enter_region_with_g,
+    fill_global_positions,
+    sum_gradient_over_tp,
+)
+
 # VocabParallelLogits: not used here, but chapters 04 and 05 import it from this module.
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, VocabParallelLogits  # noqa: F401
 
-__all__ = ["apply_tp", "checked_tp_plan", "full_weights", "full_gradients", "tp_degrees", "choose_tp",
-           "GPT_PLAN", "LLAMA_PLAN", "STYLES"]
+__all__ = [
+    "apply_tp",
+    "checked_tp_plan",
+    "full_weights",
+    "full_gradients",
+    "tp_degrees",
+    "choose_tp",
+    "GPT_PLAN",
+    "LLAMA_PLAN",
+    "STYLES",
+]
 
 
 # Styles: "colwise" / "rowwise" linears; "parallel_region": a module whose input enters a TP
@@ -58,18 +75,44 @@ __all__ = ["apply_tp", "checked_tp_plan", "full_weights", "full_gradients", "tp_
 # (its gradients all-reduced), an ordinary replicated module without SP.
 STYLES = ("colwise", "rowwise", "parallel_region", "vocab_embedding", "vocab_head", "sequence_norm")
 _NORMS = {"blocks.*.norm1": "sequence_norm", "blocks.*.norm2": "sequence_norm", "norm": "sequence_norm"}
-_ATTENTION = {"blocks.*.attn": "parallel_region", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
-              "blocks.*.attn.v": "colwise", "blocks.*.attn.out": "rowwise"}
+_ATTENTION = {
+    "blocks.*.attn": "parallel_region",
+    "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise",
+    "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.out": "rowwise",
+}
 _VOCAB = {"embed": "vocab_embedding", "head": "vocab_head"}
-GPT_PLAN = {**_VOCAB, **_NORMS, **_ATTENTION, "blocks.*.mlp": "parallel_region",
-            "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
-LLAMA_PLAN = {**_VOCAB, **_NORMS, **_ATTENTION, "blocks.*.mlp": "parallel_region",
-              "blocks.*.mlp.gate": "colwise", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise"}
+GPT_PLAN = {
+    **_VOCAB,
+    **_NORMS,
+    **_ATTENTION,
+    "blocks.*.mlp": "parallel_region",
+    "blocks.*.mlp.fc": "colwise",
+    "blocks.*.mlp.proj": "rowwise",
+}
+LLAMA_PLAN = {
+    **_VOCAB,
+    **_NORMS,
+    **_ATTENTION,
+    "blocks.*.mlp": "parallel_region",
+    "blocks.*.mlp.gate": "colwise",
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+}
 
 
 # --------------------------------------------------------------------------- apply_tp
-def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan: dict | None = None,
-             regather_in_backward: bool = True, async_tp: bool = False, timeline=None) -> nn.Module:
+def apply_tp(
+    model,
+    mesh_or_group=None,
+    *,
+    sequence_parallel: bool = False,
+    plan: dict | None = None,
+    regather_in_backward: bool = True,
+    async_tp: bool = False,
+    timeline=None,
+) -> nn.Module:
     """Tensor-parallel ``model`` over the ``tp`` axis of a mesh (or a group; None: all ranks).
 
     Swaps the layers ``plan`` names (``{module-name pattern: style}``, default ``GPT_PLAN`` or
@@ -91,11 +134,11 @@ def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan
     _, n = rank_and_size(group, "tensor-parallel layers")
     chosen = checked_tp_plan(model, plan, n, sequence_parallel=sequence_parallel, async_tp=async_tp)
     layers = _layers(group, sequence_parallel, regather_in_backward, async_tp, timeline)
-    shared = {}   # original parameter -> its shard: keeps tied weights tied
-    for name, style in chosen.items():   # named_modules order: embed before head
+    shared = {}  # original parameter -> its shard: keeps tied weights tied
+    for name, style in chosen.items():  # named_modules order: embed before head
         module = model.get_submodule(name)
         if style == "colwise":
-            entered = chosen.get(name.rpartition(".")[0]) == "parallel_region"   # the parent applied f / g
+            entered = chosen.get(name.rpartition(".")[0]) == "parallel_region"  # the parent applied f / g
             model.set_submodule(name, layers.column(module, group, not entered, shared))
         elif style == "rowwise":
             model.set_submodule(name, layers.row(module, group, shared))
@@ -105,7 +148,7 @@ def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan
             model.set_submodule(name, layers.embedding(module, group, shared))
         elif style == "vocab_head":
             model.set_submodule(name, layers.head(module, group, True, shared))
-        elif sequence_parallel:   # sequence_norm: runs on a slice of the tokens
+        elif sequence_parallel:  # sequence_norm: runs on a slice of the tokens
             for p in module.parameters():
                 sum_gradient_over_tp(p, group)
     if sequence_parallel:
@@ -118,6 +161,7 @@ def apply_tp(model, mesh_or_group=None, *, sequence_parallel: bool = False, plan
 class TPLayers(NamedTuple):
     """What :func:`apply_tp` builds for each style: the layers (``from_linear`` /
     ``from_embedding``) and what makes a module a TP region."""
+
     column: Callable
     row: Callable
     embedding: Callable
@@ -130,32 +174,42 @@ def _layers(group, sequence_parallel, regather, async_tp, timeline) -> TPLayers:
     ``vocab_parallel.py``), SP's with g and g* (``sequence_parallel.py``), or async TP's, SP's
     collectives overlapped with the matmuls (``async_tp.py``)."""
     if async_tp:
-        return TPLayers(partial(AsyncColumnParallelLinear.from_linear, timeline=timeline),
-                      partial(AsyncRowParallelLinear.from_linear, timeline=timeline),
-                      SequenceParallelEmbedding.from_embedding,
-                      partial(SequenceParallelVocabHead.from_linear, regather=regather),
-                      partial(enter_region_overlapped, group=group, timeline=timeline))
+        return TPLayers(
+            partial(AsyncColumnParallelLinear.from_linear, timeline=timeline),
+            partial(AsyncRowParallelLinear.from_linear, timeline=timeline),
+            SequenceParallelEmbedding.from_embedding,
+            partial(SequenceParallelVocabHead.from_linear, regather=regather),
+            partial(enter_region_overlapped, group=group, timeline=timeline),
+        )
     if sequence_parallel:
-        return TPLayers(partial(SequenceParallelColumnLinear.from_linear, regather=regather),
-                      SequenceParallelRowLinear.from_linear,
-                      SequenceParallelEmbedding.from_embedding,
-                      partial(SequenceParallelVocabHead.from_linear, regather=regather),
-                      partial(enter_region_with_g, group=group, regather=regather))
-    return TPLayers(ColumnParallelLinear.from_linear, RowParallelLinear.from_linear,
-                  VocabParallelEmbedding.from_embedding, VocabParallelHead.from_linear,
-                  partial(enter_region_with_f, group=group))
+        return TPLayers(
+            partial(SequenceParallelColumnLinear.from_linear, regather=regather),
+            SequenceParallelRowLinear.from_linear,
+            SequenceParallelEmbedding.from_embedding,
+            partial(SequenceParallelVocabHead.from_linear, regather=regather),
+            partial(enter_region_with_g, group=group, regather=regather),
+        )
+    return TPLayers(
+        ColumnParallelLinear.from_linear,
+        RowParallelLinear.from_linear,
+        VocabParallelEmbedding.from_embedding,
+        VocabParallelHead.from_linear,
+        partial(enter_region_with_f, group=group),
+    )
 
 
 # --------------------------------------------------------------------------- checking a plan
 def _default_plan(model) -> dict:
-    from ..model import GPT, Llama   # the plans are written for the course models
+    from ..model import GPT, Llama  # the plans are written for the course models
 
     if isinstance(model, GPT):
         return GPT_PLAN
     if isinstance(model, Llama):
         return LLAMA_PLAN
-    raise ValueError(f"no default tensor-parallel plan for {type(model).__name__}: pass plan={{pattern: style}} "
-                     f"with styles from {STYLES}")
+    raise ValueError(
+        f"no default tensor-parallel plan for {type(model).__name__}: pass plan={{pattern: style}} "
+        f"with styles from {STYLES}"
+    )
 
 
 def _match(model, plan) -> dict:
@@ -184,7 +238,7 @@ def _sharded_counts(model, chosen) -> list[tuple[str, int]]:
         elif style in ("colwise", "rowwise"):
             features = module.out_features if style == "colwise" else module.in_features
             head_dim = getattr(parent, "head_dim", None)
-            if head_dim:   # attention: a rank must hold whole heads
+            if head_dim:  # attention: a rank must hold whole heads
                 what = "K/V heads" if name.endswith((".k", ".v")) else "attention heads"
                 counts.append((what, features // head_dim))
             else:
@@ -206,47 +260,63 @@ def choose_tp(model, world_size: int, seq: int | None = None, plan: dict | None 
     fits = [t for t in tp_degrees(model, plan) if t > 1 and (seq is None or seq % t == 0)]
     usable = [t for t in fits if world_size % t == 0]
     if not usable:
-        raise ValueError(f"no tensor-parallel degree > 1 divides WORLD_SIZE={world_size} and fits this model "
-                         f"(its heads, features, vocabulary{' and sequence' if seq else ''} allow tp in "
-                         f"{fits}): use a WORLD_SIZE that one of them divides")
+        raise ValueError(
+            f"no tensor-parallel degree > 1 divides WORLD_SIZE={world_size} and fits this model "
+            f"(its heads, features, vocabulary{' and sequence' if seq else ''} allow tp in "
+            f"{fits}): use a WORLD_SIZE that one of them divides"
+        )
     return max(usable)
 
 
-def checked_tp_plan(model, plan: dict | None, n: int, *, sequence_parallel: bool = False,
-                    async_tp: bool = False) -> dict:
+def checked_tp_plan(
+    model, plan: dict | None, n: int, *, sequence_parallel: bool = False, async_tp: bool = False
+) -> dict:
     """``plan`` (None: the model's default) matched to ``model``: {module name: style}, once
     everything :func:`apply_tp` needs of it with ``tp = n`` is checked. Errors say what to change."""
     if async_tp and not sequence_parallel:
-        raise ValueError("async_tp=True overlaps sequence parallelism's all-gather and reduce-scatter with the "
-                         "matmuls beside them; plain TP has neither: pass sequence_parallel=True as well")
+        raise ValueError(
+            "async_tp=True overlaps sequence parallelism's all-gather and reduce-scatter with the "
+            "matmuls beside them; plain TP has neither: pass sequence_parallel=True as well"
+        )
     chosen = _match(model, _default_plan(model) if plan is None else plan)
     counts = _sharded_counts(model, chosen)
     for what, count in counts:
         if count % n:
             ok = tp_degrees(model, {name: style for name, style in chosen.items()})
             name = type(getattr(model, "config", model)).__name__.removesuffix("Config")
-            raise ValueError(f"tp={n} does not divide the {count} {what} of this {name} config: "
-                             f"choose tp in {{{', '.join(map(str, ok))}}}")
+            raise ValueError(
+                f"tp={n} does not divide the {count} {what} of this {name} config: "
+                f"choose tp in {{{', '.join(map(str, ok))}}}"
+            )
     styles = set(chosen.values())
     if sequence_parallel and not {"vocab_embedding", "vocab_head"} <= styles:
-        raise ValueError("sequence parallelism splits the sequence at the vocabulary-parallel embedding and "
-                         "gathers it at the vocabulary-parallel head: the plan needs both "
-                         "'vocab_embedding' and 'vocab_head'")
-    if sequence_parallel:   # attention reads the sequence length from its input
+        raise ValueError(
+            "sequence parallelism splits the sequence at the vocabulary-parallel embedding and "
+            "gathers it at the vocabulary-parallel head: the plan needs both "
+            "'vocab_embedding' and 'vocab_head'"
+        )
+    if sequence_parallel:  # attention reads the sequence length from its input
         for name, style in chosen.items():
             parent = name.rpartition(".")[0]
-            if style == "colwise" and hasattr(model.get_submodule(parent), "head_dim") \
-                    and chosen.get(parent) != "parallel_region":
-                raise ValueError(f"with sequence parallelism attention must see the whole sequence: mark "
-                                 f"{parent!r} as 'parallel_region' in the plan (as GPT_PLAN does)")
+            if (
+                style == "colwise"
+                and hasattr(model.get_submodule(parent), "head_dim")
+                and chosen.get(parent) != "parallel_region"
+            ):
+                raise ValueError(
+                    f"with sequence parallelism attention must see the whole sequence: mark "
+                    f"{parent!r} as 'parallel_region' in the plan (as GPT_PLAN does)"
+                )
     # A weight shared by a sharded module and one left whole would silently come apart.
-    shards = lambda name: chosen.get(name) not in (None, "sequence_norm", "parallel_region")   # noqa: E731
+    shards = lambda name: chosen.get(name) not in (None, "sequence_norm", "parallel_region")  # noqa: E731
     sharded = {id(m.weight) for name, m in model.named_modules() if shards(name)}
     for name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
             if id(p) in sharded and not shards(name):
-                raise ValueError(f"{name}.{p_name} is shared with a layer the plan shards: shard both (as "
-                                 "GPT's tied embed and head: 'vocab_embedding' and 'vocab_head') or neither")
+                raise ValueError(
+                    f"{name}.{p_name} is shared with a layer the plan shards: shard both (as "
+                    "GPT's tied embed and head: 'vocab_embedding' and 'vocab_head') or neither"
+                )
     return chosen
 
 

@@ -27,6 +27,7 @@ host wait for the GPU and the overlap it shows is the overlap that happened. An 
 collective's bar ends when the backend reports the transfer done on the device
 (``work.is_completed()``, polled by a helper thread), not when NCCL queued it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..schedule.simulate import covered_seconds   # pure Python: the pipeline simulator uses it too
+from ..schedule.simulate import covered_seconds  # pure Python: the pipeline simulator uses it too
 
 COMPUTE, COMMUNICATION = "compute", "communication"
 
@@ -46,8 +47,8 @@ class Event:
     """One bar of the Gantt chart (or a mark, when start == end)."""
 
     rank: int
-    lane: str     # "compute" or "communication"
-    name: str     # "forward", "backward", "all_reduce bucket 3", ...
+    lane: str  # "compute" or "communication"
+    name: str  # "forward", "backward", "all_reduce bucket 3", ...
     start: float  # seconds, perf_counter clock
     end: float
     nbytes: int = 0
@@ -61,10 +62,10 @@ class Timeline:
         # On a GPU, kernels run after Python returns: a compute bar must wait for the
         # stream to finish, or it would end when the work was queued, not when it was done.
         self.cuda = device is not None and torch.device(device).type == "cuda"
-        self._resolved = True           # no CUDA event waits to be read (see _stamp)
+        self._resolved = True  # no CUDA event waits to be read (see _stamp)
         self.events: list[Event] = []
-        self._started: dict = {}        # open bars of instrumented modules
-        self._lock = threading.Lock()   # comm callbacks arrive on the backend's thread
+        self._started: dict = {}  # open bars of instrumented modules
+        self._lock = threading.Lock()  # comm callbacks arrive on the backend's thread
 
     @staticmethod
     def now() -> float:
@@ -91,7 +92,7 @@ class Timeline:
         reference.record()
         reference.synchronize()
         host = self.now()
-        at = lambda t: t if isinstance(t, float) else host - t.elapsed_time(reference) / 1e3   # noqa: E731
+        at = lambda t: t if isinstance(t, float) else host - t.elapsed_time(reference) / 1e3  # noqa: E731
         for e in self.events:
             e.start, e.end = at(e.start), at(e.end)
         self._resolved = True
@@ -104,7 +105,7 @@ class Timeline:
     @contextlib.contextmanager
     def span(self, name: str, lane: str = COMPUTE, nbytes: int = 0):
         """Record the code inside the ``with`` block as one bar."""
-        if not self.enabled:   # nothing to stamp (on a GPU a stamp is a CUDA event)
+        if not self.enabled:  # nothing to stamp (on a GPU a stamp is a CUDA event)
             yield
             return
         start = self._stamp()
@@ -128,12 +129,12 @@ class Timeline:
         start = self.now() if start is None else start
         if not self.enabled:
             return work
-        record = lambda *_: self.add(COMMUNICATION, name, start, self.now(), nbytes)   # noqa: E731
-        if self.cuda:   # NCCL's future completes at launch: watch the transfer itself
+        record = lambda *_: self.add(COMMUNICATION, name, start, self.now(), nbytes)  # noqa: E731
+        if self.cuda:  # NCCL's future completes at launch: watch the transfer itself
             return WatchedWork(work, record, on_device=True)
         try:
             future = work.get_future()
-        except (AttributeError, RuntimeError):   # no future (gloo's reduce-scatter): watch it
+        except (AttributeError, RuntimeError):  # no future (gloo's reduce-scatter): watch it
             return WatchedWork(work, record)
         future.then(record)
         return work
@@ -147,14 +148,11 @@ class Timeline:
         then happens before the bar starts and is not counted as compute.
         Returns the hook handles (``handle.remove()`` undoes it).
         """
-        named = modules.items() if isinstance(modules, dict) else (
-            (f"{prefix} {i}", m) for i, m in enumerate(modules))
+        named = modules.items() if isinstance(modules, dict) else ((f"{prefix} {i}", m) for i, m in enumerate(modules))
         handles = []
         for name, module in named:
-            handles.append(module.register_forward_pre_hook(
-                lambda mod, args, n=name: self._before_forward(n, args)))
-            handles.append(module.register_forward_hook(
-                lambda mod, args, out, n=name: self._after_forward(n, out)))
+            handles.append(module.register_forward_pre_hook(lambda mod, args, n=name: self._before_forward(n, args)))
+            handles.append(module.register_forward_hook(lambda mod, args, out, n=name: self._after_forward(n, out)))
         return handles
 
     def _before_forward(self, name, args):
@@ -221,20 +219,20 @@ class WatchedWork:
 
     def _watch(self, on_done):
         try:
-            if self.on_device:   # NCCL: ask the GPU without waiting on it (wait() only orders streams)
+            if self.on_device:  # NCCL: ask the GPU without waiting on it (wait() only orders streams)
                 while not self.work.is_completed():
                     time.sleep(50e-6)
             else:
                 self.work.wait()
-        except Exception as err:   # raised again in the rank's own thread, by wait()
+        except Exception as err:  # raised again in the rank's own thread, by wait()
             self.error = err
         on_done()
 
     def wait(self):
-        self.thread.join()   # the bar is recorded before anyone reads the timeline
+        self.thread.join()  # the bar is recorded before anyone reads the timeline
         if self.error is not None:
             raise self.error
-        if self.on_device:   # the current stream waits for the transfer, as work.wait() does
+        if self.on_device:  # the current stream waits for the transfer, as work.wait() does
             self.work.wait()
         return True
 

@@ -28,6 +28,7 @@ no load imbalance to fix: every rank attends over the whole sequence for its hea
 zig-zag layout buys nothing, and only the contiguous layout is accepted (the slices arrive
 in rank order, which must be sequence order).
 """
+
 from __future__ import annotations
 
 import math
@@ -39,21 +40,27 @@ from .ring_attention import check_attention_inputs
 
 __all__ = ["ulysses_attention", "ulysses_problem", "ulysses_bytes", "ring_bytes", "LAYOUT_REFUSAL"]
 
-LAYOUT_REFUSAL = ("Ulysses needs no load balancing (every rank attends over the whole sequence for its heads), "
-                  "and its all-to-all puts the slices back in rank order: use layout='contiguous'")
+LAYOUT_REFUSAL = (
+    "Ulysses needs no load balancing (every rank attends over the whole sequence for its heads), "
+    "and its all-to-all puts the slices back in rank order: use layout='contiguous'"
+)
 
 
 # --------------------------------------------------------------------------- the limit
 def ulysses_problem(heads: int, kv_heads: int, cp: int) -> str | None:
     """Why Ulysses cannot split these heads over ``cp`` ranks, with what to do; None if it can."""
     if heads % cp:
-        return (f"Ulysses gives each rank whole heads, but {heads} heads do not split over {cp} ranks: use a "
-                f"number of ranks that divides {heads}, or ring attention (kind='ring'), which has no such limit")
+        return (
+            f"Ulysses gives each rank whole heads, but {heads} heads do not split over {cp} ranks: use a "
+            f"number of ranks that divides {heads}, or ring attention (kind='ring'), which has no such limit"
+        )
     if kv_heads % cp:
-        return (f"Ulysses gives each rank whole K/V heads, but grouped-query attention's K/V heads ({kv_heads}) "
-                f"do not split over {cp} ranks: repeat each K/V head {cp // math.gcd(kv_heads, cp)} times before the call "
-                "(k.repeat_interleave(..., dim=1), as many times the K/V bytes), or use ring attention "
-                "(kind='ring'), whose K/V blocks travel whole")
+        return (
+            f"Ulysses gives each rank whole K/V heads, but grouped-query attention's K/V heads ({kv_heads}) "
+            f"do not split over {cp} ranks: repeat each K/V head {cp // math.gcd(kv_heads, cp)} times before the call "
+            "(k.repeat_interleave(..., dim=1), as many times the K/V bytes), or use ring attention "
+            "(kind='ring'), whose K/V blocks travel whole"
+        )
     return None
 
 
@@ -63,7 +70,7 @@ def _sequence_to_heads(t, group, cp):
     b, h, s, d = t.shape
     # Head group j goes to rank j: put the group index first, the dim all_to_all cuts along.
     pieces = t.reshape(b, cp, h // cp, s, d).transpose(0, 1)
-    received = all_to_all(pieces, group=group)           # piece i: rank i's tokens of my heads
+    received = all_to_all(pieces, group=group)  # piece i: rank i's tokens of my heads
     # Rank i holds slice i of the sequence (contiguous layout): concatenating in rank order
     # is sequence order.
     return received.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
@@ -72,14 +79,15 @@ def _sequence_to_heads(t, group, cp):
 def _heads_to_sequence(t, group, cp):
     """(b, heads/P, seq, d) of this rank's head group -> (b, heads, seq/P, d) of its tokens."""
     b, g, s, d = t.shape
-    pieces = t.reshape(b, g, cp, s // cp, d).permute(2, 0, 1, 3, 4)   # slice j of the sequence -> rank j
-    received = all_to_all(pieces, group=group)           # piece i: my tokens of rank i's heads
+    pieces = t.reshape(b, g, cp, s // cp, d).permute(2, 0, 1, 3, 4)  # slice j of the sequence -> rank j
+    received = all_to_all(pieces, group=group)  # piece i: my tokens of rank i's heads
     return received.transpose(0, 1).reshape(b, cp * g, s // cp, d)
 
 
 # --------------------------------------------------------------------------- the function to call
-def ulysses_attention(q, k, v, group=None, *, causal: bool = True, layout: str = "contiguous",
-                      sm_scale: float | None = None):
+def ulysses_attention(
+    q, k, v, group=None, *, causal: bool = True, layout: str = "contiguous", sm_scale: float | None = None
+):
     """softmax(Q K^T * scale) V of this rank's tokens against the whole sequence, by head groups.
 
     q: (batch, heads, seq_local, head_dim); k, v: (batch, kv_heads, seq_local, head_dim), this
@@ -88,12 +96,12 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = True, layout: str =
     shaped like q. Differentiable. Every rank of ``group`` must call it, with inputs of the same
     shapes.
     """
-    _, cp = rank_and_size(group, "Ulysses attention")      # a clear error outside a process group
+    _, cp = rank_and_size(group, "Ulysses attention")  # a clear error outside a process group
     if layout != "contiguous":
         raise ValueError(f"layout={layout!r}: {LAYOUT_REFUSAL}")
-    check_attention_inputs(q, k, v, group)   # the same shapes on every rank, or all refuse together
+    check_attention_inputs(q, k, v, group)  # the same shapes on every rank, or all refuse together
     problem = ulysses_problem(q.shape[1], k.shape[1], cp)
-    if problem is not None:   # the shapes agree on every rank by now, so every rank refuses
+    if problem is not None:  # the shapes agree on every rank by now, so every rank refuses
         raise ValueError(problem)
     q_h, k_h, v_h = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
     # Head group r of q is served by K/V head group r: query head i uses K/V head
@@ -101,8 +109,9 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = True, layout: str =
     # aten's op, not F.scaled_dot_product_attention: torch 2.11's context_parallel() replaces the
     # latter for as long as a rank lives (chapter 06 runs PyTorch's CP first on the same ranks),
     # and its replacement refuses plain CPU tensors. The op and its autograd are the same.
-    y = torch.ops.aten.scaled_dot_product_attention(q_h, k_h.to(q.dtype), v_h.to(q.dtype), is_causal=causal,
-                                                    scale=sm_scale, enable_gqa=k.shape[1] != q.shape[1])
+    y = torch.ops.aten.scaled_dot_product_attention(
+        q_h, k_h.to(q.dtype), v_h.to(q.dtype), is_causal=causal, scale=sm_scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
     return _heads_to_sequence(y, group, cp)
 
 
@@ -112,7 +121,7 @@ def ulysses_bytes(batch, heads, kv_heads, seq, head_dim, cp, bytes_per_element, 
 
     Four all-to-alls (q, k, v there, the output back; backward: the output's gradient there,
     dq, dk, dv back), each keeping 1/cp of a (seq/cp) slice and sending the rest."""
-    per_token = 2 * heads + 2 * kv_heads                  # q and out, k and v (in head_dim units)
+    per_token = 2 * heads + 2 * kv_heads  # q and out, k and v (in head_dim units)
     # heads and kv_heads are multiples of cp, so the division is exact, as in the logger.
     return batch * (seq // cp) * head_dim * per_token * bytes_per_element * (cp - 1) // cp
 

@@ -12,6 +12,7 @@ sharded by vocabulary rows, so they share one local Parameter.
 ``tensor_parallel.apply_tp`` puts these layers in the model (plan styles "vocab_embedding"
 and "vocab_head").
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,11 +51,12 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's part of the lookup: its rows, zeros for the ids of other ranks."""
         outside = (idx < self.vocab_start) | (idx >= self.vocab_start + self.weight.shape[0])
         local = F.embedding((idx - self.vocab_start).masked_fill(outside, 0), self.weight)
-        return local.masked_fill(outside.unsqueeze(-1), 0.0)   # row 0 was only a placeholder
+        return local.masked_fill(outside.unsqueeze(-1), 0.0)  # row 0 was only a placeholder
 
     def extra_repr(self):
-        return f"local rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0] - 1}, " \
-               f"dim={self.weight.shape[1]}"
+        return (
+            f"local rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0] - 1}, dim={self.weight.shape[1]}"
+        )
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -73,7 +75,7 @@ class VocabParallelHead(ColumnParallelLinear):
         return super().from_linear(linear, group, enter_region, shared, **options)
 
     def forward(self, x):
-        local = super().forward(x)   # (batch, seq, V/tp); under SP, g has gathered the sequence
+        local = super().forward(x)  # (batch, seq, V/tp); under SP, g has gathered the sequence
         return VocabParallelLogits.wrap(local, self.vocab_start, self.group)
 
 
@@ -92,7 +94,7 @@ class VocabParallelLogits(torch.Tensor):
     @staticmethod
     def wrap(local, vocab_start, group):
         with torch._C.DisableTorchFunctionSubclass():
-            out = local.as_subclass(VocabParallelLogits)   # stays on the autograd graph
+            out = local.as_subclass(VocabParallelLogits)  # stays on the autograd graph
         out.vocab_start, out.group = vocab_start, group
         return out
 
@@ -111,29 +113,44 @@ class VocabParallelLogits(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
             me = args[0] if args and isinstance(args[0], cls) else None
-            keep = (me is not None and getattr(func, "__name__", "") in cls._KEEPS_VOCAB_DIM
-                    and isinstance(out, torch.Tensor) and out.dim() and out.shape[-1] == me.shape[-1])
+            keep = (
+                me is not None
+                and getattr(func, "__name__", "") in cls._KEEPS_VOCAB_DIM
+                and isinstance(out, torch.Tensor)
+                and out.dim()
+                and out.shape[-1] == me.shape[-1]
+            )
         return cls.wrap(out, me.vocab_start, me.group) if keep else out
 
 
-def _cross_entropy(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                   reduction="mean", label_smoothing=0.0):
-    if weight is not None or size_average is not None or reduce is not None or label_smoothing \
-            or reduction != "mean":
-        raise ValueError("the vocabulary-parallel cross-entropy supports the mean loss only "
-                         "(no weight, reduction or label smoothing)")
+def _cross_entropy(
+    logits,
+    target,
+    weight=None,
+    size_average=None,
+    ignore_index=-100,
+    reduce=None,
+    reduction="mean",
+    label_smoothing=0.0,
+):
+    if weight is not None or size_average is not None or reduce is not None or label_smoothing or reduction != "mean":
+        raise ValueError(
+            "the vocabulary-parallel cross-entropy supports the mean loss only "
+            "(no weight, reduction or label smoothing)"
+        )
     return vocab_parallel_cross_entropy(logits.local(), target, logits.vocab_start, logits.group, ignore_index)
 
 
-def vocab_parallel_cross_entropy(local_logits, targets, vocab_start: int, group=None,
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    local_logits, targets, vocab_start: int, group=None, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy from this rank's logits for vocabulary ids ``vocab_start ..
     vocab_start + local_logits.shape[-1] - 1``, equal on every rank to ``lm_loss`` of the full
     logits (``F.cross_entropy``: targets equal to ``ignore_index`` do not count).
     loss = log(sum_v exp(z_v - m)) - (z_target - m), with m the maximum logit."""
     logits = local_logits.flatten(0, -2)
     if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()    # as lm_loss: a softmax over the vocabulary needs fp32
+        logits = logits.float()  # as lm_loss: a softmax over the vocabulary needs fp32
     targets = targets.flatten()
     # 1. The global maximum only keeps exp() in range; softmax does not depend on it, so it
     #    needs no gradient and a plain all-reduce (MAX) will do.
@@ -150,4 +167,3 @@ def vocab_parallel_cross_entropy(local_logits, targets, vocab_start: int, group=
     sums = f_star(torch.stack([shifted.exp().sum(-1), target_logit]), group)
     counted = targets != ignore_index
     return torch.where(counted, sums[0].log() - sums[1], 0.0).sum() / counted.sum()
-

@@ -60,6 +60,7 @@ Measuring this rank's share of the state (``state_bytes`` against the book's for
 saving and resuming it (``state_dict`` / ``load_state_dict``) are in ``zero_state.py``
 (``ShardedState``, also a part of ``ZeRO``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -75,7 +76,7 @@ from .timeline import COMMUNICATION, or_disabled
 from .zero3 import ParameterSharding
 from .zero_state import ShardedState
 
-GRADIENT_FLAGS = "all_reduce (gradient flags)"   # its name in a CommLogger's log
+GRADIENT_FLAGS = "all_reduce (gradient flags)"  # its name in a CommLogger's log
 
 __all__ = ["PLAN", "ZeRO", "FlatUnit", "apply_zero", "units_of", "all_gather_into", "reduce_scatter_into"]
 
@@ -96,17 +97,35 @@ class ZeRO(ParameterSharding, ShardedState):
     their precision. ``step()`` is ``reduce_gradients()`` then ``update()``; a composition may act between them.
     """
 
-    def __init__(self, model, stage=1, optimizer_cls=torch.optim.Adam, units=None, param_dtype=None,
-                 prefetch=True, group=None, timeline=None, broadcast=True, param_groups=None,
-                 params=None, divide_by=None, gather_dtype=None, **optimizer_kwargs):
+    def __init__(
+        self,
+        model,
+        stage=1,
+        optimizer_cls=torch.optim.Adam,
+        units=None,
+        param_dtype=None,
+        prefetch=True,
+        group=None,
+        timeline=None,
+        broadcast=True,
+        param_groups=None,
+        params=None,
+        divide_by=None,
+        gather_dtype=None,
+        **optimizer_kwargs,
+    ):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if gather_dtype is not None and stage != 3:
-            raise ValueError(f"gather_dtype={gather_dtype} needs stage 3: only ZeRO-3 gathers the parameters "
-                             f"before each forward and backward (stage {stage} keeps them whole)")
+            raise ValueError(
+                f"gather_dtype={gather_dtype} needs stage 3: only ZeRO-3 gathers the parameters "
+                f"before each forward and backward (stage {stage} keeps them whole)"
+            )
         if gather_dtype not in (None, torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"gather_dtype must be None (the parameters' own dtype) or an FP8 format, "
-                             f"torch.float8_e4m3fn or torch.float8_e5m2, got {gather_dtype}")
+            raise ValueError(
+                f"gather_dtype must be None (the parameters' own dtype) or an FP8 format, "
+                f"torch.float8_e4m3fn or torch.float8_e5m2, got {gather_dtype}"
+            )
         self.gather_dtype = gather_dtype
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs a process group: run it inside cluster.run(...) or torchrun")
@@ -115,22 +134,23 @@ class ZeRO(ParameterSharding, ShardedState):
         self.divide_by = divide_by or self.world_size
         self.owned = None if params is None else set(params)
         self.timeline = or_disabled(timeline)
-        self.in_flight = []             # reduce-scatters not yet waited for
-        self._sent = 0                  # units of _send_order reduce-scattered in this backward
+        self.in_flight = []  # reduce-scatters not yet waited for
+        self._sent = 0  # units of _send_order reduce-scattered in this backward
         self._callback_queued = False
         options, group_of = resolve_param_groups(model, param_groups)
         if broadcast:
             broadcast_parameters(model, group)
         self._build_units(model, units, param_dtype, group_of)
         self.pieces = [piece for unit in self.all_units for piece in coarse_pieces(unit)]
-        self.optimizer = optimizer_cls([dict(o, params=self._pieces_of_group(g)) for g, o in enumerate(options)],
-                                       **optimizer_kwargs)
+        self.optimizer = optimizer_cls(
+            [dict(o, params=self._pieces_of_group(g)) for g, o in enumerate(options)], **optimizer_kwargs
+        )
         for unit in self.all_units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u, p))
-            if stage in (0, 1):         # the full gradient lives for the whole step
+            if stage in (0, 1):  # the full gradient lives for the whole step
                 unit.grad_full = torch.zeros_like(unit.full)
-            if stage in (2, 3):         # only this rank's slice does
+            if stage in (2, 3):  # only this rank's slice does
                 unit.grad_shard = torch.zeros(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
         if stage == 3:
             for unit in self.all_units:
@@ -141,24 +161,36 @@ class ZeRO(ParameterSharding, ShardedState):
     def _build_units(self, model, units, param_dtype, group_of):
         if units is None:
             units = units_of(model, PLAN if hasattr(model, "blocks") else {})
-        trainable = lambda params: [p for p in params if p.requires_grad   # noqa: E731
-                                    and (self.owned is None or p in self.owned)]
+        trainable = lambda params: [
+            p
+            for p in params
+            if p.requires_grad  # noqa: E731
+            and (self.owned is None or p in self.owned)
+        ]
         owners, taken, chosen = parameter_owners(model), set(), []
-        for i, module in enumerate(units):   # decide every unit's parameters first...
+        for i, module in enumerate(units):  # decide every unit's parameters first...
             params = trainable(dict.fromkeys(module.parameters()))
             if taken.intersection(params):
                 raise ValueError("a parameter is shared between two units; put both users in one unit")
             taken.update(params)
-            if params:                       # a frozen unit has nothing to shard
+            if params:  # a frozen unit has nothing to shard
                 chosen.append((f"unit {i}", module, params))
         rest = [p for p in trainable(model.parameters()) if p not in taken]
-        build = lambda name, module, params: FlatUnit(   # noqa: E731  ...then flatten them
-            name, module, params, owners, self.rank, self.world_size, self.stage > 0, param_dtype,
-            groups=[group_of[p] for p in params])
+        build = lambda name, module, params: FlatUnit(  # noqa: E731  ...then flatten them
+            name,
+            module,
+            params,
+            owners,
+            self.rank,
+            self.world_size,
+            self.stage > 0,
+            param_dtype,
+            groups=[group_of[p] for p in params],
+        )
         self.units = [build(*choice) for choice in chosen]
         self.root = build("root", model, rest) if rest else None
         self.all_units = ([self.root] if self.root else []) + self.units
-        self._send_order = self.units[::-1] + ([self.root] if self.root else [])   # backward's order
+        self._send_order = self.units[::-1] + ([self.root] if self.root else [])  # backward's order
 
     # ------------------------------------------------------------------ collectives
     def _collective(self, op, unit, output, source, async_op):
@@ -179,15 +211,15 @@ class ZeRO(ParameterSharding, ShardedState):
     # ------------------------------------------------------------------ gradients
     def _on_grad_ready(self, unit, p) -> None:
         """Move a finished gradient into its unit's flat buffer; reduce a complete unit."""
-        if not self._callback_queued:   # run _on_backward_end once autograd is done
+        if not self._callback_queued:  # run _on_backward_end once autograd is done
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
         if unit.grad_full is None:
             unit.grad_full = torch.zeros(unit.padded, dtype=p.grad.dtype, device=p.grad.device)
         unit.grad_view(p).add_(p.grad)
-        p.grad = None                   # the flat buffer is the only copy now
+        p.grad = None  # the flat buffer is the only copy now
         unit.ready.add(p)
-        unit.has_grad.add(p)            # (a zero in the buffer cannot say "no gradient")
+        unit.has_grad.add(p)  # (a zero in the buffer cannot say "no gradient")
         if self.stage >= 2 and unit.complete:
             self._send_gradients()
 
@@ -203,25 +235,25 @@ class ZeRO(ParameterSharding, ShardedState):
 
     def _reduce_scatter(self, unit) -> None:
         """Send a unit's gradients away: each rank receives the average of its slice."""
-        if unit.grad_full is None:      # no gradient here for this unit: others may have some
+        if unit.grad_full is None:  # no gradient here for this unit: others may have some
             unit.grad_full = torch.zeros(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
-        unit.grad_full.div_(self.divide_by)             # the sum of averages is the average
+        unit.grad_full.div_(self.divide_by)  # the sum of averages is the average
         out = unit.grad_full.new_empty(unit.shard_numel)
         work = self._collective("reduce_scatter", unit, out, unit.grad_full, async_op=True)
-        self.in_flight.append((unit, work, out, unit.grad_full))   # keep the input alive
+        self.in_flight.append((unit, work, out, unit.grad_full))  # keep the input alive
         if self.stage >= 2:
-            unit.grad_full = None       # ZeRO-2: the full gradient is not kept
+            unit.grad_full = None  # ZeRO-2: the full gradient is not kept
         if self.stage == 3 and unit is not self.root:
-            unit.free_full()            # done with this unit's parameters until the next forward
+            unit.free_full()  # done with this unit's parameters until the next forward
         while len(self.in_flight) > 2:  # bound the memory of gradients in transit
             self._finish_reduce_scatter()
 
     def _finish_reduce_scatter(self) -> None:
         unit, work, out, _ = self.in_flight.pop(0)
         work.wait()
-        if unit.grad_shard is None:     # ZeRO-1: a temporary slice, for this step only
+        if unit.grad_shard is None:  # ZeRO-1: a temporary slice, for this step only
             unit.grad_shard = out
-        else:                           # add: micro-batches of one step accumulate
+        else:  # add: micro-batches of one step accumulate
             unit.grad_shard.add_(out)
 
     def _on_backward_end(self) -> None:
@@ -234,7 +266,7 @@ class ZeRO(ParameterSharding, ShardedState):
             while self.in_flight:
                 self._finish_reduce_scatter()
         if self.stage == 3:
-            for unit in self.all_units:   # including a prefetch nobody used: it would be stale
+            for unit in self.all_units:  # including a prefetch nobody used: it would be stale
                 self._reshard(unit)
         for unit in self.all_units:
             unit.ready.clear()
@@ -254,7 +286,7 @@ class ZeRO(ParameterSharding, ShardedState):
                 unit.grad_full.div_(self.divide_by)
                 self._collective("all_reduce", unit, unit.grad_full, None, async_op=False)
         else:
-            if self.stage == 1:          # ZeRO-1 reduces the kept full gradients only now
+            if self.stage == 1:  # ZeRO-1 reduces the kept full gradients only now
                 for unit in self.all_units:
                     self._reduce_scatter(unit)
             while self.in_flight:
@@ -264,11 +296,11 @@ class ZeRO(ParameterSharding, ShardedState):
         """Step this rank's shard with the reduced gradients and share the new parameters."""
         has_grad = self._gradient_flags()
         self._split_mixed_pieces(has_grad)
-        for piece in self.pieces:        # a piece without a gradient keeps grad None: skipped
+        for piece in self.pieces:  # a piece without a gradient keeps grad None: skipped
             unit = piece.unit
             if has_grad[unit][piece.index[0]]:
                 grad = unit.grad_full if self.stage == 0 else unit.grad_shard
-                piece.tensor.grad = grad[piece.lo:piece.hi].to(unit.master.dtype)
+                piece.tensor.grad = grad[piece.lo : piece.hi].to(unit.master.dtype)
         self.optimizer.step()
         self._publish_parameters()
         for piece in self.pieces:
@@ -288,9 +320,8 @@ class ZeRO(ParameterSharding, ShardedState):
         # Logged under its own name, so that the flat buffers' traffic (the 2Ψ and 3Ψ of
         # the book) stays apart from these few bytes.
         with labelled(GRADIENT_FLAGS):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)   # MAX of 0/1: any rank
-        self.timeline.add(COMMUNICATION, "all_reduce gradient flags", start, self.timeline.now(),
-                          flags.numel())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # MAX of 0/1: any rank
+        self.timeline.add(COMMUNICATION, "all_reduce gradient flags", start, self.timeline.now(), flags.numel())
         flags = iter(flags.tolist())
         return {unit: [bool(next(flags)) for _ in unit.params] for unit in self.all_units}
 
@@ -319,10 +350,10 @@ class ZeRO(ParameterSharding, ShardedState):
             new = unit.master.to(unit.full.dtype)
             if self.stage == 0:
                 unit.full.data.copy_(new)
-            elif self.stage in (1, 2):   # every rank needs every slice: all-gather them
+            elif self.stage in (1, 2):  # every rank needs every slice: all-gather them
                 works.append(self._collective("all_gather", unit, unit.full.data, new, async_op=True))
-            else:                        # stage 3 keeps only its slice until the next forward
-                self._reshard(unit)          # (a full copy left from a forward would be stale)
+            else:  # stage 3 keeps only its slice until the next forward
+                self._reshard(unit)  # (a full copy left from a forward would be stale)
                 unit.shard.copy_(new)
         for work in works:
             work.wait()
@@ -364,6 +395,7 @@ def apply_zero(model, mesh_or_group=None, *, stage=1, plan=None, timeline=None, 
         optimizer = model.zero_optimizer
     """
     units = units_of(model, PLAN if plan is None else plan)
-    model.zero_optimizer = ZeRO(model, stage, units=units, group=axis_group(mesh_or_group, "dp"),
-                                timeline=timeline, **options)
+    model.zero_optimizer = ZeRO(
+        model, stage, units=units, group=axis_group(mesh_or_group, "dp"), timeline=timeline, **options
+    )
     return model

@@ -16,6 +16,7 @@ Reading the whole parameters (``gathered()``, ``full_state_dict``) still gathers
 :class:`ParameterSharding` is a part of :class:`~ultrascale.parallel.zero.ZeRO` (which
 registers these hooks at stage 3); it uses ZeRO's units and its ``_collective``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,10 +37,11 @@ class ParameterSharding:
         for i, unit in enumerate(order):
             nxt = order[i + 1] if i + 1 < len(order) else None
             prev = order[i - 1] if i > 0 and order[i - 1] is not self.root else None
-            keep = unit is self.root or unit is order[-1]   # needed again at once by backward
+            keep = unit is self.root or unit is order[-1]  # needed again at once by backward
             unit.module.register_forward_pre_hook(lambda m, a, u=unit, n=nxt: self._pre_forward(u, n))
             unit.module.register_forward_hook(
-                lambda m, a, out, u=unit, p=prev, k=keep: self._post_forward(u, p, k, out))
+                lambda m, a, out, u=unit, p=prev, k=keep: self._post_forward(u, p, k, out)
+            )
 
     @contextlib.contextmanager
     def gathered(self):
@@ -63,8 +65,10 @@ class ParameterSharding:
             return
         unit.alloc_full()
         if compute and self.gather_dtype is not None:
+
             def collective(out, shard):
                 return self._collective("all_gather", unit, out, shard, async_op=True)
+
             unit.gather_work = start_fp8_gather(unit, collective, self.gather_dtype, self.group)
             return
         # Write through .data: autograd must not see this refill as an in-place edit of
@@ -87,18 +91,18 @@ class ParameterSharding:
 
     def _pre_forward(self, unit, nxt) -> None:
         self._ensure_gathered(unit, compute=True)
-        if self.prefetch and not _in_backward():   # the next unit travels while this one computes
+        if self.prefetch and not _in_backward():  # the next unit travels while this one computes
             self._start_gather(nxt, compute=True)
 
     def _post_forward(self, unit, prev, keep, output) -> None:
         if _in_backward():
-            return   # a forward re-run inside backward (activation recomputation): keep the parameters
+            return  # a forward re-run inside backward (activation recomputation): keep the parameters
         training = torch.is_grad_enabled()
         tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-        for t in tensors:               # fires when the gradient reaches this unit's output
+        for t in tensors:  # fires when the gradient reaches this unit's output
             t.register_hook(lambda g, u=unit, p=prev: self._pre_backward(u, p))
         if not (training and tensors):  # inference: nothing will come back for these
-            for u in (self.all_units if unit is self.root else [unit]):
+            for u in self.all_units if unit is self.root else [unit]:
                 self._reshard(u)
         elif not keep:
             unit.free_full()
@@ -108,7 +112,7 @@ class ParameterSharding:
             return
         unit.backward_started = True
         self._ensure_gathered(unit, compute=True)
-        if self.prefetch:               # backward walks the units in reverse
+        if self.prefetch:  # backward walks the units in reverse
             self._start_gather(prev, compute=True)
 
 

@@ -9,6 +9,7 @@ every unit and the optimizer state of its pieces, on the same world size and sta
 :class:`ShardedState` is a part of :class:`~ultrascale.parallel.zero.ZeRO`; it reads ZeRO's
 units and pieces and calls its ``_sync_param_groups`` and ``_publish_parameters``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,7 +33,7 @@ class ShardedState:
     def state_bytes(self) -> dict:
         """Bytes this rank holds now: parameters, gradients, optimizer (fp32 master + states).
         Frozen parameters are the model's, not ZeRO's: they are not counted."""
-        nbytes = lambda t: 0 if t is None else t.untyped_storage().nbytes()   # noqa: E731
+        nbytes = lambda t: 0 if t is None else t.untyped_storage().nbytes()  # noqa: E731
         units = self.all_units
         params = sum(nbytes(u.full) + nbytes(u.shard) for u in units)
         grads = sum(nbytes(u.grad_full) + nbytes(u.grad_shard) for u in units)
@@ -63,11 +64,15 @@ class ShardedState:
         the optimizer state of its pieces (with their layout). Save it on every rank;
         ``load_state_dict`` resumes on the same world size and stage, each rank its own.
         Frozen parameters and buffers are the model's: save them with the model."""
-        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
-                "units": [(u.name, u.numel) for u in self.all_units],
-                "pieces": [(self.all_units.index(pc.unit), pc.index, pc.group) for pc in self.pieces],
-                "master": [u.master.clone() for u in self.all_units],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict())}   # not live references
+        return {
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "units": [(u.name, u.numel) for u in self.all_units],
+            "pieces": [(self.all_units.index(pc.unit), pc.index, pc.group) for pc in self.pieces],
+            "master": [u.master.clone() for u in self.all_units],
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+        }  # not live references
 
     def publish_master(self) -> None:
         """Make the parameters the master weights again (a collective at stages 1 and 2), after
@@ -88,15 +93,17 @@ class ShardedState:
                 raise ValueError(
                     f"this ZeRO state dict was saved with {key}={state[key]}, but this ZeRO has "
                     f"{key}={getattr(self, key)}: a sharded state resumes only on the same world "
-                    "size and stage, each rank loading the state dict it saved")
+                    "size and stage, each rank loading the state dict it saved"
+                )
         if state["units"] != [(u.name, u.numel) for u in self.all_units]:
-            raise ValueError("this ZeRO state dict was saved for other units or another model: "
-                             f"{state['units']} != {[(u.name, u.numel) for u in self.all_units]}")
+            raise ValueError(
+                "this ZeRO state dict was saved for other units or another model: "
+                f"{state['units']} != {[(u.name, u.numel) for u in self.all_units]}"
+            )
         ranges = [{r[0]: r for r in u.owned_ranges()} for u in self.all_units]
-        self.pieces = [Piece(self.all_units[k], [ranges[k][i] for i in index], g)
-                       for k, index, g in state["pieces"]]
-        self._sync_param_groups()       # the optimizer's state refers to pieces by position
+        self.pieces = [Piece(self.all_units[k], [ranges[k][i] for i in index], g) for k, index, g in state["pieces"]]
+        self._sync_param_groups()  # the optimizer's state refers to pieces by position
         self.optimizer.load_state_dict(state["optimizer"])
         for unit, master in zip(self.all_units, state["master"]):
             unit.master.copy_(master)
-        self._publish_parameters()      # the parameters are the master weights, rounded
+        self._publish_parameters()  # the parameters are the master weights, rounded

@@ -30,6 +30,7 @@ against one process).
 Techniques import ``data`` and ``train``, never this package: checking is for chapters,
 tests, exercise tests and benchmarks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,8 +74,10 @@ def tolerance(optimizer: str | None = "sgd", dtype=torch.float32) -> dict:
     try:
         return dict(TOLERANCES[dtype, family])
     except KeyError:
-        raise ValueError(f"no tolerance stated for {dtype} with {optimizer!r}; add one to "
-                         "ultrascale.parity.TOLERANCES with the reason beside it") from None
+        raise ValueError(
+            f"no tolerance stated for {dtype} with {optimizer!r}; add one to "
+            "ultrascale.parity.TOLERANCES with the reason beside it"
+        ) from None
 
 
 # --------------------------------------------------------------------------- what a check compares
@@ -90,8 +93,9 @@ def perturbed(model, scale: float = 0.05, seed: int = 0):
     return model
 
 
-def first_step_and_train(model, data: "Batches", steps: int, optimizer="sgd", *, full_weights=None,
-                         loss_context=None, device=None, **readers) -> dict:
+def first_step_and_train(
+    model, data: "Batches", steps: int, optimizer="sgd", *, full_weights=None, loss_context=None, device=None, **readers
+) -> dict:
     """``first_step`` on batch 0 of ``data``, then ``steps`` optimizer steps on its global
     batches, then the weights: ``{"logits", "loss", "grads", "weights"}``, what a parity
     check of a model-parallel technique compares. ``readers``: ``full_logits`` and
@@ -117,8 +121,11 @@ def first_step(model, batch: Batch, *, full_logits=None, full_gradients=None, lo
         logits = model(batch.inputs)
         loss = lm_loss(logits, batch.targets) + auxiliary_loss(model)
         loss.backward()
-    out = {"logits": (full_logits or cpu_copy)(logits).detach(), "loss": cpu_copy(loss),
-           "grads": (full_gradients or gradients)(model)}
+    out = {
+        "logits": (full_logits or cpu_copy)(logits).detach(),
+        "loss": cpu_copy(loss),
+        "grads": (full_gradients or gradients)(model),
+    }
     model.zero_grad(set_to_none=True)
     return out
 
@@ -194,7 +201,7 @@ def fsdp2(model, mesh, units=None):
     """
     from torch.distributed.fsdp import fully_shard
 
-    for unit in (model.blocks if units is None else units):
+    for unit in model.blocks if units is None else units:
         fully_shard(unit, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
@@ -217,23 +224,31 @@ def dtensor_tp(model, device_mesh, sequence_parallel: bool = False):
     sharded by vocabulary rows, ``Shard(0)``).
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     tied = model.head.weight is model.embed.weight
     sp = sequence_parallel
-    residual = Shard(1) if sp else Replicate()   # the layout between the TP regions
+    residual = Shard(1) if sp else Replicate()  # the layout between the TP regions
 
-    def region(args: int):   # Attention takes (x, cos, sin, recompute_core), the MLP just x
-        return PrepareModuleInput(input_layouts=(residual,) + (None,) * (args - 1),
-                                  desired_input_layouts=(Replicate(),) + (None,) * (args - 1),
-                                  use_local_output=False)
+    def region(args: int):  # Attention takes (x, cos, sin, recompute_core), the MLP just x
+        return PrepareModuleInput(
+            input_layouts=(residual,) + (None,) * (args - 1),
+            desired_input_layouts=(Replicate(),) + (None,) * (args - 1),
+            use_local_output=False,
+        )
 
     mlp = ("gate", "up", "down") if hasattr(model.blocks[0].mlp, "gate") else ("fc", "proj")
     plan = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual, use_local_output=not sp),
         "blocks.*.attn": region(4),
-        "blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(),
+        "blocks.*.attn.q": ColwiseParallel(),
+        "blocks.*.attn.k": ColwiseParallel(),
         "blocks.*.attn.v": ColwiseParallel(),
         "blocks.*.attn.out": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
         "blocks.*.mlp": region(1),
@@ -242,8 +257,9 @@ def dtensor_tp(model, device_mesh, sequence_parallel: bool = False):
         "head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
     }
     if sp:
-        plan.update({"blocks.*.norm1": SequenceParallel(), "blocks.*.norm2": SequenceParallel(),
-                     "norm": SequenceParallel()})
+        plan.update(
+            {"blocks.*.norm1": SequenceParallel(), "blocks.*.norm2": SequenceParallel(), "norm": SequenceParallel()}
+        )
     parallelize_module(model, device_mesh, plan)
     if tied:
         model.head.weight = model.embed.weight

@@ -9,6 +9,7 @@ share of ``data``; one process trains on the whole batch of every step, its micr
 accumulated, with the same optimizer. The loss curve and every weight must agree within the
 tolerance ``TOLERANCES`` states for that optimizer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,9 @@ def train_composed(ctx, model, config: ParallelConfig, data: Batches, steps: int
 def train_one_process(model, config: ParallelConfig, data: Batches, steps: int) -> dict:
     """The reference: the same steps on one process, the whole batch of every step at once
     (its ``microbatches`` accumulated), with the same optimizer."""
-    losses = run_steps(model, data.global_stream(config.dp * config.ep), steps, config.optimizer,
-                       grad_acc=config.microbatches)
+    losses = run_steps(
+        model, data.global_stream(config.dp * config.ep), steps, config.optimizer, grad_acc=config.microbatches
+    )
     return {"losses": losses, "weights": weights(model)}
 
 
@@ -41,11 +43,16 @@ def assert_composition_matches(per_rank: list, reference: dict, config: Parallel
     """The ranks' results equal one process: the loss curve (mean over the data ranks) and every
     weight, merged from the ranks, within ``parity``'s tolerance for the optimizer. Returns the
     merged result."""
-    merged = {"losses": mean_loss([r["losses"] for r in per_rank], config.layout()),
-              "weights": merge_ranks([r["weights"] for r in per_rank])}
+    merged = {
+        "losses": mean_loss([r["losses"] for r in per_rank], config.layout()),
+        "weights": merge_ranks([r["weights"] for r in per_rank]),
+    }
     what = str(config)
-    assert_same(torch.tensor(merged["losses"], dtype=torch.float64),
-                torch.tensor(reference["losses"], dtype=torch.float64), f"{what}: loss curve",
-                optimizer=config.optimizer)
+    assert_same(
+        torch.tensor(merged["losses"], dtype=torch.float64),
+        torch.tensor(reference["losses"], dtype=torch.float64),
+        f"{what}: loss curve",
+        optimizer=config.optimizer,
+    )
     assert_same(merged["weights"], reference["weights"], f"{what}: weights", optimizer=config.optimizer)
     return merged

@@ -7,6 +7,7 @@ no bias or norm weight hides at its initial value) and see the same seeded token
 r*mbs .. (r+1)*mbs - 1, as data parallelism would. The ranks here are all data ranks: a
 plain group, or a mesh of dp and ep only (dp outer, so a rank's data index is its rank).
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,16 +44,31 @@ def _train(model, first, stream, steps: int, optimizer, device=None) -> dict:
     return out
 
 
-def one_process_run(config, world_size: int, steps: int = 2, optimizer: str = "sgd", mbs: int = 2,
-                    seed: int = 0, selection_bias=None) -> dict:
+def one_process_run(
+    config, world_size: int, steps: int = 2, optimizer: str = "sgd", mbs: int = 2, seed: int = 0, selection_bias=None
+) -> dict:
     """The reference: logits, loss and gradients of step 0's global batch, then ``steps`` steps."""
     data = Batches(config, mbs=mbs, seed=seed)
-    return _train(moe_model(config, seed, selection_bias), data.global_batch(0, world_size),
-                  data.global_stream(world_size), steps, optimizer)
+    return _train(
+        moe_model(config, seed, selection_bias),
+        data.global_batch(0, world_size),
+        data.global_stream(world_size),
+        steps,
+        optimizer,
+    )
 
 
-def ep_rank_run(ctx, config, steps: int = 2, optimizer: str = "sgd", mbs: int = 2, seed: int = 0,
-                mesh_sizes: dict | None = None, apply=apply_ep, selection_bias=None) -> dict:
+def ep_rank_run(
+    ctx,
+    config,
+    steps: int = 2,
+    optimizer: str = "sgd",
+    mbs: int = 2,
+    seed: int = 0,
+    mesh_sizes: dict | None = None,
+    apply=apply_ep,
+    selection_bias=None,
+) -> dict:
     """On every rank: the same run with ``apply(model, mesh_or_group)`` (default ``apply_ep``).
     ``mesh_sizes``: e.g. ``{"dp": 2, "ep": 2}`` (None: ep over all ranks, a plain group)."""
     mesh = None
@@ -60,18 +76,26 @@ def ep_rank_run(ctx, config, steps: int = 2, optimizer: str = "sgd", mbs: int = 
         mesh = init_mesh(ctx, joint=[("dp", "ep")] if len(mesh_sizes) > 1 else (), **mesh_sizes)
     model = apply(moe_model(config, seed, selection_bias, device=ctx.device), mesh)
     data = Batches(config, mbs=mbs, seed=seed)
-    return _train(model, data.rank_batch(ctx.rank, ctx.world_size, 0),
-                  data.rank_stream(ctx.rank, ctx.world_size), steps, optimizer, device=ctx.device)
+    return _train(
+        model,
+        data.rank_batch(ctx.rank, ctx.world_size, 0),
+        data.rank_stream(ctx.rank, ctx.world_size),
+        steps,
+        optimizer,
+        device=ctx.device,
+    )
 
 
 def merged(per_rank: list) -> dict:
     """One run from every rank's: the logits of all rows in data order, the whole model's
     gradients and weights (a dense tensor must be bit-identical on every rank)."""
-    return {"logits": torch.cat([r["logits"] for r in per_rank]),
-            "grads": merge_ranks([r["grads"] for r in per_rank]),
-            "weights": merge_ranks([r["weights"] for r in per_rank]),
-            "loss": torch.stack([r["loss"] for r in per_rank]).mean(),
-            "losses": [sum(c) / len(c) for c in zip(*(r["losses"] for r in per_rank))]}
+    return {
+        "logits": torch.cat([r["logits"] for r in per_rank]),
+        "grads": merge_ranks([r["grads"] for r in per_rank]),
+        "weights": merge_ranks([r["weights"] for r in per_rank]),
+        "loss": torch.stack([r["loss"] for r in per_rank]).mean(),
+        "losses": [sum(c) / len(c) for c in zip(*(r["losses"] for r in per_rank))],
+    }
 
 
 def assert_ep_matches(per_rank: list, reference: dict, optimizer: str = "sgd", what: str = "EP") -> dict:
@@ -99,10 +123,18 @@ def layer_traffic(moe, x) -> dict:
         y = dispatch(x, chosen, weights)
     with CommLogger() as backward:
         y.square().sum().backward()
-    ep_ops = lambda log: {op: t["bytes_sent"] for op, t in log.totals().items()   # noqa: E731
-                          if op.startswith("ep ") or op.startswith("all_to_all")}
+    ep_ops = lambda log: {
+        op: t["bytes_sent"]
+        for op, t in log.totals().items()  # noqa: E731
+        if op.startswith("ep ") or op.startswith("all_to_all")
+    }
     rank, (hidden, k) = dist.get_rank(dispatch.group), (x.shape[-1], chosen.shape[1])
-    return {"logged": [ep_ops(forward), ep_ops(backward)],
-            "predicted": [dispatch_volume(plan.send_counts, receive, rank, hidden, k, x.element_size(), backward=b)
-                          for b in (False, True)],
-            "send": plan.send_counts, "load": rank_load(chosen, moe.num_experts, dispatch.ep).tolist()}
+    return {
+        "logged": [ep_ops(forward), ep_ops(backward)],
+        "predicted": [
+            dispatch_volume(plan.send_counts, receive, rank, hidden, k, x.element_size(), backward=b)
+            for b in (False, True)
+        ],
+        "send": plan.send_counts,
+        "load": rank_load(chosen, moe.num_experts, dispatch.ep).tolist(),
+    }

@@ -15,6 +15,7 @@ name: ``ScheduleGPipe`` (AFAB), ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
 Its ``pipeline_order()`` gives PyTorch's per-rank compute actions in our notation, to set
 against our generators' lists.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,15 @@ from ..schedule import Action, duration, make_schedule
 from ..train import gradients, run_pipeline_steps, run_steps, weights
 from . import assert_same, merge_ranks
 
-__all__ = ["PyTorchPipeline", "TORCH_SCHEDULES", "assert_same_as_one_process", "calibrate_compute",
-           "first_step_and_train", "one_process", "pytorch_pipeline"]
+__all__ = [
+    "PyTorchPipeline",
+    "TORCH_SCHEDULES",
+    "assert_same_as_one_process",
+    "calibrate_compute",
+    "first_step_and_train",
+    "one_process",
+    "pytorch_pipeline",
+]
 
 
 def first_step_and_train(pipe: Pipeline, batches, steps: int, optimizer="sgd", *, device=None) -> dict:
@@ -54,8 +62,15 @@ def one_process(model, batches, m: int, steps: int, optimizer="sgd", fresh=None)
     with torch.no_grad():
         loss = sum(batches(0, micro).loss(model) / m for micro in range(m))
     # no_sync: the hook runs once per step, after the last micro-batch's backward
-    run_steps(model, batches, 1, optimizer, grad_acc=m, no_sync=contextlib.nullcontext,
-              after_backward=lambda: grads.append(gradients(model)))
+    run_steps(
+        model,
+        batches,
+        1,
+        optimizer,
+        grad_acc=m,
+        no_sync=contextlib.nullcontext,
+        after_backward=lambda: grads.append(gradients(model)),
+    )
     model = fresh()
     run_steps(model, batches, steps, optimizer, grad_acc=m)
     return {"loss": loss, "grads": grads[0], "weights": weights(model)}
@@ -68,8 +83,12 @@ def assert_same_as_one_process(per_rank: list, want: dict, what: str, optimizer=
     assert len(losses) == 1, f"{what}: exactly one rank holds the last stage"
     assert_same(losses[0], want["loss"], f"{what}: loss", optimizer=None)
     assert_same(merge_ranks([r["grads"] for r in per_rank]), want["grads"], f"{what}: gradients", optimizer=None)
-    assert_same(merge_ranks([r["weights"] for r in per_rank]), want["weights"], f"{what}: weights after the steps",
-                optimizer=optimizer)
+    assert_same(
+        merge_ranks([r["weights"] for r in per_rank]),
+        want["weights"],
+        f"{what}: weights after the steps",
+        optimizer=optimizer,
+    )
 
 
 # --------------------------------------------------------------------------- calibrated compute
@@ -83,9 +102,14 @@ def calibrate_compute(pipe: Pipeline, t_f: float, t_b: float | None = None, t_w:
 
 
 # --------------------------------------------------------------------------- PyTorch's own
-TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "zb-h1": "ScheduleInterleavedZeroBubble", "dualpipe-v": "ScheduleDualPipeV"}
-_TORCH_OPS = {"F": "F", "B": "B", "I": "B", "W": "W"}   # PyTorch's I is our split B
+TORCH_SCHEDULES = {
+    "afab": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "dualpipe-v": "ScheduleDualPipeV",
+}
+_TORCH_OPS = {"F": "F", "B": "B", "I": "B", "W": "W"}  # PyTorch's I is our split B
 
 
 def _stage_class(pipelining):
@@ -121,15 +145,18 @@ class PyTorchPipeline(Pipeline):
         m = schedule.microbatches
         device = next(model.parameters()).device
         stage_class = _stage_class(pipelining)
-        stages = [stage_class(chunk, int(s), schedule.stages, device, group=group)
-                  for s, chunk in self.chunks.items()]
+        stages = [stage_class(chunk, int(s), schedule.stages, device, group=group) for s, chunk in self.chunks.items()]
         cls = getattr(pipelining, TORCH_SCHEDULES[name])
-        single = name in ("afab", "1f1b")   # the schedules that take one stage, not a list
+        single = name in ("afab", "1f1b")  # the schedules that take one stage, not a list
         # The loss divided by m, as ours, rather than scale_grads: that divides every stage's
         # gradients, so a weight shared by two stages of one rank (GPT's tied embedding on rank 0
         # of a V) would be divided twice.
-        self.torch_schedule = cls(stages[0] if single else stages, n_microbatches=m,
-                                  loss_fn=lambda logits, targets: lm_loss(logits, targets) / m, scale_grads=False)
+        self.torch_schedule = cls(
+            stages[0] if single else stages,
+            n_microbatches=m,
+            loss_fn=lambda logits, targets: lm_loss(logits, targets) / m,
+            scale_grads=False,
+        )
 
     def step(self, batches):
         """The same contract as ``Pipeline.step``: a Batch, or the list of its m micro-batches."""
@@ -147,6 +174,7 @@ class PyTorchPipeline(Pipeline):
 
     def pipeline_order(self) -> list[list[Action]]:
         """PyTorch's compute actions per rank, in our notation (its overlapped F+B pairs unfolded)."""
+
         def ours(a):
             if a.sub_actions:
                 return [x for sub in a.sub_actions for x in ours(sub)]
@@ -157,8 +185,9 @@ class PyTorchPipeline(Pipeline):
         return [[x for a in order[r] if a is not None for x in ours(a)] for r in sorted(order)]
 
 
-def pytorch_pipeline(model, mesh_or_group=None, *, schedule: str = "1f1b", microbatches: int,
-                     chunks: int | None = None, plan=None) -> PyTorchPipeline:
+def pytorch_pipeline(
+    model, mesh_or_group=None, *, schedule: str = "1f1b", microbatches: int, chunks: int | None = None, plan=None
+) -> PyTorchPipeline:
     """``apply_pp``'s counterpart run by torch.distributed.pipelining (see ``TORCH_SCHEDULES``)."""
     import torch.distributed as dist
 

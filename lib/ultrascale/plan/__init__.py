@@ -16,16 +16,46 @@ Modules, one idea each:
   functions, so the planner itself stays arithmetic).
 """
 
-from .enumerate import (SCHEDULES, ZERO_STAGES, ParallelConfig, PlanError, divisors, enumerate_configs,
-                        sequences_per_step, violations)
+from .enumerate import (
+    SCHEDULES,
+    ZERO_STAGES,
+    ParallelConfig,
+    PlanError,
+    divisors,
+    enumerate_configs,
+    sequences_per_step,
+    violations,
+)
 from .fit import CONSUMERS, fits, memory_filter, memory_per_gpu
 from .hardware import DATASHEETS, H100, Datasheet, Hardware, datasheet, hardware_from_measurements
 from .search import Plan, Scored, plan
 from .steptime import PARTS, flops_config, micro_batch_flops, recompute_flops, step_time
 
 __all__ = [
-    "CONSUMERS", "DATASHEETS", "Datasheet", "H100", "PARTS", "SCHEDULES", "ZERO_STAGES", "Hardware",
-    "ParallelConfig", "Plan", "PlanError", "Scored", "datasheet", "divisors", "hardware_from_measurements",
-    "enumerate_configs", "fits", "flops_config", "memory_filter", "memory_per_gpu", "micro_batch_flops",
-    "plan", "recompute_flops", "sequences_per_step", "step_time", "violations",
+    "CONSUMERS",
+    "DATASHEETS",
+    "Datasheet",
+    "H100",
+    "PARTS",
+    "SCHEDULES",
+    "ZERO_STAGES",
+    "Hardware",
+    "ParallelConfig",
+    "Plan",
+    "PlanError",
+    "Scored",
+    "datasheet",
+    "divisors",
+    "hardware_from_measurements",
+    "enumerate_configs",
+    "fits",
+    "flops_config",
+    "memory_filter",
+    "memory_per_gpu",
+    "micro_batch_flops",
+    "plan",
+    "recompute_flops",
+    "sequences_per_step",
+    "step_time",
+    "violations",
 ]

@@ -20,6 +20,7 @@
 The planner itself stays arithmetic: this is the one module of ``ultrascale.plan`` that
 runs anything, and it imports the parallel techniques inside the functions that use them.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -71,15 +72,21 @@ def measure_bandwidth(ctx, sizes=SWEEP_BYTES, repeats: int = 5) -> dict:
     return {"sizes": [p["size"] for p in points], "times": times}
 
 
-def machine_hardware(compute_seconds: list, bandwidth: dict, world_size: int, model=CALIBRATION_MODEL,
-                     mbs: int = 2) -> Hardware:
+def machine_hardware(
+    compute_seconds: list, bandwidth: dict, world_size: int, model=CALIBRATION_MODEL, mbs: int = 2
+) -> Hardware:
     """This machine as a ``Hardware``: the FLOP/s of one rank's unsharded forward and backward
     (median seconds of ``mbs`` sequences), the alpha-beta fit of the all-reduce times, fp32 on
     the wire, all ranks in one node, and no overlap (gloo computes on the same cores)."""
     flops = micro_batch_flops(model, mbs, model.seq_len) / statistics.median(compute_seconds)
     link = fit_ring_all_reduce(bandwidth["sizes"], bandwidth["times"], world_size)
-    return hardware_from_measurements(peak_flops=flops, link=link, memory_bytes=1e12, gpus_per_node=world_size,
-                     name=f"this machine, {world_size} gloo ranks")
+    return hardware_from_measurements(
+        peak_flops=flops,
+        link=link,
+        memory_bytes=1e12,
+        gpus_per_node=world_size,
+        name=f"this machine, {world_size} gloo ranks",
+    )
 
 
 def _setup(ctx, name: str, c: ParallelConfig, model, seed: int):
@@ -88,8 +95,9 @@ def _setup(ctx, name: str, c: ParallelConfig, model, seed: int):
 
     torch.manual_seed(seed)
     net = GPT(model).to(ctx.device)
-    data = Batches(model, mbs=c.mbs, seed=seed)   # drawn on the CPU; each batch is moved to ctx.device
-    if name == "compute":          # the unsharded model on one rank's micro-batch, no communication
+    data = Batches(model, mbs=c.mbs, seed=seed)  # drawn on the CPU; each batch is moved to ctx.device
+    if name == "compute":  # the unsharded model on one rank's micro-batch, no communication
+
         def step(i):
             data.global_batch(i).to(ctx.device).loss(net).backward()
             net.zero_grad(set_to_none=True)
@@ -124,8 +132,9 @@ def _setup(ctx, name: str, c: ParallelConfig, model, seed: int):
     return step
 
 
-def measure_steps(ctx, configs: dict, model=CALIBRATION_MODEL, mbs: int = 2, rounds: int = 5,
-                  seed: int = 0, progress: bool = False) -> dict:
+def measure_steps(
+    ctx, configs: dict, model=CALIBRATION_MODEL, mbs: int = 2, rounds: int = 5, seed: int = 0, progress: bool = False
+) -> dict:
     """Seconds of real training steps (forward, backward, gradient synchronisation), each the
     slowest rank's: for every configuration in ``configs``, and paired with each, a
     ``"compute"`` step (one rank's unsharded step on ``mbs`` sequences, every rank at once).
@@ -145,7 +154,7 @@ def measure_steps(ctx, configs: dict, model=CALIBRATION_MODEL, mbs: int = 2, rou
                 dist.barrier()
                 start = time.perf_counter()
                 fn(r)
-                wait_for_device(ctx.device)   # the step's kernels, not their launch
+                wait_for_device(ctx.device)  # the step's kernels, not their launch
                 pair.append(_slowest(time.perf_counter() - start, ctx.device))
             if r:
                 pairs[name].append(tuple(pair))
@@ -162,8 +171,12 @@ def compare(pairs: dict, configs: dict, hardware: Hardware, model=CALIBRATION_MO
     for name, c in configs.items():
         predicted = step_time(model, c, model.seq_len, hardware)
         measured = statistics.median(b / a for a, b in pairs[name])
-        out[name] = {"predicted": predicted, "predicted_units": predicted["step"] / compute,
-                     "measured_units": measured, "ratio": measured / (predicted["step"] / compute)}
+        out[name] = {
+            "predicted": predicted,
+            "predicted_units": predicted["step"] / compute,
+            "measured_units": measured,
+            "ratio": measured / (predicted["step"] / compute),
+        }
     return out
 
 
@@ -181,8 +194,13 @@ def counting_hardware(world_size: int) -> Hardware:
     nothing hidden. Each part of ``step_time`` is then what the model charges the busiest rank:
     ``compute`` in FLOPs, every communication part in bytes sent (a ring phase sends
     ``(n - 1) / n`` of its buffer, as ``CommLogger`` counts it). Only ``bubble`` is no count."""
-    return hardware_from_measurements(peak_flops=1.0, link=AlphaBeta(0.0, 1.0), memory_bytes=1e12,
-                                      gpus_per_node=world_size, name="counting: 1 FLOP/s, 1 B/s")
+    return hardware_from_measurements(
+        peak_flops=1.0,
+        link=AlphaBeta(0.0, 1.0),
+        memory_bytes=1e12,
+        gpus_per_node=world_size,
+        name="counting: 1 FLOP/s, 1 B/s",
+    )
 
 
 def count_steps(ctx, configs: dict, model=CALIBRATION_MODEL, mbs: int = 2, seed: int = 0) -> dict:
@@ -200,8 +218,11 @@ def count_steps(ctx, configs: dict, model=CALIBRATION_MODEL, mbs: int = 2, seed:
         step(0)
         with CommLogger() as log, FlopCounterMode(display=False) as flops:
             step(1)
-        out[name] = {"flops": flops.get_total_flops(), "bytes": log.bytes_sent,
-                     "ops": {op: [t["calls"], t["bytes_sent"]] for op, t in log.totals().items()}}
+        out[name] = {
+            "flops": flops.get_total_flops(),
+            "bytes": log.bytes_sent,
+            "ops": {op: [t["calls"], t["bytes_sent"]] for op, t in log.totals().items()},
+        }
     return out
 
 
@@ -217,8 +238,12 @@ def compare_counts(per_rank: list, configs: dict, model=CALIBRATION_MODEL, world
         flops = max(r[name]["flops"] for r in per_rank)
         nbytes = max(r[name]["bytes"] for r in per_rank)
         predicted_bytes = sum(predicted[k] for k in COMMUNICATION_PARTS)
-        out[name] = {"flops": flops, "predicted_flops": predicted["compute"] + predicted["recompute"],
-                     "bytes": nbytes, "predicted_bytes": predicted_bytes}
+        out[name] = {
+            "flops": flops,
+            "predicted_flops": predicted["compute"] + predicted["recompute"],
+            "bytes": nbytes,
+            "predicted_bytes": predicted_bytes,
+        }
         out[name]["flops_ratio"] = flops / out[name]["predicted_flops"]
         out[name]["bytes_ratio"] = nbytes / predicted_bytes if predicted_bytes else None
     return out

@@ -25,6 +25,7 @@ configuration breaks, in words; :func:`enumerate_configs` yields only those that
 * the global batch is a whole number of sequences, shared evenly by the ``dp * ep`` replicas;
 * ``dp_shard`` (0: ZeRO over all of them) is a divisor of dp below dp, with ZeRO-3 only.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -54,8 +55,8 @@ class ParallelConfig:
     gas: int = 1
     recompute: str = "none"
     schedule: str = "1f1b"
-    chunks: int = 1        # model chunks per pipeline rank (v); > 1 only for "interleaved"
-    dp_shard: int = 0      # HSDP: ZeRO-3 over dp_shard of the dp ranks, dp / dp_shard replicas; 0: over all
+    chunks: int = 1  # model chunks per pipeline rank (v); > 1 only for "interleaved"
+    dp_shard: int = 0  # HSDP: ZeRO-3 over dp_shard of the dp ranks, dp / dp_shard replicas; 0: over all
 
     @property
     def dp_replicate(self) -> int:
@@ -106,9 +107,11 @@ def sequences_per_step(global_batch_tokens: int, seq: int) -> int:
     if seq < 1 or global_batch_tokens < 1:
         raise PlanError(f"seq ({seq}) and the global batch ({global_batch_tokens} tokens) must be positive")
     if global_batch_tokens % seq:
-        raise PlanError(f"a global batch of {global_batch_tokens:,} tokens is not a whole number of "
-                        f"{seq}-token sequences ({global_batch_tokens / seq:.2f}); pick a multiple of {seq}, "
-                        f"e.g. {round(global_batch_tokens / seq) * seq:,}")
+        raise PlanError(
+            f"a global batch of {global_batch_tokens:,} tokens is not a whole number of "
+            f"{seq}-token sequences ({global_batch_tokens / seq:.2f}); pick a multiple of {seq}, "
+            f"e.g. {round(global_batch_tokens / seq) * seq:,}"
+        )
     return global_batch_tokens // seq
 
 
@@ -116,8 +119,9 @@ def _experts(model) -> int:
     return getattr(model, "experts", 0) or 0
 
 
-def violations(model, c: ParallelConfig, *, gpus: int, global_batch_tokens: int, seq: int,
-               gpus_per_node: int = 8) -> list[str]:
+def violations(
+    model, c: ParallelConfig, *, gpus: int, global_batch_tokens: int, seq: int, gpus_per_node: int = 8
+) -> list[str]:
     """The rules ``c`` breaks for ``model`` on ``gpus`` GPUs, as sentences (empty: valid)."""
     broken = []
     degrees = {name: getattr(c, name) for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "gas", "chunks")}
@@ -131,8 +135,10 @@ def violations(model, c: ParallelConfig, *, gpus: int, global_batch_tokens: int,
     if gpus_per_node % c.tp:
         broken.append(f"tp={c.tp} does not divide the {gpus_per_node} GPUs of a node: a TP group must stay in one node")
     if model.heads % c.tp or getattr(model, "kv_heads", model.heads) % c.tp:
-        broken.append(f"tp={c.tp} does not divide the {model.heads} attention heads "
-                      f"({getattr(model, 'kv_heads', model.heads)} K/V heads)")
+        broken.append(
+            f"tp={c.tp} does not divide the {model.heads} attention heads "
+            f"({getattr(model, 'kv_heads', model.heads)} K/V heads)"
+        )
     if c.pp > model.layers:
         broken.append(f"pp={c.pp} stages for {model.layers} layers: a stage needs at least one layer")
     if c.cp > 1 and seq % (2 * c.cp):
@@ -141,8 +147,9 @@ def violations(model, c: ParallelConfig, *, gpus: int, global_batch_tokens: int,
     if c.ep > 1 and (experts == 0 or experts % c.ep):
         broken.append(f"ep={c.ep} must divide the number of experts ({experts or 'none: a dense model'})")
     if c.batch_tokens(seq) != global_batch_tokens:
-        broken.append(f"mbs*gas*dp*ep*seq = {c.batch_tokens(seq):,} tokens, not the global batch of "
-                      f"{global_batch_tokens:,}")
+        broken.append(
+            f"mbs*gas*dp*ep*seq = {c.batch_tokens(seq):,} tokens, not the global batch of {global_batch_tokens:,}"
+        )
     if c.zero not in ZERO_STAGES:
         broken.append(f"zero={c.zero!r}: choose one of {ZERO_STAGES}")
     if c.dp_shard:
@@ -163,9 +170,19 @@ def violations(model, c: ParallelConfig, *, gpus: int, global_batch_tokens: int,
     return broken
 
 
-def enumerate_configs(model, *, gpus: int, global_batch_tokens: int, seq: int, gpus_per_node: int = 8,
-                      zero_stages=ZERO_STAGES, recompute=RECOMPUTE_MODES, max_cp: int = 64,
-                      schedules=(("1f1b", 1),), hsdp: bool = False):
+def enumerate_configs(
+    model,
+    *,
+    gpus: int,
+    global_batch_tokens: int,
+    seq: int,
+    gpus_per_node: int = 8,
+    zero_stages=ZERO_STAGES,
+    recompute=RECOMPUTE_MODES,
+    max_cp: int = 64,
+    schedules=(("1f1b", 1),),
+    hsdp: bool = False,
+):
     """Yield every valid :class:`ParallelConfig` (see the module docstring for the rules).
 
     ``schedules``: the (schedule, chunks) pairs to try when pp > 1, e.g.
@@ -178,8 +195,9 @@ def enumerate_configs(model, *, gpus: int, global_batch_tokens: int, seq: int, g
         raise PlanError(f"need at least one GPU, got {gpus}")
     sequences = sequences_per_step(global_batch_tokens, seq)
     experts = _experts(model)
-    for tp, pp, cp, ep in itertools.product(divisors(gpus_per_node), divisors(gpus), divisors(gpus),
-                                            divisors(experts) if experts else [1]):
+    for tp, pp, cp, ep in itertools.product(
+        divisors(gpus_per_node), divisors(gpus), divisors(gpus), divisors(experts) if experts else [1]
+    ):
         rest, remainder = divmod(gpus, tp * pp * cp * ep)
         if remainder or cp > max_cp:
             continue
@@ -191,9 +209,14 @@ def enumerate_configs(model, *, gpus: int, global_batch_tokens: int, seq: int, g
             shared = dp * ep * cp > 1
             for zero, mode in itertools.product(zero_stages if shared else (0,), recompute):
                 shards = [0] + (divisors(dp)[:-1] if hsdp and zero == 3 else [])
-                for (schedule, chunks), dp_shard in itertools.product(schedules if pp > 1 else (("1f1b", 1),),
-                                                                      shards):
+                for (schedule, chunks), dp_shard in itertools.product(schedules if pp > 1 else (("1f1b", 1),), shards):
                     c = ParallelConfig(dp, tp, pp, cp, ep, zero, mbs, gas, mode, schedule, chunks, dp_shard)
-                    if not violations(model, c, gpus=gpus, global_batch_tokens=global_batch_tokens, seq=seq,
-                                      gpus_per_node=gpus_per_node):
+                    if not violations(
+                        model,
+                        c,
+                        gpus=gpus,
+                        global_batch_tokens=global_batch_tokens,
+                        seq=seq,
+                        gpus_per_node=gpus_per_node,
+                    ):
                         yield c

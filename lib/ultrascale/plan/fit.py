@@ -13,6 +13,7 @@ Newer keyword arguments of ``breakdown`` (``ep``, and the pipeline's ``schedule`
 ``micro_batches``) are passed when the memory model has them, so the filter follows the
 memory model as it grows rather than keeping a copy of it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,9 +34,19 @@ def _breakdown_accepts() -> frozenset:
 
 def memory_per_gpu(model, c: ParallelConfig, seq: int) -> dict:
     """Bytes held by the busiest GPU of configuration ``c``, by consumer (and ``"total"``)."""
-    kwargs = dict(seq=seq, micro_batch=c.mbs, mixed_precision=True, recompute=c.recompute,
-                  zero_stage=c.zero, tp=c.tp, dp=c.dp * c.cp, pp=c.pp, cp=c.cp, sequence_parallel=True)
-    if c.dp_shard:   # HSDP: the states shard over one replica's block of the dp (x cp) ranks
+    kwargs = dict(
+        seq=seq,
+        micro_batch=c.mbs,
+        mixed_precision=True,
+        recompute=c.recompute,
+        zero_stage=c.zero,
+        tp=c.tp,
+        dp=c.dp * c.cp,
+        pp=c.pp,
+        cp=c.cp,
+        sequence_parallel=True,
+    )
+    if c.dp_shard:  # HSDP: the states shard over one replica's block of the dp (x cp) ranks
         kwargs["dp_shard"] = c.dp_shard * c.cp
     if "ep" in _breakdown_accepts():
         kwargs["ep"] = c.ep
@@ -85,4 +96,3 @@ def memory_filter(model, configs, seq: int, hardware: Hardware) -> tuple[list, l
         need = memory_per_gpu(model, c, seq)["total"]
         (fitting if need <= hardware.usable_memory else too_big).append((c, need))
     return fitting, too_big
-

@@ -28,12 +28,12 @@ public spec sheet or marked as an assumption:
 Links are :class:`ultrascale.comm.AlphaBeta` (chapter A0's model, bandwidth as nccl-tests'
 bus bandwidth); :func:`hardware_from_measurements` turns measurements into a ``Hardware``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from ..comm.cost_model import AlphaBeta
-
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,10 @@ def datasheet(device_name: str) -> Datasheet | None:
     return next((sheet for words, sheet in DATASHEETS if all(w in device_name for w in words)), None)
 
 
-H100_PEAK_FLOPS = datasheet("H100").bf16_flops   # dense BF16, H100 SXM data sheet
-H100_MEMORY_BYTES = 80e9          # 80 GB HBM3
-NVLINK4_BW = 450e9                # 900 GB/s bidirectional per GPU, per direction
-INFINIBAND_NDR_BW = 50e9          # 400 Gb/s per GPU
+H100_PEAK_FLOPS = datasheet("H100").bf16_flops  # dense BF16, H100 SXM data sheet
+H100_MEMORY_BYTES = 80e9  # 80 GB HBM3
+NVLINK4_BW = 450e9  # 900 GB/s bidirectional per GPU, per direction
+INFINIBAND_NDR_BW = 50e9  # 400 Gb/s per GPU
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,9 @@ class Hardware:
     memory_headroom: float = 0.1
     intra_node: AlphaBeta = field(default_factory=lambda: AlphaBeta(3e-6, NVLINK4_BW))
     inter_node: AlphaBeta = field(default_factory=lambda: AlphaBeta(10e-6, INFINIBAND_NDR_BW))
-    bytes_per_element: int = 2    # bf16 activations, gradients and weights on the wire
-    overlap: bool = True          # GPUs: collectives run beside the kernels (appendix A3); a CPU's
-                                  # gloo collectives take the very cores that compute: nothing hides
+    bytes_per_element: int = 2  # bf16 activations, gradients and weights on the wire
+    overlap: bool = True  # GPUs: collectives run beside the kernels (appendix A3); a CPU's
+    # gloo collectives take the very cores that compute: nothing hides
 
     def __post_init__(self):
         if self.gpus_per_node < 1:
@@ -126,12 +126,30 @@ class Hardware:
 H100 = Hardware()
 
 
-def hardware_from_measurements(*, peak_flops: float, link: AlphaBeta, memory_bytes: float, gpus_per_node: int,
-              name: str = "calibrated", matmul_efficiency: float = 1.0, bytes_per_element: int = 4,
-              half_efficiency_tokens: float = 0.0, overlap: bool = False) -> Hardware:
+def hardware_from_measurements(
+    *,
+    peak_flops: float,
+    link: AlphaBeta,
+    memory_bytes: float,
+    gpus_per_node: int,
+    name: str = "calibrated",
+    matmul_efficiency: float = 1.0,
+    bytes_per_element: int = 4,
+    half_efficiency_tokens: float = 0.0,
+    overlap: bool = False,
+) -> Hardware:
     """A ``Hardware`` from measured numbers: one machine whose ranks all share one kind of link
     (``gpus_per_node`` = the ranks on it), e.g. this CPU with gloo over loopback in fp32."""
-    return Hardware(name=name, gpus_per_node=gpus_per_node, peak_flops=peak_flops,
-                    matmul_efficiency=matmul_efficiency, half_efficiency_tokens=half_efficiency_tokens,
-                    memory_bytes=memory_bytes, memory_headroom=0.0,
-                    intra_node=link, inter_node=link, bytes_per_element=bytes_per_element, overlap=overlap)
+    return Hardware(
+        name=name,
+        gpus_per_node=gpus_per_node,
+        peak_flops=peak_flops,
+        matmul_efficiency=matmul_efficiency,
+        half_efficiency_tokens=half_efficiency_tokens,
+        memory_bytes=memory_bytes,
+        memory_headroom=0.0,
+        intra_node=link,
+        inter_node=link,
+        bytes_per_element=bytes_per_element,
+        overlap=overlap,
+    )

@@ -24,6 +24,7 @@ The book's own benchmark (1 to 64 nodes of 8 H100s, sequence 4096, 1M-token batc
 reported findings rather than one layout: :func:`heatmap` recomputes that sweep and
 ``chapters/10_best_configuration`` checks them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,16 +37,19 @@ from .hardware import H100, Hardware
 from .search import plan
 
 # Llama 3.2's published 1B and 3B shapes (tied embeddings), for the small end of the sweep.
-LLAMA32_1B = LlamaConfig(vocab_size=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192,
-                         seq_len=4096, tie_embeddings=True)
-LLAMA32_3B = LlamaConfig(vocab_size=128256, hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192,
-                         seq_len=4096, tie_embeddings=True)
+LLAMA32_1B = LlamaConfig(
+    vocab_size=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, seq_len=4096, tie_embeddings=True
+)
+LLAMA32_3B = LlamaConfig(
+    vocab_size=128256, hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, seq_len=4096, tie_embeddings=True
+)
 SWEEP_MODELS = {"1B": LLAMA32_1B, "3B": LLAMA32_3B, "8B": LLAMA3_8B, "70B": LLAMA3_70B, "405B": LLAMA3_405B}
 SWEEP_NODES = (1, 2, 4, 8, 16, 32, 64)
-SWEEP_SEQ, SWEEP_BATCH_TOKENS = 4096, 2**20       # the book's sweep: 4096 tokens, 1M-token batches
+SWEEP_SEQ, SWEEP_BATCH_TOKENS = 4096, 2**20  # the book's sweep: 4096 tokens, 1M-token batches
 
-DEEPSEEK_V3 = LlamaConfig(vocab_size=129280, hidden=7168, layers=61, heads=128, kv_heads=128, ffn=2048,
-                          seq_len=4096, experts=256, top_k=8)
+DEEPSEEK_V3 = LlamaConfig(
+    vocab_size=129280, hidden=7168, layers=61, heads=128, kv_heads=128, ffn=2048, seq_len=4096, experts=256, top_k=8
+)
 H800 = dataclasses.replace(H100, name="8x H800 per node", intra_node=AlphaBeta(3e-6, 160e9))
 
 
@@ -58,27 +62,43 @@ class Published:
     gpus: int
     global_batch_tokens: int
     seq: int
-    layout: dict                      # the reported fields of a ParallelConfig
+    layout: dict  # the reported fields of a ParallelConfig
     hardware: Hardware = H100
-    free: dict = field(default_factory=dict)   # unreported fields: the values to try
+    free: dict = field(default_factory=dict)  # unreported fields: the values to try
     source: str = ""
 
 
 LLAMA3_405B_PRETRAIN = Published(
-    "Llama 3 405B", LLAMA3_405B, gpus=16384, global_batch_tokens=16 * 128 * 8192, seq=8192,
+    "Llama 3 405B",
+    LLAMA3_405B,
+    gpus=16384,
+    global_batch_tokens=16 * 128 * 8192,
+    seq=8192,
     layout=dict(tp=8, cp=1, pp=16, dp=128, mbs=1, gas=16, zero=2),
     free=dict(recompute=("none", "selective", "full"), schedule=(("interleaved", 2), ("interleaved", 4), ("1f1b", 1))),
-    source="Llama 3 Herd of Models, table 4 (16,384 GPUs, 8K sequences)")
+    source="Llama 3 Herd of Models, table 4 (16,384 GPUs, 8K sequences)",
+)
 LLAMA3_405B_LONG = Published(
-    "Llama 3 405B, long context", LLAMA3_405B, gpus=16384, global_batch_tokens=16 * 8 * 131072, seq=131072,
+    "Llama 3 405B, long context",
+    LLAMA3_405B,
+    gpus=16384,
+    global_batch_tokens=16 * 8 * 131072,
+    seq=131072,
     layout=dict(tp=8, cp=16, pp=16, dp=8, mbs=1, gas=16, zero=2),
     free=dict(recompute=("none", "selective", "full"), schedule=(("interleaved", 2), ("interleaved", 4), ("1f1b", 1))),
-    source="Llama 3 Herd of Models, table 4 (131K sequences)")
+    source="Llama 3 Herd of Models, table 4 (131K sequences)",
+)
 DEEPSEEK_V3_PRETRAIN = Published(
-    "DeepSeek-V3", DEEPSEEK_V3, gpus=2048, global_batch_tokens=15360 * 4096, seq=4096,
-    layout=dict(tp=1, cp=1, pp=16, ep=64, dp=2, zero=1), hardware=H800,
+    "DeepSeek-V3",
+    DEEPSEEK_V3,
+    gpus=2048,
+    global_batch_tokens=15360 * 4096,
+    seq=4096,
+    layout=dict(tp=1, cp=1, pp=16, ep=64, dp=2, zero=1),
+    hardware=H800,
     free=dict(recompute=("none", "selective", "full"), schedule=(("1f1b", 1),)),
-    source="DeepSeek-V3 Technical Report, section 3.2")
+    source="DeepSeek-V3 Technical Report, section 3.2",
+)
 PUBLISHED = (LLAMA3_405B_PRETRAIN, LLAMA3_405B_LONG, DEEPSEEK_V3_PRETRAIN)
 
 
@@ -98,18 +118,44 @@ def compare(setup: Published, **options) -> dict:
     schedules = tuple(dict.fromkeys(((s, v) for s, v in setup.free.get("schedule", (("1f1b", 1),)))))
     options.setdefault("schedules", schedules)
     options.setdefault("recompute", setup.free.get("recompute", ("none", "selective", "full")))
-    result = plan(setup.model, gpus=setup.gpus, global_batch_tokens=setup.global_batch_tokens, seq=setup.seq,
-                  hardware=setup.hardware, **options)
+    result = plan(
+        setup.model,
+        gpus=setup.gpus,
+        global_batch_tokens=setup.global_batch_tokens,
+        seq=setup.seq,
+        hardware=setup.hardware,
+        **options,
+    )
     for rank, scored in enumerate(result.ranked, start=1):
         if matches(scored.config, setup.layout):
-            return {"plan": result, "published": scored, "rank": rank, "best": result.best,
-                    "slowdown": scored.step / result.best.step, "of": len(result.ranked)}
-    return {"plan": result, "published": None, "rank": None, "best": result.best, "slowdown": None,
-            "of": len(result.ranked)}
+            return {
+                "plan": result,
+                "published": scored,
+                "rank": rank,
+                "best": result.best,
+                "slowdown": scored.step / result.best.step,
+                "of": len(result.ranked),
+            }
+    return {
+        "plan": result,
+        "published": None,
+        "rank": None,
+        "best": result.best,
+        "slowdown": None,
+        "of": len(result.ranked),
+    }
 
 
-def heatmap(models=None, nodes=SWEEP_NODES, *, seq=SWEEP_SEQ, global_batch_tokens=SWEEP_BATCH_TOKENS,
-            hardware: Hardware = H100, progress=None, **options) -> dict:
+def heatmap(
+    models=None,
+    nodes=SWEEP_NODES,
+    *,
+    seq=SWEEP_SEQ,
+    global_batch_tokens=SWEEP_BATCH_TOKENS,
+    hardware: Hardware = H100,
+    progress=None,
+    **options,
+) -> dict:
     """The book's sweep: the planner's best layout for each (model, node count).
 
     Returns ``{(name, nodes): Scored or None}`` (None: fits on no layout). ``options`` go to
@@ -122,8 +168,14 @@ def heatmap(models=None, nodes=SWEEP_NODES, *, seq=SWEEP_SEQ, global_batch_token
     for name, model in models.items():
         for n in nodes:
             try:
-                cells[name, n] = plan(model, gpus=n * hardware.gpus_per_node, global_batch_tokens=global_batch_tokens,
-                                      seq=seq, hardware=hardware, **options).best
+                cells[name, n] = plan(
+                    model,
+                    gpus=n * hardware.gpus_per_node,
+                    global_batch_tokens=global_batch_tokens,
+                    seq=seq,
+                    hardware=hardware,
+                    **options,
+                ).best
             except PlanError:
                 cells[name, n] = None
             if progress is not None:

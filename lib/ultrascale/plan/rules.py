@@ -11,6 +11,7 @@ The rules are the book's rules of thumb (its section "Finding the best training
 configuration"); the planner (``search.plan``) does the exhaustive version, and chapter 10
 compares the two.
 """
+
 from __future__ import annotations
 
 from .enumerate import ParallelConfig, PlanError, sequences_per_step
@@ -27,8 +28,9 @@ def techniques(c: ParallelConfig) -> frozenset:
     return frozenset(used)
 
 
-def step1_techniques(n_params: float, gpus: int, *, gpus_per_node: int = 8, long_sequence: bool = False,
-                     moe: bool = False) -> list[frozenset]:
+def step1_techniques(
+    n_params: float, gpus: int, *, gpus_per_node: int = 8, long_sequence: bool = False, moe: bool = False
+) -> list[frozenset]:
     """Step 1 for a GPU-rich cluster: the combinations the book suggests, each a set of techniques.
 
     The number of GPUs decides first where the book says scale does (512 and 1024 GPUs), and
@@ -81,9 +83,11 @@ def step2_gradient_accumulation(global_batch_tokens: int, seq: int, mbs: int, re
         raise PlanError(f"mbs ({mbs}) and the data-parallel replicas ({replicas}) must be at least 1")
     per_step = mbs * replicas
     if sequences % per_step:
-        raise PlanError(f"{sequences} sequences per step cannot be shared as whole micro-batches of {mbs} "
-                        f"by {replicas} replicas ({sequences / per_step:.2f} each); choose mbs and dp so that "
-                        f"mbs*dp divides {sequences}")
+        raise PlanError(
+            f"{sequences} sequences per step cannot be shared as whole micro-batches of {mbs} "
+            f"by {replicas} replicas ({sequences / per_step:.2f} each); choose mbs and dp so that "
+            f"mbs*dp divides {sequences}"
+        )
     return sequences // per_step
 
 
@@ -92,7 +96,7 @@ def step2_adjust(target_tokens: int, batch_tokens: int, *, long_sequence: bool =
     if batch_tokens < target_tokens:
         return "raise it: more DP or more gradient accumulation" + (", or CP" if long_sequence else "")
     if batch_tokens > target_tokens:
-        return ("lower it: fewer DP replicas in favour of TP or PP" + (", or less CP" if long_sequence else ""))
+        return "lower it: fewer DP replicas in favour of TP or PP" + (", or less CP" if long_sequence else "")
     return "on target"
 
 

@@ -11,6 +11,7 @@ at all (``enumerate``), those whose busiest GPU fits in memory (``fit``), and am
 the fastest step (``steptime``). A request nothing satisfies raises :class:`PlanError`
 with the reason and what to change, never an empty answer.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,8 +51,8 @@ class Plan:
     seq: int
     hardware: Hardware
     ranked: list = field(default_factory=list)
-    candidates: int = 0          # valid layouts before the memory filter
-    smallest_need: float = 0.0   # bytes per GPU of the leanest valid layout
+    candidates: int = 0  # valid layouts before the memory filter
+    smallest_need: float = 0.0  # bytes per GPU of the leanest valid layout
 
     @property
     def best(self) -> Scored:
@@ -66,20 +67,34 @@ class Plan:
 
     def score(self, config: ParallelConfig) -> Scored:
         """Memory and time of any valid ``config``, fitting or not (for comparisons)."""
-        broken = violations(self.model, config, gpus=self.gpus, global_batch_tokens=self.global_batch_tokens,
-                            seq=self.seq, gpus_per_node=self.hardware.gpus_per_node)
+        broken = violations(
+            self.model,
+            config,
+            gpus=self.gpus,
+            global_batch_tokens=self.global_batch_tokens,
+            seq=self.seq,
+            gpus_per_node=self.hardware.gpus_per_node,
+        )
         if broken:
             raise PlanError(f"{config.short()} is not a valid layout here: " + "; ".join(broken))
-        return Scored(config, memory_per_gpu(self.model, config, self.seq),
-                      step_time(self.model, config, self.seq, self.hardware))
+        return Scored(
+            config, memory_per_gpu(self.model, config, self.seq), step_time(self.model, config, self.seq, self.hardware)
+        )
 
     def table(self, n: int = 5) -> list[dict]:
         """The top ``n`` as rows: the layout, GB per GPU, step seconds, MFU and time by part."""
         rows = []
         for i, s in enumerate(self.ranked[:n], start=1):
-            rows.append({"rank": i, "config": s.config.short(), "GB/GPU": s.memory["total"] / 1e9,
-                         "step s": s.step, "MFU": s.mfu,
-                         **{k: s.time[k] for k in ("compute", "recompute", "TP", "CP", "EP", "PP", "bubble", "DP")}})
+            rows.append(
+                {
+                    "rank": i,
+                    "config": s.config.short(),
+                    "GB/GPU": s.memory["total"] / 1e9,
+                    "step s": s.step,
+                    "MFU": s.mfu,
+                    **{k: s.time[k] for k in ("compute", "recompute", "TP", "CP", "EP", "PP", "bubble", "DP")},
+                }
+            )
         return rows
 
 
@@ -94,8 +109,14 @@ def plan(model, *, gpus: int, global_batch_tokens: int, seq: int, hardware: Hard
     """
     result = Plan(model, gpus, global_batch_tokens, seq, hardware)
     leanest = None
-    for c in enumerate_configs(model, gpus=gpus, global_batch_tokens=global_batch_tokens, seq=seq,
-                               gpus_per_node=hardware.gpus_per_node, **options):
+    for c in enumerate_configs(
+        model,
+        gpus=gpus,
+        global_batch_tokens=global_batch_tokens,
+        seq=seq,
+        gpus_per_node=hardware.gpus_per_node,
+        **options,
+    ):
         result.candidates += 1
         need = memory_per_gpu(model, c, seq)
         if leanest is None or need["total"] < leanest[1]["total"]:
@@ -103,25 +124,29 @@ def plan(model, *, gpus: int, global_batch_tokens: int, seq: int, hardware: Hard
         if need["total"] <= hardware.usable_memory:
             result.ranked.append(Scored(c, need, step_time(model, c, seq, hardware)))
     if leanest is None:
-        raise PlanError(f"no layout of {gpus} GPUs can run {global_batch_tokens:,}-token batches of {seq}-token "
-                        f"sequences: the {global_batch_tokens // seq} sequences cannot be shared evenly by any "
-                        f"data-parallel degree that the other axes leave (tp within a node of "
-                        f"{hardware.gpus_per_node}, pp <= {model.layers} layers, cp splitting the sequence). "
-                        "Change the GPU count or the batch so that they share a factor.")
+        raise PlanError(
+            f"no layout of {gpus} GPUs can run {global_batch_tokens:,}-token batches of {seq}-token "
+            f"sequences: the {global_batch_tokens // seq} sequences cannot be shared evenly by any "
+            f"data-parallel degree that the other axes leave (tp within a node of "
+            f"{hardware.gpus_per_node}, pp <= {model.layers} layers, cp splitting the sequence). "
+            "Change the GPU count or the batch so that they share a factor."
+        )
     result.smallest_need = leanest[1]["total"]
     if not result.ranked:
         c, need = leanest
-        raise PlanError(f"{_name(model)} fits on none of the {result.candidates} layouts of {gpus} GPUs: the leanest, "
-                        f"{c.short()}, needs {need['total'] / 1e9:.1f} GB per GPU "
-                        f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in need.items() if k != 'total')} GB) and "
-                        f"{hardware.usable_memory / 1e9:.1f} GB are usable ({hardware.memory_bytes / 1e9:.0f} GB "
-                        f"less {hardware.memory_headroom:.0%} headroom). Add GPUs (more pp or ZeRO-3 ranks), "
-                        "a shorter sequence, or GPUs with more memory.")
+        raise PlanError(
+            f"{_name(model)} fits on none of the {result.candidates} layouts of {gpus} GPUs: the leanest, "
+            f"{c.short()}, needs {need['total'] / 1e9:.1f} GB per GPU "
+            f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in need.items() if k != 'total')} GB) and "
+            f"{hardware.usable_memory / 1e9:.1f} GB are usable ({hardware.memory_bytes / 1e9:.0f} GB "
+            f"less {hardware.memory_headroom:.0%} headroom). Add GPUs (more pp or ZeRO-3 ranks), "
+            "a shorter sequence, or GPUs with more memory."
+        )
     result.ranked.sort(key=_rank_key)
     return result
 
 
-TIE = 0.005   # step times within 0.5% count as equal: the model is not more precise than that
+TIE = 0.005  # step times within 0.5% count as equal: the model is not more precise than that
 
 
 def _rank_key(s: Scored):
@@ -130,8 +155,13 @@ def _rank_key(s: Scored):
     the same: add one axis at a time, and only when it buys something."""
     c = s.config
     axes = sum(getattr(c, a) > 1 for a in ("dp", "tp", "pp", "cp", "ep"))
-    return (round(math.log(s.step) / math.log1p(TIE)), axes, c.zero, RECOMPUTE_MODES.index(c.recompute),
-            s.memory["total"])
+    return (
+        round(math.log(s.step) / math.log1p(TIE)),
+        axes,
+        c.zero,
+        RECOMPUTE_MODES.index(c.recompute),
+        s.memory["total"],
+    )
 
 
 def _name(model) -> str:

@@ -46,6 +46,7 @@ nobody trusts the model beyond it: kernels running below ``achieved_flops`` as s
 small, the optimizer step, the embedding and loss, load imbalance between experts, and the
 SMs that communication kernels take from compute (the book's closing remark).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,9 +76,9 @@ def micro_batch_flops(model, mbs: int, seq: int) -> float:
 
 def recompute_flops(model, mbs: int, seq: int, mode: str) -> float:
     """FLOPs spent again by activation recomputation in one micro-batch's backward."""
-    if mode == "full":          # the whole forward again: a third of forward + backward
+    if mode == "full":  # the whole forward again: a third of forward + backward
         return micro_batch_flops(model, mbs, seq) / 3
-    if mode == "selective":     # only the attention scores' forward
+    if mode == "selective":  # only the attention scores' forward
         return mbs * seq * attention_flops_per_token(model, seq, causal=True) / 3
     return 0.0
 
@@ -91,14 +92,14 @@ def step_time(model, c: ParallelConfig, seq: int, hardware: Hardware) -> dict:
     ``"tokens/s/gpu"``. See the module docstring for what each part counts."""
     hw, b = hardware, hardware.bytes_per_element
     L, h = model.layers, model.hidden
-    stage_share = math.ceil(L / c.pp) / L                  # the slowest stage's share of the layers
+    stage_share = math.ceil(L / c.pp) / L  # the slowest stage's share of the layers
     layers = math.ceil(L / c.pp)
-    split = c.tp * c.cp                                    # GPUs sharing one micro-batch in a stage
+    split = c.tp * c.cp  # GPUs sharing one micro-batch in a stage
     flops = micro_batch_flops(model, c.mbs, seq)
-    speed = hw.achieved_flops(c.mbs * seq / c.cp)        # rows of this GPU's matmuls
+    speed = hw.achieved_flops(c.mbs * seq / c.cp)  # rows of this GPU's matmuls
     compute = flops * stage_share / split / speed
     recompute = recompute_flops(model, c.mbs, seq, c.recompute) * stage_share / split / speed
-    activation = c.mbs * (seq // c.cp) * h * b             # one hidden state of the micro-batch
+    activation = c.mbs * (seq // c.cp) * h * b  # one hidden state of the micro-batch
     parts = dict.fromkeys(PARTS, 0.0)
     parts["compute"], parts["recompute"] = compute, recompute
 
@@ -106,10 +107,9 @@ def step_time(model, c: ParallelConfig, seq: int, hardware: Hardware) -> dict:
         ops = 8 + (4 if c.recompute == "full" else 0)
         parts["TP"] = ops * layers * float(hw.link(1, c.tp).ring_phase_time(activation, c.tp))
     if c.cp > 1:
-        kv = 2 * c.mbs * (seq // c.cp) * model.kv_heads * model.head_dim * b / c.tp   # K and V of one block
-        sends = 3 * layers * (c.cp - 1) * _p2p(hw.link(c.tp, c.cp), kv)               # K,V fwd; K,V,dK,dV bwd
-        attention = (c.mbs * seq * attention_flops_per_token(model, seq, causal=True) * stage_share
-                     / split / speed)
+        kv = 2 * c.mbs * (seq // c.cp) * model.kv_heads * model.head_dim * b / c.tp  # K and V of one block
+        sends = 3 * layers * (c.cp - 1) * _p2p(hw.link(c.tp, c.cp), kv)  # K,V fwd; K,V,dK,dV bwd
+        attention = c.mbs * seq * attention_flops_per_token(model, seq, causal=True) * stage_share / split / speed
         parts["CP"] = _exposed(sends, attention, hw)
     if c.ep > 1:
         routed = c.mbs * (seq // c.cp) * getattr(model, "top_k", 1) * h * b / c.tp
@@ -129,13 +129,17 @@ def step_time(model, c: ParallelConfig, seq: int, hardware: Hardware) -> dict:
 
     total = sum(parts.values())
     useful = flops * c.gas * c.replicas
-    return {**parts, "step": total, "mfu": useful / (total * c.gpus * hw.peak_flops),
-            "tokens/s/gpu": c.batch_tokens(seq) / (total * c.gpus)}
+    return {
+        **parts,
+        "step": total,
+        "mfu": useful / (total * c.gpus * hw.peak_flops),
+        "tokens/s/gpu": c.batch_tokens(seq) / (total * c.gpus),
+    }
 
 
 def _data_parallel_exposed(model, c: ParallelConfig, hw: Hardware, micro_batch_compute: float) -> float:
     """Seconds of gradient (and, for ZeRO-3, weight) traffic that the backward does not hide."""
-    ranks = c.dp * c.ep * c.cp                       # ranks holding the same (dense) weights
+    ranks = c.dp * c.ep * c.cp  # ranks holding the same (dense) weights
     if ranks == 1:
         return 0.0
     # the group spans the mesh from tp outwards to its outermost axis (dp is the outermost of all)
@@ -144,10 +148,10 @@ def _data_parallel_exposed(model, c: ParallelConfig, hw: Hardware, micro_batch_c
     forward, backward = micro_batch_compute / 3, 2 * micro_batch_compute / 3
     if c.zero == 3:
         replicas = c.dp_replicate
-        if replicas > 1:   # HSDP: ZeRO-3 inside a block of gpus / replicas consecutive ranks
+        if replicas > 1:  # HSDP: ZeRO-3 inside a block of gpus / replicas consecutive ranks
             link = hw.link(1, c.gpus // replicas)
         gather = float(link.ring_phase_time(weights, c.shard_ranks))
-        per_micro_batch = _exposed(gather, forward, hw) + _exposed(2 * gather, backward, hw)   # AG; AG + RS
+        per_micro_batch = _exposed(gather, forward, hw) + _exposed(2 * gather, backward, hw)  # AG; AG + RS
         if replicas == 1:
             return c.gas * per_micro_batch
         # HSDP's replicas all-reduce their gradient shards once per step, after the last reduce-scatter

@@ -14,6 +14,7 @@ Nothing here is typed in by hand except the book's table: ``layout`` derives eac
 field widths from ``torch.finfo`` (eps = 2^-M and the total bits), and ``decode`` reads the
 fields of a value from the bits of a real tensor, so a test can hold the book to them.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,7 @@ DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
-    "float8 (e4m3)": torch.float8_e4m3fn,   # "fn": finite, no infinities (see ``decode``)
+    "float8 (e4m3)": torch.float8_e4m3fn,  # "fn": finite, no infinities (see ``decode``)
     "float8 (e5m2)": torch.float8_e5m2,
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -46,8 +47,10 @@ def check_dtype(dtype) -> torch.dtype:
     """``dtype`` if it is one of the five formats of this chapter, else a clear ValueError."""
     if dtype not in NAMES:
         supported = ", ".join(str(d).replace("torch.", "") for d in NAMES)
-        raise ValueError(f"{dtype} is not a format this module handles: use one of {supported} "
-                         "(float64 and the integer types have no place in the book's table)")
+        raise ValueError(
+            f"{dtype} is not a format this module handles: use one of {supported} "
+            "(float64 and the integer types have no place in the book's table)"
+        )
     return dtype
 
 
@@ -69,7 +72,7 @@ class Layout:
     @property
     def eps(self) -> float:
         """Machine epsilon: the gap between 1 and the next value, 2^-M."""
-        return 2.0 ** -self.mantissa
+        return 2.0**-self.mantissa
 
     @property
     def max(self) -> float:
@@ -107,17 +110,16 @@ class Fields:
     """The three stored fields of one value, and what they mean."""
 
     dtype: torch.dtype
-    sign: int          # 0 or 1
-    exponent: int      # the stored (biased) exponent field
-    mantissa: int      # the stored fraction field, M bits
-    kind: str          # "normal", "subnormal", "zero", "inf" or "nan"
-    value: float       # the number the fields encode, recomputed from them
+    sign: int  # 0 or 1
+    exponent: int  # the stored (biased) exponent field
+    mantissa: int  # the stored fraction field, M bits
+    kind: str  # "normal", "subnormal", "zero", "inf" or "nan"
+    value: float  # the number the fields encode, recomputed from them
 
     def bit_string(self) -> str:
         """``"s eeeee mmmmmmmmmm"``: the fields as bits, most significant first."""
         lay = layout(self.dtype)
-        return (f"{self.sign} {self.exponent:0{lay.exponent}b} "
-                f"{self.mantissa:0{lay.mantissa}b}")
+        return f"{self.sign} {self.exponent:0{lay.exponent}b} {self.mantissa:0{lay.mantissa}b}"
 
 
 def decode(x, dtype=None) -> Fields:
@@ -148,10 +150,10 @@ def decode(x, dtype=None) -> Fields:
         kind, value = ("inf", (-1) ** sign * math.inf) if mantissa == 0 else ("nan", math.nan)
     elif exponent == 0:
         kind = "zero" if mantissa == 0 else "subnormal"
-        value = (-1) ** sign * 2.0 ** (1 - lay.bias) * (mantissa / 2 ** lay.mantissa)
+        value = (-1) ** sign * 2.0 ** (1 - lay.bias) * (mantissa / 2**lay.mantissa)
     else:
         kind = "normal"
-        value = (-1) ** sign * 2.0 ** (exponent - lay.bias) * (1 + mantissa / 2 ** lay.mantissa)
+        value = (-1) ** sign * 2.0 ** (exponent - lay.bias) * (1 + mantissa / 2**lay.mantissa)
     return Fields(x.dtype, sign, exponent, mantissa, kind, value)
 
 
@@ -167,7 +169,7 @@ def to_format(values, dtype) -> torch.Tensor:
     x = torch.as_tensor(values, dtype=torch.float32)
     if check_dtype(dtype) == torch.float8_e4m3fn:
         largest = layout(dtype).max
-        x = x.clamp(-largest, largest)   # NaN stays NaN
+        x = x.clamp(-largest, largest)  # NaN stays NaN
     return x.to(dtype)
 
 

@@ -25,6 +25,7 @@ view, and are dequantised right after the all-gather into the unit's compute-pre
 buffer, since the course's linears are not FP8 ones; with FP8 GEMMs the dequantisation
 would be folded into the GEMM's scale, as torchao does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -85,7 +86,7 @@ class FP8Gather:
         if self.work is not None:
             self.work.wait()
         fp8 = self.gathered.view(self.dtype)
-        full = self.unit.full.data   # through .data, as the plain gather: autograd must not see it
+        full = self.unit.full.data  # through .data, as the plain gather: autograd must not see it
         for i, p in enumerate(self.unit.params):
             start, end = self.unit.offsets[p]
             full[start:end].copy_(fp8[start:end].float() * self.scales[i])

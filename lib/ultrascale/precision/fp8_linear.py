@@ -35,6 +35,7 @@ What backward keeps from forward is the FP8 copies (1 byte per element), not x i
 The weights stay float32 parameters (the master copy); the head and the embedding stay
 in high precision, as DeepSeek-V3 keeps them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,9 +53,9 @@ class FP8Recipe:
     """How a linear layer's GEMMs are scaled: per tensor, or per tile of ``block``."""
 
     name: str
-    tiles: bool                    # False: one scale per tensor; True: DeepSeek-V3 tiles
-    forward_dtype: torch.dtype = E4M3   # activations and weights
-    grad_dtype: torch.dtype = E5M2      # output gradients
+    tiles: bool  # False: one scale per tensor; True: DeepSeek-V3 tiles
+    forward_dtype: torch.dtype = E4M3  # activations and weights
+    grad_dtype: torch.dtype = E5M2  # output gradients
     block: int = 128
 
     def activation_tile(self, along_tokens: bool = False):
@@ -110,10 +111,10 @@ class Quantised:
 def _scaled_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether an FP8 tensor core can take these operands (see the module docstring for the CPU)."""
     if a.dtype == E5M2 and b.dtype == E5M2:
-        return False   # no FP8 tensor core takes two e5m2 operands
-    if not a.is_cuda or fp8_gpu_refusal(a.device):   # no FP8 tensor cores: simulated, as on a CPU
+        return False  # no FP8 tensor core takes two e5m2 operands
+    if not a.is_cuda or fp8_gpu_refusal(a.device):  # no FP8 tensor cores: simulated, as on a CPU
         return False
-    return all(n % 16 == 0 for n in (*a.shape, b.shape[1]))   # the GPU kernel's alignment
+    return all(n % 16 == 0 for n in (*a.shape, b.shape[1]))  # the GPU kernel's alignment
 
 
 def fp8_gemm(a: Quantised, b: Quantised) -> torch.Tensor:
@@ -123,8 +124,13 @@ def fp8_gemm(a: Quantised, b: Quantised) -> torch.Tensor:
     if a.tile is None and b.tile is None:
         if _scaled_mm_runs(a.q, b.q):
             # _scaled_mm wants a row-major and b column-major; it multiplies by both scales.
-            return torch._scaled_mm(a.q.contiguous(), b.q.t().contiguous().t(), scale_a=a.scale.reshape(()),
-                                    scale_b=b.scale.reshape(()), out_dtype=torch.float32)
+            return torch._scaled_mm(
+                a.q.contiguous(),
+                b.q.t().contiguous().t(),
+                scale_a=a.scale.reshape(()),
+                scale_b=b.scale.reshape(()),
+                out_dtype=torch.float32,
+            )
         if not a.q.is_cuda:
             return (a.q.float() @ b.q.float()) * (a.scale.reshape(()) * b.scale.reshape(()))
     return a.dequantize() @ b.dequantize()
@@ -135,14 +141,15 @@ def tile_scaled_matmul(a: Quantised, b: Quantised, block: int = 128) -> torch.Te
     contraction dimension, each partial sum promoted to float32 and multiplied there by the
     two tiles' scales. ``a`` holds 1 x block tiles, ``b`` block x block (or block x 1) ones."""
     if a.tile is None or b.tile is None or a.tile[1] != block or b.tile[0] != block:
-        raise ValueError(f"tile_scaled_matmul needs tiles of {block} along the contraction dimension, got "
-                         f"{a.tile} and {b.tile}")
+        raise ValueError(
+            f"tile_scaled_matmul needs tiles of {block} along the contraction dimension, got {a.tile} and {b.tile}"
+        )
     k = a.q.shape[1]
     out = torch.zeros(a.q.shape[0], b.q.shape[1], dtype=torch.float32, device=a.q.device)
     for chunk, start in enumerate(range(0, k, block)):
-        part = a.q[:, start:start + block].float() @ b.q[start:start + block].float()   # exact products
-        a_scale = a.scale[:, chunk:chunk + 1].repeat_interleave(a.tile[0], 0)[:part.shape[0]]
-        b_scale = b.scale[chunk:chunk + 1].repeat_interleave(b.tile[1], 1)[:, :part.shape[1]]
+        part = a.q[:, start : start + block].float() @ b.q[start : start + block].float()  # exact products
+        a_scale = a.scale[:, chunk : chunk + 1].repeat_interleave(a.tile[0], 0)[: part.shape[0]]
+        b_scale = b.scale[chunk : chunk + 1].repeat_interleave(b.tile[1], 1)[:, : part.shape[1]]
         out += part * a_scale * b_scale
     return out
 
@@ -153,14 +160,14 @@ class FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, recipe: FP8Recipe):
-        with torch.autocast(x.device.type, enabled=False):   # FP8 is the precision here, not autocast's
+        with torch.autocast(x.device.type, enabled=False):  # FP8 is the precision here, not autocast's
             x2 = x.reshape(-1, x.shape[-1])
             xq = Quantised.of(x2, recipe.activation_tile(), recipe.forward_dtype)
             wq = Quantised.of(weight, recipe.weight_tile, recipe.forward_dtype)
-            y = fp8_gemm(xq, wq.T)                                        # Fprop
+            y = fp8_gemm(xq, wq.T)  # Fprop
         # Wgrad sums over tokens: per tensor, the same x; per tile, x with block x 1 tiles.
         x_wgrad = Quantised.of(x2, recipe.activation_tile(True), recipe.forward_dtype) if recipe.tiles else xq
-        ctx.saved = (x_wgrad, wq)   # FP8 copies only (Quantised holds plain tensors)
+        ctx.saved = (x_wgrad, wq)  # FP8 copies only (Quantised holds plain tensors)
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, weight.dtype
         return y.view(*x.shape[:-1], -1).to(x.dtype)
 
@@ -170,9 +177,9 @@ class FP8Matmul(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1])
             dyq = Quantised.of(dy2, recipe.activation_tile(), recipe.grad_dtype)
-            dx = fp8_gemm(dyq, wq)                                        # Dgrad
+            dx = fp8_gemm(dyq, wq)  # Dgrad
             dy_wgrad = Quantised.of(dy2, recipe.activation_tile(True), recipe.grad_dtype) if recipe.tiles else dyq
-            dw = fp8_gemm(dy_wgrad.T, x_wgrad)                            # Wgrad
+            dw = fp8_gemm(dy_wgrad.T, x_wgrad)  # Wgrad
         del ctx.saved
         return dx.view(ctx.x_shape).to(ctx.x_dtype), dw.to(ctx.w_dtype), None
 
@@ -196,8 +203,10 @@ class FP8Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, recipe={self.recipe.name}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, recipe={self.recipe.name}"
+        )
 
 
 # The blocks' linears (q, k, v, out and the MLP's); the tied embedding/head stays as it is.

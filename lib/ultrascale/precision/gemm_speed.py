@@ -7,6 +7,7 @@ a layer that quantises its inputs every step pays). Each size is first checked: 
 product must be the float32 product up to FP8's rounding, or the timing would be of a wrong
 answer. The check runs on a CPU too; the timings need a CUDA GPU with FP8 tensor cores.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,9 +33,11 @@ def fp8_gpu_refusal(device=None) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) >= FP8_MIN_CAPABILITY:
         return None
-    return (f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; FP8 tensor cores "
-            f"need {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (Ada: L4, L40; Hopper: H100, H200), "
-            "and torch._scaled_mm refuses FP8 operands here")
+    return (
+        f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; FP8 tensor cores "
+        f"need {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (Ada: L4, L40; Hopper: H100, H200), "
+        "and torch._scaled_mm refuses FP8 operands here"
+    )
 
 
 def fp8_operands(a: torch.Tensor, b: torch.Tensor):
@@ -55,8 +58,10 @@ def check_fp8_product(n: int, device) -> float:
     a, b = (torch.randn(n, n, device=device, generator=g) for _ in range(2))
     error = relative_error(fp8_matmul(*fp8_operands(a, b)).float(), a @ b)
     if error > FP8_PRODUCT_TOLERANCE:
-        raise AssertionError(f"FP8 product at {n}^3 is off by {error:.3f} relative (tolerance "
-                             f"{FP8_PRODUCT_TOLERANCE}): a scale or a layout is wrong")
+        raise AssertionError(
+            f"FP8 product at {n}^3 is off by {error:.3f} relative (tolerance "
+            f"{FP8_PRODUCT_TOLERANCE}): a scale or a layout is wrong"
+        )
     return error
 
 
@@ -71,8 +76,9 @@ def measure_fp8_gemm(n: int) -> dict:
     """One row: the FP8 and bf16 GEMMs of size n^3 on the GPU, their TFLOP/s and ratios."""
     refusal = fp8_gpu_refusal()
     if refusal:
-        raise RuntimeError(f"measure_fp8_gemm: {refusal}. Show the recorded result instead "
-                           "(ultrascale.records, results/fp8_*.json).")
+        raise RuntimeError(
+            f"measure_fp8_gemm: {refusal}. Show the recorded result instead (ultrascale.records, results/fp8_*.json)."
+        )
     error = check_fp8_product(n, "cuda")
     a, b = (torch.randn(n, n, device="cuda") for _ in range(2))
     a16, b16 = a.bfloat16(), b.bfloat16()
@@ -81,15 +87,28 @@ def measure_fp8_gemm(n: int) -> dict:
     bf16_ms = gpu_milliseconds(lambda: a16 @ b16)
     fp8_ms = gpu_milliseconds(lambda: fp8_matmul(*operands))
     cast_ms = gpu_milliseconds(lambda: fp8_matmul(*fp8_operands(a16, b16)))
-    return dict(n=n, relative_error=error, bf16_ms=bf16_ms, fp8_ms=fp8_ms, fp8_with_casts_ms=cast_ms,
-                bf16_tflops=tflops(bf16_ms), fp8_tflops=tflops(fp8_ms), fp8_with_casts_tflops=tflops(cast_ms),
-                fp8_over_bf16=bf16_ms / fp8_ms, fp8_with_casts_over_bf16=bf16_ms / cast_ms)
+    return dict(
+        n=n,
+        relative_error=error,
+        bf16_ms=bf16_ms,
+        fp8_ms=fp8_ms,
+        fp8_with_casts_ms=cast_ms,
+        bf16_tflops=tflops(bf16_ms),
+        fp8_tflops=tflops(fp8_ms),
+        fp8_with_casts_tflops=tflops(cast_ms),
+        fp8_over_bf16=bf16_ms / fp8_ms,
+        fp8_with_casts_over_bf16=bf16_ms / cast_ms,
+    )
 
 
 def print_fp8_rows(rows) -> None:
     """The table of ``measure_fp8_gemm`` rows, measured now or read from a record."""
-    print(f"{'size':>6s} {'bf16 TFLOP/s':>13s} {'FP8 TFLOP/s':>12s} {'FP8/bf16':>9s} "
-          f"{'FP8+casts/bf16':>15s} {'FP8 rel. error':>15s}")
+    print(
+        f"{'size':>6s} {'bf16 TFLOP/s':>13s} {'FP8 TFLOP/s':>12s} {'FP8/bf16':>9s} "
+        f"{'FP8+casts/bf16':>15s} {'FP8 rel. error':>15s}"
+    )
     for r in rows:
-        print(f"{r['n']:>6d} {r['bf16_tflops']:13.0f} {r['fp8_tflops']:12.0f} {r['fp8_over_bf16']:8.2f}x "
-              f"{r['fp8_with_casts_over_bf16']:14.2f}x {r['relative_error']:15.3f}")
+        print(
+            f"{r['n']:>6d} {r['bf16_tflops']:13.0f} {r['fp8_tflops']:12.0f} {r['fp8_over_bf16']:8.2f}x "
+            f"{r['fp8_with_casts_over_bf16']:14.2f}x {r['relative_error']:15.3f}"
+        )

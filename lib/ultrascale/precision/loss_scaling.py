@@ -17,6 +17,7 @@ The right S is unknown and drifts during training, so it is found by trial:
 ``update``, ``get_scale``), so the same training code runs with either, and the course's
 training loop drives either through ``ScaledOptimizer`` (and ``training.train_losses``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,8 +27,15 @@ import torch
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def update_scale(scale: float, growth_tracker: int, found_inf: bool, *, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple:
+def update_scale(
+    scale: float,
+    growth_tracker: int,
+    found_inf: bool,
+    *,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> tuple:
     """``(new scale, new growth_tracker)`` after one step; ``growth_tracker`` counts the good
     steps since the scale last changed."""
     if found_inf:
@@ -43,14 +51,19 @@ def update_scale(scale: float, growth_tracker: int, found_inf: bool, *, growth_f
 class DynamicLossScaler:
     """Loss scaling with the update rule above; defaults as ``torch.amp.GradScaler``'s."""
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         if not (growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
             raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= 1")
         self.scale_value, self.growth_tracker = float(init_scale), 0
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self.found_inf: bool | None = None      # set by unscale_, consumed by update
-        self.history: list = []                  # (scale used, found_inf) of every step
+        self.found_inf: bool | None = None  # set by unscale_, consumed by update
+        self.history: list = []  # (scale used, found_inf) of every step
 
     def get_scale(self) -> float:
         return self.scale_value
@@ -62,17 +75,19 @@ class DynamicLossScaler:
     def unscale_(self, optimizer) -> None:
         """Divide every gradient by S in place, and note whether any is inf or NaN."""
         if self.found_inf is not None:
-            return   # already unscaled this step (e.g. to clip the gradients first)
-        inv_scale = torch.tensor(1.0 / self.scale_value, dtype=torch.float64).float()   # as GradScaler: exact
+            return  # already unscaled this step (e.g. to clip the gradients first)
+        inv_scale = torch.tensor(1.0 / self.scale_value, dtype=torch.float64).float()  # as GradScaler: exact
         found = False
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.dtype == torch.float16:
-                    raise ValueError("the gradients are float16: keep float32 master weights (train under "
-                                     "torch.autocast, not on a model cast with .half()), so that unscaled "
-                                     "gradients are not rounded back into float16")
+                    raise ValueError(
+                        "the gradients are float16: keep float32 master weights (train under "
+                        "torch.autocast, not on a model cast with .half()), so that unscaled "
+                        "gradients are not rounded back into float16"
+                    )
                 p.grad.mul_(inv_scale)
                 found = found or not bool(torch.isfinite(p.grad).all())
         self.found_inf = found
@@ -89,8 +104,13 @@ class DynamicLossScaler:
             raise RuntimeError("update() before unscale_() or step(): no step was checked for overflow")
         self.history.append((self.scale_value, self.found_inf))
         self.scale_value, self.growth_tracker = update_scale(
-            self.scale_value, self.growth_tracker, self.found_inf, growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor, growth_interval=self.growth_interval)
+            self.scale_value,
+            self.growth_tracker,
+            self.found_inf,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+        )
         self.found_inf = None
 
 

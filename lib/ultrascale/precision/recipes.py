@@ -16,6 +16,7 @@ against the first row, bf16 with fp32 mixed precision, 20 bytes. The rows are
 ``gradients``, ``optimizer states``), as ``memory.model_state_bytes`` does: the master
 copy belongs to the optimizer, the accumulation buffer to the gradients.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,18 +33,28 @@ class MemoryRecipe:
     accumulated_grads: str | None
     model_weights: str
     gradients: str
-    optimizer_states: tuple   # (momentum, variance)
+    optimizer_states: tuple  # (momentum, variance)
 
     def formats(self) -> dict:
         """Each copy's format (None: not kept), in the book's column order."""
-        return dict(zip(COPIES, (self.master_weights, self.accumulated_grads, self.model_weights, self.gradients,
-                                 self.optimizer_states)))
+        return dict(
+            zip(
+                COPIES,
+                (
+                    self.master_weights,
+                    self.accumulated_grads,
+                    self.model_weights,
+                    self.gradients,
+                    self.optimizer_states,
+                ),
+            )
+        )
 
     def terms(self) -> list:
         """The bytes of each kept copy, in column order (Adam's two states as two terms)."""
         out = []
         for fmt in self.formats().values():
-            for f in (fmt if isinstance(fmt, tuple) else (fmt,)):
+            for f in fmt if isinstance(fmt, tuple) else (fmt,):
                 if f is not None:
                     out.append(_bytes(f))
         return out
@@ -72,24 +83,32 @@ BASELINE = FP8_RECIPES[0]
 def reduction(recipe: MemoryRecipe, baseline: MemoryRecipe = BASELINE) -> float:
     """The fraction of the baseline's bytes per parameter that ``recipe`` saves."""
     base = baseline.bytes_per_param()
-    return (base - recipe.bytes_per_param()) / base   # exact for these integers: 4 / 20 is 0.2
+    return (base - recipe.bytes_per_param()) / base  # exact for these integers: 4 / 20 is 0.2
 
 
 def memory_row(recipe: MemoryRecipe, baseline: MemoryRecipe = BASELINE) -> dict:
     """One row of the book's table: formats, the sum written out, the total and the saving."""
     terms = recipe.terms()
-    return {"recipe": recipe.name, "GEMM": recipe.gemm,
-            **{copy: ("n/a" if f is None else "+".join(f) if isinstance(f, tuple) else f)
-               for copy, f in recipe.formats().items()},
-            "sum": f"{'+'.join(map(str, terms))} = {sum(terms)}", "bytes": sum(terms),
-            "reduction": reduction(recipe, baseline)}
+    return {
+        "recipe": recipe.name,
+        "GEMM": recipe.gemm,
+        **{
+            copy: ("n/a" if f is None else "+".join(f) if isinstance(f, tuple) else f)
+            for copy, f in recipe.formats().items()
+        },
+        "sum": f"{'+'.join(map(str, terms))} = {sum(terms)}",
+        "bytes": sum(terms),
+        "reduction": reduction(recipe, baseline),
+    }
 
 
 def state_bytes(recipe: MemoryRecipe, n_params: int = 1) -> dict:
     """The recipe's bytes under the course's keys, for ``n_params`` parameters."""
     f = recipe.formats()
     optimizer = sum(_bytes(s) for s in f["optimizer states"])
-    return {"parameters": _bytes(f["model weights"]) * n_params,
-            "gradients": (_bytes(f["gradients"]) + (_bytes(f["accumulated grads"]) if f["accumulated grads"] else 0))
-            * n_params,
-            "optimizer states": (optimizer + (_bytes(f["master weights"]) if f["master weights"] else 0)) * n_params}
+    return {
+        "parameters": _bytes(f["model weights"]) * n_params,
+        "gradients": (_bytes(f["gradients"]) + (_bytes(f["accumulated grads"]) if f["accumulated grads"] else 0))
+        * n_params,
+        "optimizer states": (optimizer + (_bytes(f["master weights"]) if f["master weights"] else 0)) * n_params,
+    }

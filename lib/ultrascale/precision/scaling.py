@@ -21,6 +21,7 @@ ValueError, unless ``pad=True``: the matrix is then padded with zeros to whole t
 change no tile's maximum), quantised, and cut back to its shape; the scales cover the
 padded grid, ``ceil(rows / tile_rows) x ceil(cols / tile_cols)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,14 +36,16 @@ FP8_DTYPES = (E4M3, E5M2)
 # keeps 1 / scale finite in float32.
 MIN_AMAX = 1e-12
 
-ACTIVATION_TILE = (1, 128)   # DeepSeek-V3: per token, per 128 channels
-WEIGHT_TILE = (128, 128)     # DeepSeek-V3: 128 x 128 blocks of the weight
+ACTIVATION_TILE = (1, 128)  # DeepSeek-V3: per token, per 128 channels
+WEIGHT_TILE = (128, 128)  # DeepSeek-V3: 128 x 128 blocks of the weight
 
 
 def check_fp8(dtype) -> torch.dtype:
     if check_dtype(dtype) not in FP8_DTYPES:
-        raise ValueError(f"{dtype} is not an FP8 format: quantise to torch.float8_e4m3fn (more resolution) "
-                         "or torch.float8_e5m2 (more range)")
+        raise ValueError(
+            f"{dtype} is not an FP8 format: quantise to torch.float8_e4m3fn (more resolution) "
+            "or torch.float8_e5m2 (more range)"
+        )
     return dtype
 
 
@@ -74,16 +77,20 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def tile_grid(shape, tile, pad: bool = False) -> tuple:
     """``(tiles along rows, tiles along columns)`` of a 2-D ``shape``; see the module docstring."""
     if len(shape) != 2:
-        raise ValueError(f"tiles cut a 2-D matrix, got shape {tuple(shape)}: flatten the leading "
-                         "dimensions first (x.reshape(-1, x.shape[-1]))")
+        raise ValueError(
+            f"tiles cut a 2-D matrix, got shape {tuple(shape)}: flatten the leading "
+            "dimensions first (x.reshape(-1, x.shape[-1]))"
+        )
     tr, tc = tile
     if tr < 1 or tc < 1:
         raise ValueError(f"a tile must have at least one row and one column, got {tile}")
     for size, t, what in ((shape[0], tr, "rows"), (shape[1], tc, "columns")):
         if size % t and not pad:
-            raise ValueError(f"{size} {what} do not split into tiles of {t}: pad the matrix to "
-                             f"{math.ceil(size / t) * t} {what} (pad=True pads with zeros, which change no "
-                             f"tile's scale) or choose a size that {t} divides")
+            raise ValueError(
+                f"{size} {what} do not split into tiles of {t}: pad the matrix to "
+                f"{math.ceil(size / t) * t} {what} (pad=True pads with zeros, which change no "
+                f"tile's scale) or choose a size that {t} divides"
+            )
     return math.ceil(shape[0] / tr), math.ceil(shape[1] / tc)
 
 
@@ -100,7 +107,7 @@ def quantize_tiles(x: torch.Tensor, tile=ACTIVATION_TILE, dtype=E4M3, pad: bool 
     rows, cols = x.shape
     padded = torch.zeros(gr * tr, gc * tc, dtype=torch.float32, device=x.device)
     padded[:rows, :cols] = x.detach()
-    blocks = padded.view(gr, tr, gc, tc)                       # block (i, j) is blocks[i, :, j, :]
+    blocks = padded.view(gr, tr, gc, tc)  # block (i, j) is blocks[i, :, j, :]
     scales = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / fp8_max(dtype)
     q = to_fp8(blocks, scales[:, None, :, None], dtype).view(gr * tr, gc * tc)
     return q[:rows, :cols], scales
@@ -110,7 +117,7 @@ def expand_scales(scales: torch.Tensor, tile, shape) -> torch.Tensor:
     """The per-tile scales repeated over each tile's elements, cut to ``shape``."""
     tr, tc = tile
     full = scales.repeat_interleave(tr, dim=0).repeat_interleave(tc, dim=1)
-    return full[:shape[0], :shape[1]]
+    return full[: shape[0], : shape[1]]
 
 
 def dequantize_tiles(q: torch.Tensor, scales: torch.Tensor, tile) -> torch.Tensor:

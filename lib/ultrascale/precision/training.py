@@ -14,6 +14,7 @@ loop:
   loss scaler, multiplied by the scale before backward);
 * ``ScaledOptimizer`` (``loss_scaling``): the scaler's ``step`` and ``update``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,8 +66,17 @@ class _LoggedBatch:
         return loss if self.log.scaler is None else self.log.scaler.scale(loss)
 
 
-def train_losses(model, batches, steps: int, optimizer="adam", *, autocast=None, scaler=None, first_step: int = 0,
-                 **optimizer_options) -> list:
+def train_losses(
+    model,
+    batches,
+    steps: int,
+    optimizer="adam",
+    *,
+    autocast=None,
+    scaler=None,
+    first_step: int = 0,
+    **optimizer_options,
+) -> list:
     """Train with ``train.run_steps`` and return each step's loss.
 
     ``autocast``: None (the model's own precision), ``torch.bfloat16`` or ``torch.float16``.

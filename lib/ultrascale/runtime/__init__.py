@@ -33,12 +33,21 @@ with collector_paused():
     from .context import RankContext  # noqa: E402
     from .errors import CallTimeout, RankError, RankFailure  # noqa: E402
 
-if _FORK_AFTER_IMPORTS:   # torch is imported, and nothing but the runtime has run it
+if _FORK_AFTER_IMPORTS:  # torch is imported, and nothing but the runtime has run it
     start_fork_server(forked=True)
 
 __all__ = [
-    "Cluster", "shared_cluster", "grading_cluster", "current_cluster", "resolve_backend", "start_fork_server",
-    "RankContext", "RankError", "CallTimeout", "RankFailure", "load_ipython_extension",
+    "Cluster",
+    "shared_cluster",
+    "grading_cluster",
+    "current_cluster",
+    "resolve_backend",
+    "start_fork_server",
+    "RankContext",
+    "RankError",
+    "CallTimeout",
+    "RankFailure",
+    "load_ipython_extension",
 ]
 
 

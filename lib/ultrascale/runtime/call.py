@@ -60,19 +60,21 @@ class Call:
             raise
         except BaseException as err:
             self._lose(f"sending the call to the ranks failed ({type(err).__name__}: {err})")
-            raise RuntimeError(f"`{self.name}` could not be sent to the ranks ({type(err).__name__}: "
-                               f"{err}); they restart on the next call") from err
+            raise RuntimeError(
+                f"`{self.name}` could not be sent to the ranks ({type(err).__name__}: "
+                f"{err}); they restart on the next call"
+            ) from err
 
     # ---- collecting ---------------------------------------------------------------
     def collect(self, timeout: float) -> list:
         try:
             timed_out = self._wait(time.monotonic() + timeout)
-        except KeyboardInterrupt as stop:   # the stop button
+        except KeyboardInterrupt as stop:  # the stop button
             outcome = self._interrupt()
             if isinstance(stop, Stopped):
                 raise
             raise Stopped(f"`{self.name}` stopped: {outcome}") from stop
-        except BaseException:   # an exception in the on_log callback
+        except BaseException:  # an exception in the on_log callback
             self._interrupt()
             raise
         finally:
@@ -87,7 +89,7 @@ class Call:
         """Gather answers until every rank has answered; True if the deadline passed."""
         give_up_at = None  # set when a rank fails: the rest get `grace` seconds
         while self.pending and not self.lost:
-            if self.presses():   # stop was pressed, but its KeyboardInterrupt never reached us
+            if self.presses():  # stop was pressed, but its KeyboardInterrupt never reached us
                 raise KeyboardInterrupt
             now = time.monotonic()
             if now > deadline:
@@ -137,8 +139,10 @@ class Call:
             raise
         except BaseException as err:
             self._lose(f"the pipe to rank {rank} broke ({type(err).__name__}: {err})")
-            raise RuntimeError(f"`{self.name}`: the pipe to rank {rank} broke ({type(err).__name__}: {err}); "
-                               "all ranks restart on the next call (ctx.state is lost)") from err
+            raise RuntimeError(
+                f"`{self.name}`: the pipe to rank {rank} broke ({type(err).__name__}: {err}); "
+                "all ranks restart on the next call (ctx.state is lost)"
+            ) from err
 
     def _handle(self, kind, job_id, rank, payload) -> None:
         if job_id not in (self.job_id, 0):
@@ -167,11 +171,17 @@ class Call:
         try:
             self.results[rank] = cloudpickle.loads(data)
         except Exception as err:  # e.g. a class the notebook cannot import
-            self._fail(rank, RankFailure(
-                rank, type(err).__name__,
-                f"rank {rank} returned a result the notebook cannot unpickle: {type(err).__name__}: {err}\n"
-                "Return tensors, numbers, containers of them, or objects of classes defined in the "
-                "notebook or in a module the notebook can import.\n", err))
+            self._fail(
+                rank,
+                RankFailure(
+                    rank,
+                    type(err).__name__,
+                    f"rank {rank} returned a result the notebook cannot unpickle: {type(err).__name__}: {err}\n"
+                    "Return tensors, numbers, containers of them, or objects of classes defined in the "
+                    "notebook or in a module the notebook can import.\n",
+                    err,
+                ),
+            )
 
     def _fail(self, rank: int, failure: RankFailure) -> None:
         self.failures[rank] = failure
@@ -231,8 +241,7 @@ class Call:
         """How many ranks failed; peers that only lost their connection to a dead rank
         (gloo's "Connection closed by peer") are named apart, not counted."""
         died = sorted(r for r, f in self.failures.items() if f.type_name == "died")
-        followers = sorted(r for r, f in self.failures.items()
-                           if died and r not in died and _lost_a_peer(f))
+        followers = sorted(r for r, f in self.failures.items() if died and r not in died and _lost_a_peer(f))
         text = f"{len(self.failures) - len(followers)} of {len(self.ranks)} ranks failed in `{self.name}`"
         if died:
             text += f" (rank{'s' if len(died) > 1 else ''} {', '.join(map(str, died))} died)"
@@ -243,15 +252,19 @@ class Call:
     def _aftermath(self) -> str:
         """What became of the ranks, for the error message."""
         if self.stuck:
-            return (f"; ranks {sorted(self.stuck)} were stopped and the cluster restarts on the next call "
-                    "(ctx.state is lost)")
+            return (
+                f"; ranks {sorted(self.stuck)} were stopped and the cluster restarts on the next call "
+                "(ctx.state is lost)"
+            )
         if self.lost or self.cluster._needs_restart:
             return "; all ranks restart on the next call (ctx.state is lost)"
         if self.used:
             self._lose()
-            return (f"; the call had used the process group (ranks {sorted(self.used)} posted collectives or "
-                    "sends), so all ranks restart on the next call (ctx.state is lost): nothing it left "
-                    "unmatched can reach a later call")
+            return (
+                f"; the call had used the process group (ranks {sorted(self.used)} posted collectives or "
+                "sends), so all ranks restart on the next call (ctx.state is lost): nothing it left "
+                "unmatched can reach a later call"
+            )
         return "; no rank had used the process group, so the ranks keep their state"
 
     def _error(self, cls, summary: str):

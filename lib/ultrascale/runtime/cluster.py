@@ -57,7 +57,7 @@ from .worker import worker_main
 IDLE_RELEASE_S = float(os.environ.get("ULTRASCALE_IDLE_MINUTES", "10")) * 60
 
 _LIVE_CLUSTERS: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
-_EVERY_CLUSTER: "weakref.WeakSet[Cluster]" = weakref.WeakSet()   # closed and starting ones too
+_EVERY_CLUSTER: "weakref.WeakSet[Cluster]" = weakref.WeakSet()  # closed and starting ones too
 # Held while ranks start (from their fork and until they are ready), and while the fork server
 # is stopped: a server stopped under a starting cluster would take its new ranks with it.
 _SERVER_LOCK = threading.Lock()
@@ -88,9 +88,11 @@ def gpu_notice(backend: str, world_size: int, gpus: int | None = None) -> str | 
     if backend != "gloo" or gpus == 0:
         return None
     if gpus < world_size:
-        return (f"Cluster({world_size}): this machine has {gpus} GPU(s) for {world_size} ranks, and NCCL needs "
-                f"one GPU per rank, so the ranks run on the CPU with gloo (Cluster({gpus}) would put one "
-                "rank on each GPU)")
+        return (
+            f"Cluster({world_size}): this machine has {gpus} GPU(s) for {world_size} ranks, and NCCL needs "
+            f"one GPU per rank, so the ranks run on the CPU with gloo (Cluster({gpus}) would put one "
+            "rank on each GPU)"
+        )
     return f"Cluster({world_size}): backend='gloo' asked for, so the ranks run on the CPU though {gpus} GPU(s) are here"
 
 
@@ -150,14 +152,14 @@ class Cluster:
         # under NCCL; the seconds it may wait (True: the default), None: off
         if strict_p2p is None:
             strict_p2p = timeout_from_env()
-        self.strict_p2p = (DEFAULT_P2P_TIMEOUT if strict_p2p is True else
-                           None if strict_p2p is False else strict_p2p)
+        self.strict_p2p = DEFAULT_P2P_TIMEOUT if strict_p2p is True else None if strict_p2p is False else strict_p2p
         self.timeout = _seconds("timeout", timeout)
         self.output = output  # "ordered": each rank's lines after the call; "live": as they come
         self.grace = _seconds("grace", grace, minimum_excluded=False)  # how long other ranks
         # may run on after one rank has failed
-        self.threads = (_positive_int("threads", threads) if threads is not None
-                        else max(1, (os.cpu_count() or 1) // world_size))
+        self.threads = (
+            _positive_int("threads", threads) if threads is not None else max(1, (os.cpu_count() or 1) // world_size)
+        )
         self._job_id = 0
         self._generation = 0
         self._procs: list = []
@@ -166,7 +168,7 @@ class Cluster:
         self._closed = False
         # ``idle_release`` seconds after the last call the ranks are let go (math.inf: never)
         self.idle_release = _seconds("idle_release", idle_release)
-        self._busy = threading.Lock()   # a call and the idle release never run at once
+        self._busy = threading.Lock()  # a call and the idle release never run at once
         self._idle_timer = None
         self._released = False
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -194,9 +196,20 @@ class Cluster:
             parent_conn, child_conn = mpctx.Pipe(duplex=True)
             proc = mpctx.Process(
                 target=worker_main,
-                args=(rank, self.world_size, self.backend, child_conn, self._store.port,
-                      self._generation, os.getpid(), self.threads, list(sys.path), os.getcwd(),
-                      self.strict_device, self.strict_p2p),
+                args=(
+                    rank,
+                    self.world_size,
+                    self.backend,
+                    child_conn,
+                    self._store.port,
+                    self._generation,
+                    os.getpid(),
+                    self.threads,
+                    list(sys.path),
+                    os.getcwd(),
+                    self.strict_device,
+                    self.strict_p2p,
+                ),
                 name=f"ultrascale-rank{rank}",
                 daemon=True,
             )
@@ -261,8 +274,8 @@ class Cluster:
         generation of keys in it, so the new process group never meets the old one's."""
         if self._closed:
             self._closed = False
-            _LIVE_CLUSTERS.add(self)   # killed at exit again
-            _CURRENT[:] = [self]       # %%ranks runs on it again
+            _LIVE_CLUSTERS.add(self)  # killed at exit again
+            _CURRENT[:] = [self]  # %%ranks runs on it again
 
     def close(self) -> None:
         """Let the ranks leave their process group and exit; kill any that linger.
@@ -271,7 +284,7 @@ class Cluster:
         their ``ctx.state`` empty), so a cell re-run after the chapter's last cell works.
         """
         self._closed = True
-        self._released = False   # the next run says "closed", not "idle"
+        self._released = False  # the next run says "closed", not "idle"
         self._cancel_idle_timer()
         for conn in self._conns:
             try:
@@ -284,7 +297,7 @@ class Cluster:
         self._kill()
         _LIVE_CLUSTERS.discard(self)
         # _CURRENT keeps it: a %%ranks cell re-run after the close reopens it, as run does
-        _schedule_server_release(self.idle_release)   # as the ranks of an idle cluster go
+        _schedule_server_release(self.idle_release)  # as the ranks of an idle cluster go
 
     @property
     def alive(self) -> bool:
@@ -307,8 +320,15 @@ class Cluster:
             pass
 
     def __repr__(self) -> str:
-        state = ("closed: ranks stopped, back on the next call" if self._closed else "running" if self.alive
-                 else "idle: ranks released, back on the next call" if self._released else "stopped")
+        state = (
+            "closed: ranks stopped, back on the next call"
+            if self._closed
+            else "running"
+            if self.alive
+            else "idle: ranks released, back on the next call"
+            if self._released
+            else "stopped"
+        )
         return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # -------------------------------------------------------------------- calls
@@ -319,8 +339,10 @@ class Cluster:
         called in the notebook for every ``ctx.log(...)`` while the call runs.
         """
         if not callable(fn):
-            raise TypeError(f"cluster.run needs a function to run on the ranks, called as fn(ctx, *args); "
-                            f"got {type(fn).__name__} {fn!r}")
+            raise TypeError(
+                f"cluster.run needs a function to run on the ranks, called as fn(ctx, *args); "
+                f"got {type(fn).__name__} {fn!r}"
+            )
         if on_log is not None and not callable(on_log):
             raise TypeError(f"on_log must be a function on_log(rank, metrics), got {type(on_log).__name__}")
         timeout = self.timeout if timeout is None else _seconds("timeout", timeout)
@@ -328,20 +350,23 @@ class Cluster:
         if not ranks or any(not 0 <= r < self.world_size for r in ranks):
             raise ValueError(f"ranks must be a non-empty subset of 0..{self.world_size - 1}, got {ranks}")
         payload = cloudpickle.dumps((fn, args, kwargs))  # before anything is sent: fails here, cleanly
-        with self._busy, counting_presses() as presses:   # a press a finalizer swallows still counts
+        with self._busy, counting_presses() as presses:  # a press a finalizer swallows still counts
             self._cancel_idle_timer()
             try:
                 if self._closed:
                     # most often a cell re-run after the chapter's last cell closed the cluster
-                    print(f"[ultrascale] this Cluster was closed (cluster.close()): starting its "
-                          f"{self.world_size} ranks again (ctx.state starts empty: re-run the cells "
-                          f"that filled it if this one needs them)")
+                    print(
+                        f"[ultrascale] this Cluster was closed (cluster.close()): starting its "
+                        f"{self.world_size} ranks again (ctx.state starts empty: re-run the cells "
+                        f"that filled it if this one needs them)"
+                    )
                     self.restart()
                 elif self._released:
-                    idle = (f"{self.idle_release / 60:g} min" if self.idle_release >= 60
-                            else f"{self.idle_release:g} s")
-                    print(f"[ultrascale] the ranks had been idle for {idle} and gave "
-                          f"their memory back: starting {self.world_size} again (ctx.state starts empty)")
+                    idle = f"{self.idle_release / 60:g} min" if self.idle_release >= 60 else f"{self.idle_release:g} s"
+                    print(
+                        f"[ultrascale] the ranks had been idle for {idle} and gave "
+                        f"their memory back: starting {self.world_size} again (ctx.state starts empty)"
+                    )
                     self._released = False
                     self.restart()
                 elif self._needs_restart or not self.alive:
@@ -358,9 +383,9 @@ class Cluster:
     def _arm_idle_timer(self) -> None:
         if self._closed or math.isinf(self.idle_release):
             return
-        release = weakref.WeakMethod(self._release_if_idle)   # the timer must not keep a dropped cluster alive
+        release = weakref.WeakMethod(self._release_if_idle)  # the timer must not keep a dropped cluster alive
         self._idle_timer = threading.Timer(self.idle_release, lambda: release() and release()())
-        self._idle_timer.daemon = True   # never keeps a finished kernel or script alive
+        self._idle_timer.daemon = True  # never keeps a finished kernel or script alive
         self._idle_timer.start()
 
     def _cancel_idle_timer(self) -> None:
@@ -372,7 +397,7 @@ class Cluster:
         """From the timer's thread: kill the idle ranks, unless a call has just begun; then the
         fork server, if no cluster has ranks left."""
         if not self._busy.acquire(blocking=False):
-            return   # a call is running: it re-arms the timer when it ends
+            return  # a call is running: it re-arms the timer when it ends
         try:
             if not self._closed and self._procs:
                 self._kill()
@@ -401,7 +426,7 @@ class Cluster:
         return stacks
 
 
-_SERVER_TIMER: list = []   # the one pending release of the server after a close
+_SERVER_TIMER: list = []  # the one pending release of the server after a close
 
 
 def _schedule_server_release(delay: float) -> None:
@@ -413,7 +438,7 @@ def _schedule_server_release(delay: float) -> None:
     if math.isinf(delay):
         return
     timer = threading.Timer(delay, _release_fork_server_if_unused)
-    timer.daemon = True   # never keeps a finished kernel or script alive
+    timer.daemon = True  # never keeps a finished kernel or script alive
     timer.start()
     _SERVER_TIMER.append(timer)
 

@@ -43,11 +43,15 @@ def data_parallel_demo(ctx, steps: int = 3, seed: int = 0):
     config = GPTConfig(**DEMO_GPT)
     torch.manual_seed(seed)
     model = GPT(config).to(ctx.device)
-    dp = apply_data_parallel(model)   # over all ranks of the default process group
+    dp = apply_data_parallel(model)  # over all ranks of the default process group
     mine = Batches(config, mbs=2, seed=seed).rank_stream(ctx.rank, ctx.world_size)
-    ours = train(model, mine, steps, "sgd", module=dp, after_backward=dp.finish_gradient_synchronization,
-                 device=ctx.device)
+    ours = train(
+        model, mine, steps, "sgd", module=dp, after_backward=dp.finish_gradient_synchronization, device=ctx.device
+    )
     reference = one_process_reference(ctx.world_size, steps, seed)
     assert_same(ours, reference, f"rank {ctx.rank}: data parallelism vs one process")
-    return {"world_size": ctx.world_size, "max_difference": max_difference(ours, reference),
-            "weight_sum": sum(w.double().sum().item() for w in ours.values())}
+    return {
+        "world_size": ctx.world_size,
+        "max_difference": max_difference(ours, reference),
+        "weight_sum": sum(w.double().sum().item() for w in ours.values()),
+    }

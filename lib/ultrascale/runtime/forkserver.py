@@ -35,7 +35,7 @@ EAGER = "ULTRASCALE_EAGER_FORKSERVER"
 # ultrascale.runtime.preload imports both with the garbage collector paused, then freezes them
 # (collector.py): 2.1 s of the server's CPU instead of 2.45.
 PRELOAD = ("ultrascale.runtime.preload",)
-_started = False            # start_fork_server() has run in this process
+_started = False  # start_fork_server() has run in this process
 
 
 @contextlib.contextmanager
@@ -148,9 +148,9 @@ def start_fork_server(forked: bool = False) -> bool:
     _started = True
     from multiprocessing import forkserver
 
-    mp_context()                        # the preload list, before the server starts
-    with no_main_reimport(), (_forked_not_executed() if forked else contextlib.nullcontext()):
-        forkserver.ensure_running()     # never re-run the caller's script, as for the ranks
+    mp_context()  # the preload list, before the server starts
+    with no_main_reimport(), _forked_not_executed() if forked else contextlib.nullcontext():
+        forkserver.ensure_running()  # never re-run the caller's script, as for the ranks
     return True
 
 
@@ -173,9 +173,9 @@ def _forked_not_executed():
     original = mp_util.spawnv_passfds
 
     def spawnv_passfds(path, args, passfds):
-        if _SERVER_CODE not in args[-1]:   # the resource tracker, started first: as always
+        if _SERVER_CODE not in args[-1]:  # the resource tracker, started first: as always
             return original(path, args, passfds)
-        with warnings.catch_warnings():   # Python 3.12+ warns about forking a process with threads
+        with warnings.catch_warnings():  # Python 3.12+ warns about forking a process with threads
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
         if pid:
@@ -185,9 +185,9 @@ def _forked_not_executed():
             _like_a_fresh_process(passfds)
             exec(args[-1], {"__name__": "__mp_main__"})
             code = 0
-        except SystemExit as stop:         # the server's way out when its last client has gone
+        except SystemExit as stop:  # the server's way out when its last client has gone
             code = stop.code if isinstance(stop.code, int) else 0
-        except BaseException:              # noqa: BLE001 - say why on stderr, as a fresh server would
+        except BaseException:  # noqa: BLE001 - say why on stderr, as a fresh server would
             import traceback
 
             traceback.print_exc()
@@ -207,10 +207,10 @@ def _like_a_fresh_process(passfds) -> None:
     for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
         os.closerange(low + 1, high)
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-    name_this_process("forkserver")   # its command line is the kernel's (or script's): say what it is
+    name_this_process("forkserver")  # its command line is the kernel's (or script's): say what it is
     shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-    if shell is not None:   # the kernel's shell object is here but no kernel is: ranks are not in a notebook
-        _KEPT.append(shell)   # (kept alive: nothing of the kernel's is torn down here)
+    if shell is not None:  # the kernel's shell object is here but no kernel is: ranks are not in a notebook
+        _KEPT.append(shell)  # (kept alive: nothing of the kernel's is torn down here)
         type(shell).clear_instance()
 
 
@@ -227,5 +227,5 @@ def name_this_process(name: str) -> None:
 
             PR_SET_NAME = 15
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-        except (OSError, AttributeError):   # not glibc: the name stays "python"
+        except (OSError, AttributeError):  # not glibc: the name stays "python"
             pass

@@ -74,7 +74,7 @@ def _show_stops_in_one_line(ipython) -> None:
     from .errors import Stopped
 
     def one_line(shell, etype, value, tb, tb_offset=None):
-        sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb   # for %tb
+        sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # for %tb
         sys.last_exc = value
         print(f"Stopped: {value}  (%tb shows the full traceback)", file=sys.stderr)
         return None

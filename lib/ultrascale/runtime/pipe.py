@@ -56,7 +56,7 @@ def _read_exactly(conn, fd: int, size: int, deadline: float) -> bytearray:
     while got < size:
         if not _readable(conn, fd, deadline):
             raise PipeTimeout(f"a message stopped arriving after {got} of {size} bytes")
-        n = os.readv(fd, [view[got: got + _CHUNK]])
+        n = os.readv(fd, [view[got : got + _CHUNK]])
         if n == 0:
             raise EOFError(f"the pipe closed after {got} of {size} bytes of a message")
         got += n

@@ -51,10 +51,17 @@ _THIS_FILE = __file__.removesuffix("c")  # .pyc -> .py
 
 # Ops that may take a host tensor beside a device tensor on CUDA too.
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
-_ALLOWED_MIXED = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__,
-                  torch.Tensor.index_put_, torch.Tensor.set_,
-                  # these read only the other tensor's shape
-                  torch.Tensor.view_as, torch.Tensor.expand_as, torch.Tensor.reshape_as}
+_ALLOWED_MIXED = {
+    torch.Tensor.copy_,
+    torch.Tensor.__getitem__,
+    torch.Tensor.__setitem__,
+    torch.Tensor.index_put_,
+    torch.Tensor.set_,
+    # these read only the other tensor's shape
+    torch.Tensor.view_as,
+    torch.Tensor.expand_as,
+    torch.Tensor.reshape_as,
+}
 
 
 def _may_mix(func) -> bool:
@@ -104,7 +111,7 @@ def _tensors(args, kwargs):
 
 
 def _mark(result, where: str | None) -> None:
-    for t in (result if isinstance(result, (list, tuple)) else (result,)):
+    for t in result if isinstance(result, (list, tuple)) else (result,):
         if isinstance(t, torch.Tensor):
             try:
                 if where is None:
@@ -131,7 +138,7 @@ def _new_object(t: torch.Tensor, result):
     return result
 
 
-_DEVICE_GETTER = torch._C.TensorBase.device   # ``t.device``, which reaches the mode as its __get__
+_DEVICE_GETTER = torch._C.TensorBase.device  # ``t.device``, which reaches the mode as its __get__
 
 
 class StrictDevice(TorchFunctionMode):
@@ -185,9 +192,10 @@ class StrictDevice(TorchFunctionMode):
                 f"host at {host} with a tensor on ctx.device. On a GPU node the first is a CPU tensor and "
                 f"the second a CUDA one, and this op raises there. Make it with "
                 f"device=ctx.device (or device=x.device), or move it with .to(ctx.device); "
-                f"a model with model.to(ctx.device).")
+                f"a model with model.to(ctx.device)."
+            )
         result = func(*args, **kwargs)
-        if host and device:   # an op CUDA allows across devices: its output lives where self does
+        if host and device:  # an op CUDA allows across devices: its output lives where self does
             _mark(result, host_mark(args[0]))
         else:
             _mark(result, host)
@@ -204,7 +212,7 @@ class StrictDevice(TorchFunctionMode):
             if target is None:  # .to(dtype): the data stays where it is
                 _mark(result, host_mark(t))
                 return result
-            result = _new_object(t, result)   # .to(device), .to(other_tensor), .cuda()
+            result = _new_object(t, result)  # .to(device), .to(other_tensor), .cuda()
             if isinstance(target, torch.Tensor):
                 _mark(result, host_mark(target))
             else:
@@ -216,7 +224,7 @@ def _target(args, kwargs):
     """What ``.to(...)`` moves to: a device, a tensor whose device it takes, or None (a dtype)."""
     if kwargs.get("device") is not None:
         return kwargs["device"]
-    for a in args:   # (Module.to passes non_blocking by position: a bool is no device)
+    for a in args:  # (Module.to passes non_blocking by position: a bool is no device)
         if isinstance(a, (torch.Tensor, str, torch.device, int)) and not isinstance(a, bool):
             return a
     return None
@@ -261,10 +269,28 @@ def install() -> None:
 
 # ----------------------------------------------------------------------- collectives
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-                "_reduce_scatter_base", "broadcast", "reduce", "gather", "scatter", "all_to_all",
-                "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
 
 
 def _check_collective(name: str, args, kwargs) -> None:
@@ -281,7 +307,8 @@ def _check_collective(name: str, args, kwargs) -> None:
                     f"strict device: dist.{name} at {_caller()} was given a tensor made on "
                     f"the host at {where}. NCCL, the backend of a GPU node, takes CUDA tensors only and "
                     f"raises here. Make it with device=ctx.device or move it with "
-                    f".to(ctx.device).")
+                    f".to(ctx.device)."
+                )
 
 
 def _guarded(name: str, fn):
@@ -289,6 +316,7 @@ def _guarded(name: str, fn):
     def guarded(*args, **kwargs):
         _check_collective(name, args, kwargs)
         return fn(*args, **kwargs)
+
     guarded.__ultrascale_strict__ = fn
     return guarded
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 ENV = "ULTRASCALE_STRICT_P2P"
-DEFAULT_TIMEOUT = 60.0   # seconds a send may wait for its receive: far more than any chapter's step
+DEFAULT_TIMEOUT = 60.0  # seconds a send may wait for its receive: far more than any chapter's step
 
 
 class PointToPointDeadlock(RuntimeError):
@@ -63,7 +63,7 @@ def timeout_from_env() -> float | None:
     return DEFAULT_TIMEOUT if seconds == 1 else seconds
 
 
-_POSTED = [0]   # operations posted on this rank in this mode: the runtime's sign that a call used the group
+_POSTED = [0]  # operations posted on this rank in this mode: the runtime's sign that a call used the group
 
 
 def posted() -> int:
@@ -77,7 +77,7 @@ class _Op:
     def __init__(self, kind: str, tensor, peer: int, group, tag: int):
         self.kind, self.tensor, self.peer, self.group, self.tag = kind, tensor, peer, group, tag
         self.done, self.error, self.number = threading.Event(), None, None
-        self.stream = (_group_name(group), peer)   # NCCL: one communicator per group and pair
+        self.stream = (_group_name(group), peer)  # NCCL: one communicator per group and pair
 
     def finish(self) -> None:
         """Done: let go of the tensor first. The stream thread still holds this operation for
@@ -126,19 +126,19 @@ class StrictPointToPoint:
         self.timeout = timeout
         self.me = dist.get_rank()
         self.store = c10d._get_default_store()
-        self.streams: dict[tuple, queue.Queue] = {}   # (group, peer) -> its operations, in order
-        self.sends: dict[tuple, int] = {}      # (group, peer) -> sends posted to it so far
-        self.recvs: dict[tuple, int] = {}      # (group, peer) -> receives posted from it so far
+        self.streams: dict[tuple, queue.Queue] = {}  # (group, peer) -> its operations, in order
+        self.sends: dict[tuple, int] = {}  # (group, peer) -> sends posted to it so far
+        self.recvs: dict[tuple, int] = {}  # (group, peer) -> receives posted from it so far
         self.lock = threading.Lock()
         self.broken: dict[tuple, BaseException] = {}
-        self.isend, self.irecv = dist.isend, dist.irecv   # the real ones, saved before we swap them
-        self.batch = threading.local()   # .ops: the operations of the batch_isend_irecv being posted
+        self.isend, self.irecv = dist.isend, dist.irecv  # the real ones, saved before we swap them
+        self.batch = threading.local()  # .ops: the operations of the batch_isend_irecv being posted
 
     # -------------------------------------------------------------- posting (caller's thread)
     def post(self, kind: str, tensor, peer: int, group, tag: int) -> _Work:
         op = _Op(kind, tensor, peer, group, tag)
         batch = getattr(self.batch, "ops", None)
-        if batch is not None:   # inside batch_isend_irecv: goes out with the batch
+        if batch is not None:  # inside batch_isend_irecv: goes out with the batch
             batch.append(op)
             return _Work(op)
         with self.lock:
@@ -165,14 +165,15 @@ class StrictPointToPoint:
     def _stream(self, key: tuple) -> queue.Queue:
         if key not in self.streams:
             self.streams[key] = queue.Queue()
-            threading.Thread(target=self._run, args=(key,), daemon=True,
-                             name=f"strict-p2p-{self.me}-{key[1]}-group-{key[0]}").start()
+            threading.Thread(
+                target=self._run, args=(key,), daemon=True, name=f"strict-p2p-{self.me}-{key[1]}-group-{key[0]}"
+            ).start()
         return self.streams[key]
 
     # -------------------------------------------------------------- running (stream threads)
     def _run(self, key: tuple) -> None:
         stream = self.streams[key]
-        while True:   # one call per item: no local of this loop holds a finished one's tensor alive
+        while True:  # one call per item: no local of this loop holds a finished one's tensor alive
             self._serve(key, stream.get())
 
     def _serve(self, key: tuple, item) -> None:
@@ -180,7 +181,7 @@ class StrictPointToPoint:
             self._reach_group(item)
             return
         try:
-            if key in self.broken:   # an earlier operation on this stream failed
+            if key in self.broken:  # an earlier operation on this stream failed
                 raise self.broken[key]
             if item.kind == "recv":
                 self._announce(item)
@@ -196,15 +197,16 @@ class StrictPointToPoint:
         with group.lock:
             group.waiting -= 1
             last = group.waiting == 0
-        if not last:              # this stream holds still until the group has gone
+        if not last:  # this stream holds still until the group has gone
             group.done.wait()
             return
         try:
             for op in group.ops:
                 if op.kind == "recv":
                     self._announce(op)
-            works = [self.irecv(op.tensor, src=op.peer, group=op.group, tag=op.tag)
-                     for op in group.ops if op.kind == "recv"]
+            works = [
+                self.irecv(op.tensor, src=op.peer, group=op.group, tag=op.tag) for op in group.ops if op.kind == "recv"
+            ]
             for op in group.ops:
                 if op.kind == "send":
                     self._await_receiver(op)
@@ -226,8 +228,9 @@ class StrictPointToPoint:
         # The word carries the receive's buffer, so that the send can say what differs: gloo
         # would abort the receiving process, NCCL would corrupt memory or hang.
         t = op.tensor
-        self.store.set(self._key(op, op.peer, self.me),
-                       f"{tuple(t.shape)} {t.dtype} {t.numel() * t.element_size()}".encode())
+        self.store.set(
+            self._key(op, op.peer, self.me), f"{tuple(t.shape)} {t.dtype} {t.numel() * t.element_size()}".encode()
+        )
 
     def _await_receiver(self, op: _Op) -> None:
         key = self._key(op, self.me, op.peer)
@@ -243,7 +246,8 @@ class StrictPointToPoint:
                     f"posted: if rank {op.peer} posted a send to rank {self.me} before that receive, the two "
                     f"wait for each other forever. Post a pair's send and receive together with "
                     f"dist.batch_isend_irecv (comm.ring.ring_step does), or receive before sending on one "
-                    f"of the two ranks.")
+                    f"of the two ranks."
+                )
             time.sleep(pause)
             pause = min(2 * pause, 2e-3)
         receive = self.store.get(key).decode()
@@ -256,7 +260,8 @@ class StrictPointToPoint:
                 f"{op.peer} posted the matching receive #{op.number} into a buffer of shape {shape} and {dtype}, "
                 f"{int(nbytes):,} bytes. The two ends of a message must agree on shape and dtype: make the "
                 "receive buffer like the tensor sent (torch.empty_like, or the sender's dtype and shape). "
-                "The send was not made (gloo would abort the receiving process; NCCL would hang or corrupt it)")
+                "The send was not made (gloo would abort the receiving process; NCCL would hang or corrupt it)"
+            )
 
 
 # ----------------------------------------------------------------------- installing
@@ -309,11 +314,16 @@ def install(timeout: float) -> StrictPointToPoint:
         streams.post_group(ops)
         return works
 
-    for fn, original in ((isend, dist.isend), (irecv, dist.irecv), (send, dist.send), (recv, dist.recv),
-                         (batch_isend_irecv, dist.batch_isend_irecv)):
+    for fn, original in (
+        (isend, dist.isend),
+        (irecv, dist.irecv),
+        (send, dist.send),
+        (recv, dist.recv),
+        (batch_isend_irecv, dist.batch_isend_irecv),
+    ):
         functools.update_wrapper(fn, original)
         fn.__ultrascale_strict_p2p__ = streams
-        for module in (dist, c10d):   # P2POp and batch_isend_irecv look isend/irecv up in c10d
+        for module in (dist, c10d):  # P2POp and batch_isend_irecv look isend/irecv up in c10d
             if getattr(module, original.__name__, None) is original:
                 setattr(module, original.__name__, fn)
     return streams

@@ -46,10 +46,12 @@ def load_function(spec: str):
             module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
             if not (target == exc.name or target.startswith(f"{exc.name}.")):
-                raise   # the module was found; something it imports was not
-            raise ModuleNotFoundError(f"no module {target!r} in {os.getcwd()} nor on PYTHONPATH: run from "
-                                      "the folder that holds it, or add that folder to PYTHONPATH",
-                                      name=exc.name) from None
+                raise  # the module was found; something it imports was not
+            raise ModuleNotFoundError(
+                f"no module {target!r} in {os.getcwd()} nor on PYTHONPATH: run from "
+                "the folder that holds it, or add that folder to PYTHONPATH",
+                name=exc.name,
+            ) from None
     return getattr(module, name)
 
 
@@ -71,7 +73,8 @@ def rank_device(backend: str, local_rank: int, gpus: int | None = None) -> torch
             f"local rank {local_rank} has no GPU of its own: this node has {gpus} GPU(s) and torchrun started "
             f"at least {local_rank + 1} ranks on it, but NCCL needs one GPU per rank. Start "
             f"--nproc_per_node={gpus} per node (launch/torchrun.sh and the SLURM templates pick one per GPU), "
-            "or pass --backend gloo to run the ranks on the CPU.")
+            "or pass --backend gloo to run the ranks on the CPU."
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -83,8 +86,10 @@ def backend_line(backend: str, world_size: int, nodes: int) -> str:
     if backend == "nccl":
         return f"{where}, one GPU per rank ({torch.cuda.get_device_name(0)})"
     if torch.version.cuda is None:
-        why = (f"torch {torch.__version__} is a CPU build (on a GPU cluster: .venv was set up where no "
-               "GPU was seen; README, GPU-cluster quick start)")
+        why = (
+            f"torch {torch.__version__} is a CPU build (on a GPU cluster: .venv was set up where no "
+            "GPU was seen; README, GPU-cluster quick start)"
+        )
     elif not torch.cuda.is_available():
         why = "no GPU visible to torch here"
     else:
@@ -103,7 +108,7 @@ def run_under_torchrun(fn, *args, backend: str = "auto", **kwargs) -> list | Non
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
     if rank == 0:
-        nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)   # torchrun's count of nodes
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)  # torchrun's count of nodes
         print(f"ultrascale.runtime.torchrun: {backend_line(backend, world_size, nodes)}", flush=True)
     try:
         ctx = RankContext(rank=rank, world_size=world_size, backend=backend, device=device)

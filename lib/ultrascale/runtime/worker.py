@@ -165,7 +165,7 @@ def _user_frames(frames):
     """Keep only the frames below the runtime's last one: the learner's code (and torch's),
     not multiprocessing's start-up or our job loop."""
     inside = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(_RUNTIME_DIR)]
-    return list(frames[inside[-1] + 1:]) if inside else list(frames)
+    return list(frames[inside[-1] + 1 :]) if inside else list(frames)
 
 
 def _format_exception(exc: BaseException) -> str:
@@ -183,8 +183,9 @@ def _main_thread_stack(main_ident: int) -> str:
     sys.setswitchinterval(10.0)
     try:
         frame = sys._current_frames().get(main_ident)
-        stack = None if frame is None else traceback.StackSummary.extract(
-            traceback.walk_stack(frame), lookup_lines=False)
+        stack = (
+            None if frame is None else traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)
+        )
         del frame
     finally:
         sys.setswitchinterval(interval)
@@ -228,11 +229,23 @@ def _init_process_group(backend: str, rank: int, world_size: int, store_port: in
     )
 
 
-def worker_main(rank, world_size, backend, conn, store_port, generation, notebook_pid, threads,
-                sys_path=None, cwd=None, strict_device=False, strict_p2p=None):
+def worker_main(
+    rank,
+    world_size,
+    backend,
+    conn,
+    store_port,
+    generation,
+    notebook_pid,
+    threads,
+    sys_path=None,
+    cwd=None,
+    strict_device=False,
+    strict_p2p=None,
+):
     """Entry point of one rank (runs in a fresh process from the fork server)."""
     _set_parent_death_signal()
-    name_this_process(f"rank{rank}")   # in top and ps: rank0, rank1, ... rather than one more python
+    name_this_process(f"rank{rank}")  # in top and ps: rank0, rank1, ... rather than one more python
     # The fork server may have started before the notebook changed its import path or folder
     # (it starts at ``import ultrascale.runtime``): a rank sees the notebook's as they are now.
     if sys_path is not None:
@@ -264,9 +277,7 @@ def worker_main(rank, world_size, backend, conn, store_port, generation, noteboo
         ctx.strict_device = True
 
     jobs: queue.Queue = queue.Queue()
-    threading.Thread(
-        target=_listen, args=(conn, channel, jobs, threading.get_ident()), daemon=True
-    ).start()
+    threading.Thread(target=_listen, args=(conn, channel, jobs, threading.get_ident()), daemon=True).start()
     channel.send("ready", None, job_id=0)
 
     while True:

@@ -21,6 +21,7 @@ exactly the same lists (``schedule.actions(rank)``). Building a schedule checks 
 micro-batch has one F and one B on every stage (and at most one W), on the rank that holds
 the stage, and the simulator runs it once to prove that it cannot deadlock.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ def parse(text: str, stage: int = 0) -> list[Action]:
     out = []
     for token in text.split():
         op = token.rstrip("0123456789s")
-        rest = token[len(op):]
+        rest = token[len(op) :]
         mb, _, s = rest.partition("s")
         if op not in COMPUTE_OPS + COMM_OPS or not mb.isdigit() or (s and not s.isdigit()):
             raise ValueError(f"cannot read {token!r}: write e.g. F0, B3 or W2s1 (op, micro-batch, s + stage)")
@@ -50,7 +51,7 @@ def rank_of_stage(stage: int, ranks: int, placement: str = "loop") -> int:
     """The rank holding ``stage`` under a placement (see the module docstring)."""
     if placement == "loop":
         return stage % ranks
-    lap, position = divmod(stage, ranks)   # "v": down on even laps, back up on odd ones
+    lap, position = divmod(stage, ranks)  # "v": down on even laps, back up on odd ones
     return position if lap % 2 == 0 else ranks - 1 - position
 
 
@@ -73,7 +74,7 @@ class Schedule:
         object.__setattr__(self, "compute", tuple(tuple(Action(*a) for a in acts) for acts in self.compute))
         _check_sizes(self)
         _check_complete(self)
-        simulate(self)   # the simulator proves that the lists cannot deadlock
+        simulate(self)  # the simulator proves that the lists cannot deadlock
 
     # ------------------------------------------------------------------ layout
     @property
@@ -150,20 +151,31 @@ def _check_complete(s: Schedule) -> None:
     for rank, acts in enumerate(s.compute):
         for a in acts:
             if a.op not in COMPUTE_OPS:
-                raise ScheduleError(f"rank {rank}: {a} is not a compute action; give F, B and W only "
-                                    "(send/recv are derived from the placement)")
+                raise ScheduleError(
+                    f"rank {rank}: {a} is not a compute action; give F, B and W only "
+                    "(send/recv are derived from the placement)"
+                )
             if not (0 <= a.microbatch < s.microbatches and 0 <= a.stage < s.stages):
-                raise ScheduleError(f"rank {rank}: {a} is outside micro-batches 0..{s.microbatches - 1} "
-                                    f"or stages 0..{s.stages - 1}")
+                raise ScheduleError(
+                    f"rank {rank}: {a} is outside micro-batches 0..{s.microbatches - 1} or stages 0..{s.stages - 1}"
+                )
             if s.rank_of(a.stage) != rank:
-                raise ScheduleError(f"rank {rank} runs {a}, but stage {a.stage} lives on rank "
-                                    f"{s.rank_of(a.stage)} ({s.placement} placement)")
+                raise ScheduleError(
+                    f"rank {rank} runs {a}, but stage {a.stage} lives on rank "
+                    f"{s.rank_of(a.stage)} ({s.placement} placement)"
+                )
             if a in seen:
                 raise ScheduleError(f"rank {rank} runs {a} twice")
             seen[a] = rank
-    missing = [Action(op, mb, st) for st in range(s.stages) for mb in range(s.microbatches)
-               for op in ("F", "B") if Action(op, mb, st) not in seen]
+    missing = [
+        Action(op, mb, st)
+        for st in range(s.stages)
+        for mb in range(s.microbatches)
+        for op in ("F", "B")
+        if Action(op, mb, st) not in seen
+    ]
     if missing:
         shown = " ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-        raise ScheduleError(f"{len(missing)} actions are missing: {shown}; every micro-batch needs "
-                            "one F and one B on every stage")
+        raise ScheduleError(
+            f"{len(missing)} actions are missing: {shown}; every micro-batch needs one F and one B on every stage"
+        )

@@ -24,6 +24,7 @@ asks for), and ``<schedule>(p, m, ...)`` the checked :class:`Schedule` of all ra
 The orders follow ``torch.distributed.pipelining``'s schedules, so the action lists can be
 compared with theirs (see tests/test_pipeline_parallel.py).
 """
+
 from __future__ import annotations
 
 from .actions import Action, Schedule, ScheduleError
@@ -32,8 +33,9 @@ from .actions import Action, Schedule, ScheduleError
 def _check(p, m, v=1, minimum_m=1, why="") -> None:
     for name, value in (("p", p), ("m", m), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name}={value!r}: the number of ranks p, of micro-batches m and of chunks v "
-                                "must be integers >= 1")
+            raise ScheduleError(
+                f"{name}={value!r}: the number of ranks p, of micro-batches m and of chunks v must be integers >= 1"
+            )
     if m < minimum_m:
         raise ScheduleError(f"m={m} micro-batches: {why} needs m >= {minimum_m}")
 
@@ -78,7 +80,7 @@ def one_forward_one_backward(forwards, backwards, warmup: int, weight_lag: int |
         if weight_lag is not None and k >= weight_lag:
             out.append(_weight(backwards[k - weight_lag]))
     if weight_lag is not None:
-        out += [_weight(b) for b in backwards[max(len(backwards) - weight_lag, 0):]]
+        out += [_weight(b) for b in backwards[max(len(backwards) - weight_lag, 0) :]]
     return out
 
 
@@ -123,8 +125,10 @@ def interleaved_1f1b(p: int, m: int, v: int = 2, order: str = "depth-first", rou
     if rounds is None:
         rounds = max(1, m // p) if order == "depth-first" else 1
     if not 1 <= rounds <= max(1, m // p):
-        raise ScheduleError(f"rounds={rounds}: with m={m} and p={p} choose 1 .. {max(1, m // p)} rounds "
-                            "(each round needs at least p micro-batches)")
+        raise ScheduleError(
+            f"rounds={rounds}: with m={m} and p={p} choose 1 .. {max(1, m // p)} rounds "
+            "(each round needs at least p micro-batches)"
+        )
     name = f"interleaved 1F1B ({order})" if v > 1 else "1F1B"
     return Schedule(name, [interleaved_rank(p, m, v, r, rounds) for r in range(p)], m, chunks=v)
 
@@ -153,41 +157,41 @@ def dualpipe_v_rank(p: int, m: int, rank: int) -> list[Action]:
         mb = counters.get((stage, op), 0)
         counters[stage, op] = mb + 1
         out.append(Action(op, mb, stage))
-        if split:                      # B computed only the input gradients: W is owed
+        if split:  # B computed only the input gradients: W is owed
             owed.append(Action("W", mb, stage))
 
     def add_owed_weight():
         if owed:
             out.append(owed.pop(0))
 
-    for _ in range(2 * (p - rank - 1)):        # 1: fill the first chunk
+    for _ in range(2 * (p - rank - 1)):  # 1: fill the first chunk
         add(s0, "F")
-    for _ in range(rank + 1):                  # 2: both chunks forward
+    for _ in range(rank + 1):  # 2: both chunks forward
         add(s0, "F")
         add(s1, "F")
-    for _ in range(p - rank - 1):              # 3: zero-bubble steps on the second chunk
+    for _ in range(p - rank - 1):  # 3: zero-bubble steps on the second chunk
         add(s1, "B", split=True)
         add_owed_weight()
         add(s1, "F")
-    for _ in range(m - 2 * p + rank + 1):      # 4: the main loop, F of one chunk with B of the other
+    for _ in range(m - 2 * p + rank + 1):  # 4: the main loop, F of one chunk with B of the other
         add(s0, "F")
         add(s1, "B")
         add(s1, "F")
         add(s0, "B")
-    for _ in range(p - rank - 1):              # 5
+    for _ in range(p - rank - 1):  # 5
         add(s1, "B")
         add(s1, "F")
         add(s0, "B")
     split = False
-    for i in range(rank + 1):                  # 6: from the middle on, split the backwards
+    for i in range(rank + 1):  # 6: from the middle on, split the backwards
         split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
         add(s1, "B", split)
         split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
         add(s0, "B", split)
-    for _ in range(p - rank - 1):              # 7
+    for _ in range(p - rank - 1):  # 7
         add_owed_weight()
         add(s0, "B", split)
-    for _ in range(rank + 1):                  # 8: the weight gradients still owed
+    for _ in range(rank + 1):  # 8: the weight gradients still owed
         add_owed_weight()
     assert not owed, f"DualPipeV generator left {owed} without W"
     return out
@@ -208,7 +212,7 @@ SCHEDULES = {
     "zb-h1": lambda p, m, v=1: zb_h1(p, m),
     "dualpipe-v": lambda p, m, v=2: dualpipe_v(p, m),
 }
-CHUNKS = {"interleaved": 2, "interleaved-bf": 2, "dualpipe-v": 2}   # v when not given
+CHUNKS = {"interleaved": 2, "interleaved-bf": 2, "dualpipe-v": 2}  # v when not given
 
 
 def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
@@ -220,8 +224,9 @@ def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     if key in ("naive", "afab", "1f1b", "zb-h1") and v != 1:
         raise ScheduleError(f"{name} runs one stage per rank (v=1); use 'interleaved' for v={v} chunks")
     if key == "naive" and m != 1:
-        raise ScheduleError(f"the naive pipeline runs the batch whole (m=1), got m={m}: use 'afab' or '1f1b' "
-                            "for micro-batches")
+        raise ScheduleError(
+            f"the naive pipeline runs the batch whole (m=1), got m={m}: use 'afab' or '1f1b' for micro-batches"
+        )
     if key == "dualpipe-v" and v != 2:
         raise ScheduleError("DualPipeV holds exactly two stages per rank (v=2)")
     return SCHEDULES[key](p, m, v)

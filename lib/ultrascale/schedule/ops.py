@@ -4,6 +4,7 @@ Both ``actions`` (which builds a ``Schedule`` and, to check it, simulates it) an
 (which runs one) need these, so they live here, below both: ``simulate`` takes them from this module, not
 from ``actions``, and ``actions`` can import ``simulate`` without an import circle.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -23,7 +24,7 @@ class Action(NamedTuple):
     microbatch: int
     stage: int = 0
 
-    def __str__(self) -> str:   # F3s1: forward of micro-batch 3 through stage 1
+    def __str__(self) -> str:  # F3s1: forward of micro-batch 3 through stage 1
         return f"{self.op}{self.microbatch}s{self.stage}"
 
     __repr__ = __str__

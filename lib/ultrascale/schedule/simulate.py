@@ -20,13 +20,14 @@ The simulator is also the validity check: an action whose input is produced late
 same rank is a :class:`ScheduleError`, and ranks that all wait for messages no waiting rank
 will ever send are a :class:`DeadlockError` naming every blocked action.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .ops import Action, ScheduleError
 
-NAMES = {"F": "forward", "B": "backward", "W": "weight"}   # Timeline event names, by op
+NAMES = {"F": "forward", "B": "backward", "W": "weight"}  # Timeline event names, by op
 
 
 class DeadlockError(ScheduleError):
@@ -53,7 +54,7 @@ class Simulation:
     t_w: float
     t_comm: float
     spans: list = field(default_factory=list)
-    peak_activations: list = field(default_factory=list)   # per rank, see simulate()
+    peak_activations: list = field(default_factory=list)  # per rank, see simulate()
 
     @property
     def makespan(self) -> float:
@@ -73,8 +74,10 @@ class Simulation:
 
     def rows(self) -> list[dict]:
         """The spans as ``Timeline.rows()`` dicts, e.g. for ``viz.gantt.plot_gantt``."""
-        return [dict(rank=s.rank, lane="compute", name=event_name(s.action), start=s.start, end=s.end, nbytes=0)
-                for s in self.spans]
+        return [
+            dict(rank=s.rank, lane="compute", name=event_name(s.action), start=s.start, end=s.end, nbytes=0)
+            for s in self.spans
+        ]
 
 
 def event_name(action: Action) -> str:
@@ -92,8 +95,7 @@ def action_of(name: str) -> Action | None:
 
 
 # --------------------------------------------------------------------------- simulation
-def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None,
-             t_comm: float = 0.0) -> Simulation:
+def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None, t_comm: float = 0.0) -> Simulation:
     """Run ``schedule`` on simulated ranks; raises if it is invalid or deadlocks.
 
     ``t_w`` is the weight-gradient part of ``t_b`` (default ``t_b / 2``, so that B, W and F
@@ -124,17 +126,17 @@ class _Run:
     def __init__(self, schedule, sim):
         self.s, self.sim = schedule, sim
         self.lists = [schedule.actions(r) for r in range(schedule.ranks)]
-        self.pc = [0] * schedule.ranks            # next action of each rank
-        self.clock = [0.0] * schedule.ranks       # when each rank is free
-        self.messages = {}                        # (kind, mb, receiving stage) -> arrival time
-        self.ready = {}                           # ("input"|"grad", mb, stage) -> time it is there
-        self.done = {}                            # compute action -> end time
+        self.pc = [0] * schedule.ranks  # next action of each rank
+        self.clock = [0.0] * schedule.ranks  # when each rank is free
+        self.messages = {}  # (kind, mb, receiving stage) -> arrival time
+        self.ready = {}  # ("input"|"grad", mb, stage) -> time it is there
+        self.done = {}  # compute action -> end time
         self.held = [0] * schedule.ranks
         sim.peak_activations = [0] * schedule.ranks
 
     def run(self) -> None:
         progress = True
-        while progress:   # let each rank run until it blocks; stop when nobody can move
+        while progress:  # let each rank run until it blocks; stop when nobody can move
             progress = False
             for rank, actions in enumerate(self.lists):
                 while self.pc[rank] < len(actions) and self.step(rank, actions[self.pc[rank]]):
@@ -162,8 +164,10 @@ class _Run:
         needs = _needs(a, self.s.stages)
         for need in needs:
             if need not in self.ready and need not in self.done:
-                raise ScheduleError(f"rank {rank} runs {a} before {_describe(need)}, which it needs and which "
-                                    f"rank {rank} itself produces later: move {a} after it")
+                raise ScheduleError(
+                    f"rank {rank} runs {a} before {_describe(need)}, which it needs and which "
+                    f"rank {rank} itself produces later: move {a} after it"
+                )
         start = max([self.clock[rank]] + [self.ready.get(n, self.done.get(n, 0.0)) for n in needs])
         end = start + self._cost(a)
         self.clock[rank] = self.done[a] = end
@@ -216,16 +220,16 @@ def _describe(need) -> str:
 
 
 def _deadlock_message(schedule, blocked) -> str:
-    lines = [f"{schedule.name} deadlocks: every unfinished rank waits for a message that no running rank "
-             "will send."]
+    lines = [f"{schedule.name} deadlocks: every unfinished rank waits for a message that no running rank will send."]
     for rank, index, a in blocked:
         kind, mb, stage = _message(a)
         source = stage - 1 if kind == "F" else stage + 1
         producer = Action(kind, mb, source)
-        lines.append(f"  rank {rank} waits at action {index} ({a}) for {producer} from rank "
-                     f"{schedule.rank_of(source)}")
-    lines.append("Reorder the compute actions so that each F comes after the F of the previous stage and each B "
-                 "after the B of the next stage can have run (e.g. 1F1B's warm-up of p-1-rank forwards).")
+        lines.append(f"  rank {rank} waits at action {index} ({a}) for {producer} from rank {schedule.rank_of(source)}")
+    lines.append(
+        "Reorder the compute actions so that each F comes after the F of the previous stage and each B "
+        "after the B of the next stage can have run (e.g. 1F1B's warm-up of p-1-rank forwards)."
+    )
     return "\n".join(lines)
 
 
@@ -241,8 +245,11 @@ def bubble_fraction(timelines) -> float:
     if isinstance(timelines, Simulation):
         rows = timelines.rows()
     else:
-        rows = [e for per_rank in timelines for e in per_rank] if timelines and isinstance(timelines[0], list) \
+        rows = (
+            [e for per_rank in timelines for e in per_rank]
+            if timelines and isinstance(timelines[0], list)
             else list(timelines)
+        )
     rows = [e for e in rows if e.get("lane", "compute") == "compute" and action_of(e["name"])]
     if not rows:
         raise ValueError("no pipeline compute events: expected names such as 'forward 3 stage 1'")

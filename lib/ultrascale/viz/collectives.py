@@ -62,8 +62,9 @@ def buffer_rows(state, name: str = "") -> list[Row]:
         return [(name, array)]
     if array.ndim == 2:
         return [(f"{name}[{i}]", row) for i, row in enumerate(array)]
-    raise ValueError(f"cannot draw a {array.ndim}-D buffer ({name or 'unnamed'}): "
-                     "pass 1-D or 2-D tensors, or flatten it first")
+    raise ValueError(
+        f"cannot draw a {array.ndim}-D buffer ({name or 'unnamed'}): pass 1-D or 2-D tensors, or flatten it first"
+    )
 
 
 def _format(values: np.ndarray) -> str:
@@ -98,14 +99,29 @@ def _draw_grid(ax, per_rank_rows, norm, cmap, fmt, title, height) -> None:
             labels.append(f"{head}  {label}".strip() if label else head)
             if values is None:
                 ax.add_patch(Rectangle((0, y), width, 1, facecolor="#f0f0f0", edgecolor="white"))
-                ax.text(width / 2, y + 0.5, "(no buffer)", ha="center", va="center",
-                        fontsize=8, color="#808080", style="italic")
+                ax.text(
+                    width / 2,
+                    y + 0.5,
+                    "(no buffer)",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="#808080",
+                    style="italic",
+                )
             else:
                 for j, v in enumerate(values):
                     colour = cmap(norm(float(v)))
                     ax.add_patch(Rectangle((j, y), 1, 1, facecolor=colour, edgecolor="white"))
-                    ax.text(j + 0.5, y + 0.5, fmt.format(v), ha="center", va="center",
-                            fontsize=8, color=_text_colour(colour))
+                    ax.text(
+                        j + 0.5,
+                        y + 0.5,
+                        fmt.format(v),
+                        ha="center",
+                        va="center",
+                        fontsize=8,
+                        color=_text_colour(colour),
+                    )
             y += 1
     for s in separators:
         ax.axhline(s, color="black", linewidth=1.5)
@@ -120,8 +136,15 @@ def _draw_grid(ax, per_rank_rows, norm, cmap, fmt, title, height) -> None:
     ax.set_title(title, fontsize=10)
 
 
-def collective_figure(before: Sequence, after: Sequence, title: str = "", *,
-                      labels=("before", "after"), cmap: str = "Blues", fmt: str | None = None) -> Figure:
+def collective_figure(
+    before: Sequence,
+    after: Sequence,
+    title: str = "",
+    *,
+    labels=("before", "after"),
+    cmap: str = "Blues",
+    fmt: str | None = None,
+) -> Figure:
     """Draw each rank's buffers before and after a collective.
 
     ``before`` and ``after`` hold one state per rank (see the module docstring), e.g.
@@ -173,8 +196,9 @@ def _set_label(ranks) -> str:
     return sep.join(str(r) for r in ranks)
 
 
-def ring_steps_figure(frames: Sequence, titles: Sequence[str], sends: Sequence | None = None,
-                      ncols: int | None = None, title: str = "") -> Figure:
+def ring_steps_figure(
+    frames: Sequence, titles: Sequence[str], sends: Sequence | None = None, ncols: int | None = None, title: str = ""
+) -> Figure:
     """One grid per step of a ring collective: ranks down, chunks across.
 
     ``frames[f][r][c]`` is the set of ranks whose inputs chunk ``c`` on rank ``r``
@@ -190,8 +214,9 @@ def ring_steps_figure(frames: Sequence, titles: Sequence[str], sends: Sequence |
     nrows = -(-n_frames // ncols)
     world = len(frames[0])
     chunks = len(frames[0][0])
-    fig = Figure(figsize=(0.5 + ncols * (0.42 * chunks + 0.9), 0.8 + nrows * (0.36 * world + 0.7)),
-                 layout="constrained")
+    fig = Figure(
+        figsize=(0.5 + ncols * (0.42 * chunks + 0.9), 0.8 + nrows * (0.36 * world + 0.7)), layout="constrained"
+    )
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
     cmap = _cmap("Oranges")
     for f, ax in enumerate(axes):
@@ -204,13 +229,19 @@ def ring_steps_figure(frames: Sequence, titles: Sequence[str], sends: Sequence |
                 share = len(held) / world
                 colour = cmap(0.1 + 0.75 * share)
                 ax.add_patch(Rectangle((c, r), 1, 1, facecolor=colour, edgecolor="white"))
-                ax.text(c + 0.5, r + 0.5, _set_label(held), ha="center", va="center",
-                        fontsize=7 if world <= 5 else 5, color=_text_colour(colour),
-                        fontweight="bold" if len(held) == world else "normal")
+                ax.text(
+                    c + 0.5,
+                    r + 0.5,
+                    _set_label(held),
+                    ha="center",
+                    va="center",
+                    fontsize=7 if world <= 5 else 5,
+                    color=_text_colour(colour),
+                    fontweight="bold" if len(held) == world else "normal",
+                )
             if sends is not None and f < len(sends) and sends[f] is not None:
                 c = sends[f][r]
-                ax.add_patch(Rectangle((c + 0.04, r + 0.04), 0.92, 0.92, fill=False,
-                                       edgecolor="red", linewidth=1.6))
+                ax.add_patch(Rectangle((c + 0.04, r + 0.04), 0.92, 0.92, fill=False, edgecolor="red", linewidth=1.6))
         ax.set_xlim(0, chunks)
         ax.set_ylim(world, 0)
         ax.set_xticks([c + 0.5 for c in range(chunks)], [f"c{c}" for c in range(chunks)], fontsize=7)

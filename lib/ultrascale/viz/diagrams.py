@@ -26,8 +26,11 @@ def _box(ax, x, y, w, h, text, colour=_GREY, fontsize=8, **kwargs):
 
 
 def _arrow(ax, start, end, colour="black", style="-|>", lw=0.9, **kwargs):
-    ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=9, color=colour, lw=lw,
-                                 shrinkA=0, shrinkB=0, **kwargs))
+    ax.add_patch(
+        FancyArrowPatch(
+            start, end, arrowstyle=style, mutation_scale=9, color=colour, lw=lw, shrinkA=0, shrinkB=0, **kwargs
+        )
+    )
 
 
 def _frame(ax, width, height, title):
@@ -46,7 +49,7 @@ def moe_layer_figure(chosen, weights, experts: int | None = None, experts_per_ra
     ``chosen`` and ``weights`` are (tokens, k) nested lists or tensors: the router's choice;
     ``experts``: how many to draw (default: enough for every expert chosen).
     """
-    if hasattr(weights, "detach"):   # a router's weights carry autograd: read plain numbers
+    if hasattr(weights, "detach"):  # a router's weights carry autograd: read plain numbers
         weights = weights.detach()
     chosen = [[int(e) for e in row] for row in chosen]
     weights = [[float(w) for w in row] for row in weights]
@@ -59,7 +62,7 @@ def moe_layer_figure(chosen, weights, experts: int | None = None, experts_per_ra
     height = max(tokens, experts) + 0.6
     _frame(ax, 10, height, f"a mixture-of-experts layer: {tokens} tokens, {experts} experts, top-{k}")
 
-    def row_y(i, n):   # rows centred vertically, first at the top
+    def row_y(i, n):  # rows centred vertically, first at the top
         return height - 0.3 - (height - 0.6 - n) / 2 - (i + 1)
 
     token_colours = colormaps["Set2"]
@@ -77,7 +80,7 @@ def moe_layer_figure(chosen, weights, experts: int | None = None, experts_per_ra
         colour = _RANK_COLOURS(rank % 10) if rank is not None else _GREY
         label = f"expert {e}" + (f" (rank {rank})" if rank is not None else "")
         _box(ax, 5.6, y + 0.1, 1.7, 0.8, label, colour)
-    for t in range(tokens):   # dispatch: token -> each of its experts; combine: expert -> the sum
+    for t in range(tokens):  # dispatch: token -> each of its experts; combine: expert -> the sum
         for e, w in zip(chosen[t], weights[t]):
             y_t, y_e = row_y(t, tokens) + 0.5, row_y(e, experts) + 0.5
             _arrow(ax, (4.0, y_t), (5.6, y_e), token_colours(t % 8), lw=0.6 + 1.6 * w)
@@ -122,8 +125,10 @@ def tp_split_figure(tp: int = 2, heads: int = 4) -> Figure:
         # attention: X -> q, k, v of this rank's heads -> attention per head -> out-projection rows
         names = ",".join(str(i) for i in range(r * per_rank, (r + 1) * per_rank))
         _tp_row(attn_ax, y, height, colour, f"q, k, v of\nheads {names}", f"attention\n→ O{r} W_out,{r}")
-    for ax, first, second in ((mlp_ax, "column-parallel", "row-parallel"),
-                              (attn_ax, "heads split (columns)", "out-proj rows")):
+    for ax, first, second in (
+        (mlp_ax, "column-parallel", "row-parallel"),
+        (attn_ax, "heads split (columns)", "out-proj rows"),
+    ):
         ax.text(0.6, 0.0, "X: whole\non every rank", ha="center", va="bottom", fontsize=6)
         ax.text(2.7, 0.0, first, ha="center", va="bottom", fontsize=6)
         ax.text(5.4, 0.0, second, ha="center", va="bottom", fontsize=6)
@@ -149,13 +154,13 @@ def cp_ring_figure(cp: int = 4) -> Figure:
         _box(seq_ax, x + 0.05, top - 0.8, width - 0.1, 0.8, f"tokens\nchunk {r}", colour, fontsize=7)
         _arrow(seq_ax, (x + width / 2, top - 0.8), (x + width / 2, mid + 1.1), colour)
         _box(seq_ax, x + 0.2, mid, width - 0.4, 1.1, f"rank {r}\nQ{r}\nK{r}/V{r}", colour, fontsize=7)
-        if r + 1 < cp:   # one hop right per step ...
+        if r + 1 < cp:  # one hop right per step ...
             _arrow(seq_ax, (x + width - 0.2, mid + 0.3), (x + width + 0.2, mid + 0.3))
     # ... and the last rank's K/V go back round to rank 0
-    _arrow(seq_ax, (0.2 + (cp - 0.5) * width, mid), (0.2 + 0.5 * width, mid),
-           connectionstyle="arc3,rad=-0.25")
-    seq_ax.text(5, 0.15, "queries stay; K/V move one rank along the ring per step", ha="center",
-                va="bottom", fontsize=7)
+    _arrow(seq_ax, (0.2 + (cp - 0.5) * width, mid), (0.2 + 0.5 * width, mid), connectionstyle="arc3,rad=-0.25")
+    seq_ax.text(
+        5, 0.15, "queries stay; K/V move one rank along the ring per step", ha="center", va="bottom", fontsize=7
+    )
 
     steps = cp
     _frame(ring_ax, steps + 1, cp + 1, "whose K/V each rank attends to, step by step")
@@ -165,6 +170,6 @@ def cp_ring_figure(cp: int = 4) -> Figure:
         y = cp - 1 - r
         ring_ax.text(0.5, y + 0.5, f"rank {r}", ha="center", va="center", fontsize=7)
         for t in range(steps):
-            owner = (r - t) % cp   # one hop per step: rank r holds what rank r - t started with
+            owner = (r - t) % cp  # one hop per step: rank r holds what rank r - t started with
             _box(ring_ax, t + 1.05, y + 0.08, 0.9, 0.84, f"K{owner}/V{owner}", _RANK_COLOURS(owner % 10), fontsize=7)
     return fig

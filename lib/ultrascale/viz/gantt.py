@@ -9,6 +9,7 @@ stacked on top of each other and idle time as gaps::
 ``rows`` may be one flat list of event dicts or one list per rank (what
 ``cluster.run`` returns). Times are shown in milliseconds from the earliest event.
 """
+
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -19,9 +20,15 @@ from ..comm.logger import base_op
 LANES = ("compute", "communication")
 # Colour by the first word of an event's name: forward, backward, all_reduce, ...
 COLOURS = {
-    "forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2", "step": "#8172b2",
-    "all_reduce": "#dd8452", "reduce_scatter": "#c44e52", "all_gather": "#da8bc3",
-    "broadcast": "#937860", "copy": "#8c8c8c",
+    "forward": "#4c72b0",
+    "backward": "#55a868",
+    "optimizer": "#8172b2",
+    "step": "#8172b2",
+    "all_reduce": "#dd8452",
+    "reduce_scatter": "#c44e52",
+    "all_gather": "#da8bc3",
+    "broadcast": "#937860",
+    "copy": "#8c8c8c",
 }
 
 
@@ -37,8 +44,15 @@ def _kind(name: str) -> str:
     return base_op(name.split()[0]) if name else ""
 
 
-def plot_gantt(rows, title: str = "", ax=None, lanes=LANES, min_width_ms: float = 0.05,
-               show_marks: bool = False, label_bars: bool = False):
+def plot_gantt(
+    rows,
+    title: str = "",
+    ax=None,
+    lanes=LANES,
+    min_width_ms: float = 0.05,
+    show_marks: bool = False,
+    label_bars: bool = False,
+):
     """Draw one horizontal bar per event: y = (rank, lane), x = time in ms.
 
     Zero-length events (``Timeline.mark``) are drawn as ticks when ``show_marks``.
@@ -71,15 +85,16 @@ def plot_gantt(rows, title: str = "", ax=None, lanes=LANES, min_width_ms: float 
         spans.setdefault((y, colour), []).append((start, max(width, min_width_ms)))
         seen.add(kind)
         if label_bars:
-            bars.append((start, width, y, e["name"].split(" ", 1)[-1] if kind in ("forward", "backward")
-                         else e["name"]))
+            bars.append(
+                (start, width, y, e["name"].split(" ", 1)[-1] if kind in ("forward", "backward") else e["name"])
+            )
     # One artist per lane and colour, not per event: a step's timeline has hundreds of events, and
     # matplotlib's cost is per artist (a chart of 600 bars took 0.72 s of CPU to draw and save as a
     # PNG, 0.10 s this way).
     for (y, colour), lane_spans in spans.items():
         ax.broken_barh(lane_spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.3)
     span = max(1e3 * (e["end"] - t0) for e in events)
-    for start, width, y, text in bars:   # only where the text fits (about 1.2% of the axis per letter)
+    for start, width, y, text in bars:  # only where the text fits (about 1.2% of the axis per letter)
         if width > 0.012 * span * len(text):
             ax.text(start + width / 2, y, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows_y)))
@@ -103,8 +118,9 @@ def lane_summary(rows) -> dict:
     out = {}
     for r in sorted({e["rank"] for e in events}):
         mine = [e for e in events if e["rank"] == r]
-        busy = {lane: 1e3 * covered_seconds([(e["start"], e["end"]) for e in mine if e["lane"] == lane])
-                for lane in LANES}
+        busy = {
+            lane: 1e3 * covered_seconds([(e["start"], e["end"]) for e in mine if e["lane"] == lane]) for lane in LANES
+        }
         busy["overlapped"] = 1e3 * overlap_seconds(mine, rank=r)
         out[r] = busy
     return out

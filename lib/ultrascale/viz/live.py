@@ -34,13 +34,14 @@ def _display(obj, display_id=None, update=False):
 class LivePlot:
     """Plot metrics against a step, one line per rank, redrawn while the call runs.
 
-        plot = LivePlot("loss", x="step")
-        cluster.run(train, on_log=plot)
-        plot.finish()          # draw the final frame (also returned for saving)
+    plot = LivePlot("loss", x="step")
+    cluster.run(train, on_log=plot)
+    plot.finish()          # draw the final frame (also returned for saving)
     """
 
-    def __init__(self, *metrics: str, x: str = "step", ranks="all", title: str = "",
-                 logy: bool = False, every: float = 0.25):
+    def __init__(
+        self, *metrics: str, x: str = "step", ranks="all", title: str = "", logy: bool = False, every: float = 0.25
+    ):
         self.metrics, self.x, self.ranks = metrics, x, ranks
         self.title, self.logy, self.every = title, logy, every
         self.data = defaultdict(lambda: defaultdict(list))  # (metric) -> rank -> [(x, y)]
@@ -112,9 +113,10 @@ class ProgressBar:
         except ImportError:
             return  # no widgets: the work runs without a bar
         # description_width "initial": the whole description shows, not the first few letters.
-        self.bar = ipywidgets.IntProgress(value=0, min=0, max=self.total, description=description,
-                                          style={"description_width": "initial"})
-        self.label = ipywidgets.Label(self.status())   # "3/8, 12 s": how far, and how long so far
+        self.bar = ipywidgets.IntProgress(
+            value=0, min=0, max=self.total, description=description, style={"description_width": "initial"}
+        )
+        self.label = ipywidgets.Label(self.status())  # "3/8, 12 s": how far, and how long so far
         box_class = with_text_repr(ipywidgets.HBox, f"[progress bar: {description}]")
         _display(box_class([self.bar, self.label]))
 
@@ -179,4 +181,3 @@ def fan_out(*callbacks):
             cb(rank, metrics)
 
     return on_log
-

@@ -6,6 +6,7 @@ a preset menu and number boxes for the model's shape, sliders for the sequence l
 the micro-batch and the TP, DP and PP degrees, menus and checkboxes for the rest.
 Both take the same input names, and both draw ``ultrascale.memory.breakdown``.
 """
+
 from __future__ import annotations
 
 import io
@@ -18,17 +19,32 @@ from .live import with_text_repr
 
 PRESETS = {"Llama 3 8B": LLAMA3_8B, "Llama 3 70B": LLAMA3_70B, "Llama 3 405B": LLAMA3_405B}
 # the model's shape: set by a preset, editable one by one
-SHAPE = {"heads": "heads", "kv_heads": "kv_heads", "hidden": "hidden", "ffn": "ffn",
-         "layers": "layers", "vocab": "vocab_size"}
-DEFAULTS = dict(seq=4096, micro_batch=1, mixed_precision=True, fp32_grad_accum=False,
-                recompute="none", zero_stage=0, tp=1, dp=1, pp=1, k=12)
-COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer states": "#55A868",
-          "activations": "#C44E52"}
-GPU_GB = 80   # an H100's memory, the line a configuration must stay under
+SHAPE = {
+    "heads": "heads",
+    "kv_heads": "kv_heads",
+    "hidden": "hidden",
+    "ffn": "ffn",
+    "layers": "layers",
+    "vocab": "vocab_size",
+}
+DEFAULTS = dict(
+    seq=4096,
+    micro_batch=1,
+    mixed_precision=True,
+    fp32_grad_accum=False,
+    recompute="none",
+    zero_stage=0,
+    tp=1,
+    dp=1,
+    pp=1,
+    k=12,
+)
+COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer states": "#55A868", "activations": "#C44E52"}
+GPU_GB = 80  # an H100's memory, the line a configuration must stay under
 # Slider stops: powers of two, the values these settings take in practice.
-SEQ_STOPS = [2**n for n in range(8, 18)]        # 256 ... 131,072 tokens
+SEQ_STOPS = [2**n for n in range(8, 18)]  # 256 ... 131,072 tokens
 MICRO_BATCH_STOPS = [2**n for n in range(0, 7)]  # 1 ... 64
-DEGREE_STOPS = [2**n for n in range(0, 10)]      # 1 ... 512 GPUs along one axis
+DEGREE_STOPS = [2**n for n in range(0, 10)]  # 1 ... 512 GPUs along one axis
 PLACEHOLDER = "[memory widget: run this cell in JupyterLab for its sliders and menus]"
 
 
@@ -50,10 +66,19 @@ def per_rank_bytes(values: dict, **changes) -> dict:
     """breakdown() for a dict of widget inputs, optionally with some of them changed."""
     v = {**values, **changes}
     config = LlamaConfig(**{field: v[name] for name, field in SHAPE.items()}, seq_len=v["seq"])
-    return breakdown(config, seq=v["seq"], micro_batch=v["micro_batch"],
-                     mixed_precision=v["mixed_precision"], fp32_grad_accum=v["fp32_grad_accum"],
-                     recompute=v["recompute"], zero_stage=v["zero_stage"], tp=v["tp"], dp=v["dp"],
-                     pp=v["pp"], optimizer_bytes=v["k"])
+    return breakdown(
+        config,
+        seq=v["seq"],
+        micro_batch=v["micro_batch"],
+        mixed_precision=v["mixed_precision"],
+        fp32_grad_accum=v["fp32_grad_accum"],
+        recompute=v["recompute"],
+        zero_stage=v["zero_stage"],
+        tp=v["tp"],
+        dp=v["dp"],
+        pp=v["pp"],
+        optimizer_bytes=v["k"],
+    )
 
 
 def _stacked_bars(ax, labels, parts_list, title):
@@ -76,15 +101,20 @@ def memory_figure(preset="Llama 3 8B", **inputs) -> Figure:
     values = resolve_inputs(preset, **inputs)
     fig = Figure(figsize=(12, 4), layout="constrained")
     left, middle, right = fig.subplots(1, 3, sharey=True)
-    _stacked_bars(left, ["this setting"], [per_rank_bytes(values)],
-                  f"seq {values['seq']}, mbs {values['micro_batch']}, "
-                  f"TP {values['tp']} DP {values['dp']} PP {values['pp']}")
+    _stacked_bars(
+        left,
+        ["this setting"],
+        [per_rank_bytes(values)],
+        f"seq {values['seq']}, mbs {values['micro_batch']}, TP {values['tp']} DP {values['dp']} PP {values['pp']}",
+    )
     modes = ["none", "selective", "full"]
-    _stacked_bars(middle, modes, [per_rank_bytes(values, recompute=m) for m in modes],
-                  "activation recomputation")
-    _stacked_bars(right, [f"ZeRO-{s}" for s in range(4)],
-                  [per_rank_bytes(values, zero_stage=s) for s in range(4)],
-                  f"ZeRO stage (DP = {values['dp']})")
+    _stacked_bars(middle, modes, [per_rank_bytes(values, recompute=m) for m in modes], "activation recomputation")
+    _stacked_bars(
+        right,
+        [f"ZeRO-{s}" for s in range(4)],
+        [per_rank_bytes(values, zero_stage=s) for s in range(4)],
+        f"ZeRO stage (DP = {values['dp']})",
+    )
     fig.legend(*left.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
     return fig
 
@@ -121,7 +151,7 @@ def memory_widget():
     )
     image = w.Image(format="png")
     message = w.HTML()
-    loading_preset = [False]   # set while a preset fills the shape boxes: redraw once, not six times
+    loading_preset = [False]  # set while a preset fills the shape boxes: redraw once, not six times
 
     def redraw(_=None):
         if loading_preset[0]:
@@ -129,11 +159,13 @@ def memory_widget():
         try:
             image.value = _png(memory_figure(preset.value, **{n: c.value for n, c in controls.items()}))
             message.value = ""
-        except (ValueError, TypeError) as error:   # e.g. hidden not divisible by heads
+        except (ValueError, TypeError) as error:  # e.g. hidden not divisible by heads
             message.value = f"<b style='color:#C44E52'>Cannot draw: {error}</b>"
-        except Exception as error:   # a bug of ours: say so beside the plot, and let Jupyter log it too
-            message.value = (f"<b style='color:#C44E52'>Cannot draw ({type(error).__name__}): {error}. "
-                             f"This is a bug in the course; the log console has the traceback.</b>")
+        except Exception as error:  # a bug of ours: say so beside the plot, and let Jupyter log it too
+            message.value = (
+                f"<b style='color:#C44E52'>Cannot draw ({type(error).__name__}): {error}. "
+                f"This is a bug in the course; the log console has the traceback.</b>"
+            )
             raise
 
     def apply_preset(change):
@@ -143,7 +175,7 @@ def memory_widget():
         loading_preset[0] = False
         redraw()
 
-    def default_k(change):   # Adam keeps m and v (8 bytes); mixed precision adds fp32 master weights
+    def default_k(change):  # Adam keeps m and v (8 bytes); mixed precision adds fp32 master weights
         controls["k"].value = 12 if change["new"] else 8
 
     preset.observe(apply_preset, names="value")

@@ -7,6 +7,7 @@ Forwards are blue, backwards green, weight-gradient passes (W) purple; a rank's 
 (interleaving, V schedules) are drawn in lighter shades of the same colours. The grey behind
 the boxes is the bubble: time in the step a rank spends waiting.
 """
+
 from __future__ import annotations
 
 from ..schedule.simulate import Simulation, action_of, bubble_fraction
@@ -21,19 +22,25 @@ def _spans(timelines):
     if isinstance(timelines, Simulation):
         s = timelines.schedule
         return [(x.rank, x.action, x.start, x.end, s.chunk_of(x.action.stage)) for x in timelines.spans], "t_f", s
-    rows = [e for per_rank in timelines for e in per_rank] if timelines and isinstance(timelines[0], list) \
+    rows = (
+        [e for per_rank in timelines for e in per_rank]
+        if timelines and isinstance(timelines[0], list)
         else list(timelines)
+    )
     rows = [(e, action_of(e["name"])) for e in rows if e.get("lane", "compute") == "compute"]
     rows = [(e, a) for e, a in rows if a is not None]
     if not rows:
         raise ValueError("no pipeline compute events to draw (names such as 'forward 3 stage 1')")
     t0 = min(e["start"] for e, _ in rows)
     ranks = {}
-    for e, a in rows:   # measured rows do not say which chunk a stage is: order the rank's stages
+    for e, a in rows:  # measured rows do not say which chunk a stage is: order the rank's stages
         ranks.setdefault(e["rank"], set()).add(a.stage)
     chunk = {(r, s): sorted(stages).index(s) for r, stages in ranks.items() for s in stages}
-    return [(e["rank"], a, 1e3 * (e["start"] - t0), 1e3 * (e["end"] - t0), chunk[e["rank"], a.stage])
-            for e, a in rows], "ms", None
+    return (
+        [(e["rank"], a, 1e3 * (e["start"] - t0), 1e3 * (e["end"] - t0), chunk[e["rank"], a.stage]) for e, a in rows],
+        "ms",
+        None,
+    )
 
 
 def draw(timelines, ax=None, title: str | None = None, number_from: int = 0):
@@ -49,23 +56,32 @@ def draw(timelines, ax=None, title: str | None = None, number_from: int = 0):
     ranks = sorted({r for r, *_ in spans})
     end = max(e for *_, e, _ in spans)
     if ax is None:
-        fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 0.35 * end if unit == "t_f" else 12.0)),
-                                        0.5 * len(ranks) + 1.3))
-        plt.close(fig)   # the caller shows it; a notebook would otherwise draw it twice
+        fig, ax = plt.subplots(
+            figsize=(min(14.0, max(6.0, 0.35 * end if unit == "t_f" else 12.0)), 0.5 * len(ranks) + 1.3)
+        )
+        plt.close(fig)  # the caller shows it; a notebook would otherwise draw it twice
     else:
         fig = ax.figure
-    for r in ranks:   # the bubble: a grey lane behind each rank's boxes
+    for r in ranks:  # the bubble: a grey lane behind each rank's boxes
         ax.add_patch(Rectangle((0, r - 0.4), end, 0.8, facecolor="#eeeeee", edgecolor="none"))
     smallest = min(e - s for _, _, s, e, _ in spans)
     for rank, a, start, stop, chunk in spans:
         colour = COLOURS[a.op][min(chunk, 1)]
-        ax.add_patch(Rectangle((start, rank - 0.4), stop - start, 0.8, facecolor=colour, edgecolor="white",
-                               linewidth=0.6))
+        ax.add_patch(
+            Rectangle((start, rank - 0.4), stop - start, 0.8, facecolor=colour, edgecolor="white", linewidth=0.6)
+        )
         text = str(a.microbatch + number_from)
-        if (stop - start) / end > 0.006 * len(text):   # only where the number fits
+        if (stop - start) / end > 0.006 * len(text):  # only where the number fits
             size = 8 if smallest / end > 0.02 else 6
-            ax.text((start + stop) / 2, rank, text, ha="center", va="center", fontsize=size,
-                    color="white" if chunk == 0 else "#222222")
+            ax.text(
+                (start + stop) / 2,
+                rank,
+                text,
+                ha="center",
+                va="center",
+                fontsize=size,
+                color="white" if chunk == 0 else "#222222",
+            )
     ax.set_xlim(0, end)
     ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)
     ax.set_yticks(ranks)
@@ -78,8 +94,11 @@ def draw(timelines, ax=None, title: str | None = None, number_from: int = 0):
     handles.append(Patch(color="#eeeeee", label="bubble (idle)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     if title is None:
-        title = "measured" if schedule is None else \
-            f"{schedule.name}: p={schedule.ranks}, m={schedule.microbatches}, v={schedule.chunks}"
+        title = (
+            "measured"
+            if schedule is None
+            else f"{schedule.name}: p={schedule.ranks}, m={schedule.microbatches}, v={schedule.chunks}"
+        )
         title += f"; bubble fraction {bubble_fraction(timelines):.3f}"
     ax.set_title(title, fontsize=10)
     fig.tight_layout()

@@ -6,6 +6,7 @@ with underneath: the simulated bubble against the formula, and the activations e
 holds at once. A choice the schedules refuse (DualPipeV with m < 2p, interleaving with
 fewer micro-batches than ranks, ...) shows the generator's message instead of a figure.
 """
+
 from __future__ import annotations
 
 import io
@@ -16,7 +17,7 @@ from .live import with_text_repr
 from .schedule import draw
 
 PLACEHOLDER = "[pipeline simulator: run this cell in JupyterLab for its menus and sliders]"
-ONE_CHUNK = ("naive", "afab", "1f1b", "zb-h1")   # schedules with one stage per rank
+ONE_CHUNK = ("naive", "afab", "1f1b", "zb-h1")  # schedules with one stage per rank
 
 
 def schedule_figure(name: str = "1f1b", p: int = 4, m: int = 8, v: int | None = None, t_b: float = 2.0):
@@ -30,8 +31,10 @@ def summary(sim) -> str:
     """One line of what the figure shows, with the book's formula beside the simulated bubble."""
     s = sim.schedule
     formula = predicted_bubble_fraction(s.ranks, s.microbatches, s.chunks)
-    return (f"{s.name}: bubble {sim.bubble_fraction:.3f} (formula (p-1)/(v m) = {formula:.3f}); "
-            f"activations held at once per rank {sim.peak_activations} (micro-batch x chunk pairs)")
+    return (
+        f"{s.name}: bubble {sim.bubble_fraction:.3f} (formula (p-1)/(v m) = {formula:.3f}); "
+        f"activations held at once per rank {sim.peak_activations} (micro-batch x chunk pairs)"
+    )
 
 
 def _png(fig) -> bytes:
@@ -54,12 +57,12 @@ def schedule_widget(name: str = "1f1b", p: int = 4, m: int = 8, v: int = 2):
 
     def redraw(_=None):
         values = {key: c.value for key, c in controls.items()}
-        if values["name"] == "naive":   # the whole batch at once: m is 1 by definition
+        if values["name"] == "naive":  # the whole batch at once: m is 1 by definition
             values["m"] = 1
         try:
             fig, text = schedule_figure(**values)
             image.value, message.value = _png(fig), text
-        except ValueError as error:   # the generators' own explanation of what cannot be built
+        except ValueError as error:  # the generators' own explanation of what cannot be built
             message.value = f"<b style='color:#C44E52'>Cannot build: {error}</b>"
 
     for control in controls.values():
