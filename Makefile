@@ -9,7 +9,7 @@ WORLD_SIZE ?= 3
 TORCH_OLDEST := 2.11.0
 COMPAT_VENV ?= $(HOME)/.cache/ultrascale/venv-torch-$(TORCH_OLDEST)
 
-.PHONY: setup lab lab-headless test test-gpu test-compat test-fast busy-check notebooks batch bench exercises grade progress site clean
+.PHONY: setup lab lab-headless test test-gpu test-compat test-fast busy-check notebooks batch bench exercises grade progress site format clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml launch/setup.sh
 	bash launch/setup.sh
@@ -68,6 +68,9 @@ bench: $(STAMP)  ## side-by-side benchmarks, printing ratios (GPU ones say so an
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_fp8.py
 	$(PY) benchmarks/bench_mfu.py
+
+format: $(STAMP)  ## rewrite the library, tests, benchmarks, launch scripts and chapter sources in ruff's format
+	$(VENV)/bin/ruff format lib tests benchmarks launch chapters/*.py
 
 clean:
 	rm -rf $(VENV) out

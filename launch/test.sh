@@ -12,6 +12,8 @@ $BIN/codespell README.md lib chapters solutions launch benchmarks tests
 
 echo "== lint (ruff check: pyflakes over the library, tests, benchmarks, launch scripts and chapter sources)"
 $BIN/ruff check lib tests benchmarks launch chapters/*.py
+echo "== format (ruff format --check: the same files in ruff's style; make format rewrites them)"
+$BIN/ruff format --check lib tests benchmarks launch chapters/*.py
 
 echo "== exercises/ in sync with solutions/"
 $BIN/python -m ultrascale.grading.generate --check
