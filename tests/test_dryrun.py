@@ -32,6 +32,7 @@ CASES = [  # (layout, the rank compared): a dry run costs seconds, so one rank e
     (ParallelConfig(dp=2, pp=2, microbatches=2, zero=1, optimizer="adam"), 0),  # the first stage, ZeRO-1
     (ParallelConfig(dp=2, tp=2, microbatches=2, zero=3, optimizer="sgd"), 1),  # ZeRO-3, TP, accumulation
     (ParallelConfig(dp=2, tp=2, sp=True, optimizer="adam"), 2),  # SP's regathered inputs, plain DP
+    (ParallelConfig(dp=4, dp_shard=2, optimizer="adam"), 3),  # HSDP: 2 replicas of 2 per-parameter shards
 ]
 
 
@@ -59,6 +60,15 @@ def test_a_dry_run_measures_what_a_real_run_does(layout, rank):
     if independent is not None:
         assert real["parameters"] == independent
     assert not dist.is_initialized()  # the dry run left no process group here
+
+
+def test_per_parameter_sharding_holds_the_activations_of_plain_data_parallelism():
+    """FSDP's gathered weights are made anew at each forward and freed after it: parameters
+    gathered, not activations. Counted as saved tensors (as they were), HSDP's activations came
+    out at plain DP's plus every gathered weight. (The HSDP dry run is the one CASES made.)"""
+    hsdp, plain = (dryrun(ParallelConfig(dp=4, **k, optimizer="adam"), CONFIG, 3) for k in ({"dp_shard": 2}, {}))
+    assert hsdp.activations == plain.activations > 0
+    assert 2 * hsdp.parameters == plain.parameters  # half of every weight: one of 2 shards
 
 
 def test_what_cannot_run_on_fake_tensors_is_refused_by_name():

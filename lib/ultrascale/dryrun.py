@@ -464,7 +464,8 @@ class _SavedBytes:
 
     Each saved tensor is wrapped in a token; autograd drops the token when the backward that
     needed it has run, and the bytes of its storage go when its last token does. A storage
-    saved twice counts once; the parameters' storages are not activations and are left out.
+    saved twice counts once; the parameters' storages are not activations and are left out
+    (nor are FSDP's gathered parameters: ``_is_parameter``).
     Those are looked up once, when the step starts: ZeRO-3 frees and refills its gathered
     weights by resizing one storage (``flat.FlatUnit``), never by making another, so the
     keys hold for the whole step (looking them up at every save cost a fifth of a dry run)."""
@@ -472,7 +473,17 @@ class _SavedBytes:
     def __init__(self, module):
         self.live, self.held, self.peak = collections.Counter(), 0, 0
         self.parameters = {_storage_key(p) for p in module.parameters()}
+        self.fsdp = getattr(module, "fsdp", None)  # per-parameter sharding's units (parallel/fsdp.py)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda token: token.tensor)
+
+    def _is_parameter(self, key) -> bool:
+        """A parameter's storage, or one of FSDP's gathered whole parameters: those are made
+        anew at each forward, freed after their unit's forward and refilled in backward, so
+        they are parameters gathered, not activations (ZeRO-3's live in its flat buffers)."""
+        if key in self.parameters:
+            return True
+        units = self.fsdp.units if self.fsdp is not None else ()
+        return any(_storage_key(full) == key for unit in units for full in unit.fulls or ())
 
     def __enter__(self):
         self.hooks.__enter__()
@@ -483,7 +494,7 @@ class _SavedBytes:
 
     def _pack(self, tensor):
         key = _storage_key(tensor)
-        if key in self.parameters:
+        if self._is_parameter(key):
             return _Token(tensor, None, self)
         if self.live[key] == 0:
             self.held += tensor.untyped_storage().nbytes()

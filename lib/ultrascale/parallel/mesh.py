@@ -3,7 +3,7 @@
 5D parallelism (The Ultra-Scale Playbook) splits the same ranks in several ways at
 once: data (``dp``), pipeline (``pp``), expert (``ep``), context (``cp``) and tensor
 (``tp``) parallelism. Picture the ranks as an array of shape ``(dp, pp, ep, cp, tp)``,
-``torch.arange(world_size).view(...)``: a rank's index in that array is its coordinate,
+``np.arange(world_size).reshape(...)``: a rank's index in that array is its coordinate,
 and the ranks that differ only along one axis form that axis' group, e.g. the ranks
 that all-reduce tensor-parallel activations together.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
-import torch
+import numpy as np
 
 # Outermost first. tp is innermost (fastest varying) so that a tp group is made of
 # neighbouring ranks, i.e. GPUs of the same node: tp communicates in every layer,
@@ -80,9 +80,11 @@ class Mesh:
         """How many ranks one group along ``axis`` (or axes) has; 1 for an absent axis."""
         return math.prod(self.sizes.get(a, 1) for a in _as_tuple(axis))
 
-    def grid(self) -> torch.Tensor:
-        """The ranks as an array with one dimension per axis (as picotron builds it)."""
-        return torch.arange(self.world_size).view(self.shape)
+    def grid(self) -> np.ndarray:
+        """The ranks as an array with one dimension per axis (as picotron builds it). A numpy
+        array, not a torch tensor: the ranks are bookkeeping, and under a dry run's fake tensors
+        (``dryrun.py``) a torch tensor made here would be fake, with no ranks in it to read."""
+        return np.arange(self.world_size).reshape(self.shape)
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """Where ``rank`` sits on each axis: ``Mesh(dp=2, tp=2).coordinate(3)`` is
@@ -119,7 +121,7 @@ class Mesh:
         dims = [self._dim(a) for a in self._key(axis)]
         others = [d for d in range(len(self.axes)) if d not in dims]
         # Move the group's axes last, then each row of the flattened grid is one group.
-        return self.grid().permute(others + dims).reshape(-1, self.size(axis)).tolist()
+        return self.grid().transpose(others + dims).reshape(-1, self.size(axis)).tolist()
 
     def split_ranks(self, axis: Axes, outer: int) -> tuple[list[list[int]], list[list[int]]]:
         """Every group along ``axis`` cut into ``outer`` blocks of consecutive members, as hybrid
@@ -134,7 +136,7 @@ class Mesh:
             )
         blocks, across = [], []
         for group in self.group_ranks(axis):
-            grid = torch.tensor(group).view(outer, size // outer)
+            grid = np.array(group).reshape(outer, size // outer)
             blocks += grid.tolist()
             across += grid.T.tolist()
         return blocks, across
