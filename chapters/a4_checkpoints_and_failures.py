@@ -214,8 +214,8 @@ print(
 # TP shard is one box of its weight, a pipeline stage names its blocks as the whole model does, an
 # expert-parallel rank saves its experts under their global numbers, and ZeRO inside a composition
 # (chapter 09) cuts TP's shards into runs. `tests/test_checkpoint.py` resumes each of them on
-# another layout, among them dp 2 x tp 2 with the experts over the data ranks and ZeRO-1, as
-# ZeRO-3 on 3 ranks.
+# another layout: dp 2 x tp 2 with ZeRO-1 as ZeRO-3 on 3 ranks, tp 2 x pp 2 as 2 ranks of plain
+# data parallelism, and a mixture of experts as ep 2 x pp 2 with ZeRO-1 as ZeRO-2 on 2 ranks.
 
 
 # %%

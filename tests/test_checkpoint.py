@@ -50,6 +50,7 @@ MOE = GPTConfig(vocab_size=64, hidden=32, layers=2, heads=2, seq_len=16, experts
 # compositions (parallel.compose) on 4 ranks: ZeRO-1 over TP's shards; experts and pipeline stages under ZeRO-1
 TP_ZERO1 = ParallelConfig(dp=2, tp=2, zero=1, optimizer="adam")
 EP_PP_ZERO1 = ParallelConfig(ep=2, pp=2, zero=1, optimizer="adam", microbatches=2)  # ep borrows the data ranks
+TP_PP = ParallelConfig(tp=2, pp=2, optimizer="adam", microbatches=2)  # a torch optimizer on TP shards of stages
 GLOBAL_BATCH = 12  # samples per step: splits over 1, 2, 3 and 4 data-parallel ranks
 TOL = 1e-10
 
@@ -246,6 +247,17 @@ def test_pipeline_stages_resume_as_zero2(tmp_path, reference):
     cluster.run(train_and_save, tmp_path / "pp", "pp", 0, 2)
     cluster.run(train_and_save, tmp_path / "zero2", "zero", 2, 2, tmp_path / "pp")
     assert_same_training_state(read_whole(latest_checkpoint(tmp_path / "zero2"), tmp_path), want, "pp 2 -> ZeRO-2 x2")
+
+
+def test_tp2_x_pp2_resumes_as_plain_data_parallelism_on_2(tmp_path, reference):
+    """The issue's second reshard: each of 4 ranks holds one tp shard of one pipeline stage's
+    weights, named as in the whole model, and saves its box of each; 2 ranks of plain DP read
+    every weight back whole."""
+    shared_cluster(4).run(train_and_save, tmp_path / "tp_pp", TP_PP, 0, 2)
+    shared_cluster(2).run(train_and_save, tmp_path / "dp", "dp", 0, 2, tmp_path / "tp_pp")
+    assert_same_training_state(
+        read_whole(latest_checkpoint(tmp_path / "dp"), tmp_path), reference(4), "tp 2 x pp 2 x4 -> dp 2"
+    )
 
 
 def test_experts_and_pipeline_stages_under_zero1_resume_as_zero2_on_2(tmp_path, reference):
