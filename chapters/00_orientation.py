@@ -263,7 +263,7 @@ def train_linear_regression(ctx, steps, seed):
 
 plot = LivePlot("loss", x="step", title="each rank's loss on its own shard", logy=True)
 weights = cluster.run(train_linear_regression, 30 if QUICK else 200, SEED, on_log=plot)
-plot.finish()
+fig = plot.finish()  # the final frame (a cell that ends in an expression would show it again)
 # %% [markdown]
 # Because every rank applied the same averaged gradient to the same starting weights, the
 # replicas never drift apart, and they found the true weights:

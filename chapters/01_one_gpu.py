@@ -1317,7 +1317,7 @@ for mode, times_of_mode in step_times.items():
         f"{mode:<10} {min(times_of_mode) * 1000:7.0f}ms {tokens_per_s:9,.0f} "
         f"{mfu(tokens_per_s, mfu_config, cpu_peak, mfu_seq):7.1%} {hfu(tokens_per_s, mfu_config, cpu_peak, mode, mfu_seq):7.1%}"
     )
-mfu_model.set_recompute("none")
+_ = mfu_model.set_recompute("none")  # back to no recomputation (it returns the model)
 # %% [markdown]
 # With full recomputation the step takes longer, so MFU drops, while HFU (which credits the
 # recomputed forward) should stay close to the MFU of the plain run: the hardware is as busy as before,

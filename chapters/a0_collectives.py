@@ -695,7 +695,7 @@ plot = LivePlot(
 )
 measured = cluster.run(sweep, SWEEP_SIZES, SWEEP_ITERS, SWEEP_REPEATS, on_log=plot)[0]
 baseline = measured.pop("again")  # gloo against itself: shown beside the race, not fitted
-plot.finish()
+fig = plot.finish()  # the final frame (a cell that ends in an expression would show it again)
 # %% [markdown]
 # Both curves climb with the message size towards a plateau. The **alpha-beta model** explains the
 # shape: a message of `n` bytes costs `α + n/β`, a fixed latency `α` plus the bytes over the
@@ -991,7 +991,7 @@ plot = LivePlot(
     *(f"{name} busbw (MB/s)" for name in names), x="log2(bytes)", title=f"all-reduce bus bandwidth on {N} ranks"
 )
 fitted, rows = cluster.run(race, RACE_SIZES, RACE_ROUNDS, on_log=plot)[0]
-plot.finish()
+fig = plot.finish()  # the final frame (a cell that ends in an expression would show it again)
 model_crossover = crossover_bytes(fitted, N)
 # the measured crossover: the smallest size from which the ring is faster at every larger size
 measured_crossover = next((s for s, _ in rows if all(t["ring"] < t["doubling"] for size, t in rows if size >= s)), None)
