@@ -64,9 +64,12 @@ def flat_boxes(shape, start: int, stop: int) -> list[tuple[tuple, tuple]]:
     )
 
 
-def _moved(offsets: tuple, dim: int | None, by: int) -> tuple:
-    """``offsets`` moved by ``by`` along ``dim`` (unchanged when dim is None)."""
-    return offsets if dim is None else offsets[:dim] + (offsets[dim] + by,) + offsets[dim + 1 :]
+def _in_global(offsets: tuple, shard_shape, dim: int | None, index: int) -> tuple:
+    """``offsets`` inside shard ``index`` (of shape ``shard_shape``) along ``dim``, as offsets in
+    the global tensor: moved by the shards before it (unchanged when dim is None)."""
+    if dim is None:
+        return offsets
+    return offsets[:dim] + (offsets[dim] + shard_shape[dim] * index,) + offsets[dim + 1 :]
 
 
 def _grown(shape, dim: int | None, count: int) -> torch.Size:
@@ -97,20 +100,14 @@ class Pieces:
         boxes, at = [], 0
         for offsets, sizes in flat_boxes(shape, start, stop):
             n = math.prod(sizes)
-            boxes.append(
-                Box(
-                    _moved(offsets, dim, shape[dim] * index if dim is not None else 0),
-                    sizes,
-                    run[at : at + n].view(sizes),
-                )
-            )
+            boxes.append(Box(_in_global(offsets, shape, dim, index), sizes, run[at : at + n].view(sizes)))
             at += n
         return cls(_grown(shape, dim, count), run.dtype, boxes)
 
     @classmethod
     def of_shard(cls, local: torch.Tensor, dim: int | None, index: int, count: int) -> "Pieces":
         """A shard along ``dim`` (``index`` of ``count`` equal ones), or the whole tensor (dim None)."""
-        offsets = _moved((0,) * local.dim(), dim, local.shape[dim] * index if dim is not None else 0)
+        offsets = _in_global((0,) * local.dim(), local.shape, dim, index)
         return cls(_grown(local.shape, dim, count), local.dtype, [Box(offsets, tuple(local.shape), local.detach())])
 
     def size(self) -> torch.Size:  # DCP compares it with the saved global size on load

@@ -55,31 +55,6 @@ from torch.distributed import distributed_c10d as c10d
 from ultrascale.comm.halving_doubling import largest_power_of_two
 from ultrascale.grading import exercise
 
-# Every built-in that moves data between several ranks at once. Point-to-point calls
-# (send, recv, isend, irecv, batch_isend_irecv) and barrier stay available.
-FORBIDDEN = (
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "all_gather",
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "_all_gather_base",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "_reduce_scatter_base",
-    "gather",
-    "scatter",
-    "all_to_all",
-    "all_to_all_single",
-    "all_gather_object",
-    "gather_object",
-    "broadcast_object_list",
-    "scatter_object_list",
-    "all_reduce_coalesced",
-    "all_gather_coalesced",
-)
 P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 LENGTHS = (1, 7, 12, 1000)  # 1 and 7 leave some chunks empty or one element short
 MORE_LENGTHS = (100_003,)
