@@ -7,8 +7,9 @@ A checkpoint is one DCP directory holding each layout's global tensors (``layout
 the step, the data loader's position (in samples, so another world size resumes at the same
 sample) and every rank's random-number state. ``optimizer`` is a ZeRO, a composition's ZeROs
 (``parallel.compose``: pass ``par.module`` and ``par.optimizer``), or the torch optimizer of a
-replicated, tensor-parallel, expert-parallel, pipelined or FSDP2 model; the layout that loads need not be the one
-that saved: DCP reads each rank's boxes of the global tensors from whichever chunks hold them.
+replicated, tensor-parallel, expert-parallel, pipelined or FSDP2 model; the layout that loads
+need not be the one that saved: DCP reads each rank's boxes of the global tensors from
+whichever chunks hold them.
 
 **Atomic.** DCP writes into ``step-NNNNNNNN.partial``; only when every rank's files and
 DCP's ``.metadata`` are written (``dcp.save`` returns once the coordinator has written the
