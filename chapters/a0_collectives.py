@@ -708,6 +708,9 @@ fig = plot.finish()  # the final frame (a cell that ends in an expression would 
 # all-reduce: below it, fewer and larger messages help; above it, only faster links do. We fit
 # `α` and `β` to each set of measurements and mark `K*`. (We cannot see which algorithm gloo runs
 # inside its call, so for gloo these are effective values: the ring that would take as long.)
+# Before the fit, each time is capped by the fastest time of any larger buffer (`noise_floor`):
+# load only adds time, and more bytes never take less, so a small buffer measured slower than a
+# larger one was slowed by something else. On a busy machine that keeps the fitted line rising.
 
 # %% tags=["nbval-ignore-output"]
 fits = {}

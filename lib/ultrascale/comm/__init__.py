@@ -28,6 +28,7 @@ from .cost_model import (
     crossover_size,
     fit_alpha_beta,
     fit_ring_all_reduce,
+    noise_floor,
     tensor_parallel_scaling,
     tensor_parallel_throughput,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "exchange",
     "fit_alpha_beta",
     "fit_ring_all_reduce",
+    "noise_floor",
     "format_bytes",
     "release_buffers",
     "ring_all_gather",

@@ -55,6 +55,21 @@ def crossover_size(alpha: float, beta: float) -> float:
     return alpha * beta
 
 
+def noise_floor(sizes, times) -> np.ndarray:
+    """``times`` with each capped by the fastest time measured for a larger (or equal) size.
+
+    A burst of load on the machine only ever adds time, and sending more bytes never takes less: so
+    a small message measured slower than a larger one was slowed by something else, and the larger
+    one's time bounds it. Fitted as measured, a few such points at the small end (a rank descheduled
+    for a millisecond on a busy laptop) can tilt a line fitted by relative error until it no longer
+    grows with size. Capped, the times never fall as the size grows, and so neither does the fit."""
+    sizes, times = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
+    order = np.argsort(sizes, kind="stable")
+    capped = np.empty_like(times)
+    capped[order] = np.minimum.accumulate(times[order][::-1])[::-1]
+    return capped
+
+
 def _fit_line(x, y, relative: bool) -> tuple[float, float]:
     """Least-squares ``y = a + b x``; returns (a, b).
 
@@ -73,9 +88,10 @@ def _fit_line(x, y, relative: bool) -> tuple[float, float]:
 
 
 def fit_alpha_beta(sizes, times, relative: bool = True) -> AlphaBeta:
-    """Fit ``t = alpha + n / beta`` to measured point-to-point (size, time) pairs."""
-    alpha, inverse_beta = _fit_line(sizes, times, relative)
-    if inverse_beta <= 0:
+    """Fit ``t = alpha + n / beta`` to measured point-to-point (size, time) pairs (``noise_floor`` first)."""
+    floor = noise_floor(sizes, times)
+    alpha, inverse_beta = _fit_line(sizes, floor, relative)
+    if inverse_beta <= 0 or np.ptp(floor) == 0:  # (a flat floor's slope is 0 up to rounding)
         raise ValueError(
             "the fitted time does not grow with size; measure larger messages (up to MiBs) or more iterations per size"
         )
@@ -86,13 +102,14 @@ def fit_ring_all_reduce(sizes, times, world_size: int, relative: bool = True) ->
     """Recover alpha and beta from ring all-reduce timings of ``K``-byte buffers.
 
     The model ``2 (N-1) alpha + 2 (N-1) / N * K / beta`` is a line in ``K``: its
-    intercept gives alpha and its slope beta.
+    intercept gives alpha and its slope beta. The times are capped by ``noise_floor`` first.
     """
     n = world_size
     if n < 2:
         raise ValueError("an all-reduce on one rank sends nothing; fit with world_size >= 2")
-    intercept, slope = _fit_line(sizes, times, relative)
-    if slope <= 0:
+    floor = noise_floor(sizes, times)
+    intercept, slope = _fit_line(sizes, floor, relative)
+    if slope <= 0 or np.ptp(floor) == 0:
         raise ValueError("the fitted time does not grow with size; measure larger buffers")
     steps = 2 * (n - 1)
     return AlphaBeta(max(intercept, 0.0) / steps, steps / (n * slope))
