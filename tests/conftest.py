@@ -193,6 +193,7 @@ WAITING = {
     "tests/test_slurm.py",
     "tests/test_grader_forgery.py",
     "tests/test_grader_zygote.py",
+    "tests/test_warm_kernels.py",
     "chapters/07_pipeline_parallelism.ipynb",
 }
 

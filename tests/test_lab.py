@@ -19,6 +19,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
+from warm_kernels import learners_env
 
 pytest.importorskip("jupyterlab")
 
@@ -50,6 +51,7 @@ def lab(tmp_path_factory):
         LAB_SETUP="0",
         JUPYTER_RUNTIME_DIR=str(tmp_path_factory.mktemp("runtime")),
     )
+    env = learners_env(env)  # the course's own kernelspec, as a learner's lab has it (tests/warm_kernels.py)
     proc = subprocess.Popen(
         ["bash", "launch/lab.sh"],
         cwd=ROOT,

@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+from warm_kernels import learners_env
 
 ROOT = Path(__file__).resolve().parents[2]
 APT_PACKAGES = ["chromium", "chromium-driver"]  # Debian's names (Ubuntu's are snap wrappers)
@@ -193,6 +194,7 @@ class Lab:
             JUPYTERLAB_WORKSPACES_DIR=str(course.root / ".lab-workspaces"),
         )
         env.pop("MPLBACKEND", None)  # the kernels keep their inline backend (see launch/test.sh)
+        env = learners_env(env)  # fresh kernels, the Lab's children, as a learner's are
         self._log = open(log, "w")
         # A session of its own: os.getsid() then names every process the server starts.
         self.process = subprocess.Popen(
