@@ -330,7 +330,7 @@ assert best_8b.mbs == max(fitting), "the planner keeps the largest micro-batch t
 # models. Chapter 09's **dry run** (`ultrascale.dryrun`: one rank of the real model under fake
 # tensors and the fake process group, one training step, every byte it holds counted) can check
 # it at full size. For the book's two dense cases, Llama 3 8B on 8 nodes and 70B on 4 nodes (the
-# heatmap's cells: no CP, which the dry run refuses), we dry-run the planner's first choice and
+# heatmap's cells, which have no CP), we dry-run the planner's first choice and
 # the refused layout nearest the limit, each on its first pipeline stage (the filter's busiest
 # GPU: it holds the micro-batches in flight), in bf16 with Adam, with the layout's micro-batch
 # and recomputation. Two shortcuts keep each to seconds, and neither changes a byte:
@@ -367,7 +367,7 @@ def dry_layout(c):
 
 
 def dry_runnable(c):
-    """No CP (the dry run refuses it), one stage per rank (not interleaved), no hybrid sharding."""
+    """No CP (the heatmap has none), one stage per rank (not interleaved), no hybrid sharding."""
     return c.cp == 1 and c.chunks == 1 and not c.dp_shard
 
 

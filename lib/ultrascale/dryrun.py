@@ -36,11 +36,12 @@ answers as a real first step would (``stand_ins`` lists each read): ZeRO asks wh
 has a parameter's gradient (yes: every rank runs the same layers), Adam which step it takes
 (the first). What depends on values is refused up front with an error naming the technique
 (``refuse``): MoE and expert parallelism (the router's values decide which expert gets which
-token) and context parallelism (ring attention skips blocks by the tokens' positions).
-Two techniques need a small change to run on fake tensors, made in the dry run's process
-only and checked against real runs by the tests: TP's vocabulary-parallel logits lose their
-Tensor subclass (a fake tensor cannot become another subclass), and SP's regathering hooks
-tell tensors apart by storage rather than by ``data_ptr()`` (0 for every fake tensor).
+token). Three techniques need a small change to run on fake tensors, made in the dry run's
+process only and checked against real runs by the tests: TP's vocabulary-parallel logits lose
+their Tensor subclass (a fake tensor cannot become another subclass), SP's regathering hooks
+tell tensors apart by storage rather than by ``data_ptr()`` (0 for every fake tensor), and
+CP's ring attention takes its causal masks from real positions (they depend on the layout
+only; ``_ring_masks_from_positions``).
 
 Each call runs in a fresh process (the runtime's fork server, torch already imported):
 the fake process group and the caches of process groups the techniques keep stay there, so
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib
 import traceback
 from dataclasses import dataclass, field, replace
 
@@ -332,11 +334,6 @@ def refuse(layout: ParallelConfig, config) -> None:
             "so how many rows each expert and each ep rank gets, are values of the router's output, and a fake "
             "tensor has a shape only"
         )
-    elif layout.cp > 1:
-        why = (
-            "context parallelism (CP) cannot run on fake tensors: ring attention decides which blocks of keys a "
-            "block of queries sees from the tokens' positions (values), and a fake tensor has none"
-        )
     if why:
         raise DryRunError(why)
 
@@ -357,12 +354,11 @@ def _dry_step(layout, config, rank, *, micro_batch=1, seq=None, dtype=torch.floa
         with FakeTensorMode() as mode:
             model = _build(config, dtype).set_recompute(recompute)
             par = apply_parallelisms(model, mesh, layout)
-            batches = [
-                Batch(*(None if t is None else mode.from_tensor(t) for t in (b.inputs, b.targets, b.positions)))
-                for b in real_batches
-            ]
+            # no positions: under CP the model's positions hook makes this rank's own (given, it would
+            # compare them with those, a read of values; a real run's are the same by construction)
+            batches = [Batch(mode.from_tensor(b.inputs), mode.from_tensor(b.targets)) for b in real_batches]
             stand_ins = _StandIns()
-            with _vocab_logits_plain(), _regather_by_storage():
+            with _vocab_logits_plain(), _regather_by_storage(), _ring_masks_from_positions(mode, stand_ins.reads):
                 measured = measure_step(par, batches, stand_ins)
     except DryRunError:
         raise
@@ -587,16 +583,66 @@ def _regather_by_storage():
         yield
 
 
+@contextlib.contextmanager
+def _ring_masks_from_positions(mode, reads):
+    """CP's causal masks made from the tokens' real positions, in this process only.
+
+    Ring attention decides which keys a block of queries sees (which blocks it skips, where it cuts
+    one, where a block needs a mask) from the tokens' global positions (``data.sequence_positions``):
+    values, which fake tensors do not have. The positions depend only on the sequence length, the
+    rank and the layout, so here they are made as real tensors, ring attention's own ``_visible``
+    takes its decisions on them, and the masks it makes go on to the (fake) attention as fake
+    tensors: the same blocks attended, the same shapes (the tests compare with a real run).
+    ``check_attention_inputs`` all-reduces the ranks' shapes (that collective is made) and reads
+    the result only to compare them: every rank's are equal by construction here (``rank_batches``),
+    so its reads are answered 0, which passes (counted in ``reads``, as the stand-ins are)."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from . import data
+
+    # the module (``parallel.ring_attention`` is also the name of its function, in parallel/__init__)
+    ring_attention = importlib.import_module(".parallel.ring_attention", __package__)
+
+    def positions(*args, **kwargs):
+        with unset_fake_temporarily():
+            return data.sequence_positions(*args, **kwargs)
+
+    def visible(pos_q, pos_k, causal):
+        with unset_fake_temporarily():
+            seen = original_visible(pos_q, pos_k, causal)
+        if seen is None or seen[2] is None:
+            return seen
+        return (*seen[:2], mode.from_tensor(seen[2]))
+
+    def check_alike(*args, **kwargs):
+        with _StandInsMode(reads, answer=0):
+            return original_check(*args, **kwargs)
+
+    original_visible, original_check = ring_attention._visible, ring_attention.check_attention_inputs
+    ulysses = importlib.import_module(".parallel.ulysses", __package__)
+    with (
+        mock.patch.object(ring_attention, "sequence_positions", positions),
+        mock.patch.object(ring_attention, "_visible", visible),
+        mock.patch.object(ring_attention, "check_attention_inputs", check_alike),
+        mock.patch.object(ulysses, "check_attention_inputs", check_alike),
+    ):
+        yield
+
+
 # --------------------------------------------------------------------------- reading values
 class _StandInsMode(torch.utils._python_dispatch.TorchDispatchMode):
     # A dispatch mode (torch.utils._python_dispatch: private module, the public way to write one).
-    def __init__(self, reads):
+    def __init__(self, reads, answer=None):
         super().__init__()
-        self.reads = reads
+        self.reads, self.answer = reads, answer  # answer: the one answer to every read (None: by dtype)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.reads[_caller()] += 1
+            if self.answer is not None:
+                return self.answer
             # 1 for a flag (ZeRO: "a rank has this gradient") and for a float (Adam's step
             # count: this is the first step). Any other read has no answer that holds for
             # every layout: refused, with the place that asked.
