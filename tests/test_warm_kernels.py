@@ -39,11 +39,24 @@ print(json.dumps({
 """
 
 
+def _skip_unless_serving(log: Path) -> None:
+    """Wait for the zygote's first line; skip, saying why, where it serves no kernel (a torch built
+    for CUDA, as make test-compat's is: every kernel is then fresh, as it should be)."""
+    deadline = time.monotonic() + 120
+    while "ready (" not in (text := log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ready = text[text.find("ready (") :].split("\n")[0]
+    if ready != "ready (serving)":
+        pytest.skip(f"the zygote serves no kernel here: {ready or 'it never became ready'}")
+
+
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
     """The suite's zygote (launch/test.sh), or one of this module's own."""
     if os.environ.get(warm_kernels.SOCKET_ENV):
-        yield os.environ[warm_kernels.SOCKET_ENV], None
+        socket_path = os.environ[warm_kernels.SOCKET_ENV]
+        _skip_unless_serving(Path(socket_path).parent / "zygote.log")  # where launch/test.sh writes its log
+        yield socket_path, None
         return
     folder = tmp_path_factory.mktemp("warm")
     socket_path = str(folder / "zygote.sock")
@@ -53,9 +66,12 @@ def zygote(tmp_path_factory):
         patch.setenv("JUPYTER_PATH", str(folder / "jupyter"))
         with open(folder / "zygote.log", "w") as log:
             proc = subprocess.Popen([*python, warm_kernels.__file__, "serve", socket_path], stderr=log)
-        yield socket_path, proc
-        proc.kill()
-        proc.wait()
+        try:
+            _skip_unless_serving(folder / "zygote.log")
+            yield socket_path, proc
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def _kernel(env: dict, cwd: Path):
