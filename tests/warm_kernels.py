@@ -150,6 +150,10 @@ def preload() -> str | None:
 
     if torch.version.cuda or torch.version.hip:
         return "torch is built for a GPU (CUDA is not safe to fork)"
+    try:  # how the zygote learns that a kernel ended (Linux 5.3 and later)
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError) as err:
+        return f"no pidfd_open here ({err})"
     # torch._dynamo imports triton.language, whose library functions are compiled or interpreted as
     # TRITON_INTERPRET says at that moment: on a CPU, ultrascale.kernels sets it to 1 before triton
     # loads (kernels/_device.py), so a kernel that runs Triton has it so; one that does not, never asks
