@@ -406,6 +406,44 @@ def test_grader_counts_checks_that_never_ran(tmp_path, monkeypatch):
     assert (report.points, report.max_points) == (1, 3)
 
 
+def test_a_notebook_whose_kernel_never_started_is_graded_once_more(monkeypatch, capsys):
+    """Its ports taken by another process before it bound them, a kernel never answers: no fault
+    of the notebook's. It is graded again, once; a second failure is reported as before."""
+    import papermill
+
+    src = REPO / "solutions" / "00_orientation_exercises.ipynb"
+    calls = []
+
+    def fails_first(input_path, output_path, **kwargs):
+        calls.append(input_path)
+        if len(calls) == 1:
+            raise RuntimeError("Kernel didn't respond in 60 seconds")
+        check("00.pipeline_stage_layers", ch00_reference_stage_layers(), quick=True)
+        nb = nbformat.read(input_path, as_version=4)
+        nbformat.write(nb, output_path)
+        return nb
+
+    monkeypatch.setattr(papermill, "execute_notebook", fails_first)
+    report = cli.grade_notebook(src, timeout=10, parameters={"QUICK": True})
+    assert len(calls) == 2 and report.status == "ok" and report.points == 1
+    assert "its kernel did not start" in capsys.readouterr().err
+
+    def never(input_path, output_path, **kwargs):
+        calls.append(input_path)
+        raise RuntimeError("Kernel didn't respond in 60 seconds")
+
+    monkeypatch.setattr(papermill, "execute_notebook", never)
+    calls.clear()
+    report = cli.grade_notebook(src, timeout=10, parameters={"QUICK": True})
+    assert len(calls) == 2 and report.status == "infrastructure error" and "Kernel didn't respond" in report.error
+
+
+def ch00_reference_stage_layers():
+    from ultrascale.exercise_tests import ch00
+
+    return ch00.reference_stage_layers
+
+
 def test_grader_runs_each_deferred_test_once_in_its_own_process(tmp_path, monkeypatch):
     """Under the grader check() only saves what it was given; the grader's run gives every verdict."""
     import papermill

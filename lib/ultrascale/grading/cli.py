@@ -178,6 +178,12 @@ def _read_grades(path: Path) -> dict:
     return grades
 
 
+# jupyter_client's words for a kernel that never started. The usual cause is no fault of the notebook:
+# the client picks free ports and hands them to the kernel, and another process (a rank's gloo
+# connection, another kernel) may take one before the kernel binds it.
+KERNEL_DID_NOT_START = ("Kernel didn't respond", "Kernel died before replying")
+
+
 def grade_notebook(
     nb_path: Path,
     timeout: float,
@@ -187,7 +193,18 @@ def grade_notebook(
     sandbox: Sandbox | None = None,
 ) -> NotebookReport:
     """Execute one notebook, then score it: see the module's docstring. With ``sandbox``
-    both run in it, on a copy of the notebook in a temporary folder (sandbox.py)."""
+    both run in it, on a copy of the notebook in a temporary folder (sandbox.py). A notebook
+    whose kernel never started is graded once more (``KERNEL_DID_NOT_START``), and says so."""
+    report = _grade_once(nb_path, timeout, parameters, keep_dir, feedback, sandbox)
+    if report.status == "infrastructure error" and any(words in report.error for words in KERNEL_DID_NOT_START):
+        print(f"  its kernel did not start ({report.error}): graded once more", file=sys.stderr, flush=True)
+        first = report.seconds
+        report = _grade_once(nb_path, timeout, parameters, keep_dir, feedback, sandbox)
+        report.seconds += first
+    return report
+
+
+def _grade_once(nb_path, timeout, parameters, keep_dir, feedback, sandbox) -> NotebookReport:
     report = NotebookReport(str(nb_path))
     start = time.perf_counter()
     # ignore_cleanup_errors: a sandboxed notebook may leave files we cannot remove (chmod 000)
