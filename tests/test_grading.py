@@ -410,6 +410,7 @@ def test_a_notebook_whose_kernel_never_started_is_graded_once_more(monkeypatch, 
     """Its ports taken by another process before it bound them, a kernel never answers: no fault
     of the notebook's. It is graded again, once; a second failure is reported as before."""
     import papermill
+    from ultrascale.exercise_tests import ch00
 
     src = REPO / "solutions" / "00_orientation_exercises.ipynb"
     calls = []
@@ -418,7 +419,7 @@ def test_a_notebook_whose_kernel_never_started_is_graded_once_more(monkeypatch, 
         calls.append(input_path)
         if len(calls) == 1:
             raise RuntimeError("Kernel didn't respond in 60 seconds")
-        check("00.pipeline_stage_layers", ch00_reference_stage_layers(), quick=True)
+        check("00.pipeline_stage_layers", ch00.reference_stage_layers, quick=True)
         nb = nbformat.read(input_path, as_version=4)
         nbformat.write(nb, output_path)
         return nb
@@ -436,12 +437,6 @@ def test_a_notebook_whose_kernel_never_started_is_graded_once_more(monkeypatch, 
     calls.clear()
     report = cli.grade_notebook(src, timeout=10, parameters={"QUICK": True})
     assert len(calls) == 2 and report.status == "infrastructure error" and "Kernel didn't respond" in report.error
-
-
-def ch00_reference_stage_layers():
-    from ultrascale.exercise_tests import ch00
-
-    return ch00.reference_stage_layers
 
 
 def test_grader_runs_each_deferred_test_once_in_its_own_process(tmp_path, monkeypatch):

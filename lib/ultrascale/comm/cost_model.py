@@ -87,11 +87,18 @@ def _fit_line(x, y, relative: bool) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def _fit_floor(sizes, times, relative: bool) -> tuple[float, float]:
+    """``_fit_line`` of the times capped by ``noise_floor``; the slope is 0 where the capped times are
+    all equal (fitted, a flat line's slope is 0 only up to rounding)."""
+    floor = noise_floor(sizes, times)
+    intercept, slope = _fit_line(sizes, floor, relative)
+    return intercept, (slope if np.ptp(floor) > 0 else 0.0)
+
+
 def fit_alpha_beta(sizes, times, relative: bool = True) -> AlphaBeta:
     """Fit ``t = alpha + n / beta`` to measured point-to-point (size, time) pairs (``noise_floor`` first)."""
-    floor = noise_floor(sizes, times)
-    alpha, inverse_beta = _fit_line(sizes, floor, relative)
-    if inverse_beta <= 0 or np.ptp(floor) == 0:  # (a flat floor's slope is 0 up to rounding)
+    alpha, inverse_beta = _fit_floor(sizes, times, relative)
+    if inverse_beta <= 0:
         raise ValueError(
             "the fitted time does not grow with size; measure larger messages (up to MiBs) or more iterations per size"
         )
@@ -107,9 +114,8 @@ def fit_ring_all_reduce(sizes, times, world_size: int, relative: bool = True) ->
     n = world_size
     if n < 2:
         raise ValueError("an all-reduce on one rank sends nothing; fit with world_size >= 2")
-    floor = noise_floor(sizes, times)
-    intercept, slope = _fit_line(sizes, floor, relative)
-    if slope <= 0 or np.ptp(floor) == 0:
+    intercept, slope = _fit_floor(sizes, times, relative)
+    if slope <= 0:
         raise ValueError("the fitted time does not grow with size; measure larger buffers")
     steps = 2 * (n - 1)
     return AlphaBeta(max(intercept, 0.0) / steps, steps / (n * slope))
