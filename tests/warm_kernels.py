@@ -85,7 +85,12 @@ def launch(args: list) -> None:
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(signum, pass_on)
-    line = reader.readline()  # a signal passed on meanwhile does not end the wait (PEP 475 retries it)
+    line = None
+    while line is None:
+        try:
+            line = reader.readline()
+        except InterruptedError:  # a signal arrived while waiting (Python retries; old ones raised)
+            continue
     ended = json.loads(line) if line else {"code": 1}  # no line: the zygote died, and its kernels with it
     sys.exit(ended["code"])
 
