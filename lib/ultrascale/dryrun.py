@@ -34,14 +34,17 @@ What is measured, and how:
 The run has no values. Where the library reads one to decide what to do, the dry run
 answers as a real first step would (``stand_ins`` lists each read): ZeRO asks whether any rank
 has a parameter's gradient (yes: every rank runs the same layers), Adam which step it takes
-(the first). What depends on values is refused up front with an error naming the technique
-(``refuse``): MoE and expert parallelism (the router's values decide which expert gets which
-token). Three techniques need a small change to run on fake tensors, made in the dry run's
+(the first). What cannot be answered is refused up front with an error naming the technique
+(``refuse``). Four techniques need a small change to run on fake tensors, made in the dry run's
 process only and checked against real runs by the tests: TP's vocabulary-parallel logits lose
 their Tensor subclass (a fake tensor cannot become another subclass), SP's regathering hooks
-tell tensors apart by storage rather than by ``data_ptr()`` (0 for every fake tensor), and
+tell tensors apart by storage rather than by ``data_ptr()`` (0 for every fake tensor),
 CP's ring attention takes its causal masks from real positions (they depend on the layout
-only; ``_ring_masks_from_positions``).
+only; ``_ring_masks_from_positions``), and MoE routers choose by a routing stated in advance,
+``balanced_choice`` (the router's scores, which decide which expert gets which token and so
+every shape after it, are values; ``_routing_on_real_indices``). That is an assumption, the
+one a dry run of an MoE model makes: every expert gets the same share of the tokens, and each
+token's k experts sit on k different ep ranks where they can (the most all-to-all traffic).
 
 Each call runs in a fresh process (the runtime's fork server, torch already imported):
 the fake process group and the caches of process groups the techniques keep stay there, so
@@ -67,6 +70,8 @@ from .parallel.compose import ParallelConfig, apply_parallelisms, build_mesh
 
 __all__ = [
     "DryRun",
+    "balanced_choice",
+    "balanced_routing",
     "DryRunError",
     "dryrun",
     "dryrun_extrapolated",
@@ -327,15 +332,11 @@ class _FakeRankContext:
 
 def refuse(layout: ParallelConfig, config) -> None:
     """Raise :class:`DryRunError` for what cannot run on fake tensors here, naming the technique."""
-    why = None
-    if getattr(config, "experts", 0):
-        why = (
-            "MoE routing (and expert parallelism) cannot run on fake tensors: which experts a token goes to, and "
-            "so how many rows each expert and each ep rank gets, are values of the router's output, and a fake "
-            "tensor has a shape only"
+    if getattr(config, "experts", 0) and getattr(config, "group_limit", 0):
+        raise DryRunError(
+            f"MoE routing with group_limit={config.group_limit} cannot be dry-run: the dry run routes by "
+            "balanced_choice, which spreads a token's experts over every group; set group_limit=0"
         )
-    if why:
-        raise DryRunError(why)
 
 
 def _dry_step(layout, config, rank, *, micro_batch=1, seq=None, dtype=torch.float32, recompute="none") -> DryRun:
@@ -358,7 +359,12 @@ def _dry_step(layout, config, rank, *, micro_batch=1, seq=None, dtype=torch.floa
             # compare them with those, a read of values; a real run's are the same by construction)
             batches = [Batch(mode.from_tensor(b.inputs), mode.from_tensor(b.targets)) for b in real_batches]
             stand_ins = _StandIns()
-            with _vocab_logits_plain(), _regather_by_storage(), _ring_masks_from_positions(mode, stand_ins.reads):
+            with (
+                _vocab_logits_plain(),
+                _regather_by_storage(),
+                _ring_masks_from_positions(mode, stand_ins.reads),
+                _routing_on_real_indices(mode, stand_ins.reads),
+            ):
                 measured = measure_step(par, batches, stand_ins)
     except DryRunError:
         raise
@@ -627,6 +633,99 @@ def _ring_masks_from_positions(mode, reads):
         mock.patch.object(ring_attention, "_visible", visible),
         mock.patch.object(ring_attention, "check_attention_inputs", check_alike),
         mock.patch.object(ulysses, "check_attention_inputs", check_alike),
+    ):
+        yield
+
+
+def balanced_choice(tokens: int, experts: int, top_k: int, device=None) -> torch.Tensor:
+    """The routing a dry run assumes: token t's j-th expert is ``(t + j * (E // k)) mod E``.
+
+    Over any E consecutive tokens every expert is chosen k times (a perfectly balanced router,
+    what load balancing aims at), and a token's k experts are E // k apart, so they sit on k
+    different ep ranks whenever k <= ep: each token is sent k times, the most traffic (the
+    planner's cost model charges that). A real router does neither exactly."""
+    t = torch.arange(tokens, device=device)[:, None]
+    return (t + torch.arange(top_k, device=device) * (experts // top_k)) % experts
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """Every MoE router of this process chooses ``balanced_choice``: a real run routed as a dry
+    run is (the tests compare the two)."""
+    from unittest import mock
+
+    from .moe import Router
+
+    def choose(router, scores):
+        return balanced_choice(scores.shape[0], scores.shape[-1], router.top_k, scores.device)
+
+    with mock.patch.object(Router, "choose", choose):
+        yield
+
+
+@contextlib.contextmanager
+def _routing_on_real_indices(mode, reads):
+    """MoE and EP on fake tensors, routed by ``balanced_choice``, in this process only.
+
+    The router's choice is made as a real tensor and goes on as a fake one that carries its
+    values (``real_values``). Where the library turns choices into indices and split sizes
+    (``moe.expert_batches``, ``expert_parallel.dispatch_rows``), the same functions run on those
+    values and hand fake indices to the (fake) computation: the same rows gathered, the same
+    batch per expert, the same shapes. EP's all-to-alls need what other ranks send: every rank
+    routes its tokens alike (the same choice, the same number of tokens), so each sends a rank
+    what that rank sends itself. ``exchange_counts`` makes its all-to-all and its reads are
+    answered so (counted in ``reads``); a dispatched tensor's values follow the same way."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from . import moe
+    from .parallel import expert_parallel
+
+    def fake(real):
+        out = mode.from_tensor(real)
+        out.real_values = real
+        return out
+
+    def values(t):
+        if getattr(t, "real_values", None) is None:
+            raise DryRunError("MoE routing: a routing index without known values reached the experts")
+        return t.real_values
+
+    def choose(router, scores):
+        with unset_fake_temporarily():
+            return fake(balanced_choice(scores.shape[0], scores.shape[-1], router.top_k))
+
+    def expert_batches(chosen, experts):
+        with unset_fake_temporarily():
+            rows, slots, counts = original_batches(values(chosen), experts)
+        return fake(rows), fake(slots), counts
+
+    def dispatch_rows(chosen, ep, per_rank):
+        with unset_fake_temporarily():
+            rows, here, local_ids, counts = original_rows(values(chosen), ep, per_rank)
+        return fake(rows), fake(here), fake(local_ids), counts
+
+    def exchange_counts(send_counts, group=None, device=None):
+        with _StandInsMode(reads, answer=send_counts[dist.get_rank(group)]):
+            return original_exchange(send_counts, group, device)
+
+    def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None):
+        out = original_all_to_all(x, output_split_sizes, input_split_sizes, group)
+        if getattr(x, "real_values", None) is not None:  # routing indices: what I send myself, from each rank
+            with unset_fake_temporarily():
+                mine = x.real_values.split(input_split_sizes)[dist.get_rank(group)]
+                out.real_values = torch.cat([mine] * dist.get_world_size(group))
+        return out
+
+    original_batches, original_rows = moe.expert_batches, expert_parallel.dispatch_rows
+    original_exchange, original_all_to_all = expert_parallel.exchange_counts, expert_parallel.all_to_all
+    with (
+        mock.patch.object(moe.Router, "choose", choose),
+        mock.patch.object(moe, "expert_batches", expert_batches),
+        mock.patch.object(expert_parallel, "dispatch_rows", dispatch_rows),
+        mock.patch.object(expert_parallel, "exchange_counts", exchange_counts),
+        mock.patch.object(expert_parallel, "all_to_all", all_to_all),
     ):
         yield
 

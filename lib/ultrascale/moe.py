@@ -48,13 +48,18 @@ class Router(nn.Module):
         scores = probs + self.selection_bias
         if self.group_limit:
             scores = limit_groups(scores, self.expert_groups, self.group_limit, self.top_k)
-        chosen = scores.topk(self.top_k, dim=-1).indices
+        chosen = self.choose(scores)
         weights = probs.gather(-1, chosen)
         if self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.training:  # an evaluation forward is no part of a training step's load
             self._count(chosen)
         return weights, chosen, probs
+
+    def choose(self, scores):
+        """Each token's ``top_k`` experts: the highest scores. (The dry run replaces this one
+        step with a routing stated in advance, since fake tensors have no scores to rank.)"""
+        return scores.topk(self.top_k, dim=-1).indices
 
     def _count(self, chosen):
         # The bias update needs each expert's load over a whole step, which may be several
@@ -92,14 +97,20 @@ def apply_experts(experts, x, chosen, weights):
     expert, so each expert runs once on one contiguous batch of its tokens (and on an empty
     batch if none came: its gradient is then zero, not missing, on every rank alike).
     """
-    rows, slots = (chosen >= 0).nonzero(as_tuple=True)
-    ids = chosen[rows, slots]
-    order = torch.argsort(ids, stable=True)
-    rows, slots, ids = rows[order], slots[order], ids[order]
-    counts = torch.bincount(ids, minlength=len(experts)).tolist()
+    rows, slots, counts = expert_batches(chosen, len(experts))
     out = torch.cat([expert(part) for expert, part in zip(experts, x[rows].split(counts))])
     out = out * weights[rows, slots].unsqueeze(-1)
     return x.new_zeros(x.shape).index_add(0, rows, out)
+
+
+def expert_batches(chosen, experts: int):
+    """``apply_experts``' plan: (token, slot) of every choice, sorted by expert (``rows``, ``slots``),
+    and how many each of the ``experts`` gets (``counts``, a list: the sizes to split the batch by)."""
+    rows, slots = (chosen >= 0).nonzero(as_tuple=True)
+    ids = chosen[rows, slots]
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=experts).tolist()
+    return rows[order], slots[order], counts
 
 
 def grouped_mlp(experts, x_sorted, counts):

@@ -104,6 +104,13 @@ class DispatchPlan:
 
 def dispatch_plan(chosen, weights, ep: int, per_rank: int) -> DispatchPlan:
     """Rows to send for tokens that chose experts ``chosen`` (T, k) with ``weights`` (T, k)."""
+    rows, here, local_ids, send_counts = dispatch_rows(chosen, ep, per_rank)
+    return DispatchPlan(rows, local_ids, weights[rows] * here, send_counts)
+
+
+def dispatch_rows(chosen, ep: int, per_rank: int):
+    """``dispatch_plan``'s indices: the token of each row, which of its k choices the row carries
+    (``here``, (R, k)), their local expert ids (-1 where not), and the rows for each rank."""
     tokens = chosen.shape[0]
     destination = chosen // per_rank  # (T, k) rank of each choice
     sends = torch.zeros(ep, tokens, dtype=torch.bool, device=chosen.device)
@@ -111,7 +118,7 @@ def dispatch_plan(chosen, weights, ep: int, per_rank: int) -> DispatchPlan:
     ranks, rows = sends.nonzero(as_tuple=True)  # by rank, then by token
     here = destination[rows] == ranks[:, None]  # which of a row's k choices it carries
     local_ids = torch.where(here, chosen[rows] - ranks[:, None] * per_rank, -1)
-    return DispatchPlan(rows, local_ids, weights[rows] * here, torch.bincount(ranks, minlength=ep).tolist())
+    return rows, here, local_ids, torch.bincount(ranks, minlength=ep).tolist()
 
 
 def exchange_counts(send_counts: list, group=None, device=None) -> list:
