@@ -525,6 +525,17 @@ from ultrascale.memory import activation_bytes  # noqa: E402
 from ultrascale.model import LLAMA3_405B, attention_flops_per_token, matmul_params  # noqa: E402
 from ultrascale.parallel.pipeline_parallel import split_layers  # noqa: E402
 
+
+def flops_formula(config, layout, stage, tokens, seq):
+    """6 FLOPs per parameter of a matmul per token, plus attention's (eager: the whole s x s
+    matrix), for one rank's share: its stage's layers and, on the last stage, the head, split by tp."""
+    h, v, layers = config.hidden, config.vocab_size, len(split_layers(config.layers, layout.pp)[stage])
+    block_matmuls = (matmul_params(config) - h * v) // config.layers
+    rank_matmuls = (layers * block_matmuls + (h * v if stage == layout.pp - 1 else 0)) // layout.tp
+    attention = attention_flops_per_token(config, seq) * layers // config.layers // layout.tp
+    return tokens * (6 * rank_matmuls + attention)
+
+
 FULL = ParallelConfig(tp=8, sp=True, pp=16, dp=128, zero=2, optimizer="adam", microbatches=1 if QUICK else 16)
 FULL_STAGES = [0] if QUICK else [0, FULL.pp // 2, FULL.pp - 1]  # first, middle, last pipeline stage
 FULL_SEQ = 8192
@@ -549,13 +560,7 @@ for stage in FULL_STAGES:
     layers = len(split_layers(LLAMA3_405B.layers, FULL.pp)[stage])
     # the formula's activations for this stage: its layers, times the micro-batches it holds at once
     formula = dict(predicted, activations=per_layer * layers * in_flight[stage])
-    # FLOPs: 6 per parameter of a matmul per token, plus attention's (eager: the whole s x s matrix),
-    # for this rank's share: its layers and, on the last stage, the head, all split by tp
-    h, v = LLAMA3_405B.hidden, LLAMA3_405B.vocab_size
-    block_matmuls = (matmul_params(LLAMA3_405B) - h * v) // LLAMA3_405B.layers
-    rank_matmuls = (layers * block_matmuls + (h * v if stage == FULL.pp - 1 else 0)) // FULL.tp
-    attention = attention_flops_per_token(LLAMA3_405B, FULL_SEQ) * layers // LLAMA3_405B.layers // FULL.tp
-    flops = dry.tokens * (6 * rank_matmuls + attention)
+    flops = flops_formula(LLAMA3_405B, FULL, stage, dry.tokens, FULL_SEQ)
     dry_rows[stage] = dry, formula, flops
     # Model states: breakdown divides all 405B parameters by tp x pp; a stage holds its own layers
     # (8 or 7 of 126), the first the embedding and the last the head too (0.5 GB each): within 10%.
@@ -604,26 +609,176 @@ for stage, (dry, formula, flops) in nonempty(dry_rows, "dry runs (the cell above
 # and why it never stored those scores (a fused attention kernel recomputes them; the
 # `recompute="selective"` of section 5).
 #
-# **DeepSeek-V3** does not dry-run: its MoE layers route every token by the router's values, so
-# how many rows each expert and each ep rank receives (and so every shape after the router) is
-# data that fake tensors do not have. `dryrun` refuses it by name rather than guess a routing:
+# **The long-context phase.** Llama 3 405B's last pre-training stage ran 131,072-token sequences
+# with CP 16 (and DP 8; TP 8 and PP 16 as before). Under CP each rank holds 8,192 of the tokens
+# and ring attention passes the keys and values round the 16 ranks. The dry run takes ring
+# attention's decisions (which blocks of keys a block of queries sees, where it needs a mask)
+# from the tokens' real positions, which depend on the layout alone, and runs everything else on
+# fake tensors. Two details of the layout: this library does not compose SP inside pipeline
+# stages with CP, so the run is without SP; and ZeRO shards over every rank that holds the same
+# weights, the 8 x 16 data-and-context ranks (as the planner passes it to `breakdown`).
+#
+# The FLOPs can be predicted exactly. Cut the sequence into 2 x 16 = 32 chunks of 4,096 tokens:
+# zig-zag gives rank r chunks r and 31 - r. At the step where a rank meets its own keys it
+# computes all 4 (query chunk, key chunk) pairs with a causal mask; at each of the other 15 steps
+# it computes 2 (the first half of the keys, or the second half of the queries). That is 34 pairs
+# of 4,096 x 4,096 scores, against 32 that a perfect causal kernel would need, and each pair costs
+# its forward (2 matmuls), its backward (4) and, as FlashAttention does, the scores recomputed
+# in backward (1 more): 14 h c^2 FLOPs per layer, split by tp. A contiguous layout gives rank r
+# the r-th sixteenth and 4 (r + 1) pairs: the last rank does 16 times the first one's attention.
 
 # %%
-from ultrascale.dryrun import DryRunError  # noqa: E402
-from ultrascale.plan.published import DEEPSEEK_V3  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
-try:
-    dryrun(ParallelConfig(pp=16, ep=64, dp=2, zero=1, optimizer="adam"), DEEPSEEK_V3, 0)
-    raise AssertionError("a dry run of an MoE model should be refused")
-except DryRunError as error:
-    print(error)
+from ultrascale.dryrun import dryrun_extrapolated  # noqa: E402
+from ultrascale.plan.published import LLAMA3_405B_LONG  # noqa: E402
+
+LONG_SEQ = LLAMA3_405B_LONG.seq
+LONG = ParallelConfig(
+    **{k: LLAMA3_405B_LONG.layout[k] for k in ("tp", "cp", "pp", "dp", "zero")}, optimizer="adam", microbatches=1
+)
+long_predicted = breakdown(
+    LLAMA3_405B,
+    seq=LONG_SEQ,
+    zero_stage=LONG.zero,
+    tp=LONG.tp,
+    pp=LONG.pp,
+    dp=LONG.dp * LONG.cp,  # ZeRO's shards: the ranks holding the same weights
+    cp=LONG.cp,
+    sequence_parallel=False,
+    recompute="selective",  # ring attention keeps no s x s scores (it recomputes them)
+    schedule=LONG.schedule,
+    micro_batches=LONG.microbatches,
+)
+chunk = LONG_SEQ // (2 * LONG.cp)
+long_layers = len(split_layers(LLAMA3_405B.layers, LONG.pp)[0])
+pair_flops = 14 * LLAMA3_405B.hidden * chunk**2 * long_layers // LONG.tp
+long_rows = {}
+for cp_layout in ("zigzag", "contiguous"):
+    layout = replace(LONG, cp_layout=cp_layout)
+    for cp_rank in (0, LONG.cp - 1):
+        rank = layout.layout().rank_of(dp=0, pp=0, cp=cp_rank, tp=0)
+        dry = dryrun_extrapolated(layout, LLAMA3_405B, rank, seq=LONG_SEQ, dtype=torch.bfloat16)
+        pairs = 2 * LONG.cp + 2 if cp_layout == "zigzag" else 4 * (cp_rank + 1)
+        matmuls = flops_formula(LLAMA3_405B, LONG, 0, dry.tokens, LONG_SEQ) - dry.tokens * (
+            attention_flops_per_token(LLAMA3_405B, LONG_SEQ) * long_layers // LLAMA3_405B.layers // LONG.tp
+        )
+        long_rows[cp_layout, cp_rank] = dry, pairs
+        # FLOPs: the 6N part and the chunk pairs, exactly (FlopCounterMode counts what the formula counts)
+        assert dry.flops == matmuls + pairs * pair_flops, (cp_layout, cp_rank, dry.flops, matmuls + pairs * pair_flops)
+        # model states, as for the 8k run: the first stage's embedding puts its parameters 9% over
+        for key in ("parameters", "gradients", "optimizer states"):
+            assert 0.9 < dry.memory()[key] / long_predicted[key] < 1.1, (key, dry.memory()[key], long_predicted[key])
+        # activations: Llama's block keeps more than GPT's formula at tp 8 without SP (see below)
+        assert 1.5 < dry.activations / long_predicted["activations"] < 2.2, (dry.activations, long_predicted)
+for (cp_layout, cp_rank), (dry, pairs) in long_rows.items():
+    print(
+        f"{cp_layout:>10}, cp rank {cp_rank:>2}: {pairs:>2} chunk pairs, {dry.flops / 1e12:7.1f} TFLOPs; "
+        f"states {dry.parameters / 1e9:.2f} + {dry.gradients / 1e9:.2f} + {dry.optimizer_states / 1e9:.2f} GB, "
+        f"activations {dry.activations / 1e9:.1f} GB ({dry.activations / long_predicted['activations']:.2f} "
+        f"of breakdown's {long_predicted['activations'] / 1e9:.1f})"
+    )
+print("FLOPs equal to 6N + 14 h c^2 per chunk pair; states within 10% of breakdown, activations 1.5-2.2 of it")
+
+# %% [markdown]
+# Zig-zag gives every rank the same 34 pairs; contiguous gives the first rank 4 and the last 64, and
+# a ring step waits for its slowest rank. The states are the 8k run's, with ZeRO's shards now 16
+# times smaller (128 ranks hold each weight). The activations are about twice the formula's: at
+# tp 8 without SP, Korthikanti's count charges 10 + 24/8 = 13 bytes per token and hidden unit, and
+# the course's Llama block keeps more (SwiGLU's gate, up and product are each ffn wide; RMSNorm and
+# RoPE keep their own inputs). `breakdown` has no Llama-specific count yet.
+#
+# **DeepSeek-V3** routes each token by its router's scores: which experts (and so which ep ranks)
+# get which tokens, and every shape after the router, are values that fake tensors lack. The dry
+# run states a routing instead, `balanced_choice`: every expert gets the same share of the tokens,
+# and a token's 8 experts lie 256 / 8 = 32 apart, so they sit on 8 of the 64 ep ranks. That is the
+# most all-to-all traffic a token can cause, what the planner's cost model charges; a real router is
+# less even, and DeepSeek's node-limited routing sends a token to at most 4 nodes. The tests hold a
+# real run routed the same way to exactly the dry run's counts.
+#
+# The layout: PP 16 (1F1B), EP 64, DP 2 with ZeRO-1, no TP, one 4,096-token sequence per
+# micro-batch. The 61 layers split 4 to a stage, 3 on the last three. `dryrun_extrapolated` runs
+# one and two layers per stage and extends to the stage's own count (the blocks are alike).
+
+# %%
+import math  # noqa: E402
+
+from ultrascale.parallel.expert_parallel import dispatch_volume  # noqa: E402
+from ultrascale.plan.published import DEEPSEEK_V3, DEEPSEEK_V3_PRETRAIN  # noqa: E402
+
+DS = ParallelConfig(**DEEPSEEK_V3_PRETRAIN.layout, optimizer="adam", microbatches=1)
+DS_SEQ, DS_STAGES = DEEPSEEK_V3_PRETRAIN.seq, [0] if QUICK else [0, DS.pp // 2, DS.pp - 1]
+ds_predicted = breakdown(
+    DEEPSEEK_V3,
+    seq=DS_SEQ,
+    zero_stage=DS.zero,
+    pp=DS.pp,
+    dp=DS.dp,
+    ep=DS.ep,
+    schedule=DS.schedule,
+    micro_batches=DS.microbatches,
+)
+h, v, elt = DEEPSEEK_V3.hidden, DEEPSEEK_V3.vocab_size, 2  # bf16
+# breakdown spreads the model evenly, 61 / 16 layers and a sixteenth of the embedding and the head
+# per stage. A stage holds whole layers, and an end stage a whole table: 0.93 B parameters, as many
+# as 2.4 of this model's layers on one rank, since EP has cut each layer's experts 64 ways.
+table = {"parameters": elt * h * v, "gradients": elt * h * v, "optimizer states": 12 * h * v / (DS.dp * DS.ep)}
+ds_rows = {}
+for stage in DS_STAGES:
+    rank = DS.layout().rank_of(dp=0, ep=0, pp=stage)
+    dry = dryrun_extrapolated(DS, DEEPSEEK_V3, rank, seq=DS_SEQ, dtype=torch.bfloat16)
+    layers = len(split_layers(DEEPSEEK_V3.layers, DS.pp)[stage])
+    end = stage in (0, DS.pp - 1)
+    formula = {
+        key: (ds_predicted[key] - 2 * table[key] / DS.pp) * layers * DS.pp / DEEPSEEK_V3.layers + end * table[key]
+        for key in table
+    }
+    formula["activations"] = ds_predicted["activations"] * layers / math.ceil(DEEPSEEK_V3.layers / DS.pp)
+    flops = flops_formula(DEEPSEEK_V3, DS, stage, dry.tokens, DS_SEQ)
+    ds_rows[stage] = dry, formula, flops
+    for key in table:  # the formula redistributed as the stage holds the model: within 3%
+        assert abs(dry.memory()[key] / formula[key] - 1) < 0.03, (stage, key, dry.memory()[key], formula[key])
+    # FLOPs: balanced routing gives each rank's experts k rows per token of its own: 6 x the active
+    # parameters per token, plus attention, exactly as for a dense model
+    assert abs(dry.flops / flops - 1) < 1e-3, (stage, dry.flops, flops)
+    # bytes: per MoE layer, the dispatch and combine of the k copies of each token's hidden state
+    # that leave the rank (the cost model's 4 all-to-alls of routed (ep - 1) / ep bytes each, with
+    # the dispatch's k routing weights a row besides)
+    even = [dry.tokens * DEEPSEEK_V3.top_k // DS.ep] * DS.ep
+    forward = dispatch_volume(even, even, 0, h, DEEPSEEK_V3.top_k, element_size=elt)
+    backward = dispatch_volume(even, even, 0, h, DEEPSEEK_V3.top_k, element_size=elt, backward=True)
+    for label, per_layer in {**forward, **backward}.items():
+        assert dry.collectives[label]["bytes_sent"] == layers * per_layer, (stage, label, dry.collectives[label])
+    routed = dry.tokens * DEEPSEEK_V3.top_k * h * elt
+    ep_bytes = sum(dry.collectives[k]["bytes_sent"] for k in ("ep dispatch", "ep combine", "all_to_all_single"))
+    assert 1 < ep_bytes / (4 * layers * routed * (DS.ep - 1) / DS.ep) < 1.002
+    # activations: the score matrices at 0.4 of Korthikanti's 5 bytes, the rest well over his 34
+    assert 0.5 < dry.activations / formula["activations"] < 0.8, (stage, dry.activations, formula["activations"])
+for stage, (dry, formula, flops) in ds_rows.items():
+    side_by_side(dry, formula, flops)
+print(
+    f"DeepSeek-V3, {DS}, stages {DS_STAGES}: model states within 3% of breakdown as a stage holds it, "
+    "FLOPs within 0.1% of 6N(active) + attention, EP's bytes exactly dispatch_volume's, activations 0.5-0.8"
+)
+
+# %% [markdown]
+# Once a stage is counted as it is held (whole layers, and the whole embedding on the first), the
+# model states are exactly `breakdown`'s. Adam's states are nearly as large as the bf16 weights
+# although ZeRO-1 shards them: an expert has only DP 2 replicas to shard over, and experts are most
+# of a stage. The FLOPs are a dense model's 6N with N the active parameters: with balanced routing
+# each rank's 4 experts per layer run the 8 choices of 4,096 tokens, as many as its own tokens
+# make. The bytes are the cost model's: the dispatch, the combine and their backward each move
+# the 8 copies of a token's hidden state that leave the rank, 63/64 of them. The activations fall
+# below the formula for the reason the 8k Llama run did (128 heads of 4,096 x 4,096 scores, kept at
+# 2 bytes of Korthikanti's 5), less so because each token's 8 expert rows keep more than the dense
+# MLP the formula assumes.
 
 # %% [markdown]
 # **Try it.** Pick a model (`LLAMA3_8B`, `LLAMA3_70B`, `LLAMA3_405B` or a `LlamaConfig` of your
 # own), a layout and a rank, and see that rank at full size beside `breakdown`'s prediction for the
 # same layout (`breakdown` gives the busiest stage: compare with the first). A few seconds for an
-# 8B model; a minute or more for the larger ones with many micro-batches. CP and experts the dry
-# run refuses, by name.
+# 8B model; a minute or more for the larger ones with many micro-batches. An MoE model is routed
+# by `balanced_choice`; what the dry run cannot run it refuses, naming the technique.
 
 # %%
 from ultrascale.model import LLAMA3_8B  # noqa: E402
