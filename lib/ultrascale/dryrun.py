@@ -10,7 +10,7 @@ pieces that make a real-size run possible on one CPU:
   collectives return at once, so one process can play rank 1234 of 16384.
 
 ``dryrun(layout, config, rank)`` builds the model under both, applies the course's own
-techniques to it in compose's order (TP/SP, CP, PP, ZeRO or DP: ``parallel.compose``), runs
+techniques to it in compose's order (TP/SP, CP, EP, PP, ZeRO or DP: ``parallel.compose``), runs
 one training step and reports what that rank held and did:
 
     result = dryrun(ParallelConfig(tp=8, pp=16, dp=8, zero=1, optimizer="adam", microbatches=16),
