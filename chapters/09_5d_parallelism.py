@@ -536,21 +536,29 @@ def flops_formula(config, layout, stage, tokens, seq):
     return tokens * (6 * rank_matmuls + attention)
 
 
+def layout_breakdown(config, layout, seq, **options):
+    """``breakdown``'s prediction for a compose layout. ZeRO shards a weight's states over every
+    rank that holds it, the dp x cp data-and-context ranks (as the planner passes it)."""
+    return breakdown(
+        config,
+        seq=seq,
+        zero_stage=layout.zero,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp * layout.cp,
+        cp=layout.cp,
+        ep=layout.ep,
+        sequence_parallel=layout.sp,
+        schedule=layout.schedule,
+        micro_batches=layout.microbatches,
+        **options,
+    )
+
+
 FULL = ParallelConfig(tp=8, sp=True, pp=16, dp=128, zero=2, optimizer="adam", microbatches=1 if QUICK else 16)
 FULL_STAGES = [0] if QUICK else [0, FULL.pp // 2, FULL.pp - 1]  # first, middle, last pipeline stage
 FULL_SEQ = 8192
-predicted = breakdown(
-    LLAMA3_405B,
-    seq=FULL_SEQ,
-    micro_batch=1,
-    zero_stage=FULL.zero,
-    tp=FULL.tp,
-    pp=FULL.pp,
-    dp=FULL.dp,
-    sequence_parallel=True,
-    schedule=FULL.schedule,
-    micro_batches=FULL.microbatches,
-)
+predicted = layout_breakdown(LLAMA3_405B, FULL, FULL_SEQ)
 in_flight = pp_in_flight(FULL.schedule, FULL.pp, FULL.microbatches)
 per_layer = activation_bytes(LLAMA3_405B, FULL_SEQ, 1, tp=FULL.tp, sequence_parallel=True) / LLAMA3_405B.layers
 dry_rows = {}
@@ -637,19 +645,8 @@ LONG_SEQ = LLAMA3_405B_LONG.seq
 LONG = ParallelConfig(
     **{k: LLAMA3_405B_LONG.layout[k] for k in ("tp", "cp", "pp", "dp", "zero")}, optimizer="adam", microbatches=1
 )
-long_predicted = breakdown(
-    LLAMA3_405B,
-    seq=LONG_SEQ,
-    zero_stage=LONG.zero,
-    tp=LONG.tp,
-    pp=LONG.pp,
-    dp=LONG.dp * LONG.cp,  # ZeRO's shards: the ranks holding the same weights
-    cp=LONG.cp,
-    sequence_parallel=False,
-    recompute="selective",  # ring attention keeps no s x s scores (it recomputes them)
-    schedule=LONG.schedule,
-    micro_batches=LONG.microbatches,
-)
+# ring attention keeps no s x s scores (it recomputes them): the formula's "selective"
+long_predicted = layout_breakdown(LLAMA3_405B, LONG, LONG_SEQ, recompute="selective")
 chunk = LONG_SEQ // (2 * LONG.cp)
 long_layers = len(split_layers(LLAMA3_405B.layers, LONG.pp)[0])
 pair_flops = 14 * LLAMA3_405B.hidden * chunk**2 * long_layers // LONG.tp
@@ -708,16 +705,7 @@ from ultrascale.plan.published import DEEPSEEK_V3, DEEPSEEK_V3_PRETRAIN  # noqa:
 
 DS = ParallelConfig(**DEEPSEEK_V3_PRETRAIN.layout, optimizer="adam", microbatches=1)
 DS_SEQ, DS_STAGES = DEEPSEEK_V3_PRETRAIN.seq, [0] if QUICK else [0, DS.pp // 2, DS.pp - 1]
-ds_predicted = breakdown(
-    DEEPSEEK_V3,
-    seq=DS_SEQ,
-    zero_stage=DS.zero,
-    pp=DS.pp,
-    dp=DS.dp,
-    ep=DS.ep,
-    schedule=DS.schedule,
-    micro_batches=DS.microbatches,
-)
+ds_predicted = layout_breakdown(DEEPSEEK_V3, DS, DS_SEQ)
 h, v, elt = DEEPSEEK_V3.hidden, DEEPSEEK_V3.vocab_size, 2  # bf16
 # breakdown spreads the model evenly, 61 / 16 layers and a sixteenth of the embedding and the head
 # per stage. A stage holds whole layers, and an end stage a whole table: 0.93 B parameters, as many
@@ -786,20 +774,7 @@ from ultrascale.model import LLAMA3_8B  # noqa: E402
 MY_MODEL, MY_LAYOUT = LLAMA3_8B, ParallelConfig(tp=4, sp=True, pp=4, dp=8, zero=1, optimizer="adam", microbatches=1)
 MY_RANK, MY_SEQ = 0, 4096
 mine = dryrun(MY_LAYOUT, MY_MODEL, MY_RANK, seq=MY_SEQ, dtype=torch.bfloat16)
-side_by_side(
-    mine,
-    breakdown(
-        MY_MODEL,
-        seq=MY_SEQ,
-        zero_stage=MY_LAYOUT.zero,
-        tp=MY_LAYOUT.tp,
-        pp=MY_LAYOUT.pp,
-        dp=MY_LAYOUT.dp,
-        sequence_parallel=MY_LAYOUT.sp,
-        schedule=MY_LAYOUT.schedule,
-        micro_batches=MY_LAYOUT.microbatches,
-    ),
-)
+side_by_side(mine, layout_breakdown(MY_MODEL, MY_LAYOUT, MY_SEQ))
 
 # %% [markdown]
 # ## 6. The book's tables, generated
