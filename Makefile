@@ -43,15 +43,15 @@ batch: $(STAMP)  ## run chapters headless with papermill into out/: make batch C
 	$(PY) launch/batch.py --world-size $(WORLD_SIZE) $(or $(CHAPTERS),chapters)
 
 exercises: $(STAMP)  ## regenerate exercises/ from solutions/, then refresh your copies in work/ (never overwrites your edits)
-	$(PY) -m ultrascale.grading.generate
+	$(PY) -m ultrascale_grading.generate
 	$(PY) -m ultrascale.workspace --quiet
 
 grade: $(STAMP)  ## grade your exercises in work/exercises (recorded for make progress): make grade NB=path JOBS=2 JSON=scores.json
 	$(if $(NB),,$(PY) -m ultrascale.workspace --quiet)
-	$(PY) -m ultrascale.grading.cli $(or $(NB),work/exercises) --jobs $(or $(JOBS),1) $(if $(JSON),--json $(JSON))
+	$(PY) -m ultrascale_grading.cli $(or $(NB),work/exercises) --jobs $(or $(JOBS),1) $(if $(JSON),--json $(JSON))
 
 progress: $(STAMP)  ## per chapter, the exercises you passed and your points, from the grader's records (make grade)
-	$(PY) -m ultrascale.grading.progress
+	$(PY) -m ultrascale_grading.progress
 
 site: $(STAMP)  ## the course as a website in site/html (saved outputs, nothing executed): python -m http.server -d site/html
 	$(PY) site_src/build.py

@@ -366,7 +366,7 @@ memory_figure(preset="Llama 3 8B", seq=4096, micro_batch=1, dp=8)
 # only: it records nothing.
 
 # %% tags=["nbval-ignore-output"]
-from ultrascale.grading.progress import show
+from ultrascale_grading.progress import show
 
 show()
 

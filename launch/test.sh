@@ -16,7 +16,7 @@ echo "== format (ruff format --check: the same files in ruff's style; make forma
 $BIN/ruff format --check lib tests benchmarks launch chapters/*.py
 
 echo "== exercises/ in sync with solutions/"
-$BIN/python -m ultrascale.grading.generate --check
+$BIN/python -m ultrascale_grading.generate --check
 
 # The chapters' outputs are saved with the default float path (make notebooks); they are
 # compared here under another one (MKL without AVX, reproducible mode), so that an output

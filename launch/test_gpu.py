@@ -56,7 +56,7 @@ def commands(gpus: int, out: pathlib.Path) -> dict:
             str(out / "chapters"),
             "chapters",
         ],
-        "grader": [sys.executable, "-m", "ultrascale.grading.cli", "solutions", "--json", str(out / "grades.json")],
+        "grader": [sys.executable, "-m", "ultrascale_grading.cli", "solutions", "--json", str(out / "grades.json")],
     }
 
 

@@ -70,7 +70,7 @@ def _start_grading(folder: str, names: set | None, out: Path):
             [
                 sys.executable,
                 "-m",
-                "ultrascale.grading.cli",
+                "ultrascale_grading.cli",
                 *paths,
                 "--json",
                 str(scores),

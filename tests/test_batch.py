@@ -59,7 +59,7 @@ def _make(*args) -> str:
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_grade_passes_json_through():
-    assert "ultrascale.grading.cli work/exercises --jobs 1 --json x.json" in _make("grade", "JSON=x.json")
+    assert "ultrascale_grading.cli work/exercises --jobs 1 --json x.json" in _make("grade", "JSON=x.json")
     assert "--json" not in _make("grade")
 
 

@@ -527,7 +527,7 @@ def test_walk_from_the_map_to_recorded_progress(session, learner, tmp_path):
         # 4. the command-line grader on the saved copy, then the progress table, in the course
         python = str(course.root / ".venv" / "bin" / "python")
         graded = _run(
-            [python, "-m", "ultrascale.grading.cli", WALK_EXERCISES, "--json", str(tmp_path / "scores.json")],
+            [python, "-m", "ultrascale_grading.cli", WALK_EXERCISES, "--json", str(tmp_path / "scores.json")],
             course.root,
             600,
         )
@@ -536,10 +536,10 @@ def test_walk_from_the_map_to_recorded_progress(session, learner, tmp_path):
         scored = next(e for e in scores if e["exercise"] == WALK_ID)
         assert scored["status"] == "pass" and scored["points"] == scored["max_points"] > 0, scores
         records = "work/.progress/grades.jsonl"  # the course's (progress's default is the library's course)
-        table = _run([python, "-m", "ultrascale.grading.progress", "--records", records], course.root, 300)
+        table = _run([python, "-m", "ultrascale_grading.progress", "--records", records], course.root, 300)
         print(table)
         rows = json.loads(
-            _run([python, "-m", "ultrascale.grading.progress", "--records", records, "--json"], course.root, 300)
+            _run([python, "-m", "ultrascale_grading.progress", "--records", records, "--json"], course.root, 300)
         )
         row = next(r for r in rows["chapters"] if r["chapter"] == "04")
         assert row["exercises"][WALK_ID] == "pass", row

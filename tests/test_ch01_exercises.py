@@ -6,7 +6,7 @@ import nbformat
 import pytest
 import torch
 
-from ultrascale.grading import FAIL, PASS, check
+from ultrascale_grading import FAIL, PASS, check
 
 torch.set_num_threads(1)
 SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions" / "01_one_gpu_exercises.ipynb"

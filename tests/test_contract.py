@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_grader_holes import SOLUTIONS, _fails, _load
 
-from ultrascale.grading import PASS, check
-from ultrascale.grading.contract import CONTRACTS, Contract, guarded, run_deferred
+from ultrascale_grading import PASS, check
+from ultrascale_grading.contract import CONTRACTS, Contract, guarded, run_deferred
 
 
 # ---- the pieces, on plain functions ------------------------------------------------------
@@ -261,7 +261,7 @@ def test_a_generator_of_parameters_is_a_valid_input(sol):
 
 
 def test_the_contract_is_part_of_every_registered_test():
-    from ultrascale.grading.registry import get_exercise, load_all, _REGISTRY
+    from ultrascale_grading.registry import get_exercise, load_all, _REGISTRY
 
     load_all()
     for exercise_id in _REGISTRY:

@@ -26,7 +26,9 @@ from ultrascale.checks import EmptyInput, all_of, nonempty
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("*.py"))
-LIBRARY = sorted((ROOT / "lib" / "ultrascale").rglob("*.py"))
+LIBRARY = sorted(
+    path for package in ("ultrascale", "ultrascale_grading") for path in (ROOT / "lib" / package).rglob("*.py")
+)
 GUARDS = {"nonempty", "all_of"}
 EMPTY_CALLS = {"list", "dict", "set", "OrderedDict", "defaultdict", "Counter", "deque"}
 # Calls whose first argument is what the loop really goes over: `for i, r in enumerate(rows)`.

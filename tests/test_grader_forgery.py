@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ultrascale.grading import FAIL, NOT_IMPLEMENTED, PASS, check, cli, registry
-from ultrascale.grading.check import ERROR, GRADE_FILE_ENV, NOT_RUN, SUBMITTED, submission_path
-from ultrascale.grading.guards import ForbiddenCall, forbid_collectives
+from ultrascale_grading import FAIL, NOT_IMPLEMENTED, PASS, check, cli, registry
+from ultrascale_grading.check import ERROR, GRADE_FILE_ENV, NOT_RUN, SUBMITTED, submission_path
+from ultrascale_grading.guards import ForbiddenCall, forbid_collectives
 
 REPO = Path(__file__).resolve().parents[1]
 CH00 = ("00.mean_across_ranks", "00.pipeline_stage_layers", "00.memory_per_stage")
@@ -108,7 +108,7 @@ def test_forged_lines_unknown_ids_and_a_swapped_registry_score_nothing(monkeypat
 
 
 def test_a_pass_is_the_graders_own_and_worth_its_registered_points(monkeypatch):
-    from ultrascale.exercise_tests import ch00
+    from ultrascale_grading.exercise_tests import ch00
 
     wrong = _in_main(
         "def memory_per_stage(num_layers, pp, h, v, bytes_per_param=16):\n    return [0] * pp\n", "memory_per_stage"
@@ -130,8 +130,8 @@ def test_a_pass_is_the_graders_own_and_worth_its_registered_points(monkeypatch):
 
 FORGERY_CELL = """
 import json, os
-from ultrascale.exercise_tests import ch00
-from ultrascale.grading import registry
+from ultrascale_grading.exercise_tests import ch00
+from ultrascale_grading import registry
 
 # One exercise really solved: worth its one point.
 def pipeline_stage_layers(num_layers, pp):

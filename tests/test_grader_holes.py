@@ -15,7 +15,7 @@ import nbformat
 import torch
 import torch.distributed as dist
 
-from ultrascale.grading import FAIL, PASS, check
+from ultrascale_grading import FAIL, PASS, check
 
 torch.set_num_threads(1)
 SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"

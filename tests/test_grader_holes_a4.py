@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from test_grader_holes import _fails
 
-from ultrascale.exercise_tests import properties_checkpoints
-from ultrascale.exercise_tests.properties import PROPERTIES
-from ultrascale.grading import PASS, check
+from ultrascale_grading.exercise_tests import properties_checkpoints
+from ultrascale_grading.exercise_tests.properties import PROPERTIES
+from ultrascale_grading import PASS, check
 
 RESHARD, RESUME, INTERVAL = "a4.reshard_optimizer_state", "a4.resume_samples", "a4.checkpoint_interval"
 BOXES, ATOMIC = "a4.flat_boxes", "a4.atomic_save"

@@ -8,7 +8,7 @@ import statistics
 
 from test_grader_holes import _fails
 
-from ultrascale.grading import PASS, check
+from ultrascale_grading import PASS, check
 
 
 # ---- a1.timed_median -------------------------------------------------------------------

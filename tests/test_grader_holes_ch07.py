@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from test_grader_holes import _fails
 
-from ultrascale.grading import PASS, check
+from ultrascale_grading import PASS, check
 
 
 # ---- 07.one_f_one_b ---------------------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 
 from test_grader_holes import _fails
 
-from ultrascale.grading import PASS, check
+from ultrascale_grading import PASS, check
 
 
 def test_the_solutions_pass(ch09):

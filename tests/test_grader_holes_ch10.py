@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_grader_holes import _fails
 
-from ultrascale.grading import PASS, check
+from ultrascale_grading import PASS, check
 from ultrascale.memory import breakdown
 
 

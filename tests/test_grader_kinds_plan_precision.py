@@ -14,7 +14,7 @@ import math
 import torch
 from test_grader_holes import _fails
 
-from ultrascale.grading import PASS, check
+from ultrascale_grading import PASS, check
 from ultrascale.memory import breakdown
 
 

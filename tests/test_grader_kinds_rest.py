@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from test_grader_holes import _fails
 
-from ultrascale.grading import PASS, check
+from ultrascale_grading import PASS, check
 
 
 @pytest.fixture(scope="module")

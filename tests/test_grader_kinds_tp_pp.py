@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from test_grader_holes import _fails
 
-from ultrascale.grading import PASS, check
+from ultrascale_grading import PASS, check
 
 torch.set_num_threads(1)
 IN_PLACE = "changed the gradient it was given in place"

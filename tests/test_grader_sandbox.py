@@ -1,4 +1,4 @@
-"""Grading work that is not yours (issue 37): the grader's sandbox (lib/ultrascale/grading/sandbox.py).
+"""Grading work that is not yours (issue 37): the grader's sandbox (lib/ultrascale_grading/sandbox.py).
 
 * The supervisor alone, with bubblewrap and without: a daemon that leaves the session and
   ignores SIGTERM is killed, a fork bomb stays under the process bound, a command that runs
@@ -30,8 +30,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from ultrascale.grading import NOT_RUN, PASS, cli
-from ultrascale.grading import sandbox as sb
+from ultrascale_grading import NOT_RUN, PASS, cli
+from ultrascale_grading import sandbox as sb
 
 TIME_LIMIT = 25  # seconds for the notebooks that never end (their kernel must start first, on a busy machine:
 # 6-10 s measured beside the suite's other worker; each second here is one the fixture waits)
@@ -201,7 +201,9 @@ def _bomb(marker: str) -> str:
 
 # ---- the grader on a folder of submissions ---------------------------------------------
 
-HEAD = "from ultrascale.grading import check\nfrom ultrascale.exercise_tests import ch00\nimport pathlib, socket"
+HEAD = (
+    "from ultrascale_grading import check\nfrom ultrascale_grading.exercise_tests import ch00\nimport pathlib, socket"
+)
 SUBMIT = 'check("00.pipeline_stage_layers", stage_layers, quick=True)'
 
 

@@ -1,4 +1,4 @@
-"""The grader's runs of the tests as forks of a zygote (ultrascale.grading.zygote): each run is
+"""The grader's runs of the tests as forks of a zygote (ultrascale_grading.zygote): each run is
 killed at its limit with everything it started, and the zygote serves the next; a run that kills
 the zygote is said in words and the next notebook gets a new one; a run sees its own folder and
 environment. (Every solution scoring full marks through it is tests/test_grading.py's.)"""
@@ -12,8 +12,8 @@ import time
 import cloudpickle
 import pytest
 
-from ultrascale.grading import cli, zygote
-from ultrascale.grading.check import PASS
+from ultrascale_grading import cli, zygote
+from ultrascale_grading.check import PASS
 
 pytestmark = pytest.mark.skipif(not zygote.available(), reason="the zygote forks: Linux only")
 
@@ -47,7 +47,7 @@ def _verdicts(results) -> dict:
 
 
 def test_a_run_past_its_limit_is_killed_and_the_zygote_serves_the_next(tmp_path):
-    from ultrascale.exercise_tests import ch00
+    from ultrascale_grading.exercise_tests import ch00
 
     env = {k: v for k, v in os.environ.items()}
     zyg = zygote.Zygote.start(env)

@@ -1,4 +1,4 @@
-"""Tests of ultrascale.grading: the exercise generator, check() and the grader.
+"""Tests of ultrascale_grading: the exercise generator, check() and the grader.
 
 The last two tests run real notebooks through papermill (a kernel per notebook,
 about 10-15 s each on 2 cores); they are marked ``slow`` and share one grader run
@@ -17,10 +17,10 @@ import pytest
 from conftest import GRADER_JOBS
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from ultrascale.grading import FAIL, NOT_IMPLEMENTED, PASS, check, exercise
-from ultrascale.grading import cli, generate
-from ultrascale.grading.check import DEFER_ENV, ERROR, GRADE_FILE_ENV, SUBMITTED
-from ultrascale.grading.generate import GenerateError, make_exercise, stub_source
+from ultrascale_grading import FAIL, NOT_IMPLEMENTED, PASS, check, exercise
+from ultrascale_grading import cli, generate
+from ultrascale_grading.check import DEFER_ENV, ERROR, GRADE_FILE_ENV, SUBMITTED
+from ultrascale_grading.generate import GenerateError, make_exercise, stub_source
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -305,7 +305,7 @@ def test_check_result_renders_html_escaped():
 
 
 def test_ch00_pipeline_tests_accept_the_reference_and_reject_mistakes():
-    from ultrascale.exercise_tests import ch00
+    from ultrascale_grading.exercise_tests import ch00
 
     assert check("00.pipeline_stage_layers", ch00.reference_stage_layers).passed
     assert check("00.memory_per_stage", ch00.reference_memory_per_stage).passed
@@ -357,14 +357,14 @@ def test_the_points_read_from_the_tests_source_are_the_registrys():
     import subprocess
     import sys
 
-    from ultrascale.grading import registry
+    from ultrascale_grading import registry
 
     registry.load_all()
     course = {e: ex.points for e, ex in registry._REGISTRY.items() if not e.startswith("zz.")}
     assert registry.declared_points() == course
     assert len(course) >= 57 and len(set(course.values())) > 1  # the course's exercises, not all worth 1
     code = (
-        "import sys; from pathlib import Path; from ultrascale.grading import cli; "
+        "import sys; from pathlib import Path; from ultrascale_grading import cli; "
         "print(repr((cli.expected_exercises(Path('solutions/03_zero_exercises.ipynb')), 'torch' in sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -383,7 +383,7 @@ def test_the_points_read_from_the_tests_source_are_the_registrys():
 def test_grader_counts_checks_that_never_ran(tmp_path, monkeypatch):
     """Without a kernel: a stand-in for papermill runs only one of three checks."""
     import papermill
-    from ultrascale.exercise_tests import ch00
+    from ultrascale_grading.exercise_tests import ch00
 
     src = REPO / "solutions" / "00_orientation_exercises.ipynb"
 
@@ -410,7 +410,7 @@ def test_a_notebook_whose_kernel_never_started_is_graded_once_more(monkeypatch, 
     """Its ports taken by another process before it bound them, a kernel never answers: no fault
     of the notebook's. It is graded again, once; a second failure is reported as before."""
     import papermill
-    from ultrascale.exercise_tests import ch00
+    from ultrascale_grading.exercise_tests import ch00
 
     src = REPO / "solutions" / "00_orientation_exercises.ipynb"
     calls = []
@@ -477,7 +477,7 @@ def test_grader_runs_each_deferred_test_once_in_its_own_process(tmp_path, monkey
 
 def test_deferred_submissions_of_the_right_answers_score_through_the_grader(tmp_path, monkeypatch):
     import papermill
-    from ultrascale.exercise_tests import ch00
+    from ultrascale_grading.exercise_tests import ch00
 
     src = REPO / "solutions" / "00_orientation_exercises.ipynb"
 

@@ -18,7 +18,7 @@ Naming a function (``torch.autograd.grad``, ``dist.all_reduce``) is allowed; wri
 the solution makes is not.
 
 The same rule holds for the third kind of help, the failure messages of the exercise tests
-(``lib/ultrascale/exercise_tests/chNN.py``, issue 54): a message points at the idea the code
+(``lib/ultrascale_grading/exercise_tests/chNN.py``, issue 54): a message points at the idea the code
 missed, and may repeat what the exercise's own text shows, but never writes the solution's code
 beyond it, nor computes the answer of the case that failed (chapter 06's zig-zag feedback named
 the chunks a rank should hold).
@@ -33,7 +33,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ultrascale.grading.generate import BEGIN_RE, END_RE
+from ultrascale_grading.generate import BEGIN_RE, END_RE
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "solutions"
@@ -119,7 +119,7 @@ def leaks(nb) -> list:
 
 def registered_exercises() -> set:
     found = set()
-    for path in (ROOT / "lib/ultrascale/exercise_tests").glob("*.py"):
+    for path in (ROOT / "lib/ultrascale_grading/exercise_tests").glob("*.py"):
         found |= set(re.findall(r'@exercise\("([0-9a][0-9]\.\w+)"', path.read_text()))
     return found
 
@@ -303,7 +303,7 @@ def test_no_instruction_spells_out_the_solution(path):
 
 # ---- failure messages --------------------------------------------------------------------------
 
-EXERCISE_TESTS = ROOT / "lib" / "ultrascale" / "exercise_tests"
+EXERCISE_TESTS = ROOT / "lib" / "ultrascale_grading" / "exercise_tests"
 
 
 def messages(source: str) -> list:
@@ -394,7 +394,7 @@ def test_no_failure_message_writes_the_solution(path):
 
 def _zigzag_feedback(zigzag_positions) -> str:
     """Chapter 06's zig-zag test's message for a wrong ``zigzag_positions`` (the library's counts)."""
-    from ultrascale.exercise_tests import ch06
+    from ultrascale_grading.exercise_tests import ch06
     from ultrascale.parallel.context_parallel import causal_tile_counts
 
     def tile_counts(positions, tile):  # right, so that only the positions can fail

@@ -20,7 +20,9 @@ The rules are DESIGN.md's conventions for the library:
   nothing from ``parallel`` (a plan is read with ``matching``, which every package may use);
 * no private name crosses a module: ``from x import _name`` and ``x._name`` (``x`` bound by an
   import to a course module or to something taken from one) stay inside the module that
-  defines ``_name``; what two modules share has a public name.
+  defines ``_name``; what two modules share has a public name;
+* the library never imports the grader (``ultrascale_grading``, the in-notebook ``check``, the
+  command-line grader and the exercises' tests): the grader imports the library.
 Each rule lists its exceptions by name; an exception that is no longer needed fails too,
 so the lists only shrink.
 """
@@ -125,10 +127,9 @@ PURE_EXCEPTIONS = set()  # the schedules' drawing and widget are viz.schedule an
 
 PLANNER_RUNS = {("ultrascale.plan.calibrate", "ultrascale.parallel")}  # measures the techniques for real
 
-# The graders look inside the library on purpose (they forbid a learner's solution to call the
-# library's own helpers, or spy on them); they are checked by their own tests, and are to move
-# out of the package (issue 56, item 6).
-GRADERS = ("exercise_tests", "grading")
+# The grader and the exercises' tests are a package of their own beside the library (issue 56,
+# item 6): they import the library, which never imports them.
+GRADER = "ultrascale_grading"
 
 
 def _private(name: str) -> bool:
@@ -164,6 +165,42 @@ def private_crossings(name: str, path: Path, tree=None) -> set[str]:
     return found
 
 
+def grader_imports(name: str, path: Path, tree=None) -> set[str]:
+    """``"<line>: <module>"`` for every import of the grader in ``name``'s source: ``import`` and
+    ``from ... import`` anywhere in it, and ``importlib.import_module`` or ``__import__`` of a
+    literal name."""
+    tree = tree or ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = named_modules(name, path, node)[:1]  # the module it imports from, made absolute
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            names = [node.args[0].value]
+        else:
+            continue
+        found.update(f"{node.lineno}: {m}" for m in names if m == GRADER or m.startswith(GRADER + "."))
+    return found
+
+
+def found_in(finder, source: str) -> set[str]:
+    """What ``finder`` (``private_crossings``, ``grader_imports``) sees in ``source``, read as if it
+    were ``ultrascale.comm.direct``'s."""
+    return finder("ultrascale.comm.direct", MODULES["ultrascale.comm.direct"], ast.parse(source))
+
+
+def across_the_library(finder) -> list[str]:
+    """``"<module> <line>: <what>"`` for everything ``finder`` sees in the library's modules."""
+    return sorted(f"{name} {where}" for name, path in MODULES.items() for where in finder(name, path))
+
+
 # --------------------------------------------------------------------------- tests
 def test_the_graph_sees_module_level_and_function_level_imports():
     # Without these the rules below could pass on a graph that misses imports.
@@ -180,7 +217,7 @@ def test_the_private_name_finder_sees_both_forms():
         "from .ring import _normalise_op, keep\nfrom . import functional\nimport ultrascale.train as t\n"
         "functional._piece_size(1, 1, 0, '')\nt._full(x)\nkeep._kept\nself._mine\nkeep.__doc__\n"
     )
-    found = private_crossings("ultrascale.comm.direct", MODULES["ultrascale.comm.direct"], ast.parse(source))
+    found = found_in(private_crossings, source)
     assert found == {
         "1: from ultrascale.comm.ring import _normalise_op",
         "4: functional._piece_size (ultrascale.comm)",
@@ -190,15 +227,32 @@ def test_the_private_name_finder_sees_both_forms():
 
 
 def test_no_private_name_crosses_a_module():
-    found = {
-        f"{name} {where}"
-        for name, path in MODULES.items()
-        if not inside(name, *GRADERS)
-        for where in private_crossings(name, path)
-    }
-    assert found == set(), (
-        f"a private name used outside its module; give what modules share a public name: {sorted(found)}"
+    found = across_the_library(private_crossings)
+    assert found == [], f"a private name used outside its module; give what modules share a public name: {found}"
+
+
+def test_the_grader_finder_sees_every_form():
+    source = (
+        "import ultrascale_grading\nfrom ultrascale_grading.check import check\nimport ultrascale_grading.cli as cli\n"
+        "def f():\n    from ultrascale_grading import exercise\n"
+        "importlib.import_module('ultrascale_grading.registry')\n__import__('ultrascale_grading.guards')\n"
+        "from ultrascale import grading_cluster\nimport ultrascale_gradingx\nfrom . import workspace\n"
     )
+    found = found_in(grader_imports, source)
+    assert found == {
+        "1: ultrascale_grading",
+        "2: ultrascale_grading.check",
+        "3: ultrascale_grading.cli",
+        "5: ultrascale_grading",
+        "6: ultrascale_grading.registry",
+        "7: ultrascale_grading.guards",
+    }, found
+
+
+def test_the_library_never_imports_the_grader():
+    # The library a learner reads holds the course's techniques only; the grader is built on it.
+    found = across_the_library(grader_imports)
+    assert found == [], f"the library imports the grader ({GRADER}); move what it needs into the library: {found}"
 
 
 def test_precision_does_not_import_the_techniques():

@@ -13,9 +13,9 @@ import pytest
 import torch
 from test_grader_holes import _fails, _load
 
-from ultrascale.exercise_tests import properties_formulas
-from ultrascale.exercise_tests.properties import PROPERTIES
-from ultrascale.grading import PASS, check
+from ultrascale_grading.exercise_tests import properties_formulas
+from ultrascale_grading.exercise_tests.properties import PROPERTIES
+from ultrascale_grading import PASS, check
 
 # exercise id -> (solution notebook, the function names its check() takes, in order)
 SOLVED = {

@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 from test_grader_holes import _fails
 
-from ultrascale.exercise_tests import properties_last
-from ultrascale.exercise_tests.properties import PROPERTIES
-from ultrascale.grading import check
+from ultrascale_grading.exercise_tests import properties_last
+from ultrascale_grading.exercise_tests.properties import PROPERTIES
+from ultrascale_grading import check
 
 COVERED = {
     "11.masked_add",
@@ -40,7 +40,7 @@ def test_every_exercise_here_has_a_property_in_the_merged_table():
 def test_every_exercise_but_the_quiz_has_a_property():
     """09.quiz takes no input to draw (properties.py's docstring says so); every other exercise,
     the ones added later too, has a property."""
-    from ultrascale.grading.registry import declared_points
+    from ultrascale_grading.registry import declared_points
 
     assert set(declared_points()) - set(PROPERTIES) == {"09.quiz"}
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from test_grader_holes import _fails, _load
 
-from ultrascale.exercise_tests import properties_more
-from ultrascale.exercise_tests.properties import PROPERTIES
-from ultrascale.grading import check
+from ultrascale_grading.exercise_tests import properties_more
+from ultrascale_grading.exercise_tests.properties import PROPERTIES
+from ultrascale_grading import check
 
 COVERED = {
     "00.mean_across_ranks",

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 from test_grader_holes import _fails
 
-from ultrascale.exercise_tests import properties_rest
-from ultrascale.exercise_tests.properties import PROPERTIES
-from ultrascale.grading import check
+from ultrascale_grading.exercise_tests import properties_rest
+from ultrascale_grading.exercise_tests.properties import PROPERTIES
+from ultrascale_grading import check
 
 COVERED = {
     "07.split_backward",

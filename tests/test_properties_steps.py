@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from test_grader_holes import _fails
 
-from ultrascale.exercise_tests import properties_steps
-from ultrascale.exercise_tests.properties import PROPERTIES
-from ultrascale.grading import check
+from ultrascale_grading.exercise_tests import properties_steps
+from ultrascale_grading.exercise_tests.properties import PROPERTIES
+from ultrascale_grading import check
 
 COVERED = {"02.overlapped_dp_hooks", "03.zero1_step", "03.zero3_gather_free", "07.stage_step"}
 DRAWN = "the fixed cases pass, but an input they do not cover fails"

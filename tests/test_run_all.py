@@ -19,7 +19,7 @@ import nbformat
 import pytest
 import torch
 
-from ultrascale.grading import skip_if_not_implemented
+from ultrascale_grading import skip_if_not_implemented
 
 REPO = Path(__file__).resolve().parents[1]
 EXERCISES = sorted((REPO / "exercises").glob("*_exercises.ipynb"))

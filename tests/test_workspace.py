@@ -24,8 +24,8 @@ import nbformat
 import pytest
 
 from ultrascale import workspace
-from ultrascale.grading import progress
-from ultrascale.grading.generate import content_hash
+from ultrascale_grading import progress
+from ultrascale.workspace import content_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "a2_typical_scales.ipynb"  # run and saved, never edited: no cluster, quick
@@ -105,7 +105,7 @@ def test_each_exercise_prints_the_command_that_grades_its_copy(clones):
             ["make", "-n", *printed[0].split()[1:]], cwd=learner, capture_output=True, text=True, timeout=60
         )
         assert recipe.returncode == 0, recipe.stderr
-        assert f"-m ultrascale.grading.cli {target} " in recipe.stdout, recipe.stdout
+        assert f"-m ultrascale_grading.cli {target} " in recipe.stdout, recipe.stdout
 
 
 @pytest.mark.timeout(600)
@@ -183,7 +183,7 @@ def graded(tmp_path_factory):
     notebook = exercises / "00_orientation_exercises.ipynb"
     nbformat.write(nb, notebook)
     done = subprocess.run(
-        [sys.executable, "-m", "ultrascale.grading.cli", str(notebook), "--trusted"],
+        [sys.executable, "-m", "ultrascale_grading.cli", str(notebook), "--trusted"],
         cwd=course,
         capture_output=True,
         text=True,
@@ -195,7 +195,7 @@ def graded(tmp_path_factory):
 
 def _table(records: Path) -> str:
     return subprocess.run(
-        [sys.executable, "-m", "ultrascale.grading.progress", "--records", str(records)],
+        [sys.executable, "-m", "ultrascale_grading.progress", "--records", str(records)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -219,7 +219,7 @@ def test_the_grader_records_full_points(graded):
     assert line.split()[1:3] == ["3/3", "3/3"], line
     # run in the course, as `make progress` is, it reads that course's records by itself
     here = subprocess.run(
-        [sys.executable, "-m", "ultrascale.grading.progress"],
+        [sys.executable, "-m", "ultrascale_grading.progress"],
         cwd=course,
         capture_output=True,
         text=True,

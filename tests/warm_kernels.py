@@ -4,7 +4,7 @@
 browser tests' JupyterLab), and each fresh one spent 2.5 to 3 s of CPU importing before it ran a
 cell: ipykernel, torch (1.2 s), and in its ranks' fork server torch._dynamo (1.3 s). On the suite's
 2 cores that was about a seventh of all its CPU. Here a zygote (the grader has one too:
-ultrascale/grading/zygote.py) makes those imports once, and each kernel is a fork of it: a new
+ultrascale_grading/zygote.py) makes those imports once, and each kernel is a fork of it: a new
 process, its own session and process group, its environment, folder and standard streams those
 jupyter_client gave it, with nothing imported that a fresh kernel would not have imported by its
 first cell's end. The notebook's code runs as it would in a fresh kernel.

@@ -2,7 +2,9 @@
 
 One module per idea: ``runtime`` (persistent ranks beside a notebook), ``comm``
 (collectives from send/recv, a communication logger, bandwidth and cost models),
-``model``, ``memory``, ``kernels``, ``viz`` and ``grading``.
+``model``, ``memory``, ``kernels`` and ``viz``. The grader and the exercises' tests are a
+package of their own, ``ultrascale_grading``, which imports this library; the library never
+imports it.
 
 The course supports the torch releases from ``SUPPORTED_TORCH[0]`` to ``SUPPORTED_TORCH[1]``:
 the oldest is what GPU nodes commonly carry (and ``make test-compat`` tests), the newest is

@@ -22,6 +22,7 @@ Each run (``launch/lab.sh`` before the lab starts, ``make exercises``, ``make gr
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -29,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .grading.generate import content_hash
+import nbformat
 
 COURSE = Path(__file__).resolve().parents[2]
 WORK = "work"
@@ -54,6 +55,17 @@ def sources(root: Path) -> list:
             p.relative_to(root) for p in (root / folder).glob("*.ipynb") if not p.name.endswith(".updated.ipynb")
         )
     return found
+
+
+def content_hash(nb) -> str:
+    """Hash of what a learner can change: each cell's type and source (a notebook or its path).
+
+    Running a notebook (outputs) is no edit. The exercise generator (``make exercises``) records the
+    same hash of each notebook it writes."""
+    if isinstance(nb, (str, os.PathLike)):
+        nb = nbformat.read(nb, as_version=4)
+    canonical = [[c.cell_type, c.source] for c in nb.cells]
+    return hashlib.sha256(json.dumps(canonical).encode()).hexdigest()
 
 
 def _hash(path: Path):

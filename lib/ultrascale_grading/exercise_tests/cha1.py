@@ -1,0 +1,579 @@
+"""Tests of the A1 exercises (solutions/a1_profiling_exercises.ipynb).
+
+* ``a1.timed_median``: ``time_median(fn, warmup, repeats, synchronize, clock)`` returns the
+  median duration of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones, each timed
+  until the asynchronous work it started is finished. Graded on a simulated device with
+  its own queue and an integer clock, so every right answer is exact and every classic
+  mistake (no synchronisation, warm-up work leaking into the first timing, the mean or the
+  minimum instead of the median) gives a recognisable wrong number.
+* ``a1.launched_by``: ``launched_by(events)`` lists, for every GPU kernel of a Chrome trace
+  in order of start, the CPU operator that launched it. Graded on hand-made traces with
+  two threads, nested operators, kernels without a launch, copies that are not kernels, two
+  processes sharing a thread id, launches exactly on an operator's edge; on random traces; on
+  a real CPU profile (no kernels); and on a real GPU profile when there is a GPU.
+* ``a1.communication_overlap``: ``communication_overlap(compute, communication)`` reads, from
+  the complete events of a trace (section 3's backward operators and gloo transfers), the
+  microseconds of communication that ran while something computed (hidden) and those that
+  did not (exposed). Graded against the union of intervals (``covered_seconds``, refused
+  while the learner's code runs) on hand-made traces (nested operators, two transfer threads,
+  transfers touching an operator's edge or covered by two adjacent ones, empty lists,
+  epoch timestamps with fractions) and random ones; classic mistakes are named.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import tempfile
+from numbers import Real
+from pathlib import Path
+
+import torch
+
+from ultrascale_grading import exercise
+from ultrascale_grading.guards import call_learner
+
+
+# ---- a1.timed_median -------------------------------------------------------------------
+
+
+class FakeDevice:
+    """A device with a work queue and a host clock in whole microseconds.
+
+    ``launch`` (the ``fn`` the learner times) costs the host ``launch_cost`` and queues the
+    next of ``durations`` on the device, which runs queued work in order; ``synchronize``
+    moves the host clock to the moment the device's queue is empty; ``clock`` reads it.
+    """
+
+    def __init__(self, durations, launch_cost: int = 1):
+        self.durations = list(durations)
+        self.launch_cost = launch_cost
+        self.now = 0  # host clock
+        self.free_at = 0  # when the device will have finished everything queued
+        self.calls = 0
+
+    def clock(self):
+        return self.now
+
+    def launch(self):
+        if self.calls >= len(self.durations):
+            raise AssertionError(f"fn was called more than warmup + repeats = {len(self.durations)} times")
+        duration = self.durations[self.calls]
+        self.calls += 1
+        self.now += self.launch_cost
+        self.free_at = max(self.now, self.free_at) + duration
+
+    def synchronize(self):
+        self.now = max(self.now, self.free_at)
+
+
+# (warmup, repeats, durations of the warm-up calls then of the timed calls)
+TIMING_CASES = [
+    (3, 5, [500, 400, 300] + [10, 12, 11, 200, 10]),
+    (2, 1, [1000, 1000] + [7]),
+    (0, 4, [5, 9, 7, 100]),
+    (1, 3, [50] + [30, 31, 29]),
+    (4, 7, [90, 80, 70, 60] + [20, 22, 21, 400, 23, 19, 20]),
+]
+
+
+def _timed(
+    fn,
+    warmup,
+    repeats,
+    synchronize,
+    clock,
+    *,
+    sync_after_warmup=True,
+    sync_after_fn=True,
+    time_warmup=False,
+    summary=statistics.median,
+):
+    """The right procedure, or one of the classic mistakes (for recognising them in a wrong answer)."""
+    times = []
+    for _ in range(warmup):
+        start = clock()
+        fn()
+        if time_warmup:
+            synchronize()
+            times.append(clock() - start)
+    if sync_after_warmup:
+        synchronize()
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        if sync_after_fn:
+            synchronize()
+        times.append(clock() - start)
+    return summary(times)
+
+
+MISTAKES = [
+    (
+        dict(sync_after_fn=False),
+        "That is only the time of the launch: the work was still queued when the clock "
+        "was read. Call synchronize() after fn() and before reading the clock.",
+    ),
+    (
+        dict(sync_after_warmup=False),
+        "The first timing includes the warm-up calls' work, still running when it "
+        "started. Synchronize after the warm-up, before the first clock reading.",
+    ),
+    (
+        dict(summary=statistics.mean),
+        "That is the mean: one slow outlier moves it. Return the median (statistics.median).",
+    ),
+    (dict(summary=min), "That is the minimum, not the median."),
+    (dict(time_warmup=True), "The warm-up calls were timed too: time only the `repeats` calls after them."),
+]
+
+
+def _timing_hint(got, warmup, repeats, durations) -> str:
+    for mistake, hint in MISTAKES:
+        device = FakeDevice(durations)
+        if got == _timed(device.launch, warmup, repeats, device.synchronize, device.clock, **mistake):
+            return " " + hint
+    device = FakeDevice(durations)
+    right = _timed(device.launch, warmup, repeats, device.synchronize, device.clock)
+    if got in (1000 * right, right / 1000):
+        return " Return the duration in the clock's own units (do not convert to ms or seconds)."
+    return ""
+
+
+@exercise("a1.timed_median", points=1)
+def test_timed_median(time_median, quick: bool = True):
+    """On a simulated asynchronous device: exact medians, call counts, and the usual mistakes."""
+    cases = TIMING_CASES if not quick else TIMING_CASES[:4]
+    for warmup, repeats, durations in cases:
+        device = FakeDevice(durations)
+        call = f"time_median(fn, warmup={warmup}, repeats={repeats}, synchronize=..., clock=...)"
+        expected = statistics.median(device.launch_cost + d for d in durations[warmup:])
+        got = call_learner(
+            time_median,
+            device.launch,
+            warmup=warmup,
+            repeats=repeats,
+            synchronize=device.synchronize,
+            clock=device.clock,
+            call=call,
+            expected=f"{expected} time units",
+        )
+        where = (
+            f"{call} on a device whose calls take {durations[:warmup]} (warm-up) then "
+            f"{durations[warmup:]} time units, plus {device.launch_cost} to launch"
+        )
+        assert got is not None, f"{where}: returned None; return the median duration"
+        assert device.calls == warmup + repeats, (
+            f"{where}: fn was called {device.calls} times; expected warmup + repeats = {warmup + repeats}"
+        )
+        assert isinstance(got, Real), f"{where}: returned {got!r}; return a number (the median duration)"
+        assert got == expected, (
+            f"{where}: expected a median of {expected} time units, got {got}."
+            f"{_timing_hint(got, warmup, repeats, durations)}"
+        )
+
+
+# ---- a1.launched_by --------------------------------------------------------------------
+
+
+def reference_launched_by(events, *, own_process=True, edges_inside=True):
+    """The answer; ``own_process=False`` or ``edges_inside=False`` give two classic mistakes (for
+    recognising them): operators of any process on the launch's thread id, and ``<`` for ``<=``."""
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    launches = {}
+    for e in events:
+        corr = e.get("args", {}).get("correlation")
+        if e.get("ph") == "X" and e.get("cat") != "kernel" and corr is not None:
+            launches.setdefault(corr, e)
+    out = []
+    for kernel in sorted(kernels, key=lambda e: e["ts"]):  # sorted() keeps ties in list order
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        op = None
+        if launch is not None:
+            around = [
+                o
+                for o in ops
+                if (o["pid"] == launch["pid"] or not own_process)
+                and o["tid"] == launch["tid"]
+                and (
+                    o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]
+                    if edges_inside
+                    else o["ts"] < launch["ts"] < o["ts"] + o["dur"]
+                )
+            ]
+            if around:
+                op = min(around, key=lambda o: o["dur"])["name"]
+        out.append((kernel["name"], op))
+    return out
+
+
+def _x(name, cat, ts, dur, pid=1, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def hand_made_trace():
+    """Two CPU threads at overlapping times, nested operators, and a few traps."""
+    return [
+        _x("aten::linear", "cpu_op", 0, 100, tid=1),
+        _x("aten::addmm", "cpu_op", 10, 80, tid=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 20, 5, tid=1, correlation=11),
+        _x("aten::t", "cpu_op", 21, 3, tid=1),  # the innermost operator at 22 on thread 1, not thread 2
+        _x("aten::softmax", "cpu_op", 15, 50, tid=2),
+        _x("aten::_softmax", "cpu_op", 18, 40, tid=2),
+        _x("cudaLaunchKernel", "cuda_runtime", 22, 4, tid=2, correlation=12),  # during thread 1's addmm
+        _x("aten::copy_", "cpu_op", 120, 30, tid=1),
+        _x("cudaMemcpyAsync", "cuda_runtime", 125, 5, tid=1, correlation=13),
+        _x("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 140, 9, pid=0, tid=7, correlation=13),  # not a kernel
+        _x("cudaLaunchKernel", "cuda_runtime", 200, 3, tid=1, correlation=14),  # outside any operator
+        # kernels, listed out of order; one without any launch in the trace
+        _x("softmax_warp_forward", "kernel", 60, 12, pid=0, tid=7, correlation=12),
+        _x("sm90_xmma_gemm_f32", "kernel", 30, 40, pid=0, tid=7, correlation=11),
+        _x("lonely_kernel", "kernel", 80, 2, pid=0, tid=8, correlation=99),
+        _x("elementwise_kernel", "kernel", 210, 1, pid=0, tid=7, correlation=14),
+        {"ph": "s", "cat": "ac2g", "name": "ac2g", "id": 11, "pid": 1, "tid": 1, "ts": 20},  # flow arrows
+        {"ph": "f", "cat": "ac2g", "name": "ac2g", "id": 11, "pid": 0, "tid": 7, "ts": 30, "bp": "e"},
+        {
+            "ph": "i",
+            "cat": "cpu_instant_event",
+            "name": "[memory]",
+            "pid": 1,
+            "tid": 1,
+            "ts": 21,
+            "args": {"Bytes": 64},
+        },
+    ]
+
+
+HAND_MADE_EXPECTED = [
+    ("sm90_xmma_gemm_f32", "aten::addmm"),
+    ("softmax_warp_forward", "aten::_softmax"),
+    ("lonely_kernel", None),
+    ("elementwise_kernel", None),
+]
+
+
+def two_processes_trace():
+    """Two processes whose threads share the id 1 (thread ids repeat across processes), and
+    launches exactly at an operator's start and end (inside it: the clock's resolution)."""
+    return [
+        _x("aten::matmul", "cpu_op", 0, 100, pid=1),
+        _x("aten::mm", "cpu_op", 10, 30, pid=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 2, pid=1, correlation=21),  # at aten::mm's start
+        _x("cudaLaunchKernel", "cuda_runtime", 40, 2, pid=1, correlation=22),  # at aten::mm's end
+        _x("aten::add", "cpu_op", 50, 20, pid=2),  # process 2, same tid
+        _x("cudaLaunchKernel", "cuda_runtime", 60, 2, pid=1, correlation=23),  # process 1: aten::matmul
+        _x("aten::relu", "cpu_op", 200, 10, pid=2),
+        _x("cudaLaunchKernel", "cuda_runtime", 205, 2, pid=1, correlation=24),  # no operator of process 1
+        _x("aten::cat", "cpu_op", 290, 50, pid=2),
+        _x("aten::view", "cpu_op", 295, 10, pid=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 300, 2, pid=2, correlation=25),  # process 2's own aten::cat
+        _x("gemm_at_start", "kernel", 15, 5, pid=0, tid=7, correlation=21),
+        _x("gemm_at_end", "kernel", 45, 5, pid=0, tid=7, correlation=22),
+        _x("add_kernel", "kernel", 65, 3, pid=0, tid=7, correlation=23),
+        _x("relu_kernel", "kernel", 210, 3, pid=0, tid=7, correlation=24),
+        _x("cat_kernel", "kernel", 310, 3, pid=3, tid=7, correlation=25),
+    ]
+
+
+TWO_PROCESSES_EXPECTED = [
+    ("gemm_at_start", "aten::mm"),
+    ("gemm_at_end", "aten::mm"),
+    ("add_kernel", "aten::matmul"),
+    ("relu_kernel", None),
+    ("cat_kernel", "aten::cat"),
+]
+
+
+def random_trace(seed: int):
+    """Random nested operators on two threads of one process, launches inside them, kernels."""
+    rng = random.Random(seed)
+    events, corr = [], 0
+
+    def ops(tid, start, end, depth):
+        nonlocal corr
+        t = start
+        while t < end - 4:
+            dur = rng.randint(2, max(2, (end - t) // 2))
+            name = f"aten::op{depth}_{rng.randint(0, 99)}"
+            events.append(_x(name, "cpu_op", t, dur, tid=tid))
+            if depth < 3 and dur > 8:
+                ops(tid, t + 1, t + dur - 1, depth + 1)
+            if rng.random() < 0.7:
+                corr += 1
+                launch_ts = t + rng.randint(0, dur - 1) + 0.5  # never on an operator's edge
+                events.append(_x("cudaLaunchKernel", "cuda_runtime", launch_ts, 1, tid=tid, correlation=corr))
+                events.append(
+                    _x(
+                        f"kernel_{corr}",
+                        "kernel",
+                        launch_ts + rng.randint(1, 50),
+                        rng.randint(1, 9),
+                        pid=0,
+                        tid=7,
+                        correlation=corr,
+                    )
+                )
+            t += dur + rng.randint(1, 5)
+
+    ops(1, 0, 400, 0)
+    ops(2, 3, 390, 0)
+    rng.shuffle(events)
+    return events
+
+
+def _profiled_layer_norm_events(device: str):
+    from ultrascale.profiling import chrome_trace_events, quiet_native_stderr
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    x = torch.randn(256, 256, device=device)
+    with quiet_native_stderr(), torch.profiler.profile(activities=activities) as prof:
+        for _ in range(2):
+            torch.nn.functional.layer_norm(x, x.shape[1:])
+        if device == "cuda":
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return chrome_trace_events(path)
+
+
+def _check_launched_by(launched_by, events, expected, what):
+    got = call_learner(launched_by, events, call=f"launched_by(<{what}>)", expected=str(expected))
+    assert got is not None, f"launched_by(<{what}>) returned None: return a list of (kernel, operator) pairs"
+    got = [tuple(pair) for pair in got]
+    if got == expected:
+        return
+    hint = ""
+    if len(got) != len(expected):
+        hint = (
+            f" It has {len(got)} pairs for {len(expected)} kernels: one pair per event with cat 'kernel' "
+            "(memory copies are not kernels), also for kernels whose launch is missing (operator None)."
+        )
+    elif [k for k, _ in got] != [k for k, _ in expected]:
+        hint = " The kernels are in the wrong order: sort them by their start time ts."
+    else:
+        for i, ((kernel, op), (_, right)) in enumerate(zip(got, expected)):
+            if op != right:
+                hint = (
+                    f" For {kernel} you named {op!r}, expected {right!r}: look only at operators on the "
+                    "launch's own process and thread (pid and tid) that were running at the launch's start, "
+                    "and take the innermost (shortest) one; None when there is no launch or no operator."
+                    + _operator_hint(events, i, op)
+                )
+                break
+    raise AssertionError(f"launched_by(<{what}>): expected {expected}, got {got}.{hint}")
+
+
+def _operator_hint(events, i, op) -> str:
+    """Name the mistake when the i-th kernel's operator ``op`` is what a classic mistake gives."""
+    if op == reference_launched_by(events, own_process=False)[i][1]:
+        return (
+            " Yours belongs to another process: thread ids repeat across processes, so match the pid as well "
+            "as the tid."
+        )
+    if op == reference_launched_by(events, edges_inside=False)[i][1]:
+        return (
+            " The launch starts exactly at that operator's start or end, which counts as inside it: "
+            "op ts <= launch ts <= op ts + dur, with <= on both sides."
+        )
+    return ""
+
+
+@exercise("a1.launched_by", points=1)
+def test_launched_by(launched_by, quick: bool = True):
+    """Hand-made and random traces, then real profiles (CPU: no kernels; GPU: layer_norm)."""
+    events = hand_made_trace()
+    assert reference_launched_by(events) == HAND_MADE_EXPECTED  # the test's own reference
+    _check_launched_by(launched_by, events, HAND_MADE_EXPECTED, "a hand-made trace with two threads")
+    events = two_processes_trace()
+    assert reference_launched_by(events) == TWO_PROCESSES_EXPECTED
+    _check_launched_by(launched_by, events, TWO_PROCESSES_EXPECTED, "a hand-made trace with two processes")
+    for seed in range(5 if quick else 30):
+        events = random_trace(seed)
+        _check_launched_by(launched_by, events, reference_launched_by(events), f"random trace {seed}")
+    cpu_events = _profiled_layer_norm_events("cpu")
+    _check_launched_by(launched_by, cpu_events, [], "a CPU profile of layer_norm, which has no kernels")
+    if torch.cuda.is_available():
+        gpu_events = _profiled_layer_norm_events("cuda")
+        expected = reference_launched_by(gpu_events)
+        assert any("layer_norm" in k and op == "aten::native_layer_norm" for k, op in expected), expected
+        _check_launched_by(launched_by, gpu_events, expected, "a GPU profile of layer_norm")
+
+
+# ---- a1.communication_overlap ----------------------------------------------------------
+
+
+def _union(events) -> float:
+    from ultrascale.schedule.simulate import covered_seconds
+
+    return covered_seconds([(e["ts"], e["ts"] + e["dur"]) for e in events])
+
+
+def reference_overlap(compute, communication):
+    """(hidden, exposed): the union of the communication within, and outside, the union of the compute."""
+    comm = _union(communication)
+    hidden = _union(compute) + comm - _union(list(compute) + list(communication))
+    return hidden, comm - hidden
+
+
+def _overlap_mistakes(compute, communication) -> list:
+    """(hidden, exposed) of classic mistakes, with what to say about each."""
+
+    def pairwise(a, b):
+        return sum(max(0, min(x["ts"] + x["dur"], y["ts"] + y["dur"]) - max(x["ts"], y["ts"])) for x in a for y in b)
+
+    hidden, exposed = reference_overlap(compute, communication)
+    summed = sum(e["dur"] for e in communication)
+    contained = sum(
+        c["dur"]
+        for c in communication
+        if any(o["ts"] <= c["ts"] and c["ts"] + c["dur"] <= o["ts"] + o["dur"] for o in compute)
+    )
+    return [  # the mistakes that fix both numbers first
+        *(
+            (
+                reference_overlap(compute, [e for e in communication if keep(e["name"])]),
+                "Events were left out by their name: the two lists are already the trace's compute and communication, "
+                "and every event in them counts, whatever it is called (an NCCL kernel, another collective, a send)",
+            )
+            for keep in (lambda name: name == "gloo:all_reduce", lambda name: name.startswith("gloo"))
+        ),
+        (
+            (pairwise(compute, communication), None),
+            "Overlaps were added pair by pair: nested operators (one inside another) and transfers on two threads at "
+            "once count the same microseconds several times. Merge each list into its union of intervals first",
+        ),
+        (
+            (None, summed - hidden),
+            "The exposed time counts twice what two communication threads did at the same time: take the union of the "
+            "communication intervals, then remove the hidden part",
+        ),
+        (
+            (contained, None),
+            "Only transfers entirely inside one compute event were counted as hidden: a transfer that is partly covered "
+            "is partly hidden, and one covered by two adjacent compute events is hidden too",
+        ),
+        (
+            (min(_union(compute), _union(communication)), None),
+            "That is the most that could hide, min(compute, communication): read the overlap from the intervals",
+        ),
+        ((exposed, hidden), "The two numbers are swapped: return (hidden, exposed)"),
+    ]
+
+
+def _ev(name, ts, dur, tid=1, pid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": {}}
+
+
+def overlap_traces():
+    """(what, compute events, communication events): hand-made traps first."""
+    engine = "autograd::engine::evaluate_function: AddmmBackward0"
+    nested = [
+        _ev(engine, 0, 100),
+        _ev("aten::mm", 10, 30),
+        _ev("aten::mm", 50, 40),
+        _ev(engine, 130, 70),
+        _ev("aten::mm", 140, 50),
+    ]
+    two_threads = [
+        _ev("gloo:all_reduce", 20, 60, tid=5),
+        _ev("gloo:all_reduce", 40, 70, tid=6),
+        _ev("gloo:all_reduce", 190, 40, tid=5),
+    ]
+    return [
+        ("nested backward operators and two gloo threads", nested, two_threads),
+        (
+            "a transfer covered by two adjacent operators",
+            [_ev("a", 0, 50), _ev("b", 50, 50)],
+            [_ev("gloo:all_reduce", 30, 40, tid=5)],
+        ),
+        (
+            "transfers touching the compute's edges",
+            [_ev("a", 100, 50)],
+            [_ev("gloo:all_reduce", 60, 40, tid=5), _ev("gloo:all_reduce", 150, 10, tid=5)],
+        ),
+        (
+            "a transfer before the backward and one after it",
+            [_ev("a", 100, 50)],
+            [_ev("gloo:all_reduce", 10, 20, tid=5), _ev("gloo:all_reduce", 140, 30, tid=5)],
+        ),
+        ("no communication", [_ev("a", 0, 10)], []),
+        ("no compute", [], [_ev("gloo:all_reduce", 0, 10, tid=5), _ev("gloo:all_reduce", 5, 10, tid=6)]),
+        (
+            "real-trace timestamps (microseconds since the epoch, with fractions)",
+            [_ev(engine, 1_732_000_000_000.5, 80.25), _ev("aten::mm", 1_732_000_000_010.75, 20.5)],
+            [_ev("gloo:all_reduce", 1_732_000_000_050.125, 60.5, tid=5)],
+        ),
+    ]
+
+
+def random_overlap_trace(seed: int):
+    """Nested compute on the training thread, transfers on two threads, integer microseconds."""
+    rng = random.Random(seed)
+    compute, communication, t = [], [], 0
+    for _ in range(rng.randint(1, 6)):
+        dur = rng.randint(5, 80)
+        compute.append(_ev("autograd::engine", t, dur))
+        for _ in range(rng.randint(0, 3)):  # operators inside it
+            start = t + rng.randint(0, dur - 1)
+            compute.append(_ev("aten::op", start, rng.randint(1, t + dur - start)))
+        t += dur + rng.choice([0, 0, rng.randint(1, 30)])
+    for _ in range(rng.randint(0, 6)):
+        communication.append(
+            _ev("gloo:all_reduce", rng.randint(-20, t + 20), rng.randint(1, 60), tid=rng.choice([5, 6]))
+        )
+    rng.shuffle(compute)
+    rng.shuffle(communication)
+    return compute, communication
+
+
+def _check_overlap(communication_overlap, compute, communication, what):
+    call = f"communication_overlap(<{what}>)"
+    expected = reference_overlap(compute, communication)
+    got = call_learner(
+        communication_overlap,
+        [dict(e) for e in compute],
+        [dict(e) for e in communication],
+        call=call,
+        expected=f"(hidden, exposed) = {expected}",
+    )
+    assert isinstance(got, (tuple, list)) and len(got) == 2, (
+        f"{call} returned {got!r}; return a pair (hidden, exposed) of microseconds"
+    )
+    assert all(isinstance(x, Real) for x in got), f"{call} returned {got!r}; both must be numbers"
+    if all(math.isclose(g, e, rel_tol=1e-12, abs_tol=1e-6) for g, e in zip(got, expected)):
+        return
+    hint = ""
+    for wrong, why in _overlap_mistakes(compute, communication):
+        if all(w is None or math.isclose(g, w, rel_tol=1e-12, abs_tol=1e-6) for g, w in zip(got, wrong)):
+            hint = f" {why}."
+            break
+    raise AssertionError(
+        f"{call}: compute {[(e['ts'], e['dur']) for e in compute]}, communication "
+        f"{[(e['ts'], e['dur']) for e in communication]} (ts, dur): expected (hidden, exposed) = "
+        f"{expected}, got {tuple(got)}.{hint}"
+    )
+
+
+@exercise("a1.communication_overlap", points=1)
+def test_communication_overlap(communication_overlap, quick: bool = True):
+    """Hand-made traces with nested operators and concurrent transfers, then random ones."""
+    from ultrascale_grading.guards import without_library
+    from ultrascale.parallel.timeline import overlap_seconds
+    from ultrascale.schedule.simulate import covered_seconds
+
+    learner = without_library(
+        communication_overlap,
+        [covered_seconds, overlap_seconds],
+        "a1.communication_overlap",
+        "merge the intervals yourself",
+    )
+    for what, compute, communication in overlap_traces():
+        _check_overlap(learner, compute, communication, what)
+    for seed in range(20 if quick else 300):
+        compute, communication = random_overlap_trace(seed)
+        _check_overlap(learner, compute, communication, f"random trace {seed}")
