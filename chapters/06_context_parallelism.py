@@ -215,8 +215,8 @@ print(
 #
 # Its backward is a real ring too (as in ring-flash-attention), not autograd through a gathered
 # copy: the K/V go round again, each rank rebuilds a block's softmax from the saved log-sum-exp and
-# adds its share of that block's dK and dV to an accumulator that travels *with* the block, so it
-# arrives, complete, at the rank that owns the block.
+# adds its share of that block's dK and dV to a running sum that goes round the ring, rank to rank,
+# starting at the rank after the block's owner; the owner adds its share last, and the sum is complete.
 #
 # We run the ring with both layouts, causal and not, and the all-gather variant in two of those
 # cases, on every rank; put the slices back in sequence order; and compare the output and the gradients of q, k and v with PyTorch's
@@ -537,8 +537,8 @@ assert math.isclose(balance["contiguous"], 2 * CP / (CP + 1))
 # The same ring on a longer sequence (float32, so that each step has some compute), forward and
 # backward, with a `Timeline` on every rank. The compute lane shows each step's attention to one
 # block (forward) and its gradient (backward); the communication lane shows each transfer from
-# the moment it is posted to the moment the block (or, in backward, the travelling dK/dV
-# accumulator) has arrived.
+# the moment it is posted to the moment the block (or, in backward, a block's running sum of
+# dK/dV) has arrived.
 
 # %%
 BIG = (1, 4, 2 * CP * (64 if QUICK else 256), 32)
@@ -567,12 +567,12 @@ for rank, rows in enumerate(timelines):
     forward = [n for n in names if n.startswith("forward")]
     assert forward == [f"forward K/V {(rank - s) % CP}" for s in range(CP)]
     assert names.count("receive K/V") == 2 * (CP - 1), "forward and backward each move K/V cp - 1 times"
-    assert names.count("receive dK/dV") == CP, "dK/dV travel cp hops: round the ring and home"
+    assert names.count("receive dK/dV") == CP - 1, "dK/dV's sums travel cp - 1 hops, ending at the owner"
     attends = [e for e in rows if e["name"].startswith("forward")]
     receives = [e for e in rows if e["name"] == "receive K/V"][: CP - 1]
     assert all(rx["start"] <= at["start"] for rx, at in zip(receives, attends)), "posted before computing"
 print(
-    f"every rank: {CP} forward steps; K/V transfers: {CP - 1} forward, {CP - 1} backward; dK/dV transfers: {CP}; "
+    f"every rank: {CP} forward steps; K/V transfers: {CP - 1} forward, {CP - 1} backward; dK/dV transfers: {CP - 1}; "
     "each transfer posted before the step's attention starts"
 )
 
@@ -590,8 +590,8 @@ plot_gantt(
 # %% [markdown]
 # In every step the transfer bar starts before the compute bar: the send and receive of the next
 # block are posted first, and the attention runs while gloo moves the bytes on its own threads.
-# Backward has two kinds of transfers in flight: the K/V again, and the dK/dV accumulator of the
-# block just processed, on its way to the next rank.
+# Backward has two kinds of transfers in flight: the K/V again, and the running sum of dK/dV for
+# the block just processed, on its way to the next rank.
 #
 # What this CPU shows honestly, and what it cannot: the rank's Python thread does not wait for
 # the transfer, so the bars do overlap in time. But here the "network" is a memory copy through
@@ -611,8 +611,8 @@ plot_gantt(
 # two blocks of K and V, whatever cp is. (The book counts one additional block, the one in
 # flight; counting the one being attended to as well gives two: double buffering, so that the
 # next block arrives while this one is used.) The all-gather variant holds every rank's K and V at
-# once: $2 \cdot cp$ blocks, the whole sequence's K/V. In backward the ring adds a travelling dK/dV
-# accumulator pair (and the one arriving), the all-gather variant dK/dV for every block before its
+# once: $2 \cdot cp$ blocks, the whole sequence's K/V. In backward the ring adds three dK/dV pairs
+# (the running sum it sends, the one arriving, the next one it fills), the all-gather variant dK/dV for every block before its
 # reduce-scatter. `KVBufferMeter` measures the bytes of those buffers alive at once on a rank;
 # `memory.cp_kv_buffer_bytes` is the model. We measure for every cp from 2 to `WORLD_SIZE`
 # (sub-groups of the first cp ranks; the others sit out), in float32 (dK/dV accumulate in float32 too).
@@ -1120,7 +1120,7 @@ print(
 # forward, Ulysses sends $2\,(D + D_{kv}) \cdot \frac{s}{cp} \cdot \frac{cp-1}{cp}$ elements, which
 # *falls* as cp grows: $O(s\,D/cp)$. The ring sends $cp - 1$ K/V blocks,
 # $2\,D_{kv}\,(cp-1)\,\frac{s}{cp}$ elements forward, and in backward the K/V again and the dK/dV's
-# $cp$ hops home: close to all the sequence's K/V whatever cp is, $O(s\,D_{kv})$.
+# sums, $cp - 1$ hops each: close to all the sequence's K/V whatever cp is, $O(s\,D_{kv})$.
 # `ulysses_bytes` and `ring_bytes` are the two formulas; the logger measured Ulysses
 # above, and measures the ring on the same q, k, v now.
 
@@ -1278,7 +1278,7 @@ for seq in RACE:
 #   steps, each posted before the local block's attention so that the two overlap, and merges
 #   the partial results with their log-sum-exp: FlashAttention's online softmax across ranks.
 # - Forward and backward equal full attention to float64 precision; the backward sends the K/V
-#   round again and carries each block's dK/dV accumulator home.
+#   round again and sums each block's dK/dV round the ring, ending at its owner.
 # - The ring keeps at most two extra K/V blocks per rank; the all-gather variant keeps the whole
 #   sequence's K/V. Both send the same bytes.
 # - Activations per rank divide by cp; weights do not, and their gradients are averaged over the

@@ -157,8 +157,8 @@ def test_cp_kv_buffer_bytes_by_hand():
     args = (1, 8, 131072, 128, 8)
     assert cp_kv_buffer_bytes(*args, "ring") == 128 * 2**20
     assert cp_kv_buffer_bytes(*args, "all_gather") == 512 * 2**20
-    # backward adds fp32 dK/dV accumulators: two pairs for the ring, one per rank for the all-gather
-    assert cp_kv_buffer_bytes(*args, "ring", backward=True) == (128 + 256) * 2**20
+    # backward adds fp32 dK/dV sums: three pairs for the ring, one per rank for the all-gather
+    assert cp_kv_buffer_bytes(*args, "ring", backward=True) == (128 + 384) * 2**20
     assert cp_kv_buffer_bytes(*args, "all_gather", backward=True) == (512 + 1024) * 2**20
     # cp = 2: the ring needs one receive buffer only; cp = 1: none
     assert cp_kv_buffer_bytes(1, 8, 4096, 128, 2, "ring") == 2 * 8 * 2048 * 128 * 2

@@ -272,8 +272,9 @@ def cp_kv_buffer_bytes(
       (one with cp = 2, none with cp = 1): at most 2 * 2 blocks, whatever cp is;
     * all_gather: the gathered K and V of all cp ranks: 2 * cp blocks, growing with cp.
     ``backward``: attention's backward moves K/V again and, besides, dK/dV accumulators of
-    ``grad_bytes_per_element`` (fp32 in ``parallel.ring_attention``): the ring passes one
-    pair along as another arrives (2 * 2 blocks; 2 with cp = 1), the all-gather variant
+    ``grad_bytes_per_element`` (fp32 in ``parallel.ring_attention``): the ring sends one
+    running sum of dK/dV on while another arrives and a third is filled (3 * 2 blocks; 2 with
+    cp = 1), the all-gather variant
     fills dK/dV for every rank's block before the reduce-scatter (2 * cp blocks).
     ``parallel.kv_exchange.KVBufferMeter`` measures the same buffers.
     """
@@ -283,7 +284,7 @@ def cp_kv_buffer_bytes(
         raise ValueError(f"cp={cp} must be >= 1 and divide seq={seq}")
     block = batch * kv_heads * (seq // cp) * head_dim
     kv_blocks = 2 * (min(2, cp - 1) if kind == "ring" else cp)
-    grad_blocks = 2 * (min(2, cp) if kind == "ring" else cp) if backward else 0
+    grad_blocks = 2 * ((3 if cp > 1 else 1) if kind == "ring" else cp) if backward else 0
     return block * (kv_blocks * bytes_per_element + grad_blocks * grad_bytes_per_element)
 
 

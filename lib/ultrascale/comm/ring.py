@@ -11,8 +11,8 @@ is busy in every step and no rank is a bottleneck.
   a group and receiving from the previous one, posted as NCCL needs them), and
   ``ring_blocks``: the walk of every rank's block round the ring, made of those steps. Ring
   attention's K/V, asynchronous TP's pieces and the all-gather below all walk with it;
-  ``reduce_round_ring``: running sums walking round the ring, the reduce-scatter below and
-  asynchronous TP's.
+  ``reduce_round_ring``: running sums walking round the ring, the reduce-scatter below,
+  asynchronous TP's and ring attention's dK/dV.
 * ``send_recv``: one step between any two peers, waited for (recursive doubling's partners);
   ``keeping_exchanges``: how every collective holds its steps' Work objects until it returns.
 

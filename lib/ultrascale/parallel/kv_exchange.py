@@ -5,12 +5,16 @@ Ring attention (``ring_attention.py``) needs every rank's keys and values at eac
 * **ring**: at each of the cp steps a rank starts sending the block it holds to the next
   rank and receiving the previous rank's, without waiting, hands its block to the caller to
   attend to, then waits (:func:`ring_kv_blocks`, a walk of ``comm.ring.ring_blocks``). Two
-  receive buffers take turns. In backward each block's dK/dV accumulator follows the block
-  round the ring (``comm.ring.ring_step``), every rank adding its share, and one last step
-  brings it home (:class:`TravellingGradients`);
+  receive buffers take turns. In backward the ranks' dK/dV for each block are summed round the
+  ring (:func:`ring_kv_gradients`, ``comm.ring.reduce_round_ring``): a block's running sum starts
+  at the rank after its owner, every rank adds its share and passes it on, and the owner adds
+  its own last: cp - 1 transfers;
 * **all-gather**: one all-gather of every rank's K and V, the same blocks in the same order
   (:func:`gathered_kv_blocks`); in backward a reduce-scatter sums the ranks' dK/dV and leaves
-  each rank its own block's (:class:`GatheredGradients`).
+  each rank its own block's (:func:`gathered_kv_gradients`).
+
+Backward hands each kind the same function, ``add_part(owner, k, v, into)``: this rank's dK/dV
+for the block of rank ``owner`` (its K and V given), added into ``into`` ((2, *k.shape)).
 
 :class:`KVBufferMeter` measures the bytes of these buffers alive at once on a rank
 (``memory.cp_kv_buffer_bytes`` is the model).
@@ -20,11 +24,10 @@ from __future__ import annotations
 
 import weakref
 
-import torch
 import torch.distributed as dist
 
 from ..comm.functional import all_gather_into, reduce_scatter_into
-from ..comm.ring import ring_blocks, ring_step, wait_all
+from ..comm.ring import reduce_round_ring, ring_blocks
 
 __all__ = ["KV_EXCHANGES", "KVBufferMeter"]
 
@@ -90,61 +93,54 @@ def gathered_kv_blocks(k, v, group, timeline):
         yield src, (gathered[0][src], gathered[1][src])
 
 
-class TravellingGradients:
-    """Ring backward: the dK/dV accumulator of a block follows the block round the ring,
-    each rank adding its share, and one last step brings it home to the block's owner."""
+def ring_kv_gradients(k, v, dtype, group, timeline, add_part):
+    """This rank's dK/dV ((2, *k.shape) in ``dtype``): every rank's share of it, summed round the
+    ring (``reduce_round_ring``). At step s this rank adds its share of block ``r - s - 1`` to the
+    running sum that arrived, and passes it on; its own block comes last, when the sum of
+    every other rank's share has come round. The K/V blocks walk the ring as in forward, one
+    step ahead: the own block is set aside for the last step.
 
-    def __init__(self, k, dtype, group, timeline):
-        self.group, self.timeline, self.n = group, timeline, dist.get_world_size(group)
-        self.acc = _buffer(k.new_zeros((2, *k.shape), dtype=dtype))
-        self.incoming = _buffer(torch.empty_like(self.acc)) if self.n > 1 else None
-        self.works, self.step = [], 0
+    Three buffers take turns: the sum being sent, the one arriving, and the next one filled
+    meanwhile (the step's compute overlaps both transfers)."""
+    blocks = ring_kv_blocks(k, v, group, timeline)
+    own = next(blocks)  # (r, (k, v)); the transfer of the previous rank's block has started
+    buffers, step = [], [0]
 
-    def add(self, src, part):
-        if self.step > 0:  # the accumulator of the block just attended, from the previous rank
-            wait_all(self.works)
-            self.acc, self.incoming = self.incoming, self.acc
-        if part is not None:
-            last_key, dk, dv = part
-            self.acc[0, ..., :last_key, :] += dk
-            self.acc[1, ..., :last_key, :] += dv
-        if self.n > 1:
-            self.works = ring_step(
-                [self.acc],
-                [self.incoming],
-                self.group,
-                tag=_DKV,
-                batched=True,
-                timeline=self.timeline,
-                name="receive dK/dV",
-            )
-        self.step += 1
+    def buffer(i):
+        while len(buffers) <= i:
+            buffers.append(_buffer(k.new_empty((2, *k.shape), dtype=dtype)))
+        return buffers[i]
 
-    def finish(self):
-        wait_all(self.works)
-        return self.incoming if self.n > 1 else self.acc
+    def term(owner):  # this rank's share of block ``owner``, in a buffer neither in flight
+        src, (k_blk, v_blk) = own if owner == own[0] else next(blocks)
+        running = buffer(2 * step[0] % 3).zero_()
+        step[0] += 1
+        add_part(src, k_blk, v_blk, running)
+        return running
+
+    return reduce_round_ring(
+        term,
+        group,
+        lambda running, incoming: running.add_(incoming),
+        lambda s, owner: buffer((2 * s + 1) % 3),
+        tag=_DKV,
+        batched=True,
+        timeline=timeline,
+        name="receive dK/dV",
+    )
 
 
-class GatheredGradients:
-    """All-gather backward: dK/dV for every rank's block, then a reduce-scatter sums the
-    ranks' contributions and leaves each rank those of its own block."""
-
-    def __init__(self, k, dtype, group, timeline):
-        self.group, self.timeline = group, timeline
-        self.full = _buffer(k.new_zeros((dist.get_world_size(group), 2, *k.shape), dtype=dtype))
-
-    def add(self, src, part):
-        if part is not None:
-            last_key, dk, dv = part
-            self.full[src, 0, ..., :last_key, :] += dk
-            self.full[src, 1, ..., :last_key, :] += dv
-
-    def finish(self):
-        mine = self.full.new_empty(self.full.shape[1:])
-        with self.timeline.span("reduce-scatter dK/dV", "communication"):
-            reduce_scatter_into(mine, self.full.flatten(0, 1), self.group)
-        return mine
+def gathered_kv_gradients(k, v, dtype, group, timeline, add_part):
+    """All-gather backward: dK/dV for every rank's block, then a reduce-scatter sums the ranks'
+    shares and leaves each rank those of its own block."""
+    full = _buffer(k.new_zeros((dist.get_world_size(group), 2, *k.shape), dtype=dtype))
+    for src, (k_blk, v_blk) in gathered_kv_blocks(k, v, group, timeline):
+        add_part(src, k_blk, v_blk, full[src])
+    mine = full.new_empty(full.shape[1:])
+    with timeline.span("reduce-scatter dK/dV", "communication"):
+        reduce_scatter_into(mine, full.flatten(0, 1), group)
+    return mine
 
 
 # For each kind of context-parallel attention: how the K/V blocks come, and how dK/dV goes back.
-KV_EXCHANGES = {"ring": (ring_kv_blocks, TravellingGradients), "all_gather": (gathered_kv_blocks, GatheredGradients)}
+KV_EXCHANGES = {"ring": (ring_kv_blocks, ring_kv_gradients), "all_gather": (gathered_kv_blocks, gathered_kv_gradients)}

@@ -16,9 +16,9 @@ Each rank of the group holds a slice of the sequence: its queries, keys and valu
 Backward is real, not autograd over a gathered copy (ring-flash-attention's design): the
 forward saves Q, K, V, the output and each row's log-sum-exp (lse); backward sends the K/V
 round the ring again, rebuilds each block's probabilities from the saved lse (as
-FlashAttention's backward does), and passes each block's dK/dV accumulator round the ring
-with it, every rank adding its share, so that it ends, complete, at the rank that owns the
-block. The all-gather variant gathers again and reduce-scatters dK/dV. How the K/V blocks
+FlashAttention's backward does), and sums each block's dK/dV round the ring: a running sum
+passes from rank to rank, every rank adding its share, and ends, complete, at the rank that
+owns the block. The all-gather variant gathers again and reduce-scatters dK/dV. How the K/V blocks
 and their gradients move between the ranks is its own idea, in ``kv_exchange.py``.
 
 The causal mask is computed from the tokens' *global* positions (``data.sequence_positions``
@@ -143,27 +143,28 @@ class ContextParallelAttention(torch.autograd.Function):
         grad_out = grad_out.to(q.dtype)
         delta = (grad_out * out).sum(-1)
         dq = torch.zeros_like(q)
-        blocks, Gradients = KV_EXCHANGES[kind]
-        grads = Gradients(k, q.dtype, group, timeline)  # dK/dV accumulated in q's (>= fp32) dtype
-        for src, (k_blk, v_blk) in blocks(k, v, group, timeline):
-            part = None
+
+        def add_part(src, k_blk, v_blk, dkv):  # this rank's dK/dV of src's block into dkv; dQ here
             with timeline.span(f"backward for K/V of rank {src}"):
-                if visible[src] is not None:
-                    first, last, mask = visible[src]
-                    dq_part, dk, dv = _attend_backward(
-                        q[..., first:, :],
-                        k_blk[..., :last, :],
-                        v_blk[..., :last, :],
-                        grad_out[..., first:, :],
-                        lse[..., first:],
-                        delta[..., first:],
-                        mask,
-                        scale,
-                    )
-                    dq[..., first:, :] += dq_part
-                    part = (last, dk, dv)
-            grads.add(src, part)
-        dkv = grads.finish()
+                if visible[src] is None:
+                    return
+                first, last, mask = visible[src]
+                dq_part, dk, dv = _attend_backward(
+                    q[..., first:, :],
+                    k_blk[..., :last, :],
+                    v_blk[..., :last, :],
+                    grad_out[..., first:, :],
+                    lse[..., first:],
+                    delta[..., first:],
+                    mask,
+                    scale,
+                )
+                dq[..., first:, :] += dq_part
+                dkv[0, ..., :last, :] += dk
+                dkv[1, ..., :last, :] += dv
+
+        _, gradients = KV_EXCHANGES[kind]
+        dkv = gradients(k, v, q.dtype, group, timeline, add_part)  # dK/dV summed in q's (>= fp32) dtype
         dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dkv[0], dkv[1]), ctx.dtypes))
         return dq, dk, dv, None, None, None, None, None, None
 
