@@ -346,6 +346,29 @@ def test_ch00_mean_across_ranks_on_the_cluster():
     assert wrong.status == FAIL and "use ctx.world_size" in wrong.message
 
 
+def test_each_exercise_is_found_among_its_chapters_test_modules():
+    """A chapter's tests split by exercise (``ch06.py`` and ``ch06_ring_step.py``: no test module
+    longer than the technique it grades) are all imported with their chapter, so ``check`` finds
+    every exercise from its id without importing every other chapter's tests."""
+    from ultrascale_grading import registry
+
+    folder = REPO / "lib" / "ultrascale_grading" / "exercise_tests"
+    defined = {
+        exercise_id: path.stem
+        for path in folder.glob("*.py")
+        for exercise_id in re.findall(r'@exercise\("([0-9a][0-9]\.\w+)"', path.read_text())
+    }
+    assert len(defined) >= 57 and any("_" in stem for stem in defined.values())
+    misplaced = {
+        exercise_id: stem
+        for exercise_id, stem in defined.items()
+        if stem not in registry.chapter_modules(registry.chapter_of(exercise_id))
+    }
+    assert misplaced == {}, f"tests outside their chapter's modules (ch<chapter>.py, ch<chapter>_*.py): {misplaced}"
+    assert registry.chapter_modules("a4") == ["cha4", "cha4_atomic_save"]
+    assert registry.chapter_modules("not a chapter") == []
+
+
 # ---- the command-line grader -----------------------------------------------------------
 
 

@@ -351,9 +351,10 @@ def message_leaks(nb, module_source: str) -> list:
     ]
 
 
-def _test_module(path: Path) -> Path:
+def _test_modules(path: Path) -> list:
+    """The test modules of a notebook's chapter: ``chNN.py`` and its parts ``chNN_*.py``."""
     prefix = path.name.split("_")[0]
-    return EXERCISE_TESTS / f"ch{prefix}.py"
+    return [EXERCISE_TESTS / f"ch{prefix}.py", *sorted(EXERCISE_TESTS.glob(f"ch{prefix}_*.py"))]
 
 
 def test_the_message_rule_catches_a_message_that_writes_the_call():
@@ -385,9 +386,9 @@ SHARED_TEST_MODULES = sorted(EXERCISE_TESTS.glob("_*.py"))  # helpers whose mess
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_no_failure_message_writes_the_solution(path):
     nb = nbformat.read(path, as_version=4)
-    module = _test_module(path)
-    assert module.is_file(), module
-    for source in (module, *SHARED_TEST_MODULES):
+    modules = _test_modules(path)
+    assert modules[0].is_file(), modules[0]
+    for source in (*modules, *SHARED_TEST_MODULES):
         found = message_leaks(nb, source.read_text())
         assert found == [], f"messages of {source.name} that write the solution's code (line, code): {found}"
 

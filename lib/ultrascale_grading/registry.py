@@ -5,7 +5,9 @@ notebooks, so a learner cannot weaken a test by editing a cell, and the same tes
 serves the in-notebook ``check`` and the command-line grader.
 
 An exercise id is ``"<chapter>.<name>"``, e.g. ``"00.mean_across_ranks"``; the
-chapter prefix names the module that holds its test (``exercise_tests/ch00.py``).
+chapter prefix names the modules that hold its test: ``exercise_tests/ch00.py``, and
+``exercise_tests/ch00_<part>.py`` where a chapter's tests are split by exercise (so that no
+test module is longer than the technique it grades).
 """
 
 from __future__ import annotations
@@ -98,14 +100,21 @@ def _origin(fn: Callable) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
-def _import_chapter(chapter: str) -> None:
+def chapter_modules(chapter: str) -> list[str]:
+    """The names of one chapter's test modules: ``ch<chapter>`` and its parts ``ch<chapter>_*``."""
     if not chapter.isalnum():
-        return  # not a chapter prefix (e.g. a notebook named without one)
-    try:
-        importlib.import_module(f"{TESTS_PACKAGE}.ch{chapter}")
-    except ModuleNotFoundError as err:
-        if err.name != f"{TESTS_PACKAGE}.ch{chapter}":
-            raise  # a real missing dependency inside the test module
+        return []  # not a chapter prefix (e.g. a notebook named without one)
+    package = importlib.import_module(TESTS_PACKAGE)
+    return sorted(
+        info.name
+        for info in pkgutil.iter_modules(package.__path__)
+        if info.name == f"ch{chapter}" or info.name.startswith(f"ch{chapter}_")
+    )
+
+
+def _import_chapter(chapter: str) -> None:
+    for name in chapter_modules(chapter):
+        importlib.import_module(f"{TESTS_PACKAGE}.{name}")
 
 
 def load_all() -> None:

@@ -1116,7 +1116,7 @@ def _exposure_args(case):
 
 
 def _judge_exposure(fn, case):
-    from ultrascale_grading.exercise_tests.cha3 import reference_exposed
+    from ultrascale_grading.exercise_tests.cha3_bucketed_exposure import reference_exposed
 
     times, nbytes, dp, bw = _exposure_args(case)
     want = float(reference_exposed(times, nbytes, dp, bw))

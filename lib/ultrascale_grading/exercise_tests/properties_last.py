@@ -217,7 +217,7 @@ def _ring_cases():
 
 
 def _ring_on_rank(ctx, fn, case):
-    from ultrascale_grading.exercise_tests.ch06 import _run_ring, ring_problem
+    from ultrascale_grading.exercise_tests.ch06_ring_step import _run_ring, ring_problem
 
     n = ctx.world_size
     shape = (case["batch"], case["heads"], 2 * n * case["chunk"], case["head_dim"])
@@ -334,8 +334,8 @@ def _judge_atomic(fn, case):
     import tempfile
     from pathlib import Path
 
-    from ultrascale_grading.exercise_tests.cha4 import FINAL, SPLITS, _atomic_on_rank
-    from ultrascale_grading.exercise_tests.cha4 import _judge_atomic as judge_directories
+    from ultrascale_grading.exercise_tests.cha4_atomic_save import FINAL, SPLITS, _atomic_on_rank
+    from ultrascale_grading.exercise_tests.cha4_atomic_save import _judge_atomic as judge_directories
 
     split, step = SPLITS[case["split"]], case["step"]
     payload = dict(shape=case["shape"], dtype=case["dtype"])

@@ -1031,7 +1031,7 @@ def _launch_cases():
 
 def _launch_trace(case) -> list:
     """Nested operators per (pid, tid), launches inside them (on their edges when drawn), kernels."""
-    from ultrascale_grading.exercise_tests.cha1 import _x
+    from ultrascale_grading.exercise_tests.cha1_launched_by import _x
 
     rng = random.Random(case["seed"])
     offset = 1_732_000_000_000_000 if case["epoch"] else 0  # microseconds since the epoch
@@ -1071,7 +1071,7 @@ def _launch_trace(case) -> list:
 
 
 def _judge_launches(fn, case):
-    from ultrascale_grading.exercise_tests.cha1 import reference_launched_by
+    from ultrascale_grading.exercise_tests.cha1_launched_by import reference_launched_by
 
     events = _launch_trace(case)
     want = reference_launched_by(events)
