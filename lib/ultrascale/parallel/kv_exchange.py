@@ -22,6 +22,7 @@ for the block of rank ``owner`` (its K and V given), added into ``into`` ((2, *k
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch.distributed as dist
@@ -104,17 +105,18 @@ def ring_kv_gradients(k, v, dtype, group, timeline, add_part):
     meanwhile (the step's compute overlaps both transfers)."""
     blocks = ring_kv_blocks(k, v, group, timeline)
     own = next(blocks)  # (r, (k, v)); the transfer of the previous rank's block has started
-    buffers, step = [], [0]
+    buffers, filled = [], itertools.count(0, 2)
 
     def buffer(i):
         while len(buffers) <= i:
             buffers.append(_buffer(k.new_empty((2, *k.shape), dtype=dtype)))
         return buffers[i]
 
-    def term(owner):  # this rank's share of block ``owner``, in a buffer neither in flight
+    # Step s fills buffer 2s mod 3 and receives into 2s + 1 mod 3. While step s + 1 fills
+    # 2s + 2 mod 3, those two are still in flight: the three never meet.
+    def term(owner):  # this rank's share of block ``owner``
         src, (k_blk, v_blk) = own if owner == own[0] else next(blocks)
-        running = buffer(2 * step[0] % 3).zero_()
-        step[0] += 1
+        running = buffer(next(filled) % 3).zero_()
         add_part(src, k_blk, v_blk, running)
         return running
 
