@@ -679,10 +679,11 @@ print("FLOPs equal to 6N + 14 h c^2 per chunk pair; states within 10% of breakdo
 
 # %% [markdown]
 # Zig-zag gives every rank the same 34 pairs; contiguous gives the first rank 4 and the last 64, and
-# a ring step waits for its slowest rank. The states are the 8k run's, with ZeRO's shards now 16
-# times smaller (128 ranks hold each weight). The activations are about twice the formula's: at
-# tp 8 without SP, Korthikanti's count charges 10 + 24/8 = 13 bytes per token and hidden unit, and
-# the course's Llama block keeps more (SwiGLU's gate, up and product are each ffn wide; RMSNorm and
+# a ring step waits for its slowest rank. The states are exactly the 8k run's: ZeRO-2 now shards
+# over DP 8 x CP 16, the same 128 ranks as DP 128 before. The activations are about twice the
+# formula's: at tp 8 without SP, Korthikanti's count charges 10 + 24/8 = 13 bytes per token and
+# hidden unit, and the course's Llama block keeps more (SwiGLU's gate, up and product are each ffn
+# wide; RMSNorm and
 # RoPE keep their own inputs). `breakdown` has no Llama-specific count yet.
 #
 # **DeepSeek-V3** routes each token by its router's scores: which experts (and so which ep ranks)
