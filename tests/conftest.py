@@ -241,3 +241,24 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # keep LONGEST_FIRST's order, not "most tests first"
     return ByUnit(config, log)
+
+
+# --------------------------------------------------------------------------- nbval's kernels
+def pytest_configure(config):
+    """nbval's kernels on unix sockets, as the course's papermill runs (``ultrascale.headless``):
+    on TCP a kernel's port, chosen free by jupyter_client, can be taken by the suite's gloo
+    connections before the kernel binds it, and the chapter fails with "Address already in use"."""
+    try:
+        import nbval.kernel
+    except ImportError:
+        return
+    from jupyter_client.manager import KernelManager
+
+    from ultrascale.headless import kernel_options
+
+    if nbval.kernel.KernelManager is KernelManager:  # start_new_kernel makes one per notebook
+
+        def unix_socket_kernel(**kwargs):
+            return KernelManager(config=kernel_options()["config"], **kwargs)
+
+        nbval.kernel.KernelManager = unix_socket_kernel
