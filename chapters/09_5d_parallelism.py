@@ -526,14 +526,15 @@ from ultrascale.model import LLAMA3_405B, attention_flops_per_token, matmul_para
 from ultrascale.parallel.pipeline_parallel import split_layers  # noqa: E402
 
 
-def flops_formula(config, layout, stage, tokens, seq):
+def flops_formula(config, layout, stage, tokens, seq, attention=True):
     """6 FLOPs per parameter of a matmul per token, plus attention's (eager: the whole s x s
-    matrix), for one rank's share: its stage's layers and, on the last stage, the head, split by tp."""
+    matrix; ``attention=False`` leaves it out), for one rank's share: its stage's layers and, on
+    the last stage, the head, split by tp."""
     h, v, layers = config.hidden, config.vocab_size, len(split_layers(config.layers, layout.pp)[stage])
     block_matmuls = (matmul_params(config) - h * v) // config.layers
     rank_matmuls = (layers * block_matmuls + (h * v if stage == layout.pp - 1 else 0)) // layout.tp
-    attention = attention_flops_per_token(config, seq) * layers // config.layers // layout.tp
-    return tokens * (6 * rank_matmuls + attention)
+    scores = attention_flops_per_token(config, seq) * layers // config.layers // layout.tp if attention else 0
+    return tokens * (6 * rank_matmuls + scores)
 
 
 def layout_breakdown(config, layout, seq, **options):
@@ -657,9 +658,7 @@ for cp_layout in ("zigzag", "contiguous"):
         rank = layout.layout().rank_of(dp=0, pp=0, cp=cp_rank, tp=0)
         dry = dryrun_extrapolated(layout, LLAMA3_405B, rank, seq=LONG_SEQ, dtype=torch.bfloat16)
         pairs = 2 * LONG.cp + 2 if cp_layout == "zigzag" else 4 * (cp_rank + 1)
-        matmuls = flops_formula(LLAMA3_405B, LONG, 0, dry.tokens, LONG_SEQ) - dry.tokens * (
-            attention_flops_per_token(LLAMA3_405B, LONG_SEQ) * long_layers // LLAMA3_405B.layers // LONG.tp
-        )
+        matmuls = flops_formula(LLAMA3_405B, LONG, 0, dry.tokens, LONG_SEQ, attention=False)
         long_rows[cp_layout, cp_rank] = dry, pairs
         # FLOPs: the 6N part and the chunk pairs, exactly (FlopCounterMode counts what the formula counts)
         assert dry.flops == matmuls + pairs * pair_flops, (cp_layout, cp_rank, dry.flops, matmuls + pairs * pair_flops)

@@ -696,15 +696,13 @@ def _routing_on_real_indices(mode, reads):
         with unset_fake_temporarily():
             return fake(balanced_choice(scores.shape[0], scores.shape[-1], router.top_k))
 
-    def expert_batches(chosen, experts):
-        with unset_fake_temporarily():
-            rows, slots, counts = original_batches(values(chosen), experts)
-        return fake(rows), fake(slots), counts
+    def on_values(plan):  # an index plan run on the choice's values; its tensors go on as fake ones
+        def run(chosen, *args):
+            with unset_fake_temporarily():
+                result = plan(values(chosen), *args)
+            return tuple(fake(r) if torch.is_tensor(r) else r for r in result)
 
-    def dispatch_rows(chosen, ep, per_rank):
-        with unset_fake_temporarily():
-            rows, here, local_ids, counts = original_rows(values(chosen), ep, per_rank)
-        return fake(rows), fake(here), fake(local_ids), counts
+        return run
 
     def exchange_counts(send_counts, group=None, device=None):
         with _StandInsMode(reads, answer=send_counts[dist.get_rank(group)]):
@@ -718,12 +716,11 @@ def _routing_on_real_indices(mode, reads):
                 out.real_values = torch.cat([mine] * dist.get_world_size(group))
         return out
 
-    original_batches, original_rows = moe.expert_batches, expert_parallel.dispatch_rows
     original_exchange, original_all_to_all = expert_parallel.exchange_counts, expert_parallel.all_to_all
     with (
         mock.patch.object(moe.Router, "choose", choose),
-        mock.patch.object(moe, "expert_batches", expert_batches),
-        mock.patch.object(expert_parallel, "dispatch_rows", dispatch_rows),
+        mock.patch.object(moe, "expert_batches", on_values(moe.expert_batches)),
+        mock.patch.object(expert_parallel, "dispatch_rows", on_values(expert_parallel.dispatch_rows)),
         mock.patch.object(expert_parallel, "exchange_counts", exchange_counts),
         mock.patch.object(expert_parallel, "all_to_all", all_to_all),
     ):
