@@ -469,9 +469,8 @@ assert set(firsts) == set(DRY_CASES) and all(total > H100.memory_bytes for total
 #   reduce-scatter and all-gather send as much) of the stage's weights, 2 (dp - 1)/dp of them.
 
 # %%
-from ultrascale.plan.steptime import micro_batch_flops, recompute_flops  # noqa: E402
+from ultrascale.plan.steptime import micro_batch_flops, recompute_flops, tp_collectives  # noqa: E402
 
-TP_COLLECTIVES = {"none": 8, "selective": 8, "full": 12}  # per layer, as steptime charges them
 print(f"{'':<25}{'layout':<34}{'FLOPs':>9}{'bytes':>8}   measured / cost model; bytes: TP, PP, DP (GB)")
 for case, verdict, c, _, dry, _ in nonempty(dry_checks, "dry runs"):
     model, held = DRY_CASES[case][0], dry_layout(c).microbatches
@@ -480,7 +479,7 @@ for case, verdict, c, _, dry, _ in nonempty(dry_checks, "dry runs"):
     flops = held * (micro_batch_flops(model, c.mbs, SEQ) + recompute_flops(model, c.mbs, SEQ, c.recompute))
     flops = flops * share / c.tp
     hidden = c.mbs * SEQ * model.hidden * element
-    tp = held * TP_COLLECTIVES[c.recompute] * layers * hidden * (c.tp - 1) / c.tp
+    tp = held * tp_collectives(c.recompute) * layers * hidden * (c.tp - 1) / c.tp
     pp = held * hidden / c.tp if c.pp > 1 else 0
     dp = 2 * (c.dp - 1) / c.dp * dry.parameters  # the stage's own weights (its embedding included)
     sent = sum(row["bytes_sent"] for row in dry.collectives.values())

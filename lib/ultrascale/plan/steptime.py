@@ -83,6 +83,12 @@ def recompute_flops(model, mbs: int, seq: int, mode: str) -> float:
     return 0.0
 
 
+def tp_collectives(recompute: str) -> int:
+    """All-gathers and reduce-scatters of a micro-batch's hidden state per layer under TP with SP:
+    4 in forward, 4 in backward, and 4 more when full recomputation repeats the forward."""
+    return 8 + (4 if recompute == "full" else 0)
+
+
 def _p2p(link, nbytes: float) -> float:
     return float(link.message_time(nbytes))
 
@@ -104,8 +110,7 @@ def step_time(model, c: ParallelConfig, seq: int, hardware: Hardware) -> dict:
     parts["compute"], parts["recompute"] = compute, recompute
 
     if c.tp > 1:
-        ops = 8 + (4 if c.recompute == "full" else 0)
-        parts["TP"] = ops * layers * float(hw.link(1, c.tp).ring_phase_time(activation, c.tp))
+        parts["TP"] = tp_collectives(c.recompute) * layers * float(hw.link(1, c.tp).ring_phase_time(activation, c.tp))
     if c.cp > 1:
         kv = 2 * c.mbs * (seq // c.cp) * model.kv_heads * model.head_dim * b / c.tp  # K and V of one block
         sends = 3 * layers * (c.cp - 1) * _p2p(hw.link(c.tp, c.cp), kv)  # K,V fwd; K,V,dK,dV bwd
