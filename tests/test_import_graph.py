@@ -297,3 +297,93 @@ def test_the_planner_uses_the_techniques_only_to_calibrate():
         PLANNER_RUNS,
         "the planner is arithmetic: it never runs the techniques",
     )
+
+
+# --------------------------------------------------------------------------- a technique's basic form
+# Issue 56, item 1: a learner follows a technique from its apply_* through what its module
+# imports. What every technique shares is read once and not counted against any of them: the
+# collectives (comm), the mesh, the timeline (disabled unless asked for), the gradient sum over a
+# group (grad_sync), the plan matcher, and the model, its MoE layer and its data. A module of
+# ``parallel`` or a top-level one is a file; a subpackage (schedule, kernels, precision) is one
+# unit, as comm is. Refinements (SP, async TP, vocabulary parallelism, Ulysses, all-gathered K/V,
+# ZeRO-3) are not imported by the basic form: they register themselves with it when the package
+# imports them.
+SHARED = {
+    "ultrascale.comm",
+    "ultrascale.parallel.mesh",
+    "ultrascale.parallel.timeline",
+    "ultrascale.parallel.grad_sync",
+    "ultrascale.matching",
+    "ultrascale.model",
+    "ultrascale.moe",
+    "ultrascale.data",
+}
+BASIC_FORMS = ("tensor_parallel", "context_parallel", "pipeline_parallel", "expert_parallel", "zero")
+MOST_FILES = 3
+
+
+def unit(module: str) -> str:
+    """The file or package a reader opens for ``module``: a subpackage of ``ultrascale`` other
+    than ``parallel`` is one unit."""
+    parts = module.split(".")
+    return module if len(parts) <= 2 or parts[1] == "parallel" else ".".join(parts[:2])
+
+
+def basic_form(technique: str) -> set[str]:
+    """The units a reader opens from ``parallel/<technique>.py``, following its imports and
+    theirs, not counting the shared ones (nor following them: their own imports are theirs)."""
+    start = f"ultrascale.parallel.{technique}"
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module in seen or unit(module) in SHARED:
+            continue
+        seen.add(module)
+        todo.extend(GRAPH[module])
+    return {unit(m) for m in seen}
+
+
+def reading_list(technique: str) -> str:
+    """The paragraph of the module's opening comment that names its basic form's files."""
+    doc = ast.get_docstring(ast.parse(MODULES[f"ultrascale.parallel.{technique}"].read_text())) or ""
+    for paragraph in doc.split("\n\n"):
+        if "Files for the basic form" in paragraph:
+            return " ".join(paragraph.split())
+    return ""
+
+
+def file_name(unit_name: str) -> str:
+    """How an opening comment names a unit: ``flat.py``, ``schedule/``, ``comm/``."""
+    last = unit_name.rpartition(".")[2]
+    return f"{last}.py" if unit_name in MODULES and not MODULES[unit_name].name == "__init__.py" else f"{last}/"
+
+
+def test_the_basic_form_finder_follows_imports_and_stops_at_the_shared_files():
+    assert unit("ultrascale.schedule.generators") == "ultrascale.schedule"
+    assert unit("ultrascale.parallel.flat") == "ultrascale.parallel.flat"
+    assert file_name("ultrascale.schedule") == "schedule/" and file_name("ultrascale.parallel.flat") == "flat.py"
+    form = basic_form("pipeline_parallel")
+    assert "ultrascale.schedule" in form and form.isdisjoint(SHARED), form
+
+
+def test_each_technique_reads_in_its_module_and_at_most_two_more_files():
+    too_many = {}
+    for technique in BASIC_FORMS:
+        form = basic_form(technique)
+        if len(form) > MOST_FILES:
+            too_many[technique] = sorted(form)
+    assert too_many == {}, (
+        f"a technique's basic form opens more than {MOST_FILES} files besides the shared ones; "
+        f"layer the refinements on from their own modules (they register with the basic form): {too_many}"
+    )
+
+
+def test_each_opening_comment_names_its_basic_forms_files():
+    unnamed = {}
+    for technique in BASIC_FORMS:
+        paragraph = reading_list(technique)
+        names = [file_name(u) for u in sorted(basic_form(technique)) if u != f"ultrascale.parallel.{technique}"]
+        missing = [n for n in names + ["comm/", "mesh.py"] if f"``{n}" not in paragraph]
+        if not paragraph or missing:
+            unnamed[technique] = missing or "no paragraph starting 'Files for the basic form'"
+    assert unnamed == {}, f"the opening comment's reading list misses files the basic form opens: {unnamed}"
