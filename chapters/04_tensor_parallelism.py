@@ -64,13 +64,13 @@ from ultrascale.parallel import Timeline, init_mesh
 from ultrascale.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    VocabParallelLogits,
     apply_tp,
     choose_tp,
     full_gradients,
     full_weights,
     tp_degrees,
 )
+from ultrascale.parallel.vocab_parallel import VocabParallelLogits
 from ultrascale.parity import assert_same, dtensor_tp, first_step_and_train, perturbed
 from ultrascale.refusal import refusal
 from ultrascale.train import gradients, make_optimizer, run_steps

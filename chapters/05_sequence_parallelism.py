@@ -59,7 +59,8 @@ from ultrascale.data import Batches
 from ultrascale.memory import GB, activation_bytes, breakdown, saved_activation_bytes
 from ultrascale.model import GPT, LLAMA3_70B, GPTConfig, count_params
 from ultrascale.parallel import Timeline, init_mesh
-from ultrascale.parallel.tensor_parallel import VocabParallelLogits, apply_tp, choose_tp, full_gradients, full_weights
+from ultrascale.parallel.tensor_parallel import apply_tp, choose_tp, full_gradients, full_weights
+from ultrascale.parallel.vocab_parallel import VocabParallelLogits
 from ultrascale.parity import assert_same, dtensor_tp, first_step_and_train, perturbed, tolerance
 from ultrascale.viz.gantt import lane_summary, plot_gantt
 from ultrascale.viz.live import ProgressBar

@@ -676,7 +676,7 @@ def test_sequence_parallel_norm_hooks_sum_before_accumulation(ch05):
 def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
     import torch.nn.functional as F
 
-    from ultrascale.parallel.parallel_linear import ColumnParallelLinear
+    from ultrascale.parallel.tensor_parallel import ColumnParallelLinear
     from ultrascale.parallel.vocab_parallel import VocabParallelLogits
     from ultrascale.parallel.vocab_parallel import vocab_parallel_cross_entropy as library_loss
 
@@ -721,6 +721,15 @@ def test_tp_exercises_refuse_the_library_answer(ch04, ch05):
         check("05.sequence_parallel_norm_grads", through_the_shared_helper),
         "sync_in_backward",
         "register the hooks yourself",
+    )
+
+    def through_sp_form(module, group):  # what apply_tp(sequence_parallel=True) does to a norm
+        from ultrascale.parallel.sequence_parallel import sum_norm_gradients
+
+        sum_norm_gradients(module, group)
+
+    _fails(
+        check("05.sequence_parallel_norm_grads", through_sp_form), "sum_norm_gradients", "register the hooks yourself"
     )
     # the library works again afterwards, and the solutions pass
     assert check("04.vocab_parallel_cross_entropy", ch04["vocab_parallel_cross_entropy"]).status == PASS

@@ -24,7 +24,7 @@ from ultrascale.comm.functional import f_star
 from ultrascale.data import Batch, Batches
 from ultrascale.model import GPT, GPTConfig, Llama, LlamaConfig
 from ultrascale.parallel.mesh import init_mesh
-from ultrascale.parallel.parallel_linear import RowParallelLinear
+from ultrascale.parallel.tensor_parallel import RowParallelLinear
 from ultrascale.parallel.tensor_parallel import GPT_PLAN, LLAMA_PLAN, apply_tp, full_gradients, full_weights
 from ultrascale.parallel.timeline import Timeline
 from ultrascale.parallel.vocab_parallel import VocabParallelLogits

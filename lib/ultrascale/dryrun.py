@@ -91,7 +91,6 @@ TECHNIQUES = {
     "tensor_parallel.py": "tensor parallelism (TP)",
     "sequence_parallel.py": "sequence parallelism (SP)",
     "vocab_parallel.py": "tensor parallelism (TP, the vocabulary)",
-    "parallel_linear.py": "tensor parallelism (TP)",
     "context_parallel.py": "context parallelism (CP)",
     "ring_attention.py": "context parallelism (CP)",
     "kv_exchange.py": "context parallelism (CP)",

@@ -11,11 +11,12 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
 * ``fsdp``: per-parameter sharding as FSDP2 does it (NB03, beyond the book): each parameter's
   rows sharded, so any torch optimizer steps the shards; mixed precision, HSDP; ``apply_fsdp``.
   ``sharded_muon``: Muon on whole or row-sharded matrices (gathered, or dealt to owners).
-* ``tensor_parallel``: ``apply_tp`` (NB04, NB05), with the column/row-parallel linears of
-  ``parallel_linear`` (plain TP); ``vocab_parallel``: the embedding, head and cross-entropy
-  split over the vocabulary; ``sequence_parallel``: SP's subclasses of the linears (g, g*).
-  ``async_tp``: SP's all-gather and reduce-scatter cut into ring steps that overlap the
-  pieces of the matmuls beside them (NB05, ``apply_tp(..., async_tp=True)``).
+* ``tensor_parallel``: ``apply_tp`` (NB04, NB05) and plain TP's column/row-parallel linears.
+  Its refinements register their layers with it when this package imports them:
+  ``vocab_parallel``, the embedding, head and cross-entropy split over the vocabulary;
+  ``sequence_parallel``, SP's subclasses of the linears (g, g*); ``async_tp``, SP's
+  all-gather and reduce-scatter cut into ring steps that overlap the pieces of the matmuls
+  beside them (NB05, ``apply_tp(..., async_tp=True)``).
 * ``context_parallel``: the sequence split across ranks, contiguous or zig-zag (NB06);
   ``apply_cp``. Its attention is ``ring_attention``: K/V blocks passed round a ring of ranks
   while each block is attended to (or all-gathered), forward and backward; or ``ulysses``
@@ -36,6 +37,9 @@ Checking them (each against one process, or against PyTorch's own version) is
 ``ultrascale.parity``'s: nothing here imports it.
 """
 
+# The refinements first: each registers its layers with the basic form it refines
+# (tensor_parallel.FORMS, ...), so they are in place before anyone can call apply_*.
+from . import async_tp, sequence_parallel, vocab_parallel  # noqa: F401
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from ..matching import match_plan
 from .context_parallel import (

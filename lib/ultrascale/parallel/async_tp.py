@@ -30,20 +30,23 @@ ring assembled in forward (Megatron-LM's regathering would add one more ring in 
 simpler, at the cost of ``b*s*h*(tp-1)/tp`` more saved elements per region).
 
 ``apply_tp(model, group, sequence_parallel=True, async_tp=True)`` (``tensor_parallel.py``)
-puts these layers in place. A TP region (attention, MLP) gathers its input once for all its
+puts these layers in place: this module registers them as ``tensor_parallel.FORMS["async_tp"]``
+(:func:`async_tp_layers`) when the package imports it. A TP region (attention, MLP) gathers its input once for all its
 column-parallel layers (q, k and v read the same tokens): :func:`enter_async_region` runs one
 all-gather + matmul with all their weights and hands each layer its output.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from ..comm.functional import piece_size, rank_and_size
 from ..comm.ring import reduce_round_ring, ring_blocks
-from .parallel_linear import ColumnParallelLinear
-from .sequence_parallel import SequenceParallelRowLinear
+from .sequence_parallel import SequenceParallelRowLinear, sequence_parallel_layers
+from .tensor_parallel import FORMS, ColumnParallelLinear, TPLayers
 from .timeline import or_disabled
 
 __all__ = [
@@ -55,6 +58,7 @@ __all__ = [
     "AsyncRowParallelLinear",
     "enter_async_region",
     "enter_region_overlapped",
+    "async_tp_layers",
 ]
 
 
@@ -225,3 +229,18 @@ def enter_async_region(module, x, group, timeline=None):
 def enter_region_overlapped(module, group=None, timeline=None):
     """Make ``module`` a TP region under async TP: :func:`enter_async_region` at its entrance."""
     module.register_forward_pre_hook(lambda mod, args: (enter_async_region(mod, args[0], group, timeline), *args[1:]))
+
+
+def async_tp_layers(group, regather_in_backward, timeline) -> TPLayers:
+    """What ``apply_tp(..., async_tp=True)`` builds: SP's form with the linears and the regions'
+    entrances above. The timeline gets the matmul pieces and ring steps, not per-block bars
+    (which would cover them)."""
+    return sequence_parallel_layers(group, regather_in_backward, timeline)._replace(
+        column=partial(AsyncColumnParallelLinear.from_linear, timeline=timeline),
+        row=partial(AsyncRowParallelLinear.from_linear, timeline=timeline),
+        enter_region=partial(enter_region_overlapped, group=group, timeline=timeline),
+        block_bars=False,
+    )
+
+
+FORMS["async_tp"] = async_tp_layers

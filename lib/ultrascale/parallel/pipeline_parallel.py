@@ -2,7 +2,8 @@
 
 Files for the basic form, in reading order: ``schedule/`` (the action lists, simulated and
 checked), this module (``apply_pp``, which runs them), ``pipeline_messages.py`` (the
-activations and gradients sent between stages) and ``mesh.py`` (the pp group).
+activations and gradients sent between stages, over ``comm/ring.py``'s paired send and
+receive) and ``mesh.py`` (the pp group).
 
 Pipeline parallelism (PP) gives each of the ``pp`` ranks a slice of the layers: the first
 stage also holds the embedding, the last the final norm, the head and the loss. A batch is

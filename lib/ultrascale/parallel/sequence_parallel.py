@@ -1,8 +1,10 @@
 """Sequence parallelism (SP): the work between the tensor-parallel regions split along the sequence.
 
-Files, in reading order: ``tensor_parallel.py`` (``apply_tp(..., sequence_parallel=True)``),
-``parallel_linear.py`` (the plain TP layers these subclass), this module,
-``comm/functional.py`` (``g``, ``g*``); the tp group comes from ``mesh.py``.
+Files, in reading order: ``tensor_parallel.py`` (``apply_tp(..., sequence_parallel=True)``
+and the plain TP layers these subclass), ``vocab_parallel.py`` (the embedding and head these
+subclass), this module, ``comm/functional.py`` (``g``, ``g*``); the tp group comes from
+``mesh.py``. This module registers its layers as ``tensor_parallel.FORMS["sequence_parallel"]``
+(:func:`sequence_parallel_layers`) when the package imports it.
 
 Between the TP regions (norms, residual adds) the activations are identical on every tp
 rank, so that work and memory are split along the sequence instead. ``f``/``f*`` become
@@ -29,13 +31,15 @@ replace. ``apply_tp`` chooses the pieces of this module when ``sequence_parallel
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm.functional import g, g_star, gather_along_dim
 from .grad_sync import sync_in_backward
-from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .tensor_parallel import FORMS, ColumnParallelLinear, RowParallelLinear, TPLayers
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 
 __all__ = [
@@ -47,6 +51,8 @@ __all__ = [
     "RegatherInBackward",
     "fill_global_positions",
     "sum_gradient_over_tp",
+    "sum_norm_gradients",
+    "sequence_parallel_layers",
     "enter_region_keeping_shard",
     "leave_region",
 ]
@@ -212,3 +218,29 @@ def fill_global_positions(model, tp: int):
         return args, {**kwargs, "positions": torch.arange(seq, device=idx.device)}
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+# --------------------------------------------------------------------------- SP's form of TP
+def sum_norm_gradients(module, group) -> None:
+    """A norm run on this rank's slice of the tokens ("sequence_norm" in a plan): its
+    parameters' gradients are summed over the tp group (:func:`sum_gradient_over_tp`)."""
+    for p in module.parameters():
+        sum_gradient_over_tp(p, group)
+
+
+def sequence_parallel_layers(group, regather_in_backward, timeline) -> TPLayers:
+    """What ``apply_tp(..., sequence_parallel=True)`` builds: the layers above, g at each
+    region's entrance, norm gradients summed over tp, and RoPE positions for the whole sequence."""
+    regather = regather_in_backward
+    return TPLayers(
+        partial(SequenceParallelColumnLinear.from_linear, regather=regather),
+        SequenceParallelRowLinear.from_linear,
+        SequenceParallelEmbedding.from_embedding,
+        partial(SequenceParallelVocabHead.from_linear, regather=regather),
+        partial(enter_region_with_g, group=group, regather=regather),
+        sequence_norm=sum_norm_gradients,
+        finish=fill_global_positions,
+    )
+
+
+FORMS["sequence_parallel"] = sequence_parallel_layers

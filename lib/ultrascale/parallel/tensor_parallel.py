@@ -1,22 +1,24 @@
-"""Tensor parallelism (Megatron-LM) and sequence parallelism, applied from outside.
+"""Tensor parallelism (Megatron-LM), applied from outside.
 
-Files for the basic form, in reading order: this module (:func:`apply_tp`),
-``parallel_linear.py`` (the two layers), ``comm/functional.py`` (``f``, ``f*``) and
-``mesh.py`` (the tp group): four, since the layers have a module of their own.
+Files for the basic form, in reading order: this module (:func:`apply_tp`, then the two
+layers), ``comm/functional.py`` (``f``, ``f*``) and ``mesh.py`` (the tp group).
 
 Tensor parallelism (TP) splits every large matrix multiply over the ``tp`` ranks with a
-**column-parallel** linear (a slice of the output features; its input enters through ``f``)
-followed by a **row-parallel** one (a slice of the input features; ``f*`` sums the ranks'
-partial results). Attention is column-parallel q, k, v then row-parallel ``out``: a rank
-holds whole heads and the course model reads the head count from the shapes, so it runs
-unchanged. The MLP is column-parallel fc (gate and up for SwiGLU), then row-parallel proj
-(down). This module applies them to a model: a plan names each module's style,
+**column-parallel** linear (a slice of the output features; its input enters through ``f``,
+the identity forward and an all-reduce backward) followed by a **row-parallel** one (a slice
+of the input features; ``f*`` sums the ranks' partial results). Attention is column-parallel
+q, k, v then row-parallel ``out``: a rank holds whole heads and the course model reads the
+head count from the shapes, so it runs unchanged. The MLP is column-parallel fc (gate and up
+for SwiGLU), then row-parallel proj (down). A plan names each module's style,
 :func:`checked_tp_plan` checks everything before anything is swapped, and :func:`apply_tp`
 swaps the layers.
 
-The refinements each have their own module, and ``apply_tp`` chooses their layers:
+The refinements each live in a module of their own, which registers its layers in
+:data:`FORMS` (or :data:`VOCABULARY`) when the package imports it, so this module imports none
+of them and ``apply_tp`` only looks its choice up:
 
-* ``vocab_parallel.py``: the embedding, LM head and cross-entropy split over the vocabulary;
+* ``vocab_parallel.py``: the embedding, LM head and cross-entropy split over the vocabulary
+  (plan styles "vocab_embedding" and "vocab_head");
 * ``sequence_parallel.py``: ``sequence_parallel=True``, the activations between the TP
   regions split along the sequence (``g``/``g*``, regathering in backward, norm gradients,
   RoPE positions);
@@ -35,27 +37,21 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from ..comm.functional import gather_along_dim, rank_and_size
+from ..comm.functional import f, f_star, gather_along_dim, rank_and_size
 from ..matching import match_plan
-from .async_tp import AsyncColumnParallelLinear, AsyncRowParallelLinear, enter_region_overlapped
 from .mesh import axis_group
-from .parallel_linear import ColumnParallelLinear, RowParallelLinear, enter_region_with_f
-from .sequence_parallel import (
-    SequenceParallelColumnLinear,
-    SequenceParallelEmbedding,
-    SequenceParallelRowLinear,
-    SequenceParallelVocabHead,
-    enter_region_with_g,
-    fill_global_positions,
-    sum_gradient_over_tp,
-)
-
-# VocabParallelLogits: not used here, but chapters 04 and 05 import it from this module.
-from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, VocabParallelLogits  # noqa: F401
 
 __all__ = [
     "apply_tp",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "shard_parameter",
+    "enter_region_with_f",
+    "TPLayers",
+    "FORMS",
+    "VOCABULARY",
     "checked_tp_plan",
     "full_weights",
     "full_gradients",
@@ -133,7 +129,8 @@ def apply_tp(
     group = axis_group(mesh_or_group, "tp")
     _, n = rank_and_size(group, "tensor-parallel layers")
     chosen = checked_tp_plan(model, plan, n, sequence_parallel=sequence_parallel, async_tp=async_tp)
-    layers = _layers(group, sequence_parallel, regather_in_backward, async_tp, timeline)
+    form = "async_tp" if async_tp else "sequence_parallel" if sequence_parallel else "plain"
+    layers = FORMS[form](group, regather_in_backward, timeline)
     shared = {}  # original parameter -> its shard: keeps tied weights tied
     for name, style in chosen.items():  # named_modules order: embed before head
         module = model.get_submodule(name)
@@ -148,54 +145,144 @@ def apply_tp(
             model.set_submodule(name, layers.embedding(module, group, shared))
         elif style == "vocab_head":
             model.set_submodule(name, layers.head(module, group, True, shared))
-        elif sequence_parallel:  # sequence_norm: runs on a slice of the tokens
-            for p in module.parameters():
-                sum_gradient_over_tp(p, group)
-    if sequence_parallel:
-        fill_global_positions(model, n)
-    if timeline is not None and hasattr(model, "blocks") and not async_tp:
+        else:  # sequence_norm: replicated in plain TP; SP runs it on a slice of the tokens
+            layers.sequence_norm(module, group)
+    layers.finish(model, n)
+    if timeline is not None and layers.block_bars and hasattr(model, "blocks"):  # no hooks unless asked
         timeline.instrument(model.blocks)
     return model
 
 
 class TPLayers(NamedTuple):
-    """What :func:`apply_tp` builds for each style: the layers (``from_linear`` /
-    ``from_embedding``) and what makes a module a TP region."""
+    """What :func:`apply_tp` builds for each style in one form of TP: the layers
+    (``from_linear`` / ``from_embedding``), what makes a module a TP region, what a
+    "sequence_norm" module needs, what the model needs once every layer is in place, and
+    whether the timeline gets a bar per block."""
 
     column: Callable
     row: Callable
     embedding: Callable
     head: Callable
     enter_region: Callable
+    sequence_norm: Callable = lambda module, group: None
+    finish: Callable = lambda model, tp: None
+    block_bars: bool = True
 
 
-def _layers(group, sequence_parallel, regather, async_tp, timeline) -> TPLayers:
-    """Plain TP's layers and f at a region's entrance (``parallel_linear.py``,
-    ``vocab_parallel.py``), SP's with g and g* (``sequence_parallel.py``), or async TP's, SP's
-    collectives overlapped with the matmuls (``async_tp.py``)."""
-    if async_tp:
-        return TPLayers(
-            partial(AsyncColumnParallelLinear.from_linear, timeline=timeline),
-            partial(AsyncRowParallelLinear.from_linear, timeline=timeline),
-            SequenceParallelEmbedding.from_embedding,
-            partial(SequenceParallelVocabHead.from_linear, regather=regather),
-            partial(enter_region_overlapped, group=group, timeline=timeline),
-        )
-    if sequence_parallel:
-        return TPLayers(
-            partial(SequenceParallelColumnLinear.from_linear, regather=regather),
-            SequenceParallelRowLinear.from_linear,
-            SequenceParallelEmbedding.from_embedding,
-            partial(SequenceParallelVocabHead.from_linear, regather=regather),
-            partial(enter_region_with_g, group=group, regather=regather),
-        )
+# The forms of TP by name, each a function (group, regather_in_backward, timeline) -> TPLayers.
+# "plain" is below; sequence_parallel.py adds "sequence_parallel" and async_tp.py "async_tp".
+# vocab_parallel.py fills VOCABULARY with the vocabulary-parallel "embedding" and "head" that
+# plain TP uses. Registries, not imports: the refinements build on this module's layers, so
+# importing them here would make an import circle. ultrascale/parallel/__init__.py imports
+# every refinement, so both are full whenever anything of ultrascale.parallel is imported.
+FORMS: dict[str, Callable[..., TPLayers]] = {}
+VOCABULARY: dict[str, Callable] = {}
+
+
+def plain_layers(group, regather_in_backward, timeline) -> TPLayers:
+    """Plain TP: the column- and row-parallel linears below, ``f`` once at each region's
+    entrance, and the vocabulary-parallel embedding and head."""
     return TPLayers(
         ColumnParallelLinear.from_linear,
         RowParallelLinear.from_linear,
-        VocabParallelEmbedding.from_embedding,
-        VocabParallelHead.from_linear,
+        VOCABULARY["embedding"],
+        VOCABULARY["head"],
         partial(enter_region_with_f, group=group),
     )
+
+
+FORMS["plain"] = plain_layers
+
+
+# --------------------------------------------------------------------------- the two layers
+# Megatron-LM's column- and row-parallel linears, and slicing a weight for this rank. These
+# are plain TP only: sequence parallelism's versions (g/g* in place of f/f*) are subclasses in
+# sequence_parallel.py, async TP's in async_tp.py.
+def shard_parameter(tensor, dim, group, shared=None) -> nn.Parameter:
+    """This rank's slice of ``tensor`` along ``dim`` as a new Parameter. ``shared`` maps an
+    original parameter to its shard, so weights tied in the model stay tied (GPT's embedding)."""
+    if shared is not None and id(tensor) in shared:
+        return shared[id(tensor)]
+    rank, n = rank_and_size(group, "tensor-parallel layers")
+    if tensor.shape[dim] % n:
+        raise ValueError(
+            f"tp={n} does not divide the {tensor.shape[dim]} rows/columns (dim {dim}) of a "
+            f"{tuple(tensor.shape)} weight: choose a tp that divides it"
+        )
+    piece = tensor.shape[dim] // n
+    local = nn.Parameter(tensor.detach().narrow(dim, rank * piece, piece).clone(), requires_grad=tensor.requires_grad)
+    local.tp_shard_dim, local.tp_group = dim, group
+    if shared is not None:
+        shared[id(tensor)] = local
+    return local
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = f(x) W_r^T + b_r: this rank's slice of the output features.
+
+    The output stays split along the features. ``enter_region=False``: the module around
+    this layer already applied f, once for all its column-parallel layers
+    (:func:`enter_region_with_f`, ``apply_tp``'s "parallel_region" style)."""
+
+    def __init__(self, weight, bias=None, group=None, enter_region=True):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.enter_region = group, enter_region
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, enter_region=True, shared=None, **options):
+        """Slice an existing ``nn.Linear`` (rows of its weight, its bias) for this rank;
+        ``options`` go on to the constructor (a subclass's own arguments)."""
+        bias = None if linear.bias is None else shard_parameter(linear.bias, 0, group, shared)
+        return cls(shard_parameter(linear.weight, 0, group, shared), bias, group, enter_region, **options)
+
+    def forward(self, x):
+        if self.enter_region:
+            x = f(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self):
+        return (
+            f"in_features={self.weight.shape[1]}, local out_features={self.weight.shape[0]}, "
+            f"bias={self.bias is not None}, enter_region={self.enter_region}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """y = f*(x_r W_r^T) + b: this rank's input features; the partial products are summed.
+
+    The bias is added after the sum: added on every rank before it, it would count tp times."""
+
+    def __init__(self, weight, bias=None, group=None):
+        super().__init__()
+        self.weight, self.bias, self.group = weight, bias, group
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, shared=None, **options):
+        """Slice an existing ``nn.Linear`` (columns of its weight) for this rank; the bias is kept whole."""
+        bias = (
+            None
+            if linear.bias is None
+            else nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        )
+        return cls(shard_parameter(linear.weight, 1, group, shared), bias, group, **options)
+
+    def forward(self, x):
+        y = f_star(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return (
+            f"local in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+def enter_region_with_f(module, group=None):
+    """Make ``module`` a TP region: f once at its entrance for all the column-parallel layers
+    inside (built with ``enter_region=False``). q, k and v read the same input, so backward
+    all-reduces its gradient once, not three times."""
+    module.register_forward_pre_hook(lambda mod, args: (f(args[0], group), *args[1:]))
 
 
 # --------------------------------------------------------------------------- checking a plan

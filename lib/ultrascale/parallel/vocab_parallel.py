@@ -10,7 +10,8 @@ the target's logit, never the full ``(tokens x vocab)`` logits (torchtitan's
 that does not divide it is refused. GPT ties ``head.weight`` to ``embed.weight``: both are
 sharded by vocabulary rows, so they share one local Parameter.
 ``tensor_parallel.apply_tp`` puts these layers in the model (plan styles "vocab_embedding"
-and "vocab_head").
+and "vocab_head"): this module registers them in ``tensor_parallel.VOCABULARY`` when the
+package imports it, and sequence parallelism subclasses them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm.functional import f_star, gather_along_dim, rank_and_size
-from .parallel_linear import ColumnParallelLinear, shard_parameter
+from .tensor_parallel import VOCABULARY, ColumnParallelLinear, shard_parameter
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelHead", "VocabParallelLogits", "vocab_parallel_cross_entropy"]
 
@@ -167,3 +168,9 @@ def vocab_parallel_cross_entropy(
     sums = f_star(torch.stack([shifted.exp().sum(-1), target_logit]), group)
     counted = targets != ignore_index
     return torch.where(counted, sums[0].log() - sums[1], 0.0).sum() / counted.sum()
+
+
+# What apply_tp builds for the styles "vocab_embedding" and "vocab_head" (plain TP; SP and
+# async TP register subclasses of these in their own forms).
+VOCABULARY["embedding"] = VocabParallelEmbedding.from_embedding
+VOCABULARY["head"] = VocabParallelHead.from_linear

@@ -280,7 +280,7 @@ def _grads_problem(got, want, names) -> str | None:
 
 
 def _column_on_rank(ctx, forward, seed, split):
-    from ultrascale.parallel.parallel_linear import ColumnParallelLinear
+    from ultrascale.parallel.tensor_parallel import ColumnParallelLinear
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
@@ -375,7 +375,7 @@ def test_column_parallel_linear(
 
 
 def _row_on_rank(ctx, forward, seed, split):
-    from ultrascale.parallel.parallel_linear import RowParallelLinear
+    from ultrascale.parallel.tensor_parallel import RowParallelLinear
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)

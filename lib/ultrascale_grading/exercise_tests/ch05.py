@@ -300,14 +300,19 @@ def _watch_hook_arguments(module) -> list:
 
 def _norm_on_rank(ctx, sync_norm_gradients, seed, split):
     from ultrascale.comm import CommLogger
-    from ultrascale.parallel import grad_sync, tensor_parallel
+    from ultrascale.parallel import grad_sync, sequence_parallel
 
     group, layout = tp_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
     norm, reference, alone = (_layer_norm(seed, ctx.device) for _ in range(3))
     given = _watch_hook_arguments(norm)  # registered first: the learner's hooks get the same tensors
     forbid = (
-        [tensor_parallel.sum_gradient_over_tp, grad_sync.sync_in_backward, grad_sync.reduce_gradient],
+        [
+            sequence_parallel.sum_norm_gradients,
+            sequence_parallel.sum_gradient_over_tp,
+            grad_sync.sync_in_backward,
+            grad_sync.reduce_gradient,
+        ],
         "05.sequence_parallel_norm_grads",
         "register the hooks yourself",
     )
