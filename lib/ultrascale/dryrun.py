@@ -93,7 +93,7 @@ TECHNIQUES = {
     "vocab_parallel.py": "tensor parallelism (TP, the vocabulary)",
     "context_parallel.py": "context parallelism (CP)",
     "ring_attention.py": "context parallelism (CP)",
-    "kv_exchange.py": "context parallelism (CP)",
+    "all_gather_kv.py": "context parallelism (CP)",
     "ulysses.py": "context parallelism (Ulysses)",
     "pipeline_parallel.py": "pipeline parallelism (PP)",
     "pipeline_messages.py": "pipeline parallelism (PP)",

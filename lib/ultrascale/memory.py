@@ -276,7 +276,7 @@ def cp_kv_buffer_bytes(
     running sum of dK/dV on while another arrives and a third is filled (3 * 2 blocks; 2 with
     cp = 1), the all-gather variant
     fills dK/dV for every rank's block before the reduce-scatter (2 * cp blocks).
-    ``parallel.kv_exchange.KVBufferMeter`` measures the same buffers.
+    ``parallel.ring_attention.KVBufferMeter`` measures the same buffers.
     """
     if kind not in ("ring", "all_gather"):
         raise ValueError(f"kind={kind!r}: choose 'ring' or 'all_gather'")

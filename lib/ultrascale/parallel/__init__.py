@@ -19,8 +19,9 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   beside them (NB05, ``apply_tp(..., async_tp=True)``).
 * ``context_parallel``: the sequence split across ranks, contiguous or zig-zag (NB06);
   ``apply_cp``. Its attention is ``ring_attention``: K/V blocks passed round a ring of ranks
-  while each block is attended to (or all-gathered), forward and backward; or ``ulysses``
-  (``kind="ulysses"``): an all-to-all from sequence slices to head groups and back.
+  while each block is attended to, forward and backward; ``all_gather_kv`` registers
+  ``kind="all_gather"`` with it when imported here (the K/V all-gathered instead); or
+  ``ulysses`` (``kind="ulysses"``): an all-to-all from sequence slices to head groups and back.
 * ``pipeline_parallel``: the model cut into stages, run by ``ultrascale.schedule``'s action
   lists (NB07); ``apply_pp`` (trained by ``train.run_pipeline_steps``).
 * ``expert_parallel``: the experts of every MoE layer split over ranks, tokens dispatched and
@@ -42,8 +43,8 @@ Checking them (each against one process, or against PyTorch's own version) is
 from . import async_tp, sequence_parallel, vocab_parallel  # noqa: F401
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from ..matching import match_plan
+from .all_gather_kv import all_gather_attention  # registers kind='all_gather' with ring attention
 from .context_parallel import (
-    all_gather_attention,
     apply_cp,
     causal_tile_counts,
     context_parallel_attention,

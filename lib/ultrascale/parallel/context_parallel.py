@@ -1,10 +1,12 @@
 """Context parallelism (CP): the sequence split across ranks, applied from outside.
 
 Files for the basic form (ring attention), in reading order: this module (``apply_cp``),
-``ring_attention.py`` (attention over the split sequence, forward and backward; it merges
-partial results with ``kernels/tiled_attention.py``'s online softmax), ``kv_exchange.py`` (the
-K/V blocks and their gradients round the ring), ``comm/ring.py`` (one ring step) and ``mesh.py``
-(the cp group). Ulysses (``ulysses.py``) is the other road, in a module of its own.
+``ring_attention.py`` (attention over the split sequence, forward and backward, and the K/V
+blocks and their gradients round the ring; it merges partial results with
+``kernels/tiled_attention.py``'s online softmax), ``comm/ring.py`` (one ring step) and
+``mesh.py`` (the cp group). ``all_gather_kv.py`` (K/V all-gathered instead of passed round the
+ring, ``kind="all_gather"``) registers itself with ring attention when the package imports it.
+Ulysses (``ulysses.py``) is the other road, in a module of its own.
 
 Under CP every rank holds a slice of the sequence through the whole model: embeddings,
 norms, MLPs and the loss treat tokens one at a time and need nothing from the other ranks.
@@ -50,23 +52,16 @@ from ..data import sequence_positions
 from ..matching import match_plan
 from .grad_sync import sync_in_backward
 from .mesh import axis_group
-from .kv_exchange import KVBufferMeter
-from .ring_attention import KINDS as RING_KINDS
-from .ring_attention import LAYOUTS, all_gather_attention, context_parallel_attention, ring_attention
+from .ring_attention import KV_EXCHANGES, LAYOUTS, KVBufferMeter, context_parallel_attention, ring_attention
 from .ulysses import LAYOUT_REFUSAL, ulysses_attention, ulysses_problem
-
-# The ring's two ways of moving K/V, and Ulysses's all-to-all to head groups (``ulysses.py``).
-KINDS = (*RING_KINDS, "ulysses")
 
 __all__ = [
     "LAYOUTS",
-    "KINDS",
     "sequence_positions",
     "split_sequence",
     "causal_tile_counts",
     "context_parallel_attention",
     "ring_attention",
-    "all_gather_attention",
     "apply_cp",
     "ulysses_attention",
     "KVBufferMeter",
@@ -140,10 +135,11 @@ def apply_cp(
     group = axis_group(mesh_or_group, "cp")
     r, n = rank_and_size(group, "context parallelism")  # checked once: the positions hook reuses r, n
     plan = {"blocks.*.attn": kind} if plan is None else plan
-    if layout not in LAYOUTS or not set(plan.values()) <= set(KINDS):
+    kinds = (*KV_EXCHANGES, "ulysses")  # the ring's ways of moving K/V, and Ulysses's all-to-all
+    if layout not in LAYOUTS or not set(plan.values()) <= set(kinds):
         raise ValueError(
             f"layout={layout!r}, plan kinds {sorted(set(plan.values()))}: choose a layout in "
-            f"{LAYOUTS} and kinds in {KINDS}"
+            f"{LAYOUTS} and kinds in {kinds}"
         )
     if "ulysses" in plan.values() and layout != "contiguous":
         raise ValueError(f"kind='ulysses' with layout={layout!r}: {LAYOUT_REFUSAL}")

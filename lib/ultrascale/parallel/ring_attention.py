@@ -11,15 +11,23 @@ Each rank of the group holds a slice of the sequence: its queries, keys and valu
   FlashAttention (chapter 11), across ranks instead of across tiles. Besides its own
   block a rank holds two in flight (the one it attends to and the one arriving), whatever cp is;
 * **all-gather**: gather every rank's K/V at once, then attend to the same blocks in the
-  same order (Llama 3's choice): one collective, and a buffer of the whole sequence's K/V.
+  same order (Llama 3's choice): one collective, and a buffer of the whole sequence's K/V
+  (a refinement, ``all_gather_kv.py``).
 
 Backward is real, not autograd over a gathered copy (ring-flash-attention's design): the
 forward saves Q, K, V, the output and each row's log-sum-exp (lse); backward sends the K/V
 round the ring again, rebuilds each block's probabilities from the saved lse (as
 FlashAttention's backward does), and sums each block's dK/dV round the ring: a running sum
 passes from rank to rank, every rank adding its share, and ends, complete, at the rank that
-owns the block. The all-gather variant gathers again and reduce-scatters dK/dV. How the K/V blocks
-and their gradients move between the ranks is its own idea, in ``kv_exchange.py``.
+owns the block.
+
+**How the K/V move is a kind.** ``KV_EXCHANGES[kind]`` is a pair: ``blocks(k, v, group,
+timeline)`` yields ``(owner rank, (k, v))`` for every rank's block, own block first;
+``gradients(k, v, dtype, group, timeline, add_part)`` returns this rank's dK/dV
+((2, *k.shape)), having called ``add_part(owner, k, v, into)`` for this rank's share of each
+block. The ring's pair is here (walks of ``comm/ring.py``); the all-gather's registers itself
+from ``all_gather_kv.py`` when the package imports it. ``KVBufferMeter`` measures the bytes of
+their buffers alive at once on a rank (``memory.cp_kv_buffer_bytes`` is the model).
 
 The causal mask is computed from the tokens' *global* positions (``data.sequence_positions``
 for the layout), so the contiguous and zig-zag layouts both work; a block, or the rows and
@@ -29,28 +37,126 @@ applies this to the course model.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from ..comm.functional import rank_and_size
 from ..comm.logger import labelled
+from ..comm.ring import reduce_round_ring, ring_blocks
 from ..data import SEQUENCE_LAYOUTS as LAYOUTS
 from ..data import sequence_positions
 from ..kernels.tiled_attention import merge_partial_attention
-from .kv_exchange import KV_EXCHANGES
 from .timeline import or_disabled
 
 __all__ = [
-    "KINDS",
+    "KV_EXCHANGES",
+    "KVBufferMeter",
+    "count_buffer",
+    "ring_kv_blocks",
+    "ring_kv_gradients",
     "LAYOUTS",
     "context_parallel_attention",
     "ring_attention",
-    "all_gather_attention",
     "ContextParallelAttention",
     "check_attention_inputs",
 ]
 
-KINDS = ("ring", "all_gather")
+
+# --------------------------------------------------------------------------- the K/V buffers, measured
+class KVBufferMeter:
+    """Measures the bytes of the K/V (and dK/dV) buffers that context-parallel attention
+    allocates for other ranks' blocks, alive at once on this rank: ``with KVBufferMeter()
+    as meter: ...; meter.peak``. (``memory.cp_kv_buffer_bytes`` is the model.)"""
+
+    _open: list = []
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def __enter__(self):
+        KVBufferMeter._open.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        KVBufferMeter._open.remove(self)
+
+    def _add(self, nbytes):
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+
+def count_buffer(t):
+    """Count a new communication buffer in the open meters until it is garbage."""
+    for meter in KVBufferMeter._open:
+        meter._add(t.nbytes)
+        weakref.finalize(t, meter._add, -t.nbytes)
+    return t
+
+
+# --------------------------------------------------------------------------- the K/V round the ring
+_K, _V, _DKV = 0, 1, 2  # message tags: K, V and dK/dV transfers may be in flight together
+
+
+def ring_kv_blocks(k, v, group, timeline):
+    """Yield ``(owner rank, (k, v))`` for every rank's block, own block first (``ring_blocks``:
+    the next block travels while the caller attends to this one). A step's K and V go as one
+    batch, into one of two receive buffers that take turns: the buffer received two steps ago
+    has been sent on by now."""
+    buffers = []
+
+    def receive_buffer(step, owner):
+        if len(buffers) < 2:
+            buffers.append(count_buffer(k.new_empty((2, *k.shape))))
+        return tuple(buffers[step % 2])
+
+    yield from ring_blocks((k, v), group, receive_buffer, tag=_K, batched=True, timeline=timeline, name="receive K/V")
+
+
+def ring_kv_gradients(k, v, dtype, group, timeline, add_part):
+    """This rank's dK/dV ((2, *k.shape) in ``dtype``): every rank's share of it, summed round the
+    ring (``reduce_round_ring``). At step s this rank adds its share of block ``r - s - 1`` to the
+    running sum that arrived, and passes it on; its own block comes last, when the sum of
+    every other rank's share has come round. The K/V blocks walk the ring as in forward, one
+    step ahead: the own block is set aside for the last step.
+
+    Three buffers take turns: the sum being sent, the one arriving, and the next one filled
+    meanwhile (the step's compute overlaps both transfers)."""
+    blocks = ring_kv_blocks(k, v, group, timeline)
+    own = next(blocks)  # (r, (k, v)); the transfer of the previous rank's block has started
+    buffers, filled = [], itertools.count(0, 2)
+
+    def buffer(i):
+        while len(buffers) <= i:
+            buffers.append(count_buffer(k.new_empty((2, *k.shape), dtype=dtype)))
+        return buffers[i]
+
+    # Step s fills buffer 2s mod 3 and receives into 2s + 1 mod 3. While step s + 1 fills
+    # 2s + 2 mod 3, those two are still in flight: the three never meet.
+    def term(owner):  # this rank's share of block ``owner``
+        src, (k_blk, v_blk) = own if owner == own[0] else next(blocks)
+        running = buffer(next(filled) % 3).zero_()
+        add_part(src, k_blk, v_blk, running)
+        return running
+
+    return reduce_round_ring(
+        term,
+        group,
+        lambda running, incoming: running.add_(incoming),
+        lambda s, owner: buffer((2 * s + 1) % 3),
+        tag=_DKV,
+        batched=True,
+        timeline=timeline,
+        name="receive dK/dV",
+    )
+
+
+# For each kind of context-parallel attention: how the K/V blocks come, and how dK/dV goes back.
+# The ring is the basic form; refinements add their kinds when the package imports them
+# (``all_gather_kv.py``: "all_gather").
+KV_EXCHANGES = {"ring": (ring_kv_blocks, ring_kv_gradients)}
 
 
 # --------------------------------------------------------------------------- which keys a query block sees
@@ -175,8 +281,8 @@ _SIZES = ("batch", "heads", "sequence length", "head_dim", "K/V heads")
 
 def _local_problem(q, k, v, layout, kind):
     """What is wrong with this rank's own inputs, or None."""
-    if layout not in LAYOUTS or kind not in KINDS:
-        return f"layout={layout!r}, kind={kind!r}: choose a layout in {LAYOUTS} and a kind in {KINDS}"
+    if layout not in LAYOUTS or kind not in KV_EXCHANGES:
+        return f"layout={layout!r}, kind={kind!r}: choose a layout in {LAYOUTS} and a kind in {tuple(KV_EXCHANGES)}"
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         return (
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q (batch, heads, "
@@ -257,8 +363,3 @@ def context_parallel_attention(
 def ring_attention(q, k, v, group=None, **options):
     """``context_parallel_attention`` with the K/V passed round the ring, point to point."""
     return context_parallel_attention(q, k, v, group, kind="ring", **options)
-
-
-def all_gather_attention(q, k, v, group=None, **options):
-    """``context_parallel_attention`` with the K/V all-gathered first (and dK/dV reduce-scattered)."""
-    return context_parallel_attention(q, k, v, group, kind="all_gather", **options)

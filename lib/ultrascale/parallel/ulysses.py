@@ -129,6 +129,6 @@ def ulysses_bytes(batch, heads, kv_heads, seq, head_dim, cp, bytes_per_element, 
 def ring_bytes(batch, kv_heads, seq, head_dim, cp, bytes_per_element, backward=False) -> int:
     """Bytes one rank sends in one attention's forward (or backward) under ring attention:
     K and V blocks of (seq/cp x kv_dim), cp - 1 hops; backward again, plus dK/dV's sums, cp - 1
-    hops (``kv_exchange.ring_kv_gradients``)."""
+    hops (``ring_attention.ring_kv_gradients``)."""
     block = batch * kv_heads * (seq // cp) * head_dim * bytes_per_element
     return 2 * block * (cp - 1) * (2 if backward else 1)

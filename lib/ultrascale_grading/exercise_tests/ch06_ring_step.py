@@ -189,7 +189,6 @@ def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r
 
     # The module (the package re-exports a function of the same name).
     ring_attention = importlib.import_module("ultrascale.parallel.ring_attention")
-    kv_exchange = importlib.import_module("ultrascale.parallel.kv_exchange")
     comm_ring = importlib.import_module("ultrascale.comm.ring")
 
     seq = q_full.shape[2]
@@ -203,7 +202,7 @@ def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r
     forbid = (
         [
             ring_attention.context_parallel_attention,
-            kv_exchange.ring_kv_blocks,
+            ring_attention.ring_kv_blocks,
             comm_ring.ring_step,
             comm_ring.ring_blocks,
             ring_attention.ContextParallelAttention.forward,
