@@ -19,9 +19,10 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   beside them (NB05, ``apply_tp(..., async_tp=True)``).
 * ``context_parallel``: the sequence split across ranks, contiguous or zig-zag (NB06);
   ``apply_cp``. Its attention is ``ring_attention``: K/V blocks passed round a ring of ranks
-  while each block is attended to, forward and backward; ``all_gather_kv`` registers
-  ``kind="all_gather"`` with it when imported here (the K/V all-gathered instead); or
-  ``ulysses`` (``kind="ulysses"``): an all-to-all from sequence slices to head groups and back.
+  while each block is attended to, forward and backward. Two refinements register themselves
+  with it when imported here: ``all_gather_kv`` (``kind="all_gather"``: the K/V all-gathered
+  instead) and ``ulysses`` (``kind="ulysses"``): an all-to-all from sequence slices to head
+  groups and back.
 * ``pipeline_parallel``: the model cut into stages, run by ``ultrascale.schedule``'s action
   lists (NB07); ``apply_pp`` (trained by ``train.run_pipeline_steps``).
 * ``expert_parallel``: the experts of every MoE layer split over ranks, tokens dispatched and
@@ -65,6 +66,7 @@ from .mesh import AXES, Mesh, init_mesh
 from .pipeline_parallel import Pipeline, apply_pp, backward_input, backward_weight, split_layers, stage_modules
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tp
 from .timeline import COMMUNICATION, COMPUTE, Event, Timeline, covered_seconds, overlap_seconds
+from .ulysses import ulysses_attention  # registers kind='ulysses' with apply_cp
 from .zero import FlatUnit, ZeRO, apply_zero
 
 __all__ = [
@@ -81,6 +83,7 @@ __all__ = [
     "apply_ep",
     "expert_parameters",
     "all_gather_attention",
+    "ulysses_attention",
     "apply_cp",
     "causal_tile_counts",
     "context_parallel_attention",

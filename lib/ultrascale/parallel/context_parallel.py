@@ -4,17 +4,18 @@ Files for the basic form (ring attention), in reading order: this module (``appl
 ``ring_attention.py`` (attention over the split sequence, forward and backward, and the K/V
 blocks and their gradients round the ring; it merges partial results with
 ``kernels/tiled_attention.py``'s online softmax), ``comm/ring.py`` (one ring step) and
-``mesh.py`` (the cp group). ``all_gather_kv.py`` (K/V all-gathered instead of passed round the
-ring, ``kind="all_gather"``) registers itself with ring attention when the package imports it.
-Ulysses (``ulysses.py``) is the other road, in a module of its own.
+``mesh.py`` (the cp group). The refinements register themselves with the basic form when the
+package imports them: ``all_gather_kv.py`` (K/V all-gathered instead of passed round the ring,
+``kind="all_gather"``) and ``ulysses.py`` (an all-to-all to head groups, ``kind="ulysses"``).
 
 Under CP every rank holds a slice of the sequence through the whole model: embeddings,
 norms, MLPs and the loss treat tokens one at a time and need nothing from the other ranks.
 Only attention mixes tokens; ``parallel.ring_attention`` gives every rank's queries the
 other ranks' keys and values, by a ring of point-to-point transfers overlapped with the
 compute (or by one all-gather, for comparison), forward and backward. ``kind="ulysses"``
-(``parallel.ulysses``) instead trades the sequence split for a head split with an all-to-all,
-attends per head group over the whole sequence, and trades back (contiguous layout only).
+(``parallel.ulysses``, registered in ``CORES``) instead trades the sequence split for a head
+split with an all-to-all, attends per head group over the whole sequence, and trades back
+(contiguous layout only).
 
 **Layouts** (``data.sequence_positions`` is the one definition of both). "contiguous"
 gives rank r the r-th slice: under a causal mask rank 0's queries see one block of keys
@@ -53,17 +54,22 @@ from ..matching import match_plan
 from .grad_sync import sync_in_backward
 from .mesh import axis_group
 from .ring_attention import KV_EXCHANGES, LAYOUTS, KVBufferMeter, context_parallel_attention, ring_attention
-from .ulysses import LAYOUT_REFUSAL, ulysses_attention, ulysses_problem
+
+# The attention kinds that are not ring attention's (ring attention's kinds are its ways of moving
+# K/V, ``KV_EXCHANGES``): kind -> ``core(module, group, cp, layout)``, what replaces the attention
+# module's core, or a ValueError saying why the kind cannot serve it. The refinements fill it when
+# the package imports them (``ulysses.py``: "ulysses"), so the basic form imports none of them.
+CORES: dict = {}
 
 __all__ = [
     "LAYOUTS",
+    "CORES",
     "sequence_positions",
     "split_sequence",
     "causal_tile_counts",
     "context_parallel_attention",
     "ring_attention",
     "apply_cp",
-    "ulysses_attention",
     "KVBufferMeter",
 ]
 
@@ -110,6 +116,16 @@ def _positions_hook(r: int, n: int, layout):
     return hook
 
 
+def _core(module, kind, group, cp, layout, timeline):
+    """The attention core that replaces ``module.core`` for ``kind``: ring attention with that
+    way of moving K/V, or a registered refinement's (``CORES``)."""
+    if kind in CORES:
+        return CORES[kind](module, group, cp, layout)
+    return functools.partial(
+        context_parallel_attention, group=group, causal=True, layout=layout, kind=kind, timeline=timeline
+    )
+
+
 def apply_cp(
     model,
     mesh_or_group=None,
@@ -135,37 +151,26 @@ def apply_cp(
     group = axis_group(mesh_or_group, "cp")
     r, n = rank_and_size(group, "context parallelism")  # checked once: the positions hook reuses r, n
     plan = {"blocks.*.attn": kind} if plan is None else plan
-    kinds = (*KV_EXCHANGES, "ulysses")  # the ring's ways of moving K/V, and Ulysses's all-to-all
+    kinds = (*KV_EXCHANGES, *CORES)
     if layout not in LAYOUTS or not set(plan.values()) <= set(kinds):
         raise ValueError(
             f"layout={layout!r}, plan kinds {sorted(set(plan.values()))}: choose a layout in "
             f"{LAYOUTS} and kinds in {kinds}"
         )
-    if "ulysses" in plan.values() and layout != "contiguous":
-        raise ValueError(f"kind='ulysses' with layout={layout!r}: {LAYOUT_REFUSAL}")
     for pattern, attention_kind in plan.items():  # each pattern must name attention modules only
         named = match_plan(model, {pattern: attention_kind})
         if not all(hasattr(module, "core") for _, module, _ in named):
             raise ValueError(
                 f"plan pattern {pattern!r} must match attention modules (with a core), matched {len(named)} module(s)"
             )
-    for _, module, attention_kind in match_plan(model, plan):
-        if attention_kind == "ulysses":  # its head-count limit, refused now rather than in the first forward
-            problem = ulysses_problem(
-                module.q.out_features // module.head_dim, module.k.out_features // module.head_dim, n
-            )
-            if problem is not None:
-                raise ValueError(problem)
-            module.core = functools.partial(ulysses_attention, group=group, causal=True)
-        else:
-            module.core = functools.partial(
-                context_parallel_attention,
-                group=group,
-                causal=True,
-                layout=layout,
-                kind=attention_kind,
-                timeline=timeline,
-            )
+    # Every core is made before any is set: a kind that cannot serve some module is refused
+    # now, with the model untouched, rather than in the first forward.
+    cores = [
+        (module, _core(module, attention_kind, group, n, layout, timeline))
+        for _, module, attention_kind in match_plan(model, plan)
+    ]
+    for module, core in cores:
+        module.core = core
     model.register_forward_pre_hook(_positions_hook(r, n, layout), with_kwargs=True)
     if sync_gradients and n > 1:
         # Each rank's gradient is that of the mean loss over its own tokens; the model's is the

@@ -1,5 +1,10 @@
 """Ulysses sequence parallelism: trade the sequence split for a head split, attend, trade back.
 
+A refinement of context parallelism that registers itself with the basic form: importing this
+module (the package ``ultrascale.parallel`` always does) adds ``kind="ulysses"`` to
+``context_parallel.CORES``, so ``apply_cp(..., kind="ulysses")`` puts ``ulysses_attention`` in
+every attention layer in place of ring attention.
+
 DeepSpeed-Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for
 Enabling Training of Extreme Long Sequence Transformer Models", arXiv 2309.14509) takes the
 other road to attention over a sequence cut across P ranks. Ring attention
@@ -31,14 +36,16 @@ in rank order, which must be sequence order).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ..comm.functional import all_to_all, rank_and_size
+from .context_parallel import CORES
 from .ring_attention import check_attention_inputs
 
-__all__ = ["ulysses_attention", "ulysses_problem", "ulysses_bytes", "ring_bytes", "LAYOUT_REFUSAL"]
+__all__ = ["ulysses_attention", "ulysses_problem", "ulysses_core", "ulysses_bytes", "ring_bytes", "LAYOUT_REFUSAL"]
 
 LAYOUT_REFUSAL = (
     "Ulysses needs no load balancing (every rank attends over the whole sequence for its heads), "
@@ -113,6 +120,21 @@ def ulysses_attention(
         q_h, k_h.to(q.dtype), v_h.to(q.dtype), is_causal=causal, scale=sm_scale, enable_gqa=k.shape[1] != q.shape[1]
     )
     return _heads_to_sequence(y, group, cp)
+
+
+# --------------------------------------------------------------------------- registered with apply_cp
+def ulysses_core(module, group, cp: int, layout: str):
+    """``apply_cp``'s attention core for ``module`` under kind="ulysses". The layout and the
+    head counts are refused here, when the model is changed, rather than in its first forward."""
+    if layout != "contiguous":
+        raise ValueError(f"kind='ulysses' with layout={layout!r}: {LAYOUT_REFUSAL}")
+    problem = ulysses_problem(module.q.out_features // module.head_dim, module.k.out_features // module.head_dim, cp)
+    if problem is not None:
+        raise ValueError(problem)
+    return functools.partial(ulysses_attention, group=group, causal=True)
+
+
+CORES["ulysses"] = ulysses_core
 
 
 # --------------------------------------------------------------------------- the bytes
