@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ultrascale.data import Batches
+from ultrascale.memory import zero_formula_bytes
 from ultrascale.model import GPT, count_params
 from ultrascale.parallel import BucketedDataParallel, ZeRO
 from ultrascale.parity import ddp, device_mesh_1d, fsdp2
@@ -82,7 +83,7 @@ def state_bytes(ctx, stage, cfg, param_dtype):
     zero = ZeRO(model, stage=stage, param_dtype=param_dtype, **_ADAM)
     Batches(cfg, mbs=1).rank_batch(ctx.rank, ctx.world_size, step=0).to(ctx.device).loss(model).backward()
     zero.step()  # Adam creates its moments at the first step
-    return zero.state_bytes(), zero.formula_bytes(k=12)
+    return zero.state_bytes(), zero_formula_bytes(zero, k=12)
 
 
 def main():

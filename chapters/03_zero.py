@@ -40,7 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ultrascale.comm import AlphaBeta, CommLogger, wait_for_device
 from ultrascale.data import Batches
-from ultrascale.memory import GB, model_state_bytes, zero_bytes_per_rank
+from ultrascale.memory import GB, model_state_bytes, zero_bytes_per_rank, zero_formula_bytes
 from ultrascale.model import GPT, GPTConfig, count_params
 from ultrascale.parallel import NaiveDataParallel, Timeline, ZeRO, covered_seconds, overlap_seconds
 from ultrascale.parallel.fsdp import apply_fsdp, full_state_dict
@@ -447,7 +447,7 @@ def measure_stage(ctx, stage, units=None):
             run_steps(model, local_batches(ctx), 1, zero, device=ctx.device, first_step=step)
     return {
         "state": zero.state_bytes(),
-        "formula": zero.formula_bytes(k=12),
+        "formula": zero_formula_bytes(zero, k=12),
         "peak": peak["parameters"],
         "comm": log.totals(),
         "calls": log.collective_elements(),

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrascale.comm import CommLogger
+from ultrascale.memory import zero_formula_bytes
 from ultrascale.model import count_params
 from ultrascale.parallel import NaiveDataParallel, ZeRO
 from ultrascale.parallel.zero import GRADIENT_FLAGS
@@ -63,7 +64,7 @@ def train_zero(ctx, stage, opt_name, prefetch=True, grad_acc=1, recompute="none"
         "per_step": per_step,
         "flag_calls": flag_calls,
         "state": state,
-        "formula": zero.formula_bytes(k=12),
+        "formula": zero_formula_bytes(zero, k=12),
         "padded": [u.padded for u in zero.all_units],
         "numel": [u.numel for u in zero.all_units],
     }
@@ -179,7 +180,7 @@ def zero3_memory_and_eval(ctx):
     after_eval = zero.state_bytes()["parameters"]
     batch.loss(model).backward()
     zero.step()
-    return at_rest, after_eval, zero.state_bytes(), zero.formula_bytes(k=12), logits.dtype
+    return at_rest, after_eval, zero.state_bytes(), zero_formula_bytes(zero, k=12), logits.dtype
 
 
 def test_zero3_keeps_only_shards_and_bf16_gives_the_books_widths(cluster):

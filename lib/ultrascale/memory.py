@@ -64,6 +64,14 @@ def zero_bytes_per_rank(
     }
 
 
+def zero_formula_bytes(zero, k: float = 12) -> dict:
+    """``zero_bytes_per_rank`` for a built ``ZeRO`` (``parallel/zero.py``): its trainable
+    parameters (Ψ), stage and group size, at its parameters' byte width (its gradients have
+    the same). What its measured ``zero.state_bytes()`` is compared with."""
+    width = zero.all_units[0].full.element_size()
+    return zero_bytes_per_rank(zero.num_parameters, zero.stage, zero.world_size, k, width, width)
+
+
 # --------------------------------------------------------------------------- activations
 def activation_bytes(
     config,

@@ -56,8 +56,8 @@ state): the mixed-precision DP baseline of the memory formulas.
     zero.step(); zero.zero_grad()
     torch.save(zero.state_dict(), f"ckpt-rank{rank}.pt")   # this rank's shard of the state
 
-Measuring this rank's share of the state (``state_bytes`` against the book's formula) and
-saving and resuming it (``state_dict`` / ``load_state_dict``) are in ``zero_state.py``
+Measuring this rank's share of the state (``state_bytes``, which ``memory.zero_formula_bytes``
+gives the book's formula for) and saving and resuming it (``state_dict`` / ``load_state_dict``) are in ``zero_state.py``
 (``ShardedState``, also a part of ``ZeRO``).
 """
 

@@ -1,8 +1,9 @@
-"""ZeRO's sharded training state: measured against the book's formula, and saved and resumed.
+"""ZeRO's sharded training state: measured, and saved and resumed.
 
 Each rank holds its share of the parameters, gradients and optimizer states;
-:class:`ShardedState` counts those bytes (``state_bytes``, against ``formula_bytes``, the
-book's per-rank formula), gathers every parameter in full (``full_state_dict``), and saves
+:class:`ShardedState` counts those bytes (``state_bytes``; the book's per-rank formula they
+are compared with is ``memory.zero_formula_bytes``, kept there with the other formulas so that
+this file needs none of them), gathers every parameter in full (``full_state_dict``), and saves
 and resumes this rank's share (``state_dict`` / ``load_state_dict``): the master shard of
 every unit and the optimizer state of its pieces, on the same world size and stage.
 
@@ -16,7 +17,6 @@ import copy
 
 import torch
 
-from ..memory import zero_bytes_per_rank
 from .flat import Piece
 
 __all__ = ["ShardedState"]
@@ -41,11 +41,6 @@ class ShardedState:
         states = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         optimizer = sum(nbytes(u.master) for u in units) + sum(nbytes(t) for t in states)
         return {"parameters": params, "gradients": grads, "optimizer states": optimizer}
-
-    def formula_bytes(self, k: float = 12) -> dict:
-        """The book's per-rank formula at this run's byte widths (k: optimizer bytes per parameter)."""
-        width = self.all_units[0].full.element_size()
-        return zero_bytes_per_rank(self.num_parameters, self.stage, self.world_size, k, width, width)
 
     def full_state_dict(self) -> dict:
         """Every parameter in full on every rank (a collective: call it on all ranks)."""
