@@ -302,7 +302,7 @@ class ZeRO(ParameterSharding, ShardedState):
                 grad = unit.grad_full if self.stage == 0 else unit.grad_shard
                 piece.tensor.grad = grad[piece.lo : piece.hi].to(unit.master.dtype)
         self.optimizer.step()
-        self._publish_parameters()
+        self.publish_master()
         for piece in self.pieces:
             piece.tensor.grad = None
         if self.stage == 1:
@@ -332,19 +332,24 @@ class ZeRO(ParameterSharding, ShardedState):
             flags = {has_grad[piece.unit][i] for i in piece.index}
             pieces += split_piece(piece, self.optimizer.state) if len(flags) > 1 else [piece]
         if len(pieces) != len(self.pieces):
-            self.pieces = pieces
-            self._sync_param_groups()
+            self.use_pieces(pieces)
 
     def _pieces_of_group(self, g) -> list:
         """The tensors the optimizer steps for parameter group ``g``, in the order of ``self.pieces``."""
         return [piece.tensor for piece in self.pieces if piece.group == g]
 
-    def _sync_param_groups(self) -> None:
+    def use_pieces(self, pieces: list) -> None:
+        """Step these pieces from now on (their optimizer state already in place): after a
+        split, or when a checkpoint splits a piece whose parameters were saved with different
+        step counts. The optimizer's groups list their tensors anew."""
+        self.pieces = pieces
         for g, group in enumerate(self.optimizer.param_groups):
             group["params"] = self._pieces_of_group(g)
 
-    def _publish_parameters(self) -> None:
-        """Write the updated fp32 master weights back into the (low-precision) parameters."""
+    def publish_master(self) -> None:
+        """Write the fp32 master weights into the (low-precision) parameters: after each update,
+        and after something else wrote into the master shards (``load_state_dict``, a DCP load in
+        ``ultrascale.checkpoint``). A collective at stages 1 and 2."""
         works = []
         for unit in self.all_units:
             new = unit.master.to(unit.full.dtype)

@@ -8,7 +8,7 @@ and resumes this rank's share (``state_dict`` / ``load_state_dict``): the master
 every unit and the optimizer state of its pieces, on the same world size and stage.
 
 :class:`ShardedState` is a part of :class:`~ultrascale.parallel.zero.ZeRO`; it reads ZeRO's
-units and pieces and calls its ``_sync_param_groups`` and ``_publish_parameters``.
+units and pieces and calls its public ``use_pieces`` and ``publish_master``, nothing private.
 """
 
 from __future__ import annotations
@@ -69,18 +69,6 @@ class ShardedState:
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }  # not live references
 
-    def publish_master(self) -> None:
-        """Make the parameters the master weights again (a collective at stages 1 and 2), after
-        something other than ``load_state_dict`` wrote into the master shards (a DCP load,
-        ``ultrascale.checkpoint``)."""
-        self._publish_parameters()
-
-    def use_pieces(self, pieces: list) -> None:
-        """Step these pieces from now on (their optimizer state already in place): how a
-        checkpoint splits a piece whose parameters were saved with different step counts."""
-        self.pieces = pieces
-        self._sync_param_groups()
-
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` (a collective at stages 1 and 2: call it on all ranks)."""
         for key in ("world_size", "stage", "rank"):
@@ -96,9 +84,9 @@ class ShardedState:
                 f"{state['units']} != {[(u.name, u.numel) for u in self.all_units]}"
             )
         ranges = [{r[0]: r for r in u.owned_ranges()} for u in self.all_units]
-        self.pieces = [Piece(self.all_units[k], [ranges[k][i] for i in index], g) for k, index, g in state["pieces"]]
-        self._sync_param_groups()  # the optimizer's state refers to pieces by position
+        pieces = [Piece(self.all_units[k], [ranges[k][i] for i in index], g) for k, index, g in state["pieces"]]
+        self.use_pieces(pieces)  # the optimizer's state refers to pieces by position
         self.optimizer.load_state_dict(state["optimizer"])
         for unit, master in zip(self.all_units, state["master"]):
             unit.master.copy_(master)
-        self._publish_parameters()  # the parameters are the master weights, rounded
+        self.publish_master()  # the parameters are the master weights, rounded
