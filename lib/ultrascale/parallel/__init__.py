@@ -7,7 +7,8 @@ One module per technique, each exposing ``apply_<technique>(model, mesh_or_group
   ``BucketedDataParallel`` and ``no_sync`` gradient accumulation (NB02);
   ``apply_data_parallel``.
 * ``zero``: ``ZeRO`` stages 1, 2 and 3 on flat, padded parameter shards (NB03);
-  ``apply_zero``.
+  ``apply_zero``. Stage 3's parameter sharding is ``zero3``'s ``ParameterSharding``, which
+  registers itself with ``zero`` when imported below (``ZeRO(..., stage=3)`` builds it).
 * ``fsdp``: per-parameter sharding as FSDP2 does it (NB03, beyond the book): each parameter's
   rows sharded, so any torch optimizer steps the shards; mixed precision, HSDP; ``apply_fsdp``.
   ``sharded_muon``: Muon on whole or row-sharded matrices (gathered, or dealt to owners).
@@ -68,6 +69,7 @@ from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tp
 from .timeline import COMMUNICATION, COMPUTE, Event, Timeline, covered_seconds, overlap_seconds
 from .ulysses import ulysses_attention  # registers kind='ulysses' with apply_cp
 from .zero import FlatUnit, ZeRO, apply_zero
+from .zero3 import ParameterSharding  # registers stage 3 with ZeRO: zero.py does not import it
 
 __all__ = [
     "AXES",
@@ -92,6 +94,7 @@ __all__ = [
     "Mesh",
     "NaiveDataParallel",
     "OverlappedDataParallel",
+    "ParameterSharding",
     "Timeline",
     "ZeRO",
     "all_gather_into",

@@ -1,9 +1,10 @@
 """ZeRO-1, ZeRO-2 and ZeRO-3, from scratch, applied from outside to any ``nn.Module``.
 
 Files for the basic form (stages 1 and 2), in reading order: this module (``ZeRO``,
-``apply_zero``), ``flat.py`` (the flat, padded buffers and their pieces), ``comm/functional.py``
-(``all_gather_into``, ``reduce_scatter_into``) and ``mesh.py`` (the dp group). Stage 3 adds
-``zero3.py``; ``zero_state.py`` counts and saves the sharded state.
+``apply_zero``), ``flat.py`` (the flat, padded buffers and their pieces), ``zero_state.py``
+(the sharded state counted, saved and resumed), ``comm/functional.py`` (``all_gather_into``,
+``reduce_scatter_into``) and ``mesh.py`` (the dp group). Stage 3 is a refinement in
+``zero3.py``, which registers itself here (``REFINEMENTS``): this module never imports it.
 
 Plain data parallelism keeps on every rank a full copy of everything: parameters,
 gradients and the optimizer states (fp32 master weights, Adam's two moments).
@@ -19,7 +20,9 @@ ZeRO (Zero Redundancy Optimizer) removes that redundancy in three steps:
   before its forward, freed after it, gathered again for its backward (FSDP).
   ``prefetch`` starts the next unit's all-gather while the current one computes.
   Every rank must run the same units' forwards (each one is a collective). Those hooks
-  are their own idea, in ``zero3.py`` (``ParameterSharding``, a part of ``ZeRO``).
+  are their own idea, in ``zero3.py``: its ``ParameterSharding`` is the ``sharding`` a
+  ``ZeRO`` holds at stage 3 (None below), which the few places that stage 3 changes
+  (after backward, after the update, ``gathered``) call.
 
 The model is cut into *units*: by default each block of ``model.blocks`` is one,
 and everything else (embeddings, final norm, head) forms the root unit. A unit's
@@ -57,8 +60,9 @@ state): the mixed-precision DP baseline of the memory formulas.
     torch.save(zero.state_dict(), f"ckpt-rank{rank}.pt")   # this rank's shard of the state
 
 Measuring this rank's share of the state (``state_bytes``, which ``memory.zero_formula_bytes``
-gives the book's formula for) and saving and resuming it (``state_dict`` / ``load_state_dict``) are in ``zero_state.py``
-(``ShardedState``, also a part of ``ZeRO``).
+gives the book's formula for), reading the whole parameters (``gathered``, ``full_state_dict``)
+and saving and resuming the state (``state_dict`` / ``load_state_dict``) are in
+``zero_state.py`` (``ShardedState``, the base class of ``ZeRO``).
 """
 
 from __future__ import annotations
@@ -73,15 +77,29 @@ from ..matching import match_plan
 from .flat import FlatUnit, coarse_pieces, parameter_owners, resolve_param_groups, split_piece
 from .mesh import axis_group
 from .timeline import COMMUNICATION, or_disabled
-from .zero3 import ParameterSharding
 from .zero_state import ShardedState
 
 GRADIENT_FLAGS = "all_reduce (gradient flags)"  # its name in a CommLogger's log
 
-__all__ = ["PLAN", "ZeRO", "FlatUnit", "apply_zero", "units_of", "all_gather_into", "reduce_scatter_into"]
+# Refinements that live in their own files and put their class here when imported, so that
+# this file reads without them: "stage 3" is zero3.py's ParameterSharding. ``ultrascale.parallel``
+# imports zero3.py, and Python runs a package's __init__ before any of its modules, so the
+# entry is there whenever a ZeRO can be built.
+REFINEMENTS = {}
+
+__all__ = [
+    "PLAN",
+    "REFINEMENTS",
+    "ZeRO",
+    "FlatUnit",
+    "apply_zero",
+    "units_of",
+    "all_gather_into",
+    "reduce_scatter_into",
+]
 
 
-class ZeRO(ParameterSharding, ShardedState):
+class ZeRO(ShardedState):
     """Shard a model's training state over the data-parallel ranks; also its optimizer.
 
     ``param_groups``: as the first argument of a torch optimizer, a list of dicts of the
@@ -152,11 +170,9 @@ class ZeRO(ParameterSharding, ShardedState):
                 unit.grad_full = torch.zeros_like(unit.full)
             if stage in (2, 3):  # only this rank's slice does
                 unit.grad_shard = torch.zeros(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
-        if stage == 3:
-            for unit in self.all_units:
-                unit.shard = unit.full[unit.own].clone()
-                unit.free_full()
-            self._register_stage3_hooks()
+        # Stage 3 shards the parameters too: zero3.py's part keeps each unit's shard and
+        # hooks the units to gather their parameters before use and free them after.
+        self.sharding = REFINEMENTS["stage 3"](self) if stage == 3 else None
 
     def _build_units(self, model, units, param_dtype, group_of):
         if units is None:
@@ -193,7 +209,7 @@ class ZeRO(ParameterSharding, ShardedState):
         self._send_order = self.units[::-1] + ([self.root] if self.root else [])  # backward's order
 
     # ------------------------------------------------------------------ collectives
-    def _collective(self, op, unit, output, source, async_op):
+    def collective(self, op, unit, output, source, async_op):
         """Run one collective on a unit's buffer and put its bar on the timeline.
         (Calls and bytes are counted by ``CommLogger``, as for every technique.)"""
         fn = {"all_gather": all_gather_into, "reduce_scatter": reduce_scatter_into}.get(op)
@@ -239,7 +255,7 @@ class ZeRO(ParameterSharding, ShardedState):
             unit.grad_full = torch.zeros(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
         unit.grad_full.div_(self.divide_by)  # the sum of averages is the average
         out = unit.grad_full.new_empty(unit.shard_numel)
-        work = self._collective("reduce_scatter", unit, out, unit.grad_full, async_op=True)
+        work = self.collective("reduce_scatter", unit, out, unit.grad_full, async_op=True)
         self.in_flight.append((unit, work, out, unit.grad_full))  # keep the input alive
         if self.stage >= 2:
             unit.grad_full = None  # ZeRO-2: the full gradient is not kept
@@ -265,9 +281,9 @@ class ZeRO(ParameterSharding, ShardedState):
             self._sent = 0
             while self.in_flight:
                 self._finish_reduce_scatter()
-        if self.stage == 3:
+        if self.sharding:
             for unit in self.all_units:  # including a prefetch nobody used: it would be stale
-                self._reshard(unit)
+                self.sharding.reshard(unit)
         for unit in self.all_units:
             unit.ready.clear()
             unit.backward_started = False
@@ -284,7 +300,7 @@ class ZeRO(ParameterSharding, ShardedState):
         if self.stage == 0:
             for unit in self.all_units:
                 unit.grad_full.div_(self.divide_by)
-                self._collective("all_reduce", unit, unit.grad_full, None, async_op=False)
+                self.collective("all_reduce", unit, unit.grad_full, None, async_op=False)
         else:
             if self.stage == 1:  # ZeRO-1 reduces the kept full gradients only now
                 for unit in self.all_units:
@@ -356,9 +372,9 @@ class ZeRO(ParameterSharding, ShardedState):
             if self.stage == 0:
                 unit.full.data.copy_(new)
             elif self.stage in (1, 2):  # every rank needs every slice: all-gather them
-                works.append(self._collective("all_gather", unit, unit.full.data, new, async_op=True))
+                works.append(self.collective("all_gather", unit, unit.full.data, new, async_op=True))
             else:  # stage 3 keeps only its slice until the next forward
-                self._reshard(unit)  # (a full copy left from a forward would be stale)
+                self.sharding.reshard(unit)  # (a full copy left from a forward would be stale)
                 unit.shard.copy_(new)
         for work in works:
             work.wait()

@@ -13,6 +13,7 @@ units and pieces and calls its public ``use_pieces`` and ``publish_master``, not
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -42,16 +43,15 @@ class ShardedState:
         optimizer = sum(nbytes(u.master) for u in units) + sum(nbytes(t) for t in states)
         return {"parameters": params, "gradients": grads, "optimizer states": optimizer}
 
+    def gathered(self):
+        """Every unit's whole parameters while inside, to read them: at stage 3 a collective
+        (``zero3.py`` gathers the shards, and frees them again after); below it they are whole."""
+        return self.sharding.gathered() if self.sharding else contextlib.nullcontext()
+
     def full_state_dict(self) -> dict:
         """Every parameter in full on every rank (a collective: call it on all ranks)."""
-        if self.stage == 3:
-            for unit in self.all_units:
-                self._ensure_gathered(unit)
-        state = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        if self.stage == 3:
-            for unit in self.all_units:
-                unit.free_full()
-        return state
+        with self.gathered():
+            return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
