@@ -281,7 +281,7 @@ class ZeRO(ShardedState):
             self._sent = 0
             while self.in_flight:
                 self._finish_reduce_scatter()
-        if self.sharding:
+        if self.sharding is not None:
             for unit in self.all_units:  # including a prefetch nobody used: it would be stale
                 self.sharding.reshard(unit)
         for unit in self.all_units:
