@@ -40,8 +40,11 @@ Checking them (each against one process, or against PyTorch's own version) is
 ``ultrascale.parity``'s: nothing here imports it.
 """
 
-# The refinements first: each registers its layers with the basic form it refines
-# (tensor_parallel.FORMS, ...), so they are in place before anyone can call apply_*.
+# Every refinement is imported here, because importing it is what registers it with the basic
+# form it refines (tensor_parallel.FORMS and VOCABULARY, ring_attention.KV_EXCHANGES,
+# context_parallel.CORES, zero.REFINEMENTS): TP's three on the next line; all_gather_kv,
+# ulysses and zero3 below. Python runs this file before any module of the package, so the
+# tables are full before anyone can call apply_*.
 from . import async_tp, sequence_parallel, vocab_parallel  # noqa: F401
 from ..comm.functional import all_gather_into, broadcast_parameters, reduce_scatter_into
 from ..matching import match_plan
