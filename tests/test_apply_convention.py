@@ -44,3 +44,25 @@ def test_the_data_axes_are_where_the_composition_reads_them():
 
     assert (compose.DENSE_AXES, compose.EXPERT_AXES) == (DATA_AXES["dense"], DATA_AXES["expert"])
     assert set(DATA_AXES["expert"]) == set(DATA_AXES["dense"]) - {"ep"}  # an expert lives on one ep rank
+
+
+def test_importing_one_basic_form_alone_finds_every_refinement_registered():
+    # A refinement registers itself with the basic form when the package imports it (the basic
+    # module cannot import it: that would be an import circle). Python runs the package's
+    # __init__ before any of its modules, so a fresh interpreter that imports only the basic
+    # modules must find every table full.
+    import subprocess
+    import sys
+
+    probe = (
+        "from ultrascale.parallel.tensor_parallel import FORMS, VOCABULARY\n"
+        "from ultrascale.parallel.context_parallel import CORES\n"
+        "from ultrascale.parallel.ring_attention import KV_EXCHANGES\n"
+        "from ultrascale.parallel.zero import REFINEMENTS\n"
+        "print(sorted(FORMS), sorted(VOCABULARY), sorted(CORES), sorted(KV_EXCHANGES), sorted(REFINEMENTS))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[0] == (
+        "['async_tp', 'plain', 'sequence_parallel'] ['embedding', 'head'] ['ulysses'] "
+        "['all_gather', 'ring'] ['stage 3']"
+    ), out
