@@ -130,6 +130,15 @@ def test_stage_step_refuses_blocking_sends_lost_gradients_and_the_library(ch07):
         output.backward(torch.ones_like(output))
         return [dist.isend(stage_input.grad, dst=rank - 1, group=group)] if rank > 0 else []
 
+    def sends_to_itself(stage, x, group, rank, p, shape, dtype):  # dst= the rank, not the next one
+        if rank > 0:
+            x = torch.empty(shape, dtype=dtype)
+            dist.recv(x, src=rank - 1, group=group)
+            x.requires_grad_()
+        y = stage(x)
+        works = [dist.isend(y.detach(), dst=rank, group=group)] if rank < p - 1 else []
+        return x, y, works
+
     def library_forward(stage, x, group, rank, p, shape, dtype):
         from ultrascale.parallel.pipeline_parallel import Pipeline
 
@@ -144,6 +153,7 @@ def test_stage_step_refuses_blocking_sends_lost_gradients_and_the_library(ch07):
         "0 receive(s); this step receives 1",
         "the output's gradient from rank + 1",
     )
+    _fails(check(exercise, sends_to_itself, backward), "to this rank itself", "stage r sends its activations")
     _fails(check(exercise, library_forward, backward), "the course library's", "_F")
     assert check(exercise, forward, backward).status == PASS
 

@@ -65,19 +65,26 @@ class WrongPeer(Exception):
     """A send or receive to a rank outside the ring's group, or to the rank itself."""
 
 
-class _P2PTracker:
+RING_PEERS = (
+    "the ring sends to the group's rank r + 1 and receives from r - 1 (mod the group's size), r being "
+    "this rank's place in the group, not its global rank"
+)
+
+
+class P2PTracker:
     """While open, ``isend``/``irecv`` (also through ``batch_isend_irecv``) return works whose
     ``wait`` is counted, and blocking ``send``/``recv`` are counted: what ``attend`` then sees
     tells whether the step posted its transfer first and waited for it only afterwards.
 
     A transfer whose partner is outside the ring's group (global ``ranks``) or this rank itself
     raises :class:`WrongPeer` before it is posted: its partner never comes, so the ring would
-    otherwise hang until the timeout."""
+    otherwise hang until the timeout. ``peers`` says in words whom the transfers should reach
+    (the ring's neighbours here; chapter 7's stages name theirs)."""
 
     NAMES = ("isend", "irecv", "send", "recv", "batch_isend_irecv")
 
-    def __init__(self, ranks):
-        self.ranks, self.me = list(ranks), dist.get_rank()
+    def __init__(self, ranks, peers: str = RING_PEERS, what: str = "the ring"):
+        self.ranks, self.me, self.peers, self.what = list(ranks), dist.get_rank(), peers, what
         self.posted = {"isend": 0, "irecv": 0, "send": 0, "recv": 0}
         self.waits, self.works, self._saved = 0, [], []
         self._inside = set()  # the names whose wrapper is running (see ``_outermost``)
@@ -92,12 +99,10 @@ class _P2PTracker:
             return  # a rank that is not in the group given: torch says so itself
         if peer is None or (peer in self.ranks and peer != self.me):
             return
-        who = "this rank itself" if peer == self.me else f"global rank {peer}, which is not in the ring's group"
+        who = "this rank itself" if peer == self.me else f"global rank {peer}, which is not in {self.what}'s group"
         raise WrongPeer(
             f"global rank {self.me} (of the group {self.ranks}) called dist.{name} "
-            f"{'to' if 'send' in name else 'from'} {who}; the ring sends to the group's rank r + 1 and "
-            "receives from r - 1 (mod the group's size), r being this rank's place in the group, not its "
-            "global rank"
+            f"{'to' if 'send' in name else 'from'} {who}; {self.peers}"
         )
 
     def _wrap(self, name, original):
@@ -180,7 +185,7 @@ def _ring_cases():
     return [(True, "zigzag"), (False, "contiguous")]
 
 
-def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r, n):
+def run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r, n):
     """Drive a whole ring with the learner's step; return what each step did."""
     from ultrascale.comm import CommLogger
     from ultrascale_grading.guards import ForbiddenCall, forbid_collectives, forbid_library
@@ -213,7 +218,7 @@ def _run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r
     for step in range(n):
         src, last = (r - step) % n, step == n - 1
         calls = []
-        tracker = _P2PTracker(ranks)
+        tracker = P2PTracker(ranks)
 
         def attend(qq, kk, vv, pos_q=positions[r], pos_k=positions[src]):
             calls.append(tracker.snapshot())
@@ -377,7 +382,7 @@ def _ring_on_rank(ctx, ring_step, seed, split):
     for causal, layout in _ring_cases():  # everything runs before anything is judged
         seq = 2 * n * 3
         q, k, v = (_randn((2, 2, seq, 4), seed, 30 + i, n, device=ctx.device) for i in range(3))
-        runs.append((causal, layout, *_run_ring(ring_step, group, ranks, q, k, v, causal, layout, r, n)))
+        runs.append((causal, layout, *run_ring(ring_step, group, ranks, q, k, v, causal, layout, r, n)))
     for causal, layout, steps, out, reference in runs:
         problem = ring_problem(steps, out, reference, n)
         if problem:
@@ -386,7 +391,7 @@ def _ring_on_rank(ctx, ring_step, seed, split):
 
 
 def ring_problem(steps, out, reference, n) -> str | None:
-    """What is wrong with a whole ring driven by the learner's step (``_run_ring``): its first wrong
+    """What is wrong with a whole ring driven by the learner's step (``run_ring``): its first wrong
     step, else its result against attention over the whole sequence; None if nothing."""
     for s in steps:
         problem = _judge_step(s, n)

@@ -217,13 +217,13 @@ def _ring_cases():
 
 
 def _ring_on_rank(ctx, fn, case):
-    from ultrascale_grading.exercise_tests.ch06_ring_step import _run_ring, ring_problem
+    from ultrascale_grading.exercise_tests.ch06_ring_step import run_ring, ring_problem
 
     n = ctx.world_size
     shape = (case["batch"], case["heads"], 2 * n * case["chunk"], case["head_dim"])
     q, k, v = (_values(case["seed"] + i, shape, case["dtype"]).to(ctx.device) for i in range(3))
     problem = ring_problem(
-        *_run_ring(fn, ctx.group, list(range(n)), q, k, v, case["causal"], case["layout"], ctx.rank, n), n
+        *run_ring(fn, ctx.group, list(range(n)), q, k, v, case["causal"], case["layout"], ctx.rank, n), n
     )
     return problem and f"rank {ctx.rank}: {problem}"
 
