@@ -158,6 +158,26 @@ def test_stage_step_refuses_blocking_sends_lost_gradients_and_the_library(ch07):
     assert check(exercise, forward, backward).status == PASS
 
 
+def test_stage_step_with_a_receive_buffer_of_another_dtype_fails_at_once_under_a_gpu_nodes_rules(ch07, monkeypatch):
+    # Under strict point-to-point mode the send refuses a receive buffer of another size; its
+    # receive then fails too (zeros answer it), so the ranks agree to stop at once instead of
+    # waiting out the grader's 60 s for a receive nothing would fill.
+    monkeypatch.setenv("ULTRASCALE_STRICT_P2P", "1")
+
+    def float32_buffer(stage, x, group, rank, p, shape, dtype):
+        if rank > 0:
+            x = torch.empty(shape, dtype=torch.float32)  # the activations are float64
+            dist.recv(x, src=rank - 1, group=group)
+            x = x.to(dtype).requires_grad_()
+        y = stage(x)
+        works = [dist.isend(y.detach(), dst=rank + 1, group=group)] if rank < p - 1 else []
+        return x, y, works
+
+    result = check("07.stage_step", float32_buffer, ch07["backward_step"])
+    # the receiving rank's own words, not the grader's "waited for each other for 60 s"
+    _fails(result, "MessageMismatch", "got zeros: rank 0 refused its send", "torch.empty_like")
+
+
 # ---- 07.split_backward ------------------------------------------------------------------
 
 

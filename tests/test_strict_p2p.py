@@ -99,19 +99,23 @@ def test_what_nccl_accepts_runs_and_moves_the_right_data(strict):
 
 def test_a_send_and_a_receive_of_other_sizes_name_both_ends(strict):
     """gloo aborts the receiving process ("Connection reset by peer" on the other); here the
-    send refuses, naming its tensor and the receive's buffer (issue 53's misleading rejection)."""
+    send refuses, naming its tensor and the receive's buffer (issue 53's misleading rejection),
+    and the receive fails too with the same words, rather than wait for a send never made (a
+    rank stuck there would keep every other from hearing of the problem)."""
 
     def float32_buffer(ctx):
         if ctx.rank == 0:
             dist.send(torch.zeros(4, dtype=torch.float64), 1)
         elif ctx.rank == 1:
             into = torch.empty(4)  # float32: half the bytes
-            dist.irecv(into, 0)  # left posted; the send fails first
+            dist.recv(into, 0)  # blocking: it must not wait for ever
         return None
 
     with pytest.raises(RankError) as caught:
-        strict.run(float32_buffer, timeout=60)
+        strict.run(float32_buffer, timeout=30)
     message = str(caught.value)
     assert "MessageMismatch" in message and "(4,) torch.float64" in message and "32 bytes" in message, message
     assert "torch.float32, 16 bytes" in message, message
+    assert "rank 1's recv #" in message and "(4,) torch.float32) got zeros: rank 0 refused its send" in message
+    assert "did not finish" not in message, message  # both ends failed, no rank timed out
     assert strict.run(lambda ctx: ctx.rank) == [0, 1, 2]  # the cluster goes on

@@ -30,12 +30,14 @@ timeout in seconds), which ``make test`` sets for its papermill runs and graders
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 import queue
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -186,6 +188,7 @@ class StrictPointToPoint:
             if item.kind == "recv":
                 self._announce(item)
                 self.irecv(item.tensor, src=item.peer, group=item.group, tag=item.tag).wait()
+                self._check_refused(item)
             else:
                 self._await_receiver(item)
                 self.isend(item.tensor, dst=item.peer, group=item.group, tag=item.tag).wait()
@@ -213,6 +216,9 @@ class StrictPointToPoint:
                     works.append(self.isend(op.tensor, dst=op.peer, group=op.group, tag=op.tag))
             for work in works:
                 work.wait()
+            for op in group.ops:
+                if op.kind == "recv":
+                    self._check_refused(op)
         except BaseException as err:  # noqa: BLE001
             for op in group.ops:
                 op.error = err
@@ -255,12 +261,33 @@ class StrictPointToPoint:
         t = op.tensor
         if int(receive.rsplit(" ", 1)[1]) != t.numel() * t.element_size():
             shape, dtype, nbytes = receive.rsplit(" ", 2)
-            raise MessageMismatch(
+            mismatch = MessageMismatch(
                 f"rank {self.me}'s {op.describe(self.me)} is {t.numel() * t.element_size():,} bytes, but rank "
                 f"{op.peer} posted the matching receive #{op.number} into a buffer of shape {shape} and {dtype}, "
                 f"{int(nbytes):,} bytes. The two ends of a message must agree on shape and dtype: make the "
                 "receive buffer like the tensor sent (torch.empty_like, or the sender's dtype and shape). "
-                "The send was not made (gloo would abort the receiving process; NCCL would hang or corrupt it)"
+                "The send was not made: zeros of the receive's shape went in its place, and the receive fails "
+                "too (gloo would abort the receiving process; NCCL would hang or corrupt it)"
+            )
+            self._refuse(op, shape, dtype, str(mismatch))
+            raise mismatch
+
+    # The receive of a refused send would wait forever, and with it its rank: nothing would tell the
+    # other ranks (a grader's ranks agree to stop only once every rank has finished its step). So the
+    # sender leaves a word saying why, then answers the receive with zeros of its own shape and dtype;
+    # the receive, once filled, finds the word and fails with the sender's message.
+    def _refuse(self, op: _Op, shape: str, dtype: str, message: str) -> None:
+        self.store.set(self._key(op, self.me, op.peer) + "/refused", message.encode())
+        zeros = torch.zeros(ast.literal_eval(shape), dtype=getattr(torch, dtype.removeprefix("torch.")))
+        self.isend(zeros.to(op.tensor.device), dst=op.peer, group=op.group, tag=op.tag).wait()
+
+    def _check_refused(self, op: _Op) -> None:
+        key = self._key(op, op.peer, self.me) + "/refused"
+        if self.store.check([key]):
+            message = self.store.get(key).decode()
+            self.store.delete_key(key)
+            raise MessageMismatch(
+                f"rank {self.me}'s {op.describe(self.me)} got zeros: rank {op.peer} refused its send. {message}"
             )
 
 
