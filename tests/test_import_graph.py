@@ -231,6 +231,49 @@ def test_no_private_name_crosses_a_module():
     assert found == [], f"a private name used outside its module; give what modules share a public name: {found}"
 
 
+# The grader's own modules follow the same rule. It may name a library private for one reason: to
+# refuse a learner's call to it (guards.without_library / forbid_library), since a learner could
+# reach the answer through it. Those are listed by (grader module, private name).
+GRADER_MODULES = {
+    ".".join(("ultrascale_grading",) + p.relative_to(LIB.parent / GRADER).with_suffix("").parts).removesuffix(
+        ".__init__"
+    ): p
+    for p in sorted((LIB.parent / GRADER).rglob("*.py"))
+}
+REFUSED_PRIVATES = {
+    ("exercise_tests.ch02_gradient_sync", "DataParallel._all_reduce"),
+    ("exercise_tests.ch04", "functional._all_reduce"),
+    ("exercise_tests.ch04_vocab_parallel", "vocab_parallel._cross_entropy"),
+    ("exercise_tests.ch05", "functional._all_gather"),
+    ("exercise_tests.ch05", "functional._reduce_scatter"),
+    ("exercise_tests.ch06", "library._heads_to_sequence"),
+    ("exercise_tests.ch06", "library._sequence_to_heads"),
+    ("exercise_tests.ch08_expert_parallel", "ep._reduce"),
+    ("exercise_tests.cha2", "_ffn_params"),
+    ("exercise_tests.cha2", "_llama_matmul_params_per_layer"),
+    ("exercise_tests.cha4_atomic_save", "store._commit"),
+}
+
+
+def test_no_private_name_crosses_a_module_of_the_grader():
+    saved = dict(MODULES)
+    MODULES.update(GRADER_MODULES)  # the finder then knows the grader's modules as course modules
+    try:
+        found = set()
+        for name, path in GRADER_MODULES.items():
+            for where in private_crossings(name, path):
+                what = where.split(": ", 1)[1].split(" (")[0].rsplit(" import ", 1)[-1]
+                found.add((name.removeprefix(GRADER + "."), what))
+    finally:
+        MODULES.clear()
+        MODULES.update(saved)
+    assert_only_the_exceptions(
+        found,
+        REFUSED_PRIVATES,
+        "the grader names a library private only to refuse it; what its modules share is public",
+    )
+
+
 def test_the_grader_finder_sees_every_form():
     source = (
         "import ultrascale_grading\nfrom ultrascale_grading.check import check\nimport ultrascale_grading.cli as cli\n"

@@ -142,7 +142,7 @@ def check(exercise_id: str, *objects, **kwargs) -> CheckResult:
         result = CheckResult(exercise_id, ERROR, 0, 0, str(err.args[0]))
     except Exception as err:  # a test module that does not import: not the learner's fault
         result = CheckResult(
-            exercise_id, ERROR, 0, 0, f"the checker itself failed: {_one_line(err)}", details=traceback.format_exc()
+            exercise_id, ERROR, 0, 0, f"the checker itself failed: {one_line(err)}", details=traceback.format_exc()
         )
     else:
         result = _argument_error(ex, objects, kwargs)
@@ -169,7 +169,7 @@ def grade_exercise(ex, objects: tuple, kwargs: dict) -> CheckResult:
         result = _grade(ex, objects, kwargs)
     except Exception as err:  # a bug in the grading code itself must not stop the notebook
         result = CheckResult(
-            ex.id, ERROR, 0, ex.points, f"the checker itself failed: {_one_line(err)}", details=traceback.format_exc()
+            ex.id, ERROR, 0, ex.points, f"the checker itself failed: {one_line(err)}", details=traceback.format_exc()
         )
     result.seconds = time.perf_counter() - start
     return result
@@ -210,13 +210,13 @@ def _grade(ex, objects: tuple, kwargs: dict) -> CheckResult:
     except AssertionError as err:
         return verdict(FAIL, _assertion_message(err), traceback.format_exc())
     except Exception as err:
-        if _is_not_implemented(err):
+        if is_not_implemented(err):
             return verdict(NOT_IMPLEMENTED, _not_implemented_hint(err))
         if getattr(err, "stuck", None):
             # A hang (typically mismatched collectives): where each rank was stuck
             # is the whole diagnosis, so show it unfolded.
             return verdict(FAIL, f"your code did not finish: {err}", traceback.format_exc())
-        return verdict(FAIL, f"your code raised {_one_line(err)}", traceback.format_exc())
+        return verdict(FAIL, f"your code raised {one_line(err)}", traceback.format_exc())
     return verdict(PASS)
 
 
@@ -238,9 +238,9 @@ def _stub_message(obj) -> str | None:
     return "".join(op.argval for op in ops if op.opname == "LOAD_CONST" and isinstance(op.argval, str))
 
 
-def _is_not_implemented(err: BaseException) -> bool:
+def is_not_implemented(err: BaseException) -> bool:
     """True if a NotImplementedError caused ``err``, here or on a worker rank."""
-    for exc in _chain(err):
+    for exc in error_chain(err):
         if isinstance(exc, NotImplementedError):
             return True
         # The runtime's RankError lists each failing rank with its exception type.
@@ -258,7 +258,7 @@ def _is_not_implemented(err: BaseException) -> bool:
 def _not_implemented_hint(err: BaseException) -> str:
     """What to do, with the stub's hint (``exercise: <hint>``) wherever it was raised."""
     message = ""
-    for exc in _chain(err):
+    for exc in error_chain(err):
         if isinstance(exc, NotImplementedError) and str(exc):
             message = str(exc)
             break
@@ -273,7 +273,7 @@ def _not_implemented_hint(err: BaseException) -> str:
     return f"{todo}\n(NotImplementedError: {message})" if message else todo
 
 
-def _chain(err: BaseException):
+def error_chain(err: BaseException):
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -295,7 +295,7 @@ def _assertion_message(err: AssertionError) -> str:
     return "assertion failed"
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     """``Type: first line``; for an error from the ranks, what each rank raised."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:

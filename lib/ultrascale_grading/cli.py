@@ -74,7 +74,7 @@ from .check import (
     PASS,
     SUBMITTED,
     CheckResult,
-    _one_line,
+    one_line,
     grade_exercise,
     submission_path,
 )
@@ -547,7 +547,7 @@ def _regrade_one(exercise_id: str, ex, path: Path) -> CheckResult:
         _give_kernels_triton_language([*objects, *kwargs.values()])
     except Exception as err:  # noqa: BLE001 - whatever the file holds, it scores 0
         return CheckResult(
-            exercise_id, ERROR, 0, ex.points, f"the grader could not load what check() was given: {_one_line(err)}"
+            exercise_id, ERROR, 0, ex.points, f"the grader could not load what check() was given: {one_line(err)}"
         )
     return grade_exercise(ex, objects, kwargs)
 

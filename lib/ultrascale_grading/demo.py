@@ -21,7 +21,7 @@ import re
 import sys
 from contextlib import contextmanager
 
-from .check import _chain, _is_not_implemented
+from .check import error_chain, is_not_implemented
 
 # The last frame of a remote traceback, as the runtime formats it.
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)', re.MULTILINE)
@@ -33,7 +33,7 @@ def skip_if_not_implemented():
     try:
         yield
     except Exception as err:
-        if not _is_not_implemented(err):
+        if not is_not_implemented(err):
             raise
         namespace = sys._getframe(2).f_globals  # the notebook's: the cell with the ``with``
         print(f"not implemented yet: {_stub_name(err, namespace)} (this demo runs once you have written it)")
@@ -41,7 +41,7 @@ def skip_if_not_implemented():
 
 def _stub_name(err: BaseException, namespace: dict) -> str:
     """The function whose stub raised: from the local traceback, or the ranks' one."""
-    for exc in _chain(err):
+    for exc in error_chain(err):
         if isinstance(exc, NotImplementedError) and exc.__traceback__ is not None:
             tb = exc.__traceback__
             while tb.tb_next is not None:

@@ -63,6 +63,7 @@ __all__ = [
     "ExpertParallelDispatch",
     "expert_parameters",
     "expert_parameter_names",
+    "data_groups",
     "average_after_backward",
     "average_in_backward",
     "rank_load",
@@ -222,7 +223,7 @@ def average_in_backward(model, data_group, expert_group) -> None:
         sync_in_backward(params, group, divide_by=ranks, keep_as="_ep_grad_sync")
 
 
-def _data_groups(mesh_or_group, ep_group):
+def data_groups(mesh_or_group, ep_group):
     """(dense data group, expert replica group) for the gradient hooks."""
     if not isinstance(mesh_or_group, Mesh):
         return ep_group or dist.group.WORLD, None
@@ -268,7 +269,7 @@ def apply_ep(
         moe.experts = nn.ModuleDict({str(i): moe.experts[i] for i in keep})
         moe.experts_forward = ExpertParallelDispatch(moe.experts, moe.num_experts, group, timeline)
     if sync_gradients:
-        average_in_backward(model, *_data_groups(mesh_or_group, group))
+        average_in_backward(model, *data_groups(mesh_or_group, group))
     if timeline is not None and hasattr(model, "blocks"):
         timeline.instrument(model.blocks)
     return model

@@ -11,7 +11,7 @@
 * a backward whose incoming gradient is shared with another branch (:class:`SharedBranch`,
   :func:`shared_problem`), the library's answer refused while the learner's code runs
   (:func:`refused_library`), and one forward and backward of a communication Function with
-  its collectives (:func:`_run_pair`).
+  its collectives (:func:`run_pair`).
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def run_layouts(on_rank, args, world_size: int, quick: bool, timeout: float) -> 
                 raise AssertionError(problem)
 
 
-def _run_pair(apply, x, upstream, group, forbid=None) -> dict:
+def run_pair(apply, x, upstream, group, forbid=None) -> dict:
     """Forward and backward of ``apply(x, group)`` with the collectives of each direction, then
     the same once more where the output's gradient is shared with another branch."""
     from ultrascale.comm import CommLogger

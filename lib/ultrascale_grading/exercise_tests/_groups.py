@@ -72,7 +72,7 @@ class Split:
     def run(self, fn, *args, what: str, timeout: float) -> list:
         """``grading_cluster(world_size).run(fn, *args)``; an error or a hang on the ranks is
         reported as a failure on these groups, with ``HINT`` (a stub not filled in still is one)."""
-        from ultrascale_grading.check import _one_line
+        from ultrascale_grading.check import one_line
         from ultrascale.runtime import CallTimeout, RankError, grading_cluster
 
         try:
@@ -87,7 +87,7 @@ class Split:
             if "NotImplementedError" in err.type_names:
                 raise
             raise AssertionError(
-                f"{what} on {self}: your code raised {_one_line(err)}. Did you pass group=? {HINT}"
+                f"{what} on {self}: your code raised {one_line(err)}. Did you pass group=? {HINT}"
             ) from None
 
 

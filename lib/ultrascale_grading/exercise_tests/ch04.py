@@ -58,7 +58,7 @@ from ultrascale_grading import exercise
 
 from ._common import (
     SharedBranch,
-    _run_pair,
+    run_pair,
     close,
     collectives,
     describe,
@@ -91,15 +91,15 @@ def _pair_on_rank(ctx, Copy, Reduce, seed, split):
     x = randn(SHAPE, seed, 1, ctx.rank, device=ctx.device)  # a different input on every rank
     upstream = randn(SHAPE, seed, 2, ctx.rank, device=ctx.device)  # and a different upstream gradient
     # Everything runs before anything is judged: no rank may leave the others in a collective.
-    library = {"Copy": _run_pair(f, x, upstream, group), "Reduce": _run_pair(f_star, x, upstream, group)}
+    library = {"Copy": run_pair(f, x, upstream, group), "Reduce": run_pair(f_star, x, upstream, group)}
     forbid = (
         [functional._all_reduce],
         "04.conjugate_pair",
         "f and f_star are what you are writing here: call dist.all_reduce yourself",
     )
     learner = {
-        "Copy": _run_pair(Copy.apply, x, upstream, group, forbid),
-        "Reduce": _run_pair(Reduce.apply, x, upstream, group, forbid),
+        "Copy": run_pair(Copy.apply, x, upstream, group, forbid),
+        "Reduce": run_pair(Reduce.apply, x, upstream, group, forbid),
     }
     judge = {"Copy": _judge_copy, "Reduce": _judge_reduce}
     for name in ("Copy", "Reduce"):

@@ -46,7 +46,7 @@ import torch.nn as nn
 from ultrascale_grading import exercise
 
 from ._common import (
-    _run_pair,
+    run_pair,
     close,
     describe,
     group_sizes,
@@ -76,7 +76,7 @@ def _long(dim: int, n: int) -> tuple:
 def _run_region(apply, x, dim, upstream, group, forbid=None) -> dict:
     """Forward and backward of ``apply(x, dim, group)`` with the collectives of each direction
     (chapter 04's harness for f / f*, with ``dim`` fixed)."""
-    return _run_pair(lambda t, g: apply(t, dim, g), x, upstream, group, forbid)
+    return run_pair(lambda t, g: apply(t, dim, g), x, upstream, group, forbid)
 
 
 def _sequence_on_rank(ctx, Gather, ReduceScatter, seed, split):

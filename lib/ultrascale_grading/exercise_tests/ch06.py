@@ -55,12 +55,12 @@ DT = torch.float64
 SPLIT = Split([0], [1, 2])
 
 
-def _randn(shape, seed: int, *salt: int, device=None) -> torch.Tensor:
+def seeded_randn(shape, seed: int, *salt: int, device=None) -> torch.Tensor:
     """``_common.randn`` in this chapter's float64."""
     return randn(shape, seed, *salt, device=device, dtype=DT)
 
 
-def _close(got, want) -> bool:
+def close_enough(got, want) -> bool:
     """Same shape, same -inf entries, and the finite ones within the tolerance of ``want``'s dtype
     (float64 in the fixed cases; a property draws float32 too)."""
     if not torch.is_tensor(got) or tuple(got.shape) != tuple(want.shape):
@@ -72,7 +72,7 @@ def _close(got, want) -> bool:
     return bool(torch.allclose(got[finite], want[finite], **tolerance(None, want.dtype)))
 
 
-def _block_attention(q, k, v, pos_q=None, pos_k=None, causal=False):
+def block_attention(q, k, v, pos_q=None, pos_k=None, causal=False):
     """Attention of ``q`` to one block of keys alone, and each row's log-sum-exp; a row that
     sees no key of the block (a causal mask) gets output 0 and lse -inf."""
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
@@ -88,27 +88,31 @@ def _block_attention(q, k, v, pos_q=None, pos_k=None, causal=False):
 def _merge_cases(seed: int) -> dict:
     """name -> (out_a, lse_a, out_b, lse_b, reference of the whole or None)."""
     b, h, rows, d = 2, 3, 6, 4
-    q, k, v = _randn((b, h, rows, d), seed, 1), _randn((b, h, 10, d), seed, 2), _randn((b, h, 10, d), seed, 3)
+    q, k, v = (
+        seeded_randn((b, h, rows, d), seed, 1),
+        seeded_randn((b, h, 10, d), seed, 2),
+        seeded_randn((b, h, 10, d), seed, 3),
+    )
     cases = {}
-    parts = [_block_attention(q, k[..., :4, :], v[..., :4, :]), _block_attention(q, k[..., 4:, :], v[..., 4:, :])]
+    parts = [block_attention(q, k[..., :4, :], v[..., :4, :]), block_attention(q, k[..., 4:, :], v[..., 4:, :])]
     whole = F.scaled_dot_product_attention(q, k, v)
     cases["ordinary scores"] = (*parts[0], *parts[1], whole)
     big = 400 * q  # scores of several thousand: exp(lse) overflows float64 (above ~709)
     cases["scores of ~1e3, where exp(lse) overflows"] = (
-        *_block_attention(big, k[..., :4, :], v[..., :4, :]),
-        *_block_attention(big, k[..., 4:, :], v[..., 4:, :]),
+        *block_attention(big, k[..., :4, :], v[..., :4, :]),
+        *block_attention(big, k[..., 4:, :], v[..., 4:, :]),
         None,
     )
     pos_q, pos_k = torch.arange(4, 4 + rows), torch.arange(10)  # queries 4..9, causal
-    a = _block_attention(q, k[..., :6, :], v[..., :6, :], pos_q, pos_k[:6], causal=True)
-    bb = _block_attention(q, k[..., 6:, :], v[..., 6:, :], pos_q, pos_k[6:], causal=True)
+    a = block_attention(q, k[..., :6, :], v[..., :6, :], pos_q, pos_k[:6], causal=True)
+    bb = block_attention(q, k[..., 6:, :], v[..., 6:, :], pos_q, pos_k[6:], causal=True)
     cases["causal: rows 0-1 see no key of part b"] = (*a, *bb, None)
     # The same parts swapped: lse_a is -inf where lse_b is not, as in a ring's running state before its
     # first block (out 0, lse -inf). A merge that handles an empty part b only fails here.
     cases["causal: rows 0-1 see no key of part a"] = (*bb, *a, None)
     # Rows 0-2 see nothing in either part (a query whose keys are all in its future).
-    a = _block_attention(q, k[..., 3:6, :], v[..., 3:6, :], torch.arange(rows), pos_k[3:6], causal=True)
-    bb = _block_attention(q, k[..., 6:9, :], v[..., 6:9, :], torch.arange(rows), pos_k[6:9], causal=True)
+    a = block_attention(q, k[..., 3:6, :], v[..., 3:6, :], torch.arange(rows), pos_k[3:6], causal=True)
+    bb = block_attention(q, k[..., 6:9, :], v[..., 6:9, :], torch.arange(rows), pos_k[6:9], causal=True)
     cases["causal: rows 0-2 see no key of either part"] = (*a, *bb, None)
     return cases
 
@@ -145,15 +149,15 @@ def _judge_merge(name, inputs, got, expected, whole) -> str | None:
             "Such a part must get weight exp(-inf) = 0"
         )
     lost = torch.isfinite(want_lse) & ~torch.isfinite(lse.detach())
-    if _close(out, want_out) and bool(lost.any()):
+    if close_enough(out, want_out) and bool(lost.any()):
         empty = "a" if bool(torch.isneginf(lse_a)[lost].any()) else "b"
         return (
             f"{where}: lse is {lse.detach()[lost][0].item()} on rows where part {empty} is empty (lse_{empty} = "
             f"-inf) and the other part is not. An empty part adds nothing: lse must be the other part's lse "
             "there. torch.logaddexp handles -inf on either side"
         )
-    if _close(out, want_out) and not _close(lse, want_lse):
-        if _close(lse, torch.maximum(lse_a, lse_b)):
+    if close_enough(out, want_out) and not close_enough(lse, want_lse):
+        if close_enough(lse, torch.maximum(lse_a, lse_b)):
             return (
                 f"{where}: lse is the larger of lse_a and lse_b. It is the log of the total softmax mass, "
                 "log(exp(lse_a) + exp(lse_b)), which torch.logaddexp computes without overflow"
@@ -162,14 +166,14 @@ def _judge_merge(name, inputs, got, expected, whole) -> str | None:
             f"{where}: out is right but lse differs from log(exp(lse_a) + exp(lse_b)) by up to "
             f"{max_difference(lse.detach().nan_to_num(0, 0, 0), want_lse.nan_to_num(0, 0, 0)):.3g}"
         )
-    if not _close(out, want_out):
-        if _close(out, out_a + out_b):
+    if not close_enough(out, want_out):
+        if close_enough(out, out_a + out_b):
             return (
                 f"{where}: the two outputs are added as they are. Each is normalised over its own keys only, so "
                 "each must be weighted by its share of the total: out = exp(lse_a - lse) out_a + "
                 "exp(lse_b - lse) out_b, with lse = logaddexp(lse_a, lse_b)"
             )
-        if _close(out, (out_a + out_b) / 2):
+        if close_enough(out, (out_a + out_b) / 2):
             return (
                 f"{where}: the outputs are averaged. The weights are not 1/2 each but each part's share of the "
                 "softmax mass: exp(lse_a - lse) and exp(lse_b - lse)"
@@ -180,7 +184,7 @@ def _judge_merge(name, inputs, got, expected, whole) -> str | None:
         )
     if "either part" in name and not torch.equal(out[..., :3, :], torch.zeros_like(out[..., :3, :])):
         return f"{where}: rows that see no key must have output 0"
-    if whole is not None and not _close(out, whole):  # cannot happen when the library agrees; a safety net
+    if whole is not None and not close_enough(out, whole):  # cannot happen when the library agrees; a safety net
         return f"{where}: out differs from attention over all keys at once"
     return None
 
@@ -365,7 +369,9 @@ def _ulysses_problem(ctx, ulysses, seed, split) -> str | None:
     group, where = _ulysses_group(ctx, split)
     r, n = dist.get_rank(group), dist.get_world_size(group)
     seq, index = 3 * n, dist.get_process_group_ranks(group)[0]  # each group its own inputs
-    q, k, v, upstream = (_randn((2, U_HEADS, seq, U_DIM), seed, 50 + i, n, index, device=ctx.device) for i in range(4))
+    q, k, v, upstream = (
+        seeded_randn((2, U_HEADS, seq, U_DIM), seed, 50 + i, n, index, device=ctx.device) for i in range(4)
+    )
     rows = slice(r * seq // n, (r + 1) * seq // n)  # the contiguous layout
     mine = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
     forbid = (
@@ -394,13 +400,13 @@ def _ulysses_problem(ctx, ulysses, seed, split) -> str | None:
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*whole, is_causal=True)
     want.backward(upstream)
-    if not _close(out, want[:, :, rows]):
-        if _close(out, F.scaled_dot_product_attention(*(t[:, :, rows] for t in (q, k, v)), is_causal=True)):
+    if not close_enough(out, want[:, :, rows]):
+        if close_enough(out, F.scaled_dot_product_attention(*(t[:, :, rows] for t in (q, k, v)), is_causal=True)):
             return (
                 f"{what}: your output is attention to this rank's own tokens only; each head needs the whole "
                 "sequence's keys: an all-to-all to head groups first"
             )
-        if n > 1 and _close(out, F.scaled_dot_product_attention(q, k, v)[:, :, rows]):
+        if n > 1 and close_enough(out, F.scaled_dot_product_attention(q, k, v)[:, :, rows]):
             return f"{what}: your output is attention without the causal mask: a token must not see later ones"
         return (
             f"{what}: your output differs from causal attention over the whole sequence at this rank's rows. "
@@ -425,7 +431,7 @@ def _ulysses_problem(ctx, ulysses, seed, split) -> str | None:
     except Exception as err:  # noqa: BLE001 - the learner's backward, reported
         return f"{what}: backward through your output raised {type(err).__name__}: {err}"
     for name, got, ref in zip(("dQ", "dK", "dV"), (m.grad for m in mine), (t.grad for t in whole)):
-        if got is None or not _close(got, ref[:, :, rows]):
+        if got is None or not close_enough(got, ref[:, :, rows]):
             return (
                 f"{what}: {name} differs from the gradient of attention over the whole sequence: every step "
                 "must be differentiable (comm.functional's all_to_all, reshapes, SDPA), with no .detach()"

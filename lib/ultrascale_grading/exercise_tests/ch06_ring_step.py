@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ultrascale_grading import exercise
-from ultrascale_grading.exercise_tests.ch06 import SPLIT, _block_attention, _close, _randn
+from ultrascale_grading.exercise_tests.ch06 import SPLIT, block_attention, close_enough, seeded_randn
 from ultrascale.parity import max_difference
 
 
@@ -222,7 +222,7 @@ def run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r,
 
         def attend(qq, kk, vv, pos_q=positions[r], pos_k=positions[src]):
             calls.append(tracker.snapshot())
-            return _block_attention(qq, kk, vv, pos_q, pos_k, causal)
+            return block_attention(qq, kk, vv, pos_q, pos_k, causal)
 
         given = (out.clone(), lse.clone(), kv.clone())
         record = {
@@ -259,7 +259,7 @@ def run_ring(ring_step, group, ranks, q_full, k_full, v_full, causal, layout, r,
             unwaited=sum(not w.waited for w in tracker.works),
             sent=sum(e.bytes_sent for e in log.events),
             received=sum(e.bytes_received for e in log.events),
-            block_alone=_block_attention(q, given[2][0], given[2][1], positions[r], positions[src], causal),
+            block_alone=block_attention(q, given[2][0], given[2][1], positions[r], positions[src], causal),
             next_block=blocks[(r - step - 1) % n],
             wrong_way=blocks[(r + step + 1) % n],
         )
@@ -286,12 +286,12 @@ def _merge_problem(out, lse, given, want_out, block_alone) -> str:
             "out has NaN: rows that see no key of this block have lse -inf there; merge_partial_attention "
             "gives them weight 0"
         )
-    if _close(out, block_alone[0]) and not _close(given[0], torch.zeros_like(given[0])):
+    if close_enough(out, block_alone[0]) and not close_enough(given[0], torch.zeros_like(given[0])):
         return (
             "out is this block's attention alone: merge it with what came before (out and lse), with the "
             "merge rule of the first exercise"
         )
-    if _close(out, given[0]):
+    if close_enough(out, given[0]):
         return "out is unchanged: merge this block's attention into out and lse"
     return (
         f"out differs by up to {max_difference(out.detach(), want_out):.3g} from merging what the step was given "
@@ -317,7 +317,7 @@ def _judge_step(s, n) -> str | None:
             "incoming block into a new buffer shaped like kv, never into kv"
         )
     want_out, want_lse = s["expected"]
-    if not _close(out, want_out) or not _close(lse, want_lse):
+    if not close_enough(out, want_out) or not close_enough(lse, want_lse):
         return f"{where}: {_merge_problem(out, lse, s['given'], want_out, s['block_alone'])}"
     first, after = calls[0], s["after"]
     if s["last"]:
@@ -381,7 +381,7 @@ def _ring_on_rank(ctx, ring_step, seed, split):
     runs = []
     for causal, layout in _ring_cases():  # everything runs before anything is judged
         seq = 2 * n * 3
-        q, k, v = (_randn((2, 2, seq, 4), seed, 30 + i, n, device=ctx.device) for i in range(3))
+        q, k, v = (seeded_randn((2, 2, seq, 4), seed, 30 + i, n, device=ctx.device) for i in range(3))
         runs.append((causal, layout, *run_ring(ring_step, group, ranks, q, k, v, causal, layout, r, n)))
     for causal, layout, steps, out, reference in runs:
         problem = ring_problem(steps, out, reference, n)
@@ -397,7 +397,7 @@ def ring_problem(steps, out, reference, n) -> str | None:
         problem = _judge_step(s, n)
         if problem:
             return problem
-    if not _close(out, reference):
+    if not close_enough(out, reference):
         return f"after {n} steps out differs from attention over the whole sequence"
     return None
 

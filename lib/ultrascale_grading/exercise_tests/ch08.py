@@ -37,7 +37,7 @@ DT = torch.float64
 SPLIT = Split([0], [1, 2, 3])
 
 
-def _on_split(problem: str) -> str:
+def on_split(problem: str) -> str:
     return f"{problem}. Did you pass group=? {HINT}"
 
 
@@ -144,17 +144,17 @@ def _router_gradient_problem(router, x, weights, chosen, want_w, want_c, upstrea
 # ---- 08.split_sizes ------------------------------------------------------------------------
 
 
-def _chosen(seed: int, rank: int, tokens: int, experts: int, k: int) -> torch.Tensor:
+def chosen_experts(seed: int, rank: int, tokens: int, experts: int, k: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1009 + rank)
     return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
 
 
-def _only_group(group, what):
+def only_group_if_split(group, what):
     """On a split, refuse at once a collective over another group than the rank's own."""
     return contextlib.nullcontext() if group is None else only_group(group, what)
 
 
-def _layout(ctx, split):
+def split_layout(ctx, split):
     """(group, index of the group, rank within it, its size, a description) of this rank: the
     world, or its group of ``split`` (each group has inputs of its own: ``seed + index``)."""
     if split is None:
@@ -167,11 +167,11 @@ def _split_sizes_on_rank(ctx, split_sizes, seed, split=None):
     from ultrascale_grading.guards import forbid_library
     from ultrascale.parallel import expert_parallel as ep
 
-    group, index, r, n, layout = _layout(ctx, split)
+    group, index, r, n, layout = split_layout(ctx, split)
     problems = []
     for k in (1, 2):
         per_rank = 2
-        chosen = _chosen(seed + index, r, 12, per_rank * n, k).to(ctx.device)  # drawn on the host, then moved
+        chosen = chosen_experts(seed + index, r, 12, per_rank * n, k).to(ctx.device)  # drawn on the host, then moved
         plan = ep.dispatch_plan(chosen, torch.ones(chosen.shape, device=chosen.device), n, per_rank)
         want_send, want_receive = plan.send_counts, ep.exchange_counts(plan.send_counts, group, ctx.device)
         try:
@@ -181,7 +181,7 @@ def _split_sizes_on_rank(ctx, split_sizes, seed, split=None):
                     "08.split_sizes",
                     "count the rows per rank and send the counts with an all-to-all yourself",
                 ),
-                _only_group(group, "split_sizes"),
+                only_group_if_split(group, "split_sizes"),
             ):
                 got = split_sizes(chosen.clone(), per_rank, group)
         except NotImplementedError:
@@ -232,4 +232,4 @@ def test_split_sizes(split_sizes, world_size: int = 2, quick: bool = True, seed:
     per_rank = SPLIT.run(_split_sizes_on_rank, split_sizes, seed, SPLIT, what="split_sizes", timeout=timeout)
     for problems in (per_rank[r] for i in SPLIT.order() for r in SPLIT.groups[i]):
         if problems:
-            raise AssertionError(_on_split(problems[0]))
+            raise AssertionError(on_split(problems[0]))

@@ -33,7 +33,14 @@ import torch
 
 from ultrascale_grading import exercise
 from ultrascale_grading.exercise_tests._groups import Split
-from ultrascale_grading.exercise_tests.ch08 import DT, SPLIT, _chosen, _layout, _on_split, _only_group
+from ultrascale_grading.exercise_tests.ch08 import (
+    DT,
+    SPLIT,
+    chosen_experts,
+    split_layout,
+    on_split,
+    only_group_if_split,
+)
 
 # The groups of the EP-with-DP test: one size, as GroupContext needs.
 EP_SPLIT = Split([0, 2], [1, 3])
@@ -54,7 +61,7 @@ def _layer_problem(
             e.weight.copy_(torch.randn(e.weight.shape, generator=g, dtype=DT))
             e.bias.copy_(torch.randn(e.bias.shape, generator=g, dtype=DT))
     x = torch.randn(n, tokens, hidden, generator=g, dtype=DT)
-    chosen = torch.stack([_chosen(seed, r, tokens, n * experts_per_rank, k) for r in range(n)])
+    chosen = torch.stack([chosen_experts(seed, r, tokens, n * experts_per_rank, k) for r in range(n)])
     w = torch.rand(n, tokens, k, generator=g, dtype=DT)
     upstream = torch.randn(n, tokens, hidden, generator=g, dtype=DT)
     w = w / w.sum(-1, keepdim=True)
@@ -81,7 +88,7 @@ def _dispatch_on_rank(ctx, ep_forward, seed, k, split=None):
     from ultrascale_grading.guards import forbid_library
     from ultrascale.parallel import expert_parallel as ep
 
-    group, index, r, n, _ = _layout(ctx, split)
+    group, index, r, n, _ = split_layout(ctx, split)
     experts, x, chosen, w, upstream = _layer_problem(seed + index, n, k, device=ctx.device)
     per_rank = len(experts) // n
     mine = experts[r * per_rank : (r + 1) * per_rank]
@@ -99,7 +106,7 @@ def _dispatch_on_rank(ctx, ep_forward, seed, k, split=None):
                 "send the rows with all_to_all and combine them yourself",
             ),
             CommLogger() as log,
-            _only_group(group, "ep_forward"),
+            only_group_if_split(group, "ep_forward"),
         ):
             y = ep_forward(tokens, chosen[r].clone(), weights, mine, group)
     except NotImplementedError:
@@ -199,7 +206,7 @@ def test_dispatch_combine(ep_forward, world_size: int = 2, quick: bool = True, s
             [per_rank[g] for g in ranks], reference, f"{SPLIT}, the group {list(ranks)} (rank = rank within it)", k
         )
         if problem:
-            raise AssertionError(_on_split(problem))
+            raise AssertionError(on_split(problem))
 
 
 # ---- 08.expert_gradients -------------------------------------------------------------------
@@ -215,7 +222,7 @@ def _hooked(reduce_gradient, changed):
         from ultrascale.parallel import expert_parallel as ep, grad_sync
 
         ep.apply_ep(model, mesh, sync_gradients=False)
-        data_group, expert_group = ep._data_groups(mesh, ep.axis_group(mesh, "ep"))
+        data_group, expert_group = ep.data_groups(mesh, ep.axis_group(mesh, "ep"))
         library = [ep._reduce, ep.average_gradients, grad_sync.reduce_gradient, grad_sync.sync_in_backward]
         guarded = without_library(reduce_gradient, library, "08.expert_gradients")
 

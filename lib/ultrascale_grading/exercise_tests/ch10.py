@@ -361,7 +361,7 @@ def _pp_candidates(model) -> list:
     return [d for d in range(1, model.layers + 1) if model.layers % d == 0]
 
 
-def _measured(model, layout, seq, pp):
+def measured_first_stage(model, layout, seq, pp):
     """Rank 0 (the first stage) of ``layout`` with ``pp`` stages, as the exercise's text says to run it."""
     import torch
 
@@ -411,7 +411,7 @@ def check_smallest_pp(smallest_pp, model, layout, seq, memory_bytes) -> None:
     )
     fits = {}
     for pp in candidates:  # up to the first that fits, as a learner's scan does
-        fits[pp] = _measured(model, layout, seq, pp)
+        fits[pp] = measured_first_stage(model, layout, seq, pp)
         if fits[pp].total_bytes <= memory_bytes:
             break
     answer = next((pp for pp, dry in fits.items() if dry.total_bytes <= memory_bytes), None)
@@ -421,7 +421,7 @@ def check_smallest_pp(smallest_pp, model, layout, seq, memory_bytes) -> None:
 
 def _wrong_pp(call, got, answer, model, layout, seq, memory_bytes, candidates, fits) -> None:
     assert got is not None, f"{call} returned None, but a pipeline of some depth fits: measure each pp"
-    dry = fits.get(got) or _measured(model, layout, seq, got)
+    dry = fits.get(got) or measured_first_stage(model, layout, seq, got)
     gb = {k: f"{v / 1e9:.1f}" for k, v in dry.memory().items()}
     if dry.total_bytes > memory_bytes:
         hints = ""

@@ -32,7 +32,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def _device() -> torch.device:
+def kernel_device() -> torch.device:
     if torch.cuda.is_available() and not _interpreted():
         return torch.device("cuda")
     return torch.device("cpu")
@@ -40,10 +40,10 @@ def _device() -> torch.device:
 
 def _randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return (scale * torch.randn(*shape, generator=gen)).to(_device())
+    return (scale * torch.randn(*shape, generator=gen)).to(kernel_device())
 
 
-def _window(values: torch.Tensor, pad_rows: int, pad_cols: int, fill: float) -> tuple:
+def padded_window(values: torch.Tensor, pad_rows: int, pad_cols: int, fill: float) -> tuple:
     """A buffer bigger than ``values`` (filled with ``fill``) and the view of it holding ``values``."""
     if values.dim() == 1:
         buf = torch.full((values.shape[0] + pad_cols,), fill, dtype=values.dtype, device=values.device)
@@ -56,7 +56,7 @@ def _window(values: torch.Tensor, pad_rows: int, pad_cols: int, fill: float) -> 
     return buf, view
 
 
-def _launch(kernel, grid, *args, loads_per_program: int | None = None, **kwargs):
+def launch_kernel(kernel, grid, *args, loads_per_program: int | None = None, **kwargs):
     """``kernel[grid](*args, **kwargs)``, under the interpreter as a GPU would run it: a masked
     load without ``other=`` gives garbage (NaN) in its masked lanes, not the interpreter's zeros,
     and a program instance may make at most ``loads_per_program`` loads (a vector load per
@@ -112,7 +112,7 @@ def _as_on_a_gpu():
             del builder.create_masked_load
 
 
-def _outside(buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+def outside_view(buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """The elements of ``buf`` that are not part of ``view``."""
     inside = torch.zeros_like(buf, dtype=torch.bool)
     if view.dim() == 1:
@@ -179,12 +179,13 @@ def check_add(masked_add_kernel, x: torch.Tensor, y: torch.Tensor, block: int, l
     n = x.shape[0]
     # Past the end of the inputs lies NaN, past the end of the output a sentinel.
     x_view, y_view = (
-        _window(torch.cat([t.new_full((lead,), float("nan")), t]), 0, block, float("nan"))[1][lead:] for t in (x, y)
+        padded_window(torch.cat([t.new_full((lead,), float("nan")), t]), 0, block, float("nan"))[1][lead:]
+        for t in (x, y)
     )
-    out_buf, out = _window(torch.zeros_like(x), 0, block, SENTINEL)
+    out_buf, out = padded_window(torch.zeros_like(x), 0, block, SENTINEL)
     grid = (triton.cdiv(n, block),)
     with _loads_seen() as loads:
-        _launch(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block, loads_per_program=4)
+        launch_kernel(masked_add_kernel, grid, x_view, y_view, out, n, BLOCK_SIZE=block, loads_per_program=4)
     where = f"n={n}, BLOCK_SIZE={block} ({grid[0]} program instance{'s' if grid[0] > 1 else ''}), {x.dtype}"
     if _read_past(loads, (x_view, y_view)):
         raise AssertionError(
@@ -193,7 +194,7 @@ def check_add(masked_add_kernel, x: torch.Tensor, y: torch.Tensor, block: int, l
             "or an illegal-address crash). Mask the loads too: "
             "tl.load(x_ptr + offsets, mask=offsets < n_elements)"
         )
-    if not (_outside(out_buf, out) == SENTINEL).all():
+    if not (outside_view(out_buf, out) == SENTINEL).all():
         raise AssertionError(
             f"{where}: the kernel wrote past element n-1. Mask the store: "
             "tl.store(out_ptr + offsets, ..., mask=offsets < n_elements)"
@@ -241,10 +242,10 @@ def test_row_softmax(softmax_kernel, quick: bool = True, seed: int = 0):
         if scale < 0:
             x = x.abs() * -1  # every logit hugely negative: exp underflows to 0 without the shift
         # Rows of the input are cols + 5 apart, rows of the output cols + 3: the strides matter.
-        _, x_view = _window(x, 0, 5, float("nan"))
-        out_buf, out = _window(torch.zeros(rows, cols, device=x.device), 1, 3, SENTINEL)
+        _, x_view = padded_window(x, 0, 5, float("nan"))
+        out_buf, out = padded_window(torch.zeros(rows, cols, device=x.device), 1, 3, SENTINEL)
         block = triton.next_power_of_2(cols)
-        _launch(
+        launch_kernel(
             softmax_kernel,
             (rows,),
             out,
@@ -256,7 +257,7 @@ def test_row_softmax(softmax_kernel, quick: bool = True, seed: int = 0):
             loads_per_program=4,
         )
         where = f"shape ({rows}, {cols}), logits of size ~{abs(scale):g}, BLOCK_SIZE={block}"
-        if not (_outside(out_buf, out) == SENTINEL).all():
+        if not (outside_view(out_buf, out) == SENTINEL).all():
             raise AssertionError(
                 f"{where}: the kernel wrote outside the output rows (mask the store with "
                 "cols < n_cols, and use out_row_stride for the row start)"
@@ -307,12 +308,12 @@ MATMUL_CASES = [  # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, the operands stored col
 
 
 def _operand(values, pad_rows: int, pad_cols: int, column_major: bool, fill: float) -> tuple:
-    """``_window`` of ``values``, stored transposed when ``column_major`` (then ``stride(0) == 1``):
+    """``padded_window`` of ``values``, stored transposed when ``column_major`` (then ``stride(0) == 1``):
     the buffer, the window as stored, and the matrix view the kernel gets."""
     if not column_major:
-        buf, view = _window(values, pad_rows, pad_cols, fill)
+        buf, view = padded_window(values, pad_rows, pad_cols, fill)
         return buf, view, view
-    buf, stored = _window(values.t().contiguous(), pad_cols, pad_rows, fill)
+    buf, stored = padded_window(values.t().contiguous(), pad_cols, pad_rows, fill)
     return buf, stored, stored.t()
 
 
@@ -337,7 +338,7 @@ def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: t
     _, _, b_view = _operand(b, 4, 1, "B" in column_major, float("nan"))
     c_buf, c_stored, c = _operand(torch.zeros(M, N, device=a.device), 2, 2, "C" in column_major, SENTINEL)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _launch(
+    launch_kernel(
         matmul_tile_kernel,
         grid,
         a_view,
@@ -366,7 +367,7 @@ def check_matmul(matmul_tile_kernel, a: torch.Tensor, b: torch.Tensor, blocks: t
         )
         + (f", A and B in {a.dtype}, C in float32" if a.dtype != torch.float32 else "")
     )
-    if not (_outside(c_buf, c_stored) == SENTINEL).all():
+    if not (outside_view(c_buf, c_stored) == SENTINEL).all():
         raise AssertionError(
             f"{where}: the kernel wrote outside C. Mask the store with (rows < M) & (cols < N)"
             + (
@@ -423,7 +424,7 @@ def _matmul_close(a, b, c):
     Under the interpreter tl.dot is an exact float32 product and C holds the float32 sums rounded to
     its dtype: within K float32 ulps of the sum of magnitudes, plus one ulp of C's dtype. On a GPU,
     tl.dot on float32 operands uses TF32 (10 bits), so the tolerance is TF32's there."""
-    gpu = _device().type != "cpu"
+    gpu = kernel_device().type != "cpu"
     unit = 2.0**-11 if gpu else a.shape[1] * 2.0**-24
     magnitudes = a.double().abs() @ b.double().abs()
 

@@ -228,7 +228,7 @@ def _overlap_mistakes(compute, communication) -> list:
     ]
 
 
-def _ev(name, ts, dur, tid=1, pid=1):
+def trace_event(name, ts, dur, tid=1, pid=1):
     return {"ph": "X", "cat": "cpu_op", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": {}}
 
 
@@ -236,40 +236,44 @@ def overlap_traces():
     """(what, compute events, communication events): hand-made traps first."""
     engine = "autograd::engine::evaluate_function: AddmmBackward0"
     nested = [
-        _ev(engine, 0, 100),
-        _ev("aten::mm", 10, 30),
-        _ev("aten::mm", 50, 40),
-        _ev(engine, 130, 70),
-        _ev("aten::mm", 140, 50),
+        trace_event(engine, 0, 100),
+        trace_event("aten::mm", 10, 30),
+        trace_event("aten::mm", 50, 40),
+        trace_event(engine, 130, 70),
+        trace_event("aten::mm", 140, 50),
     ]
     two_threads = [
-        _ev("gloo:all_reduce", 20, 60, tid=5),
-        _ev("gloo:all_reduce", 40, 70, tid=6),
-        _ev("gloo:all_reduce", 190, 40, tid=5),
+        trace_event("gloo:all_reduce", 20, 60, tid=5),
+        trace_event("gloo:all_reduce", 40, 70, tid=6),
+        trace_event("gloo:all_reduce", 190, 40, tid=5),
     ]
     return [
         ("nested backward operators and two gloo threads", nested, two_threads),
         (
             "a transfer covered by two adjacent operators",
-            [_ev("a", 0, 50), _ev("b", 50, 50)],
-            [_ev("gloo:all_reduce", 30, 40, tid=5)],
+            [trace_event("a", 0, 50), trace_event("b", 50, 50)],
+            [trace_event("gloo:all_reduce", 30, 40, tid=5)],
         ),
         (
             "transfers touching the compute's edges",
-            [_ev("a", 100, 50)],
-            [_ev("gloo:all_reduce", 60, 40, tid=5), _ev("gloo:all_reduce", 150, 10, tid=5)],
+            [trace_event("a", 100, 50)],
+            [trace_event("gloo:all_reduce", 60, 40, tid=5), trace_event("gloo:all_reduce", 150, 10, tid=5)],
         ),
         (
             "a transfer before the backward and one after it",
-            [_ev("a", 100, 50)],
-            [_ev("gloo:all_reduce", 10, 20, tid=5), _ev("gloo:all_reduce", 140, 30, tid=5)],
+            [trace_event("a", 100, 50)],
+            [trace_event("gloo:all_reduce", 10, 20, tid=5), trace_event("gloo:all_reduce", 140, 30, tid=5)],
         ),
-        ("no communication", [_ev("a", 0, 10)], []),
-        ("no compute", [], [_ev("gloo:all_reduce", 0, 10, tid=5), _ev("gloo:all_reduce", 5, 10, tid=6)]),
+        ("no communication", [trace_event("a", 0, 10)], []),
+        (
+            "no compute",
+            [],
+            [trace_event("gloo:all_reduce", 0, 10, tid=5), trace_event("gloo:all_reduce", 5, 10, tid=6)],
+        ),
         (
             "real-trace timestamps (microseconds since the epoch, with fractions)",
-            [_ev(engine, 1_732_000_000_000.5, 80.25), _ev("aten::mm", 1_732_000_000_010.75, 20.5)],
-            [_ev("gloo:all_reduce", 1_732_000_000_050.125, 60.5, tid=5)],
+            [trace_event(engine, 1_732_000_000_000.5, 80.25), trace_event("aten::mm", 1_732_000_000_010.75, 20.5)],
+            [trace_event("gloo:all_reduce", 1_732_000_000_050.125, 60.5, tid=5)],
         ),
     ]
 
@@ -280,21 +284,21 @@ def random_overlap_trace(seed: int):
     compute, communication, t = [], [], 0
     for _ in range(rng.randint(1, 6)):
         dur = rng.randint(5, 80)
-        compute.append(_ev("autograd::engine", t, dur))
+        compute.append(trace_event("autograd::engine", t, dur))
         for _ in range(rng.randint(0, 3)):  # operators inside it
             start = t + rng.randint(0, dur - 1)
-            compute.append(_ev("aten::op", start, rng.randint(1, t + dur - start)))
+            compute.append(trace_event("aten::op", start, rng.randint(1, t + dur - start)))
         t += dur + rng.choice([0, 0, rng.randint(1, 30)])
     for _ in range(rng.randint(0, 6)):
         communication.append(
-            _ev("gloo:all_reduce", rng.randint(-20, t + 20), rng.randint(1, 60), tid=rng.choice([5, 6]))
+            trace_event("gloo:all_reduce", rng.randint(-20, t + 20), rng.randint(1, 60), tid=rng.choice([5, 6]))
         )
     rng.shuffle(compute)
     rng.shuffle(communication)
     return compute, communication
 
 
-def _check_overlap(communication_overlap, compute, communication, what):
+def check_overlap(communication_overlap, compute, communication, what):
     call = f"communication_overlap(<{what}>)"
     expected = reference_overlap(compute, communication)
     got = call_learner(
@@ -336,7 +340,7 @@ def test_communication_overlap(communication_overlap, quick: bool = True):
         "merge the intervals yourself",
     )
     for what, compute, communication in overlap_traces():
-        _check_overlap(learner, compute, communication, what)
+        check_overlap(learner, compute, communication, what)
     for seed in range(20 if quick else 300):
         compute, communication = random_overlap_trace(seed)
-        _check_overlap(learner, compute, communication, f"random trace {seed}")
+        check_overlap(learner, compute, communication, f"random trace {seed}")

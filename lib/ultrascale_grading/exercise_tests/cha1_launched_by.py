@@ -55,29 +55,31 @@ def reference_launched_by(events, *, own_process=True, edges_inside=True):
     return out
 
 
-def _x(name, cat, ts, dur, pid=1, tid=1, **args):
+def complete_event(name, cat, ts, dur, pid=1, tid=1, **args):
     return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
 
 def hand_made_trace():
     """Two CPU threads at overlapping times, nested operators, and a few traps."""
     return [
-        _x("aten::linear", "cpu_op", 0, 100, tid=1),
-        _x("aten::addmm", "cpu_op", 10, 80, tid=1),
-        _x("cudaLaunchKernel", "cuda_runtime", 20, 5, tid=1, correlation=11),
-        _x("aten::t", "cpu_op", 21, 3, tid=1),  # the innermost operator at 22 on thread 1, not thread 2
-        _x("aten::softmax", "cpu_op", 15, 50, tid=2),
-        _x("aten::_softmax", "cpu_op", 18, 40, tid=2),
-        _x("cudaLaunchKernel", "cuda_runtime", 22, 4, tid=2, correlation=12),  # during thread 1's addmm
-        _x("aten::copy_", "cpu_op", 120, 30, tid=1),
-        _x("cudaMemcpyAsync", "cuda_runtime", 125, 5, tid=1, correlation=13),
-        _x("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 140, 9, pid=0, tid=7, correlation=13),  # not a kernel
-        _x("cudaLaunchKernel", "cuda_runtime", 200, 3, tid=1, correlation=14),  # outside any operator
+        complete_event("aten::linear", "cpu_op", 0, 100, tid=1),
+        complete_event("aten::addmm", "cpu_op", 10, 80, tid=1),
+        complete_event("cudaLaunchKernel", "cuda_runtime", 20, 5, tid=1, correlation=11),
+        complete_event("aten::t", "cpu_op", 21, 3, tid=1),  # the innermost operator at 22 on thread 1, not thread 2
+        complete_event("aten::softmax", "cpu_op", 15, 50, tid=2),
+        complete_event("aten::_softmax", "cpu_op", 18, 40, tid=2),
+        complete_event("cudaLaunchKernel", "cuda_runtime", 22, 4, tid=2, correlation=12),  # during thread 1's addmm
+        complete_event("aten::copy_", "cpu_op", 120, 30, tid=1),
+        complete_event("cudaMemcpyAsync", "cuda_runtime", 125, 5, tid=1, correlation=13),
+        complete_event(
+            "Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 140, 9, pid=0, tid=7, correlation=13
+        ),  # not a kernel
+        complete_event("cudaLaunchKernel", "cuda_runtime", 200, 3, tid=1, correlation=14),  # outside any operator
         # kernels, listed out of order; one without any launch in the trace
-        _x("softmax_warp_forward", "kernel", 60, 12, pid=0, tid=7, correlation=12),
-        _x("sm90_xmma_gemm_f32", "kernel", 30, 40, pid=0, tid=7, correlation=11),
-        _x("lonely_kernel", "kernel", 80, 2, pid=0, tid=8, correlation=99),
-        _x("elementwise_kernel", "kernel", 210, 1, pid=0, tid=7, correlation=14),
+        complete_event("softmax_warp_forward", "kernel", 60, 12, pid=0, tid=7, correlation=12),
+        complete_event("sm90_xmma_gemm_f32", "kernel", 30, 40, pid=0, tid=7, correlation=11),
+        complete_event("lonely_kernel", "kernel", 80, 2, pid=0, tid=8, correlation=99),
+        complete_event("elementwise_kernel", "kernel", 210, 1, pid=0, tid=7, correlation=14),
         {"ph": "s", "cat": "ac2g", "name": "ac2g", "id": 11, "pid": 1, "tid": 1, "ts": 20},  # flow arrows
         {"ph": "f", "cat": "ac2g", "name": "ac2g", "id": 11, "pid": 0, "tid": 7, "ts": 30, "bp": "e"},
         {
@@ -104,22 +106,22 @@ def two_processes_trace():
     """Two processes whose threads share the id 1 (thread ids repeat across processes), and
     launches exactly at an operator's start and end (inside it: the clock's resolution)."""
     return [
-        _x("aten::matmul", "cpu_op", 0, 100, pid=1),
-        _x("aten::mm", "cpu_op", 10, 30, pid=1),
-        _x("cudaLaunchKernel", "cuda_runtime", 10, 2, pid=1, correlation=21),  # at aten::mm's start
-        _x("cudaLaunchKernel", "cuda_runtime", 40, 2, pid=1, correlation=22),  # at aten::mm's end
-        _x("aten::add", "cpu_op", 50, 20, pid=2),  # process 2, same tid
-        _x("cudaLaunchKernel", "cuda_runtime", 60, 2, pid=1, correlation=23),  # process 1: aten::matmul
-        _x("aten::relu", "cpu_op", 200, 10, pid=2),
-        _x("cudaLaunchKernel", "cuda_runtime", 205, 2, pid=1, correlation=24),  # no operator of process 1
-        _x("aten::cat", "cpu_op", 290, 50, pid=2),
-        _x("aten::view", "cpu_op", 295, 10, pid=1),
-        _x("cudaLaunchKernel", "cuda_runtime", 300, 2, pid=2, correlation=25),  # process 2's own aten::cat
-        _x("gemm_at_start", "kernel", 15, 5, pid=0, tid=7, correlation=21),
-        _x("gemm_at_end", "kernel", 45, 5, pid=0, tid=7, correlation=22),
-        _x("add_kernel", "kernel", 65, 3, pid=0, tid=7, correlation=23),
-        _x("relu_kernel", "kernel", 210, 3, pid=0, tid=7, correlation=24),
-        _x("cat_kernel", "kernel", 310, 3, pid=3, tid=7, correlation=25),
+        complete_event("aten::matmul", "cpu_op", 0, 100, pid=1),
+        complete_event("aten::mm", "cpu_op", 10, 30, pid=1),
+        complete_event("cudaLaunchKernel", "cuda_runtime", 10, 2, pid=1, correlation=21),  # at aten::mm's start
+        complete_event("cudaLaunchKernel", "cuda_runtime", 40, 2, pid=1, correlation=22),  # at aten::mm's end
+        complete_event("aten::add", "cpu_op", 50, 20, pid=2),  # process 2, same tid
+        complete_event("cudaLaunchKernel", "cuda_runtime", 60, 2, pid=1, correlation=23),  # process 1: aten::matmul
+        complete_event("aten::relu", "cpu_op", 200, 10, pid=2),
+        complete_event("cudaLaunchKernel", "cuda_runtime", 205, 2, pid=1, correlation=24),  # no operator of process 1
+        complete_event("aten::cat", "cpu_op", 290, 50, pid=2),
+        complete_event("aten::view", "cpu_op", 295, 10, pid=1),
+        complete_event("cudaLaunchKernel", "cuda_runtime", 300, 2, pid=2, correlation=25),  # process 2's own aten::cat
+        complete_event("gemm_at_start", "kernel", 15, 5, pid=0, tid=7, correlation=21),
+        complete_event("gemm_at_end", "kernel", 45, 5, pid=0, tid=7, correlation=22),
+        complete_event("add_kernel", "kernel", 65, 3, pid=0, tid=7, correlation=23),
+        complete_event("relu_kernel", "kernel", 210, 3, pid=0, tid=7, correlation=24),
+        complete_event("cat_kernel", "kernel", 310, 3, pid=3, tid=7, correlation=25),
     ]
 
 
@@ -143,15 +145,17 @@ def random_trace(seed: int):
         while t < end - 4:
             dur = rng.randint(2, max(2, (end - t) // 2))
             name = f"aten::op{depth}_{rng.randint(0, 99)}"
-            events.append(_x(name, "cpu_op", t, dur, tid=tid))
+            events.append(complete_event(name, "cpu_op", t, dur, tid=tid))
             if depth < 3 and dur > 8:
                 ops(tid, t + 1, t + dur - 1, depth + 1)
             if rng.random() < 0.7:
                 corr += 1
                 launch_ts = t + rng.randint(0, dur - 1) + 0.5  # never on an operator's edge
-                events.append(_x("cudaLaunchKernel", "cuda_runtime", launch_ts, 1, tid=tid, correlation=corr))
                 events.append(
-                    _x(
+                    complete_event("cudaLaunchKernel", "cuda_runtime", launch_ts, 1, tid=tid, correlation=corr)
+                )
+                events.append(
+                    complete_event(
                         f"kernel_{corr}",
                         "kernel",
                         launch_ts + rng.randint(1, 50),

@@ -122,7 +122,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def _judge_reshard(got, states, shapes, n, call: str) -> None:
+def judge_reshard(got, states, shapes, n, call: str) -> None:
     want = reference_reshard(states, shapes, n)
     assert isinstance(got, (list, tuple)) and len(got) == n, (
         f"{call} returned {type(got).__name__}{f' of length {len(got)}' if hasattr(got, '__len__') else ''}; "
@@ -245,7 +245,7 @@ def test_reshard_optimizer_state(reshard_optimizer_state, quick: bool = True):
             f"{list(states)}>, shapes={shapes}, new_world_size={new})"
         )
         got = call_learner(reshard_optimizer_state, states, shapes, new, call=call, expected=f"{new} new ranks' states")
-        _judge_reshard(got, states, shapes, new, call)
+        judge_reshard(got, states, shapes, new, call)
 
 
 # ---- a4.resume_samples ---------------------------------------------------------------------
@@ -260,7 +260,7 @@ def reference_resume(checkpoint: dict, global_batch: int, rank: int, dp: int, pp
     return list(range(first, first + share))
 
 
-def _resume_mistakes(checkpoint, global_batch, rank, dp, pp, tp) -> list:
+def resume_mistakes(checkpoint, global_batch, rank, dp, pp, tp) -> list:
     share = global_batch // dp
     d = rank // (pp * tp)
     old = checkpoint["world_size"]
@@ -325,7 +325,7 @@ RESUME_CASES = [
 ]
 
 
-def _check_samples(call, got, want, mistakes):
+def check_samples(call, got, want, mistakes):
     try:
         mine = list(got)
     except TypeError:
@@ -385,7 +385,7 @@ def test_resume_samples(resume_samples, quick: bool = True):
                 call=call,
                 expected=f"samples {want[0]} to {want[-1]}",
             )
-            _check_samples(call, got, want, _resume_mistakes(checkpoint, batch, rank, dp, pp, tp))
+            check_samples(call, got, want, resume_mistakes(checkpoint, batch, rank, dp, pp, tp))
     for batch, dp in ((10, 4), (12, 5), (7, 2)):
         expect_value_error(
             resume_samples,
@@ -537,7 +537,7 @@ FLAT_BOX_CASES = [
 ]
 
 
-def _check_flat_boxes(got, shape, start, stop, call) -> None:
+def check_flat_boxes(got, shape, start, stop, call) -> None:
     dims = len(shape)
     assert isinstance(got, (list, tuple)), f"{call} returned {type(got).__name__}; return a list of (offsets, sizes)"
     at = start
@@ -578,4 +578,4 @@ def test_flat_boxes(flat_boxes, quick: bool = True):
     for shape, start, stop in cases:
         call = f"flat_boxes(shape={shape}, start={start}, stop={stop})"
         got = call_learner(learner, shape, start, stop, call=call, expected="a list of (offsets, sizes)")
-        _check_flat_boxes(got, shape, start, stop, call)
+        check_flat_boxes(got, shape, start, stop, call)

@@ -150,7 +150,7 @@ class _Watch:
             return False
 
 
-def _atomic_on_rank(ctx, save_atomically, split, root, flags, step, payload=None):
+def atomic_on_rank(ctx, save_atomically, split, root, flags, step, payload=None):
     import torch.distributed as dist
 
     index, group, ranks = split.group_of(ctx)
@@ -258,14 +258,14 @@ def test_atomic_save(save_atomically, quick: bool = True, timeout: float = 60):
                 (root / f"group{index}").mkdir(parents=True)
                 (flags / f"group{index}").mkdir(parents=True)
             per_rank = split.run(
-                _atomic_on_rank, learner, split, str(root), str(flags), step, what="a4.atomic_save", timeout=timeout
+                atomic_on_rank, learner, split, str(root), str(flags), step, what="a4.atomic_save", timeout=timeout
             )
-            _judge_atomic(per_rank, split, root, flags, step)
+            judge_atomic(per_rank, split, root, flags, step)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _judge_atomic(per_rank, split, root, flags, step, payload=None, before=None) -> None:
+def judge_atomic(per_rank, split, root, flags, step, payload=None, before=None) -> None:
     for report in per_rank:  # what the watch saw first: it names the mistake
         if report["problems"]:
             raise AssertionError(f"save_atomically on the group of ranks {report['group']}: {report['problems'][0]}")

@@ -54,7 +54,7 @@ def _reshard_args(case):
 
 
 def _judge_reshard(fn, case):
-    from ultrascale_grading.exercise_tests.cha4 import _judge_reshard as judge
+    from ultrascale_grading.exercise_tests.cha4 import judge_reshard as judge
 
     states, shapes, new = _reshard_args(case)
     judge(fn(states, shapes, new), states, shapes, new, "the call")  # raises what is wrong
@@ -97,7 +97,7 @@ def _resume_args(case):
 
 
 def _judge_resume(fn, case):
-    from ultrascale_grading.exercise_tests.cha4 import _check_samples, _resume_mistakes, reference_resume
+    from ultrascale_grading.exercise_tests.cha4 import check_samples, resume_mistakes, reference_resume
 
     checkpoint, batch, rank = _resume_args(case)
     dp, pp, tp = case["dp"], case["pp"], case["tp"]
@@ -116,7 +116,7 @@ def _judge_resume(fn, case):
         return None
     want = reference_resume(checkpoint, batch, rank, dp, pp, tp)
     got = fn(dict(checkpoint), batch, rank, dp, pp=pp, tp=tp)
-    _check_samples("the call", got, want, _resume_mistakes(checkpoint, batch, rank, dp, pp, tp))  # raises
+    check_samples("the call", got, want, resume_mistakes(checkpoint, batch, rank, dp, pp, tp))  # raises
     return None
 
 
@@ -142,10 +142,10 @@ def _box_cases():
 
 
 def _judge_boxes(fn, case):
-    from ultrascale_grading.exercise_tests.cha4 import _check_flat_boxes
+    from ultrascale_grading.exercise_tests.cha4 import check_flat_boxes
 
     shape, (start, stop) = tuple(case["shape"]), sorted((case["a"], case["b"]))
-    _check_flat_boxes(fn(shape, start, stop), shape, start, stop, "the call")  # raises what is wrong
+    check_flat_boxes(fn(shape, start, stop), shape, start, stop, "the call")  # raises what is wrong
     return None
 
 

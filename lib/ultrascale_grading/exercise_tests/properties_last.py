@@ -53,9 +53,9 @@ def _add_cases():
 
 
 def _judge_add(kernel, case):
-    from ultrascale_grading.exercise_tests.ch11 import _device, check_add
+    from ultrascale_grading.exercise_tests.ch11 import kernel_device, check_add
 
-    x, y = (_values(case["seed"] + i, (case["n"],), case["dtype"]).to(_device()) for i in range(2))
+    x, y = (_values(case["seed"] + i, (case["n"],), case["dtype"]).to(kernel_device()) for i in range(2))
     check_add(kernel, x, y, case["block"], lead=case["lead"])  # raises what is wrong
     return None
 
@@ -88,10 +88,10 @@ def _matmul_cases():
 
 
 def _judge_matmul(kernel, case):
-    from ultrascale_grading.exercise_tests.ch11 import _device, check_matmul
+    from ultrascale_grading.exercise_tests.ch11 import kernel_device, check_matmul
 
-    a = _values(case["seed"], (case["M"], case["K"]), case["operands"], case["magnitude"]).to(_device())
-    b = _values(case["seed"] + 1, (case["K"], case["N"]), case["operands"], case["magnitude"]).to(_device())
+    a = _values(case["seed"], (case["M"], case["K"]), case["operands"], case["magnitude"]).to(kernel_device())
+    b = _values(case["seed"] + 1, (case["K"], case["N"]), case["operands"], case["magnitude"]).to(kernel_device())
     check_matmul(kernel, a, b, case["blocks"], case["layout"])
     return None
 
@@ -158,20 +158,20 @@ def _overlap_cases():
 
 
 def _overlap_events(case):
-    from ultrascale_grading.exercise_tests.cha1 import _ev
+    from ultrascale_grading.exercise_tests.cha1 import trace_event
 
     base = EPOCH if case["epoch"] else 0.0
     return tuple(
-        [_ev(names[name], base + UNIT * start, UNIT * dur, tid=tid) for start, dur, name, tid in case[key]]
+        [trace_event(names[name], base + UNIT * start, UNIT * dur, tid=tid) for start, dur, name, tid in case[key]]
         for key, names in (("compute", COMPUTE_NAMES), ("communication", COMMUNICATION_NAMES))
     )
 
 
 def _judge_overlap(fn, case):
-    from ultrascale_grading.exercise_tests.cha1 import _check_overlap
+    from ultrascale_grading.exercise_tests.cha1 import check_overlap
 
     compute, communication = _overlap_events(case)
-    _check_overlap(fn, compute, communication, "drawn trace")  # raises what is wrong
+    check_overlap(fn, compute, communication, "drawn trace")  # raises what is wrong
     return None
 
 
@@ -281,14 +281,14 @@ def _pp_problem(case):
     """(model, layout, seq, memory_bytes) at which the answer is ``case['answer']``: a budget ``at`` of
     the way from the answer's measured total up to that of the depth before it (for pp = 1, up to
     twice its total)."""
-    from ultrascale_grading.exercise_tests.ch10 import PP_CASES, _measured
+    from ultrascale_grading.exercise_tests.ch10 import PP_CASES, measured_first_stage
     from ultrascale.parallel.compose import ParallelConfig as Layout
 
     model, fields, seq, _ = PP_CASES[0]
     layout = Layout(**fields)
     i = PP_DEPTHS.index(case["answer"])
-    low = _measured(model, layout, seq, PP_DEPTHS[i]).total_bytes
-    high = 2 * low if i == 0 else _measured(model, layout, seq, PP_DEPTHS[i - 1]).total_bytes
+    low = measured_first_stage(model, layout, seq, PP_DEPTHS[i]).total_bytes
+    high = 2 * low if i == 0 else measured_first_stage(model, layout, seq, PP_DEPTHS[i - 1]).total_bytes
     return model, layout, seq, float(math.ceil(low + case["at"] * (high - low)))
 
 
@@ -334,8 +334,8 @@ def _judge_atomic(fn, case):
     import tempfile
     from pathlib import Path
 
-    from ultrascale_grading.exercise_tests.cha4_atomic_save import FINAL, SPLITS, _atomic_on_rank
-    from ultrascale_grading.exercise_tests.cha4_atomic_save import _judge_atomic as judge_directories
+    from ultrascale_grading.exercise_tests.cha4_atomic_save import FINAL, SPLITS, atomic_on_rank
+    from ultrascale_grading.exercise_tests.cha4_atomic_save import judge_atomic as judge_directories
 
     split, step = SPLITS[case["split"]], case["step"]
     payload = dict(shape=case["shape"], dtype=case["dtype"])
@@ -354,7 +354,7 @@ def _judge_atomic(fn, case):
                 (root / f"group{index}" / name).mkdir()
                 (root / f"group{index}" / name / inner).write_bytes(content)
         per_rank = split.run(
-            _atomic_on_rank, fn, split, str(root), str(flags), step, payload, what="a4.atomic_save", timeout=60
+            atomic_on_rank, fn, split, str(root), str(flags), step, payload, what="a4.atomic_save", timeout=60
         )
         judge_directories(per_rank, split, root, flags, step, payload, before)  # raises what is wrong
     finally:

@@ -1031,7 +1031,7 @@ def _launch_cases():
 
 def _launch_trace(case) -> list:
     """Nested operators per (pid, tid), launches inside them (on their edges when drawn), kernels."""
-    from ultrascale_grading.exercise_tests.cha1_launched_by import _x
+    from ultrascale_grading.exercise_tests.cha1_launched_by import complete_event
 
     rng = random.Random(case["seed"])
     offset = 1_732_000_000_000_000 if case["epoch"] else 0  # microseconds since the epoch
@@ -1042,7 +1042,9 @@ def _launch_trace(case) -> list:
         t = start
         while t < end - 4:
             dur = rng.randint(2, max(2, (end - t) // 2))
-            events.append(_x(f"aten::op{depth}_{rng.randint(0, 99)}", "cpu_op", offset + t, dur, pid=pid, tid=tid))
+            events.append(
+                complete_event(f"aten::op{depth}_{rng.randint(0, 99)}", "cpu_op", offset + t, dur, pid=pid, tid=tid)
+            )
             if depth < 2 and dur > 8:
                 ops(pid, tid, t + 1, t + dur - 1, depth + 1)
             if rng.random() < 0.7:
@@ -1053,14 +1055,16 @@ def _launch_trace(case) -> list:
                     else t + rng.randint(0, dur - 1) + 0.5
                 )
                 name, cat = rng.choice(LAUNCHES) if case["other_launches"] else LAUNCHES[0]
-                events.append(_x(name, cat, offset + at, 1, pid=pid, tid=tid, correlation=corr))
+                events.append(complete_event(name, cat, offset + at, 1, pid=pid, tid=tid, correlation=corr))
                 ts = (
                     rng.choice(kernel_ts)
                     if case["ties"] and kernel_ts and rng.random() < 0.5
                     else offset + at + rng.randint(1, 50)
                 )
                 kernel_ts.append(ts)
-                events.append(_x(f"kernel_{corr}", "kernel", ts, rng.randint(1, 9), pid=0, tid=7, correlation=corr))
+                events.append(
+                    complete_event(f"kernel_{corr}", "kernel", ts, rng.randint(1, 9), pid=0, tid=7, correlation=corr)
+                )
             t += dur + rng.randint(1, 5)
 
     for pid in range(1, case["processes"] + 1):

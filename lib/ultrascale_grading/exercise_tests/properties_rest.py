@@ -574,13 +574,19 @@ def _softmax_input(case) -> torch.Tensor:
 def _judge_softmax(kernel, case):
     import triton
 
-    from ultrascale_grading.exercise_tests.ch11 import SENTINEL, _device, _launch, _outside, _window
+    from ultrascale_grading.exercise_tests.ch11 import (
+        SENTINEL,
+        kernel_device,
+        launch_kernel,
+        outside_view,
+        padded_window,
+    )
 
-    x = _softmax_input(case).to(_device())
+    x = _softmax_input(case).to(kernel_device())
     rows, cols = x.shape
-    _, x_view = _window(x, 0, 5, float("nan"))
-    out_buf, out = _window(torch.zeros(rows, cols, device=x.device), 1, 3, SENTINEL)
-    _launch(
+    _, x_view = padded_window(x, 0, 5, float("nan"))
+    out_buf, out = padded_window(torch.zeros(rows, cols, device=x.device), 1, 3, SENTINEL)
+    launch_kernel(
         kernel,
         (rows,),
         out,
@@ -591,7 +597,7 @@ def _judge_softmax(kernel, case):
         BLOCK_SIZE=triton.next_power_of_2(cols),
         loads_per_program=4,
     )
-    if not (_outside(out_buf, out) == SENTINEL).all():
+    if not (outside_view(out_buf, out) == SENTINEL).all():
         return "the kernel wrote outside the output rows"
     want = torch.softmax(x.double(), dim=-1)
     got = out.double()
