@@ -69,6 +69,14 @@ def test_a_tensor_made_without_a_device_in_a_collective(strict):
     _raises(strict, fault, "dist.all_reduce at `fault` line", "made on the host at `fault` line")
 
 
+def test_a_non_contiguous_tensor_in_a_collective(strict):  # gloo's own sends refuse one already
+    def fault(ctx):
+        t = torch.ones(3, 4, device=ctx.device).t()  # a view with swapped strides
+        dist.all_reduce(t)
+
+    _raises(strict, fault, "dist.all_reduce at `fault` line", "non-contiguous", "Tensors must be contiguous")
+
+
 def test_a_model_left_unmoved(strict):
     def fault(ctx):
         model = torch.nn.Linear(4, 4)  # never .to(ctx.device)

@@ -14,7 +14,9 @@ GPU node:
 
 * an op that mixes a host tensor with a device tensor raises (0-d tensors excepted: CUDA ops
   accept CPU scalars, and torch keeps its optimizers' step counters on the CPU);
-* a collective or send/receive given a host tensor raises (NCCL takes CUDA tensors only).
+* a collective or send/receive given a host tensor raises (NCCL takes CUDA tensors only);
+* a collective given a non-contiguous tensor raises (NCCL refuses it, where gloo's collectives
+  take it; gloo's sends and receives refuse one themselves).
 
 Each error names the op and the line that made the host tensor. Copies between the two
 (``copy_``, ``.to``) and indexing are allowed, as CUDA allows them. ``device=x.device`` and
@@ -293,6 +295,9 @@ _COLLECTIVES = (
 )
 
 
+_POINT_TO_POINT = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
+
+
 def _check_collective(name: str, args, kwargs) -> None:
     values = list(args) + list(kwargs.values())
     for value in values:
@@ -308,6 +313,13 @@ def _check_collective(name: str, args, kwargs) -> None:
                     f"the host at {where}. NCCL, the backend of a GPU node, takes CUDA tensors only and "
                     f"raises here. Make it with device=ctx.device or move it with "
                     f".to(ctx.device)."
+                )
+            if torch.is_tensor(value) and name not in _POINT_TO_POINT and not value.is_contiguous():
+                raise DeviceError(
+                    f"strict device: dist.{name} at {_caller()} was given a non-contiguous tensor (shape "
+                    f"{tuple(value.shape)}, strides {value.stride()}). gloo takes it, but NCCL, the backend of a "
+                    "GPU node, raises 'Tensors must be contiguous' for a collective: pass a contiguous tensor "
+                    "(.contiguous(), or a buffer made for the collective), and copy a result back if needed."
                 )
 
 
