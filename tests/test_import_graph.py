@@ -33,10 +33,10 @@ from pathlib import Path
 LIB = Path(__file__).resolve().parent.parent / "lib" / "ultrascale"
 
 
-def module_name(path: Path) -> str:
+def module_name(path: Path, package: Path = LIB) -> str:
     """``lib/ultrascale/parallel/mesh.py`` -> ``ultrascale.parallel.mesh``; a package's
-    ``__init__.py`` is the package itself."""
-    parts = ("ultrascale",) + path.relative_to(LIB).with_suffix("").parts
+    ``__init__.py`` is the package itself. ``package``: the top package's folder."""
+    parts = (package.name,) + path.relative_to(package).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -136,23 +136,23 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def private_crossings(name: str, path: Path, tree=None) -> set[str]:
+def private_crossings(name: str, path: Path, tree=None, modules: dict = MODULES) -> set[str]:
     """``"<line>: <what>"`` for every private name that ``name`` takes from another course
     module: ``from x import _y``, or ``z._y`` where ``z`` was imported (a module, or a class or
-    function from a course module)."""
+    function from a course module). ``modules``: the course modules, by name."""
     tree = tree or ast.parse(path.read_text(), filename=str(path))
     found, bound = set(), {}  # bound: local name -> the course module it came from
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             source = named_modules(name, path, node)[0]
             for alias in node.names:
-                if source in MODULES and source != name:
+                if source in modules and source != name:
                     bound[alias.asname or alias.name] = source
                     if _private(alias.name):
                         found.add(f"{node.lineno}: from {source} import {alias.name}")
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name in MODULES and alias.name != name:
+                if alias.name in modules and alias.name != name:
                     bound[alias.asname or alias.name.partition(".")[0]] = alias.name
     for node in ast.walk(tree):
         if (
@@ -234,12 +234,7 @@ def test_no_private_name_crosses_a_module():
 # The grader's own modules follow the same rule. It may name a library private for one reason: to
 # refuse a learner's call to it (guards.without_library / forbid_library), since a learner could
 # reach the answer through it. Those are listed by (grader module, private name).
-GRADER_MODULES = {
-    ".".join(("ultrascale_grading",) + p.relative_to(LIB.parent / GRADER).with_suffix("").parts).removesuffix(
-        ".__init__"
-    ): p
-    for p in sorted((LIB.parent / GRADER).rglob("*.py"))
-}
+GRADER_MODULES = {module_name(path, LIB.parent / GRADER): path for path in sorted((LIB.parent / GRADER).rglob("*.py"))}
 REFUSED_PRIVATES = {
     ("exercise_tests.ch02_gradient_sync", "DataParallel._all_reduce"),
     ("exercise_tests.ch04", "functional._all_reduce"),
@@ -256,17 +251,12 @@ REFUSED_PRIVATES = {
 
 
 def test_no_private_name_crosses_a_module_of_the_grader():
-    saved = dict(MODULES)
-    MODULES.update(GRADER_MODULES)  # the finder then knows the grader's modules as course modules
-    try:
-        found = set()
-        for name, path in GRADER_MODULES.items():
-            for where in private_crossings(name, path):
-                what = where.split(": ", 1)[1].split(" (")[0].rsplit(" import ", 1)[-1]
-                found.add((name.removeprefix(GRADER + "."), what))
-    finally:
-        MODULES.clear()
-        MODULES.update(saved)
+    course = {**MODULES, **GRADER_MODULES}  # the library's modules and the grader's own
+    found = set()
+    for name, path in GRADER_MODULES.items():
+        for where in private_crossings(name, path, modules=course):
+            what = where.split(": ", 1)[1].split(" (")[0].rsplit(" import ", 1)[-1]  # the private name as written
+            found.add((name.removeprefix(GRADER + "."), what))
     assert_only_the_exceptions(
         found,
         REFUSED_PRIVATES,

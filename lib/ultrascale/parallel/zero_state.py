@@ -46,7 +46,7 @@ class ShardedState:
     def gathered(self):
         """Every unit's whole parameters while inside, to read them: at stage 3 a collective
         (``zero3.py`` gathers the shards, and frees them again after); below it they are whole."""
-        return self.sharding.gathered() if self.sharding else contextlib.nullcontext()
+        return contextlib.nullcontext() if self.sharding is None else self.sharding.gathered()
 
     def full_state_dict(self) -> dict:
         """Every parameter in full on every rank (a collective: call it on all ranks)."""

@@ -380,7 +380,7 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
             problem = f"{NOT_IMPLEMENTED}{err}"
         except Exception as err:  # judged here, so that this rank reports instead of hanging the others
             problem = f"raised {type(err).__name__}: {err}"
-            pending.append(_stand_in_send(a.op, r, p, tracker, shape, groups[a.op], ctx.device))
+            pending += _stand_in_send(a.op, r, p, tracker, shape, groups[a.op], ctx.device)
         else:
             problem = _judge_transfers(a.op, r, p, tracker, got, groups[a.op])
         if problem is None and a.op == "F":
@@ -399,7 +399,7 @@ def _stage_on_rank(ctx, forward_step, backward_step, order: str, m: int, seed: i
             if problem is not None and problem.startswith(NOT_IMPLEMENTED):
                 return {"problem": problem}
             return {"problem": None if problem is None else f"{what}: {problem}"}
-    for work in filter(None, pending):
+    for work in pending:
         work.finish() if isinstance(work, _DeferredSend) else work.wait()
     if pipe.tied_peer is not None:
         pipe._add_tied_gradients()
@@ -410,12 +410,12 @@ def _stand_in_send(op: str, r: int, p: int, tracker, shape, group, device):
     """A step that raised before its send (a send to the wrong rank raises before it is posted)
     leaves its neighbour in a blocking receive that nothing answers, so the ranks would never meet to
     agree to stop. Zeros are sent in its place (the run fails anyway): the neighbour finishes its step
-    and hears of the problem. None where this step sends nothing or its send was posted."""
+    and hears of the problem. The sends' works: none where this step sends nothing or its send was posted."""
     peer = r + 1 if op == "F" else r - 1
     if not 0 <= peer < p or tracker.posted["isend"] + tracker.posted["send"]:
-        return None
+        return []
     zeros = torch.zeros(shape, dtype=DT, device=device)
-    return dist.isend(zeros, dst=dist.get_global_rank(group, peer), group=group)
+    return [dist.isend(zeros, dst=dist.get_global_rank(group, peer), group=group)]
 
 
 def _judge_transfers(op: str, r: int, p: int, tracker, got, group) -> str | None:
